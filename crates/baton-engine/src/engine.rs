@@ -1,0 +1,382 @@
+//! Executing plans: the engine owns the KV arena, the block allocator and the sequences, asks
+//! the [`planner`](crate::planner) what to do, and does it.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use baton_kv::{BlockAllocator, KvArena, KvGeometry, KvLayout};
+use baton_model::{LogitsWanted, Model, SeqStep, Tokenizer};
+
+use crate::planner::{self, PlanInput, PlannerConfig, SeqView};
+use crate::request::{FinishReason, Finished, GenerationRequest, KvPrefix, StepOutput, TokenEvent};
+use crate::sequence::Sequence;
+use crate::{EngineError, RequestId};
+
+/// Sizes and limits of one engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the KV arena.
+    pub num_blocks: usize,
+    /// Memory layout of the arena.
+    pub layout: KvLayout,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Most tokens computed per step.
+    pub max_batch_tokens: usize,
+    /// Most prompt tokens of one sequence per step.
+    pub prefill_chunk: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_blocks: 1024,
+            layout: KvLayout::BlockMajor,
+            max_num_seqs: 64,
+            max_batch_tokens: 512,
+            prefill_chunk: 512,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks that the limits make sense together.
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bad = |m: &str| Err(EngineError::Config(m.to_owned()));
+        if self.block_size == 0 || self.num_blocks == 0 {
+            return bad("block_size and num_blocks must be positive");
+        }
+        if self.max_num_seqs == 0 || self.max_batch_tokens == 0 || self.prefill_chunk == 0 {
+            return bad("max_num_seqs, max_batch_tokens and prefill_chunk must be positive");
+        }
+        if u32::try_from(self.num_blocks).is_err() {
+            return bad("num_blocks must fit in 32 bits");
+        }
+        Ok(())
+    }
+
+    fn planner(&self) -> PlannerConfig {
+        PlannerConfig {
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_batch_tokens: self.max_batch_tokens,
+            prefill_chunk: self.prefill_chunk,
+        }
+    }
+}
+
+/// One instance's inference loop over a paged KV cache.
+pub struct Engine {
+    model: Arc<Model>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    config: EngineConfig,
+    kv: KvArena,
+    allocator: BlockAllocator,
+    seqs: HashMap<RequestId, Sequence>,
+    /// Oldest first.
+    running: Vec<RequestId>,
+    /// First come first served; preempted sequences go back to the front.
+    waiting: VecDeque<RequestId>,
+    next_seed: u64,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("config", &self.config)
+            .field("running", &self.running.len())
+            .field("waiting", &self.waiting.len())
+            .field("free_blocks", &self.allocator.num_free())
+            .finish()
+    }
+}
+
+impl Engine {
+    /// An engine running `model`; with a tokenizer it produces text and honours stop strings.
+    pub fn new(
+        model: Arc<Model>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        config.validate()?;
+        let geometry = model.kv_geometry(config.block_size);
+        Ok(Self {
+            kv: KvArena::new(geometry, config.layout, config.num_blocks),
+            allocator: BlockAllocator::new(config.num_blocks),
+            model,
+            tokenizer,
+            config,
+            seqs: HashMap::new(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            next_seed: 0x5eed,
+        })
+    }
+
+    /// The engine's configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// KV geometry of the arena.
+    pub fn kv_geometry(&self) -> KvGeometry {
+        *self.kv.geometry()
+    }
+
+    /// The KV arena (read-only; for inspection and transfer).
+    pub fn kv(&self) -> &KvArena {
+        &self.kv
+    }
+
+    /// Blocks on the free list.
+    pub fn free_blocks(&self) -> usize {
+        self.allocator.num_free()
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.seqs.is_empty()
+    }
+
+    /// Requests running and waiting.
+    pub fn queue_lengths(&self) -> (usize, usize) {
+        (self.running.len(), self.waiting.len())
+    }
+
+    /// Validates and queues a request.
+    pub fn add_request(&mut self, mut req: GenerationRequest) -> Result<(), EngineError> {
+        let invalid = |m: String| Err(EngineError::InvalidRequest(m));
+        let cfg = self.model.config();
+        let bs = self.config.block_size;
+        if self.seqs.contains_key(&req.id) {
+            return invalid(format!("request id {} is already in use", req.id.0));
+        }
+        if req.prompt.is_empty() {
+            return invalid("the prompt is empty".into());
+        }
+        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return invalid(format!("token id {t} is outside the vocabulary ({} tokens)", cfg.vocab_size));
+        }
+        if req.stop.max_tokens == 0 {
+            return invalid("max_tokens must be at least 1".into());
+        }
+        if let Err(m) = req.sampling.validate() {
+            return invalid(m);
+        }
+        if !req.stop.stop_strings.is_empty() && self.tokenizer.is_none() {
+            return invalid("stop strings need a tokenizer".into());
+        }
+        if req.stop.stop_strings.iter().any(String::is_empty) {
+            return invalid("stop strings must not be empty".into());
+        }
+        let longest = req.prompt.len() + req.stop.max_tokens;
+        if req.prompt.len() >= cfg.max_position_embeddings {
+            return invalid(format!(
+                "the prompt has {} tokens; the model's context is {}",
+                req.prompt.len(),
+                cfg.max_position_embeddings
+            ));
+        }
+        let longest = longest.min(cfg.max_position_embeddings);
+        if longest.div_ceil(bs) > self.config.num_blocks {
+            return invalid(format!(
+                "prompt plus max_tokens ({longest} tokens) needs more KV blocks than the engine has ({} of {bs} tokens)",
+                self.config.num_blocks
+            ));
+        }
+        if let Some(prefix) = &mut req.prefix {
+            if prefix.tokens % bs != 0 || prefix.blocks.len() * bs != prefix.tokens {
+                return invalid(format!(
+                    "a reused prefix must be whole blocks: {} tokens in {} blocks of {bs}",
+                    prefix.tokens,
+                    prefix.blocks.len()
+                ));
+            }
+            if let Some(b) = prefix.blocks.iter().find(|b| self.allocator.ref_count(**b) == 0) {
+                return invalid(format!("reused prefix {b} is not allocated"));
+            }
+            // At least one prompt token must be computed to sample from its logits.
+            while prefix.tokens >= req.prompt.len() {
+                let b = prefix.blocks.pop().expect("tokens > 0 means blocks");
+                self.allocator.release(b)?;
+                prefix.tokens -= bs;
+            }
+        }
+        self.next_seed = self.next_seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let seq = Sequence::new(req, self.next_seed);
+        self.waiting.push_back(seq.id);
+        self.seqs.insert(seq.id, seq);
+        Ok(())
+    }
+
+    /// Ends a request now, freeing its blocks. Unknown ids are ignored (it may have finished).
+    pub fn abort(&mut self, id: RequestId) -> Result<Option<Finished>, EngineError> {
+        if !self.seqs.contains_key(&id) {
+            return Ok(None);
+        }
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+        self.finish(id, FinishReason::Aborted).map(Some)
+    }
+
+    /// Gives back the references a retained [`KvPrefix`] holds.
+    pub fn release_kv(&mut self, prefix: KvPrefix) -> Result<(), EngineError> {
+        self.allocator.release_all(&prefix.blocks)?;
+        Ok(())
+    }
+
+    fn view(seq: &Sequence) -> SeqView {
+        SeqView { id: seq.id, computed: seq.computed, total: seq.tokens.len(), blocks: seq.table.len() }
+    }
+
+    /// Plans and runs one step.
+    pub fn step(&mut self) -> Result<StepOutput, EngineError> {
+        let running: Vec<SeqView> = self.running.iter().map(|id| Self::view(&self.seqs[id])).collect();
+        let waiting: Vec<SeqView> = self.waiting.iter().map(|id| Self::view(&self.seqs[id])).collect();
+        let plan = planner::plan(&PlanInput {
+            config: self.config.planner(),
+            free_blocks: self.allocator.num_free(),
+            running: &running,
+            waiting: &waiting,
+        });
+        let mut out = StepOutput { preempted: plan.preempted.len(), ..StepOutput::default() };
+
+        for &id in plan.preempted.iter().rev() {
+            self.preempt(id)?;
+        }
+        for &id in &plan.admitted {
+            self.waiting.retain(|&w| w != id);
+            self.running.push(id);
+        }
+        for s in &plan.batch {
+            let blocks = self
+                .allocator
+                .allocate(s.new_blocks)
+                .ok_or_else(|| EngineError::Internal(format!("planner promised {} free blocks", s.new_blocks)))?;
+            self.seqs.get_mut(&s.id).expect("planned sequences exist").table.extend(blocks);
+        }
+        if plan.batch.is_empty() {
+            return Ok(out);
+        }
+
+        let vocab = self.model.config().vocab_size;
+        let steps: Vec<SeqStep<'_>> = plan
+            .batch
+            .iter()
+            .map(|s| {
+                let seq = &self.seqs[&s.id];
+                let end = seq.computed + s.num_tokens;
+                let collecting = seq.collecting_prompt_logits(vocab);
+                let logits = if collecting {
+                    LogitsWanted::All
+                } else if end == seq.tokens.len() {
+                    LogitsWanted::Last
+                } else {
+                    LogitsWanted::None
+                };
+                SeqStep {
+                    start_pos: seq.computed,
+                    tokens: &seq.tokens[seq.computed..end],
+                    blocks: seq.table.blocks(),
+                    logits,
+                }
+            })
+            .collect();
+        let logits = self.model.forward(&steps, &mut self.kv)?;
+        drop(steps);
+        out.computed_tokens = plan.num_tokens();
+
+        let eos = self.model.config().eos_token_ids.clone();
+        let max_context = self.model.config().max_position_embeddings;
+        for (i, s) in plan.batch.iter().enumerate() {
+            let rows = logits.of(i);
+            let seq = self.seqs.get_mut(&s.id).expect("planned sequences exist");
+            if seq.collecting_prompt_logits(vocab) {
+                let prompt_rows = (seq.prompt_len - seq.computed).min(s.num_tokens);
+                if let Some(collected) = &mut seq.prompt_logits {
+                    collected.extend_from_slice(&rows[..prompt_rows * vocab]);
+                }
+            }
+            seq.computed += s.num_tokens;
+            if seq.computed < seq.tokens.len() {
+                continue;
+            }
+            let last = &rows[rows.len() - logits.vocab..];
+            let token = seq.sampler.sample(last);
+            let reason = seq.push_token(token, &eos, self.tokenizer.as_deref(), max_context)?;
+            let text_delta = seq.take_delta(reason.is_some());
+            out.tokens.push(TokenEvent { id: s.id, token, text_delta });
+            if let Some(reason) = reason {
+                self.running.retain(|&r| r != s.id);
+                out.finished.push(self.finish(s.id, reason)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Frees a running sequence's blocks and puts it back at the front of the queue, to be
+    /// recomputed from its first token.
+    fn preempt(&mut self, id: RequestId) -> Result<(), EngineError> {
+        let seq = self.seqs.get_mut(&id).expect("preempted sequences exist");
+        self.allocator.release_all(&seq.table.take())?;
+        if seq.collecting_prompt_logits(self.model.config().vocab_size)
+            && let Some(l) = &mut seq.prompt_logits
+        {
+            // Half-collected prompt logits are collected again from the first position.
+            l.clear();
+        }
+        seq.computed = 0;
+        seq.cached_tokens = 0;
+        self.running.retain(|&r| r != id);
+        self.waiting.push_front(id);
+        Ok(())
+    }
+
+    fn finish(&mut self, id: RequestId, reason: FinishReason) -> Result<Finished, EngineError> {
+        let mut seq = self.seqs.remove(&id).expect("finished sequences exist");
+        let mut blocks = seq.table.take();
+        let kv = if seq.retain_kv && reason != FinishReason::Aborted {
+            // Keep the whole blocks of the prompt; the rest goes back.
+            let keep = (seq.prompt_len.min(seq.computed) / self.config.block_size).min(blocks.len());
+            let kept: Vec<_> = blocks.drain(..keep).collect();
+            Some(KvPrefix { tokens: kept.len() * self.config.block_size, blocks: kept })
+        } else {
+            None
+        };
+        self.allocator.release_all(&blocks)?;
+        let text_tail = seq.take_delta(true);
+        debug_assert!(text_tail.is_empty() || reason == FinishReason::Aborted || self.tokenizer.is_some());
+        let prompt_logits = seq.prompt_logits.take().filter(|l| !l.is_empty());
+        Ok(Finished {
+            id,
+            reason,
+            prompt_tokens: seq.prompt_len,
+            cached_tokens: seq.cached_tokens,
+            token_ids: seq.generated().to_vec(),
+            text: seq.text,
+            prompt_logits,
+            kv,
+        })
+    }
+
+    /// Runs until every queued request has finished and returns them in finishing order.
+    pub fn run_to_completion(&mut self) -> Result<Vec<Finished>, EngineError> {
+        let mut done = Vec::new();
+        while self.has_work() {
+            let out = self.step()?;
+            if out.computed_tokens == 0 && out.preempted == 0 && out.finished.is_empty() {
+                return Err(EngineError::Internal("no progress: nothing fits in the KV cache".into()));
+            }
+            done.extend(out.finished);
+        }
+        Ok(done)
+    }
+}

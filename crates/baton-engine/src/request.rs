@@ -1,0 +1,143 @@
+//! What a caller hands the engine and what it gets back.
+
+use baton_kv::BlockId;
+use baton_model::SamplingParams;
+
+use crate::RequestId;
+
+/// When generation ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StopParams {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Keep going past end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// Stop when the text contains any of these; the text ends before the match.
+    pub stop_strings: Vec<String>,
+}
+
+impl Default for StopParams {
+    fn default() -> Self {
+        Self { max_tokens: 16, ignore_eos: false, stop_strings: Vec::new() }
+    }
+}
+
+/// KV blocks holding the first `tokens` tokens of some sequence, with one reference held on
+/// each block for whoever holds this value. Give it back with
+/// [`crate::Engine::release_kv`] or pass it as a later request's [`GenerationRequest::prefix`].
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "retained KV blocks stay allocated until released"]
+pub struct KvPrefix {
+    /// The blocks, in token order.
+    pub blocks: Vec<BlockId>,
+    /// Tokens they hold: a whole number of blocks.
+    pub tokens: usize,
+}
+
+/// A request to generate.
+#[derive(Debug)]
+pub struct GenerationRequest {
+    /// Caller-chosen id, unique among the engine's live requests.
+    pub id: RequestId,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// How to sample.
+    pub sampling: SamplingParams,
+    /// When to stop.
+    pub stop: StopParams,
+    /// KV of the prompt's first tokens, already computed (a reused prefix): prefill starts
+    /// after it. The engine takes over the references it holds.
+    pub prefix: Option<KvPrefix>,
+    /// Return the logits of every prompt position in [`Finished::prompt_logits`].
+    pub return_prompt_logits: bool,
+    /// Keep the KV of the prompt's whole blocks when finished and hand it back in
+    /// [`Finished::kv`].
+    pub retain_kv: bool,
+}
+
+impl GenerationRequest {
+    /// A greedy request with default stop parameters.
+    pub fn new(id: RequestId, prompt: Vec<u32>) -> Self {
+        Self {
+            id,
+            prompt,
+            sampling: SamplingParams::greedy(),
+            stop: StopParams::default(),
+            prefix: None,
+            return_prompt_logits: false,
+            retain_kv: false,
+        }
+    }
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token.
+    Eos,
+    /// `max_tokens` or the model's context length.
+    Length,
+    /// A stop string.
+    Stop,
+    /// The caller aborted it.
+    Aborted,
+}
+
+impl FinishReason {
+    /// The OpenAI API's name for it.
+    pub fn as_openai(self) -> &'static str {
+        match self {
+            FinishReason::Eos | FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Aborted => "abort",
+        }
+    }
+}
+
+/// A token a request produced in a step, with the text it adds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenEvent {
+    /// The request.
+    pub id: RequestId,
+    /// The token.
+    pub token: u32,
+    /// Text this token makes visible (may be empty while a character or a possible stop string
+    /// is incomplete).
+    pub text_delta: String,
+}
+
+/// A request that ended.
+#[derive(Debug)]
+pub struct Finished {
+    /// The request.
+    pub id: RequestId,
+    /// Why.
+    pub reason: FinishReason,
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens that came from a reused prefix instead of being computed.
+    pub cached_tokens: usize,
+    /// Generated token ids (an end-of-sequence token that stopped generation included).
+    pub token_ids: Vec<u32>,
+    /// Generated text (stop string and end-of-sequence excluded); empty without a tokenizer.
+    pub text: String,
+    /// Logits of the prompt positions the engine computed, `[rows][vocab]` flattened, when asked
+    /// for: positions `prompt_tokens - rows .. prompt_tokens` (from `cached_tokens` on, since a
+    /// reused prefix is not computed).
+    pub prompt_logits: Option<Vec<f32>>,
+    /// The retained KV when asked for.
+    pub kv: Option<KvPrefix>,
+}
+
+/// What one step produced.
+#[derive(Debug, Default)]
+pub struct StepOutput {
+    /// Tokens produced, one per sequence that sampled.
+    pub tokens: Vec<TokenEvent>,
+    /// Requests that ended.
+    pub finished: Vec<Finished>,
+    /// Tokens computed in the step (prefill and decode).
+    pub computed_tokens: usize,
+    /// Sequences preempted by this step.
+    pub preempted: usize,
+}

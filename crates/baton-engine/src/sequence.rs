@@ -1,0 +1,123 @@
+//! One request's state inside the engine.
+
+use baton_kv::BlockTable;
+use baton_model::{IncrementalDecoder, Sampler, Tokenizer};
+
+use crate::request::{FinishReason, GenerationRequest, StopParams};
+use crate::{EngineError, RequestId};
+
+/// A request in flight: its tokens, its blocks, and the text produced so far.
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    pub(crate) id: RequestId,
+    /// Prompt, then generated tokens.
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) prompt_len: usize,
+    /// Tokens whose KV is in `table`'s blocks.
+    pub(crate) computed: usize,
+    pub(crate) table: BlockTable,
+    pub(crate) cached_tokens: usize,
+    pub(crate) sampler: Sampler,
+    pub(crate) stop: StopParams,
+    pub(crate) retain_kv: bool,
+    /// `Some` while prompt logits are wanted and being collected.
+    pub(crate) prompt_logits: Option<Vec<f32>>,
+    pub(crate) decoder: IncrementalDecoder,
+    /// Generated text so far, stop strings excluded.
+    pub(crate) text: String,
+    /// Bytes of `text` already handed out as deltas.
+    pub(crate) emitted: usize,
+}
+
+impl Sequence {
+    pub(crate) fn new(req: GenerationRequest, fallback_seed: u64) -> Self {
+        let prompt_len = req.prompt.len();
+        let (table, computed) = match req.prefix {
+            Some(p) => (BlockTable::new(p.blocks), p.tokens),
+            None => (BlockTable::default(), 0),
+        };
+        Self {
+            id: req.id,
+            tokens: req.prompt,
+            prompt_len,
+            computed,
+            table,
+            cached_tokens: computed,
+            sampler: Sampler::new(req.sampling, fallback_seed),
+            stop: req.stop,
+            retain_kv: req.retain_kv,
+            prompt_logits: req.return_prompt_logits.then(Vec::new),
+            decoder: IncrementalDecoder::default(),
+            text: String::new(),
+            emitted: 0,
+        }
+    }
+
+    /// Whether the next computed prompt positions' logits are to be kept.
+    pub(crate) fn collecting_prompt_logits(&self, vocab: usize) -> bool {
+        self.computed < self.prompt_len
+            && self.prompt_logits.as_ref().is_some_and(|l| l.len() < self.prompt_len * vocab)
+    }
+
+    pub(crate) fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Appends a sampled token and decides whether the sequence is done.
+    pub(crate) fn push_token(
+        &mut self,
+        token: u32,
+        eos: &[u32],
+        tokenizer: Option<&Tokenizer>,
+        max_context: usize,
+    ) -> Result<Option<FinishReason>, EngineError> {
+        self.tokens.push(token);
+        let reason = if !self.stop.ignore_eos && eos.contains(&token) {
+            Some(FinishReason::Eos)
+        } else if self.generated().len() >= self.stop.max_tokens || self.tokens.len() >= max_context {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        if let Some(tok) = tokenizer {
+            let delta = self.decoder.step(tok, &self.tokens[self.prompt_len..])?;
+            self.text.push_str(&delta);
+            if let Some(cut) = self.find_stop(delta.len()) {
+                self.text.truncate(cut);
+                return Ok(Some(FinishReason::Stop));
+            }
+            if reason.is_some() {
+                let tail = self.decoder.flush(tok, &self.tokens[self.prompt_len..])?;
+                self.text.push_str(&tail);
+            }
+        }
+        Ok(reason)
+    }
+
+    /// Byte offset of the earliest stop string that ends in the text `new_bytes` just added.
+    fn find_stop(&self, new_bytes: usize) -> Option<usize> {
+        self.stop
+            .stop_strings
+            .iter()
+            .filter_map(|s| {
+                let from = self.text.len().saturating_sub(new_bytes + s.len());
+                let from = (from..=self.text.len()).find(|&i| self.text.is_char_boundary(i)).unwrap_or(0);
+                self.text[from..].find(s.as_str()).map(|i| from + i)
+            })
+            .min()
+    }
+
+    /// Text not yet handed out, holding back a tail that might still become a stop string
+    /// unless `all` is set.
+    pub(crate) fn take_delta(&mut self, all: bool) -> String {
+        let hold =
+            if all { 0 } else { self.stop.stop_strings.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0) };
+        let mut end = self.text.len().saturating_sub(hold).max(self.emitted);
+        while !self.text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let delta = self.text[self.emitted..end].to_owned();
+        self.emitted = end;
+        delta
+    }
+}

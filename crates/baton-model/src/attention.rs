@@ -1,0 +1,100 @@
+//! Paged attention on the CPU: queries attend to keys and values read through each sequence's
+//! block table, one block slab at a time, with an online softmax (no `[tokens × context]`
+//! score matrix is ever built).
+
+use baton_kv::{BlockId, KvArena, KvPart};
+use rayon::prelude::*;
+
+use crate::kernels::{axpy, dot};
+
+/// Shape of one layer's attention.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttentionShape {
+    pub(crate) num_heads: usize,
+    pub(crate) num_kv_heads: usize,
+    pub(crate) head_dim: usize,
+    /// Multiplier of `q·k`.
+    pub(crate) scale: f32,
+    /// Sliding window in tokens (a query at `p` sees `p - window + 1 ..= p`), or `None`.
+    pub(crate) window: Option<usize>,
+}
+
+/// Where one row of the batch sits: its sequence's block table and its position.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RowPos<'a> {
+    pub(crate) blocks: &'a [BlockId],
+    pub(crate) pos: usize,
+}
+
+/// Causal attention of every row of `q` (`[rows][num_heads][head_dim]`, RoPE applied) over the
+/// keys and values of positions `..= pos` of its own sequence, which must already be in `kv`.
+pub(crate) fn paged_attention(
+    q: &[f32],
+    rows: &[RowPos<'_>],
+    kv: &KvArena,
+    layer: usize,
+    shape: AttentionShape,
+) -> Vec<f32> {
+    let AttentionShape { num_heads, num_kv_heads, head_dim, .. } = shape;
+    let group = num_heads / num_kv_heads;
+    let mut out = vec![0.0; q.len()];
+    // One task per (row, kv head): the group of query heads sharing that kv head is contiguous
+    // in both `q` and `out`, so each key and value is loaded once for the whole group.
+    out.par_chunks_mut(group * head_dim).enumerate().for_each(|(task, out)| {
+        let (row, kv_head) = (task / num_kv_heads, task % num_kv_heads);
+        let q_start = (row * num_heads + kv_head * group) * head_dim;
+        let q = &q[q_start..q_start + group * head_dim];
+        attend_group(q, out, rows[row], kv, layer, kv_head, shape);
+    });
+    out
+}
+
+fn attend_group(
+    q: &[f32],
+    out: &mut [f32],
+    row: RowPos<'_>,
+    kv: &KvArena,
+    layer: usize,
+    kv_head: usize,
+    shape: AttentionShape,
+) {
+    let g = kv.geometry();
+    let (block_size, head_dim, stride) = (g.block_size, shape.head_dim, g.token_elems());
+    let group = q.len() / head_dim;
+    let first = shape.window.map_or(0, |w| (row.pos + 1).saturating_sub(w));
+    let mut max = vec![f32::NEG_INFINITY; group];
+    let mut denom = vec![0f32; group];
+    let mut scores = vec![0f32; group * block_size];
+    for b in first / block_size..=row.pos / block_size {
+        let lo = (b * block_size).max(first) - b * block_size;
+        let hi = (row.pos + 1 - b * block_size).min(block_size);
+        let keys = kv.block(layer, KvPart::Key, row.blocks[b]);
+        let values = kv.block(layer, KvPart::Value, row.blocks[b]);
+        for (qi, qh) in q.chunks_exact(head_dim).enumerate() {
+            let s = &mut scores[qi * block_size..(qi + 1) * block_size];
+            let mut block_max = f32::NEG_INFINITY;
+            for t in lo..hi {
+                let k = &keys[t * stride + kv_head * head_dim..][..head_dim];
+                s[t] = dot(qh, k) * shape.scale;
+                block_max = block_max.max(s[t]);
+            }
+            let o = &mut out[qi * head_dim..(qi + 1) * head_dim];
+            let new_max = max[qi].max(block_max);
+            if new_max > max[qi] {
+                let correction = (max[qi] - new_max).exp();
+                denom[qi] *= correction;
+                o.iter_mut().for_each(|x| *x *= correction);
+                max[qi] = new_max;
+            }
+            for t in lo..hi {
+                let p = (s[t] - new_max).exp();
+                denom[qi] += p;
+                axpy(o, p, &values[t * stride + kv_head * head_dim..][..head_dim]);
+            }
+        }
+    }
+    for (o, d) in out.chunks_exact_mut(head_dim).zip(denom) {
+        let inv = 1.0 / d;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}

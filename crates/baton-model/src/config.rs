@@ -1,0 +1,396 @@
+//! `config.json` and `generation_config.json` into a validated [`ModelConfig`].
+//!
+//! Both styles transformers writes are accepted: the current one (`rope_parameters`, `dtype`)
+//! and the older one (`rope_theta`, `rope_scaling`, `torch_dtype` at the top level).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::error::{ModelError, Result};
+
+/// A transformer architecture Baton implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// `LlamaForCausalLM`: GQA, RMSNorm, RoPE, SwiGLU.
+    Llama,
+    /// `Qwen2ForCausalLM`: Llama with q/k/v biases.
+    Qwen2,
+}
+
+impl Architecture {
+    const SUPPORTED: &'static str = "LlamaForCausalLM, Qwen2ForCausalLM";
+
+    fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "LlamaForCausalLM" | "llama" | "MistralForCausalLM" | "mistral" => Some(Self::Llama),
+            "Qwen2ForCausalLM" | "qwen2" => Some(Self::Qwen2),
+            _ => None,
+        }
+    }
+}
+
+/// Data type of the weights on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightDtype {
+    /// float32.
+    F32,
+    /// float16.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+/// How RoPE frequencies are scaled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Positions divided by `factor`.
+    Linear {
+        /// Scale factor.
+        factor: f32,
+    },
+    /// Llama 3's frequency-dependent scaling.
+    Llama3 {
+        /// Scale factor for low frequencies.
+        factor: f32,
+        /// Wavelength boundary (as a divisor of the original context) below which nothing scales.
+        low_freq_factor: f32,
+        /// Wavelength boundary above which everything scales.
+        high_freq_factor: f32,
+        /// Context length the model was trained at.
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// Rotary position embedding parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeConfig {
+    /// Base of the frequencies.
+    pub theta: f32,
+    /// Frequency scaling.
+    pub scaling: RopeScaling,
+}
+
+/// A model's shape and behaviour, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// The architecture.
+    pub architecture: Architecture,
+    /// Vocabulary size (rows of the embedding).
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (fewer than query heads under GQA).
+    pub num_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Epsilon of RMSNorm.
+    pub rms_norm_eps: f32,
+    /// RoPE parameters.
+    pub rope: RopeConfig,
+    /// Longest context the model supports.
+    pub max_position_embeddings: usize,
+    /// Output head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry biases.
+    pub attention_bias: bool,
+    /// MLP projections carry biases.
+    pub mlp_bias: bool,
+    /// Weight dtype on disk.
+    pub dtype: WeightDtype,
+    /// Beginning-of-sequence token.
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence tokens (generation stops on any).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// Reads `config.json` (and `generation_config.json` beside it, when present) from `dir`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let mut config = Self::from_json(&read_json(&path)?, &path)?;
+        let gen_path = dir.join("generation_config.json");
+        if gen_path.exists() {
+            config.apply_generation_config(&read_json(&gen_path)?, &gen_path)?;
+        }
+        Ok(config)
+    }
+
+    /// Parses the content of a `config.json`; `path` is named in errors.
+    pub fn from_json(v: &Value, path: &Path) -> Result<Self> {
+        let f = Fields { obj: object(v, path)?, path };
+        let arch_name = match f.obj.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str) {
+            Some(name) => name.to_owned(),
+            None => f.string("model_type")?,
+        };
+        let architecture = Architecture::from_hf(&arch_name).ok_or_else(|| ModelError::UnsupportedArchitecture {
+            path: path.to_owned(),
+            architecture: arch_name.clone(),
+            supported: Architecture::SUPPORTED,
+        })?;
+        let hidden_size = f.usize("hidden_size")?;
+        let num_heads = f.usize("num_attention_heads")?;
+        let num_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
+        let head_dim = match f.opt_usize("head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden_size % num_heads != 0 {
+                    return Err(f.invalid("num_attention_heads", "does not divide hidden_size"));
+                }
+                hidden_size / num_heads
+            }
+        };
+        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(f.invalid("num_key_value_heads", "must divide num_attention_heads"));
+        }
+        if head_dim % 2 != 0 {
+            return Err(f.invalid("head_dim", "must be even for RoPE"));
+        }
+        let act = f.opt_string("hidden_act")?.unwrap_or_else(|| "silu".into());
+        if act != "silu" {
+            return Err(f.invalid("hidden_act", &format!("is `{act}`; only `silu` is supported")));
+        }
+        if f.obj.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+            return Err(
+                f.invalid("use_sliding_window", "is true; sliding windows are not supported for this architecture")
+            );
+        }
+        let dtype = match f.opt_string("dtype")?.or(f.opt_string("torch_dtype")?).as_deref() {
+            None | Some("float32") => WeightDtype::F32,
+            Some("float16") => WeightDtype::F16,
+            Some("bfloat16") => WeightDtype::Bf16,
+            Some(other) => {
+                return Err(f.invalid("dtype", &format!("is `{other}`; expected float32, float16 or bfloat16")));
+            }
+        };
+        let attention_bias = match architecture {
+            Architecture::Qwen2 => true,
+            Architecture::Llama => f.opt_bool("attention_bias")?.unwrap_or(false),
+        };
+        Ok(Self {
+            architecture,
+            vocab_size: f.usize("vocab_size")?,
+            hidden_size,
+            intermediate_size: f.usize("intermediate_size")?,
+            num_layers: f.usize("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+            rope: rope_config(&f)?,
+            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            attention_bias,
+            mlp_bias: f.opt_bool("mlp_bias")?.unwrap_or(false),
+            dtype,
+            bos_token_id: token_id(&f, "bos_token_id")?.into_iter().next(),
+            eos_token_ids: token_id(&f, "eos_token_id")?,
+        })
+    }
+
+    /// Takes BOS and EOS from a `generation_config.json`, which wins over `config.json`.
+    pub fn apply_generation_config(&mut self, v: &Value, path: &Path) -> Result<()> {
+        let f = Fields { obj: object(v, path)?, path };
+        if let Some(bos) = token_id(&f, "bos_token_id")?.into_iter().next() {
+            self.bos_token_id = Some(bos);
+        }
+        let eos = token_id(&f, "eos_token_id")?;
+        if !eos.is_empty() {
+            self.eos_token_ids = eos;
+        }
+        Ok(())
+    }
+}
+
+fn rope_config(f: &Fields<'_>) -> Result<RopeConfig> {
+    // Current style: everything under `rope_parameters`. Older: `rope_theta` at the top level
+    // and the scaling under `rope_scaling`.
+    let (params, params_name) = match f.obj.get("rope_parameters") {
+        Some(Value::Object(p)) => (Some(p), "rope_parameters"),
+        _ => match f.obj.get("rope_scaling") {
+            Some(Value::Object(p)) => (Some(p), "rope_scaling"),
+            _ => (None, "rope_scaling"),
+        },
+    };
+    let theta = params
+        .and_then(|p| p.get("rope_theta"))
+        .and_then(Value::as_f64)
+        .or_else(|| f.obj.get("rope_theta").and_then(Value::as_f64))
+        .unwrap_or(10_000.0) as f32;
+    let Some(p) = params else {
+        return Ok(RopeConfig { theta, scaling: RopeScaling::None });
+    };
+    let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let num = |key: &str| -> Result<f32> {
+        p.get(key)
+            .and_then(Value::as_f64)
+            .map(|x| x as f32)
+            .ok_or_else(|| ModelError::MissingField { path: f.path.to_owned(), field: format!("{params_name}.{key}") })
+    };
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: num("factor")? },
+        "llama3" => RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
+        },
+        other => {
+            return Err(f.invalid(
+                &format!("{params_name}.rope_type"),
+                &format!("is `{other}`; supported: default, linear, llama3"),
+            ));
+        }
+    };
+    Ok(RopeConfig { theta, scaling })
+}
+
+/// `bos_token_id` / `eos_token_id`: absent, null, a number or a list of numbers.
+fn token_id(f: &Fields<'_>, key: &str) -> Result<Vec<u32>> {
+    let as_id = |v: &Value| v.as_u64().and_then(|x| u32::try_from(x).ok());
+    match f.obj.get(key) {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(v @ Value::Number(_)) => as_id(v).map(|x| vec![x]).ok_or_else(|| f.invalid(key, "is not a token id")),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| as_id(v).ok_or_else(|| f.invalid(key, "holds something that is not a token id")))
+            .collect(),
+        Some(_) => Err(f.invalid(key, "must be a token id or a list of them")),
+    }
+}
+
+pub(crate) fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io { path: path.to_owned(), source })?;
+    serde_json::from_str(&text).map_err(|source| ModelError::Json { path: path.to_owned(), source })
+}
+
+fn object<'a>(v: &'a Value, path: &Path) -> Result<&'a Map<String, Value>> {
+    v.as_object().ok_or_else(|| ModelError::InvalidField {
+        path: path.to_owned(),
+        field: "(top level)".into(),
+        reason: "must be a JSON object".into(),
+    })
+}
+
+/// Typed access to the fields of one JSON object, with errors naming the file and field.
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    path: &'a Path,
+}
+
+impl Fields<'_> {
+    fn invalid(&self, field: &str, reason: &str) -> ModelError {
+        ModelError::InvalidField { path: self.path.to_owned(), field: field.into(), reason: reason.into() }
+    }
+
+    fn missing(&self, field: &str) -> ModelError {
+        ModelError::MissingField { path: PathBuf::from(self.path), field: field.into() }
+    }
+
+    fn present(&self, key: &str) -> Option<&Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        self.present(key)
+            .map(|v| v.as_u64().map(|x| x as usize).ok_or_else(|| self.invalid(key, "must be a non-negative integer")))
+            .transpose()
+    }
+
+    fn usize(&self, key: &str) -> Result<usize> {
+        let v = self.opt_usize(key)?.ok_or_else(|| self.missing(key))?;
+        if v == 0 {
+            return Err(self.invalid(key, "must be positive"));
+        }
+        Ok(v)
+    }
+
+    fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
+        self.present(key)
+            .map(|v| v.as_f64().map(|x| x as f32).ok_or_else(|| self.invalid(key, "must be a number")))
+            .transpose()
+    }
+
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        self.present(key).map(|v| v.as_bool().ok_or_else(|| self.invalid(key, "must be true or false"))).transpose()
+    }
+
+    fn opt_string(&self, key: &str) -> Result<Option<String>> {
+        self.present(key)
+            .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| self.invalid(key, "must be a string")))
+            .transpose()
+    }
+
+    fn string(&self, key: &str) -> Result<String> {
+        self.opt_string(key)?.ok_or_else(|| self.missing(key))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(v: Value) -> Result<ModelConfig> {
+        ModelConfig::from_json(&v, Path::new("config.json"))
+    }
+
+    fn base() -> Value {
+        json!({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+               "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2})
+    }
+
+    #[test]
+    fn both_rope_styles_parse() {
+        let mut new = base();
+        new["rope_parameters"] = json!({"rope_theta": 500000.0, "rope_type": "default"});
+        assert_eq!(parse(new).expect("parses").rope.theta, 500000.0);
+        let mut old = base();
+        old["rope_theta"] = json!(1e6);
+        old["torch_dtype"] = json!("bfloat16");
+        let c = parse(old).expect("parses");
+        assert_eq!(c.rope.theta, 1e6);
+        assert_eq!(c.dtype, WeightDtype::Bf16);
+        assert_eq!(c.head_dim, 4);
+        assert_eq!(c.num_kv_heads, 2);
+    }
+
+    #[test]
+    fn llama3_scaling_parses() {
+        let mut v = base();
+        v["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        assert!(matches!(parse(v).expect("parses").rope.scaling, RopeScaling::Llama3 { .. }));
+    }
+
+    #[test]
+    fn errors_name_file_and_field() {
+        let mut v = base();
+        v.as_object_mut().expect("object").remove("hidden_size");
+        let e = parse(v).expect_err("missing").to_string();
+        assert!(e.contains("config.json") && e.contains("hidden_size"), "{e}");
+        let mut v = base();
+        v["architectures"] = json!(["MambaForCausalLM"]);
+        let e = parse(v).expect_err("unknown").to_string();
+        assert!(e.contains("MambaForCausalLM") && e.contains("not supported"), "{e}");
+        let mut v = base();
+        v["num_attention_heads"] = json!("two");
+        assert!(parse(v).expect_err("bad type").to_string().contains("num_attention_heads"));
+    }
+
+    #[test]
+    fn eos_may_be_a_list() {
+        let mut v = base();
+        v["eos_token_id"] = json!([1, 7]);
+        assert_eq!(parse(v).expect("parses").eos_token_ids, vec![1, 7]);
+    }
+}

@@ -1,0 +1,148 @@
+//! Small CPU kernels on float32 slices: RMSNorm, RoPE, SwiGLU and a vectorisable dot product.
+//! Matrix products go through candle ([`crate::linear`]); everything here is row-wise.
+
+use crate::config::{RopeConfig, RopeScaling};
+
+/// Dot product with eight independent accumulators, so the compiler vectorises it without
+/// reassociating a single sum.
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut sum = 0.0;
+    for (x, y) in ra.iter().zip(rb) {
+        sum += x * y;
+    }
+    acc.iter().sum::<f32>() + sum
+}
+
+/// `out[i] += w * x[i]`.
+#[inline]
+pub(crate) fn axpy(out: &mut [f32], w: f32, x: &[f32]) {
+    for (o, v) in out.iter_mut().zip(x) {
+        *o += w * v;
+    }
+}
+
+/// RMSNorm of each `width`-wide row of `x`, scaled by `weight` (plus `weight_offset`, which is
+/// 1 for Gemma's `(1 + w)` convention and 0 otherwise).
+pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, weight_offset: f32) -> Vec<f32> {
+    let width = weight.len();
+    let mut out = vec![0.0; x.len()];
+    for (row, o) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        let mean_sq = dot(row, row) / width as f32;
+        let inv = 1.0 / (mean_sq + eps).sqrt();
+        for ((o, &v), &w) in o.iter_mut().zip(row).zip(weight) {
+            *o = (v * inv) * (w + weight_offset);
+        }
+    }
+    out
+}
+
+/// `silu(gate) * up` for rows laid out as `[gate | up]`, each half `width` wide.
+pub(crate) fn silu_mul(gate_up: &[f32], width: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(gate_up.len() / 2);
+    for row in gate_up.chunks_exact(2 * width) {
+        let (gate, up) = row.split_at(width);
+        out.extend(gate.iter().zip(up).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u));
+    }
+    out
+}
+
+/// Inverse frequencies of RoPE for a head of `head_dim` elements, with the configured scaling.
+pub(crate) fn rope_inv_freq(rope: &RopeConfig, head_dim: usize) -> Vec<f32> {
+    let base: Vec<f32> = (0..head_dim / 2).map(|i| 1.0 / rope.theta.powf((2 * i) as f32 / head_dim as f32)).collect();
+    match rope.scaling {
+        RopeScaling::None => base,
+        RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            let old = original_max_position_embeddings as f32;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            base.into_iter()
+                .map(|f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+/// Cos and sin tables for the given positions: `[positions.len()][head_dim / 2]` each.
+pub(crate) fn rope_tables(inv_freq: &[f32], positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
+    let mut cos = Vec::with_capacity(positions.len() * inv_freq.len());
+    let mut sin = Vec::with_capacity(positions.len() * inv_freq.len());
+    for &p in positions {
+        for &f in inv_freq {
+            let angle = p as f32 * f;
+            cos.push(angle.cos());
+            sin.push(angle.sin());
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotates each head of each row in place (the "rotate half" convention of transformers:
+/// element `i` pairs with `i + D/2`). `x` is `[rows][heads][D]`; the tables are per row.
+pub(crate) fn apply_rope(x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    for (r, row) in x.chunks_exact_mut(heads * head_dim).enumerate() {
+        let (c, s) = (&cos[r * half..(r + 1) * half], &sin[r * half..(r + 1) * half]);
+        for head in row.chunks_exact_mut(head_dim) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                let (x1, x2) = (a[i], b[i]);
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_matches_naive_sum() {
+        let a: Vec<f32> = (0..37).map(|i| i as f32 * 0.5).collect();
+        let b: Vec<f32> = (0..37).map(|i| 1.0 - i as f32 * 0.1).collect();
+        let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        assert!((dot(&a, &b) - naive).abs() < 1e-3);
+    }
+
+    #[test]
+    fn rope_at_position_zero_is_identity_and_preserves_norm() {
+        let rope = RopeConfig { theta: 10_000.0, scaling: RopeScaling::None };
+        let inv = rope_inv_freq(&rope, 8);
+        let (cos, sin) = rope_tables(&inv, &[0, 5]);
+        let mut x: Vec<f32> = (0..16).map(|i| i as f32).collect();
+        let orig = x.clone();
+        apply_rope(&mut x, 1, 8, &cos, &sin);
+        assert_eq!(&x[..8], &orig[..8]);
+        let n0: f32 = orig[8..].iter().map(|v| v * v).sum();
+        let n1: f32 = x[8..].iter().map(|v| v * v).sum();
+        assert!((n0 - n1).abs() < 1e-3);
+    }
+
+    #[test]
+    fn rms_norm_normalises_rows() {
+        let out = rms_norm(&[3.0, 4.0], &[1.0, 1.0], 0.0, 0.0);
+        let rms = (12.5f32).sqrt();
+        assert!((out[0] - 3.0 / rms).abs() < 1e-6);
+    }
+}

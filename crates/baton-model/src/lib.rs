@@ -1,0 +1,42 @@
+//! Models for Baton: checkpoint loading, tokenizer and chat template, the forward pass over a
+//! paged KV cache, and sampling.
+//!
+//! ```no_run
+//! use baton_kv::{BlockAllocator, KvArena, KvLayout};
+//! use baton_model::{Checkpoint, LogitsWanted, SeqStep, argmax};
+//!
+//! let ckpt = Checkpoint::open(std::path::Path::new("fixtures/models/tiny-llama"))?;
+//! let ids = ckpt.tokenizer.encode("Hello", true)?;
+//! let mut kv = KvArena::new(ckpt.model.kv_geometry(16), KvLayout::BlockMajor, 4);
+//! let blocks = BlockAllocator::new(4).allocate(1).expect("free block");
+//! let step = SeqStep { start_pos: 0, tokens: &ids, blocks: &blocks, logits: LogitsWanted::Last };
+//! let logits = ckpt.model.forward(&[step], &mut kv)?;
+//! println!("next token: {}", argmax(logits.of(0)));
+//! # Ok::<(), baton_model::ModelError>(())
+//! ```
+//!
+//! Layout: [`config`] parses `config.json`; [`weights`] reads safetensors (or makes random
+//! weights); [`Model`] is the forward pass, with attention in `attention.rs` reading K/V
+//! through block tables; [`Tokenizer`] and [`ChatTemplate`] turn text into ids;
+//! [`Sampler`] picks tokens.
+
+mod attention;
+mod chat;
+mod checkpoint;
+pub mod config;
+mod error;
+mod kernels;
+mod linear;
+mod model;
+mod sampling;
+mod tokenizer;
+pub mod weights;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use checkpoint::Checkpoint;
+pub use config::{Architecture, ModelConfig};
+pub use error::{ModelError, Result};
+pub use model::{LogitsWanted, Model, SeqStep, StepLogits};
+pub use sampling::{Sampler, SamplingParams, argmax};
+pub use tokenizer::{IncrementalDecoder, Tokenizer};
+pub use weights::{RandomWeights, SafetensorsWeights, WeightSource};

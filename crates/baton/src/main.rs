@@ -1,0 +1,2 @@
+//! The Baton binary.
+fn main() {}
