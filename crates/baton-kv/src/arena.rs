@@ -1,23 +1,77 @@
-//! The KV arena: one contiguous region holding every block of an instance.
+//! The KV arena: one contiguous region holding every block of an instance (or of one tier).
+//!
+//! The region is a memfd mapped shared, so another process on the same host can map it
+//! read-only through an [`ArenaHandle`] (`/proc/<pid>/fd/<fd>`) and read KV with no copy through
+//! this process: the same-host analogue of CUDA IPC handles. Where a memfd cannot be created
+//! (or the arena is empty) it falls back to private heap memory and has no handle.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+
+use memmap2::{Mmap, MmapMut};
 
 use crate::{BlockId, KvGeometry, KvLayout, KvPart, TensorDescriptor};
 
+#[derive(Debug)]
+enum Backing {
+    /// A shared mapping of a memfd.
+    Shared { map: MmapMut, file: File },
+    /// Private memory (no handle).
+    Heap(Vec<f32>),
+}
+
+/// Creates a memfd of `len` bytes and maps it read-write, shared.
+fn shared_region(len: usize) -> io::Result<(MmapMut, File)> {
+    let fd: OwnedFd = rustix::fs::memfd_create("baton-kv-arena", rustix::fs::MemfdFlags::CLOEXEC)?;
+    let file = File::from(fd);
+    file.set_len(len as u64)?;
+    let map = map_shared_mut(&file)?;
+    Ok((map, file))
+}
+
+#[allow(unsafe_code)]
+fn map_shared_mut(file: &File) -> io::Result<MmapMut> {
+    // SAFETY: the file is a memfd this module just created and sized; it is never truncated
+    // afterwards, so the mapping stays valid for as long as it lives. Other processes may only
+    // map it read-only (`MappedArena`), so nobody else writes under our `&mut` views.
+    unsafe { MmapMut::map_mut(file) }
+}
+
 /// All KV blocks of one instance in one float32 region, laid out as its [`TensorDescriptor`]
-/// says. The arena knows addresses, not owners: which blocks are in use is the
-/// [`crate::BlockAllocator`]'s business.
+/// says. The arena knows addresses, not owners: which blocks are in use is the allocator's
+/// business.
 #[derive(Debug)]
 pub struct KvArena {
     geometry: KvGeometry,
     descriptor: TensorDescriptor,
-    data: Vec<f32>,
+    backing: Backing,
 }
 
 impl KvArena {
-    /// A zeroed arena of `num_blocks` blocks.
+    /// A zeroed arena of `num_blocks` blocks, in shared memory when the host allows it.
     pub fn new(geometry: KvGeometry, layout: KvLayout, num_blocks: usize) -> Self {
+        Self::new_shared(geometry, layout, num_blocks)
+            .unwrap_or_else(|_| Self::new_private(geometry, layout, num_blocks))
+    }
+
+    /// A zeroed arena of `num_blocks` blocks in a memfd another process can map.
+    pub fn new_shared(geometry: KvGeometry, layout: KvLayout, num_blocks: usize) -> io::Result<Self> {
+        let descriptor = TensorDescriptor::new(&geometry, layout, num_blocks);
+        let len = descriptor.num_elems() * std::mem::size_of::<f32>();
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "an empty arena cannot be shared"));
+        }
+        let (map, file) = shared_region(len)?;
+        Ok(Self { geometry, descriptor, backing: Backing::Shared { map, file } })
+    }
+
+    /// A zeroed arena of `num_blocks` blocks in private heap memory (no handle).
+    pub fn new_private(geometry: KvGeometry, layout: KvLayout, num_blocks: usize) -> Self {
         let descriptor = TensorDescriptor::new(&geometry, layout, num_blocks);
         let data = vec![0.0; descriptor.num_elems()];
-        Self { geometry, descriptor, data }
+        Self { geometry, descriptor, backing: Backing::Heap(data) }
     }
 
     /// The arena's geometry.
@@ -35,26 +89,56 @@ impl KvArena {
         self.descriptor.extent(crate::Dim::Block)
     }
 
+    /// The handle another process on this host can map the arena with, if it is shared.
+    pub fn handle(&self) -> Option<ArenaHandle> {
+        match &self.backing {
+            Backing::Shared { file, map } => Some(ArenaHandle {
+                pid: std::process::id(),
+                fd: file.as_raw_fd(),
+                len: map.len(),
+                descriptor: self.descriptor.clone(),
+            }),
+            Backing::Heap(_) => None,
+        }
+    }
+
     /// The `[T][H][D]` slab of keys or values of one block in one layer.
     pub fn block(&self, layer: usize, part: KvPart, block: BlockId) -> &[f32] {
         let start = self.descriptor.offset(layer, part, block.index(), 0, 0);
-        &self.data[start..start + self.geometry.slab_elems()]
+        &self.as_slice()[start..start + self.geometry.slab_elems()]
     }
 
     /// The `[H][D]` keys or values of one token slot in one layer, for writing.
     pub fn token_mut(&mut self, layer: usize, part: KvPart, block: BlockId, slot: usize) -> &mut [f32] {
         let start = self.descriptor.offset(layer, part, block.index(), slot, 0);
-        &mut self.data[start..start + self.geometry.token_elems()]
+        let n = self.geometry.token_elems();
+        &mut self.as_mut_slice()[start..start + n]
     }
 
     /// The whole region, in descriptor order.
     pub fn as_slice(&self) -> &[f32] {
-        &self.data
+        match &self.backing {
+            Backing::Shared { map, .. } => bytemuck::cast_slice(map),
+            Backing::Heap(v) => v,
+        }
     }
 
     /// The whole region, mutable, in descriptor order.
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
-        &mut self.data
+        match &mut self.backing {
+            Backing::Shared { map, .. } => bytemuck::cast_slice_mut(map),
+            Backing::Heap(v) => v,
+        }
+    }
+
+    /// The whole region as bytes (what [`TensorDescriptor::byte_ranges`] indexes).
+    pub fn as_bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(self.as_slice())
+    }
+
+    /// The whole region as mutable bytes.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        bytemuck::cast_slice_mut(self.as_mut_slice())
     }
 
     /// Copies every element of `src` blocks onto `dst` blocks of `other`, which may have another
@@ -62,15 +146,98 @@ impl KvArena {
     pub fn copy_blocks_from(&mut self, other: &KvArena, src: &[BlockId], dst: &[BlockId]) {
         assert_eq!(self.geometry, other.geometry, "copy between arenas of different geometry");
         assert_eq!(src.len(), dst.len(), "copy needs as many destination blocks as sources");
+        let same_layout = self.descriptor.dims == other.descriptor.dims;
+        let from_all = other.as_slice();
+        let geometry = self.geometry;
+        let n = geometry.slab_elems();
+        let descriptor = self.descriptor.clone();
+        let to_all = self.as_mut_slice();
         for (&s, &d) in src.iter().zip(dst) {
-            for layer in 0..self.geometry.layers {
+            if same_layout && other.descriptor.dims[0] == crate::Dim::Block {
+                // Block-major on both sides: one copy per block.
+                let len = geometry.block_elems();
+                let from = other.descriptor.offset(0, KvPart::Key, s.index(), 0, 0);
+                let to = descriptor.offset(0, KvPart::Key, d.index(), 0, 0);
+                to_all[to..to + len].copy_from_slice(&from_all[from..from + len]);
+                continue;
+            }
+            for layer in 0..geometry.layers {
                 for part in [KvPart::Key, KvPart::Value] {
                     let from = other.descriptor.offset(layer, part, s.index(), 0, 0);
-                    let to = self.descriptor.offset(layer, part, d.index(), 0, 0);
-                    let n = self.geometry.slab_elems();
-                    self.data[to..to + n].copy_from_slice(&other.data[from..from + n]);
+                    let to = descriptor.offset(layer, part, d.index(), 0, 0);
+                    to_all[to..to + n].copy_from_slice(&from_all[from..from + n]);
                 }
             }
         }
     }
+}
+
+/// What another process on the same host needs to map an arena read-only: the owner's pid and
+/// file descriptor (reachable as `/proc/<pid>/fd/<fd>`), the region's length and its descriptor.
+/// Valid while the owning arena lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArenaHandle {
+    /// Process owning the arena.
+    pub pid: u32,
+    /// The memfd's descriptor number in that process.
+    pub fd: i32,
+    /// Bytes in the region.
+    pub len: usize,
+    /// Layout of the region.
+    pub descriptor: TensorDescriptor,
+}
+
+impl ArenaHandle {
+    /// The path through which another process opens the memfd.
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/fd/{}", self.pid, self.fd))
+    }
+
+    /// Encodes the handle's location as `pid:fd:len` (the descriptor travels separately, e.g.
+    /// in the transfer handshake).
+    pub fn to_token(&self) -> String {
+        format!("{}:{}:{}", self.pid, self.fd, self.len)
+    }
+}
+
+/// A read-only mapping of another process's arena.
+#[derive(Debug)]
+pub struct MappedArena {
+    map: Mmap,
+}
+
+impl MappedArena {
+    /// Maps the arena `handle` names, read-only.
+    pub fn open(handle: &ArenaHandle) -> io::Result<Self> {
+        Self::open_path(&handle.path(), handle.len)
+    }
+
+    /// Maps `len` bytes of the memfd at `path` (a `/proc/<pid>/fd/<fd>` path), read-only.
+    pub fn open_path(path: &std::path::Path, len: usize) -> io::Result<Self> {
+        let file = File::open(path)?;
+        let map = map_read_only(&file)?;
+        if map.len() < len {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "arena is shorter than its handle says"));
+        }
+        Ok(Self { map })
+    }
+
+    /// The region's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// The region as float32 elements.
+    pub fn as_slice(&self) -> &[f32] {
+        bytemuck::cast_slice(&self.map)
+    }
+}
+
+#[allow(unsafe_code)]
+fn map_read_only(file: &File) -> io::Result<Mmap> {
+    // SAFETY: the mapping is read-only; the owner keeps the memfd at a fixed size for the
+    // arena's whole life. The owner may write while we read, so readers get bytes, never
+    // references into Rust values of the owner, and treat concurrently written blocks as
+    // not-yet-valid (the transfer protocol orders reads after COMPLETE of the writes).
+    unsafe { Mmap::map(file) }
 }

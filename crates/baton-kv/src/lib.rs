@@ -1,41 +1,91 @@
-//! KV cache memory for Baton.
+//! KV cache memory for Baton: MemServe's MemPool, FlowKV's allocation, Mooncake's block keys.
 //!
 //! This crate owns every byte of an instance's KV cache and the bookkeeping around it. It does
-//! no network I/O and no model math: the model reads and writes KV through the views this crate
-//! hands out, and the transfer layer plans copies from the [`TensorDescriptor`]s it describes.
+//! no network I/O, no model math and reads no clock: the model reads and writes KV through the
+//! views this crate hands out, the transfer layer plans copies from the [`TensorDescriptor`]s it
+//! describes, and callers pass time in as a number.
 //!
 //! The pieces, bottom up:
 //!
-//! - [`KvGeometry`] and [`KvLayout`]: how many layers, KV heads, head dims and tokens per block,
-//!   and in which order they sit in memory. A [`TensorDescriptor`] turns a layout into shape and
-//!   strides, so code that moves KV never hard-codes a layout.
-//! - [`KvArena`]: one contiguous region holding all blocks of an instance.
-//! - [`BlockAllocator`]: hands out [`BlockId`]s, counts references so a block shared by a
-//!   cached prefix and a running request is freed only when both let go.
-//! - [`BlockTable`]: the blocks of one sequence, in token order, and the slot of each token.
+//! - [`KvGeometry`], [`KvLayout`], [`TensorDescriptor`]: shape and order of the KV tensor;
+//!   [`TensorDescriptor::byte_ranges`] turns block ids into the byte ranges they occupy.
+//! - [`KvArena`]: one region per tier, in a memfd another process can map read-only through an
+//!   [`ArenaHandle`] ([`MappedArena`]).
+//! - [`SegmentAllocator`]: free blocks as contiguous runs; best-fit, aligned allocation and
+//!   fragmentation figures. ([`BlockAllocator`] is the first engine's simple allocator.)
+//! - [`block_hash`]: chained, seeded, process-stable block keys ([`BlockHash`]).
+//! - [`PrefixIndex`]: a radix tree over token blocks whose nodes carry hash, tier and slot.
+//! - [`EvictionPolicy`]: [`Lru`] and [`Lfu`], with pinning.
+//! - [`MemPool`]: the facade: `alloc_mem`/`free_mem`, `insert`/`match_prefix`/`delete`,
+//!   `swap_out`/`swap_in` over device, host and disk tiers, reference counts, and
+//!   [`KvEvent`]s that a [`RemoteIndex`] applies to stay in sync.
+//! - [`BlockTable`]: the blocks of one sequence, in token order.
+//!
+//! An engine's life with the pool:
 //!
 //! ```
-//! use baton_kv::{BlockAllocator, BlockTable, KvArena, KvGeometry, KvLayout};
+//! use baton_kv::{InstanceId, KvGeometry, KvLayout, KvPart, MemPool, PoolConfig, RemoteIndex};
 //!
-//! let geometry = KvGeometry::new(2, 2, 16, 16);
-//! let mut arena = KvArena::new(geometry, KvLayout::BlockMajor, 8);
-//! let mut allocator = BlockAllocator::new(8);
-//! let mut table = BlockTable::default();
-//! table.extend(allocator.allocate(2).expect("two free blocks"));
-//! let (block, slot) = table.slot(17, geometry.block_size);
-//! arena.token_mut(0, baton_kv::KvPart::Key, block, slot).fill(1.0);
-//! assert_eq!(arena.block(0, baton_kv::KvPart::Key, block)[slot * 32], 1.0);
+//! let geometry = KvGeometry::new(2, 2, 8, 4);
+//! let mut pool = MemPool::new(PoolConfig {
+//!     host_blocks: 8,
+//!     ..PoolConfig::device_only(InstanceId(1), geometry, KvLayout::BlockMajor, 8)
+//! })?;
+//! let prompt: Vec<u32> = (0..10).collect();
+//!
+//! // A request: nothing cached yet, so allocate and compute all of it.
+//! let (cached, _) = pool.acquire_prefix(&prompt, 0)?;
+//! assert!(cached.is_empty());
+//! let blocks = pool.alloc_blocks(3)?;
+//! pool.arena_mut().token_mut(0, KvPart::Key, blocks[0], 0).fill(1.0);
+//! // It finished: cache its two full blocks, then let go of all three.
+//! assert_eq!(pool.insert(&prompt, &blocks, 1)?, 2);
+//! pool.free_blocks(&blocks)?;
+//!
+//! // Cold blocks move to host DRAM; a later request with the same prefix brings them back.
+//! assert_eq!(pool.swap_out(2, 2)?, 2);
+//! let (again, tokens) = pool.acquire_prefix(&prompt, 3)?;
+//! assert_eq!(tokens, 8);
+//! assert_eq!(pool.arena().block(0, KvPart::Key, again[0])[0], 1.0);
+//! pool.free_blocks(&again)?;
+//!
+//! // A conductor following the pool's events sees the same index.
+//! let mut remote = RemoteIndex::new();
+//! for e in pool.drain_events() {
+//!     remote.apply(&e)?;
+//! }
+//! assert_eq!(remote.entries(InstanceId(1)), pool.index_entries());
+//! pool.check_invariants()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
 mod allocator;
 mod arena;
 mod block_table;
+mod events;
 mod geometry;
+mod hash;
+mod index;
+mod policy;
+mod pool;
+mod ranges;
+mod segment;
+mod tier;
 
 pub use allocator::{AllocatorError, BlockAllocator};
-pub use arena::KvArena;
+pub use arena::{ArenaHandle, KvArena, MappedArena};
 pub use block_table::BlockTable;
+pub use events::{EventError, IndexEntry, KvEvent, KvEventKind, RemoteIndex};
 pub use geometry::{Dim, KvDtype, KvGeometry, KvLayout, KvPart, TensorDescriptor};
+pub use hash::{BlockHash, HASH_SEED, block_hash, prefix_hashes};
+pub use index::{NodeInfo, PrefixIndex};
+pub use policy::{EvictionPolicy, Lfu, Lru, NodeId, PolicyKind};
+pub use pool::{
+    KvTransport, MemPool, PoolConfig, PoolError, PrefixMatch, SwapJob, TierUsage, TransferFlags, TransferRequest,
+};
+pub use ranges::ByteRange;
+pub use segment::{FragmentationStats, Segment, SegmentAllocator, count_runs, segments_of};
+pub use tier::{DiskStore, InstanceId, KvAddr, Loc, Tier};
 
 /// Identifies one block of an instance's KV arena: an index into the arena, `0..num_blocks`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

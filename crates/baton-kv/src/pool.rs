@@ -1,0 +1,1040 @@
+//! MemPool: one API over every byte of an instance's KV memory (MemServe Table 1).
+//!
+//! The pool owns three tiers (device, host, disk), each a set of block slots with a
+//! [`SegmentAllocator`], per-slot reference counts and an eviction policy, and one
+//! [`PrefixIndex`] whose nodes point into any tier. Every slot has exactly one owner:
+//!
+//! - the free list (its allocator),
+//! - running requests (reference count > 0, not in the index),
+//! - the index (a node points at it; requests may also hold references, which pin it),
+//! - an in-flight swap (the destination of a move that has not finished).
+//!
+//! [`MemPool::check_invariants`] proves that, and the random-operation test calls it after every
+//! step. Cached blocks obey one more rule: along every path of the tree, tiers only get slower
+//! (a device block never hangs below a host block), so eviction only ever needs to look at the
+//! coldest block that has no child in its own tier.
+//!
+//! The pool does no network I/O and reads no clock: callers pass `now` (any monotone counter)
+//! to the calls that record use.
+
+use std::path::PathBuf;
+
+use crate::events::{IndexEntry, KvEvent, KvEventKind};
+use crate::index::PrefixIndex;
+use crate::{
+    AllocatorError, BlockHash, BlockId, DiskStore, EvictionPolicy, InstanceId, KvAddr, KvArena, KvDtype, KvGeometry,
+    KvLayout, Loc, NodeId, PolicyKind, SegmentAllocator, Tier, block_hash,
+};
+
+const NO_OWNER: u32 = u32::MAX;
+const SWAP_OWNER: u32 = u32::MAX - 1;
+
+/// How to build a [`MemPool`].
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// This instance's id; every address the pool hands out carries it.
+    pub instance: InstanceId,
+    /// KV geometry (float32: the arenas hold `f32`).
+    pub geometry: KvGeometry,
+    /// Layout of the device arena (the host arena is always block-major).
+    pub layout: KvLayout,
+    /// Blocks in the device tier.
+    pub device_blocks: usize,
+    /// Blocks in the host DRAM tier (0: no host tier).
+    pub host_blocks: usize,
+    /// Blocks in the disk tier (0: no disk tier).
+    pub disk_blocks: usize,
+    /// Directory for the disk tier's block file; required when `disk_blocks > 0`.
+    pub disk_dir: Option<PathBuf>,
+    /// Eviction policy of every tier.
+    pub policy: PolicyKind,
+}
+
+impl PoolConfig {
+    /// A device-only pool of `device_blocks` blocks with LRU eviction.
+    pub fn device_only(instance: InstanceId, geometry: KvGeometry, layout: KvLayout, device_blocks: usize) -> Self {
+        Self {
+            instance,
+            geometry,
+            layout,
+            device_blocks,
+            host_blocks: 0,
+            disk_blocks: 0,
+            disk_dir: None,
+            policy: PolicyKind::Lru,
+        }
+    }
+}
+
+/// Why a pool call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// Not enough free or evictable blocks in a tier.
+    #[error("out of {tier} blocks: {wanted} wanted, {available} free or evictable")]
+    OutOfBlocks {
+        /// The tier.
+        tier: Tier,
+        /// Blocks asked for.
+        wanted: usize,
+        /// Blocks free or evictable.
+        available: usize,
+    },
+    /// A block id outside its tier, or a block nobody holds.
+    #[error(transparent)]
+    Allocator(#[from] AllocatorError),
+    /// The caller passed an address it holds no reference on.
+    #[error("{0} is not held")]
+    NotHeld(KvAddr),
+    /// The address belongs to another instance.
+    #[error("{0} belongs to another instance")]
+    WrongInstance(KvAddr),
+    /// The configuration is invalid.
+    #[error("invalid pool configuration: {0}")]
+    Config(String),
+    /// Reading or writing the disk tier failed.
+    #[error("disk tier I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// No transport is attached to move KV to another instance.
+    #[error("no KV transport is attached to this pool")]
+    NoTransport,
+}
+
+/// The longest cached prefix of a prompt, with one reference held on each block.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Addresses of the cached blocks, in prompt order (device blocks first, then slower tiers).
+    pub addrs: Vec<KvAddr>,
+    /// Tokens covered: `addrs.len() · T`.
+    pub tokens: usize,
+}
+
+impl PrefixMatch {
+    /// Matched blocks.
+    pub fn len(&self) -> usize {
+        self.addrs.len()
+    }
+
+    /// Whether nothing matched.
+    pub fn is_empty(&self) -> bool {
+        self.addrs.is_empty()
+    }
+
+    /// Matched blocks already on the device tier (a prefix of `addrs`).
+    pub fn on_device(&self) -> usize {
+        self.addrs.iter().take_while(|a| a.loc.tier == Tier::Device).count()
+    }
+}
+
+/// Blocks of each kind of owner in one tier: they add up to the tier's size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierUsage {
+    /// On the free list.
+    pub free: usize,
+    /// Held by requests only.
+    pub held: usize,
+    /// In the index (possibly also held by requests).
+    pub cached: usize,
+    /// Cached and evictable now (no reference, not moving, no child in the tier).
+    pub evictable: usize,
+    /// Destinations of unfinished swaps.
+    pub in_flight: usize,
+}
+
+/// A swap that has reserved its destination slots but not yet copied (see
+/// [`MemPool::begin_swap_out`]). Must be given back to [`MemPool::finish_swap`].
+#[derive(Debug)]
+#[must_use = "a swap job holds slots until it is finished"]
+pub struct SwapJob {
+    moves: Vec<SwapMove>,
+}
+
+impl SwapJob {
+    /// Blocks the job moves.
+    pub fn len(&self) -> usize {
+        self.moves.len()
+    }
+
+    /// Whether the job moves nothing.
+    pub fn is_empty(&self) -> bool {
+        self.moves.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SwapMove {
+    node: NodeId,
+    generation: u32,
+    from: Loc,
+    to: Loc,
+}
+
+/// Flags of a transfer (MemServe: they control behaviour at the destination).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferFlags {
+    /// Allocate destination blocks on demand (when `dst` is not given).
+    pub allocate: bool,
+    /// Destination tier for on-demand allocation.
+    pub tier: Option<Tier>,
+}
+
+/// MemServe's `transfer(id, srcAddrList, dstAddrList, flags, private)`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TransferRequest {
+    /// The destination instance.
+    pub dst_instance: InstanceId,
+    /// Source blocks (this instance's).
+    pub src: Vec<KvAddr>,
+    /// Destination blocks, when already allocated there.
+    pub dst: Option<Vec<KvAddr>>,
+    /// Behaviour at the destination.
+    pub flags: TransferFlags,
+    /// Opaque user data delivered with the transfer.
+    pub private: Vec<u8>,
+}
+
+/// Moves KV bytes between instances; implemented by the transfer layer (`baton-transfer`).
+pub trait KvTransport {
+    /// Copies the source blocks of `pool` to the destination; returns the destination
+    /// addresses. With `tokens`, the receiver also inserts them into its index.
+    fn transfer(
+        &mut self,
+        pool: &MemPool,
+        request: &TransferRequest,
+        tokens: Option<&[u32]>,
+    ) -> Result<Vec<KvAddr>, PoolError>;
+}
+
+struct TierState {
+    alloc: SegmentAllocator,
+    refs: Vec<u32>,
+    owner: Vec<u32>,
+    policy: Box<dyn EvictionPolicy>,
+    store: Store,
+}
+
+enum Store {
+    Arena(KvArena),
+    Disk(DiskStore),
+    None,
+}
+
+impl TierState {
+    fn new(n: usize, policy: PolicyKind, store: Store) -> Self {
+        Self {
+            alloc: SegmentAllocator::new(n),
+            refs: vec![0; n],
+            owner: vec![NO_OWNER; n],
+            policy: policy.build(),
+            store,
+        }
+    }
+
+    fn size(&self) -> usize {
+        self.refs.len()
+    }
+}
+
+/// The KV memory pool of one instance: device, host and disk tiers, the prefix index, eviction
+/// and KV events, behind MemServe's API.
+pub struct MemPool {
+    instance: InstanceId,
+    geometry: KvGeometry,
+    tiers: [TierState; 3],
+    index: PrefixIndex,
+    events: Vec<KvEvent>,
+    next_seq: u64,
+    now: u64,
+}
+
+impl std::fmt::Debug for MemPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemPool")
+            .field("instance", &self.instance)
+            .field("cached", &self.index.len())
+            .field("device_free", &self.tiers[0].alloc.num_free())
+            .field("host_free", &self.tiers[1].alloc.num_free())
+            .field("disk_free", &self.tiers[2].alloc.num_free())
+            .finish()
+    }
+}
+
+impl MemPool {
+    /// Builds a pool: a shared-memory device arena, a host arena and a disk block file.
+    pub fn new(config: PoolConfig) -> Result<Self, PoolError> {
+        let g = config.geometry;
+        if g.dtype != KvDtype::F32 {
+            return Err(PoolError::Config("the arenas hold float32 KV".into()));
+        }
+        if g.block_size == 0 || g.layers == 0 {
+            return Err(PoolError::Config("block size and layers must be positive".into()));
+        }
+        let disk = if config.disk_blocks > 0 {
+            let dir = config.disk_dir.as_ref().ok_or_else(|| PoolError::Config("a disk tier needs disk_dir".into()))?;
+            static NEXT_FILE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let k = NEXT_FILE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let name = format!("baton-kv-{}-{}-{k}.blocks", config.instance.0, std::process::id());
+            Store::Disk(DiskStore::create(dir, &name, config.disk_blocks, g.block_elems() * 4)?)
+        } else {
+            Store::None
+        };
+        let host = if config.host_blocks > 0 {
+            Store::Arena(KvArena::new(g, KvLayout::BlockMajor, config.host_blocks))
+        } else {
+            Store::None
+        };
+        let device = Store::Arena(KvArena::new(g, config.layout, config.device_blocks));
+        Ok(Self {
+            instance: config.instance,
+            geometry: g,
+            tiers: [
+                TierState::new(config.device_blocks, config.policy, device),
+                TierState::new(config.host_blocks, config.policy, host),
+                TierState::new(config.disk_blocks, config.policy, disk),
+            ],
+            index: PrefixIndex::with_capacity(
+                g.block_size,
+                config.device_blocks + config.host_blocks + config.disk_blocks,
+            ),
+            events: Vec::new(),
+            next_seq: 0,
+            now: 0,
+        })
+    }
+
+    /// This instance's id.
+    pub fn instance(&self) -> InstanceId {
+        self.instance
+    }
+
+    /// The KV geometry.
+    pub fn geometry(&self) -> &KvGeometry {
+        &self.geometry
+    }
+
+    /// The device arena, for the model to read.
+    pub fn arena(&self) -> &KvArena {
+        self.arena_of(Tier::Device).expect("the device tier is an arena")
+    }
+
+    /// The device arena, for the model to write.
+    pub fn arena_mut(&mut self) -> &mut KvArena {
+        match &mut self.tiers[0].store {
+            Store::Arena(a) => a,
+            _ => unreachable!("the device tier is an arena"),
+        }
+    }
+
+    /// The arena of a memory tier (device or host), if configured.
+    pub fn arena_of(&self, tier: Tier) -> Option<&KvArena> {
+        match &self.tiers[tier.index()].store {
+            Store::Arena(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// The prefix index (read-only).
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    /// Blocks in a tier.
+    pub fn num_blocks(&self, tier: Tier) -> usize {
+        self.tiers[tier.index()].size()
+    }
+
+    /// Free device blocks.
+    pub fn num_free(&self) -> usize {
+        self.tiers[0].alloc.num_free()
+    }
+
+    /// Device blocks an allocation can get now: free plus evictable.
+    pub fn available(&self) -> usize {
+        self.tiers[0].alloc.num_free() + self.tiers[0].policy.evictable()
+    }
+
+    /// References held on a slot.
+    pub fn ref_count(&self, loc: Loc) -> u32 {
+        self.tiers[loc.tier.index()].refs.get(loc.block.index()).copied().unwrap_or(0)
+    }
+
+    /// The device allocator (fragmentation figures).
+    pub fn allocator(&self) -> &SegmentAllocator {
+        &self.tiers[0].alloc
+    }
+
+    /// Drains the events recorded since the last call.
+    pub fn drain_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    fn addr(&self, loc: Loc) -> KvAddr {
+        KvAddr { instance: self.instance, loc }
+    }
+
+    fn dev(block: BlockId) -> Loc {
+        Loc { tier: Tier::Device, block }
+    }
+
+    fn emit(&mut self, kind: KvEventKind) {
+        self.events.push(KvEvent { instance: self.instance, seq: self.next_seq, kind });
+        self.next_seq += 1;
+    }
+
+    fn tick(&mut self, now: u64) {
+        self.now = self.now.max(now);
+    }
+
+    // ---- memory block API ------------------------------------------------------------------
+
+    /// MemServe `alloc_mem`: `n` blocks in `tier`, each with one reference held by the caller.
+    /// Evicts cold cached blocks (to a slower tier, or out) when too few are free.
+    pub fn alloc_mem(&mut self, n: usize, tier: Tier) -> Result<Vec<KvAddr>, PoolError> {
+        let blocks = self.alloc_in(tier, n)?;
+        Ok(blocks.into_iter().map(|block| self.addr(Loc { tier, block })).collect())
+    }
+
+    /// MemServe `free_mem`: drops one reference on each address.
+    pub fn free_mem(&mut self, addrs: &[KvAddr]) -> Result<(), PoolError> {
+        for a in addrs {
+            self.own(*a)?;
+            self.drop_ref(a.loc)?;
+        }
+        Ok(())
+    }
+
+    /// `n` device blocks, each with one reference held by the caller, as contiguous as the free
+    /// space allows. The engine's allocation call.
+    pub fn alloc_blocks(&mut self, n: usize) -> Result<Vec<BlockId>, PoolError> {
+        self.alloc_in(Tier::Device, n)
+    }
+
+    /// Device blocks shaped like `pattern` (a peer's block ids): the same ids where free, else
+    /// runs of the same lengths (FlowKV segment alignment). One reference each.
+    pub fn alloc_aligned(&mut self, pattern: &[BlockId]) -> Result<Vec<BlockId>, PoolError> {
+        self.make_room(Tier::Device, pattern.len())?;
+        let t = &mut self.tiers[0];
+        let blocks = t.alloc.allocate_aligned(pattern).ok_or(PoolError::OutOfBlocks {
+            tier: Tier::Device,
+            wanted: pattern.len(),
+            available: t.alloc.num_free(),
+        })?;
+        for b in &blocks {
+            t.refs[b.index()] = 1;
+        }
+        Ok(blocks)
+    }
+
+    /// Drops one reference on each device block; a block no one holds and the index does not
+    /// cache goes back to the free list. The engine's free call.
+    pub fn free_blocks(&mut self, blocks: &[BlockId]) -> Result<(), PoolError> {
+        for &b in blocks {
+            self.drop_ref(Self::dev(b))?;
+        }
+        Ok(())
+    }
+
+    /// Adds one reference on each held device block (e.g. to keep a finished prompt's KV).
+    pub fn retain_blocks(&mut self, blocks: &[BlockId]) -> Result<(), PoolError> {
+        for &b in blocks {
+            let loc = Self::dev(b);
+            if self.ref_count(loc) == 0 && self.owner(loc) == NO_OWNER {
+                return Err(PoolError::NotHeld(self.addr(loc)));
+            }
+            self.take_ref(loc)?;
+        }
+        Ok(())
+    }
+
+    fn own(&self, a: KvAddr) -> Result<(), PoolError> {
+        if a.instance != self.instance {
+            return Err(PoolError::WrongInstance(a));
+        }
+        if a.loc.block.index() >= self.tiers[a.loc.tier.index()].size() {
+            return Err(AllocatorError::OutOfRange(a.loc.block).into());
+        }
+        Ok(())
+    }
+
+    fn owner(&self, loc: Loc) -> u32 {
+        self.tiers[loc.tier.index()].owner[loc.block.index()]
+    }
+
+    fn alloc_in(&mut self, tier: Tier, n: usize) -> Result<Vec<BlockId>, PoolError> {
+        self.make_room(tier, n)?;
+        let t = &mut self.tiers[tier.index()];
+        let blocks =
+            t.alloc.allocate(n).ok_or(PoolError::OutOfBlocks { tier, wanted: n, available: t.alloc.num_free() })?;
+        for b in &blocks {
+            t.refs[b.index()] = 1;
+        }
+        Ok(blocks)
+    }
+
+    fn take_ref(&mut self, loc: Loc) -> Result<(), PoolError> {
+        let t = &mut self.tiers[loc.tier.index()];
+        let r = t.refs.get_mut(loc.block.index()).ok_or(AllocatorError::OutOfRange(loc.block))?;
+        *r += 1;
+        if *r == 1 {
+            let owner = t.owner[loc.block.index()];
+            if owner < SWAP_OWNER {
+                self.refresh(NodeId(owner));
+            }
+        }
+        Ok(())
+    }
+
+    fn drop_ref(&mut self, loc: Loc) -> Result<(), PoolError> {
+        let t = &mut self.tiers[loc.tier.index()];
+        let r = t.refs.get_mut(loc.block.index()).ok_or(AllocatorError::OutOfRange(loc.block))?;
+        if *r == 0 {
+            return Err(PoolError::NotHeld(KvAddr { instance: self.instance, loc }));
+        }
+        *r -= 1;
+        if *r == 0 {
+            match t.owner[loc.block.index()] {
+                NO_OWNER => t.alloc.free(&[loc.block])?,
+                SWAP_OWNER => unreachable!("swap destinations carry no references"),
+                node => self.refresh(NodeId(node)),
+            }
+        }
+        Ok(())
+    }
+
+    // ---- eviction --------------------------------------------------------------------------
+
+    fn eligible(&self, n: NodeId) -> bool {
+        let node = &self.index.nodes[n.index()];
+        !node.in_flight && node.same_tier_children == 0 && self.ref_count(node.loc) == 0
+    }
+
+    /// Pins or unpins a node in its tier's policy to match its eligibility.
+    fn refresh(&mut self, n: NodeId) {
+        let eligible = self.eligible(n);
+        let policy = &mut self.tiers[self.index.nodes[n.index()].loc.tier.index()].policy;
+        if eligible { policy.unpin(n) } else { policy.pin(n) }
+    }
+
+    fn next_lower(&self, tier: Tier) -> Option<Tier> {
+        Tier::ALL[tier.index() + 1..].iter().copied().find(|t| self.tiers[t.index()].size() > 0)
+    }
+
+    /// Frees slots in `tier` until `n` are free, evicting cold cached blocks.
+    fn make_room(&mut self, tier: Tier, n: usize) -> Result<(), PoolError> {
+        let t = &self.tiers[tier.index()];
+        let available = t.alloc.num_free() + t.policy.evictable();
+        if available < n {
+            return Err(PoolError::OutOfBlocks { tier, wanted: n, available });
+        }
+        while self.tiers[tier.index()].alloc.num_free() < n {
+            if !self.evict_one(tier)? {
+                let t = &self.tiers[tier.index()];
+                return Err(PoolError::OutOfBlocks { tier, wanted: n, available: t.alloc.num_free() });
+            }
+        }
+        Ok(())
+    }
+
+    /// Evicts the coldest evictable block of `tier`: down one tier when there is room there,
+    /// out of the cache otherwise. False when nothing is evictable.
+    fn evict_one(&mut self, tier: Tier) -> Result<bool, PoolError> {
+        let Some(victim) = self.tiers[tier.index()].policy.victim() else { return Ok(false) };
+        if let Some(lower) = self.next_lower(tier)
+            && self.make_room(lower, 1).is_ok()
+        {
+            let to = self.tiers[lower.index()].alloc.allocate(1).expect("room was made")[0];
+            let from = self.index.nodes[victim.index()].loc;
+            self.copy(from, Loc { tier: lower, block: to })?;
+            self.retarget(victim, Loc { tier: lower, block: to });
+        } else {
+            for n in self.index.subtree_post_order(victim) {
+                self.remove_node(n);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Points node `n` at `to` (a slot the caller allocated and filled), moving the references
+    /// of its old slot there and freeing the old slot.
+    fn retarget(&mut self, n: NodeId, to: Loc) {
+        let from = self.index.nodes[n.index()].loc;
+        let refs = std::mem::take(&mut self.tiers[from.tier.index()].refs[from.block.index()]);
+        self.tiers[from.tier.index()].owner[from.block.index()] = NO_OWNER;
+        self.tiers[from.tier.index()].alloc.free(&[from.block]).expect("a cached slot is allocated");
+        self.tiers[from.tier.index()].policy.remove(n);
+        self.tiers[to.tier.index()].refs[to.block.index()] += refs;
+        self.tiers[to.tier.index()].owner[to.block.index()] = n.0;
+        self.index.nodes[n.index()].loc = to;
+        let same = self.index.children(n).filter(|c| self.index.nodes[c.index()].loc.tier == to.tier).count();
+        self.index.nodes[n.index()].same_tier_children = same as u32;
+        let parent = self.index.nodes[n.index()].parent;
+        if parent != NO_OWNER {
+            let p = &mut self.index.nodes[parent as usize];
+            if p.loc.tier == from.tier {
+                p.same_tier_children -= 1;
+            }
+            if p.loc.tier == to.tier {
+                p.same_tier_children += 1;
+            }
+            self.refresh(NodeId(parent));
+        }
+        self.tiers[to.tier.index()].policy.insert(n, self.now);
+        self.refresh(n);
+        let hash = self.index.nodes[n.index()].hash;
+        self.emit(KvEventKind::Moved { hash, tier: to.tier });
+    }
+
+    /// Removes a leaf from the index; its slot goes to the free list unless requests hold it.
+    fn remove_node(&mut self, n: NodeId) {
+        let node = &self.index.nodes[n.index()];
+        let (loc, parent, hash) = (node.loc, node.parent, node.hash);
+        let t = &mut self.tiers[loc.tier.index()];
+        t.policy.remove(n);
+        t.owner[loc.block.index()] = NO_OWNER;
+        if t.refs[loc.block.index()] == 0 {
+            t.alloc.free(&[loc.block]).expect("a cached slot is allocated");
+        }
+        self.index.remove(n);
+        if parent != NO_OWNER {
+            let p = &mut self.index.nodes[parent as usize];
+            if p.loc.tier == loc.tier {
+                p.same_tier_children -= 1;
+            }
+            self.refresh(NodeId(parent));
+        }
+        self.emit(KvEventKind::Removed { hash });
+    }
+
+    /// Copies one block between slots of different tiers.
+    fn copy(&mut self, from: Loc, to: Loc) -> Result<(), PoolError> {
+        let (a, b) = (from.tier.index(), to.tier.index());
+        assert_ne!(a, b, "copies go between tiers");
+        let (src, dst) = if a < b {
+            let (lo, hi) = self.tiers.split_at_mut(b);
+            (&lo[a], &mut hi[0])
+        } else {
+            let (lo, hi) = self.tiers.split_at_mut(a);
+            (&hi[0], &mut lo[b])
+        };
+        match (&src.store, &mut dst.store) {
+            (Store::Arena(s), Store::Arena(d)) => d.copy_blocks_from(s, &[from.block], &[to.block]),
+            (Store::Arena(s), Store::Disk(d)) => {
+                let ranges = s.descriptor().byte_ranges(&[from.block]);
+                d.write_block(to.block, s.as_bytes(), &ranges)?;
+            }
+            (Store::Disk(s), Store::Arena(d)) => {
+                let ranges = d.descriptor().byte_ranges(&[to.block]);
+                s.read_block(from.block, d.as_bytes_mut(), &ranges)?;
+            }
+            _ => unreachable!("tiers with slots have storage"),
+        }
+        Ok(())
+    }
+
+    // ---- index API -------------------------------------------------------------------------
+
+    /// MemServe `insert`: caches the full blocks of a prompt. `blocks` are the device blocks
+    /// holding `tokens` (at least one reference each, held by the caller, who keeps it: free
+    /// them as usual, and the index keeps the blocks it adopted). A block whose prefix is cached
+    /// already keeps the cached copy (or moves the cached entry onto the caller's device block
+    /// when the cached copy sits in a slower tier). Returns the blocks newly added.
+    pub fn insert(&mut self, tokens: &[u32], blocks: &[BlockId], now: u64) -> Result<usize, PoolError> {
+        self.tick(now);
+        let bs = self.geometry.block_size;
+        let full = (tokens.len() / bs).min(blocks.len());
+        for &b in &blocks[..full] {
+            let loc = Self::dev(b);
+            self.own(self.addr(loc))?;
+            if self.ref_count(loc) == 0 {
+                return Err(PoolError::NotHeld(self.addr(loc)));
+            }
+        }
+        let mut parent: Option<NodeId> = None;
+        let mut parent_hash: Option<BlockHash> = None;
+        let mut added = 0;
+        for (i, &b) in blocks[..full].iter().enumerate() {
+            let toks = &tokens[i * bs..(i + 1) * bs];
+            let hash = block_hash(parent_hash, toks);
+            let n = match self.index.find(parent, hash, toks) {
+                Some(n) => {
+                    let node = &self.index.nodes[n.index()];
+                    if node.loc.tier != Tier::Device {
+                        let promotable = !node.in_flight
+                            && self.ref_count(node.loc) == 0
+                            && self.owner(Self::dev(b)) == NO_OWNER
+                            && parent.is_none_or(|p| self.index.nodes[p.index()].loc.tier == Tier::Device);
+                        if !promotable {
+                            break;
+                        }
+                        self.retarget(n, Self::dev(b));
+                    }
+                    self.tiers[0].policy.touch(n, now);
+                    n
+                }
+                None => {
+                    if self.owner(Self::dev(b)) != NO_OWNER || self.index.get(hash).is_some() {
+                        // The block is cached under another prefix, or the hash collides.
+                        break;
+                    }
+                    let n = self.index.add(parent, hash, toks, Self::dev(b));
+                    self.tiers[0].owner[b.index()] = n.0;
+                    self.tiers[0].policy.insert(n, now);
+                    self.refresh(n);
+                    if let Some(p) = parent {
+                        self.index.nodes[p.index()].same_tier_children += 1;
+                        self.refresh(p);
+                    }
+                    self.emit(KvEventKind::Stored {
+                        hash,
+                        parent: parent_hash,
+                        tokens: toks.to_vec(),
+                        tier: Tier::Device,
+                    });
+                    added += 1;
+                    n
+                }
+            };
+            parent = Some(n);
+            parent_hash = Some(hash);
+        }
+        Ok(added)
+    }
+
+    /// MemServe `match`: the longest cached prefix of `tokens` in whole blocks, on any tier,
+    /// taking one reference on each block returned (release them with [`free_mem`](Self::free_mem),
+    /// or bring them to the device with [`swap_in`](Self::swap_in)). Held blocks are never evicted.
+    pub fn match_prefix(&mut self, tokens: &[u32], now: u64) -> PrefixMatch {
+        self.tick(now);
+        let path = self.walk(tokens);
+        let mut addrs = Vec::with_capacity(path.len());
+        for n in path {
+            let loc = self.index.nodes[n.index()].loc;
+            self.take_ref(loc).expect("cached slots are in range");
+            self.tiers[loc.tier.index()].policy.touch(n, now);
+            addrs.push(self.addr(loc));
+        }
+        let tokens = addrs.len() * self.geometry.block_size;
+        PrefixMatch { addrs, tokens }
+    }
+
+    /// Cached blocks of the longest cached prefix of `tokens`, per tier, without taking
+    /// references or recording a use (for scheduling decisions).
+    pub fn peek_prefix(&self, tokens: &[u32]) -> [usize; 3] {
+        let mut out = [0; 3];
+        for n in self.walk(tokens) {
+            out[self.index.nodes[n.index()].loc.tier.index()] += 1;
+        }
+        out
+    }
+
+    fn walk(&self, tokens: &[u32]) -> Vec<NodeId> {
+        let bs = self.geometry.block_size;
+        let mut path = Vec::new();
+        let mut parent = None;
+        let mut parent_hash = None;
+        for toks in tokens.chunks_exact(bs) {
+            let hash = block_hash(parent_hash, toks);
+            let Some(n) = self.index.find(parent, hash, toks) else { break };
+            path.push(n);
+            parent = Some(n);
+            parent_hash = Some(hash);
+        }
+        path
+    }
+
+    /// The engine's prefix call: matches `tokens`, brings the matched blocks onto the device
+    /// tier, and returns the device blocks (one reference each, held by the caller) with the
+    /// tokens they cover. Blocks that cannot be brought in for lack of device room are left out
+    /// (the match is shortened).
+    pub fn acquire_prefix(&mut self, tokens: &[u32], now: u64) -> Result<(Vec<BlockId>, usize), PoolError> {
+        let mut m = self.match_prefix(tokens, now);
+        let on_device = m.on_device();
+        let lower = m.addrs.len() - on_device;
+        if lower > 0 && self.make_room(Tier::Device, lower).is_err() {
+            let tail = m.addrs.split_off(on_device);
+            self.free_mem(&tail)?;
+        }
+        let blocks = self.swap_in(&m.addrs)?;
+        let tokens = blocks.len() * self.geometry.block_size;
+        Ok((blocks, tokens))
+    }
+
+    /// MemServe `delete`: forgets the prompt's cached blocks: everything cached below its
+    /// longest cached prefix, and the blocks of that prefix no other cached prompt goes through.
+    /// Blocks that requests still hold stay theirs until released. Returns blocks removed.
+    pub fn delete(&mut self, tokens: &[u32]) -> usize {
+        let path = self.walk(tokens);
+        let Some(&deepest) = path.last() else { return 0 };
+        let mut removed = 0;
+        for n in self.index.subtree_post_order(deepest) {
+            self.remove_node(n);
+            removed += 1;
+        }
+        for &n in path.iter().rev().skip(1) {
+            if self.index.has_children(n) {
+                break;
+            }
+            self.remove_node(n);
+            removed += 1;
+        }
+        removed
+    }
+
+    /// Every cached block with its parent and tier, ordered by hash (what a [`crate::RemoteIndex`]
+    /// fed by this pool's events holds).
+    pub fn index_entries(&self) -> std::collections::BTreeMap<BlockHash, IndexEntry> {
+        self.index
+            .iter()
+            .map(|n| {
+                let node = &self.index.nodes[n.index()];
+                let parent = (node.parent != NO_OWNER).then(|| self.index.nodes[node.parent as usize].hash);
+                (node.hash, IndexEntry { parent, tier: node.loc.tier })
+            })
+            .collect()
+    }
+
+    // ---- tiers -----------------------------------------------------------------------------
+
+    /// MemServe `swap_out`: moves up to `n` of the coldest evictable device blocks to the next
+    /// slower tier, with real copies. Returns the blocks moved.
+    ///
+    /// A chain of cached blocks leaves the device deepest block first (a block never sits
+    /// below a slower one), so this runs swap rounds until `n` moved or nothing can.
+    pub fn swap_out(&mut self, n: usize, now: u64) -> Result<usize, PoolError> {
+        let mut moved = 0;
+        while moved < n {
+            let job = self.begin_swap_out(n - moved, now)?;
+            if job.is_empty() {
+                break;
+            }
+            let round = self.finish_swap(job)?;
+            if round == 0 {
+                break;
+            }
+            moved += round;
+        }
+        Ok(moved)
+    }
+
+    /// First half of [`swap_out`](Self::swap_out): picks up to `n` victims, marks them moving
+    /// and reserves their destination slots, which the job owns until
+    /// [`finish_swap`](Self::finish_swap). Meanwhile the blocks stay readable and matchable;
+    /// one that gets referenced, gains a device child or is deleted in between is not moved.
+    pub fn begin_swap_out(&mut self, n: usize, now: u64) -> Result<SwapJob, PoolError> {
+        self.tick(now);
+        let mut moves = Vec::new();
+        let Some(lower) = self.next_lower(Tier::Device) else { return Ok(SwapJob { moves }) };
+        for _ in 0..n {
+            let Some(v) = self.tiers[0].policy.victim() else { break };
+            // Pin the victim first: making room below must not pick it.
+            self.index.nodes[v.index()].in_flight = true;
+            self.refresh(v);
+            if self.make_room(lower, 1).is_err() {
+                self.index.nodes[v.index()].in_flight = false;
+                self.refresh(v);
+                break;
+            }
+            let to = self.tiers[lower.index()].alloc.allocate(1).expect("room was made")[0];
+            self.tiers[lower.index()].owner[to.index()] = SWAP_OWNER;
+            let node = &self.index.nodes[v.index()];
+            moves.push(SwapMove {
+                node: v,
+                generation: node.generation,
+                from: node.loc,
+                to: Loc { tier: lower, block: to },
+            });
+        }
+        Ok(SwapJob { moves })
+    }
+
+    /// Second half of a swap: copies each block that may still move and points the index at
+    /// its new slot; releases the rest. Returns the blocks moved.
+    pub fn finish_swap(&mut self, job: SwapJob) -> Result<usize, PoolError> {
+        let mut moved = 0;
+        let mut first_err = None;
+        for m in job.moves {
+            let t = &mut self.tiers[m.to.tier.index()];
+            t.owner[m.to.block.index()] = NO_OWNER;
+            let live = self.index.is_live(m.node, m.generation) && self.index.nodes[m.node.index()].loc == m.from;
+            if live {
+                self.index.nodes[m.node.index()].in_flight = false;
+                if self.eligible(m.node) && first_err.is_none() {
+                    match self.copy(m.from, m.to) {
+                        Ok(()) => {
+                            self.retarget(m.node, m.to);
+                            moved += 1;
+                            continue;
+                        }
+                        Err(e) => first_err = Some(e),
+                    }
+                }
+                self.refresh(m.node);
+            }
+            self.tiers[m.to.tier.index()].alloc.free(&[m.to.block])?;
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(moved),
+        }
+    }
+
+    /// MemServe `swap_in`: brings the given held blocks onto the device tier with real copies
+    /// and returns their device ids in order; the caller's reference moves with each block.
+    /// A cached block only the caller holds moves in the index too; one that others hold is
+    /// copied to a private device block. Device addresses pass through unchanged.
+    pub fn swap_in(&mut self, addrs: &[KvAddr]) -> Result<Vec<BlockId>, PoolError> {
+        for a in addrs {
+            self.own(*a)?;
+            if self.ref_count(a.loc) == 0 {
+                return Err(PoolError::NotHeld(*a));
+            }
+        }
+        let lower = addrs.iter().filter(|a| a.loc.tier != Tier::Device).count();
+        self.make_room(Tier::Device, lower)?;
+        let mut out = Vec::with_capacity(addrs.len());
+        for a in addrs {
+            if a.loc.tier == Tier::Device {
+                out.push(a.loc.block);
+                continue;
+            }
+            let d = self.tiers[0].alloc.allocate(1).expect("room was made")[0];
+            self.copy(a.loc, Self::dev(d))?;
+            let owner = self.owner(a.loc);
+            let movable = owner < SWAP_OWNER && {
+                let node = &self.index.nodes[owner as usize];
+                !node.in_flight
+                    && self.ref_count(a.loc) == 1
+                    && (node.parent == NO_OWNER || self.index.nodes[node.parent as usize].loc.tier == Tier::Device)
+            };
+            if movable {
+                self.retarget(NodeId(owner), Self::dev(d));
+            } else {
+                self.tiers[0].refs[d.index()] = 1;
+                self.drop_ref(a.loc)?;
+            }
+            out.push(d);
+        }
+        Ok(out)
+    }
+
+    // ---- distributed API (filled in by the transfer layer) ---------------------------------
+
+    /// MemServe `transfer`: hands the request to `transport` after checking the source blocks
+    /// are this instance's and held.
+    pub fn transfer(
+        &self,
+        transport: Option<&mut dyn KvTransport>,
+        request: &TransferRequest,
+    ) -> Result<Vec<KvAddr>, PoolError> {
+        self.check_sources(request)?;
+        transport.ok_or(PoolError::NoTransport)?.transfer(self, request, None)
+    }
+
+    /// MemServe `transfer_with_insert`: like [`transfer`](Self::transfer); the receiver also
+    /// inserts `tokens` over the destination blocks into its index.
+    pub fn transfer_with_insert(
+        &self,
+        transport: Option<&mut dyn KvTransport>,
+        request: &TransferRequest,
+        tokens: &[u32],
+    ) -> Result<Vec<KvAddr>, PoolError> {
+        self.check_sources(request)?;
+        transport.ok_or(PoolError::NoTransport)?.transfer(self, request, Some(tokens))
+    }
+
+    fn check_sources(&self, request: &TransferRequest) -> Result<(), PoolError> {
+        for a in &request.src {
+            self.own(*a)?;
+            if self.ref_count(a.loc) == 0 && self.owner(a.loc) >= SWAP_OWNER {
+                return Err(PoolError::NotHeld(*a));
+            }
+        }
+        Ok(())
+    }
+
+    // ---- accounting ------------------------------------------------------------------------
+
+    /// Blocks of each owner kind in a tier.
+    pub fn usage(&self, tier: Tier) -> TierUsage {
+        let t = &self.tiers[tier.index()];
+        let mut u = TierUsage { free: t.alloc.num_free(), evictable: t.policy.evictable(), ..TierUsage::default() };
+        for (i, &o) in t.owner.iter().enumerate() {
+            match o {
+                NO_OWNER if t.refs[i] > 0 => u.held += 1,
+                NO_OWNER => {}
+                SWAP_OWNER => u.in_flight += 1,
+                _ => u.cached += 1,
+            }
+        }
+        u
+    }
+
+    /// Checks that every slot of every tier has exactly one owner and that the index, the
+    /// eviction policies and the counters agree. `O(blocks · log blocks)`: for tests and
+    /// debugging.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        for tier in Tier::ALL {
+            let t = &self.tiers[tier.index()];
+            let mut free = 0;
+            let mut evictable = 0;
+            for i in 0..t.size() {
+                let b = BlockId(i as u32);
+                let is_free = t.alloc.is_free(b);
+                let (o, r) = (t.owner[i], t.refs[i]);
+                let owners = usize::from(is_free) + usize::from(o != NO_OWNER) + usize::from(o == NO_OWNER && r > 0);
+                if owners != 1 {
+                    return Err(format!("{tier} {b}: {owners} owners (free {is_free}, owner {o}, refs {r})"));
+                }
+                if (is_free || o == SWAP_OWNER) && r != 0 {
+                    return Err(format!("{tier} {b}: free or in flight with {r} references"));
+                }
+                free += usize::from(is_free);
+                if o < SWAP_OWNER {
+                    let n = NodeId(o);
+                    let node = self.index.nodes.get(n.index()).ok_or(format!("{tier} {b}: unknown node"))?;
+                    if !node.live || node.loc != (Loc { tier, block: b }) {
+                        return Err(format!("{tier} {b}: node {o} does not point here"));
+                    }
+                    if !t.policy.contains(n) {
+                        return Err(format!("{tier} {b}: node {o} untracked by the policy"));
+                    }
+                    evictable += usize::from(self.eligible(n));
+                }
+            }
+            if free != t.alloc.num_free() {
+                return Err(format!("{tier}: {free} free slots, allocator says {}", t.alloc.num_free()));
+            }
+            if evictable != t.policy.evictable() {
+                return Err(format!("{tier}: {evictable} evictable, policy says {}", t.policy.evictable()));
+            }
+        }
+        let mut live = 0;
+        for n in self.index.iter() {
+            live += 1;
+            let node = &self.index.nodes[n.index()];
+            if self.owner(node.loc) != n.0 {
+                return Err(format!("node {} at {:?} is not its slot's owner", n.0, node.loc));
+            }
+            if self.index.get(node.hash) != Some(n) {
+                return Err(format!("node {} is not found by its hash", n.0));
+            }
+            let same = self.index.children(n).filter(|c| self.index.nodes[c.index()].loc.tier == node.loc.tier).count();
+            if same != node.same_tier_children as usize {
+                return Err(format!("node {}: {} same-tier children, counted {}", n.0, same, node.same_tier_children));
+            }
+            if node.parent != NO_OWNER {
+                let p = &self.index.nodes[node.parent as usize];
+                if !p.live || p.loc.tier > node.loc.tier {
+                    return Err(format!("node {}: parent is dead or in a slower tier", n.0));
+                }
+                let parent_hash = Some(p.hash);
+                if block_hash(parent_hash, self.index.tokens(n)) != node.hash {
+                    return Err(format!("node {}: hash does not chain from its parent", n.0));
+                }
+            }
+        }
+        if live != self.index.len() {
+            return Err(format!("{live} live nodes, {} hashed", self.index.len()));
+        }
+        Ok(())
+    }
+}
