@@ -1,0 +1,322 @@
+//! Seeded random-operation test of the MemPool: 100,000 operations mixing allocation, free,
+//! insert, match, delete, swaps (including unfinished ones) and eviction under pressure, with
+//! requests holding references. After every step it checks that every block of every tier has
+//! exactly one owner, that reference counts equal what the simulated requests hold, that match
+//! agrees with the index the event stream describes, and that KV bytes survive every move.
+
+use std::collections::HashMap;
+
+use baton_kv::{
+    BlockHash, BlockId, InstanceId, KvAddr, KvGeometry, KvLayout, KvPart, Loc, MemPool, PolicyKind, PoolConfig,
+    PoolError, RemoteIndex, SwapJob, Tier, prefix_hashes,
+};
+
+/// splitmix64: a seeded generator, so a failure replays exactly.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+const BS: usize = 4;
+
+/// The value stored at element `i` of the block whose chained hash is `h`.
+fn pattern(h: BlockHash, i: usize) -> f32 {
+    ((h.0 >> ((i % 4) * 16)) & 0xffff) as f32
+}
+
+#[derive(Debug, Default)]
+struct Request {
+    prompt: Vec<u32>,
+    /// Device blocks in token order (one reference each).
+    blocks: Vec<BlockId>,
+    /// Blocks matched but left where they are (one reference each, any tier).
+    held: Vec<KvAddr>,
+}
+
+struct Sim {
+    pool: MemPool,
+    remote: RemoteIndex,
+    requests: Vec<Request>,
+    job: Option<SwapJob>,
+    rng: Rng,
+    now: u64,
+    /// Every full-block prefix ever inserted (by its last block's hash).
+    ever_inserted: HashMap<BlockHash, usize>,
+    /// Requests whose cached prefix reached into the disk tier.
+    disk_hits: usize,
+}
+
+impl Sim {
+    fn prompt(&mut self) -> Vec<u32> {
+        // Few "documents" over a tiny vocabulary: prompts share prefixes often.
+        let doc = self.rng.below(40) as u32;
+        let len = self.rng.below(7 * BS);
+        (0..len as u32).map(|i| if i < 8 { doc % 3 } else { (doc * 7 + i * (doc % 5 + 1)) % 11 }).collect()
+    }
+
+    fn write_blocks(&mut self, prompt: &[u32], blocks: &[BlockId], from: usize) {
+        let hashes = prefix_hashes(prompt, BS);
+        let slab = self.pool.geometry().slab_elems();
+        for (i, h) in hashes.iter().enumerate().skip(from) {
+            for part in [KvPart::Key, KvPart::Value] {
+                for slot in 0..BS {
+                    let row = self.pool.arena_mut().token_mut(0, part, blocks[i], slot);
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x = pattern(*h, part as usize * slab + slot * row_len() + j);
+                    }
+                }
+            }
+        }
+    }
+
+    fn verify_blocks(&self, prompt: &[u32], blocks: &[BlockId]) {
+        let hashes = prefix_hashes(prompt, BS);
+        let slab = self.pool.geometry().slab_elems();
+        for (i, &b) in blocks.iter().enumerate() {
+            for part in [KvPart::Key, KvPart::Value] {
+                let data = self.pool.arena().block(0, part, b);
+                for (e, &x) in data.iter().enumerate() {
+                    assert_eq!(
+                        x,
+                        pattern(hashes[i], part as usize * slab + e),
+                        "block {i} of a matched prefix: wrong KV"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The longest prefix of `prompt` the event-fed remote index holds.
+    fn remote_overlap(&self, prompt: &[u32]) -> usize {
+        let hashes = prefix_hashes(prompt, BS);
+        self.remote.overlaps(&hashes).first().map_or(0, |&(_, n)| n)
+    }
+
+    fn sync_events(&mut self) {
+        for e in self.pool.drain_events() {
+            self.remote.apply(&e).expect("events arrive in order and name known blocks");
+        }
+    }
+
+    fn step(&mut self) {
+        self.now += 1;
+        let now = self.now;
+        match self.rng.below(100) {
+            // A request arrives: reuse its cached prefix, allocate the rest, write its KV.
+            0..=19 => {
+                let prompt = self.prompt();
+                let expect = self.remote_overlap(&prompt);
+                self.disk_hits += usize::from(self.pool.peek_prefix(&prompt)[Tier::Disk.index()] > 0);
+                let (mut blocks, tokens) = self.pool.acquire_prefix(&prompt, now).expect("acquire never fails");
+                assert!(tokens <= expect * BS, "match returned more than was cached");
+                assert_eq!(tokens, blocks.len() * BS);
+                self.verify_blocks(&prompt, &blocks);
+                let need = (prompt.len() + 1 + self.rng.below(6)).div_ceil(BS).saturating_sub(blocks.len());
+                match self.pool.alloc_blocks(need) {
+                    Ok(new) => {
+                        let from = blocks.len();
+                        blocks.extend(new);
+                        self.write_blocks(&prompt, &blocks, from);
+                        self.requests.push(Request { prompt, blocks, held: Vec::new() });
+                    }
+                    Err(PoolError::OutOfBlocks { .. }) => self.pool.free_blocks(&blocks).expect("held"),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            // A request finishes: usually cache its prompt, then let go.
+            20..=44 => {
+                if self.requests.is_empty() {
+                    return;
+                }
+                let k = self.rng.below(self.requests.len());
+                let r = self.requests.swap_remove(k);
+                if self.rng.below(10) < 8 {
+                    self.pool.insert(&r.prompt, &r.blocks, now).expect("insert of held blocks");
+                    for h in prefix_hashes(&r.prompt, BS) {
+                        *self.ever_inserted.entry(h).or_default() += 1;
+                    }
+                }
+                self.pool.free_blocks(&r.blocks).expect("held");
+                self.pool.free_mem(&r.held).expect("held");
+            }
+            // Match only, holding blocks wherever they are (they must not move or vanish).
+            45..=52 => {
+                let prompt = self.prompt();
+                let expect = self.remote_overlap(&prompt);
+                let m = self.pool.match_prefix(&prompt, now);
+                assert_eq!(m.len(), expect, "match disagrees with the event-fed index");
+                for h in prefix_hashes(&prompt, BS).iter().take(m.len()) {
+                    assert!(self.ever_inserted.contains_key(h), "matched a block never inserted");
+                }
+                let tiers: Vec<Tier> = m.addrs.iter().map(|a| a.loc.tier).collect();
+                assert!(tiers.windows(2).all(|w| w[0] <= w[1]), "tiers only get slower along a prefix");
+                self.requests.push(Request { prompt, blocks: Vec::new(), held: m.addrs });
+            }
+            // Bring a holder's blocks to the device.
+            53..=57 => {
+                let Some(k) = self
+                    .requests
+                    .iter()
+                    .position(|r| !r.held.is_empty() && r.blocks.is_empty() && !r.prompt.is_empty())
+                else {
+                    return;
+                };
+                let held = std::mem::take(&mut self.requests[k].held);
+                match self.pool.swap_in(&held) {
+                    Ok(blocks) => {
+                        let prompt = self.requests[k].prompt.clone();
+                        self.verify_blocks(&prompt, &blocks);
+                        self.requests[k].blocks = blocks;
+                    }
+                    Err(PoolError::OutOfBlocks { .. }) => self.requests[k].held = held,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            58..=63 => {
+                let prompt = self.prompt();
+                self.pool.delete(&prompt);
+            }
+            64..=71 => {
+                let n = self.rng.below(8);
+                self.pool.swap_out(n, now).expect("swap out");
+            }
+            // Swaps that stay in flight across other operations.
+            72..=79 => match self.job.take() {
+                Some(job) => {
+                    self.pool.finish_swap(job).expect("finish swap");
+                }
+                None => self.job = Some(self.pool.begin_swap_out(1 + self.rng.below(6), now).expect("begin swap")),
+            },
+            // Host or disk memory held by a request directly.
+            80..=84 => {
+                let tier = if self.rng.below(2) == 0 { Tier::Host } else { Tier::Disk };
+                if let Ok(addrs) = self.pool.alloc_mem(1 + self.rng.below(3), tier) {
+                    self.requests.push(Request { prompt: Vec::new(), blocks: Vec::new(), held: addrs });
+                }
+            }
+            // Abort: free without caching.
+            _ => {
+                if self.requests.is_empty() {
+                    return;
+                }
+                let k = self.rng.below(self.requests.len());
+                let r = self.requests.swap_remove(k);
+                self.pool.free_blocks(&r.blocks).expect("held");
+                self.pool.free_mem(&r.held).expect("held");
+            }
+        }
+    }
+
+    fn check(&mut self) {
+        if let Err(e) = self.pool.check_invariants() {
+            panic!("after step {}: {e}", self.now);
+        }
+        // Reference counts are exactly what the simulated requests hold.
+        let mut held: HashMap<Loc, u32> = HashMap::new();
+        for r in &self.requests {
+            for &b in &r.blocks {
+                *held.entry(Loc { tier: Tier::Device, block: b }).or_default() += 1;
+            }
+            for a in &r.held {
+                *held.entry(a.loc).or_default() += 1;
+            }
+        }
+        for tier in Tier::ALL {
+            let usage = self.pool.usage(tier);
+            assert_eq!(usage.free + usage.held + usage.cached + usage.in_flight, self.pool.num_blocks(tier));
+            for i in 0..self.pool.num_blocks(tier) {
+                let loc = Loc { tier, block: BlockId(i as u32) };
+                assert_eq!(
+                    self.pool.ref_count(loc),
+                    held.get(&loc).copied().unwrap_or(0),
+                    "step {}: refs of {loc:?}",
+                    self.now
+                );
+            }
+        }
+        self.sync_events();
+    }
+}
+
+fn row_len() -> usize {
+    2
+}
+
+fn run(seed: u64, policy: PolicyKind, steps: usize) {
+    let dir = std::env::temp_dir().join(format!("baton-kv-random-{}-{seed}", std::process::id()));
+    let geometry = KvGeometry::new(1, 1, row_len(), BS);
+    let pool = MemPool::new(PoolConfig {
+        host_blocks: 24,
+        disk_blocks: 16,
+        disk_dir: Some(dir.clone()),
+        policy,
+        ..PoolConfig::device_only(InstanceId(3), geometry, KvLayout::LayerMajor, 40)
+    })
+    .expect("pool");
+    let mut sim = Sim {
+        pool,
+        remote: RemoteIndex::new(),
+        requests: Vec::new(),
+        job: None,
+        rng: Rng(seed),
+        now: 0,
+        ever_inserted: HashMap::new(),
+        disk_hits: 0,
+    };
+    let mut moved_lower = 0;
+    for i in 0..steps {
+        sim.step();
+        sim.check();
+        if i % 1000 == 0 {
+            assert_eq!(sim.remote.entries(InstanceId(3)), sim.pool.index_entries(), "event-fed index diverged");
+        }
+        moved_lower += usize::from(sim.pool.index_entries().values().any(|e| e.tier == Tier::Disk));
+    }
+    eprintln!(
+        "{policy:?}: steps with disk entries {moved_lower}, disk hits {}; usage {:?} {:?} {:?}",
+        sim.disk_hits,
+        sim.pool.usage(Tier::Device),
+        sim.pool.usage(Tier::Host),
+        sim.pool.usage(Tier::Disk)
+    );
+    assert!(moved_lower > 0, "the workload never reached the disk tier");
+    assert!(sim.disk_hits > 0, "no request ever read its prefix back from disk");
+    // Everyone lets go: only the cache and the free list own blocks.
+    if let Some(job) = sim.job.take() {
+        sim.pool.finish_swap(job).expect("finish");
+    }
+    for r in std::mem::take(&mut sim.requests) {
+        sim.pool.free_blocks(&r.blocks).expect("held");
+        sim.pool.free_mem(&r.held).expect("held");
+    }
+    sim.check();
+    for tier in Tier::ALL {
+        let u = sim.pool.usage(tier);
+        assert_eq!((u.held, u.in_flight), (0, 0), "{tier}: leaked blocks");
+        assert_eq!(u.free + u.cached, sim.pool.num_blocks(tier));
+    }
+    assert_eq!(sim.remote.entries(InstanceId(3)), sim.pool.index_entries());
+    drop(sim);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn hundred_thousand_random_operations_lru() {
+    run(0x5eed_0001, PolicyKind::Lru, 100_000);
+}
+
+#[test]
+fn random_operations_lfu() {
+    run(0x5eed_0002, PolicyKind::Lfu, 30_000);
+}
