@@ -427,10 +427,27 @@ impl MemPool {
     /// Drops one reference on each device block; a block no one holds and the index does not
     /// cache goes back to the free list. The engine's free call.
     pub fn free_blocks(&mut self, blocks: &[BlockId]) -> Result<(), PoolError> {
+        // Fast path: blocks nobody else holds and the index does not cache go back to the
+        // allocator as runs, one call per run instead of one per block.
+        let mut released = Vec::with_capacity(blocks.len());
+        let mut result = Ok(());
         for &b in blocks {
-            self.drop_ref(Self::dev(b))?;
+            let t = &mut self.tiers[0];
+            match (t.refs.get(b.index()).copied(), t.owner.get(b.index()).copied()) {
+                (Some(1), Some(NO_OWNER)) => {
+                    t.refs[b.index()] = 0;
+                    released.push(b);
+                }
+                _ => {
+                    if let Err(e) = self.drop_ref(Self::dev(b)) {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
         }
-        Ok(())
+        self.tiers[0].alloc.free(&released)?;
+        result
     }
 
     /// Adds one reference on each held device block (e.g. to keep a finished prompt's KV).
