@@ -1,1 +1,244 @@
-//! placeholder
+//! `baton bench engine`: prefill and decode throughput of the engine on a random-weight model
+//! of realistic shape, next to the machine's memory bandwidth measured in the same run.
+//!
+//! Decode at small batch is bound by reading the weights once per step, so the figure of merit
+//! is the weight bytes read per second as a fraction of the bandwidth a plain parallel read of
+//! memory achieves on the same machine, in the same run.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use baton_kv::KvLayout;
+use baton_model::config::{Architecture, ModelConfig, RopeConfig, RopeScaling, WeightDtype};
+use baton_model::{Model, RandomWeights};
+use serde::Serialize;
+
+use crate::{Engine, EngineConfig, EngineError, GenerationRequest, RequestId, StopParams};
+
+/// Shape of the benchmark model and workload.
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineBenchConfig {
+    /// Width of the residual stream.
+    pub hidden: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// MLP width.
+    pub intermediate: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// Prompt tokens per sequence.
+    pub prompt_len: usize,
+    /// Decode steps timed per batch.
+    pub decode_steps: usize,
+    /// Batch sizes to run.
+    pub batches: Vec<usize>,
+    /// KV layout.
+    #[serde(skip)]
+    pub layout: KvLayout,
+}
+
+impl Default for EngineBenchConfig {
+    fn default() -> Self {
+        Self {
+            hidden: 1024,
+            layers: 16,
+            heads: 16,
+            kv_heads: 4,
+            intermediate: 2816,
+            vocab: 32_000,
+            prompt_len: 512,
+            decode_steps: 32,
+            batches: vec![1, 16],
+            layout: KvLayout::BlockMajor,
+        }
+    }
+}
+
+impl EngineBenchConfig {
+    /// The model configuration the benchmark builds.
+    pub fn model_config(&self) -> ModelConfig {
+        ModelConfig {
+            architecture: Architecture::Llama,
+            vocab_size: self.vocab,
+            hidden_size: self.hidden,
+            intermediate_size: self.intermediate,
+            num_layers: self.layers,
+            num_heads: self.heads,
+            num_kv_heads: self.kv_heads,
+            head_dim: self.hidden / self.heads,
+            rms_norm_eps: 1e-5,
+            rope: RopeConfig { theta: 10_000.0, scaling: RopeScaling::None },
+            max_position_embeddings: 8192,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            mlp_bias: false,
+            dtype: WeightDtype::F32,
+            bos_token_id: Some(1),
+            eos_token_ids: vec![2],
+        }
+    }
+}
+
+/// Bandwidth of this machine, measured with all threads.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryBandwidth {
+    /// Threads used (rayon's pool).
+    pub threads: usize,
+    /// GB/s reading a 1 GiB buffer (sum of floats), best of three.
+    pub read_gb_s: f64,
+    /// GB/s copying 512 MiB (bytes read + bytes written counted once: bytes copied / time).
+    pub memcpy_gb_s: f64,
+}
+
+/// One batch size's figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct BatchResult {
+    /// Sequences in the batch.
+    pub batch: usize,
+    /// Prompt tokens per second over the whole batch's prefill.
+    pub prefill_tokens_per_s: f64,
+    /// Generated tokens per second over all sequences during decode.
+    pub decode_tokens_per_s: f64,
+    /// Decode steps per second.
+    pub decode_steps_per_s: f64,
+    /// Weight bytes read per second during decode (one read of every matrix per step).
+    pub decode_weight_gb_s: f64,
+    /// `decode_weight_gb_s / read_gb_s`.
+    pub decode_fraction_of_read_bw: f64,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineBenchReport {
+    /// The workload.
+    pub config: EngineBenchConfig,
+    /// Parameters of the model.
+    pub params: usize,
+    /// Bytes of weights one forward step reads.
+    pub weight_bytes_per_step: usize,
+    /// The machine's bandwidth, same run.
+    pub memory: MemoryBandwidth,
+    /// Per batch size.
+    pub results: Vec<BatchResult>,
+    /// Decode tokens/s of the largest batch over batch 1's, when both ran.
+    pub batch_speedup: Option<f64>,
+}
+
+/// Measures the machine's read and copy bandwidth with rayon's threads.
+pub fn measure_memory_bandwidth() -> MemoryBandwidth {
+    use rayon::prelude::*;
+    let threads = rayon::current_num_threads();
+    let n = (1usize << 30) / 4;
+    let buf: Vec<f32> = (0..n).into_par_iter().map(|i| (i % 7) as f32).collect();
+    let chunk = n.div_ceil(threads * 4);
+    let mut read = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let s: f32 = buf.par_chunks(chunk).map(baton_model::gemv::sum).sum();
+        std::hint::black_box(s);
+        read = read.max((n * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    let half = n / 2;
+    let mut dst = vec![0f32; half];
+    let mut copy = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        dst.par_chunks_mut(chunk).zip(buf[..half].par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
+        std::hint::black_box(&dst);
+        copy = copy.max((half * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    MemoryBandwidth { threads, read_gb_s: read, memcpy_gb_s: copy }
+}
+
+/// Runs the benchmark; `progress` is told what is happening.
+pub fn run(config: EngineBenchConfig, progress: &mut dyn FnMut(&str)) -> Result<EngineBenchReport, EngineError> {
+    progress("measuring memory bandwidth");
+    let memory = measure_memory_bandwidth();
+    progress("building the random-weight model");
+    let mc = config.model_config();
+    let model = Arc::new(Model::load(&mc, &RandomWeights { seed: 7, std: 0.02 })?);
+    let params =
+        model.weight_bytes_per_step() / 4 + mc.vocab_size * mc.hidden_size * usize::from(!mc.tie_word_embeddings);
+    let weight_bytes = model.weight_bytes_per_step();
+    let mut results = Vec::new();
+    for &batch in &config.batches {
+        progress(&format!(
+            "batch {batch}: prefill {} tokens each, then {} decode steps",
+            config.prompt_len, config.decode_steps
+        ));
+        results.push(run_batch(&model, &config, batch, weight_bytes, memory.read_gb_s)?);
+    }
+    let batch_speedup = match (results.first(), results.last()) {
+        (Some(a), Some(b)) if results.len() > 1 && a.batch == 1 => Some(b.decode_tokens_per_s / a.decode_tokens_per_s),
+        _ => None,
+    };
+    Ok(EngineBenchReport { config, params, weight_bytes_per_step: weight_bytes, memory, results, batch_speedup })
+}
+
+fn run_batch(
+    model: &Arc<Model>,
+    config: &EngineBenchConfig,
+    batch: usize,
+    weight_bytes: usize,
+    read_gb_s: f64,
+) -> Result<BatchResult, EngineError> {
+    let block_size = 16;
+    let per_seq = (config.prompt_len + config.decode_steps + 2).div_ceil(block_size);
+    let engine_config = EngineConfig {
+        block_size,
+        num_blocks: per_seq * batch + 8,
+        layout: config.layout,
+        max_num_seqs: batch,
+        max_batch_tokens: config.prompt_len.max(512),
+        prefill_chunk: config.prompt_len.max(512),
+    };
+    let mut engine = Engine::new(model.clone(), None, engine_config)?;
+    for i in 0..batch {
+        let prompt = (0..config.prompt_len).map(|t| ((t * 31 + i * 17) % config.vocab) as u32).collect();
+        engine.add_request(GenerationRequest {
+            // Early sequences decode while later ones prefill: leave room so none finishes
+            // before the timed decode steps are over.
+            stop: StopParams {
+                max_tokens: config.decode_steps + 2 * batch + 2,
+                ignore_eos: true,
+                stop_strings: vec![],
+            },
+            ..GenerationRequest::new(RequestId(i as u64), prompt)
+        })?;
+    }
+    // Prefill: until every sequence has its first token.
+    let t = Instant::now();
+    let mut started = std::collections::HashSet::new();
+    while started.len() < batch {
+        started.extend(engine.step()?.tokens.iter().map(|t| t.id));
+    }
+    let prefill_s = t.elapsed().as_secs_f64();
+    // Decode: every step now computes one token of every sequence.
+    let t = Instant::now();
+    let mut generated = 0;
+    for _ in 0..config.decode_steps {
+        let out = engine.step()?;
+        if out.tokens.len() != batch || out.computed_tokens != batch {
+            return Err(EngineError::Internal(format!(
+                "a decode step computed {} tokens, not {batch}",
+                out.computed_tokens
+            )));
+        }
+        generated += out.tokens.len();
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+    let steps_per_s = config.decode_steps as f64 / decode_s;
+    let weight_gb_s = weight_bytes as f64 * steps_per_s / 1e9;
+    Ok(BatchResult {
+        batch,
+        prefill_tokens_per_s: (batch * config.prompt_len) as f64 / prefill_s,
+        decode_tokens_per_s: generated as f64 / decode_s,
+        decode_steps_per_s: steps_per_s,
+        decode_weight_gb_s: weight_gb_s,
+        decode_fraction_of_read_bw: weight_gb_s / read_gb_s,
+    })
+}

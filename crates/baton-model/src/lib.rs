@@ -25,6 +25,7 @@ mod chat;
 mod checkpoint;
 pub mod config;
 mod error;
+pub mod gemv;
 pub mod gguf;
 mod kernels;
 mod linear;

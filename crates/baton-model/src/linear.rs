@@ -5,7 +5,11 @@ use candle_core::{Device, Tensor};
 use crate::error::Result;
 use crate::weights::WeightSource;
 
-/// Weight `[out, in]` and optional bias `[out]`.
+/// Up to this many rows go through [`crate::gemv`] (weights streamed once); more go through
+/// candle's GEMM, which wins once the product is compute-bound (prefill).
+const SMALL_BATCH_ROWS: usize = 64;
+
+/// Weight `[out, in]` (contiguous) and optional bias `[out]`.
 #[derive(Debug, Clone)]
 pub(crate) struct Linear {
     weight: Tensor,
@@ -16,6 +20,7 @@ pub(crate) struct Linear {
 
 impl Linear {
     pub(crate) fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        let weight = weight.contiguous()?;
         let (out_features, in_features) = weight.dims2()?;
         Ok(Self { weight, bias, in_features, out_features })
     }
@@ -61,6 +66,21 @@ impl Linear {
 
     /// Applies the layer to `rows` rows of `x` (`[rows][in]`), returning `[rows][out]`.
     pub(crate) fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        if rows <= SMALL_BATCH_ROWS {
+            let (storage, layout) = self.weight.storage_and_layout();
+            let candle_core::Storage::Cpu(cpu) = &*storage else {
+                return Err(candle_core::Error::Msg("weights must live in CPU memory".into()).into());
+            };
+            let w = &cpu.as_slice::<f32>()?[layout.start_offset()..][..self.in_features * self.out_features];
+            let mut y = crate::gemv::matmul_xwt(x, rows, w, self.out_features, self.in_features);
+            if let Some(b) = &self.bias {
+                let b = b.to_vec1::<f32>()?;
+                for row in y.chunks_exact_mut(self.out_features) {
+                    row.iter_mut().zip(&b).for_each(|(y, b)| *y += b);
+                }
+            }
+            return Ok(y);
+        }
         let xt = Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu)?;
         let mut y = xt.matmul(&self.weight.t()?)?;
         if let Some(b) = &self.bias {

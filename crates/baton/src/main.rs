@@ -1,2 +1,36 @@
-//! The Baton binary.
-fn main() {}
+//! The Baton binary: one executable for every role. Each subcommand is a thin shell over the
+//! library crates; no logic of its own lives here.
+
+mod bench;
+mod generate;
+
+use clap::{Parser, Subcommand};
+
+/// Baton: disaggregated LLM serving (prefill and decode on separate workers, KV cache passed
+/// between them).
+#[derive(Debug, Parser)]
+#[command(name = "baton", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate text for one prompt with a local engine and print it.
+    Generate(generate::GenerateArgs),
+    /// Benchmarks (not tests): engine throughput and more.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Generate(args) => generate::run(args),
+        Command::Bench(cmd) => bench::run(cmd),
+    }
+}

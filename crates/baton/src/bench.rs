@@ -1,0 +1,115 @@
+//! `baton bench ...`: benchmark commands. Each prints its figures next to the limit measured
+//! in the same run.
+
+use baton_engine::bench::{self, EngineBenchConfig};
+use baton_kv::KvLayout;
+
+/// Benchmarks.
+#[derive(Debug, clap::Subcommand)]
+pub(crate) enum BenchCommand {
+    /// Prefill and decode tokens/s of the engine on a random-weight model of realistic shape,
+    /// against the machine's memory bandwidth.
+    Engine(EngineArgs),
+}
+
+/// Arguments of `baton bench engine`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct EngineArgs {
+    /// Residual width.
+    #[arg(long, default_value_t = 1024)]
+    hidden: usize,
+    /// Decoder layers.
+    #[arg(long, default_value_t = 16)]
+    layers: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 16)]
+    heads: usize,
+    /// KV heads.
+    #[arg(long, default_value_t = 4)]
+    kv_heads: usize,
+    /// MLP width.
+    #[arg(long, default_value_t = 2816)]
+    intermediate: usize,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 32000)]
+    vocab: usize,
+    /// Prompt tokens per sequence.
+    #[arg(long, default_value_t = 512)]
+    prompt_len: usize,
+    /// Decode steps to time.
+    #[arg(long, default_value_t = 32)]
+    decode_steps: usize,
+    /// Batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    batches: Vec<usize>,
+    /// KV layout.
+    #[arg(long, default_value = "block-major")]
+    layout: KvLayout,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Engine(a) => engine(a),
+    }
+}
+
+fn engine(a: EngineArgs) -> anyhow::Result<()> {
+    let config = EngineBenchConfig {
+        hidden: a.hidden,
+        layers: a.layers,
+        heads: a.heads,
+        kv_heads: a.kv_heads,
+        intermediate: a.intermediate,
+        vocab: a.vocab,
+        prompt_len: a.prompt_len,
+        decode_steps: a.decode_steps,
+        batches: a.batches,
+        layout: a.layout,
+    };
+    let report = bench::run(config, &mut |msg| eprintln!("[bench engine] {msg}"))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    let m = &report.memory;
+    println!(
+        "model: {} layers, hidden {}, heads {}/{}, {:.0}M params, {:.0} MB of f32 weights read per step",
+        report.config.layers,
+        report.config.hidden,
+        report.config.heads,
+        report.config.kv_heads,
+        report.params as f64 / 1e6,
+        report.weight_bytes_per_step as f64 / 1e6
+    );
+    println!(
+        "machine: {} threads, read {:.1} GB/s, memcpy {:.1} GB/s (same run)",
+        m.threads, m.read_gb_s, m.memcpy_gb_s
+    );
+    println!(
+        "{:>6} {:>14} {:>13} {:>15} {:>18}",
+        "batch", "prefill tok/s", "decode tok/s", "weights GB/s", "of read bandwidth"
+    );
+    for r in &report.results {
+        println!(
+            "{:>6} {:>14.1} {:>13.1} {:>15.1} {:>17.0}%",
+            r.batch,
+            r.prefill_tokens_per_s,
+            r.decode_tokens_per_s,
+            r.decode_weight_gb_s,
+            r.decode_fraction_of_read_bw * 100.0
+        );
+    }
+    if let Some(s) = report.batch_speedup {
+        println!("decode speed-up of the largest batch over batch 1: {s:.1}x (target >= 5x)");
+    }
+    if let Some(r) = report.results.iter().find(|r| r.batch == 1) {
+        println!(
+            "batch-1 decode reads weights at {:.0}% of the machine's read bandwidth (target >= 60%)",
+            r.decode_fraction_of_read_bw * 100.0
+        );
+    }
+    Ok(())
+}
