@@ -187,7 +187,7 @@ fn run_batch(
     read_gb_s: f64,
 ) -> Result<BatchResult, EngineError> {
     let block_size = 16;
-    let per_seq = (config.prompt_len + config.decode_steps + 2).div_ceil(block_size);
+    let per_seq = (config.prompt_len + config.decode_steps + 2 * batch + 3).div_ceil(block_size);
     let engine_config = EngineConfig {
         block_size,
         num_blocks: per_seq * batch + 8,
@@ -195,6 +195,8 @@ fn run_batch(
         max_num_seqs: batch,
         max_batch_tokens: config.prompt_len.max(512),
         prefill_chunk: config.prompt_len.max(512),
+        prefix_caching: false,
+        ..EngineConfig::default()
     };
     let mut engine = Engine::new(model.clone(), None, engine_config)?;
     for i in 0..batch {

@@ -1,10 +1,16 @@
-//! Executing plans: the engine owns the KV arena, the block allocator and the sequences, asks
-//! the [`planner`](crate::planner) what to do, and does it.
+//! Executing plans: the engine owns the KV memory pool and the sequences, asks the
+//! [`planner`](crate::planner) what to do, and does it.
+//!
+//! KV memory is a [`MemPool`]: blocks come from its segment allocator, and with prefix caching
+//! on, a finished sequence's full blocks go into its prefix index and a new request starts from
+//! the longest cached prefix of its prompt. The engine's logical clock (its step count) is the
+//! time the pool's eviction policy sees: no wall clock is read here.
 
 use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::Arc;
 
-use baton_kv::{BlockAllocator, KvArena, KvGeometry, KvLayout};
+use baton_kv::{InstanceId, KvArena, KvEvent, KvGeometry, KvLayout, Loc, MemPool, PolicyKind, PoolConfig, Tier};
 use baton_model::{LogitsWanted, Model, SeqStep, Tokenizer};
 
 use crate::planner::{self, PlanInput, PlannerConfig, SeqView};
@@ -13,7 +19,7 @@ use crate::sequence::Sequence;
 use crate::{EngineError, RequestId};
 
 /// Sizes and limits of one engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineConfig {
     /// Tokens per KV block.
     pub block_size: usize,
@@ -27,6 +33,16 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     /// Most prompt tokens of one sequence per step.
     pub prefill_chunk: usize,
+    /// Keep finished sequences' KV in the prefix index and reuse it for later prompts.
+    pub prefix_caching: bool,
+    /// Blocks of host DRAM the cache spills to (0: none).
+    pub host_blocks: usize,
+    /// Blocks of disk the cache spills to (0: none); needs `disk_dir`.
+    pub disk_blocks: usize,
+    /// Directory of the disk tier's block file.
+    pub disk_dir: Option<PathBuf>,
+    /// This instance's id in the cluster (KV addresses and events carry it).
+    pub instance: InstanceId,
 }
 
 impl Default for EngineConfig {
@@ -38,6 +54,11 @@ impl Default for EngineConfig {
             max_num_seqs: 64,
             max_batch_tokens: 512,
             prefill_chunk: 512,
+            prefix_caching: true,
+            host_blocks: 0,
+            disk_blocks: 0,
+            disk_dir: None,
+            instance: InstanceId(0),
         }
     }
 }
@@ -73,8 +94,9 @@ pub struct Engine {
     model: Arc<Model>,
     tokenizer: Option<Arc<Tokenizer>>,
     config: EngineConfig,
-    kv: KvArena,
-    allocator: BlockAllocator,
+    pool: MemPool,
+    /// Steps run: the logical time of the pool's eviction policy.
+    clock: u64,
     seqs: HashMap<RequestId, Sequence>,
     /// Oldest first.
     running: Vec<RequestId>,
@@ -89,7 +111,7 @@ impl std::fmt::Debug for Engine {
             .field("config", &self.config)
             .field("running", &self.running.len())
             .field("waiting", &self.waiting.len())
-            .field("free_blocks", &self.allocator.num_free())
+            .field("free_blocks", &self.pool.num_free())
             .finish()
     }
 }
@@ -103,9 +125,16 @@ impl Engine {
     ) -> Result<Self, EngineError> {
         config.validate()?;
         let geometry = model.kv_geometry(config.block_size);
+        let pool = MemPool::new(PoolConfig {
+            host_blocks: config.host_blocks,
+            disk_blocks: config.disk_blocks,
+            disk_dir: config.disk_dir.clone(),
+            policy: PolicyKind::Lru,
+            ..PoolConfig::device_only(config.instance, geometry, config.layout, config.num_blocks)
+        })?;
         Ok(Self {
-            kv: KvArena::new(geometry, config.layout, config.num_blocks),
-            allocator: BlockAllocator::new(config.num_blocks),
+            pool,
+            clock: 0,
             model,
             tokenizer,
             config,
@@ -128,17 +157,33 @@ impl Engine {
 
     /// KV geometry of the arena.
     pub fn kv_geometry(&self) -> KvGeometry {
-        *self.kv.geometry()
+        *self.pool.geometry()
     }
 
     /// The KV arena (read-only; for inspection and transfer).
     pub fn kv(&self) -> &KvArena {
-        &self.kv
+        self.pool.arena()
+    }
+
+    /// The KV memory pool (read-only).
+    pub fn pool(&self) -> &MemPool {
+        &self.pool
     }
 
     /// Blocks on the free list.
     pub fn free_blocks(&self) -> usize {
-        self.allocator.num_free()
+        self.pool.num_free()
+    }
+
+    /// Blocks an allocation could get now: free, plus cached blocks no one holds.
+    pub fn available_blocks(&self) -> usize {
+        self.pool.available()
+    }
+
+    /// KV events (blocks stored in / removed from the prefix index) since the last call, for a
+    /// remote index to apply.
+    pub fn drain_kv_events(&mut self) -> Vec<KvEvent> {
+        self.pool.drain_events()
     }
 
     /// Whether any request is waiting or running.
@@ -200,13 +245,21 @@ impl Engine {
                     prefix.blocks.len()
                 ));
             }
-            if let Some(b) = prefix.blocks.iter().find(|b| self.allocator.ref_count(**b) == 0) {
+            if let Some(b) =
+                prefix.blocks.iter().find(|&&block| self.pool.ref_count(Loc { tier: Tier::Device, block }) == 0)
+            {
                 return invalid(format!("reused prefix {b} is not allocated"));
             }
+        } else if self.config.prefix_caching && !req.return_prompt_logits {
+            // (A request for prompt logits computes every prompt position, so it skips the cache.)
+            let (blocks, tokens) = self.pool.acquire_prefix(&req.prompt, self.clock)?;
+            req.prefix = Some(KvPrefix { blocks, tokens });
+        }
+        if let Some(prefix) = &mut req.prefix {
             // At least one prompt token must be computed to sample from its logits.
             while prefix.tokens >= req.prompt.len() {
                 let b = prefix.blocks.pop().expect("tokens > 0 means blocks");
-                self.allocator.release(b)?;
+                self.pool.free_blocks(&[b])?;
                 prefix.tokens -= bs;
             }
         }
@@ -229,7 +282,7 @@ impl Engine {
 
     /// Gives back the references a retained [`KvPrefix`] holds.
     pub fn release_kv(&mut self, prefix: KvPrefix) -> Result<(), EngineError> {
-        self.allocator.release_all(&prefix.blocks)?;
+        self.pool.free_blocks(&prefix.blocks)?;
         Ok(())
     }
 
@@ -239,11 +292,12 @@ impl Engine {
 
     /// Plans and runs one step.
     pub fn step(&mut self) -> Result<StepOutput, EngineError> {
+        self.clock += 1;
         let running: Vec<SeqView> = self.running.iter().map(|id| Self::view(&self.seqs[id])).collect();
         let waiting: Vec<SeqView> = self.waiting.iter().map(|id| Self::view(&self.seqs[id])).collect();
         let plan = planner::plan(&PlanInput {
             config: self.config.planner(),
-            free_blocks: self.allocator.num_free(),
+            free_blocks: self.pool.available(),
             running: &running,
             waiting: &waiting,
         });
@@ -257,10 +311,7 @@ impl Engine {
             self.running.push(id);
         }
         for s in &plan.batch {
-            let blocks = self
-                .allocator
-                .allocate(s.new_blocks)
-                .ok_or_else(|| EngineError::Internal(format!("planner promised {} free blocks", s.new_blocks)))?;
+            let blocks = self.pool.alloc_blocks(s.new_blocks)?;
             self.seqs.get_mut(&s.id).expect("planned sequences exist").table.extend(blocks);
         }
         if plan.batch.is_empty() {
@@ -290,7 +341,7 @@ impl Engine {
                 }
             })
             .collect();
-        let logits = self.model.forward(&steps, &mut self.kv)?;
+        let logits = self.model.forward(&steps, self.pool.arena_mut())?;
         drop(steps);
         out.computed_tokens = plan.num_tokens();
 
@@ -323,10 +374,10 @@ impl Engine {
     }
 
     /// Frees a running sequence's blocks and puts it back at the front of the queue, to be
-    /// recomputed from its first token.
+    /// recomputed (from the longest prefix the cache still holds, with prefix caching on).
     fn preempt(&mut self, id: RequestId) -> Result<(), EngineError> {
         let seq = self.seqs.get_mut(&id).expect("preempted sequences exist");
-        self.allocator.release_all(&seq.table.take())?;
+        self.pool.free_blocks(&seq.table.take())?;
         if seq.collecting_prompt_logits(self.model.config().vocab_size)
             && let Some(l) = &mut seq.prompt_logits
         {
@@ -335,6 +386,12 @@ impl Engine {
         }
         seq.computed = 0;
         seq.cached_tokens = 0;
+        if self.config.prefix_caching && !seq.collecting_prompt_logits(self.model.config().vocab_size) {
+            let known = seq.tokens.len() - 1;
+            let (blocks, tokens) = self.pool.acquire_prefix(&seq.tokens[..known], self.clock)?;
+            seq.table.extend(blocks);
+            seq.computed = tokens;
+        }
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
         Ok(())
@@ -343,6 +400,10 @@ impl Engine {
     fn finish(&mut self, id: RequestId, reason: FinishReason) -> Result<Finished, EngineError> {
         let mut seq = self.seqs.remove(&id).expect("finished sequences exist");
         let mut blocks = seq.table.take();
+        if self.config.prefix_caching && reason != FinishReason::Aborted {
+            // Every whole block with computed KV goes into the index (which takes its own hold).
+            self.pool.insert(&seq.tokens[..seq.computed], &blocks, self.clock)?;
+        }
         let kv = if seq.retain_kv && reason != FinishReason::Aborted {
             // Keep the whole blocks of the prompt; the rest goes back.
             let keep = (seq.prompt_len.min(seq.computed) / self.config.block_size).min(blocks.len());
@@ -351,7 +412,7 @@ impl Engine {
         } else {
             None
         };
-        self.allocator.release_all(&blocks)?;
+        self.pool.free_blocks(&blocks)?;
         let text_tail = seq.take_delta(true);
         debug_assert!(text_tail.is_empty() || reason == FinishReason::Aborted || self.tokenizer.is_some());
         let prompt_logits = seq.prompt_logits.take().filter(|l| !l.is_empty());

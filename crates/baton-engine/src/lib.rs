@@ -45,9 +45,9 @@ pub enum EngineError {
     /// The model failed.
     #[error(transparent)]
     Model(#[from] baton_model::ModelError),
-    /// Block accounting went wrong: a bug.
+    /// The KV memory pool refused (out of blocks, disk tier I/O) or its accounting broke.
     #[error(transparent)]
-    Blocks(#[from] baton_kv::AllocatorError),
+    Kv(#[from] baton_kv::PoolError),
     /// An invariant broke: a bug.
     #[error("internal error: {0}")]
     Internal(String),

@@ -112,6 +112,7 @@ fn engine(f: &Fixture, layout: KvLayout, chunk: usize, block_size: usize) -> Eng
         max_num_seqs: 16,
         max_batch_tokens: chunk.max(64),
         prefill_chunk: chunk,
+        ..EngineConfig::default()
     };
     Engine::new(f.model.clone(), Some(f.tokenizer.clone()), config).expect("engine")
 }
@@ -143,7 +144,8 @@ fn run_all_batched(f: &Fixture, layout: KvLayout, chunk: usize, block_size: usiz
     for d in &done {
         check(f, &f.cases[d.id.0 as usize / 2], d, &format!("batched, {layout:?}, chunk {chunk}, block {block_size}"));
     }
-    assert_eq!(e.free_blocks(), 256, "every block is free again");
+    assert_eq!(e.available_blocks(), 256, "every block is free or merely cached");
+    e.pool().check_invariants().expect("pool accounting holds");
 }
 
 fn model_matches_reference(name: &str) {
@@ -182,9 +184,11 @@ fn model_matches_reference(name: &str) {
     ] {
         run_all_batched(&f, layout, chunk, block);
     }
-    // The shared-prefix case served from its partner's KV.
+    // The shared-prefix case served from its partner's KV: handed over explicitly, and found
+    // by the engine's own prefix cache.
     for layout in [KvLayout::BlockMajor, KvLayout::LayerMajor] {
         shared_prefix_reuses_kv(&f, layout);
+        prefix_cache_serves_the_shared_prefix(&f, layout);
     }
     chat_example_renders(&f);
 }
@@ -234,7 +238,8 @@ fn reuse_prefix(
     let done = e.run_to_completion().expect("runs");
     assert_eq!(done[0].cached_tokens, reuse * 16, "prefix tokens were not recomputed");
     check(f, second, &done[0], &format!("reused prefix, {layout:?}"));
-    assert_eq!(e.free_blocks(), 256);
+    assert_eq!(e.available_blocks(), 256);
+    e.pool().check_invariants().expect("pool accounting holds");
 }
 
 fn chat_example_renders(f: &Fixture) {
@@ -287,4 +292,25 @@ fn greedy_margins_match_the_with_bos_path(f: &Fixture) {
             .expect("margin") as f32;
         assert!((margin - want).abs() <= f.tolerance, "{}: margin {margin} vs reference {want}", case.name);
     }
+}
+
+/// With prefix caching on, the second shared-prefix case finds its partner's blocks in the
+/// engine's index by itself, computes only the rest, and still produces the reference tokens.
+fn prefix_cache_serves_the_shared_prefix(f: &Fixture, layout: KvLayout) {
+    let j = f.cases.iter().position(|c| c.shares_prefix_with.is_some()).expect("a shared-prefix case");
+    let partner = f.cases[j].shares_prefix_with.clone();
+    let i = f.cases.iter().position(|c| Some(&c.name) == partner.as_ref()).expect("its partner");
+    let mut e = engine(f, layout, 512, 16);
+    e.add_request(greedy_request(i, &f.cases[i])).expect("valid");
+    let first = e.run_to_completion().expect("runs");
+    check(f, &f.cases[i], &first[0], "cache source");
+    assert_eq!(first[0].cached_tokens, 0);
+    e.add_request(greedy_request(j, &f.cases[j])).expect("valid");
+    let second = e.run_to_completion().expect("runs");
+    let common = f.cases[i].greedy_prompt().iter().zip(&f.cases[j].greedy_prompt()).take_while(|(a, b)| a == b).count();
+    assert_eq!(second[0].cached_tokens, common / 16 * 16, "every whole shared block came from the cache");
+    check(f, &f.cases[j], &second[0], &format!("prefix cache, {layout:?}"));
+    assert!(!e.drain_kv_events().is_empty(), "the index reported what it stored");
+    assert_eq!(e.available_blocks(), 256);
+    e.pool().check_invariants().expect("pool accounting holds");
 }

@@ -347,9 +347,24 @@ impl MemPool {
         self.tiers[0].alloc.num_free()
     }
 
-    /// Device blocks an allocation can get now: free plus evictable.
+    /// Device blocks an allocation can get now: free plus every cached block no one holds.
+    ///
+    /// A cached block is evicted only once its children are (the policy sees leaves), but
+    /// eviction cascades up a chain, so every unreferenced cached block is reclaimable: a
+    /// reference on a block implies references on its ancestors (requests hold whole prefixes).
     pub fn available(&self) -> usize {
-        self.tiers[0].alloc.num_free() + self.tiers[0].policy.evictable()
+        self.tiers[0].alloc.num_free() + self.reclaimable(Tier::Device)
+    }
+
+    /// Cached blocks of `tier` that no request holds and no swap is moving: O(blocks of the
+    /// tier), called once per engine step.
+    fn reclaimable(&self, tier: Tier) -> usize {
+        let t = &self.tiers[tier.index()];
+        t.owner
+            .iter()
+            .zip(&t.refs)
+            .filter(|&(&owner, &refs)| owner < SWAP_OWNER && refs == 0 && !self.index.nodes[owner as usize].in_flight)
+            .count()
     }
 
     /// References held on a slot.
@@ -538,7 +553,7 @@ impl MemPool {
     /// Frees slots in `tier` until `n` are free, evicting cold cached blocks.
     fn make_room(&mut self, tier: Tier, n: usize) -> Result<(), PoolError> {
         let t = &self.tiers[tier.index()];
-        let available = t.alloc.num_free() + t.policy.evictable();
+        let available = t.alloc.num_free() + self.reclaimable(tier);
         if available < n {
             return Err(PoolError::OutOfBlocks { tier, wanted: n, available });
         }

@@ -5,7 +5,7 @@
 use baton_kv::{BlockId, KvArena, KvPart};
 use rayon::prelude::*;
 
-use crate::kernels::{axpy, dot};
+use crate::gemv::{weighted_rows_add, xwt_strided};
 
 /// Shape of one layer's attention.
 #[derive(Debug, Clone, Copy)]
@@ -64,34 +64,37 @@ fn attend_group(
     let first = shape.window.map_or(0, |w| (row.pos + 1).saturating_sub(w));
     let mut max = vec![f32::NEG_INFINITY; group];
     let mut denom = vec![0f32; group];
-    let mut scores = vec![0f32; group * block_size];
+    // `[token][query head]` of one block: scores, then softmax weights.
+    let mut scores = vec![0f32; block_size * group];
     for b in first / block_size..=row.pos / block_size {
         let lo = (b * block_size).max(first) - b * block_size;
         let hi = (row.pos + 1 - b * block_size).min(block_size);
-        let keys = kv.block(layer, KvPart::Key, row.blocks[b]);
-        let values = kv.block(layer, KvPart::Value, row.blocks[b]);
-        for (qi, qh) in q.chunks_exact(head_dim).enumerate() {
-            let s = &mut scores[qi * block_size..(qi + 1) * block_size];
+        let n = hi - lo;
+        let base = lo * stride + kv_head * head_dim;
+        let keys = &kv.block(layer, KvPart::Key, row.blocks[b])[base..];
+        let values = &kv.block(layer, KvPart::Value, row.blocks[b])[base..];
+        let s = &mut scores[..n * group];
+        xwt_strided(q, group, keys, stride, n, head_dim, s);
+        for qi in 0..group {
             let mut block_max = f32::NEG_INFINITY;
-            for t in lo..hi {
-                let k = &keys[t * stride + kv_head * head_dim..][..head_dim];
-                s[t] = dot(qh, k) * shape.scale;
-                block_max = block_max.max(s[t]);
+            for t in 0..n {
+                s[t * group + qi] *= shape.scale;
+                block_max = block_max.max(s[t * group + qi]);
             }
-            let o = &mut out[qi * head_dim..(qi + 1) * head_dim];
             let new_max = max[qi].max(block_max);
             if new_max > max[qi] {
                 let correction = (max[qi] - new_max).exp();
                 denom[qi] *= correction;
-                o.iter_mut().for_each(|x| *x *= correction);
+                out[qi * head_dim..(qi + 1) * head_dim].iter_mut().for_each(|x| *x *= correction);
                 max[qi] = new_max;
             }
-            for t in lo..hi {
-                let p = (s[t] - new_max).exp();
+            for t in 0..n {
+                let p = (s[t * group + qi] - new_max).exp();
+                s[t * group + qi] = p;
                 denom[qi] += p;
-                axpy(o, p, &values[t * stride + kv_head * head_dim..][..head_dim]);
             }
         }
+        weighted_rows_add(out, group, s, values, stride, n, head_dim);
     }
     for (o, d) in out.chunks_exact_mut(head_dim).zip(denom) {
         let inv = 1.0 / d;

@@ -24,7 +24,7 @@ pub fn matmul_xwt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32
     yt.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(task, out)| {
         let j0 = task * ROWS_PER_TASK;
         let rows = out.len() / m;
-        kernel.band(x, m, &w[j0 * k..(j0 + rows) * k], rows, k, out);
+        kernel.band(x, m, &w[j0 * k..(j0 + rows) * k], k, rows, k, out);
     });
     if m == 1 {
         return yt;
@@ -36,6 +36,19 @@ pub fn matmul_xwt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32
         }
     }
     y
+}
+
+/// `out[j][r] = x[r]·w[j]` where weight row `j` is `w[j·ldw .. j·ldw + k]`: `x: [m][k]`,
+/// `out: [rows][m]`. Single-threaded, for callers that already run in parallel (attention
+/// scores against keys read through a block's slab).
+pub(crate) fn xwt_strided(x: &[f32], m: usize, w: &[f32], ldw: usize, rows: usize, k: usize, out: &mut [f32]) {
+    Kernel::detect().band(x, m, w, ldw, rows, k, out);
+}
+
+/// `out[q] += Σ_t p[t][q] · v[t]` for `q < g`, where value row `t` is `v[t·ldv .. t·ldv + d]`:
+/// `out: [g][d]`, `p: [rows][g]`. The weighted sum of values in attention.
+pub(crate) fn weighted_rows_add(out: &mut [f32], g: usize, p: &[f32], v: &[f32], ldv: usize, rows: usize, d: usize) {
+    Kernel::detect().pv(out, g, p, v, ldv, rows, d);
 }
 
 /// Sum of a slice, as fast as the CPU can read it (used to measure read bandwidth).
@@ -74,26 +87,54 @@ impl Kernel {
         Kernel::Portable
     }
 
-    /// `out[j][r] = x[r]·w[j]` for a band of `rows` weight rows.
+    /// `out[j][r] = x[r]·w[j]` for a band of `rows` weight rows `ldw` apart.
     #[allow(unsafe_code)]
-    fn band(self, x: &[f32], m: usize, w: &[f32], rows: usize, k: usize, out: &mut [f32]) {
+    #[allow(clippy::too_many_arguments)]
+    fn band(self, x: &[f32], m: usize, w: &[f32], ldw: usize, rows: usize, k: usize, out: &mut [f32]) {
+        assert!(x.len() >= m * k && out.len() >= rows * m);
+        assert!(rows == 0 || w.len() >= (rows - 1) * ldw + k);
         match self {
             // SAFETY: `detect` chose this kernel only after checking the CPU has AVX-512F.
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512 => unsafe { avx512::band(x, m, w, rows, k, out) },
+            Kernel::Avx512 => unsafe { avx512::band(x, m, w, ldw, rows, k, out) },
             // SAFETY: `detect` chose this kernel only after checking the CPU has AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2Fma => unsafe { avx2::band(x, m, w, rows, k, out) },
-            Kernel::Portable => portable_band(x, m, w, rows, k, out),
+            Kernel::Avx2Fma => unsafe { avx2::band(x, m, w, ldw, rows, k, out) },
+            Kernel::Portable => portable_band(x, m, w, ldw, rows, k, out),
+        }
+    }
+
+    /// See [`weighted_rows_add`].
+    #[allow(unsafe_code)]
+    #[allow(clippy::too_many_arguments)]
+    fn pv(self, out: &mut [f32], g: usize, p: &[f32], v: &[f32], ldv: usize, rows: usize, d: usize) {
+        assert!(out.len() >= g * d && p.len() >= rows * g);
+        assert!(rows == 0 || v.len() >= (rows - 1) * ldv + d);
+        match self {
+            // SAFETY: as in `band`.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => unsafe { avx512::pv(out, g, p, v, ldv, rows, d) },
+            // SAFETY: as in `band`.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2Fma => unsafe { avx2::pv(out, g, p, v, ldv, rows, d) },
+            Kernel::Portable => portable_pv(out, g, p, v, ldv, rows, d),
         }
     }
 }
 
-fn portable_band(x: &[f32], m: usize, w: &[f32], rows: usize, k: usize, out: &mut [f32]) {
+fn portable_band(x: &[f32], m: usize, w: &[f32], ldw: usize, rows: usize, k: usize, out: &mut [f32]) {
     for j in 0..rows {
-        let wr = &w[j * k..(j + 1) * k];
+        let wr = &w[j * ldw..j * ldw + k];
         for r in 0..m {
             out[j * m + r] = crate::kernels::dot(&x[r * k..(r + 1) * k], wr);
+        }
+    }
+}
+
+fn portable_pv(out: &mut [f32], g: usize, p: &[f32], v: &[f32], ldv: usize, rows: usize, d: usize) {
+    for t in 0..rows {
+        for q in 0..g {
+            crate::kernels::axpy(&mut out[q * d..(q + 1) * d], p[t * g + q], &v[t * ldv..t * ldv + d]);
         }
     }
 }
@@ -104,7 +145,7 @@ fn portable_band(x: &[f32], m: usize, w: &[f32], rows: usize, k: usize, out: &mu
 /// the ISA's intrinsics.
 macro_rules! simd_band {
     ($name:ident, $feat:literal, $lanes:literal, $mr:literal, $nr:literal,
-     $vec:ty, $zero:ident, $load:ident, $fma:ident, $store:ident) => {
+     $vec:ty, $zero:ident, $load:ident, $fma:ident, $store:ident, $set1:ident) => {
         #[cfg(target_arch = "x86_64")]
         #[allow(unsafe_code)]
         mod $name {
@@ -115,26 +156,81 @@ macro_rules! simd_band {
             /// # Safety
             /// The CPU must support the target feature this module is compiled for.
             #[target_feature(enable = $feat)]
-            pub(super) unsafe fn band(x: &[f32], m: usize, w: &[f32], rows: usize, k: usize, out: &mut [f32]) {
+            pub(super) unsafe fn band(
+                x: &[f32],
+                m: usize,
+                w: &[f32],
+                ldw: usize,
+                rows: usize,
+                k: usize,
+                out: &mut [f32],
+            ) {
+                let s = Shape { k, ldw, m };
                 let mut j = 0;
                 while j + $nr <= rows {
                     let mut r = 0;
                     while r + $mr <= m {
-                        tile::<$mr, $nr>(x, r, w, j, k, m, out);
+                        tile::<$mr, $nr>(x, r, w, j, s, out);
                         r += $mr;
                     }
                     while r < m {
-                        tile::<1, $nr>(x, r, w, j, k, m, out);
+                        tile::<1, $nr>(x, r, w, j, s, out);
                         r += 1;
                     }
                     j += $nr;
                 }
                 while j < rows {
                     for r in 0..m {
-                        tile::<1, 1>(x, r, w, j, k, m, out);
+                        tile::<1, 1>(x, r, w, j, s, out);
                     }
                     j += 1;
                 }
+            }
+
+            /// SIMD version of [`super::portable_pv`].
+            ///
+            /// # Safety
+            /// The CPU must support the target feature this module is compiled for.
+            #[target_feature(enable = $feat)]
+            pub(super) unsafe fn pv(
+                out: &mut [f32],
+                g: usize,
+                p: &[f32],
+                v: &[f32],
+                ldv: usize,
+                rows: usize,
+                d: usize,
+            ) {
+                let dv = d - d % $lanes;
+                for q in 0..g {
+                    let o = &mut out[q * d..(q + 1) * d];
+                    let mut c = 0;
+                    while c < dv {
+                        // SAFETY: `c + lanes <= dv <= d`; the caller checked `v` holds `rows`
+                        // rows of `d` floats `ldv` apart and `p` holds `rows · g` weights.
+                        unsafe {
+                            let mut acc = $load(o.as_ptr().add(c));
+                            for t in 0..rows {
+                                let weight = $set1(*p.get_unchecked(t * g + q));
+                                acc = $fma(weight, $load(v.as_ptr().add(t * ldv + c)), acc);
+                            }
+                            $store(o.as_mut_ptr().add(c), acc);
+                        }
+                        c += $lanes;
+                    }
+                    for t in 0..rows {
+                        for c in dv..d {
+                            o[c] += p[t * g + q] * v[t * ldv + c];
+                        }
+                    }
+                }
+            }
+
+            #[derive(Clone, Copy)]
+            struct Shape {
+                k: usize,
+                ldw: usize,
+                m: usize,
             }
 
             /// `MR` x rows from `r0` × `NR` weight rows from `j0`, in `MR·NR` accumulators.
@@ -145,11 +241,11 @@ macro_rules! simd_band {
                 r0: usize,
                 w: &[f32],
                 j0: usize,
-                k: usize,
-                m: usize,
+                s: Shape,
                 out: &mut [f32],
             ) {
-                assert!((r0 + MR) * k <= x.len() && (j0 + NR) * k <= w.len());
+                let Shape { k, ldw, m } = s;
+                assert!((r0 + MR) * k <= x.len() && (j0 + NR - 1) * ldw + k <= w.len());
                 assert!((j0 + NR - 1) * m + r0 + MR <= out.len());
                 let kv = k - k % $lanes;
                 let mut acc: [[$vec; NR]; MR] = [[$zero(); NR]; MR];
@@ -159,7 +255,7 @@ macro_rules! simd_band {
                     unsafe {
                         let mut wv: [$vec; NR] = [$zero(); NR];
                         for (c, v) in wv.iter_mut().enumerate() {
-                            *v = $load(w.as_ptr().add((j0 + c) * k + kk));
+                            *v = $load(w.as_ptr().add((j0 + c) * ldw + kk));
                         }
                         for (a, accr) in acc.iter_mut().enumerate() {
                             let xv = $load(x.as_ptr().add((r0 + a) * k + kk));
@@ -176,7 +272,7 @@ macro_rules! simd_band {
                         // SAFETY: `lanes` holds exactly one register of floats.
                         unsafe { $store(lanes.as_mut_ptr(), v) };
                         let mut s = lanes.iter().sum::<f32>();
-                        let (xr, wr) = (&x[(r0 + a) * k..(r0 + a + 1) * k], &w[(j0 + c) * k..(j0 + c + 1) * k]);
+                        let (xr, wr) = (&x[(r0 + a) * k..(r0 + a + 1) * k], &w[(j0 + c) * ldw..(j0 + c) * ldw + k]);
                         for t in kv..k {
                             s += xr[t] * wr[t];
                         }
@@ -189,9 +285,33 @@ macro_rules! simd_band {
 }
 
 // AVX2: 16 registers of 8 floats; a 4×3 tile uses 12 accumulators + 3 weights + 1 x.
-simd_band!(avx2, "avx2,fma", 8, 4, 3, __m256, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_storeu_ps);
+simd_band!(
+    avx2,
+    "avx2,fma",
+    8,
+    4,
+    3,
+    __m256,
+    _mm256_setzero_ps,
+    _mm256_loadu_ps,
+    _mm256_fmadd_ps,
+    _mm256_storeu_ps,
+    _mm256_set1_ps
+);
 // AVX-512: 32 registers of 16 floats; a 4×4 tile uses 16 accumulators + 4 weights + 1 x.
-simd_band!(avx512, "avx512f", 16, 4, 4, __m512, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_storeu_ps);
+simd_band!(
+    avx512,
+    "avx512f",
+    16,
+    4,
+    4,
+    __m512,
+    _mm512_setzero_ps,
+    _mm512_loadu_ps,
+    _mm512_fmadd_ps,
+    _mm512_storeu_ps,
+    _mm512_set1_ps
+);
 
 #[cfg(test)]
 mod tests {
@@ -209,23 +329,53 @@ mod tests {
                     assert!((y[r * n + j] - want).abs() < 1e-3, "m{m} n{n} k{k} at ({r},{j})");
                 }
             }
-            let mut kernels = vec![Kernel::Portable];
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                    kernels.push(Kernel::Avx2Fma);
-                }
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    kernels.push(Kernel::Avx512);
-                }
-            }
-            for kernel in kernels {
+            for kernel in kernels() {
                 let mut p = vec![0f32; n * m];
-                kernel.band(&x, m, &w, n, k, &mut p);
+                kernel.band(&x, m, &w, k, n, k, &mut p);
                 for j in 0..n {
                     for r in 0..m {
                         assert!((p[j * m + r] - y[r * n + j]).abs() < 1e-3);
                     }
+                }
+            }
+        }
+    }
+
+    fn kernels() -> Vec<Kernel> {
+        let mut kernels = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                kernels.push(Kernel::Avx2Fma);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                kernels.push(Kernel::Avx512);
+            }
+        }
+        kernels
+    }
+
+    #[test]
+    fn strided_rows_and_weighted_sums_agree_with_naive_loops() {
+        let (m, rows, k, ldw) = (4, 13, 40, 71);
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+        let w: Vec<f32> = (0..rows * ldw).map(|i| ((i * 5) % 13) as f32 * 0.1 - 0.6).collect();
+        let p: Vec<f32> = (0..rows * m).map(|i| (i % 5) as f32 * 0.25).collect();
+        for kernel in kernels() {
+            let mut out = vec![0f32; rows * m];
+            kernel.band(&x, m, &w, ldw, rows, k, &mut out);
+            let mut acc = vec![1f32; m * k];
+            kernel.pv(&mut acc, m, &p, &w, ldw, rows, k);
+            for j in 0..rows {
+                for r in 0..m {
+                    let want: f32 = (0..k).map(|t| x[r * k + t] * w[j * ldw + t]).sum();
+                    assert!((out[j * m + r] - want).abs() < 1e-3);
+                }
+            }
+            for q in 0..m {
+                for c in 0..k {
+                    let want: f32 = 1.0 + (0..rows).map(|t| p[t * m + q] * w[t * ldw + c]).sum::<f32>();
+                    assert!((acc[q * k + c] - want).abs() < 1e-3);
                 }
             }
         }
