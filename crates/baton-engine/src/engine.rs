@@ -14,7 +14,7 @@ use baton_kv::{InstanceId, KvArena, KvEvent, KvGeometry, KvLayout, Loc, MemPool,
 use baton_model::{LogitsWanted, Model, SeqStep, Tokenizer};
 
 use crate::planner::{self, PlanInput, PlannerConfig, SeqView};
-use crate::request::{FinishReason, Finished, GenerationRequest, KvPrefix, StepOutput, TokenEvent};
+use crate::request::{FinishReason, Finished, GenerationRequest, KvPrefix, KvRetention, StepOutput, TokenEvent};
 use crate::sequence::Sequence;
 use crate::{EngineError, RequestId};
 
@@ -237,18 +237,40 @@ impl Engine {
                 self.config.num_blocks
             ));
         }
+        if req.generated.len() >= req.stop.max_tokens {
+            return invalid(format!(
+                "{} tokens were generated already; max_tokens is {}",
+                req.generated.len(),
+                req.stop.max_tokens
+            ));
+        }
+        if let Some(&t) = req.generated.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return invalid(format!("generated token id {t} is outside the vocabulary ({} tokens)", cfg.vocab_size));
+        }
+        let known = req.prompt.len() + req.generated.len();
         if let Some(prefix) = &mut req.prefix {
-            if prefix.tokens % bs != 0 || prefix.blocks.len() * bs != prefix.tokens {
+            let partial = prefix.tokens % bs != 0;
+            if prefix.blocks.len() != prefix.tokens.div_ceil(bs) {
                 return invalid(format!(
-                    "a reused prefix must be whole blocks: {} tokens in {} blocks of {bs}",
+                    "a prefix of {} tokens needs {} blocks of {bs}, not {}",
                     prefix.tokens,
+                    prefix.tokens.div_ceil(bs),
                     prefix.blocks.len()
                 ));
             }
-            if let Some(b) =
-                prefix.blocks.iter().find(|&&block| self.pool.ref_count(Loc { tier: Tier::Device, block }) == 0)
-            {
+            if prefix.tokens >= known {
+                return invalid(format!(
+                    "the prefix covers {} tokens; at most {} may be cached",
+                    prefix.tokens,
+                    known - 1
+                ));
+            }
+            let held = |b: &baton_kv::BlockId| self.pool.ref_count(Loc { tier: Tier::Device, block: *b });
+            if let Some(b) = prefix.blocks.iter().find(|b| held(b) == 0) {
                 return invalid(format!("reused prefix {b} is not allocated"));
+            }
+            if partial && prefix.blocks.last().is_some_and(|b| held(b) != 1) {
+                return invalid("a prefix ending in a partial block must hold that block alone".into());
             }
         } else if self.config.prefix_caching && !req.return_prompt_logits {
             // (A request for prompt logits computes every prompt position, so it skips the cache.)
@@ -256,15 +278,15 @@ impl Engine {
             req.prefix = Some(KvPrefix { blocks, tokens });
         }
         if let Some(prefix) = &mut req.prefix {
-            // At least one prompt token must be computed to sample from its logits.
-            while prefix.tokens >= req.prompt.len() {
+            // At least one token must be computed to sample from its logits.
+            while prefix.tokens >= known {
                 let b = prefix.blocks.pop().expect("tokens > 0 means blocks");
                 self.pool.free_blocks(&[b])?;
-                prefix.tokens -= bs;
+                prefix.tokens = prefix.blocks.len() * bs;
             }
         }
         self.next_seed = self.next_seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let seq = Sequence::new(req, self.next_seed);
+        let seq = Sequence::new(req, self.next_seed, self.tokenizer.as_deref())?;
         self.waiting.push_back(seq.id);
         self.seqs.insert(seq.id, seq);
         Ok(())
@@ -278,6 +300,19 @@ impl Engine {
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         self.finish(id, FinishReason::Aborted).map(Some)
+    }
+
+    /// Allocates blocks for `tokens` tokens of KV that will arrive from elsewhere (a decode worker
+    /// pulling a prefill worker's KV into them), for a later request's
+    /// [`GenerationRequest::prefix`]. Fails when the pool cannot make room.
+    pub fn reserve_kv(&mut self, tokens: usize) -> Result<KvPrefix, EngineError> {
+        let blocks = self.pool.alloc_blocks(tokens.div_ceil(self.config.block_size))?;
+        Ok(KvPrefix { blocks, tokens })
+    }
+
+    /// The KV arena, for a transfer to write reserved blocks into.
+    pub fn kv_mut(&mut self) -> &mut KvArena {
+        self.pool.arena_mut()
     }
 
     /// Gives back the references a retained [`KvPrefix`] holds.
@@ -404,13 +439,20 @@ impl Engine {
             // Every whole block with computed KV goes into the index (which takes its own hold).
             self.pool.insert(&seq.tokens[..seq.computed], &blocks, self.clock)?;
         }
-        let kv = if seq.retain_kv && reason != FinishReason::Aborted {
-            // Keep the whole blocks of the prompt; the rest goes back.
-            let keep = (seq.prompt_len.min(seq.computed) / self.config.block_size).min(blocks.len());
-            let kept: Vec<_> = blocks.drain(..keep).collect();
-            Some(KvPrefix { tokens: kept.len() * self.config.block_size, blocks: kept })
-        } else {
-            None
+        let bs = self.config.block_size;
+        let kv = match seq.retain_kv {
+            _ if reason == FinishReason::Aborted => None,
+            KvRetention::None => None,
+            KvRetention::PromptBlocks => {
+                // Keep the whole blocks of the prompt; the rest goes back.
+                let keep = (seq.prompt_len.min(seq.computed) / bs).min(blocks.len());
+                let kept: Vec<_> = blocks.drain(..keep).collect();
+                Some(KvPrefix { tokens: kept.len() * bs, blocks: kept })
+            }
+            KvRetention::All => {
+                let kept: Vec<_> = blocks.drain(..seq.computed.div_ceil(bs).min(blocks.len())).collect();
+                Some(KvPrefix { blocks: kept, tokens: seq.computed })
+            }
         };
         self.pool.free_blocks(&blocks)?;
         let text_tail = seq.take_delta(true);

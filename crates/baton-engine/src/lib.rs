@@ -27,7 +27,9 @@ mod request;
 mod sequence;
 
 pub use engine::{Engine, EngineConfig};
-pub use request::{FinishReason, Finished, GenerationRequest, KvPrefix, StepOutput, StopParams, TokenEvent};
+pub use request::{
+    FinishReason, Finished, GenerationRequest, KvPrefix, KvRetention, StepOutput, StopParams, TokenEvent,
+};
 
 /// Identifies a request across the system.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -25,13 +25,30 @@ impl Default for StopParams {
 /// KV blocks holding the first `tokens` tokens of some sequence, with one reference held on
 /// each block for whoever holds this value. Give it back with
 /// [`crate::Engine::release_kv`] or pass it as a later request's [`GenerationRequest::prefix`].
+///
+/// Usually a whole number of blocks; the last block is partial only for KV retained with
+/// [`KvRetention::All`] (a prefill handing a request over), and such a block must be held by
+/// nobody else when it is passed on, since the next tokens are written into it.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "retained KV blocks stay allocated until released"]
 pub struct KvPrefix {
     /// The blocks, in token order.
     pub blocks: Vec<BlockId>,
-    /// Tokens they hold: a whole number of blocks.
+    /// Tokens they hold.
     pub tokens: usize,
+}
+
+/// Which KV a finished request keeps (in [`Finished::kv`]) instead of freeing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvRetention {
+    /// None: everything is freed (or cached by the prefix index).
+    #[default]
+    None,
+    /// The prompt's whole blocks, to reuse as another request's prefix.
+    PromptBlocks,
+    /// Every computed token's KV, partial last block included: what a prefill worker holds
+    /// for the decode worker to pull.
+    All,
 }
 
 /// A request to generate.
@@ -41,6 +58,10 @@ pub struct GenerationRequest {
     pub id: RequestId,
     /// Prompt token ids.
     pub prompt: Vec<u32>,
+    /// Tokens already generated for this request elsewhere (a decode worker continuing after
+    /// a prefill worker's first token). They count toward `max_tokens`; their text is not
+    /// produced again.
+    pub generated: Vec<u32>,
     /// How to sample.
     pub sampling: SamplingParams,
     /// When to stop.
@@ -50,9 +71,8 @@ pub struct GenerationRequest {
     pub prefix: Option<KvPrefix>,
     /// Return the logits of every prompt position in [`Finished::prompt_logits`].
     pub return_prompt_logits: bool,
-    /// Keep the KV of the prompt's whole blocks when finished and hand it back in
-    /// [`Finished::kv`].
-    pub retain_kv: bool,
+    /// KV to keep when finished, handed back in [`Finished::kv`].
+    pub retain_kv: KvRetention,
 }
 
 impl GenerationRequest {
@@ -61,11 +81,12 @@ impl GenerationRequest {
         Self {
             id,
             prompt,
+            generated: Vec::new(),
             sampling: SamplingParams::greedy(),
             stop: StopParams::default(),
             prefix: None,
             return_prompt_logits: false,
-            retain_kv: false,
+            retain_kv: KvRetention::None,
         }
     }
 }
@@ -117,9 +138,11 @@ pub struct Finished {
     pub prompt_tokens: usize,
     /// Prompt tokens that came from a reused prefix instead of being computed.
     pub cached_tokens: usize,
-    /// Generated token ids (an end-of-sequence token that stopped generation included).
+    /// Generated token ids (an end-of-sequence token that stopped generation included), the
+    /// request's [`GenerationRequest::generated`] first.
     pub token_ids: Vec<u32>,
-    /// Generated text (stop string and end-of-sequence excluded); empty without a tokenizer.
+    /// Generated text (stop string and end-of-sequence excluded; the text of tokens generated
+    /// upstream included, though never streamed again); empty without a tokenizer.
     pub text: String,
     /// Logits of the prompt positions the engine computed, `[rows][vocab]` flattened, when asked
     /// for: positions `prompt_tokens - rows .. prompt_tokens` (from `cached_tokens` on, since a

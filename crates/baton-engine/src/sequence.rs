@@ -3,7 +3,7 @@
 use baton_kv::BlockTable;
 use baton_model::{IncrementalDecoder, Sampler, Tokenizer};
 
-use crate::request::{FinishReason, GenerationRequest, StopParams};
+use crate::request::{FinishReason, GenerationRequest, KvRetention, StopParams};
 use crate::{EngineError, RequestId};
 
 /// A request in flight: its tokens, its blocks, and the text produced so far.
@@ -19,7 +19,7 @@ pub(crate) struct Sequence {
     pub(crate) cached_tokens: usize,
     pub(crate) sampler: Sampler,
     pub(crate) stop: StopParams,
-    pub(crate) retain_kv: bool,
+    pub(crate) retain_kv: KvRetention,
     /// `Some` while prompt logits are wanted and being collected.
     pub(crate) prompt_logits: Option<Vec<f32>>,
     pub(crate) decoder: IncrementalDecoder,
@@ -30,15 +30,23 @@ pub(crate) struct Sequence {
 }
 
 impl Sequence {
-    pub(crate) fn new(req: GenerationRequest, fallback_seed: u64) -> Self {
+    /// A sequence for a validated request; with a tokenizer, the text of tokens generated
+    /// upstream is taken as already handed out.
+    pub(crate) fn new(
+        req: GenerationRequest,
+        fallback_seed: u64,
+        tokenizer: Option<&Tokenizer>,
+    ) -> Result<Self, EngineError> {
         let prompt_len = req.prompt.len();
         let (table, computed) = match req.prefix {
             Some(p) => (BlockTable::new(p.blocks), p.tokens),
             None => (BlockTable::default(), 0),
         };
-        Self {
+        let mut tokens = req.prompt;
+        tokens.extend_from_slice(&req.generated);
+        let mut seq = Self {
             id: req.id,
-            tokens: req.prompt,
+            tokens,
             prompt_len,
             computed,
             table,
@@ -50,7 +58,14 @@ impl Sequence {
             decoder: IncrementalDecoder::default(),
             text: String::new(),
             emitted: 0,
+        };
+        if let Some(tok) = tokenizer
+            && !req.generated.is_empty()
+        {
+            seq.text = seq.decoder.step(tok, &seq.tokens[prompt_len..])?;
+            seq.emitted = seq.text.len();
         }
+        Ok(seq)
     }
 
     /// Whether the next computed prompt positions' logits are to be kept.

@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use baton_engine::{Engine, EngineConfig, Finished, GenerationRequest, KvPrefix, RequestId, StopParams};
+use baton_engine::{Engine, EngineConfig, Finished, GenerationRequest, KvPrefix, KvRetention, RequestId, StopParams};
 use baton_kv::KvLayout;
 use baton_model::{ChatMessage, Checkpoint};
 use serde_json::Value;
@@ -224,7 +224,7 @@ fn reuse_prefix(
     second: &Case,
 ) {
     let mut e = engine(f, layout, 512, 16);
-    e.add_request(GenerationRequest { retain_kv: true, ..src }).expect("valid");
+    e.add_request(GenerationRequest { retain_kv: KvRetention::PromptBlocks, ..src }).expect("valid");
     let done = e.run_to_completion().expect("runs");
     check(f, first, &done[0], "prefix source");
     let kv = done.into_iter().next().and_then(|d| d.kv).expect("retained KV");
