@@ -1,0 +1,285 @@
+//! Admission control (Mooncake §6) and the [`Scheduler`] that puts policy and admission together.
+//!
+//! - [`AdmissionKind::None`]: every request is admitted.
+//! - [`AdmissionKind::Baseline`]: Mooncake Table 2's baseline: the prefill side checks its TTFT
+//!   before the prefill, the decode side checks its own load only when the KV arrives (the
+//!   executor does that check; a rejection there wastes the prefill).
+//! - [`AdmissionKind::EarlyRejection`] (§6.2): before the prefill, reject if the predicted TTFT or
+//!   the decode pool's *current* load (mean TBT with this request, over the TBT SLO) is over.
+//! - [`AdmissionKind::Predictive`] (§6.4, system level): like early rejection, but the decode load
+//!   is predicted for the moment the prefill finishes: every running decode is assumed to take a
+//!   uniform `t_d` and leaves when that has passed; requests routed to the decode pool whose KV is
+//!   ready by then join.
+
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+
+use crate::policy::Policy;
+use crate::snapshot::{ClusterSnapshot, Decision, InstanceSnapshot, RejectReason, Request, Route};
+use crate::{Micros, RoleChange};
+
+/// Latency targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Slo {
+    /// Time to first token.
+    pub ttft_us: Micros,
+    /// Time between tokens.
+    pub tbt_us: Micros,
+}
+
+impl Default for Slo {
+    /// Mooncake §7.1.3's real-workload limits: 30 s TTFT, 0.1 s per token.
+    fn default() -> Self {
+        Self { ttft_us: 30_000_000, tbt_us: 100_000 }
+    }
+}
+
+/// Which admission control.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdmissionKind {
+    /// Admit everything.
+    None,
+    /// TTFT check before prefill, decode check after it.
+    Baseline,
+    /// TTFT and current decode load before prefill.
+    EarlyRejection,
+    /// TTFT and predicted decode load before prefill.
+    Predictive,
+}
+
+impl AdmissionKind {
+    /// Every kind.
+    pub const ALL: [AdmissionKind; 4] =
+        [AdmissionKind::None, AdmissionKind::Baseline, AdmissionKind::EarlyRejection, AdmissionKind::Predictive];
+
+    /// Its command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            AdmissionKind::None => "none",
+            AdmissionKind::Baseline => "baseline",
+            AdmissionKind::EarlyRejection => "early",
+            AdmissionKind::Predictive => "predictive",
+        }
+    }
+
+    /// Whether the decode side checks its load when the KV arrives (and may waste a prefill).
+    pub fn decode_checks_on_arrival(self) -> bool {
+        !matches!(self, AdmissionKind::None)
+    }
+}
+
+/// An unknown admission name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown admission {0:?} (expected none, baseline, early or predictive)")]
+pub struct UnknownAdmission(pub String);
+
+impl std::str::FromStr for AdmissionKind {
+    type Err = UnknownAdmission;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| UnknownAdmission(s.to_owned()))
+    }
+}
+
+/// Admission settings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdmissionConfig {
+    /// Which control.
+    pub kind: AdmissionKind,
+    /// The SLOs.
+    pub slo: Slo,
+    /// Predictive: the uniform decode duration `t_d` of a request.
+    pub decode_time_us: Micros,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self { kind: AdmissionKind::None, slo: Slo::default(), decode_time_us: 10_000_000 }
+    }
+}
+
+/// Current TBT of a decode instance with `extra` more sequences of `extra_context` tokens.
+fn tbt_now(snap: &ClusterSnapshot<'_>, d: &InstanceSnapshot, extra: u64, extra_context: u64) -> Micros {
+    let batch = d.decode_batch() + u64::from(d.decode_waiting) + extra;
+    let ctx = d.decode_context() + extra_context;
+    snap.cost.decode_step(batch, ctx)
+}
+
+/// Predicted TBT of a decode instance at time `at` (system-level, uniform decode time `t_d`),
+/// with `extra` more sequences of `extra_context` tokens in all.
+pub fn predicted_tbt_at(
+    snap: &ClusterSnapshot<'_>,
+    d: &InstanceSnapshot,
+    at: Micros,
+    t_d: Micros,
+    extra: u64,
+    extra_context: u64,
+) -> Micros {
+    let staying = d.decode_running.iter().filter(|s| s.started_at + t_d > at);
+    let joining = d.decode_incoming.iter().filter(|s| s.ready_at <= at);
+    let (mut batch, mut ctx) = (u64::from(d.decode_waiting) + extra, extra_context);
+    for s in staying {
+        batch += 1;
+        ctx += s.context;
+    }
+    for s in joining {
+        batch += 1;
+        ctx += s.context;
+    }
+    snap.cost.decode_step(batch, ctx)
+}
+
+/// Mean over the decode pool of `f`, the routed instance getting `this` added.
+fn pool_mean(snap: &ClusterSnapshot<'_>, f: impl Fn(&InstanceSnapshot) -> Micros) -> Micros {
+    let v: Vec<Micros> = snap.decode_pool().map(f).collect();
+    if v.is_empty() { 0 } else { v.iter().sum::<Micros>() / v.len() as Micros }
+}
+
+/// The admission check of a routed request.
+pub fn admit(
+    cfg: &AdmissionConfig,
+    snap: &ClusterSnapshot<'_>,
+    req: &Request,
+    route: &Route,
+) -> Result<(), RejectReason> {
+    let slo = cfg.slo;
+    if cfg.kind == AdmissionKind::None {
+        return Ok(());
+    }
+    if route.estimate.ttft_us > slo.ttft_us {
+        return Err(RejectReason::Ttft { predicted_us: route.estimate.ttft_us, slo_us: slo.ttft_us });
+    }
+    let decode_load = match cfg.kind {
+        AdmissionKind::None | AdmissionKind::Baseline => return Ok(()),
+        AdmissionKind::EarlyRejection => pool_mean(snap, |d| {
+            let extra = u64::from(d.id == route.decode);
+            tbt_now(snap, d, extra, extra * req.prompt_tokens)
+        }),
+        AdmissionKind::Predictive => {
+            let at = snap.now + route.estimate.ttft_us;
+            pool_mean(snap, |d| {
+                let extra = u64::from(d.id == route.decode);
+                predicted_tbt_at(snap, d, at, cfg.decode_time_us, extra, extra * req.prompt_tokens)
+            })
+        }
+    };
+    if decode_load > slo.tbt_us {
+        return Err(RejectReason::Tbt { predicted_us: decode_load, slo_us: slo.tbt_us });
+    }
+    Ok(())
+}
+
+/// A policy and an admission control: what the conductor (and the simulator) call per request.
+pub struct Scheduler {
+    /// The routing policy.
+    pub policy: Box<dyn Policy>,
+    /// The admission control.
+    pub admission: AdmissionConfig,
+}
+
+impl std::fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler").field("policy", &self.policy.name()).field("admission", &self.admission).finish()
+    }
+}
+
+impl Scheduler {
+    /// A scheduler.
+    pub fn new(policy: Box<dyn Policy>, admission: AdmissionConfig) -> Self {
+        Self { policy, admission }
+    }
+
+    /// The decision for one request: route by the policy, then admit or reject.
+    pub fn decide(&mut self, snap: &ClusterSnapshot<'_>, req: &Request, rng: &mut dyn RngCore) -> Decision {
+        let d = self.policy.route(snap, req, rng);
+        match &d {
+            Decision::Route(r) => match admit(&self.admission, snap, req, r) {
+                Ok(()) => d,
+                Err(reason) => Decision::Reject { reason },
+            },
+            Decision::Reject { .. } => d,
+        }
+    }
+
+    /// A role change to make now, if the policy wants one.
+    pub fn rebalance(&mut self, snap: &ClusterSnapshot<'_>) -> Option<RoleChange> {
+        self.policy.rebalance(snap)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use baton_kv::InstanceId;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    use super::*;
+    use crate::policy::testutil::{instances, request, snap, trees_for};
+    use crate::policy::{LeastLoad, PolicyKind};
+    use crate::{CostProfile, DecodeSeq, IncomingSeq};
+
+    fn sched(kind: AdmissionKind) -> Scheduler {
+        let cfg = AdmissionConfig { kind, slo: Slo { ttft_us: 5_000_000, tbt_us: 40_000 }, decode_time_us: 10_000_000 };
+        Scheduler::new(Box::new(LeastLoad), cfg)
+    }
+
+    #[test]
+    fn ttft_over_slo_is_rejected_by_every_control_but_none() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        let mut inst = instances(1, 1);
+        inst[0].queued_prefill_us = 10_000_000;
+        let trees = trees_for(&inst);
+        let s = snap(inst, &trees, &cost);
+        let mut rng = StdRng::seed_from_u64(0);
+        assert!(sched(AdmissionKind::None).decide(&s, &request(4), &mut rng).route().is_some());
+        for k in [AdmissionKind::Baseline, AdmissionKind::EarlyRejection, AdmissionKind::Predictive] {
+            let d = sched(k).decide(&s, &request(4), &mut rng);
+            assert!(matches!(d, Decision::Reject { reason: RejectReason::Ttft { .. } }), "{k:?}: {d:?}");
+        }
+    }
+
+    #[test]
+    fn early_rejection_looks_at_current_decode_load_and_predictive_at_future_load() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        // The decode instance is busy now (64 sequences of 20k), but all of them started long
+        // ago and will be gone by the time this prefill finishes.
+        let mut inst = instances(1, 1);
+        inst[1].decode_running = vec![DecodeSeq { started_at: 0, context: 20_000 }; 64];
+        let trees = trees_for(&inst);
+        let mut s = snap(inst.clone(), &trees, &cost);
+        s.now = 9_999_000;
+        let mut rng = StdRng::seed_from_u64(0);
+        let req = request(4);
+        assert!(matches!(
+            sched(AdmissionKind::EarlyRejection).decide(&s, &req, &mut rng),
+            Decision::Reject { reason: RejectReason::Tbt { .. } }
+        ));
+        assert!(sched(AdmissionKind::Baseline).decide(&s, &req, &mut rng).route().is_some());
+        assert!(sched(AdmissionKind::Predictive).decide(&s, &req, &mut rng).route().is_some());
+
+        // Conversely: idle now, but many requests are about to arrive from prefill.
+        inst[1].decode_running.clear();
+        inst[1].decode_incoming = vec![IncomingSeq { ready_at: 10_000_000, context: 20_000 }; 64];
+        let mut s = snap(inst, &trees, &cost);
+        s.now = 9_999_000;
+        assert!(matches!(
+            sched(AdmissionKind::Predictive).decide(&s, &req, &mut rng),
+            Decision::Reject { reason: RejectReason::Tbt { .. } }
+        ));
+        let d = &s.instances[1];
+        assert!(predicted_tbt_at(&s, d, 9_999_999, 1, 0, 0) < predicted_tbt_at(&s, d, 10_000_000, 1, 0, 0));
+    }
+
+    #[test]
+    fn names_parse() {
+        for k in AdmissionKind::ALL {
+            assert_eq!(k.name().parse::<AdmissionKind>(), Ok(k));
+        }
+        for k in PolicyKind::ALL {
+            assert_eq!(k.name().parse::<PolicyKind>().ok(), Some(k));
+        }
+        assert!("nope".parse::<PolicyKind>().is_err());
+        let _ = InstanceId(0);
+    }
+}

@@ -1,0 +1,249 @@
+//! Global routing policies: `route(&snapshot, &request, rng) -> Decision`.
+//!
+//! Every policy is a small struct implementing [`Policy`]. State a policy needs across requests
+//! (the round-robin cursor, session stickiness, FlowKV's imbalance timer) lives in that struct and
+//! nowhere else; time, load, cache contents and randomness come in as arguments, so the conductor
+//! and the simulator get the same decision from the same inputs.
+//!
+//! | policy | prefill instance | decode instance |
+//! |---|---|---|
+//! | [`RoundRobin`] | next in turn | next in turn |
+//! | [`RandomPolicy`] | uniform | uniform |
+//! | [`LeastLoad`] | least queued prefill time | least predicted TBT |
+//! | [`SessionAffinity`] | the session's instance (least load on first sight) | least predicted TBT |
+//! | [`PromptTree`] | longest cached prefix, then least load (MemServe Table 6), transfer-vs-recompute by eq. 2 | least predicted TBT |
+//! | [`KvCentric`] | Mooncake Algorithm 1 (cache-aware / cache-balancing, hot-spot migration) | least predicted TBT |
+//! | [`LoadAware`] | argmin queue + exec(x, y) (MemServe eq. 1), role switching under persistent imbalance (FlowKV) | least predicted TBT |
+
+mod baselines;
+mod kv_centric;
+mod load_aware;
+mod prompt_tree;
+
+use std::str::FromStr;
+
+use baton_kv::InstanceId;
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+
+pub use baselines::{LeastLoad, RandomPolicy, RoundRobin, SessionAffinity};
+pub use kv_centric::KvCentric;
+pub use load_aware::{LoadAware, LoadAwareConfig};
+pub use prompt_tree::PromptTree;
+
+use crate::snapshot::{ClusterSnapshot, Decision, Estimate, InstanceSnapshot, RejectReason, Request, Reuse, Route};
+use crate::{Micros, RoleChange};
+
+/// A global routing policy.
+pub trait Policy: Send {
+    /// Its name (as on the command line).
+    fn name(&self) -> &'static str;
+
+    /// Routes one request. Must not reject for load: admission does that (a policy rejects only
+    /// when no instance can take the request at all).
+    fn route(&mut self, snap: &ClusterSnapshot<'_>, req: &Request, rng: &mut dyn RngCore) -> Decision;
+
+    /// Called periodically: a role change the cluster should make now, if any.
+    fn rebalance(&mut self, _snap: &ClusterSnapshot<'_>) -> Option<RoleChange> {
+        None
+    }
+}
+
+/// The policies by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyKind {
+    /// [`RoundRobin`].
+    RoundRobin,
+    /// [`RandomPolicy`].
+    Random,
+    /// [`LeastLoad`].
+    LeastLoad,
+    /// [`SessionAffinity`].
+    SessionAffinity,
+    /// [`PromptTree`].
+    PromptTree,
+    /// [`KvCentric`].
+    KvCentric,
+    /// [`LoadAware`].
+    LoadAware,
+}
+
+impl PolicyKind {
+    /// Every policy, in the order above.
+    pub const ALL: [PolicyKind; 7] = [
+        PolicyKind::RoundRobin,
+        PolicyKind::Random,
+        PolicyKind::LeastLoad,
+        PolicyKind::SessionAffinity,
+        PolicyKind::PromptTree,
+        PolicyKind::KvCentric,
+        PolicyKind::LoadAware,
+    ];
+
+    /// Its command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::RoundRobin => "round-robin",
+            PolicyKind::Random => "random",
+            PolicyKind::LeastLoad => "least-load",
+            PolicyKind::SessionAffinity => "session-affinity",
+            PolicyKind::PromptTree => "prompt-tree",
+            PolicyKind::KvCentric => "kv-centric",
+            PolicyKind::LoadAware => "load-aware",
+        }
+    }
+
+    /// A fresh policy of this kind.
+    pub fn build(self, cfg: &PolicyConfig) -> Box<dyn Policy> {
+        match self {
+            PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
+            PolicyKind::Random => Box::new(RandomPolicy),
+            PolicyKind::LeastLoad => Box::new(LeastLoad),
+            PolicyKind::SessionAffinity => Box::new(SessionAffinity::default()),
+            PolicyKind::PromptTree => Box::new(PromptTree),
+            PolicyKind::KvCentric => {
+                Box::new(KvCentric { kvcache_balancing_threshold: cfg.kvcache_balancing_threshold })
+            }
+            PolicyKind::LoadAware => Box::new(LoadAware::new(cfg.load_aware)),
+        }
+    }
+}
+
+/// An unknown policy name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown policy {0:?} (expected one of round-robin, random, least-load, session-affinity, prompt-tree, kv-centric, load-aware)"
+)]
+pub struct UnknownPolicy(pub String);
+
+impl FromStr for PolicyKind {
+    type Err = UnknownPolicy;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| UnknownPolicy(s.to_owned()))
+    }
+}
+
+/// Parameters of the policies.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PolicyConfig {
+    /// Mooncake's `kvcache_balancing_threshold`: an instance whose local prefix is shorter than
+    /// the best one by this factor or more considers fetching the best instance's blocks.
+    pub kvcache_balancing_threshold: f64,
+    /// FlowKV's load-aware policy.
+    pub load_aware: LoadAwareConfig,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self { kvcache_balancing_threshold: 1.5, load_aware: LoadAwareConfig::default() }
+    }
+}
+
+// ---- shared estimates ----------------------------------------------------------------------
+
+/// Predicted TTFT on `inst` with its first `cached_blocks` blocks reused: queue + prefill.
+pub(crate) fn ttft_on(
+    snap: &ClusterSnapshot<'_>,
+    inst: &InstanceSnapshot,
+    req: &Request,
+    cached_blocks: usize,
+) -> Micros {
+    inst.queued_prefill_us + snap.cost.prefill_time_cached(req.prompt_tokens, req.cached_tokens(cached_blocks))
+}
+
+/// Predicted TBT on a decode instance once this request joins (its running batch, the requests
+/// already routed to it, and this one).
+pub(crate) fn tbt_with(snap: &ClusterSnapshot<'_>, inst: &InstanceSnapshot, req: &Request) -> Micros {
+    let incoming: u64 = inst.decode_incoming.iter().map(|s| s.context).sum();
+    let batch = inst.decode_batch() + inst.decode_incoming.len() as u64 + u64::from(inst.decode_waiting) + 1;
+    snap.cost.decode_step(batch, inst.decode_context() + incoming + req.prompt_tokens)
+}
+
+/// The decode instance with the least predicted TBT (ties by id), with that TBT. A colocated
+/// prefill instance decodes its own requests.
+pub(crate) fn least_loaded_decode(
+    snap: &ClusterSnapshot<'_>,
+    req: &Request,
+    prefill: &InstanceSnapshot,
+) -> Option<(InstanceId, Micros)> {
+    if prefill.role == crate::Role::Colocated {
+        return Some((prefill.id, tbt_with(snap, prefill, req)));
+    }
+    snap.decode_pool().map(|d| (d.id, tbt_with(snap, d, req))).min_by_key(|&(id, t)| (t, id))
+}
+
+/// Builds a route that reuses only `prefill`'s own first `local` blocks.
+pub(crate) fn local_route(
+    snap: &ClusterSnapshot<'_>,
+    req: &Request,
+    prefill: &InstanceSnapshot,
+    decode: (InstanceId, Micros),
+    local: usize,
+) -> Route {
+    let reuse = if local > 0 { vec![Reuse { from: prefill.id, start: 0, end: local as u32 }] } else { Vec::new() };
+    Route {
+        prefill: prefill.id,
+        decode: decode.0,
+        reuse,
+        migrate: false,
+        estimate: Estimate { ttft_us: ttft_on(snap, prefill, req, local), tbt_us: decode.1 },
+    }
+}
+
+/// Routes to `prefill` (local cache only) and the least-loaded decode instance.
+pub(crate) fn route_to(snap: &ClusterSnapshot<'_>, req: &Request, prefill: &InstanceSnapshot) -> Decision {
+    match least_loaded_decode(snap, req, prefill) {
+        Some(d) => {
+            let local = snap.trees.prefix_len(prefill.id, &req.block_hashes, snap.now);
+            Decision::Route(local_route(snap, req, prefill, d, local))
+        }
+        None => Decision::Reject { reason: RejectReason::NoInstance },
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    //! Hand-built snapshots.
+    use baton_kv::{BlockHash, InstanceId};
+
+    use crate::snapshot::{ClusterSnapshot, InstanceSnapshot, Request, RequestId, Role};
+    use crate::{CostProfile, GlobalPromptTrees};
+
+    /// `p` prefill instances (ids 0..p) and `d` decode instances (ids p..p+d).
+    pub(crate) fn instances(p: u32, d: u32) -> Vec<InstanceSnapshot> {
+        (0..p)
+            .map(|i| InstanceSnapshot::idle(InstanceId(i), Role::Prefill))
+            .chain((p..p + d).map(|i| InstanceSnapshot::idle(InstanceId(i), Role::Decode)))
+            .collect()
+    }
+
+    pub(crate) fn trees_for(instances: &[InstanceSnapshot]) -> GlobalPromptTrees {
+        let mut t = GlobalPromptTrees::new(60_000_000);
+        for i in instances {
+            t.set_role(i.id, i.role);
+        }
+        t
+    }
+
+    pub(crate) fn snap<'a>(
+        instances: Vec<InstanceSnapshot>,
+        trees: &'a GlobalPromptTrees,
+        cost: &'a CostProfile,
+    ) -> ClusterSnapshot<'a> {
+        ClusterSnapshot { now: 0, instances, trees, cost, links: Vec::new() }
+    }
+
+    /// A request of `blocks` full 512-token blocks with hashes 1..=blocks.
+    pub(crate) fn request(blocks: u64) -> Request {
+        Request {
+            id: RequestId(1),
+            prompt_tokens: blocks * 512,
+            block_hashes: (1..=blocks).map(BlockHash).collect(),
+            block_tokens: 512,
+            expected_output: 100,
+            session: None,
+        }
+    }
+}
