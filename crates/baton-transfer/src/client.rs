@@ -1,0 +1,321 @@
+//! The decode side: a connection to one prefill worker's [`KvServer`](crate::KvServer).
+//!
+//! [`KvClient::connect`] performs CONNECT (descriptors, geometry, compatibility hash, proofs of
+//! the cluster secret) on a control connection, plus the data connections of the chosen
+//! transport. Then, per request: [`KvClient::pull`] = TRANSFER + coalesced reads + COMPLETE
+//! (or the three steps separately, to keep many transfers in flight), or, in push mode,
+//! [`KvClient::begin_push`] and [`KvClient::finish_push`].
+//!
+//! On any error the destination blocks' contents are undefined and the caller frees them; the
+//! prefill side's lease runs out on its own. A successful COMPLETE proves the source blocks were
+//! held for the whole transfer, so no stale byte is ever accepted.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use baton_kv::{BlockId, ByteRange};
+
+use crate::auth::{self, Side};
+use crate::compat::{Compat, check_peer};
+use crate::conn::Conn;
+use crate::frame::{EndpointInfo, FLAG_GATHER, Frame, TransferMode};
+use crate::plan::plan;
+use crate::region::{Access, Region};
+use crate::transport::{ShmTransport, TcpLimits, TcpTransport, Transport, TransportKind};
+use crate::{PeerId, Result, TransferError, TransferId, TransferStats};
+
+/// Configuration of a [`KvClient`].
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// This worker.
+    pub peer: PeerId,
+    /// Model, geometry and layout version expected.
+    pub compat: Compat,
+    /// The cluster secret.
+    pub secret: Vec<u8>,
+    /// How data moves.
+    pub transport: TransportKind,
+    /// TCP data connections (ignored for shared memory).
+    pub connections: usize,
+    /// Bound on every socket read and write, and on connecting.
+    pub io_timeout: Duration,
+    /// READ batching of the TCP transport.
+    pub tcp: TcpLimits,
+}
+
+impl ClientConfig {
+    /// Defaults: TCP, one data connection, 10 s I/O timeout.
+    pub fn new(peer: PeerId, compat: Compat, secret: impl Into<Vec<u8>>) -> Self {
+        Self {
+            peer,
+            compat,
+            secret: secret.into(),
+            transport: TransportKind::Tcp,
+            connections: 1,
+            io_timeout: Duration::from_secs(10),
+            tcp: TcpLimits::default(),
+        }
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct PushState {
+    layers_done: u32,
+    done: bool,
+    bytes: u64,
+    frames: usize,
+}
+
+/// A decode worker's link to one prefill worker (see the module docs).
+pub struct KvClient {
+    config: ClientConfig,
+    control: Conn,
+    remote: EndpointInfo,
+    local: Arc<Region>,
+    transport: Box<dyn Transport>,
+    pushes: HashMap<TransferId, PushState>,
+}
+
+impl std::fmt::Debug for KvClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvClient")
+            .field("remote", &self.remote.peer)
+            .field("transport", &self.transport.kind())
+            .finish()
+    }
+}
+
+impl KvClient {
+    /// Connects to the KV server at `addr`; `local` is this worker's own region (the
+    /// destination of every transfer, e.g. `Region::from_arena(&handle, Access::ReadWrite)`).
+    pub fn connect(addr: SocketAddr, config: ClientConfig, local: Arc<Region>) -> Result<KvClient> {
+        config.compat.check_descriptor(local.descriptor()).map_err(TransferError::Incompatible)?;
+        if !local.is_writable() {
+            return Err(TransferError::Unavailable("the destination region is mapped read-only"));
+        }
+        let share = config.transport == TransportKind::Shm;
+        let (control, remote) = dial(addr, &config, &local, share)?;
+        let transport: Box<dyn Transport> = match config.transport {
+            TransportKind::Shm => {
+                let h = remote.shm.ok_or(TransferError::Unavailable("the peer offers no shared memory"))?;
+                let src = Region::open(&h, remote.descriptor.clone(), Access::ReadOnly)
+                    .map_err(TransferError::io("mapping the peer's region"))?;
+                Box::new(ShmTransport::new(src))
+            }
+            TransportKind::Tcp => {
+                let conns = (0..config.connections.max(1))
+                    .map(|_| dial(addr, &config, &local, false).map(|(c, _)| c))
+                    .collect::<Result<Vec<_>>>()?;
+                Box::new(TcpTransport::new(remote.peer, conns, config.tcp))
+            }
+        };
+        Ok(KvClient { config, control, remote, local, transport, pushes: HashMap::new() })
+    }
+
+    /// The prefill side's facts (descriptor, geometry, peer id).
+    pub fn remote(&self) -> &EndpointInfo {
+        &self.remote
+    }
+
+    /// The transport in use.
+    pub fn transport(&self) -> TransportKind {
+        self.transport.kind()
+    }
+
+    /// Pull mode, all of it: TRANSFER, coalesced reads of `remote` blocks into `local` blocks,
+    /// COMPLETE.
+    pub fn pull(&mut self, id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Result<TransferStats> {
+        let start = Instant::now();
+        self.open(id, remote, local)?;
+        let mut stats = self.read(id, remote, local)?;
+        self.complete(id)?;
+        stats.elapsed = start.elapsed();
+        Ok(stats)
+    }
+
+    /// TRANSFER: opens (and renews the lease of) transfer `id`. Many may be open at once.
+    pub fn open(&mut self, id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Result<()> {
+        let frame = Frame::Transfer { id, mode: TransferMode::Pull, remote: ids(remote), local: ids(local) };
+        self.control.send(&frame)?;
+        self.expect(id, "TRANSFER_OK")
+    }
+
+    /// Reads an open transfer's blocks with the fewest transport calls the layouts allow.
+    pub fn read(&mut self, id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Result<TransferStats> {
+        let start = Instant::now();
+        let p = plan(&self.remote.descriptor, remote, self.local.descriptor(), local)?;
+        let calls = self.transport.read(id, &p.copies, &self.local)?;
+        Ok(TransferStats { bytes: p.bytes() as u64, copies: p.len(), calls, elapsed: start.elapsed() })
+    }
+
+    /// COMPLETE: the prefill side releases the blocks. An error here (the lease ran out) means
+    /// the data read cannot be trusted.
+    pub fn complete(&mut self, id: TransferId) -> Result<()> {
+        self.control.send(&Frame::Complete { id })?;
+        self.expect(id, "COMPLETE_ACK")
+    }
+
+    /// KVDirect's message-passing baseline: one request/response per block, gathered into a
+    /// buffer by the server and scattered from one here, over the control connection.
+    pub fn pull_naive(&mut self, id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Result<TransferStats> {
+        let start = Instant::now();
+        if remote.len() != local.len() {
+            return Err(crate::PlanError::Lengths { src: remote.len(), dst: local.len() }.into());
+        }
+        self.open(id, remote, local)?;
+        let (mut bytes, mut copies) = (0u64, 0usize);
+        for (seq, (&r, &l)) in remote.iter().zip(local).enumerate() {
+            let p = plan(&self.remote.descriptor, &[r], self.local.descriptor(), &[l])?;
+            let ranges: Vec<ByteRange> = p.copies.iter().map(|c| c.src).collect();
+            self.control.send(&Frame::Read { id, seq: seq as u64, ranges, flags: FLAG_GATHER })?;
+            let buf = match self.control.recv()? {
+                Frame::Data { payload_len, .. } if payload_len == p.bytes() as u64 => {
+                    self.control.recv_vec(payload_len)?
+                }
+                Frame::Error { id, code, message } => {
+                    return Err(TransferError::Remote { peer: self.remote.peer, id, code, message });
+                }
+                other => return Err(TransferError::Protocol(format!("expected DATA, got {}", other.name()))),
+            };
+            let mut at = 0;
+            for c in &p.copies {
+                self.local.write(c.dst.offset, &buf[at..at + c.dst.len])?;
+                at += c.dst.len;
+            }
+            bytes += p.bytes() as u64;
+            copies += p.len();
+        }
+        self.complete(id)?;
+        Ok(TransferStats { bytes, copies, calls: remote.len(), elapsed: start.elapsed() })
+    }
+
+    /// Push mode, first half: sends the ids of the blocks this side reserved for `id`.
+    pub fn begin_push(&mut self, id: TransferId, local: &[BlockId]) -> Result<()> {
+        self.pushes.insert(id, PushState::default());
+        let frame = Frame::Transfer { id, mode: TransferMode::Push, remote: Vec::new(), local: ids(local) };
+        self.control.send(&frame)?;
+        self.expect(id, "TRANSFER_OK")
+    }
+
+    /// Push mode, second half: receives the prefill side's writes until its last layer, then
+    /// COMPLETEs. Waits at most `wait` in all.
+    pub fn finish_push(&mut self, id: TransferId, wait: Duration) -> Result<TransferStats> {
+        let start = Instant::now();
+        loop {
+            if self.pushes.get(&id).is_some_and(|p| p.done) {
+                break;
+            }
+            if start.elapsed() >= wait {
+                return Err(TransferError::Timeout {
+                    context: "waiting for pushed KV",
+                    millis: wait.as_millis() as u64,
+                });
+            }
+            if !self.control.readable(Duration::from_millis(50))? {
+                continue;
+            }
+            let frame = self.control.recv()?;
+            self.handle_async(frame)?;
+        }
+        self.complete(id)?;
+        let p = self.pushes.remove(&id).unwrap_or_default();
+        Ok(TransferStats { bytes: p.bytes, copies: p.frames, calls: p.frames, elapsed: start.elapsed() })
+    }
+
+    /// Layers of push transfer `id` in place so far.
+    pub fn pushed_layers(&self, id: TransferId) -> Option<u32> {
+        self.pushes.get(&id).map(|p| p.layers_done)
+    }
+
+    /// Waits for the answer `what` to a request about `id`, applying pushed data that arrives
+    /// in between.
+    fn expect(&mut self, id: TransferId, what: &'static str) -> Result<()> {
+        loop {
+            match self.control.recv()? {
+                Frame::TransferOk { id: got } | Frame::CompleteAck { id: got } if got == id => return Ok(()),
+                Frame::Error { id: got, code, message } if got == id || got == TransferId(0) => {
+                    return Err(TransferError::Remote { peer: self.remote.peer, id: got, code, message });
+                }
+                f @ (Frame::Write { .. } | Frame::Pushed { .. }) => self.handle_async(f)?,
+                other => return Err(TransferError::Protocol(format!("expected {what}, got {}", other.name()))),
+            }
+        }
+    }
+
+    /// Applies a frame the server sends on its own (push mode).
+    fn handle_async(&mut self, frame: Frame) -> Result<()> {
+        match frame {
+            Frame::Write { id, ranges, payload_len } => {
+                let state = self
+                    .pushes
+                    .get_mut(&id)
+                    .ok_or_else(|| TransferError::Protocol(format!("WRITE for {id}, which is not being pushed")))?;
+                state.bytes += payload_len;
+                state.frames += 1;
+                self.control.recv_into(&self.local, &ranges)
+            }
+            Frame::Pushed { id, layers_done, done } => {
+                let state = self
+                    .pushes
+                    .get_mut(&id)
+                    .ok_or_else(|| TransferError::Protocol(format!("PUSHED for {id}, which is not being pushed")))?;
+                state.layers_done = layers_done;
+                state.done |= done;
+                if self.config.transport == TransportKind::Shm {
+                    state.frames += 1;
+                }
+                Ok(())
+            }
+            Frame::Error { id, code, message } => {
+                Err(TransferError::Remote { peer: self.remote.peer, id, code, message })
+            }
+            other => Err(TransferError::Protocol(format!("unexpected {}", other.name()))),
+        }
+    }
+}
+
+fn ids(blocks: &[BlockId]) -> Vec<u32> {
+    blocks.iter().map(|b| b.0).collect()
+}
+
+/// Opens one authenticated connection; returns it and the server's facts.
+fn dial(addr: SocketAddr, config: &ClientConfig, local: &Region, share: bool) -> Result<(Conn, EndpointInfo)> {
+    let stream = TcpStream::connect_timeout(&addr, config.io_timeout).map_err(TransferError::io("connecting"))?;
+    let mut conn = Conn::new(stream, config.io_timeout)?;
+    let info = EndpointInfo {
+        peer: config.peer,
+        compat: config.compat.clone(),
+        compat_hash: config.compat.hash(),
+        descriptor: local.descriptor().clone(),
+        region_len: local.len() as u64,
+        shm: if share { local.shm_handle() } else { None },
+    };
+    let client_nonce = auth::nonce();
+    conn.send(&Frame::Connect { info, nonce: client_nonce })?;
+    let refused = |code, message| TransferError::Remote { peer: PeerId(0), id: TransferId(0), code, message };
+    let server_nonce = match conn.recv()? {
+        Frame::Challenge { nonce, proof } => {
+            let want = auth::proof(&config.secret, Side::Server, &client_nonce, &nonce);
+            if !auth::proofs_equal(&proof, &want) {
+                return Err(TransferError::AuthFailed("the server does not know the cluster secret"));
+            }
+            nonce
+        }
+        Frame::Error { code: crate::ErrorCode::Incompatible, message, .. } => {
+            return Err(TransferError::Incompatible(message));
+        }
+        Frame::Error { code, message, .. } => return Err(refused(code, message)),
+        other => return Err(TransferError::Protocol(format!("expected CHALLENGE, got {}", other.name()))),
+    };
+    let proof = auth::proof(&config.secret, Side::Client, &client_nonce, &server_nonce);
+    conn.send(&Frame::Auth { proof })?;
+    let remote = match conn.recv()? {
+        Frame::Accept { info } => info,
+        Frame::Error { code, message, .. } => return Err(refused(code, message)),
+        other => return Err(TransferError::Protocol(format!("expected ACCEPT, got {}", other.name()))),
+    };
+    check_peer(&config.compat, &remote).map_err(TransferError::Incompatible)?;
+    Ok((conn, remote))
+}

@@ -1,0 +1,146 @@
+//! One blocking TCP connection: frames in and out, payloads straight between the socket and a
+//! region (vectored writes from the arena, reads into the destination blocks). Every call is
+//! bounded by the socket timeouts set at construction.
+
+use std::io::{IoSlice, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use baton_kv::ByteRange;
+
+use crate::frame::{Frame, HEADER_LEN, Header};
+use crate::region::Region;
+use crate::{Result, TransferError};
+
+/// Most slices handed to one `writev` (Linux's IOV_MAX).
+const IOV_MAX: usize = 1024;
+
+/// A framed connection.
+#[derive(Debug)]
+pub(crate) struct Conn {
+    stream: TcpStream,
+    timeout: Duration,
+}
+
+impl Conn {
+    /// Wraps `stream`, bounding every read and write by `timeout`.
+    pub(crate) fn new(stream: TcpStream, timeout: Duration) -> Result<Self> {
+        stream.set_nodelay(true).map_err(TransferError::io("configuring a socket"))?;
+        stream.set_read_timeout(Some(timeout)).map_err(TransferError::io("configuring a socket"))?;
+        stream.set_write_timeout(Some(timeout)).map_err(TransferError::io("configuring a socket"))?;
+        Ok(Self { stream, timeout })
+    }
+
+    /// A second handle on the same socket (a writer for another thread).
+    pub(crate) fn try_clone(&self) -> Result<Self> {
+        let stream = self.stream.try_clone().map_err(TransferError::io("cloning a socket"))?;
+        Ok(Self { stream, timeout: self.timeout })
+    }
+
+    /// Shuts the socket down both ways (wakes a thread blocked on it).
+    pub(crate) fn shutdown(&self) {
+        // Already closed is fine.
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+
+    fn err(&self, context: &'static str) -> impl FnOnce(std::io::Error) -> TransferError + use<> {
+        let millis = self.timeout.as_millis() as u64;
+        move |e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => TransferError::Timeout { context, millis },
+            _ => TransferError::io(context)(e),
+        }
+    }
+
+    /// Waits up to `poll` for the next frame to start arriving; `false` on timeout. The frame
+    /// itself is then read under the full timeout, so a slow peer cannot desynchronise us.
+    pub(crate) fn readable(&mut self, poll: Duration) -> Result<bool> {
+        let e = self.err("configuring a socket");
+        self.stream.set_read_timeout(Some(poll)).map_err(e)?;
+        let mut b = [0u8; 1];
+        let r = self.stream.peek(&mut b);
+        let e = self.err("configuring a socket");
+        self.stream.set_read_timeout(Some(self.timeout)).map_err(e)?;
+        match r {
+            Ok(0) => Err(TransferError::PeerClosed("waiting for a frame")),
+            Ok(_) => Ok(true),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => Ok(false),
+            Err(e) => Err(TransferError::io("waiting for a frame")(e)),
+        }
+    }
+
+    /// Sends a frame without payload.
+    pub(crate) fn send(&mut self, frame: &Frame) -> Result<()> {
+        let bytes = frame.encode();
+        let e = self.err("sending a frame");
+        self.stream.write_all(&bytes).map_err(e)
+    }
+
+    /// Sends a frame followed by the bytes of `ranges` of `region`, in order, vectored.
+    pub(crate) fn send_with_payload(&mut self, frame: &Frame, region: &Region, ranges: &[ByteRange]) -> Result<()> {
+        let head = frame.encode();
+        let e = self.err("sending KV bytes");
+        let stream = &mut self.stream;
+        region
+            .with_many(ranges, |slices| -> std::io::Result<()> {
+                let mut all: Vec<IoSlice<'_>> = Vec::with_capacity(slices.len() + 1);
+                all.push(IoSlice::new(&head));
+                all.extend(slices.iter().map(|s| IoSlice::new(s)));
+                write_all_vectored(stream, &mut all)
+            })?
+            .map_err(e)
+    }
+
+    /// Sends a frame followed by `payload`.
+    pub(crate) fn send_with_bytes(&mut self, frame: &Frame, payload: &[u8]) -> Result<()> {
+        let head = frame.encode();
+        let e = self.err("sending KV bytes");
+        let mut all = [IoSlice::new(&head), IoSlice::new(payload)];
+        write_all_vectored(&mut self.stream, &mut all).map_err(e)
+    }
+
+    /// Receives the next frame (its payload, if any, is still on the socket).
+    pub(crate) fn recv(&mut self) -> Result<Frame> {
+        let mut h = [0u8; HEADER_LEN];
+        let e = self.err("waiting for a frame");
+        self.stream.read_exact(&mut h).map_err(e)?;
+        let header = Header::decode(&h)?;
+        let mut meta = vec![0u8; header.meta_len];
+        let e = self.err("reading a frame");
+        self.stream.read_exact(&mut meta).map_err(e)?;
+        Ok(Frame::decode(&header, &meta)?)
+    }
+
+    /// Reads a payload straight into `ranges` of `region`, in order.
+    pub(crate) fn recv_into(&mut self, region: &Region, ranges: &[ByteRange]) -> Result<()> {
+        for &r in ranges {
+            let e = self.err("receiving KV bytes");
+            let stream = &mut self.stream;
+            region.with_bytes_mut(r, |b| stream.read_exact(b))?.map_err(e)?;
+        }
+        Ok(())
+    }
+
+    /// Reads a payload of `len` bytes into a new buffer.
+    pub(crate) fn recv_vec(&mut self, len: u64) -> Result<Vec<u8>> {
+        let len = usize::try_from(len).map_err(|_| TransferError::Protocol("payload too large".into()))?;
+        let mut buf = vec![0u8; len];
+        let e = self.err("receiving KV bytes");
+        self.stream.read_exact(&mut buf).map_err(e)?;
+        Ok(buf)
+    }
+}
+
+/// `write_all` for vectored writes.
+fn write_all_vectored(stream: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = bufs.len().min(IOV_MAX);
+        match stream.write_vectored(&bufs[..n]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(written) => IoSlice::advance_slices(&mut bufs, written),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}

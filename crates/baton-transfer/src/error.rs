@@ -1,0 +1,146 @@
+//! The crate's error type.
+
+use std::io;
+
+use crate::frame::FrameError;
+use crate::lease::LeaseError;
+use crate::plan::PlanError;
+use crate::{PeerId, TransferId};
+
+/// Everything a transfer can fail with. A peer's refusal arrives as [`TransferError::Remote`]
+/// with the [`ErrorCode`] it sent.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// A socket or mapping call failed (timeouts included: `WouldBlock` / `TimedOut`).
+    #[error("I/O error while {context}: {source}")]
+    Io {
+        /// What we were doing.
+        context: &'static str,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// A wait ran past its deadline.
+    #[error("timed out after {millis} ms while {context}")]
+    Timeout {
+        /// What we were waiting for.
+        context: &'static str,
+        /// How long we waited.
+        millis: u64,
+    },
+    /// The peer closed the connection.
+    #[error("peer closed the connection while {0}")]
+    PeerClosed(&'static str),
+    /// Bytes on the wire that do not decode into a frame of this protocol.
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// The two sides cannot exchange KV (model, dtype, block size, geometry or layout version).
+    #[error("incompatible peer: {0}")]
+    Incompatible(String),
+    /// The peer does not know the cluster secret (or we do not know its).
+    #[error("authentication failed: {0}")]
+    AuthFailed(&'static str),
+    /// The block lists cannot be planned.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// A lease operation was refused.
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    /// The peer answered with an ERROR frame.
+    #[error("peer {peer} refused transfer {id}: {code:?}: {message}")]
+    Remote {
+        /// The peer.
+        peer: PeerId,
+        /// The transfer (zero for connection-level errors).
+        id: TransferId,
+        /// What kind of refusal.
+        code: ErrorCode,
+        /// The peer's explanation.
+        message: String,
+    },
+    /// The peer sent a frame that is valid but not expected here.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// A byte range falls outside a region.
+    #[error("range {offset}+{len} is outside the {region_len}-byte region")]
+    OutOfBounds {
+        /// First byte.
+        offset: usize,
+        /// Length.
+        len: usize,
+        /// Region size.
+        region_len: usize,
+    },
+    /// The requested transport needs something this peer or region does not offer.
+    #[error("transport unavailable: {0}")]
+    Unavailable(&'static str),
+}
+
+impl TransferError {
+    /// Wraps an I/O error, turning socket timeouts into [`TransferError::Timeout`]-like errors
+    /// that still carry their context.
+    pub(crate) fn io(context: &'static str) -> impl FnOnce(io::Error) -> TransferError {
+        move |source| match source.kind() {
+            io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => {
+                TransferError::PeerClosed(context)
+            }
+            _ => TransferError::Io { context, source },
+        }
+    }
+
+    /// Whether the error means the data read for a transfer cannot be trusted (the caller must
+    /// drop its destination blocks).
+    pub fn is_remote(&self) -> bool {
+        matches!(self, TransferError::Remote { .. })
+    }
+}
+
+/// Codes carried by ERROR frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    /// Malformed or unexpected frame.
+    Protocol,
+    /// Compatibility hash or geometry mismatch.
+    Incompatible,
+    /// Bad or missing proof of the cluster secret.
+    AuthFailed,
+    /// No lease with that transfer id (never offered, or already completed).
+    UnknownTransfer,
+    /// The lease ran out and the blocks were released: the data is gone.
+    LeaseExpired,
+    /// A read outside the blocks the lease covers.
+    OutOfBounds,
+    /// Anything else on the serving side.
+    Internal,
+}
+
+impl ErrorCode {
+    /// Wire value.
+    pub fn to_u16(self) -> u16 {
+        match self {
+            ErrorCode::Protocol => 1,
+            ErrorCode::Incompatible => 2,
+            ErrorCode::AuthFailed => 3,
+            ErrorCode::UnknownTransfer => 4,
+            ErrorCode::LeaseExpired => 5,
+            ErrorCode::OutOfBounds => 6,
+            ErrorCode::Internal => 7,
+        }
+    }
+
+    /// From the wire value; unknown values read as [`ErrorCode::Internal`].
+    pub fn from_u16(v: u16) -> Self {
+        match v {
+            1 => ErrorCode::Protocol,
+            2 => ErrorCode::Incompatible,
+            3 => ErrorCode::AuthFailed,
+            4 => ErrorCode::UnknownTransfer,
+            5 => ErrorCode::LeaseExpired,
+            6 => ErrorCode::OutOfBounds,
+            _ => ErrorCode::Internal,
+        }
+    }
+}
+
+/// Result alias of the crate.
+pub type Result<T, E = TransferError> = std::result::Result<T, E>;

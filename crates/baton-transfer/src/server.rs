@@ -1,0 +1,497 @@
+//! The prefill side: a KV server serving a region to decode peers.
+//!
+//! [`KvServer::start`] binds a listener and runs, on threads of its own, an acceptor, one thread
+//! per connection (handshake, then TRANSFER / READ / COMPLETE) and a reaper that ends leases
+//! whose deadline passed. The engine loop is not involved in any read: it offers a request's
+//! blocks ([`KvServer::offer`]), gets them back through its [`BlockOwner`] when the decode side
+//! completes or the lease runs out, and in push mode writes layers with [`KvServer::push`].
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use baton_kv::{BlockId, ByteRange, Dim};
+
+use crate::auth::{self, Side};
+use crate::compat::{Compat, check_peer};
+use crate::conn::Conn;
+use crate::error::ErrorCode;
+use crate::frame::{EndpointInfo, FLAG_GATHER, Frame, TransferMode};
+use crate::lease::{LeaseError, LeaseTable, Release};
+use crate::plan::plan_layers;
+use crate::region::{Access, Region};
+use crate::{PeerId, Result, TransferError, TransferId, TransferStats};
+
+/// Whoever owns the blocks the server leases (the prefill engine's pool): gets them back when a
+/// lease ends. Called from the server's threads; keep it short (send to the engine's loop).
+pub trait BlockOwner: Send + Sync + 'static {
+    /// The lease of `release.id` ended; its blocks are the owner's again.
+    fn release(&self, release: Release);
+}
+
+/// The engine's way in: releases arrive on a channel its loop drains each step.
+impl BlockOwner for Sender<Release> {
+    fn release(&self, release: Release) {
+        // A closed receiver means the engine is gone, and its pool with it: nothing to free.
+        let _ = self.send(release);
+    }
+}
+
+/// Configuration of a [`KvServer`].
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// This worker.
+    pub peer: PeerId,
+    /// Model, geometry and layout version served.
+    pub compat: Compat,
+    /// The cluster secret peers must prove they know.
+    pub secret: Vec<u8>,
+    /// Where to listen (`127.0.0.1:0` picks a port).
+    pub bind: SocketAddr,
+    /// How long offered blocks are held without a COMPLETE.
+    pub lease: Duration,
+    /// Bound on every socket read and write.
+    pub io_timeout: Duration,
+    /// Offer the region's shared-memory handle to peers on this host.
+    pub share_memory: bool,
+}
+
+impl ServerConfig {
+    /// Defaults: loopback, any port, 30 s leases, 10 s I/O timeout, shared memory offered.
+    pub fn new(peer: PeerId, compat: Compat, secret: impl Into<Vec<u8>>) -> Self {
+        Self {
+            peer,
+            compat,
+            secret: secret.into(),
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            lease: Duration::from_secs(30),
+            io_timeout: Duration::from_secs(10),
+            share_memory: true,
+        }
+    }
+}
+
+/// A decode side waiting for pushed KV.
+struct PushTarget {
+    conn_no: u64,
+    dst_blocks: Vec<BlockId>,
+    peer: EndpointInfo,
+    writer: Arc<Mutex<Conn>>,
+    shm: Option<Arc<Region>>,
+}
+
+struct Shared {
+    config: ServerConfig,
+    region: Region,
+    owner: Box<dyn BlockOwner>,
+    leases: Mutex<LeaseTable>,
+    epoch: Instant,
+    stop: AtomicBool,
+    pushes: Mutex<HashMap<TransferId, PushTarget>>,
+    push_ready: Condvar,
+    conns: Mutex<HashMap<u64, Conn>>,
+    next_conn: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Shared {
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    fn lease_ms(&self) -> u64 {
+        self.config.lease.as_millis() as u64
+    }
+
+    /// Ends due leases and hands their blocks back (outside the lock).
+    fn expire(&self) {
+        let released = lock(&self.leases).expire(self.now());
+        for r in released {
+            self.owner.release(r);
+        }
+    }
+
+    fn info(&self) -> EndpointInfo {
+        EndpointInfo {
+            peer: self.config.peer,
+            compat: self.config.compat.clone(),
+            compat_hash: self.config.compat.hash(),
+            descriptor: self.region.descriptor().clone(),
+            region_len: self.region.len() as u64,
+            shm: if self.config.share_memory { self.region.shm_handle() } else { None },
+        }
+    }
+}
+
+/// A prefill worker's KV server (see the module docs). Dropping it stops its threads.
+pub struct KvServer {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for KvServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvServer").field("addr", &self.addr).field("peer", &self.shared.config.peer).finish()
+    }
+}
+
+impl KvServer {
+    /// Serves `region` (e.g. `Region::from_arena(&pool.arena().handle()?, Access::ReadOnly)`);
+    /// `owner` gets blocks back as leases end.
+    pub fn start(config: ServerConfig, region: Region, owner: impl BlockOwner) -> Result<KvServer> {
+        config.compat.check_descriptor(region.descriptor()).map_err(TransferError::Incompatible)?;
+        let listener = TcpListener::bind(config.bind).map_err(TransferError::io("binding the KV server"))?;
+        let addr = listener.local_addr().map_err(TransferError::io("binding the KV server"))?;
+        let shared = Arc::new(Shared {
+            config,
+            region,
+            owner: Box::new(owner),
+            leases: Mutex::new(LeaseTable::new()),
+            epoch: Instant::now(),
+            stop: AtomicBool::new(false),
+            pushes: Mutex::new(HashMap::new()),
+            push_ready: Condvar::new(),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+        });
+        let acceptor = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("kv-accept".into())
+                .spawn(move || accept_loop(&shared, &listener))
+                .map_err(TransferError::io("spawning the KV server"))?
+        };
+        let reaper = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("kv-leases".into())
+                .spawn(move || {
+                    while !shared.stop.load(Ordering::Acquire) {
+                        std::thread::sleep(Duration::from_millis(5));
+                        shared.expire();
+                    }
+                })
+                .map_err(TransferError::io("spawning the KV server"))?
+        };
+        Ok(KvServer { shared, addr, threads: vec![acceptor, reaper] })
+    }
+
+    /// Where peers connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// What this server tells peers at CONNECT.
+    pub fn info(&self) -> EndpointInfo {
+        self.shared.info()
+    }
+
+    /// The served region.
+    pub fn region(&self) -> &Region {
+        &self.shared.region
+    }
+
+    /// Pull mode: holds `blocks` for transfer `id` under a lease until the decode side
+    /// completes or the lease runs out; either way they come back through the [`BlockOwner`].
+    pub fn offer(&self, id: TransferId, blocks: Vec<BlockId>) -> Result<()> {
+        let now = self.shared.now();
+        lock(&self.shared.leases).offer(id, blocks, now, self.shared.lease_ms())?;
+        Ok(())
+    }
+
+    /// Withdraws an offer; its blocks go back to the owner at once.
+    pub fn cancel(&self, id: TransferId) -> bool {
+        let released = lock(&self.shared.leases).cancel(id);
+        released.map(|r| self.shared.owner.release(r)).is_some()
+    }
+
+    /// Leases currently held.
+    pub fn live_leases(&self) -> usize {
+        self.shared.expire();
+        lock(&self.shared.leases).len()
+    }
+
+    /// Push mode: writes `layers` of `src_blocks` into the blocks the decode side reserved for
+    /// `id` (waiting up to `wait` for its TRANSFER), over shared memory when the decode side
+    /// offered its region, else as WRITE frames. The first call leases `src_blocks`; the
+    /// decode side's COMPLETE, after the last layer, releases them.
+    pub fn push(
+        &self,
+        id: TransferId,
+        src_blocks: &[BlockId],
+        layers: Range<usize>,
+        wait: Duration,
+    ) -> Result<TransferStats> {
+        let start = Instant::now();
+        let s = &self.shared;
+        {
+            let now = s.now();
+            let mut leases = lock(&s.leases);
+            if leases.blocks(id, now).is_err() {
+                leases.offer(id, src_blocks.to_vec(), now, s.lease_ms())?;
+            }
+        }
+        let (dst_blocks, descriptor, writer, shm) = {
+            let deadline = Instant::now() + wait;
+            let mut pushes = lock(&s.pushes);
+            loop {
+                if let Some(t) = pushes.get(&id) {
+                    break (t.dst_blocks.clone(), t.peer.descriptor.clone(), Arc::clone(&t.writer), t.shm.clone());
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(TransferError::Timeout {
+                        context: "waiting for the decode side to reserve blocks",
+                        millis: wait.as_millis() as u64,
+                    });
+                }
+                pushes = s.push_ready.wait_timeout(pushes, left).unwrap_or_else(PoisonError::into_inner).0;
+            }
+        };
+        let layers_total = s.region.descriptor().extent(Dim::Layer);
+        let p = plan_layers(s.region.descriptor(), src_blocks, &descriptor, &dst_blocks, layers.clone())?;
+        let calls = match &shm {
+            Some(dst) => {
+                for c in &p.copies {
+                    dst.copy_from(&s.region, c.src, c.dst)?;
+                }
+                p.copies.len()
+            }
+            None => {
+                let mut w = lock(&writer);
+                let batches = p.copies.chunks(4096);
+                let n = batches.len();
+                for batch in batches {
+                    let dst: Vec<ByteRange> = batch.iter().map(|c| c.dst).collect();
+                    let src: Vec<ByteRange> = batch.iter().map(|c| c.src).collect();
+                    let payload_len = src.iter().map(|r| r.len as u64).sum();
+                    w.send_with_payload(&Frame::Write { id, ranges: dst, payload_len }, &s.region, &src)?;
+                }
+                n
+            }
+        };
+        let done = layers.end == layers_total;
+        lock(&writer).send(&Frame::Pushed { id, layers_done: layers.end as u32, done })?;
+        Ok(TransferStats { bytes: p.bytes() as u64, copies: p.len(), calls, elapsed: start.elapsed() })
+    }
+
+    /// Stops accepting, closes every connection and joins the server's threads.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        // Wake the acceptor with a connection of our own; if that fails it is already gone.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        for c in lock(&self.shared.conns).values() {
+            c.shutdown();
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for KvServer {
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.stop();
+        }
+    }
+}
+
+fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
+    for stream in listener.incoming() {
+        if shared.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let Ok(stream) = stream else { continue };
+        let Ok(conn) = Conn::new(stream, shared.config.io_timeout) else { continue };
+        let no = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        if let Ok(c) = conn.try_clone() {
+            lock(&shared.conns).insert(no, c);
+        }
+        let s = Arc::clone(shared);
+        let spawned = std::thread::Builder::new().name("kv-conn".into()).spawn(move || {
+            // A connection's failure is the peer's business; the leases it opened run out.
+            let _ = serve(&s, conn, no);
+            lock(&s.conns).remove(&no);
+            lock(&s.pushes).retain(|_, t| t.conn_no != no);
+        });
+        if spawned.is_err() {
+            lock(&shared.conns).remove(&no);
+        }
+    }
+}
+
+/// CONNECT, CHALLENGE, AUTH, ACCEPT from the server's side; returns the client's facts.
+fn handshake(shared: &Shared, conn: &mut Conn) -> Result<EndpointInfo> {
+    let refuse = |conn: &mut Conn, code: ErrorCode, message: String| {
+        // Best effort: the peer may already be gone.
+        let _ = conn.send(&Frame::Error { id: TransferId(0), code, message });
+    };
+    let (info, client_nonce) = match conn.recv()? {
+        Frame::Connect { info, nonce } => (info, nonce),
+        other => {
+            let m = format!("expected CONNECT, got {}", other.name());
+            refuse(conn, ErrorCode::Protocol, m.clone());
+            return Err(TransferError::Protocol(m));
+        }
+    };
+    if let Err(m) = check_peer(&shared.config.compat, &info) {
+        refuse(conn, ErrorCode::Incompatible, m.clone());
+        return Err(TransferError::Incompatible(m));
+    }
+    let server_nonce = auth::nonce();
+    let proof = auth::proof(&shared.config.secret, Side::Server, &client_nonce, &server_nonce);
+    conn.send(&Frame::Challenge { nonce: server_nonce, proof })?;
+    let want = auth::proof(&shared.config.secret, Side::Client, &client_nonce, &server_nonce);
+    match conn.recv()? {
+        Frame::Auth { proof } if auth::proofs_equal(&proof, &want) => {}
+        _ => {
+            refuse(conn, ErrorCode::AuthFailed, "the peer does not know the cluster secret".into());
+            return Err(TransferError::AuthFailed("the client does not know the cluster secret"));
+        }
+    }
+    conn.send(&Frame::Accept { info: shared.info() })?;
+    Ok(info)
+}
+
+fn lease_code(e: &LeaseError) -> ErrorCode {
+    match e {
+        LeaseError::Unknown(_) => ErrorCode::UnknownTransfer,
+        LeaseError::Expired(_) => ErrorCode::LeaseExpired,
+        LeaseError::Duplicate(_) => ErrorCode::Protocol,
+        LeaseError::NotLeased { .. } => ErrorCode::OutOfBounds,
+    }
+}
+
+/// Byte ranges of `blocks`, sorted and merged, for containment checks.
+fn leased_ranges(shared: &Shared, blocks: &[BlockId]) -> Vec<ByteRange> {
+    let mut r = shared.region.descriptor().byte_ranges(blocks);
+    r.sort_unstable();
+    let mut out: Vec<ByteRange> = Vec::with_capacity(r.len());
+    for x in r {
+        match out.last_mut() {
+            Some(last) if last.end() >= x.offset => last.len = last.len.max(x.end() - last.offset),
+            _ => out.push(x),
+        }
+    }
+    out
+}
+
+fn contained(allowed: &[ByteRange], r: &ByteRange) -> bool {
+    let i = allowed.partition_point(|a| a.offset <= r.offset);
+    i > 0 && allowed[i - 1].end() >= r.end()
+}
+
+fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64) -> Result<()> {
+    let peer = handshake(shared, &mut conn)?;
+    let writer = Arc::new(Mutex::new(conn.try_clone()?));
+    let send = |f: &Frame| lock(&writer).send(f);
+    let mut allowed: HashMap<TransferId, Vec<ByteRange>> = HashMap::new();
+    loop {
+        if shared.stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if !conn.readable(Duration::from_millis(100))? {
+            continue;
+        }
+        match conn.recv()? {
+            Frame::Transfer { id, mode: TransferMode::Pull, remote, local: _ } => {
+                let blocks: Vec<BlockId> = remote.into_iter().map(BlockId).collect();
+                let now = shared.now();
+                let opened = lock(&shared.leases).open(id, &blocks, now);
+                match opened {
+                    Ok(()) => {
+                        allowed.insert(id, leased_ranges(shared, &blocks));
+                        send(&Frame::TransferOk { id })?;
+                    }
+                    Err(e) => send(&Frame::Error { id, code: lease_code(&e), message: e.to_string() })?,
+                }
+            }
+            Frame::Transfer { id, mode: TransferMode::Push, remote: _, local } => {
+                let shm = match peer.shm {
+                    Some(h) => match Region::open(&h, peer.descriptor.clone(), Access::ReadWrite) {
+                        Ok(r) => Some(Arc::new(r)),
+                        Err(e) => {
+                            let message = format!("cannot map the decode side's region: {e}");
+                            send(&Frame::Error { id, code: ErrorCode::Internal, message })?;
+                            continue;
+                        }
+                    },
+                    None => None,
+                };
+                let target = PushTarget {
+                    conn_no,
+                    dst_blocks: local.into_iter().map(BlockId).collect(),
+                    peer: peer.clone(),
+                    writer: Arc::clone(&writer),
+                    shm,
+                };
+                lock(&shared.pushes).insert(id, target);
+                shared.push_ready.notify_all();
+                send(&Frame::TransferOk { id })?;
+            }
+            Frame::Read { id, seq, ranges, flags } => {
+                let now = shared.now();
+                let check = {
+                    let leases = lock(&shared.leases);
+                    leases.blocks(id, now).map(|b| {
+                        allowed.entry(id).or_insert_with(|| leased_ranges(shared, b));
+                    })
+                };
+                if let Err(e) = check {
+                    send(&Frame::Error { id, code: lease_code(&e), message: e.to_string() })?;
+                    continue;
+                }
+                let ok = allowed.get(&id).is_some_and(|a| ranges.iter().all(|r| contained(a, r)));
+                if !ok {
+                    let message = "READ outside the blocks leased to this transfer".to_string();
+                    send(&Frame::Error { id, code: ErrorCode::OutOfBounds, message })?;
+                    continue;
+                }
+                let payload_len = ranges.iter().map(|r| r.len as u64).sum();
+                let data = Frame::Data { id, seq, payload_len };
+                if flags & FLAG_GATHER != 0 {
+                    // The message-passing baseline: gather into a buffer, then send it.
+                    let mut buf = Vec::with_capacity(payload_len as usize);
+                    for r in &ranges {
+                        shared.region.with_bytes(*r, |b| buf.extend_from_slice(b))?;
+                    }
+                    lock(&writer).send_with_bytes(&data, &buf)?;
+                } else {
+                    lock(&writer).send_with_payload(&data, &shared.region, &ranges)?;
+                }
+            }
+            Frame::Complete { id } => {
+                allowed.remove(&id);
+                lock(&shared.pushes).remove(&id);
+                let now = shared.now();
+                let done = lock(&shared.leases).complete(id, now);
+                match done {
+                    Ok(release) => {
+                        shared.owner.release(release);
+                        send(&Frame::CompleteAck { id })?;
+                    }
+                    Err(e) => send(&Frame::Error { id, code: lease_code(&e), message: e.to_string() })?,
+                }
+            }
+            other => {
+                let message = format!("unexpected {} from a client", other.name());
+                send(&Frame::Error { id: TransferId(0), code: ErrorCode::Protocol, message: message.clone() })?;
+                return Err(TransferError::Protocol(message));
+            }
+        }
+    }
+}

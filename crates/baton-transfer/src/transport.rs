@@ -1,0 +1,201 @@
+//! Transports: how planned copies move from the peer's region into ours.
+//!
+//! [`Transport::read`] executes a [`TransferPlan`]'s copies for one transfer. The shared-memory
+//! transport is one-sided — a `memcpy` per copy out of the peer's region mapped read-only, the
+//! prefill side not involved — and the TCP transport sends READ frames of many ranges each and
+//! receives the DATA straight into the destination blocks. An RDMA-class transport fits the same
+//! trait: one posted one-sided read per copy against the peer's registered region.
+
+use std::collections::VecDeque;
+
+use baton_kv::ByteRange;
+
+use crate::conn::Conn;
+use crate::frame::Frame;
+use crate::plan::RangeCopy;
+use crate::region::Region;
+use crate::{PeerId, Result, TransferError, TransferId};
+
+/// Which transport a client uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]
+pub enum TransportKind {
+    /// Map the peer's region (same host only).
+    Shm,
+    /// READ / DATA frames over TCP.
+    #[default]
+    Tcp,
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s {
+            "shm" => Ok(TransportKind::Shm),
+            "tcp" => Ok(TransportKind::Tcp),
+            other => Err(format!("unknown transport `{other}` (expected shm or tcp)")),
+        }
+    }
+}
+
+/// Moves the bytes of planned copies from a peer's region into a local one.
+pub trait Transport: Send {
+    /// Which transport this is.
+    fn kind(&self) -> TransportKind;
+
+    /// Executes `copies` (source: the peer's region, destination: `dst`) for transfer `id`;
+    /// returns the number of transport calls it took (memcpys, READ round trips, posted reads).
+    fn read(&mut self, id: TransferId, copies: &[RangeCopy], dst: &Region) -> Result<usize>;
+}
+
+/// Same-host transport: the peer's region, mapped read-only.
+#[derive(Debug)]
+pub struct ShmTransport {
+    src: Region,
+}
+
+impl ShmTransport {
+    /// Reads from `src` (a mapping of the peer's region).
+    pub fn new(src: Region) -> Self {
+        Self { src }
+    }
+}
+
+impl Transport for ShmTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn read(&mut self, _id: TransferId, copies: &[RangeCopy], dst: &Region) -> Result<usize> {
+        for c in copies {
+            dst.copy_from(&self.src, c.src, c.dst)?;
+        }
+        Ok(copies.len())
+    }
+}
+
+/// Limits of the TCP transport's READ frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpLimits {
+    /// Most ranges in one READ.
+    pub max_ranges: usize,
+    /// READs in flight per connection.
+    pub window: usize,
+}
+
+impl Default for TcpLimits {
+    fn default() -> Self {
+        Self { max_ranges: 4096, window: 2 }
+    }
+}
+
+/// Cross-host transport: READ frames over one or more TCP connections to the peer's KV server.
+#[derive(Debug)]
+pub struct TcpTransport {
+    peer: PeerId,
+    conns: Vec<Conn>,
+    limits: TcpLimits,
+    seq: u64,
+}
+
+impl TcpTransport {
+    pub(crate) fn new(peer: PeerId, conns: Vec<Conn>, limits: TcpLimits) -> Self {
+        Self { peer, conns, limits, seq: 0 }
+    }
+}
+
+/// One READ: the copies it covers.
+type Batch<'a> = &'a [RangeCopy];
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn read(&mut self, id: TransferId, copies: &[RangeCopy], dst: &Region) -> Result<usize> {
+        let max = self.limits.max_ranges.max(1);
+        let batches: Vec<Batch<'_>> = if self.conns.len() <= 1 {
+            copies.chunks(max).collect()
+        } else {
+            // Enough batches to spread over the connections, still never splitting a copy.
+            let per = copies.len().div_ceil(self.conns.len()).clamp(1, max);
+            copies.chunks(per).collect()
+        };
+        let calls = batches.len();
+        let n = self.conns.len().max(1);
+        let mut lanes: Vec<Vec<(u64, Batch<'_>)>> = vec![Vec::new(); n];
+        for (i, b) in batches.into_iter().enumerate() {
+            self.seq += 1;
+            lanes[i % n].push((self.seq, b));
+        }
+        let (peer, window) = (self.peer, self.limits.window.max(1));
+        if self.conns.len() == 1 {
+            let lane = std::mem::take(&mut lanes[0]);
+            read_lane(&mut self.conns[0], peer, id, &lane, dst, window)?;
+        } else {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = self
+                    .conns
+                    .iter_mut()
+                    .zip(lanes)
+                    .map(|(conn, lane)| s.spawn(move || read_lane(conn, peer, id, &lane, dst, window)))
+                    .collect();
+                handles.into_iter().try_for_each(|h| {
+                    h.join().map_err(|_| TransferError::Protocol("a TCP reader thread panicked".into()))?
+                })
+            })?;
+        }
+        Ok(calls)
+    }
+}
+
+/// Pipelines the READs of one connection: up to `window` in flight, DATA received in order
+/// straight into the destination ranges.
+fn read_lane(
+    conn: &mut Conn,
+    peer: PeerId,
+    id: TransferId,
+    lane: &[(u64, Batch<'_>)],
+    dst: &Region,
+    window: usize,
+) -> Result<()> {
+    let mut in_flight: VecDeque<(u64, Batch<'_>)> = VecDeque::new();
+    let mut next = 0;
+    while next < lane.len() || !in_flight.is_empty() {
+        while next < lane.len() && in_flight.len() < window {
+            let (seq, batch) = lane[next];
+            let ranges: Vec<ByteRange> = batch.iter().map(|c| c.src).collect();
+            conn.send(&Frame::Read { id, seq, ranges, flags: 0 })?;
+            in_flight.push_back((seq, batch));
+            next += 1;
+        }
+        let Some((seq, batch)) = in_flight.pop_front() else { break };
+        match conn.recv()? {
+            Frame::Data { id: got, seq: s, payload_len } if got == id && s == seq => {
+                let want: u64 = batch.iter().map(|c| c.dst.len as u64).sum();
+                if payload_len != want {
+                    return Err(TransferError::Protocol(format!("DATA of {payload_len} bytes for a {want}-byte READ")));
+                }
+                let ranges: Vec<ByteRange> = batch.iter().map(|c| c.dst).collect();
+                conn.recv_into(dst, &ranges)?;
+            }
+            Frame::Error { id, code, message } => {
+                drain(conn, in_flight.len())?;
+                return Err(TransferError::Remote { peer, id, code, message });
+            }
+            other => return Err(TransferError::Protocol(format!("expected DATA, got {}", other.name()))),
+        }
+    }
+    Ok(())
+}
+
+/// Reads and drops the answers to `n` READs still in flight, so the connection stays usable
+/// after a refused read.
+fn drain(conn: &mut Conn, n: usize) -> Result<()> {
+    for _ in 0..n {
+        if let Frame::Data { payload_len, .. } = conn.recv()? {
+            conn.recv_vec(payload_len)?;
+        }
+    }
+    Ok(())
+}
