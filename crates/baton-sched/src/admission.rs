@@ -5,11 +5,16 @@
 //!   before the prefill, the decode side checks its own load only when the KV arrives (the
 //!   executor does that check; a rejection there wastes the prefill).
 //! - [`AdmissionKind::EarlyRejection`] (§6.2): before the prefill, reject if the predicted TTFT or
-//!   the decode pool's *current* load (mean TBT with this request, over the TBT SLO) is over.
+//!   the chosen decode instance's *current* load (its TBT with its running and waiting requests
+//!   and this one) is over the SLO.
 //! - [`AdmissionKind::Predictive`] (§6.4, system level): like early rejection, but the decode load
 //!   is predicted for the moment the prefill finishes: every running decode is assumed to take a
-//!   uniform `t_d` and leaves when that has passed; requests routed to the decode pool whose KV is
-//!   ready by then join.
+//!   uniform `t_d` and leaves when that has passed; requests already routed to the instance whose
+//!   KV is ready by then join.
+//!
+//! Mooncake states both checks for the decode *pool*; with least-loaded decode selection the
+//! chosen instance is the pool's best, and checking it is what the decode instance itself will
+//! check when the KV arrives.
 
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
@@ -130,12 +135,6 @@ pub fn predicted_tbt_at(
     snap.cost.decode_step(batch, ctx)
 }
 
-/// Mean over the decode pool of `f`, the routed instance getting `this` added.
-fn pool_mean(snap: &ClusterSnapshot<'_>, f: impl Fn(&InstanceSnapshot) -> Micros) -> Micros {
-    let v: Vec<Micros> = snap.decode_pool().map(f).collect();
-    if v.is_empty() { 0 } else { v.iter().sum::<Micros>() / v.len() as Micros }
-}
-
 /// The admission check of a routed request.
 pub fn admit(
     cfg: &AdmissionConfig,
@@ -150,18 +149,12 @@ pub fn admit(
     if route.estimate.ttft_us > slo.ttft_us {
         return Err(RejectReason::Ttft { predicted_us: route.estimate.ttft_us, slo_us: slo.ttft_us });
     }
+    let Some(d) = snap.instance(route.decode) else { return Err(RejectReason::NoInstance) };
     let decode_load = match cfg.kind {
         AdmissionKind::None | AdmissionKind::Baseline => return Ok(()),
-        AdmissionKind::EarlyRejection => pool_mean(snap, |d| {
-            let extra = u64::from(d.id == route.decode);
-            tbt_now(snap, d, extra, extra * req.prompt_tokens)
-        }),
+        AdmissionKind::EarlyRejection => tbt_now(snap, d, 1, req.prompt_tokens),
         AdmissionKind::Predictive => {
-            let at = snap.now + route.estimate.ttft_us;
-            pool_mean(snap, |d| {
-                let extra = u64::from(d.id == route.decode);
-                predicted_tbt_at(snap, d, at, cfg.decode_time_us, extra, extra * req.prompt_tokens)
-            })
+            predicted_tbt_at(snap, d, snap.now + route.estimate.ttft_us, cfg.decode_time_us, 1, req.prompt_tokens)
         }
     };
     if decode_load > slo.tbt_us {

@@ -1,0 +1,216 @@
+//! The report: the benchmark's metrics schema (TTFT, TBT, JCT percentiles, SLO attainment,
+//! goodput, rejections, wasted prefill), as JSON.
+
+use baton_sched::{Micros, RoleChange, Slo};
+use serde::Serialize;
+
+/// Mean and percentiles of a latency, microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    /// Samples.
+    pub count: usize,
+    /// Mean.
+    pub mean: Micros,
+    /// Median.
+    pub p50: Micros,
+    /// 90th percentile.
+    pub p90: Micros,
+    /// 99th percentile.
+    pub p99: Micros,
+    /// Maximum.
+    pub max: Micros,
+}
+
+impl Percentiles {
+    /// Of a set of samples (nearest-rank percentiles).
+    pub fn of(mut v: Vec<Micros>) -> Self {
+        if v.is_empty() {
+            return Self::default();
+        }
+        v.sort_unstable();
+        let n = v.len();
+        let at = |q: f64| v[((q * n as f64).ceil() as usize).clamp(1, n) - 1];
+        let sum: u128 = v.iter().map(|&x| u128::from(x)).sum();
+        Self { count: n, mean: (sum / n as u128) as Micros, p50: at(0.50), p90: at(0.90), p99: at(0.99), max: v[n - 1] }
+    }
+}
+
+/// A role change the simulated cluster made.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RoleChangeAt {
+    /// When.
+    pub at_us: Micros,
+    /// Instance id.
+    pub instance: u32,
+    /// Old role.
+    pub from: String,
+    /// New role.
+    pub to: String,
+}
+
+impl RoleChangeAt {
+    pub(crate) fn new(at_us: Micros, c: RoleChange) -> Self {
+        Self { at_us, instance: c.instance.0, from: format!("{:?}", c.from), to: format!("{:?}", c.to) }
+    }
+}
+
+/// What one simulation measured.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    /// Policy name.
+    pub policy: String,
+    /// Admission control name.
+    pub admission: String,
+    /// Instances per role at the start: (prefill, decode, colocated).
+    pub instances: (usize, usize, usize),
+    /// Seed.
+    pub seed: u64,
+    /// The SLOs attainment is measured against.
+    pub slo_ttft_us: Micros,
+    /// TBT SLO.
+    pub slo_tbt_us: Micros,
+    /// Requests in the workload.
+    pub requests: usize,
+    /// Requests that produced every token.
+    pub completed: usize,
+    /// Turned away at arrival by the scheduler (no work done).
+    pub rejected_early: usize,
+    /// Turned away by the decode instance after their prefill ran (work wasted).
+    pub rejected_after_prefill: usize,
+    /// Time to first token of completed requests.
+    pub ttft: Percentiles,
+    /// Mean time between tokens of each completed request while it decodes (joining the decode
+    /// batch to the last token, over the tokens after the first). The KV transfer and the wait
+    /// for decode memory show in JCT, not here.
+    pub tbt: Percentiles,
+    /// Arrival to last token of completed requests.
+    pub jct: Percentiles,
+    /// Fraction of *all* requests completed with TTFT within the SLO.
+    pub ttft_slo_attainment: f64,
+    /// Fraction of *all* requests completed within both SLOs.
+    pub slo_attainment: f64,
+    /// Requests completed within both SLOs.
+    pub completed_within_slo: usize,
+    /// Requests completed within both SLOs per second of makespan.
+    pub goodput_rps: f64,
+    /// Output tokens of requests completed within both SLOs, per second of makespan.
+    pub goodput_tokens_per_s: f64,
+    /// Prefill compute spent on requests later rejected.
+    pub wasted_prefill_us: Micros,
+    /// Prompt tokens computed for requests later rejected.
+    pub wasted_prefill_tokens: u64,
+    /// Prompt tokens reused from a cache (local or fetched) over prompt tokens of started prefills.
+    pub cache_hit_ratio: f64,
+    /// KV fetched from another instance's cache before a prefill: count.
+    pub cache_transfers: usize,
+    /// Role changes made (load-aware policy).
+    pub role_changes: Vec<RoleChangeAt>,
+    /// Virtual time from the first arrival to the last completion.
+    pub makespan_us: Micros,
+    /// Events processed.
+    pub events: u64,
+}
+
+/// Per-request outcome the simulator records.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Outcome {
+    pub(crate) first_token_us: Option<Micros>,
+    pub(crate) done_us: Option<Micros>,
+    pub(crate) decode_start_us: Option<Micros>,
+    pub(crate) rejected_early: bool,
+    pub(crate) rejected_late: bool,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn summarise(
+    policy: &str,
+    admission: &str,
+    instances: (usize, usize, usize),
+    seed: u64,
+    slo: Slo,
+    arrivals: &[(Micros, u64)],
+    outcomes: &[Outcome],
+    extra: Extra,
+) -> Report {
+    let (mut ttft, mut tbt, mut jct) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut ttft_ok, mut both_ok, mut good_tokens) = (0usize, 0usize, 0u64);
+    let mut last = 0;
+    for (o, &(arrival, output)) in outcomes.iter().zip(arrivals) {
+        let (Some(first), Some(done)) = (o.first_token_us, o.done_us) else { continue };
+        last = last.max(done);
+        let t = first - arrival;
+        let b = match o.decode_start_us {
+            Some(s) if output > 1 => (done - s) / (output - 1),
+            _ => 0,
+        };
+        ttft.push(t);
+        tbt.push(b);
+        jct.push(done - arrival);
+        if t <= slo.ttft_us {
+            ttft_ok += 1;
+            if b <= slo.tbt_us {
+                both_ok += 1;
+                good_tokens += output;
+            }
+        }
+    }
+    let n = outcomes.len().max(1) as f64;
+    let first = arrivals.first().map_or(0, |a| a.0);
+    let makespan = last.saturating_sub(first);
+    let secs = (makespan as f64 / 1e6).max(1e-9);
+    Report {
+        policy: policy.to_owned(),
+        admission: admission.to_owned(),
+        instances,
+        seed,
+        slo_ttft_us: slo.ttft_us,
+        slo_tbt_us: slo.tbt_us,
+        requests: outcomes.len(),
+        completed: jct.len(),
+        rejected_early: outcomes.iter().filter(|o| o.rejected_early).count(),
+        rejected_after_prefill: outcomes.iter().filter(|o| o.rejected_late).count(),
+        ttft: Percentiles::of(ttft),
+        tbt: Percentiles::of(tbt),
+        jct: Percentiles::of(jct),
+        ttft_slo_attainment: ttft_ok as f64 / n,
+        slo_attainment: both_ok as f64 / n,
+        completed_within_slo: both_ok,
+        goodput_rps: both_ok as f64 / secs,
+        goodput_tokens_per_s: good_tokens as f64 / secs,
+        wasted_prefill_us: extra.wasted_prefill_us,
+        wasted_prefill_tokens: extra.wasted_prefill_tokens,
+        cache_hit_ratio: if extra.prefilled_tokens == 0 {
+            0.0
+        } else {
+            extra.reused_tokens as f64 / extra.prefilled_tokens as f64
+        },
+        cache_transfers: extra.cache_transfers,
+        role_changes: extra.role_changes,
+        makespan_us: makespan,
+        events: extra.events,
+    }
+}
+
+/// Counters the simulator keeps besides per-request outcomes.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Extra {
+    pub(crate) wasted_prefill_us: Micros,
+    pub(crate) wasted_prefill_tokens: u64,
+    pub(crate) prefilled_tokens: u64,
+    pub(crate) reused_tokens: u64,
+    pub(crate) cache_transfers: usize,
+    pub(crate) role_changes: Vec<RoleChangeAt>,
+    pub(crate) events: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        let p = Percentiles::of((1..=100).collect());
+        assert_eq!((p.count, p.mean, p.p50, p.p90, p.p99, p.max), (100, 50, 50, 90, 99, 100));
+        assert_eq!(Percentiles::of(vec![]), Percentiles::default());
+    }
+}

@@ -1,0 +1,495 @@
+//! The event loop: instances with queues, continuous batching, KV caches and transfers, on
+//! integer virtual time, driving a [`baton_sched::Scheduler`].
+//!
+//! Events are ordered by (time, priority, sequence number), so a run is a pure function of the
+//! configuration, the workload and the seed.
+//!
+//! The model of an instance:
+//! - one prefill at a time, FIFO (Mooncake's queue-time estimate is the sum of queued prefills);
+//!   a prefill first loads host-tier hits and fetches the route's remote blocks, then computes
+//!   `prefill_time(x, cached)`; the whole prompt is then in its cache (LRU, device then host);
+//! - the prompt's KV moves to the decode instance over the link; the decode instance admits
+//!   requests to its running batch while their KV (prompt + output) fits its device blocks and the
+//!   batch is below `max_batch`, and runs decode steps of `decode_step(batch, context)`;
+//! - an instance with both prefill and decode work (colocated, or after a role change) runs
+//!   prefills first.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use baton_kv::{InstanceId, KvEvent};
+use baton_sched::{
+    AdmissionKind, ClusterSnapshot, Decision, DecodeSeq, GlobalPromptTrees, IncomingSeq, InstanceSnapshot, Micros,
+    Request, RequestId, Role, Route, Scheduler, TierUsage,
+};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use crate::SimConfig;
+use crate::cache::BlockCache;
+use crate::metrics::{Extra, Outcome, Report, RoleChangeAt, summarise};
+use crate::workload::SimRequest;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum EventKind {
+    PrefillDone { inst: usize },
+    DecodeStepDone { inst: usize },
+    KvReady { req: usize },
+    Arrival { req: usize },
+    Rebalance,
+}
+
+impl EventKind {
+    fn priority(self) -> u8 {
+        match self {
+            EventKind::PrefillDone { .. } | EventKind::DecodeStepDone { .. } => 0,
+            EventKind::KvReady { .. } => 1,
+            EventKind::Arrival { .. } => 2,
+            EventKind::Rebalance => 3,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Instance {
+    id: InstanceId,
+    role: Role,
+    cache: BlockCache,
+    kv_seq: u64,
+    prefill_queue: VecDeque<usize>,
+    queued_est_us: Micros,
+    prefill_running: Option<(usize, Micros)>,
+    decode_waiting: VecDeque<usize>,
+    decode_running: Vec<usize>,
+    decode_incoming: Vec<usize>,
+    decode_blocks_used: u64,
+    step_running: bool,
+    device_blocks: u64,
+    host_blocks: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct ReqState {
+    route: Option<Route>,
+    est_prefill_us: Micros,
+    expected_ready_us: Micros,
+    prefill_compute_us: Micros,
+    decode_started_us: Micros,
+    generated: u64,
+    blocks: u64,
+    outcome: Outcome,
+}
+
+/// A simulation in progress. [`Simulator::snapshot`] and [`Simulator::request_view`] expose
+/// exactly what the scheduler sees, so a test can check that the simulator's decision equals the
+/// policy's on the same snapshot.
+pub struct Simulator {
+    cfg: SimConfig,
+    requests: Vec<SimRequest>,
+    state: Vec<ReqState>,
+    instances: Vec<Instance>,
+    trees: GlobalPromptTrees,
+    scheduler: Scheduler,
+    rng: StdRng,
+    queue: BinaryHeap<Reverse<(Micros, u8, u64, EventKind)>>,
+    seq: u64,
+    now: Micros,
+    extra: Extra,
+}
+
+impl std::fmt::Debug for Simulator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Simulator").field("now", &self.now).field("requests", &self.requests.len()).finish()
+    }
+}
+
+impl Simulator {
+    /// A simulator at time 0 with every arrival scheduled.
+    pub fn new(cfg: SimConfig, requests: Vec<SimRequest>) -> Self {
+        let c = &cfg.cluster;
+        let roles = std::iter::repeat_n(Role::Prefill, c.prefill)
+            .chain(std::iter::repeat_n(Role::Decode, c.decode))
+            .chain(std::iter::repeat_n(Role::Colocated, c.colocated));
+        let mut trees = GlobalPromptTrees::new(cfg.tree_ttl_us);
+        let instances: Vec<Instance> = roles
+            .enumerate()
+            .map(|(i, role)| {
+                let id = InstanceId(i as u32);
+                trees.set_role(id, role);
+                Instance {
+                    id,
+                    role,
+                    cache: BlockCache::new(c.device_cache_blocks as usize, c.host_blocks as usize),
+                    kv_seq: 0,
+                    prefill_queue: VecDeque::new(),
+                    queued_est_us: 0,
+                    prefill_running: None,
+                    decode_waiting: VecDeque::new(),
+                    decode_running: Vec::new(),
+                    decode_incoming: Vec::new(),
+                    decode_blocks_used: 0,
+                    step_running: false,
+                    device_blocks: c.device_blocks,
+                    host_blocks: c.host_blocks,
+                }
+            })
+            .collect();
+        let scheduler = Scheduler::new(cfg.policy.build(&cfg.policy_config), cfg.admission);
+        let mut sim = Self {
+            rng: StdRng::seed_from_u64(cfg.seed),
+            state: vec![ReqState::default(); requests.len()],
+            requests,
+            instances,
+            trees,
+            scheduler,
+            queue: BinaryHeap::new(),
+            seq: 0,
+            now: 0,
+            extra: Extra::default(),
+            cfg,
+        };
+        for i in 0..sim.requests.len() {
+            sim.push(sim.requests[i].arrival_us, EventKind::Arrival { req: i });
+        }
+        if sim.cfg.rebalance_interval_us > 0 {
+            sim.push(sim.cfg.rebalance_interval_us, EventKind::Rebalance);
+        }
+        sim
+    }
+
+    fn push(&mut self, at: Micros, kind: EventKind) {
+        self.seq += 1;
+        self.queue.push(Reverse((at, kind.priority(), self.seq, kind)));
+    }
+
+    /// Virtual time now.
+    pub fn now(&self) -> Micros {
+        self.now
+    }
+
+    /// The scheduler's view of request `i` of the workload.
+    pub fn request_view(&self, i: usize) -> Request {
+        let r = &self.requests[i];
+        Request {
+            id: RequestId(i as u64),
+            prompt_tokens: r.input_tokens,
+            block_hashes: r.hashes.clone(),
+            block_tokens: self.cfg.cluster.block_tokens,
+            expected_output: r.output_tokens,
+            session: r.session,
+        }
+    }
+
+    /// The cluster as the scheduler sees it now.
+    pub fn snapshot(&self) -> ClusterSnapshot<'_> {
+        let instances = self.instances.iter().map(|inst| self.instance_snapshot(inst)).collect();
+        ClusterSnapshot { now: self.now, instances, trees: &self.trees, cost: &self.cfg.cost, links: Vec::new() }
+    }
+
+    fn instance_snapshot(&self, inst: &Instance) -> InstanceSnapshot {
+        let remaining = inst.prefill_running.map_or(0, |(_, end)| end.saturating_sub(self.now));
+        let (dev_cache, host_cache) = inst.cache.usage();
+        InstanceSnapshot {
+            id: inst.id,
+            role: inst.role,
+            accepting: true,
+            prefill_queue_len: (inst.prefill_queue.len() + usize::from(inst.prefill_running.is_some())) as u32,
+            queued_prefill_us: inst.queued_est_us + remaining,
+            decode_running: inst
+                .decode_running
+                .iter()
+                .map(|&r| DecodeSeq {
+                    started_at: self.state[r].decode_started_us,
+                    context: self.requests[r].input_tokens + self.state[r].generated,
+                })
+                .collect(),
+            decode_waiting: inst.decode_waiting.len() as u32,
+            decode_incoming: inst
+                .decode_incoming
+                .iter()
+                .map(|&r| IncomingSeq {
+                    ready_at: self.state[r].expected_ready_us,
+                    context: self.requests[r].input_tokens,
+                })
+                .collect(),
+            kv: [
+                TierUsage { used: inst.decode_blocks_used + dev_cache as u64, total: inst.device_blocks },
+                TierUsage { used: host_cache as u64, total: inst.host_blocks },
+                TierUsage::default(),
+            ],
+            nic_bytes_per_s: 0,
+        }
+    }
+
+    /// The scheduler's decision for request `i` now (consumes randomness and policy state, as the
+    /// live conductor would).
+    pub fn decide(&mut self, i: usize) -> Decision {
+        let req = self.request_view(i);
+        let instances = self.instances.iter().map(|inst| self.instance_snapshot(inst)).collect();
+        let snap =
+            ClusterSnapshot { now: self.now, instances, trees: &self.trees, cost: &self.cfg.cost, links: Vec::new() };
+        self.scheduler.decide(&snap, &req, &mut self.rng)
+    }
+
+    /// Processes events up to and including virtual time `until`. Returns false when none are left.
+    pub fn run_until(&mut self, until: Micros) -> bool {
+        while let Some(Reverse((at, _, _, kind))) = self.queue.peek().copied() {
+            if at > until {
+                return true;
+            }
+            self.queue.pop();
+            self.now = at;
+            self.extra.events += 1;
+            self.handle(kind);
+        }
+        false
+    }
+
+    /// Runs to the end and reports.
+    pub fn finish(mut self) -> Report {
+        self.run_until(Micros::MAX);
+        let c = &self.cfg.cluster;
+        let arrivals: Vec<(Micros, u64)> = self.requests.iter().map(|r| (r.arrival_us, r.output_tokens)).collect();
+        let outcomes: Vec<Outcome> = self.state.iter().map(|s| s.outcome).collect();
+        summarise(
+            self.scheduler.policy.name(),
+            self.cfg.admission.kind.name(),
+            (c.prefill, c.decode, c.colocated),
+            self.cfg.seed,
+            self.cfg.admission.slo,
+            &arrivals,
+            &outcomes,
+            self.extra,
+        )
+    }
+
+    fn handle(&mut self, kind: EventKind) {
+        match kind {
+            EventKind::Arrival { req } => self.on_arrival(req),
+            EventKind::PrefillDone { inst } => self.on_prefill_done(inst),
+            EventKind::KvReady { req } => self.on_kv_ready(req),
+            EventKind::DecodeStepDone { inst } => self.on_step_done(inst),
+            EventKind::Rebalance => self.on_rebalance(),
+        }
+    }
+
+    fn index_of(&self, id: InstanceId) -> usize {
+        id.0 as usize
+    }
+
+    fn on_arrival(&mut self, i: usize) {
+        self.trees.expire(self.now);
+        let decision = self.decide(i);
+        let route = match decision {
+            Decision::Route(r) => r,
+            Decision::Reject { .. } => {
+                self.state[i].outcome.rejected_early = true;
+                return;
+            }
+        };
+        let (p, d) = (self.index_of(route.prefill), self.index_of(route.decode));
+        let req = &self.requests[i];
+        // The scheduler expects the prompt to be cached at p after this prefill.
+        self.trees.predict(route.prefill, &req.hashes, self.now);
+        let est = self
+            .cfg
+            .cost
+            .prefill_time_cached(req.input_tokens, self.request_view(i).cached_tokens(route.reused_blocks() as usize));
+        let transfer = if p == d { 0 } else { self.cfg.cost.kv_transfer_time(req.input_tokens, self.cfg.cost.network) };
+        let st = &mut self.state[i];
+        st.est_prefill_us = est;
+        st.expected_ready_us = self.now + route.estimate.ttft_us + transfer;
+        st.route = Some(route);
+        self.instances[p].prefill_queue.push_back(i);
+        self.instances[p].queued_est_us += est;
+        self.instances[d].decode_incoming.push(i);
+        self.kick(p);
+    }
+
+    /// Starts the next piece of work on an idle instance.
+    fn kick(&mut self, inst: usize) {
+        if self.instances[inst].prefill_running.is_some() || self.instances[inst].step_running {
+            return;
+        }
+        if let Some(r) = self.instances[inst].prefill_queue.pop_front() {
+            self.start_prefill(inst, r);
+        } else {
+            self.admit_decodes(inst);
+            if !self.instances[inst].decode_running.is_empty() {
+                let it = &self.instances[inst];
+                let ctx: u64 =
+                    it.decode_running.iter().map(|&r| self.requests[r].input_tokens + self.state[r].generated).sum();
+                let step = self.cfg.cost.decode_step(it.decode_running.len() as u64, ctx).max(1);
+                self.instances[inst].step_running = true;
+                self.push(self.now + step, EventKind::DecodeStepDone { inst });
+            }
+        }
+    }
+
+    fn start_prefill(&mut self, p: usize, r: usize) {
+        let cost = &self.cfg.cost;
+        let req = &self.requests[r];
+        let view = self.request_view(r);
+        let st = &self.state[r];
+        self.instances[p].queued_est_us = self.instances[p].queued_est_us.saturating_sub(st.est_prefill_us);
+        // What is cached here now (it may differ from what the scheduler saw).
+        let hit = self.instances[p].cache.lookup(&req.hashes);
+        let mut cached = hit.blocks;
+        let mut extra_us = cost.kv_transfer_time(view.cached_tokens(hit.on_host), cost.host_to_device);
+        // Remote spans the route asked for, as far as the source still holds them.
+        if let Some(route) = &st.route {
+            for span in route.reuse.iter().filter(|s| s.from != self.instances[p].id) {
+                if (span.start as usize) > cached {
+                    break;
+                }
+                let src = &self.instances[self.index_of(span.from)];
+                let held = src.cache.lookup(&req.hashes).blocks.min(span.end as usize);
+                if held > cached {
+                    let tokens = view.cached_tokens(held) - view.cached_tokens(cached);
+                    extra_us += cost.kv_transfer_time(tokens, cost.network);
+                    cached = held;
+                    self.extra.cache_transfers += 1;
+                }
+            }
+        }
+        let cached_tokens = view.cached_tokens(cached);
+        let compute = cost.prefill_time_cached(req.input_tokens, cached_tokens);
+        self.extra.prefilled_tokens += req.input_tokens;
+        self.extra.reused_tokens += cached_tokens;
+        let end = self.now + extra_us + compute;
+        self.state[r].prefill_compute_us = compute;
+        self.instances[p].prefill_running = Some((r, end));
+        // Blocks being read are in use: refresh them in the LRU now.
+        let used = req.hashes[..hit.blocks].to_vec();
+        self.instances[p].cache.insert(&used);
+        self.flush_events(p);
+        self.push(end, EventKind::PrefillDone { inst: p });
+    }
+
+    fn flush_events(&mut self, inst: usize) {
+        let it = &mut self.instances[inst];
+        let id = it.id;
+        let mut seq = it.kv_seq;
+        let events: Vec<KvEvent> = it
+            .cache
+            .drain_events()
+            .map(|kind| {
+                seq += 1;
+                KvEvent { instance: id, seq: seq - 1, kind }
+            })
+            .collect();
+        it.kv_seq = seq;
+        for e in &events {
+            // The simulator's event stream has no gaps, so this cannot fail.
+            let _ = self.trees.apply(e);
+        }
+    }
+
+    fn on_prefill_done(&mut self, p: usize) {
+        let Some((r, _)) = self.instances[p].prefill_running.take() else { return };
+        let hashes = self.requests[r].hashes.clone();
+        self.instances[p].cache.insert(&hashes);
+        self.flush_events(p);
+        self.state[r].outcome.first_token_us = Some(self.now);
+        let d = self.state[r].route.as_ref().map_or(p, |rt| self.index_of(rt.decode));
+        let transfer = if d == p {
+            0
+        } else {
+            self.cfg.cost.kv_transfer_time(self.requests[r].input_tokens, self.cfg.cost.network)
+        };
+        self.push(self.now + transfer, EventKind::KvReady { req: r });
+        self.kick(p);
+    }
+
+    fn on_kv_ready(&mut self, r: usize) {
+        let Some(d) = self.state[r].route.as_ref().map(|rt| self.index_of(rt.decode)) else { return };
+        self.instances[d].decode_incoming.retain(|&x| x != r);
+        let req = &self.requests[r];
+        if req.output_tokens <= 1 {
+            self.state[r].outcome.done_us = Some(self.now);
+            return;
+        }
+        if self.cfg.admission.kind.decode_checks_on_arrival() {
+            // The decode instance guards its own TBT: this is where a prefill gets wasted.
+            let it = &self.instances[d];
+            let ctx: u64 = it
+                .decode_running
+                .iter()
+                .chain(&it.decode_waiting)
+                .map(|&x| self.requests[x].input_tokens + self.state[x].generated)
+                .sum();
+            let batch = (it.decode_running.len() + it.decode_waiting.len() + 1) as u64;
+            let tbt = self.cfg.cost.decode_step(batch, ctx + req.input_tokens);
+            let blocks = (req.input_tokens + req.output_tokens).div_ceil(self.cfg.cluster.block_tokens);
+            if tbt > self.cfg.admission.slo.tbt_us || blocks > it.device_blocks {
+                self.state[r].outcome.rejected_late = true;
+                self.extra.wasted_prefill_us += self.state[r].prefill_compute_us;
+                self.extra.wasted_prefill_tokens += req.input_tokens;
+                return;
+            }
+        }
+        self.instances[d].decode_waiting.push_back(r);
+        self.kick(d);
+    }
+
+    fn admit_decodes(&mut self, d: usize) {
+        let bt = self.cfg.cluster.block_tokens;
+        while let Some(&r) = self.instances[d].decode_waiting.front() {
+            let req = &self.requests[r];
+            let blocks = (req.input_tokens + req.output_tokens).div_ceil(bt);
+            let it = &self.instances[d];
+            let fits = it.decode_blocks_used + blocks <= it.device_blocks || it.decode_running.is_empty();
+            if !fits || it.decode_running.len() >= self.cfg.cluster.max_batch {
+                break;
+            }
+            self.instances[d].decode_waiting.pop_front();
+            self.instances[d].decode_blocks_used += blocks;
+            self.instances[d].decode_running.push(r);
+            self.state[r].blocks = blocks;
+            self.state[r].decode_started_us = self.now;
+            self.state[r].outcome.decode_start_us.get_or_insert(self.now);
+        }
+    }
+
+    fn on_step_done(&mut self, d: usize) {
+        self.instances[d].step_running = false;
+        let running = std::mem::take(&mut self.instances[d].decode_running);
+        let mut keep = Vec::with_capacity(running.len());
+        for r in running {
+            let st = &mut self.state[r];
+            st.generated += 1;
+            // The first token came from the prefill.
+            if st.generated + 1 >= self.requests[r].output_tokens {
+                st.outcome.done_us = Some(self.now);
+                self.instances[d].decode_blocks_used -= st.blocks;
+            } else {
+                keep.push(r);
+            }
+        }
+        self.instances[d].decode_running = keep;
+        self.kick(d);
+    }
+
+    fn on_rebalance(&mut self) {
+        let instances = self.instances.iter().map(|inst| self.instance_snapshot(inst)).collect();
+        let snap =
+            ClusterSnapshot { now: self.now, instances, trees: &self.trees, cost: &self.cfg.cost, links: Vec::new() };
+        let change = self.scheduler.rebalance(&snap);
+        if let Some(c) = change {
+            let i = self.index_of(c.instance);
+            self.instances[i].role = c.to;
+            self.trees.set_role(c.instance, c.to);
+            self.extra.role_changes.push(RoleChangeAt::new(self.now, c));
+            self.kick(i);
+        }
+        // Keep ticking while work remains.
+        if self.queue.iter().any(|Reverse((_, _, _, k))| !matches!(k, EventKind::Rebalance)) {
+            self.push(self.now + self.cfg.rebalance_interval_us, EventKind::Rebalance);
+        }
+    }
+
+    /// The admission kind in force (for callers that need it).
+    pub fn admission(&self) -> AdmissionKind {
+        self.cfg.admission.kind
+    }
+}

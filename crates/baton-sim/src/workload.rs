@@ -1,0 +1,285 @@
+//! Workloads: Mooncake-format traces, ShareGPT-style files and synthetic generators.
+//!
+//! Every workload becomes a list of [`SimRequest`]s sorted by arrival: lengths and the block
+//! hashes of the prompt (equal hashes at the same position mean an equal prefix). Parsing is
+//! separate from reading files, so tests can feed strings.
+
+use std::path::Path;
+
+use baton_kv::BlockHash;
+use baton_sched::{Micros, SessionId};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use crate::SimError;
+
+/// Tokens per block in Mooncake traces.
+pub const MOONCAKE_BLOCK_TOKENS: u64 = 512;
+
+/// One request of a workload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimRequest {
+    /// Arrival, virtual microseconds from the start.
+    pub arrival_us: Micros,
+    /// Prompt length.
+    pub input_tokens: u64,
+    /// Tokens to generate (end-of-sequence ignored).
+    pub output_tokens: u64,
+    /// Hashes of the prompt's blocks (the last may be partial).
+    pub hashes: Vec<BlockHash>,
+    /// Session, if the workload has them.
+    pub session: Option<SessionId>,
+}
+
+#[derive(Debug, Deserialize)]
+struct TraceLine {
+    timestamp: u64,
+    input_length: u64,
+    output_length: u64,
+    hash_ids: Vec<u64>,
+}
+
+/// Parses a Mooncake-format trace (one JSON object a line: `timestamp` in ms, `input_length`,
+/// `output_length`, `hash_ids`), dividing arrival times by `time_scale` (2.0 replays twice as
+/// fast).
+pub fn parse_mooncake(text: &str, time_scale: f64) -> Result<Vec<SimRequest>, SimError> {
+    if !(time_scale.is_finite() && time_scale > 0.0) {
+        return Err(SimError::Config(format!("time scale must be positive, got {time_scale}")));
+    }
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let t: TraceLine =
+            serde_json::from_str(line).map_err(|e| SimError::Parse { line: n + 1, message: e.to_string() })?;
+        out.push(SimRequest {
+            arrival_us: ((t.timestamp as f64) * 1000.0 / time_scale).round() as Micros,
+            input_tokens: t.input_length.max(1),
+            output_tokens: t.output_length.max(1),
+            hashes: t.hash_ids.into_iter().map(BlockHash).collect(),
+            session: None,
+        });
+    }
+    out.sort_by_key(|r| r.arrival_us);
+    Ok(out)
+}
+
+/// Reads a Mooncake-format trace file.
+pub fn read_mooncake(path: &Path, time_scale: f64) -> Result<Vec<SimRequest>, SimError> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| SimError::Io { path: path.display().to_string(), source: e })?;
+    parse_mooncake(&text, time_scale)
+}
+
+#[derive(Debug, Deserialize)]
+struct ShareGptConversation {
+    #[serde(default)]
+    conversations: Vec<ShareGptTurn>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ShareGptTurn {
+    #[serde(default)]
+    from: String,
+    #[serde(default)]
+    value: String,
+}
+
+/// Parses a ShareGPT-style JSON file (`[{"conversations": [{"from": "human", "value": ...},
+/// {"from": "gpt", ...}, ...]}, ...]`). Every human turn is a request whose prompt is the whole
+/// conversation so far (so later turns share the earlier turns' blocks) and whose output is the
+/// next reply. Tokens are estimated as characters / 4; arrivals are Poisson at `rate` per second.
+pub fn parse_sharegpt(text: &str, rate: f64, block_tokens: u64, seed: u64) -> Result<Vec<SimRequest>, SimError> {
+    let convs: Vec<ShareGptConversation> =
+        serde_json::from_str(text).map_err(|e| SimError::Parse { line: 0, message: e.to_string() })?;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    let mut t = 0.0f64;
+    for (c, conv) in convs.iter().enumerate() {
+        let mut context = 0u64;
+        let turns = &conv.conversations;
+        for (i, turn) in turns.iter().enumerate() {
+            let tokens = (turn.value.chars().count() as u64).div_ceil(4).max(1);
+            if turn.from == "human" || turn.from == "user" {
+                let input = context + tokens;
+                let output = turns.get(i + 1).map_or(64, |r| (r.value.chars().count() as u64).div_ceil(4).max(1));
+                t += exp_sample(&mut rng, rate);
+                out.push(SimRequest {
+                    arrival_us: (t * 1e6) as Micros,
+                    input_tokens: input,
+                    output_tokens: output,
+                    hashes: session_hashes(c as u64, input, block_tokens),
+                    session: Some(SessionId(c as u64)),
+                });
+            }
+            context += tokens;
+        }
+    }
+    out.sort_by_key(|r| r.arrival_us);
+    Ok(out)
+}
+
+fn exp_sample(rng: &mut StdRng, rate: f64) -> f64 {
+    let u: f64 = rng.random_range(f64::EPSILON..1.0);
+    -u.ln() / rate.max(1e-9)
+}
+
+/// Block hashes of a prompt of `tokens` tokens that is a prefix of session `session`'s
+/// conversation: block `i` of the session is the same block in every turn.
+fn session_hashes(session: u64, tokens: u64, block_tokens: u64) -> Vec<BlockHash> {
+    let blocks = tokens.div_ceil(block_tokens);
+    // Full blocks are shared across turns; a partial last block is unique to this request.
+    (0..blocks)
+        .map(|b| {
+            let full = (b + 1) * block_tokens <= tokens;
+            let tag = if full { 0 } else { tokens };
+            BlockHash(splitmix(session.wrapping_mul(0x9E37_79B9) ^ (b << 32) ^ tag.wrapping_mul(0x85EB_CA6B)))
+        })
+        .collect()
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// A synthetic workload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Synthetic {
+    /// Independent requests, Poisson arrivals, uniform lengths in the given ranges.
+    Poisson {
+        /// Requests.
+        requests: usize,
+        /// Requests per second.
+        rate: f64,
+        /// Prompt length range (inclusive).
+        input: (u64, u64),
+        /// Output length range (inclusive).
+        output: (u64, u64),
+    },
+    /// Sessions sharing a system prompt, each a chain of turns that extends its own history
+    /// (the multi-turn pattern that prefix caching and session affinity exploit).
+    SharedPrefix {
+        /// Sessions.
+        sessions: usize,
+        /// Turns per session.
+        turns: usize,
+        /// Requests per second (all sessions together).
+        rate: f64,
+        /// Tokens of the system prompt shared by every session.
+        system_tokens: u64,
+        /// Tokens each turn adds (user message plus the previous reply).
+        turn_tokens: u64,
+        /// Output length.
+        output: u64,
+    },
+}
+
+/// Generates a synthetic workload, deterministic for `seed`.
+pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequest> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    match *spec {
+        Synthetic::Poisson { requests, rate, input, output } => {
+            let mut t = 0.0;
+            for i in 0..requests {
+                t += exp_sample(&mut rng, rate);
+                let inp = rng.random_range(input.0.max(1)..=input.1.max(input.0.max(1)));
+                let outp = rng.random_range(output.0.max(1)..=output.1.max(output.0.max(1)));
+                out.push(SimRequest {
+                    arrival_us: (t * 1e6) as Micros,
+                    input_tokens: inp,
+                    output_tokens: outp,
+                    hashes: session_hashes(1 << 40 | i as u64, inp, block_tokens),
+                    session: None,
+                });
+            }
+        }
+        Synthetic::SharedPrefix { sessions, turns, rate, system_tokens, turn_tokens, output } => {
+            // Interleave sessions: each arrival picks a random session that still has turns.
+            let mut next_turn = vec![0usize; sessions];
+            let mut live: Vec<usize> = (0..sessions).collect();
+            let mut t = 0.0;
+            let sys_blocks = system_tokens / block_tokens.max(1);
+            while !live.is_empty() {
+                let k = rng.random_range(0..live.len());
+                let s = live[k];
+                let turn = next_turn[s];
+                next_turn[s] += 1;
+                if next_turn[s] == turns {
+                    live.swap_remove(k);
+                }
+                t += exp_sample(&mut rng, rate);
+                let input = system_tokens + (turn as u64 + 1) * turn_tokens;
+                let mut hashes = session_hashes(s as u64, input, block_tokens);
+                // The system prompt's full blocks are the same in every session.
+                for (b, h) in hashes.iter_mut().enumerate().take(sys_blocks as usize) {
+                    *h = BlockHash(splitmix(0xC0FFEE ^ b as u64));
+                }
+                out.push(SimRequest {
+                    arrival_us: (t * 1e6) as Micros,
+                    input_tokens: input,
+                    output_tokens: output,
+                    hashes,
+                    session: Some(SessionId(s as u64)),
+                });
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mooncake_lines_parse_and_scale() {
+        let text = "{\"timestamp\": 1000, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 1]}\n\
+                    {\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [2]}\n";
+        let r = parse_mooncake(text, 2.0).expect("parse");
+        assert_eq!(r.len(), 2);
+        assert_eq!(r[0].arrival_us, 0);
+        assert_eq!(r[1].arrival_us, 500_000);
+        assert_eq!(r[1].hashes, vec![BlockHash(0), BlockHash(1)]);
+        assert!(matches!(parse_mooncake("{nope", 1.0), Err(SimError::Parse { line: 1, .. })));
+        assert!(parse_mooncake(text, 0.0).is_err());
+    }
+
+    #[test]
+    fn sharegpt_turns_share_their_history() {
+        let text = r#"[{"conversations": [
+            {"from": "human", "value": "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"},
+            {"from": "gpt", "value": "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"},
+            {"from": "human", "value": "cccccccc"}]}]"#;
+        let r = parse_sharegpt(text, 1.0, 4, 0).expect("parse");
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].input_tokens, r[0].output_tokens), (10, 12));
+        assert_eq!(r[1].input_tokens, 24);
+        assert_eq!(r[1].hashes[..2], r[0].hashes[..2], "full blocks of turn 1 reappear in turn 2");
+    }
+
+    #[test]
+    fn synthetic_workloads_are_deterministic_and_share_prefixes() {
+        let spec = Synthetic::SharedPrefix {
+            sessions: 4,
+            turns: 3,
+            rate: 2.0,
+            system_tokens: 1024,
+            turn_tokens: 512,
+            output: 16,
+        };
+        let a = synthesize(&spec, 512, 1);
+        assert_eq!(a, synthesize(&spec, 512, 1));
+        assert_eq!(a.len(), 12);
+        assert!(a.windows(2).all(|w| w[0].arrival_us <= w[1].arrival_us));
+        assert!(a.iter().all(|r| r.hashes[..2] == a[0].hashes[..2]), "system prompt shared");
+        let p = synthesize(&Synthetic::Poisson { requests: 50, rate: 10.0, input: (100, 200), output: (1, 8) }, 512, 3);
+        assert_eq!(p.len(), 50);
+        assert!(p.iter().all(|r| (100..=200).contains(&r.input_tokens)));
+    }
+}

@@ -1,0 +1,155 @@
+//! End-to-end simulations: determinism, the shared decision seam, and the published trace.
+
+use std::path::PathBuf;
+
+use baton_sched::{AdmissionKind, PolicyKind, Scheduler};
+use baton_sim::workload::{SimRequest, Synthetic, read_mooncake};
+use baton_sim::{ClusterConfig, SimConfig, Simulator, WorkloadSpec};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+/// A small Mooncake-format trace: 6 groups of requests sharing 6-block prefixes, 60 requests.
+fn small_trace() -> String {
+    let mut out = String::new();
+    for i in 0..60u64 {
+        let group = i % 6;
+        let mut ids: Vec<u64> = (0..6).map(|b| group * 100 + b).collect();
+        ids.extend((0..2).map(|b| 10_000 + i * 10 + b));
+        let len = 512 * 7 + 100;
+        out.push_str(&format!(
+            "{{\"timestamp\": {}, \"input_length\": {len}, \"output_length\": {}, \"hash_ids\": {ids:?}}}\n",
+            i * 150,
+            5 + i % 20
+        ));
+    }
+    out
+}
+
+fn write_temp(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("baton-sim-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("write trace");
+    p
+}
+
+fn cfg(policy: PolicyKind, workload: WorkloadSpec) -> SimConfig {
+    SimConfig {
+        cluster: ClusterConfig { prefill: 3, decode: 2, ..ClusterConfig::default() },
+        policy,
+        workload,
+        seed: 7,
+        ..SimConfig::default()
+    }
+}
+
+#[test]
+fn trace_file_replays_deterministically_for_every_policy() {
+    let path = write_temp("small.jsonl", &small_trace());
+    for policy in PolicyKind::ALL {
+        let c = cfg(policy, WorkloadSpec::MooncakeTrace { path: path.clone(), time_scale: 1.0 });
+        let a = baton_sim::run(&c).expect("run");
+        assert_eq!(a.requests, 60);
+        assert_eq!(a.completed, 60, "{policy:?}: nothing is rejected without admission control");
+        assert_eq!(a, baton_sim::run(&c).expect("run"), "{policy:?} is deterministic for a seed");
+        assert!(a.ttft.p50 > 0 && a.tbt.mean > 0 && a.jct.p99 >= a.jct.p50);
+        assert!(serde_json::to_string(&a).expect("json").contains("\"ttft\""));
+    }
+    // Faster replay: the same requests, in less time.
+    let fast = baton_sim::run(&cfg(PolicyKind::LeastLoad, WorkloadSpec::MooncakeTrace { path, time_scale: 4.0 }))
+        .expect("run");
+    assert_eq!(fast.completed, 60);
+}
+
+#[test]
+fn cache_aware_policies_reuse_more_than_random() {
+    let path = write_temp("reuse.jsonl", &small_trace());
+    let run =
+        |p| baton_sim::run(&cfg(p, WorkloadSpec::MooncakeTrace { path: path.clone(), time_scale: 1.0 })).expect("run");
+    let random = run(PolicyKind::Random);
+    let kv = run(PolicyKind::KvCentric);
+    let tree = run(PolicyKind::PromptTree);
+    assert!(kv.cache_hit_ratio > random.cache_hit_ratio, "{} vs {}", kv.cache_hit_ratio, random.cache_hit_ratio);
+    assert!(tree.cache_hit_ratio > random.cache_hit_ratio);
+}
+
+/// The seam the conductor will use: the simulator's decision on a snapshot is the policy
+/// function's decision on that same snapshot.
+#[test]
+fn simulator_and_policy_function_decide_the_same_on_the_same_snapshot() {
+    let requests: Vec<SimRequest> = baton_sim::workload::synthesize(
+        &Synthetic::SharedPrefix {
+            sessions: 6,
+            turns: 5,
+            rate: 4.0,
+            system_tokens: 2048,
+            turn_tokens: 700,
+            output: 40,
+        },
+        512,
+        3,
+    );
+    let mid = requests[requests.len() / 2].arrival_us;
+    let next = requests.iter().position(|r| r.arrival_us > mid).expect("a later request");
+    for policy in [PolicyKind::LeastLoad, PolicyKind::PromptTree, PolicyKind::KvCentric, PolicyKind::LoadAware] {
+        for admission in [AdmissionKind::None, AdmissionKind::EarlyRejection, AdmissionKind::Predictive] {
+            let mut c = cfg(policy, WorkloadSpec::Requests(requests.clone()));
+            c.admission.kind = admission;
+            let mut sim = Simulator::new(c.clone(), requests.clone());
+            sim.run_until(mid);
+            let snap = sim.snapshot();
+            let req = sim.request_view(next);
+            let mut scheduler = Scheduler::new(policy.build(&c.policy_config), c.admission);
+            let direct = scheduler.decide(&snap, &req, &mut StdRng::seed_from_u64(0));
+            drop(snap);
+            assert_eq!(sim.decide(next), direct, "{policy:?}/{admission:?}");
+        }
+    }
+}
+
+#[test]
+fn overload_controls_reject_before_wasting_prefill() {
+    // Decode-bound: long outputs, a tight TBT target, two decode instances.
+    let w = Synthetic::Poisson { requests: 150, rate: 10.0, input: (2000, 6000), output: (300, 600) };
+    let run = |kind| {
+        let mut c = cfg(PolicyKind::KvCentric, WorkloadSpec::Synthetic(w.clone()));
+        c.admission.kind = kind;
+        c.admission.slo.tbt_us = 12_000;
+        c.admission.decode_time_us = 5_000_000;
+        baton_sim::run(&c).expect("run")
+    };
+    let none = run(AdmissionKind::None);
+    let base = run(AdmissionKind::Baseline);
+    let early = run(AdmissionKind::EarlyRejection);
+    assert_eq!(none.rejected_early + none.rejected_after_prefill, 0);
+    assert!(base.rejected_after_prefill > 0 && base.wasted_prefill_us > 0, "{base:?}");
+    assert!(
+        early.wasted_prefill_us < base.wasted_prefill_us,
+        "{} vs {}",
+        early.wasted_prefill_us,
+        base.wasted_prefill_us
+    );
+}
+
+/// The published Mooncake trace (not copied into the repo): replay its first 800 requests.
+#[test]
+fn published_trace_replays_and_cache_awareness_pays() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/traces/synthetic_trace.jsonl");
+    assert!(
+        path.exists(),
+        "the Mooncake trace is missing at {} (it lives in the shared fixtures, ../shared/fixtures/traces/ from the repo root)",
+        path.display()
+    );
+    let all = read_mooncake(&path, 1.0).expect("trace parses");
+    assert_eq!(all.len(), 3993);
+    let head: Vec<SimRequest> = all.into_iter().take(800).collect();
+    let run = |policy| {
+        let c = SimConfig { policy, workload: WorkloadSpec::Requests(head.clone()), ..SimConfig::default() };
+        baton_sim::run(&c).expect("run")
+    };
+    let random = run(PolicyKind::Random);
+    let kv = run(PolicyKind::KvCentric);
+    assert_eq!(kv.completed, 800);
+    assert!(kv.ttft.mean < random.ttft.mean, "kv-centric {} vs random {}", kv.ttft.mean, random.ttft.mean);
+    assert!(kv.cache_hit_ratio > random.cache_hit_ratio, "{} vs {}", kv.cache_hit_ratio, random.cache_hit_ratio);
+}
