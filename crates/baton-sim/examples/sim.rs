@@ -6,10 +6,12 @@
 //!     --policy kv-centric --admission none --time-scale 1 --seed 0 [--json]
 //! ```
 //!
+//! `--row` prints one markdown table row (see `ROW_HEADER`) instead of the summary.
+//!
 //! Other options: `--colocated N`, `--ttft-slo-ms MS`, `--tbt-slo-ms MS`, `--threshold F`
 //! (Mooncake's kvcache_balancing_threshold), `--decode-time-ms MS` (t_d of predictive
 //! rejection), `--profile a800|h100|PATH.json`, `--device-blocks N`, `--cache-blocks N`,
-//! `--host-blocks N`, `--max-batch N`, `--sharegpt PATH --rate R`,
+//! `--host-blocks N`, `--max-batch N`, `--persist-ms MS` (load-aware), `--sharegpt PATH --rate R`,
 //! `--poisson N --rate R --input A:B --output A:B`, `--sessions N --turns T --rate R`.
 
 use std::time::Instant;
@@ -27,6 +29,7 @@ fn range(s: &str) -> Result<(u64, u64)> {
 fn main() -> Result<()> {
     let mut cfg = SimConfig::default();
     let mut json = false;
+    let mut row = false;
     let mut time_scale = 1.0;
     let mut trace = None;
     let mut sharegpt = None;
@@ -61,6 +64,7 @@ fn main() -> Result<()> {
             "--cache-blocks" => cfg.cluster.device_cache_blocks = val()?.parse()?,
             "--host-blocks" => cfg.cluster.host_blocks = val()?.parse()?,
             "--max-batch" => cfg.cluster.max_batch = val()?.parse()?,
+            "--persist-ms" => cfg.policy_config.load_aware.persist_us = val()?.parse::<u64>()? * 1000,
             "--profile" => {
                 cfg.cost = match val()?.as_str() {
                     "a800" => CostProfile::llama2_70b_8xa800(),
@@ -69,6 +73,7 @@ fn main() -> Result<()> {
                 }
             }
             "--json" => json = true,
+            "--row" => row = true,
             "-h" | "--help" => {
                 println!("see the doc comment of crates/baton-sim/examples/sim.rs");
                 return Ok(());
@@ -102,6 +107,8 @@ fn main() -> Result<()> {
     let wall = t0.elapsed();
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
+    } else if row {
+        print_row(&report);
     } else {
         print_summary(&report);
     }
@@ -139,6 +146,31 @@ fn print_summary(r: &Report) {
         r.wasted_prefill_tokens,
         r.cache_hit_ratio,
         r.cache_transfers,
+        r.role_changes.len()
+    );
+}
+
+/// Columns of `--row`.
+const ROW_HEADER: &str = "| policy | admission | completed | rejected early | rejected after prefill | TTFT mean s | TTFT p90 s | TTFT SLO att. | within both SLOs | wasted prefill s | JCT mean s | goodput req/s | role changes |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|";
+
+fn print_row(r: &Report) {
+    if std::env::var_os("SIM_ROW_HEADER").is_some() {
+        println!("{ROW_HEADER}");
+    }
+    println!(
+        "| {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.3} | {} | {:.1} | {:.2} | {:.2} | {} |",
+        r.policy,
+        r.admission,
+        r.completed,
+        r.rejected_early,
+        r.rejected_after_prefill,
+        r.ttft.mean as f64 / 1e6,
+        r.ttft.p90 as f64 / 1e6,
+        r.ttft_slo_attainment,
+        r.completed_within_slo,
+        r.wasted_prefill_us as f64 / 1e6,
+        r.jct.mean as f64 / 1e6,
+        r.goodput_rps,
         r.role_changes.len()
     );
 }

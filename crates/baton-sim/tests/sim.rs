@@ -153,3 +153,28 @@ fn published_trace_replays_and_cache_awareness_pays() {
     assert!(kv.ttft.mean < random.ttft.mean, "kv-centric {} vs random {}", kv.ttft.mean, random.ttft.mean);
     assert!(kv.cache_hit_ratio > random.cache_hit_ratio, "{} vs {}", kv.cache_hit_ratio, random.cache_hit_ratio);
 }
+
+#[test]
+fn load_aware_role_switching_beats_fixed_roles_on_a_decode_heavy_workload() {
+    let w = Synthetic::Poisson { requests: 2400, rate: 60.0, input: (200, 600), output: (300, 900) };
+    let run = |policy| {
+        let mut c = SimConfig {
+            cluster: ClusterConfig { prefill: 4, decode: 4, ..ClusterConfig::default() },
+            policy,
+            workload: WorkloadSpec::Synthetic(w.clone()),
+            seed: 0,
+            ..SimConfig::default()
+        };
+        c.policy_config.load_aware.persist_us = 5_000_000;
+        baton_sim::run(&c).expect("run")
+    };
+    let fixed = run(PolicyKind::LeastLoad);
+    let flexible = run(PolicyKind::LoadAware);
+    assert!(!flexible.role_changes.is_empty());
+    assert!(
+        flexible.role_changes.iter().all(|c| c.from == "Prefill" && c.to == "Decode"),
+        "{:?}",
+        flexible.role_changes
+    );
+    assert!(flexible.jct.mean < fixed.jct.mean, "{} vs {}", flexible.jct.mean, fixed.jct.mean);
+}
