@@ -1,1 +1,479 @@
-//! The transfer benchmark (to come).
+//! The transfer benchmark: one request's KV moved between two processes, per variant.
+//!
+//! [`run`] re-executes the current binary as the prefill side (the binary's `main` must call
+//! [`serve_if_child`] first), which fills a region of f16 KV in the source layout and serves it
+//! with a [`KvServer`]; this process pulls each request into its own region. For every variant —
+//! KVDirect's message-passing baseline (one gathered request/response per block), coalesced
+//! pull over TCP and over shared memory, layer-major and block-major on either side — it reports
+//! GB/s, transport calls per request, contiguous runs, and the ratio to the limit measured in the
+//! same run: `memcpy` bandwidth for shared memory, a plain bulk TCP send of the same bytes over
+//! loopback for TCP.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use baton_kv::{BlockId, ByteRange, KvDtype, KvGeometry, KvLayout, TensorDescriptor};
+use serde::Serialize;
+
+use crate::{
+    ClientConfig, Compat, KvClient, KvServer, PeerId, Region, Result, ServerConfig, TransferError, TransferId,
+    TransportKind,
+};
+
+/// Environment variable that makes [`serve_if_child`] run the prefill side.
+pub const CHILD_ENV: &str = "BATON_TRANSFER_BENCH_PREFILL";
+const SECRET: &[u8] = b"baton-transfer-bench";
+const MODEL: &str = "llama-3-8b-geometry";
+
+/// What to measure.
+#[derive(Debug, Clone, Serialize)]
+pub struct TransferBenchConfig {
+    /// Request sizes in tokens (one request each).
+    pub tokens: Vec<usize>,
+    /// Layers (Llama-3-8B: 32).
+    pub layers: usize,
+    /// KV heads (8).
+    pub kv_heads: usize,
+    /// Head dim (128).
+    pub head_dim: usize,
+    /// Tokens per block (16).
+    pub block_size: usize,
+    /// Timed repetitions per variant (after one warm-up); the median is reported.
+    pub reps: usize,
+}
+
+impl Default for TransferBenchConfig {
+    fn default() -> Self {
+        Self { tokens: vec![8192, 2048], layers: 32, kv_heads: 8, head_dim: 128, block_size: 16, reps: 3 }
+    }
+}
+
+impl TransferBenchConfig {
+    fn geometry(&self) -> KvGeometry {
+        KvGeometry {
+            layers: self.layers,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            block_size: self.block_size,
+            dtype: KvDtype::F16,
+        }
+    }
+
+    /// Blocks of the largest request, plus room so a layer-major request is not the whole arena.
+    fn arena_blocks(&self) -> usize {
+        let g = self.geometry();
+        self.tokens.iter().map(|&t| g.blocks_for(t)).max().unwrap_or(1) + 64
+    }
+}
+
+/// One variant at one request size.
+#[derive(Debug, Clone, Serialize)]
+pub struct VariantReport {
+    /// Request size in tokens.
+    pub tokens: usize,
+    /// Variant name.
+    pub variant: String,
+    /// Transport.
+    pub transport: TransportKind,
+    /// Prefill-side layout.
+    pub src_layout: String,
+    /// Decode-side layout.
+    pub dst_layout: String,
+    /// Bytes of the request's KV.
+    pub bytes: u64,
+    /// Median seconds per request.
+    pub seconds: f64,
+    /// Bytes / seconds, in 10^9 bytes per second.
+    pub gb_per_s: f64,
+    /// Transport calls per request.
+    pub calls: usize,
+    /// Contiguous runs (planned copies) of the request.
+    pub runs: usize,
+    /// The limit this variant is compared with, GB/s.
+    pub limit_gb_per_s: f64,
+    /// `gb_per_s / limit_gb_per_s`.
+    pub ratio_to_limit: f64,
+    /// Speed-up over the naive baseline of the same size.
+    pub speedup_vs_naive: f64,
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct TransferBenchReport {
+    /// The configuration.
+    pub config: TransferBenchConfig,
+    /// memcpy bandwidth of this machine, GB/s.
+    pub memcpy_gb_per_s: f64,
+    /// Plain bulk TCP send over loopback of each request size, GB/s.
+    pub tcp_bulk_gb_per_s: Vec<(usize, f64)>,
+    /// Every variant.
+    pub variants: Vec<VariantReport>,
+}
+
+/// If this process was started by [`run`] as the prefill side, serves until its parent closes
+/// stdin and returns `true` (the caller then exits); otherwise returns `false` at once.
+pub fn serve_if_child() -> bool {
+    let Ok(spec) = std::env::var(CHILD_ENV) else { return false };
+    if let Err(e) = child(&spec) {
+        eprintln!("prefill side failed: {e}");
+        std::process::exit(1);
+    }
+    true
+}
+
+fn child(spec: &str) -> Result<()> {
+    let config: ChildSpec = serde_json::from_str(spec).map_err(|e| TransferError::Protocol(e.to_string()))?;
+    let bench = TransferBenchConfig { tokens: config.tokens.clone(), ..TransferBenchConfig::default() };
+    let g =
+        KvGeometry { layers: config.layers, kv_heads: config.kv_heads, head_dim: config.head_dim, ..bench.geometry() };
+    let g = KvGeometry { block_size: config.block_size, ..g };
+    let layout: KvLayout = config.layout.parse().map_err(TransferError::Protocol)?;
+    let desc = TensorDescriptor::new(&g, layout, config.arena_blocks);
+    let region = Region::create(desc).map_err(TransferError::io("creating the source region"))?;
+    // Touch and fill every page: a deterministic pattern the decode side can spot-check.
+    let chunk: Vec<u8> = (0..(1 << 20)).map(|i: usize| (i.wrapping_mul(31) >> 3) as u8).collect();
+    let mut at = 0;
+    while at < region.len() {
+        let n = chunk.len().min(region.len() - at);
+        region.write(at, &chunk[..n])?;
+        at += n;
+    }
+    let mut sc = ServerConfig::new(PeerId(1), Compat::new(MODEL, g), SECRET);
+    sc.lease = Duration::from_secs(600);
+    sc.io_timeout = Duration::from_secs(60);
+    let bulk = TcpListener::bind("127.0.0.1:0").map_err(TransferError::io("binding"))?;
+    let bulk_addr = bulk.local_addr().map_err(TransferError::io("binding"))?;
+    let server = KvServer::start(sc, region, std::sync::mpsc::channel().0)?;
+    // The TCP limit: a plain bulk send of the region's first `len` bytes (`len` from the peer).
+    let source = crate::Region::open(
+        &server.region().shm_handle().ok_or(TransferError::Unavailable("no shm"))?,
+        server.region().descriptor().clone(),
+        crate::Access::ReadOnly,
+    )
+    .map_err(TransferError::io("mapping the source"))?;
+    std::thread::spawn(move || {
+        for stream in bulk.incoming() {
+            let Ok(mut s) = stream else { continue };
+            let mut len = [0u8; 8];
+            if s.read_exact(&mut len).is_err() {
+                continue;
+            }
+            let len = u64::from_le_bytes(len) as usize;
+            // A failed send shows up on the receiving side.
+            let _ = source.with_bytes(ByteRange { offset: 0, len }, |b| s.write_all(b));
+        }
+    });
+    for (k, &t) in config.tokens.iter().enumerate() {
+        let blocks: Vec<BlockId> = (0..g.blocks_for(t) as u32).map(BlockId).collect();
+        for rep in 0..64u64 {
+            server.offer(TransferId(k as u64 * 1000 + rep), blocks.clone())?;
+        }
+    }
+    println!("@@READY {} {bulk_addr}", server.addr());
+    std::io::stdout().flush().map_err(TransferError::io("writing to the parent"))?;
+    // Serve until the parent closes our stdin.
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    server.shutdown();
+    Ok(())
+}
+
+#[derive(Debug, Serialize, serde::Deserialize)]
+struct ChildSpec {
+    layout: String,
+    tokens: Vec<usize>,
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    arena_blocks: usize,
+}
+
+struct Prefill {
+    child: std::process::Child,
+    addr: SocketAddr,
+    bulk: SocketAddr,
+}
+
+impl Prefill {
+    fn spawn(config: &TransferBenchConfig, layout: &str) -> Result<Prefill> {
+        let spec = ChildSpec {
+            layout: layout.into(),
+            tokens: config.tokens.clone(),
+            layers: config.layers,
+            kv_heads: config.kv_heads,
+            head_dim: config.head_dim,
+            block_size: config.block_size,
+            arena_blocks: config.arena_blocks(),
+        };
+        let exe = std::env::current_exe().map_err(TransferError::io("finding this binary"))?;
+        let spec = serde_json::to_string(&spec).map_err(|e| TransferError::Protocol(e.to_string()))?;
+        let mut child = Command::new(exe)
+            .env(CHILD_ENV, spec)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(TransferError::io("spawning the prefill side"))?;
+        let stdout = child.stdout.take().ok_or(TransferError::PeerClosed("starting the prefill side"))?;
+        let mut line = String::new();
+        let mut reader = BufReader::new(stdout);
+        loop {
+            line.clear();
+            if reader.read_line(&mut line).map_err(TransferError::io("reading the prefill side"))? == 0 {
+                return Err(TransferError::PeerClosed("starting the prefill side"));
+            }
+            if let Some(at) = line.find("@@READY ") {
+                let bad = || TransferError::Protocol(line.clone());
+                let mut words = line[at + 8..].split_whitespace();
+                let addr = words.next().and_then(|w| w.parse().ok()).ok_or_else(bad)?;
+                let bulk = words.next().and_then(|w| w.parse().ok()).ok_or_else(bad)?;
+                return Ok(Prefill { child, addr, bulk });
+            }
+        }
+    }
+}
+
+impl Drop for Prefill {
+    fn drop(&mut self) {
+        // Closing stdin ends the child; wait for it (it is ours).
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// memcpy bandwidth: copies between two 256 MiB buffers, median of 5.
+fn memcpy_gb_per_s() -> f64 {
+    let n = 256 << 20;
+    let src = vec![7u8; n];
+    let mut dst = vec![1u8; n];
+    dst.copy_from_slice(&src);
+    let times: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&mut dst);
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    n as f64 / median(times) / 1e9
+}
+
+/// A plain bulk TCP send over loopback of `len` bytes from the prefill process into `dst`,
+/// median of `reps` after a warm-up.
+fn tcp_bulk_gb_per_s(bulk: SocketAddr, dst: &Region, len: usize, reps: usize) -> Result<f64> {
+    let mut times = Vec::new();
+    for _ in 0..reps + 1 {
+        let mut s = TcpStream::connect(bulk).map_err(TransferError::io("connecting"))?;
+        let t = Instant::now();
+        s.write_all(&(len as u64).to_le_bytes()).map_err(TransferError::io("bulk request"))?;
+        dst.with_bytes_mut(ByteRange { offset: 0, len }, |b| s.read_exact(b))?
+            .map_err(TransferError::io("bulk receive"))?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.remove(0);
+    Ok(len as f64 / median(times) / 1e9)
+}
+
+struct Variant {
+    name: &'static str,
+    transport: TransportKind,
+    src: &'static str,
+    dst: KvLayout,
+    naive: bool,
+}
+
+const VARIANTS: [Variant; 7] = [
+    Variant {
+        name: "naive per-block",
+        transport: TransportKind::Tcp,
+        src: "block-major",
+        dst: KvLayout::BlockMajor,
+        naive: true,
+    },
+    Variant {
+        name: "coalesced pull",
+        transport: TransportKind::Tcp,
+        src: "block-major",
+        dst: KvLayout::BlockMajor,
+        naive: false,
+    },
+    Variant {
+        name: "coalesced pull",
+        transport: TransportKind::Tcp,
+        src: "layer-major",
+        dst: KvLayout::LayerMajor,
+        naive: false,
+    },
+    Variant {
+        name: "coalesced pull",
+        transport: TransportKind::Tcp,
+        src: "layer-major",
+        dst: KvLayout::BlockMajor,
+        naive: false,
+    },
+    Variant {
+        name: "coalesced pull",
+        transport: TransportKind::Shm,
+        src: "block-major",
+        dst: KvLayout::BlockMajor,
+        naive: false,
+    },
+    Variant {
+        name: "coalesced pull",
+        transport: TransportKind::Shm,
+        src: "layer-major",
+        dst: KvLayout::LayerMajor,
+        naive: false,
+    },
+    Variant {
+        name: "coalesced pull",
+        transport: TransportKind::Shm,
+        src: "layer-major",
+        dst: KvLayout::BlockMajor,
+        naive: false,
+    },
+];
+
+fn layout_name(l: KvLayout) -> &'static str {
+    match l {
+        KvLayout::LayerMajor => "layer-major",
+        KvLayout::BlockMajor => "block-major",
+    }
+}
+
+/// Runs the benchmark (see the module docs).
+pub fn run(config: &TransferBenchConfig) -> Result<TransferBenchReport> {
+    let g = config.geometry();
+    let compat = Compat::new(MODEL, g);
+    let memcpy = memcpy_gb_per_s();
+    let mut variants: Vec<VariantReport> = Vec::new();
+    let mut tcp_bulk: Vec<(usize, f64)> = Vec::new();
+    for src_layout in ["block-major", "layer-major"] {
+        let prefill = Prefill::spawn(config, src_layout)?;
+        // Transfer ids the child offered: 64 per size, each used once.
+        let mut next_id = vec![0u64; config.tokens.len()];
+        for dst_layout in [KvLayout::BlockMajor, KvLayout::LayerMajor] {
+            let todo: Vec<&Variant> = VARIANTS.iter().filter(|v| v.src == src_layout && v.dst == dst_layout).collect();
+            if todo.is_empty() {
+                continue;
+            }
+            let dst = Arc::new(
+                Region::create(TensorDescriptor::new(&g, dst_layout, config.arena_blocks()))
+                    .map_err(TransferError::io("creating the destination region"))?,
+            );
+            for (k, &tokens) in config.tokens.iter().enumerate() {
+                let n = g.blocks_for(tokens);
+                let remote: Vec<BlockId> = (0..n as u32).map(BlockId).collect();
+                let local: Vec<BlockId> = (64..64 + n as u32).map(BlockId).collect();
+                if src_layout == "block-major" && dst_layout == KvLayout::BlockMajor {
+                    let bytes = n * g.block_size * g.bytes_per_token();
+                    tcp_bulk.push((tokens, tcp_bulk_gb_per_s(prefill.bulk, &dst, bytes, config.reps)?));
+                }
+                let bulk = tcp_bulk.iter().find(|(t, _)| *t == tokens).map_or(f64::NAN, |x| x.1);
+                for v in &todo {
+                    let mut cc = ClientConfig::new(PeerId(2), compat.clone(), SECRET);
+                    cc.transport = v.transport;
+                    cc.io_timeout = Duration::from_secs(60);
+                    let mut client = KvClient::connect(prefill.addr, cc, Arc::clone(&dst))?;
+                    let mut times = Vec::new();
+                    let mut last = crate::TransferStats::default();
+                    for rep in 0..config.reps + 1 {
+                        let id = TransferId(k as u64 * 1000 + next_id[k]);
+                        next_id[k] += 1;
+                        let stats = if v.naive {
+                            client.pull_naive(id, &remote, &local)?
+                        } else {
+                            client.pull(id, &remote, &local)?
+                        };
+                        if rep > 0 {
+                            times.push(stats.elapsed.as_secs_f64());
+                        }
+                        last = stats;
+                    }
+                    let seconds = median(times);
+                    let gbps = last.bytes as f64 / seconds / 1e9;
+                    let limit = if v.transport == TransportKind::Shm { memcpy } else { bulk };
+                    variants.push(VariantReport {
+                        tokens,
+                        variant: v.name.into(),
+                        transport: v.transport,
+                        src_layout: src_layout.into(),
+                        dst_layout: layout_name(dst_layout).into(),
+                        bytes: last.bytes,
+                        seconds,
+                        gb_per_s: gbps,
+                        calls: last.calls,
+                        runs: last.copies,
+                        limit_gb_per_s: limit,
+                        ratio_to_limit: gbps / limit,
+                        speedup_vs_naive: f64::NAN,
+                    });
+                }
+            }
+        }
+        drop(prefill);
+    }
+    for t in &config.tokens {
+        let naive = variants.iter().find(|v| v.tokens == *t && v.variant.starts_with("naive")).map(|v| v.gb_per_s);
+        for v in variants.iter_mut().filter(|v| v.tokens == *t) {
+            v.speedup_vs_naive = naive.map_or(f64::NAN, |n| v.gb_per_s / n);
+        }
+    }
+    variants.sort_by_key(|v| std::cmp::Reverse(v.tokens));
+    Ok(TransferBenchReport { config: config.clone(), memcpy_gb_per_s: memcpy, tcp_bulk_gb_per_s: tcp_bulk, variants })
+}
+
+/// The human-readable table.
+pub fn format_table(report: &TransferBenchReport) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "memcpy {:.2} GB/s; bulk TCP over loopback: {}\n",
+        report.memcpy_gb_per_s,
+        report.tcp_bulk_gb_per_s.iter().map(|(t, g)| format!("{t} tokens {g:.2} GB/s")).collect::<Vec<_>>().join(", ")
+    ));
+    out.push_str(&format!(
+        "{:>6} {:<16} {:<4} {:<26} {:>8} {:>9} {:>7} {:>6} {:>6} {:>7} {:>6} {:>8}\n",
+        "tokens",
+        "variant",
+        "via",
+        "layouts (prefill → decode)",
+        "MiB",
+        "ms",
+        "GB/s",
+        "calls",
+        "runs",
+        "limit",
+        "ratio",
+        "vs naive"
+    ));
+    for v in &report.variants {
+        let via = match v.transport {
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        };
+        out.push_str(&format!(
+            "{:>6} {:<16} {:<4} {:<26} {:>8.0} {:>9.1} {:>7.2} {:>6} {:>6} {:>7.2} {:>6.2} {:>7.1}x\n",
+            v.tokens,
+            v.variant,
+            via,
+            format!("{} → {}", v.src_layout, v.dst_layout),
+            v.bytes as f64 / (1 << 20) as f64,
+            v.seconds * 1e3,
+            v.gb_per_s,
+            v.calls,
+            v.runs,
+            v.limit_gb_per_s,
+            v.ratio_to_limit,
+            v.speedup_vs_naive,
+        ));
+    }
+    out
+}

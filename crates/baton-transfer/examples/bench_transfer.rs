@@ -1,0 +1,38 @@
+//! `cargo run --release -p baton-transfer --example bench_transfer [-- --json] [--tokens 8192,2048] [--reps 3]`
+//!
+//! Moves one request's KV (Llama-3-8B geometry, f16, 16-token blocks) between two processes and
+//! prints GB/s, transport calls and the ratio to this machine's limits for every variant.
+
+use baton_transfer::bench::{TransferBenchConfig, format_table, run, serve_if_child};
+
+fn main() {
+    if serve_if_child() {
+        return;
+    }
+    let mut config = TransferBenchConfig::default();
+    let mut json = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--json" => json = true,
+            "--tokens" => {
+                config.tokens = args
+                    .next()
+                    .unwrap_or_default()
+                    .split(',')
+                    .map(|t| t.parse().unwrap_or_else(|_| panic!("bad --tokens value `{t}`")))
+                    .collect();
+            }
+            "--reps" => config.reps = args.next().and_then(|r| r.parse().ok()).expect("--reps N"),
+            other => panic!("unknown argument `{other}` (expected --json, --tokens A,B, --reps N)"),
+        }
+    }
+    match run(&config) {
+        Ok(report) if json => println!("{}", serde_json::to_string_pretty(&report).expect("report serializes")),
+        Ok(report) => print!("{}", format_table(&report)),
+        Err(e) => {
+            eprintln!("bench transfer failed: {e}");
+            std::process::exit(1);
+        }
+    }
+}
