@@ -61,6 +61,7 @@ impl Default for EngineBenchConfig {
 impl EngineBenchConfig {
     /// The model configuration the benchmark builds.
     pub fn model_config(&self) -> ModelConfig {
+        let rope = RopeConfig { theta: 10_000.0, scaling: RopeScaling::None };
         ModelConfig {
             architecture: Architecture::Llama,
             vocab_size: self.vocab,
@@ -71,7 +72,7 @@ impl EngineBenchConfig {
             num_kv_heads: self.kv_heads,
             head_dim: self.hidden / self.heads,
             rms_norm_eps: 1e-5,
-            rope: RopeConfig { theta: 10_000.0, scaling: RopeScaling::None },
+            rope,
             max_position_embeddings: 8192,
             tie_word_embeddings: false,
             attention_bias: false,
@@ -79,6 +80,7 @@ impl EngineBenchConfig {
             dtype: WeightDtype::F32,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
+            ..ModelConfig::plain_decoder(self.layers, rope)
         }
     }
 }

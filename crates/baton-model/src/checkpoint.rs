@@ -1,17 +1,19 @@
-//! A Hugging Face checkpoint directory: config, weights, tokenizer and chat template together.
+//! A checkpoint: config, weights, tokenizer and chat template together, from a Hugging Face
+//! directory or from one GGUF file.
 
 use std::path::{Path, PathBuf};
 
 use crate::chat::ChatTemplate;
 use crate::config::{ModelConfig, read_json};
 use crate::error::{ModelError, Result};
+use crate::gguf::{GgufFile, GgufHyperparams, GgufWeights, chat_template_from_gguf, tokenizer_from_gguf};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 use crate::weights::SafetensorsWeights;
 
 /// Everything loaded from a checkpoint directory.
 pub struct Checkpoint {
-    /// Where it was loaded from.
+    /// Where it was loaded from: the directory, or the `.gguf` file.
     pub dir: PathBuf,
     /// The model, weights in memory.
     pub model: Model,
@@ -28,10 +30,28 @@ impl std::fmt::Debug for Checkpoint {
 }
 
 impl Checkpoint {
+    /// Opens a Hugging Face directory ([`Checkpoint::open_dir`]) or a GGUF file
+    /// ([`Checkpoint::open_gguf`]).
+    pub fn open(path: &Path) -> Result<Self> {
+        if path.is_file() { Self::open_gguf(path) } else { Self::open_dir(path) }
+    }
+
+    /// Loads a GGUF file: hyperparameters, weights (quantized matrices stay quantized), the
+    /// tokenizer and the chat template stored in it.
+    pub fn open_gguf(path: &Path) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        let hp = GgufHyperparams::from_gguf(&file)?;
+        let config = ModelConfig::from_gguf(&hp, path)?;
+        let model = Model::load(&config, &GgufWeights::new(&file, &hp))?;
+        let tokenizer = tokenizer_from_gguf(file.metadata())?;
+        let chat_template = chat_template_from_gguf(file.metadata(), &tokenizer)?;
+        Ok(Self { dir: path.to_owned(), model, tokenizer, chat_template })
+    }
+
     /// Loads `config.json`, `generation_config.json`, the safetensors weights, `tokenizer.json`,
     /// `tokenizer_config.json` and the chat template (`chat_template.jinja`, else the
-    /// `chat_template` field of `tokenizer_config.json`).
-    pub fn open(dir: &Path) -> Result<Self> {
+    /// `chat_template` field of `tokenizer_config.json`) from a directory.
+    pub fn open_dir(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
             return Err(ModelError::Io {
                 path: dir.to_owned(),
@@ -95,4 +115,15 @@ impl Checkpoint {
         let ids = self.tokenizer.encode(&text, !template.starts_with_bos(&text))?;
         Ok((text, ids))
     }
+}
+
+/// File name of Baton's default model (Gemma 3 270M, Q4_K_M), as `scripts/fetch-model.sh`
+/// stores it.
+pub const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+
+/// Where Baton's default model is: in `$BATON_MODELS_DIR` when that is set, else in
+/// `<repo_root>/.models`. The file may be missing; `scripts/fetch-model.sh` fetches it.
+pub fn default_model_path(repo_root: &Path) -> PathBuf {
+    let dir = std::env::var_os("BATON_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root.join(".models"));
+    dir.join(DEFAULT_MODEL_FILE)
 }

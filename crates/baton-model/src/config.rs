@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use crate::error::{ModelError, Result};
+use crate::gguf::{AttentionKind, GgufArchitecture, GgufHyperparams, MlpActivation};
 
 /// A transformer architecture Baton implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,10 +17,13 @@ pub enum Architecture {
     Llama,
     /// `Qwen2ForCausalLM`: Llama with q/k/v biases.
     Qwen2,
+    /// Gemma 3 (from GGUF files): RMSNorm on q and k, norms after attention and after the MLP,
+    /// GELU-tanh gated MLP, scaled embeddings, local sliding-window and global layers.
+    Gemma3,
 }
 
 impl Architecture {
-    const SUPPORTED: &'static str = "LlamaForCausalLM, Qwen2ForCausalLM";
+    const SUPPORTED: &'static str = "LlamaForCausalLM, Qwen2ForCausalLM (Gemma 3 from GGUF files)";
 
     fn from_hf(name: &str) -> Option<Self> {
         match name {
@@ -62,6 +66,25 @@ pub enum RopeScaling {
         /// Context length the model was trained at.
         original_max_position_embeddings: usize,
     },
+}
+
+/// The activation of the MLP's gate (the MLP is `down(act(gate(x)) * up(x))`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU): Llama, Qwen2.
+    Silu,
+    /// GELU with the tanh approximation (GeGLU): Gemma.
+    GeluTanh,
+}
+
+/// What one layer's attention sees and how it rotates positions.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerAttention {
+    /// Sliding window in tokens (a query at `p` sees `p - window + 1 ..= p`), or `None` for
+    /// attention over the whole context.
+    pub window: Option<usize>,
+    /// RoPE of this layer.
+    pub rope: RopeConfig,
 }
 
 /// Rotary position embedding parameters.
@@ -110,6 +133,23 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens (generation stops on any).
     pub eos_token_ids: Vec<u32>,
+    /// The MLP's gate activation.
+    pub activation: Activation,
+    /// Added to every RMSNorm weight (1 for checkpoints storing Gemma's `w` of `x * (1 + w)`;
+    /// 0 otherwise, GGUF files included, which store `1 + w`).
+    pub norm_weight_offset: f32,
+    /// RMSNorm over each q and k head (before RoPE).
+    pub qk_norm: bool,
+    /// RMSNorm of the attention output and of the MLP output before each joins the residual.
+    pub post_norms: bool,
+    /// Embeddings are multiplied by this (sqrt(hidden) for Gemma), if at all.
+    pub embedding_scale: Option<f32>,
+    /// Attention scores are `q·k / sqrt(query_pre_attn_scalar)`; `None` means `head_dim`.
+    pub query_pre_attn_scalar: Option<f32>,
+    /// Tanh soft-cap of the final logits, if any.
+    pub final_logit_softcapping: Option<f32>,
+    /// Per layer: window and RoPE (`num_layers` entries).
+    pub layer_attention: Vec<LayerAttention>,
 }
 
 impl ModelConfig {
@@ -173,19 +213,21 @@ impl ModelConfig {
         };
         let attention_bias = match architecture {
             Architecture::Qwen2 => true,
-            Architecture::Llama => f.opt_bool("attention_bias")?.unwrap_or(false),
+            Architecture::Llama | Architecture::Gemma3 => f.opt_bool("attention_bias")?.unwrap_or(false),
         };
+        let num_layers = f.usize("num_hidden_layers")?;
+        let rope = rope_config(&f)?;
         Ok(Self {
             architecture,
             vocab_size: f.usize("vocab_size")?,
             hidden_size,
             intermediate_size: f.usize("intermediate_size")?,
-            num_layers: f.usize("num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
             rms_norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
-            rope: rope_config(&f)?,
+            rope,
             max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             attention_bias,
@@ -193,7 +235,119 @@ impl ModelConfig {
             dtype,
             bos_token_id: token_id(&f, "bos_token_id")?.into_iter().next(),
             eos_token_ids: token_id(&f, "eos_token_id")?,
+            ..Self::plain_decoder(num_layers, rope)
         })
+    }
+
+    /// The options of a plain pre-norm decoder (Llama, Qwen2): SiLU, no q/k or post norms,
+    /// unscaled embeddings, every layer global with `rope`. The shape fields are placeholders
+    /// (a one-layer model of width 0) for struct update syntax: set them all.
+    pub fn plain_decoder(num_layers: usize, rope: RopeConfig) -> Self {
+        Self {
+            architecture: Architecture::Llama,
+            vocab_size: 0,
+            hidden_size: 0,
+            intermediate_size: 0,
+            num_layers,
+            num_heads: 0,
+            num_kv_heads: 0,
+            head_dim: 0,
+            rms_norm_eps: 1e-6,
+            rope,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            mlp_bias: false,
+            dtype: WeightDtype::F32,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+            activation: Activation::Silu,
+            norm_weight_offset: 0.0,
+            qk_norm: false,
+            post_norms: false,
+            embedding_scale: None,
+            query_pre_attn_scalar: None,
+            final_logit_softcapping: None,
+            layer_attention: vec![LayerAttention { window: None, rope }; num_layers],
+        }
+    }
+
+    /// The configuration a GGUF file's hyperparameters describe; `path` is named in errors.
+    pub fn from_gguf(hp: &GgufHyperparams, path: &Path) -> Result<Self> {
+        let invalid = |field: &str, reason: String| ModelError::InvalidField {
+            path: path.to_owned(),
+            field: format!("{}.{field}", hp.architecture.key_prefix()),
+            reason,
+        };
+        if hp.value_head_dim != hp.head_dim {
+            return Err(invalid(
+                "attention.value_length",
+                format!(
+                    "is {}; only value heads as wide as key heads ({}) are supported",
+                    hp.value_head_dim, hp.head_dim
+                ),
+            ));
+        }
+        if hp.rope_dim != hp.head_dim || !hp.head_dim.is_multiple_of(2) {
+            return Err(invalid(
+                "rope.dimension_count",
+                format!("is {}; only RoPE over the whole (even) head of {} is supported", hp.rope_dim, hp.head_dim),
+            ));
+        }
+        if let Some(cap) = hp.attn_logit_softcapping {
+            return Err(invalid(
+                "attn_logit_softcapping",
+                format!("is {cap}; attention soft-capping is not supported"),
+            ));
+        }
+        let architecture = match hp.architecture {
+            GgufArchitecture::Gemma3 => Architecture::Gemma3,
+            GgufArchitecture::Llama => Architecture::Llama,
+            GgufArchitecture::Qwen2 => Architecture::Qwen2,
+        };
+        let layer_attention = hp
+            .layer_attention
+            .iter()
+            .map(|kind| match *kind {
+                AttentionKind::Global => LayerAttention { window: None, rope: hp.rope },
+                AttentionKind::Sliding { window } => LayerAttention { window: Some(window), rope: hp.rope_local },
+            })
+            .collect();
+        Ok(Self {
+            architecture,
+            vocab_size: hp.vocab_size,
+            hidden_size: hp.hidden_size,
+            intermediate_size: hp.intermediate_size,
+            num_layers: hp.num_layers,
+            num_heads: hp.num_heads,
+            num_kv_heads: hp.num_kv_heads,
+            head_dim: hp.head_dim,
+            rms_norm_eps: hp.rms_norm_eps,
+            rope: hp.rope,
+            max_position_embeddings: hp.max_position_embeddings,
+            tie_word_embeddings: hp.tie_word_embeddings,
+            attention_bias: hp.attention_bias,
+            mlp_bias: false,
+            dtype: WeightDtype::F32,
+            bos_token_id: hp.bos_token_id,
+            eos_token_ids: hp.eos_token_ids.clone(),
+            activation: match hp.activation {
+                MlpActivation::Silu => Activation::Silu,
+                MlpActivation::GeluTanh => Activation::GeluTanh,
+            },
+            norm_weight_offset: 0.0,
+            qk_norm: hp.qk_norm,
+            post_norms: hp.post_norms,
+            embedding_scale: hp.embedding_scale,
+            query_pre_attn_scalar: Some(hp.query_pre_attn_scalar),
+            final_logit_softcapping: hp.final_logit_softcapping,
+            layer_attention,
+        })
+    }
+
+    /// Multiplier of `q·k` in attention.
+    pub fn attention_scale(&self) -> f32 {
+        1.0 / self.query_pre_attn_scalar.unwrap_or(self.head_dim as f32).sqrt()
     }
 
     /// Takes BOS and EOS from a `generation_config.json`, which wins over `config.json`.

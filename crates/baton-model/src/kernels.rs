@@ -1,7 +1,8 @@
-//! Small CPU kernels on float32 slices: RMSNorm, RoPE, SwiGLU and a vectorisable dot product.
+//! Small CPU kernels on float32 slices: RMSNorm, RoPE, gated activations (SwiGLU, GeGLU),
+//! soft-capping and a vectorisable dot product.
 //! Matrix products go through candle ([`crate::linear`]); everything here is row-wise.
 
-use crate::config::{RopeConfig, RopeScaling};
+use crate::config::{Activation, RopeConfig, RopeScaling};
 
 /// Dot product with eight independent accumulators, so the compiler vectorises it without
 /// reassociating a single sum.
@@ -45,14 +46,29 @@ pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, weight_offset: f32) 
     out
 }
 
-/// `silu(gate) * up` for rows laid out as `[gate | up]`, each half `width` wide.
-pub(crate) fn silu_mul(gate_up: &[f32], width: usize) -> Vec<f32> {
+/// `act(gate) * up` for rows laid out as `[gate | up]`, each half `width` wide.
+pub(crate) fn gated_activation(gate_up: &[f32], width: usize, act: Activation) -> Vec<f32> {
     let mut out = Vec::with_capacity(gate_up.len() / 2);
     for row in gate_up.chunks_exact(2 * width) {
         let (gate, up) = row.split_at(width);
-        out.extend(gate.iter().zip(up).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u));
+        match act {
+            Activation::Silu => out.extend(gate.iter().zip(up).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)),
+            Activation::GeluTanh => out.extend(gate.iter().zip(up).map(|(&g, &u)| gelu_tanh(g) * u)),
+        }
     }
     out
+}
+
+/// GELU with the tanh approximation (PyTorch's `gelu(approximate="tanh")`).
+#[inline]
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// `cap * tanh(x / cap)` in place.
+pub(crate) fn soft_cap(x: &mut [f32], cap: f32) {
+    x.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
 }
 
 /// Inverse frequencies of RoPE for a head of `head_dim` elements, with the configured scaling.
@@ -137,6 +153,15 @@ mod tests {
         let n0: f32 = orig[8..].iter().map(|v| v * v).sum();
         let n1: f32 = x[8..].iter().map(|v| v * v).sum();
         assert!((n0 - n1).abs() < 1e-3);
+    }
+
+    #[test]
+    fn gelu_tanh_matches_known_values() {
+        assert!(gelu_tanh(0.0).abs() < 1e-7);
+        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-5);
+        assert!((gelu_tanh(-2.0) - -0.045_402_3).abs() < 1e-5);
+        let out = gated_activation(&[1.0, 2.0], 1, Activation::GeluTanh);
+        assert!((out[0] - 2.0 * 0.841_192).abs() < 1e-5);
     }
 
     #[test]

@@ -30,12 +30,13 @@ pub mod gguf;
 mod kernels;
 mod linear;
 mod model;
+mod quant;
 mod sampling;
 mod tokenizer;
 pub mod weights;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use checkpoint::Checkpoint;
+pub use checkpoint::{Checkpoint, DEFAULT_MODEL_FILE, default_model_path};
 pub use config::{Architecture, ModelConfig};
 pub use error::{ModelError, Result};
 pub use model::{LogitsWanted, Model, SeqStep, StepLogits};

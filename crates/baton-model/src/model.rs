@@ -1,4 +1,6 @@
-//! The decoder forward pass (Llama, Qwen2) over a paged KV cache.
+//! The decoder forward pass (Llama, Qwen2, Gemma 3) over a paged KV cache. One layer loop
+//! serves every architecture; what differs (q/k norms, post norms, the MLP's activation,
+//! embedding scale, per-layer sliding window and RoPE) is data in [`ModelConfig`].
 //!
 //! One call computes a *batch step*: any mix of sequences, each contributing a run of new tokens
 //! at consecutive positions after what it already has in the cache — a whole prompt, a prefill
@@ -13,8 +15,8 @@ use candle_core::{Device, Tensor};
 use crate::attention::{AttentionShape, RowPos, paged_attention};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::kernels::{apply_rope, rms_norm, rope_inv_freq, rope_tables, silu_mul};
-use crate::linear::Linear;
+use crate::kernels::{apply_rope, gated_activation, rms_norm, rope_inv_freq, rope_tables, soft_cap};
+use crate::linear::{Linear, QWeight};
 use crate::weights::WeightSource;
 
 /// Which logits a sequence wants back from a step.
@@ -64,20 +66,50 @@ impl StepLogits {
 struct Layer {
     input_norm: Vec<f32>,
     qkv: Linear,
+    /// Per-head RMSNorm of q and k (Gemma 3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     o: Linear,
-    post_norm: Vec<f32>,
+    /// RMSNorm of the attention output before the residual add (Gemma 3).
+    post_attn_norm: Option<Vec<f32>>,
+    mlp_norm: Vec<f32>,
     gate_up: Linear,
     down: Linear,
+    /// RMSNorm of the MLP output before the residual add (Gemma 3).
+    post_mlp_norm: Option<Vec<f32>>,
+    /// Sliding window, if the layer is local.
+    window: Option<usize>,
+    /// Index into [`Model::inv_freqs`].
+    rope: usize,
+}
+
+/// The token embedding: float rows, or quantized rows decoded as they are gathered.
+enum Embedding {
+    Dense(Tensor),
+    Quantized(QWeight),
+}
+
+impl Embedding {
+    fn gather(&self, ids: Vec<u32>) -> Result<Vec<f32>> {
+        match self {
+            Self::Dense(t) => {
+                let n = ids.len();
+                let ids = Tensor::from_vec(ids, n, &Device::Cpu)?;
+                Ok(t.index_select(&ids, 0)?.flatten_all()?.to_vec1()?)
+            }
+            Self::Quantized(q) => q.gather(&ids),
+        }
+    }
 }
 
 /// A loaded decoder model.
 pub struct Model {
     config: ModelConfig,
-    embed: Tensor,
+    embed: Embedding,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     lm_head: Linear,
-    inv_freq: Vec<f32>,
+    /// The distinct RoPE frequency tables the layers use.
+    inv_freqs: Vec<Vec<f32>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -86,19 +118,39 @@ impl std::fmt::Debug for Model {
     }
 }
 
-fn vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Vec<f32>> {
-    Ok(src.tensor(name, &[len])?.to_vec1()?)
+/// An RMSNorm weight, with the configuration's offset folded in.
+fn norm(src: &dyn WeightSource, c: &ModelConfig, name: &str, len: usize) -> Result<Vec<f32>> {
+    let mut w: Vec<f32> = src.tensor(name, &[len])?.to_vec1()?;
+    if c.norm_weight_offset != 0.0 {
+        w.iter_mut().for_each(|w| *w += c.norm_weight_offset);
+    }
+    Ok(w)
 }
 
 impl Model {
-    /// Builds the model from a weight source with Hugging Face tensor names.
+    /// Builds the model from a weight source with Hugging Face tensor names (a GGUF file
+    /// through [`crate::gguf::GgufWeights`]). The configuration's options pick the
+    /// architecture's tensors: q/k norms, post norms, a tied head.
     pub fn load(config: &ModelConfig, src: &dyn WeightSource) -> Result<Self> {
         let c = config;
-        let (h, i) = (c.hidden_size, c.intermediate_size);
-        let (q_out, kv_out) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-        let embed = src.tensor("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        if c.layer_attention.len() != c.num_layers {
+            return Err(ModelError::InvalidInput(format!(
+                "the configuration describes attention for {} layers of {}",
+                c.layer_attention.len(),
+                c.num_layers
+            )));
+        }
+        let (h, i, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
+        let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let embed_name = "model.embed_tokens.weight";
+        let embed = match src.quantized(embed_name, &[c.vocab_size, h])? {
+            Some(q) => Embedding::Quantized(QWeight::new(q)?),
+            None => Embedding::Dense(src.tensor(embed_name, &[c.vocab_size, h])?),
+        };
+        let mut inv_freqs: Vec<Vec<f32>> = Vec::new();
+        let mut ropes: Vec<crate::config::RopeConfig> = Vec::new();
         let mut layers = Vec::with_capacity(c.num_layers);
-        for l in 0..c.num_layers {
+        for (l, attention) in c.layer_attention.iter().enumerate() {
             let p = format!("model.layers.{l}");
             let attn =
                 |name: &str, out: usize| Linear::load(src, &format!("{p}.self_attn.{name}"), out, h, c.attention_bias);
@@ -107,28 +159,57 @@ impl Model {
                 Linear::load(src, &format!("{p}.mlp.{name}"), out, inp, c.mlp_bias)
             };
             let gate_up = Linear::fuse(&[mlp("gate_proj", i, h)?, mlp("up_proj", i, h)?])?;
+            let qk_norm = if c.qk_norm {
+                Some((
+                    norm(src, c, &format!("{p}.self_attn.q_norm.weight"), hd)?,
+                    norm(src, c, &format!("{p}.self_attn.k_norm.weight"), hd)?,
+                ))
+            } else {
+                None
+            };
+            // With post norms (Gemma), `post_attention_layernorm` is the attention output's
+            // norm and `pre_feedforward_layernorm` the MLP input's; without (Llama), the
+            // former is the MLP input's.
+            let (post_attn_norm, mlp_norm, post_mlp_norm) = if c.post_norms {
+                (
+                    Some(norm(src, c, &format!("{p}.post_attention_layernorm.weight"), h)?),
+                    norm(src, c, &format!("{p}.pre_feedforward_layernorm.weight"), h)?,
+                    Some(norm(src, c, &format!("{p}.post_feedforward_layernorm.weight"), h)?),
+                )
+            } else {
+                (None, norm(src, c, &format!("{p}.post_attention_layernorm.weight"), h)?, None)
+            };
+            let rope = match ropes.iter().position(|r| *r == attention.rope) {
+                Some(r) => r,
+                None => {
+                    ropes.push(attention.rope);
+                    inv_freqs.push(rope_inv_freq(&attention.rope, hd));
+                    ropes.len() - 1
+                }
+            };
             layers.push(Layer {
-                input_norm: vector(src, &format!("{p}.input_layernorm.weight"), h)?,
+                input_norm: norm(src, c, &format!("{p}.input_layernorm.weight"), h)?,
                 qkv,
+                qk_norm,
                 o: Linear::load(src, &format!("{p}.self_attn.o_proj"), h, q_out, false)?,
-                post_norm: vector(src, &format!("{p}.post_attention_layernorm.weight"), h)?,
+                post_attn_norm,
+                mlp_norm,
                 gate_up,
                 down: mlp("down_proj", h, i)?,
+                post_mlp_norm,
+                window: attention.window,
+                rope,
             });
         }
         let lm_head = if c.tie_word_embeddings || !src.contains("lm_head.weight") {
-            Linear::new(embed.clone(), None)?
+            match &embed {
+                Embedding::Dense(t) => Linear::new(t.clone(), None)?,
+                Embedding::Quantized(q) => Linear::quantized(q, None)?,
+            }
         } else {
             Linear::load(src, "lm_head", c.vocab_size, h, false)?
         };
-        Ok(Self {
-            config: c.clone(),
-            embed,
-            layers,
-            norm: vector(src, "model.norm.weight", h)?,
-            lm_head,
-            inv_freq: rope_inv_freq(&c.rope, c.head_dim),
-        })
+        Ok(Self { config: c.clone(), embed, layers, norm: norm(src, c, "model.norm.weight", h)?, lm_head, inv_freqs })
     }
 
     /// The model's configuration.
@@ -181,20 +262,16 @@ impl Model {
             return Err(ModelError::InvalidInput("empty batch".into()));
         }
         let positions: Vec<usize> = rows.iter().map(|r| r.pos).collect();
-        let (cos, sin) = rope_tables(&self.inv_freq, &positions);
-        let ids_t = Tensor::from_vec(ids, n, &Device::Cpu)?;
-        let mut x: Vec<f32> = self.embed.index_select(&ids_t, 0)?.flatten_all()?.to_vec1()?;
+        let tables: Vec<(Vec<f32>, Vec<f32>)> = self.inv_freqs.iter().map(|f| rope_tables(f, &positions)).collect();
+        let mut x = self.embed.gather(ids)?;
+        if let Some(scale) = c.embedding_scale {
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
 
         let (q_width, kv_width) = (c.num_heads * head_dim, c.num_kv_heads * head_dim);
-        let shape = AttentionShape {
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
-            head_dim,
-            scale: 1.0 / (head_dim as f32).sqrt(),
-            window: None,
-        };
+        let eps = c.rms_norm_eps;
         for (l, layer) in self.layers.iter().enumerate() {
-            let h = rms_norm(&x, &layer.input_norm, c.rms_norm_eps, 0.0);
+            let h = rms_norm(&x, &layer.input_norm, eps, 0.0);
             let qkv = layer.qkv.forward(&h, n)?;
             let width = layer.qkv.out_features();
             let mut q = Vec::with_capacity(n * q_width);
@@ -203,22 +280,40 @@ impl Model {
                 q.extend_from_slice(&row[..q_width]);
                 k.extend_from_slice(&row[q_width..q_width + kv_width]);
             }
-            apply_rope(&mut q, c.num_heads, head_dim, &cos, &sin);
-            apply_rope(&mut k, c.num_kv_heads, head_dim, &cos, &sin);
+            if let Some((q_norm, k_norm)) = &layer.qk_norm {
+                q = rms_norm(&q, q_norm, eps, 0.0);
+                k = rms_norm(&k, k_norm, eps, 0.0);
+            }
+            let (cos, sin) = &tables[layer.rope];
+            apply_rope(&mut q, c.num_heads, head_dim, cos, sin);
+            apply_rope(&mut k, c.num_kv_heads, head_dim, cos, sin);
             for (r, row) in rows.iter().enumerate() {
                 let (block, slot) = (row.blocks[row.pos / block_size], row.pos % block_size);
                 kv.token_mut(l, KvPart::Key, block, slot).copy_from_slice(&k[r * kv_width..(r + 1) * kv_width]);
                 let v = &qkv[r * width + q_width + kv_width..(r + 1) * width];
                 kv.token_mut(l, KvPart::Value, block, slot).copy_from_slice(v);
             }
+            let shape = AttentionShape {
+                num_heads: c.num_heads,
+                num_kv_heads: c.num_kv_heads,
+                head_dim,
+                scale: c.attention_scale(),
+                window: layer.window,
+            };
             let attn = paged_attention(&q, &rows, kv, l, shape);
-            let o = layer.o.forward(&attn, n)?;
+            let mut o = layer.o.forward(&attn, n)?;
+            if let Some(w) = &layer.post_attn_norm {
+                o = rms_norm(&o, w, eps, 0.0);
+            }
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
 
-            let h = rms_norm(&x, &layer.post_norm, c.rms_norm_eps, 0.0);
+            let h = rms_norm(&x, &layer.mlp_norm, eps, 0.0);
             let gate_up = layer.gate_up.forward(&h, n)?;
-            let act = silu_mul(&gate_up, c.intermediate_size);
-            let down = layer.down.forward(&act, n)?;
+            let act = gated_activation(&gate_up, c.intermediate_size, c.activation);
+            let mut down = layer.down.forward(&act, n)?;
+            if let Some(w) = &layer.post_mlp_norm {
+                down = rms_norm(&down, w, eps, 0.0);
+            }
             x.iter_mut().zip(&down).for_each(|(x, d)| *x += d);
         }
 
@@ -244,7 +339,11 @@ impl Model {
             Vec::new()
         } else {
             let h = rms_norm(&picked, &self.norm, c.rms_norm_eps, 0.0);
-            self.lm_head.forward(&h, out_rows)?
+            let mut logits = self.lm_head.forward(&h, out_rows)?;
+            if let Some(cap) = c.final_logit_softcapping {
+                soft_cap(&mut logits, cap);
+            }
+            logits
         };
         Ok(StepLogits { data, vocab: c.vocab_size, rows: ranges })
     }

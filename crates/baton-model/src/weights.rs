@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use memmap2::Mmap;
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -22,6 +23,13 @@ pub trait WeightSource {
 
     /// Whether the source has a tensor `name`.
     fn contains(&self, name: &str) -> bool;
+
+    /// The matrix `name` in the quantized form the source stores it in, checked to have
+    /// `shape`; `None` when the source holds it as floats (then ask [`WeightSource::tensor`]).
+    fn quantized(&self, name: &str, shape: &[usize]) -> Result<Option<QTensor>> {
+        let _ = (name, shape);
+        Ok(None)
+    }
 }
 
 /// Tensors in `model.safetensors`, or in the shards a `model.safetensors.index.json` lists,

@@ -151,18 +151,7 @@ impl GgufFile {
             name: name.to_owned(),
             reason: e.to_string(),
         };
-        // candle reinterprets the bytes as blocks in place, which needs them aligned. Tensors
-        // in a mapped file are (offsets are multiples of `general.alignment`); a buffer handed to
-        // `from_bytes`, or an odd alignment, may not be: copy to an aligned spot then.
-        if bytes.as_ptr().align_offset(BLOCK_ALIGN) == 0 {
-            qtensor_from_ggml(dtype, bytes, info.shape.clone(), device).map_err(fail)
-        } else {
-            let mut buf = vec![0u8; bytes.len() + BLOCK_ALIGN];
-            let pad = buf.as_ptr().align_offset(BLOCK_ALIGN);
-            let aligned = &mut buf[pad..pad + bytes.len()];
-            aligned.copy_from_slice(bytes);
-            qtensor_from_ggml(dtype, aligned, info.shape.clone(), device).map_err(fail)
-        }
+        qtensor_from_bytes(dtype, bytes, info.shape.clone(), device).map_err(fail)
     }
 
     /// Loads a tensor dequantized to f32.
@@ -172,5 +161,27 @@ impl GgufFile {
             name: name.to_owned(),
             reason: e.to_string(),
         })
+    }
+}
+
+/// A candle [`QTensor`] of `dtype` blocks from `bytes` (copied), whatever their alignment.
+pub(crate) fn qtensor_from_bytes(
+    dtype: GgmlDType,
+    bytes: &[u8],
+    shape: Vec<usize>,
+    device: &Device,
+) -> candle_core::Result<QTensor> {
+    // candle reinterprets the bytes as blocks in place, which needs them aligned. Tensors in a
+    // mapped file are (offsets are multiples of `general.alignment`); a buffer handed to
+    // `from_bytes`, a row gathered elsewhere, or an odd alignment may not be: copy to an
+    // aligned spot then.
+    if bytes.as_ptr().align_offset(BLOCK_ALIGN) == 0 {
+        qtensor_from_ggml(dtype, bytes, shape, device)
+    } else {
+        let mut buf = vec![0u8; bytes.len() + BLOCK_ALIGN];
+        let pad = buf.as_ptr().align_offset(BLOCK_ALIGN);
+        let aligned = &mut buf[pad..pad + bytes.len()];
+        aligned.copy_from_slice(bytes);
+        qtensor_from_ggml(dtype, aligned, shape, device)
     }
 }

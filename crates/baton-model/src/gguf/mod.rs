@@ -30,14 +30,17 @@ mod reader;
 mod tensor;
 mod tokenizer;
 mod value;
+mod weights;
 mod writer;
 
 pub use error::GgufError;
 pub use file::GgufFile;
+pub(crate) use file::qtensor_from_bytes;
 pub use hparams::{AttentionKind, GgufArchitecture, GgufHyperparams, MlpActivation};
 pub use metadata::GgufMetadata;
 pub use reader::{ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, GgufHeader, parse_header};
 pub use tensor::{GgmlTypeId, GgufTensorInfo};
 pub use tokenizer::{chat_template_from_gguf, tokenizer_from_gguf};
 pub use value::{FromGgufValue, GgufArray, GgufValue, GgufValueType};
+pub use weights::GgufWeights;
 pub use writer::GgufWriter;

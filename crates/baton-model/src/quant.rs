@@ -1,0 +1,301 @@
+//! Products of float32 activations with GGUF-quantized weights, the weights decoded block by
+//! block as they stream through (never a whole float32 copy of a matrix).
+//!
+//! candle's quantized kernels quantize the activations to 8 bits first (as llama.cpp does);
+//! that rounding moves Gemma 3 270M's logits by ~0.1, enough to flip near-ties the float32
+//! reference resolves the other way within its first dozen greedy tokens. Here activations stay
+//! float32, so the only difference from the reference is summation order.
+//!
+//! Few rows (decode): each weight row is decoded into a small buffer and dotted with every
+//! activation row, in parallel over weight rows. More rows (prefill): a tile of weight rows is
+//! decoded and multiplied with candle's float GEMM. The decoders are checked against candle's.
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{Device, Tensor};
+use half::f16;
+use rayon::prelude::*;
+
+use crate::kernels::dot;
+
+/// A block format this module decodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BlockFormat {
+    Q4_0,
+    Q5_0,
+    Q8_0,
+    Q4K,
+    Q6K,
+}
+
+impl BlockFormat {
+    pub(crate) fn of(dtype: GgmlDType) -> Option<Self> {
+        Some(match dtype {
+            GgmlDType::Q4_0 => Self::Q4_0,
+            GgmlDType::Q5_0 => Self::Q5_0,
+            GgmlDType::Q8_0 => Self::Q8_0,
+            GgmlDType::Q4K => Self::Q4K,
+            GgmlDType::Q6K => Self::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// Values per block.
+    fn block_len(self) -> usize {
+        match self {
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 => 32,
+            Self::Q4K | Self::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 => 18,
+            Self::Q5_0 => 22,
+            Self::Q8_0 => 34,
+            Self::Q4K => 144,
+            Self::Q6K => 210,
+        }
+    }
+
+    /// Decodes one block `b` into `y` (`block_len` values).
+    #[inline]
+    fn decode(self, b: &[u8], y: &mut [f32]) {
+        let half = |i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+        match self {
+            Self::Q8_0 => {
+                let d = half(0);
+                for (y, &q) in y[..32].iter_mut().zip(&b[2..34]) {
+                    *y = d * f32::from(q as i8);
+                }
+            }
+            Self::Q4_0 => {
+                let d = half(0);
+                let qs = &b[2..18];
+                for j in 0..16 {
+                    y[j] = d * (i32::from(qs[j] & 0x0f) - 8) as f32;
+                    y[j + 16] = d * (i32::from(qs[j] >> 4) - 8) as f32;
+                }
+            }
+            Self::Q5_0 => {
+                let d = half(0);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                let qs = &b[6..22];
+                for j in 0..16 {
+                    let h0 = ((qh >> j) << 4) & 0x10;
+                    let h1 = (qh >> (j + 12)) & 0x10;
+                    y[j] = d * ((u32::from(qs[j] & 0x0f) | h0) as i32 - 16) as f32;
+                    y[j + 16] = d * ((u32::from(qs[j] >> 4) | h1) as i32 - 16) as f32;
+                }
+            }
+            Self::Q4K => {
+                let (d, dmin) = (half(0), half(2));
+                let scales = &b[4..16];
+                let qs = &b[16..144];
+                for (g, (q, y)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
+                    let (s1, m1) = scale_min_k4(2 * g, scales);
+                    let (s2, m2) = scale_min_k4(2 * g + 1, scales);
+                    let (d1, m1) = (d * f32::from(s1), dmin * f32::from(m1));
+                    let (d2, m2) = (d * f32::from(s2), dmin * f32::from(m2));
+                    let (lo, hi) = y.split_at_mut(32);
+                    for l in 0..32 {
+                        lo[l] = d1 * f32::from(q[l] & 0x0f) - m1;
+                        hi[l] = d2 * f32::from(q[l] >> 4) - m2;
+                    }
+                }
+            }
+            Self::Q6K => {
+                let d = half(208);
+                for n in 0..2 {
+                    let ql = &b[64 * n..64 * n + 64];
+                    let qh = &b[128 + 32 * n..128 + 32 * n + 32];
+                    let sc = &b[192 + 8 * n..192 + 8 * n + 8];
+                    let y = &mut y[128 * n..128 * n + 128];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q1 = (i32::from(ql[l] & 0x0f) | (i32::from(qh[l] & 3) << 4)) - 32;
+                        let q2 = (i32::from(ql[l + 32] & 0x0f) | (i32::from((qh[l] >> 2) & 3) << 4)) - 32;
+                        let q3 = (i32::from(ql[l] >> 4) | (i32::from((qh[l] >> 4) & 3) << 4)) - 32;
+                        let q4 = (i32::from(ql[l + 32] >> 4) | (i32::from((qh[l] >> 6) & 3) << 4)) - 32;
+                        let s = |i: usize| d * f32::from(sc[i] as i8);
+                        y[l] = s(is) * q1 as f32;
+                        y[l + 32] = s(is + 2) * q2 as f32;
+                        y[l + 64] = s(is + 4) * q3 as f32;
+                        y[l + 96] = s(is + 6) * q4 as f32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Scale and min of sub-block `j` of a Q4_K block's packed 6-bit fields.
+#[inline]
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// Up to this many activation rows take the decode-and-dot path.
+const DOT_ROWS: usize = 8;
+/// Weight rows decoded per task of the dot path.
+const ROWS_PER_TASK: usize = 64;
+/// Float32 elements of one decoded tile on the GEMM path.
+const TILE_ELEMS: usize = 1 << 20;
+
+/// A quantized matrix `[rows][cols]`, rows of whole blocks.
+#[derive(Debug, Clone)]
+pub(crate) struct QuantMatrix {
+    format: BlockFormat,
+    bytes: Vec<u8>,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+}
+
+impl QuantMatrix {
+    /// Copies GGUF block bytes; `None` when the format is not one this module decodes or the
+    /// shape does not fill whole blocks.
+    pub(crate) fn new(dtype: GgmlDType, bytes: &[u8], rows: usize, cols: usize) -> Option<Self> {
+        let format = BlockFormat::of(dtype)?;
+        if cols == 0 || !cols.is_multiple_of(format.block_len()) {
+            return None;
+        }
+        let row_bytes = cols / format.block_len() * format.block_bytes();
+        (bytes.len() == rows * row_bytes).then(|| Self { format, bytes: bytes.to_vec(), rows, cols, row_bytes })
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub(crate) fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub(crate) fn byte_len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Stacks `other`'s rows under these, when both are of one format and width.
+    pub(crate) fn stack(&self, other: &Self) -> Option<Self> {
+        if self.format != other.format || self.cols != other.cols {
+            return None;
+        }
+        let mut bytes = self.bytes.clone();
+        bytes.extend_from_slice(&other.bytes);
+        Some(Self { bytes, rows: self.rows + other.rows, ..*self })
+    }
+
+    /// Decodes row `r` into `out` (`cols` values).
+    fn decode_row(&self, r: usize, out: &mut [f32]) {
+        let (n, bb) = (self.format.block_len(), self.format.block_bytes());
+        let row = &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes];
+        for (b, y) in row.chunks_exact(bb).zip(out.chunks_exact_mut(n)) {
+            self.format.decode(b, y);
+        }
+    }
+
+    /// Decodes the rows listed in `ids` into `[ids.len()][cols]` (an embedding gather).
+    pub(crate) fn gather(&self, ids: &[u32]) -> Vec<f32> {
+        let mut out = vec![0f32; ids.len() * self.cols];
+        for (&id, y) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
+            self.decode_row(id as usize, y);
+        }
+        out
+    }
+
+    /// `x · Wᵀ` for `m` rows of `x` (`[m][cols]`), into `[m][rows]`.
+    pub(crate) fn matmul_xwt(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
+        if m <= DOT_ROWS { Ok(self.matmul_dot(x, m)) } else { self.matmul_tiles(x, m) }
+    }
+
+    /// Few rows: each weight row is decoded once into a small buffer and dotted with every
+    /// activation row; tasks own runs of weight rows.
+    fn matmul_dot(&self, x: &[f32], m: usize) -> Vec<f32> {
+        let (n, k) = (self.rows, self.cols);
+        // `[n][m]`, transposed at the end when `m > 1`: each task owns whole rows of it.
+        let mut yt = vec![0f32; n * m];
+        yt.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(task, out)| {
+            let mut w = vec![0f32; k];
+            for (i, out) in out.chunks_exact_mut(m).enumerate() {
+                self.decode_row(task * ROWS_PER_TASK + i, &mut w);
+                for (o, xr) in out.iter_mut().zip(x.chunks_exact(k)) {
+                    *o = dot(&w, xr);
+                }
+            }
+        });
+        if m == 1 {
+            return yt;
+        }
+        let mut y = vec![0f32; m * n];
+        for (j, col) in yt.chunks_exact(m).enumerate() {
+            for (r, &v) in col.iter().enumerate() {
+                y[r * n + j] = v;
+            }
+        }
+        y
+    }
+
+    /// More rows: tiles of weight rows are decoded and multiplied with candle's float GEMM.
+    fn matmul_tiles(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
+        let (n, k) = (self.rows, self.cols);
+        let xt = Tensor::from_slice(x, (m, k), &Device::Cpu)?;
+        let tile_rows = (TILE_ELEMS / k).clamp(1, n);
+        let mut y = vec![0f32; m * n];
+        let mut w = vec![0f32; tile_rows * k];
+        for r0 in (0..n).step_by(tile_rows) {
+            let t = tile_rows.min(n - r0);
+            w[..t * k].par_chunks_mut(k).enumerate().for_each(|(i, row)| self.decode_row(r0 + i, row));
+            let wt = Tensor::from_slice(&w[..t * k], (t, k), &Device::Cpu)?;
+            let part: Vec<f32> = xt.matmul(&wt.t()?)?.flatten_all()?.to_vec1()?;
+            if t == n {
+                return Ok(part);
+            }
+            for (dst, src) in y.chunks_exact_mut(n).zip(part.chunks_exact(t)) {
+                dst[r0..r0 + t].copy_from_slice(src);
+            }
+        }
+        Ok(y)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::QTensor;
+
+    fn check(dtype: GgmlDType) {
+        let (rows, cols) = (300, 512);
+        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
+        let q = QTensor::quantize(&t, dtype).expect("quantizes");
+        let want: Vec<f32> =
+            q.dequantize(&Device::Cpu).expect("dequantizes").flatten_all().expect("flat").to_vec1().expect("vec");
+        let m = QuantMatrix::new(dtype, &q.data().expect("bytes"), rows, cols).expect("decodable");
+        let got = m.gather(&(0..rows as u32).collect::<Vec<_>>());
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-5, "{dtype:?}: decode differs from candle's by {worst}");
+        // Both product paths against the float product of the decoded matrix.
+        for m_rows in [1, 3, 20] {
+            let x: Vec<f32> = (0..m_rows * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
+            let y = m.matmul_xwt(&x, m_rows).expect("product");
+            for r in 0..m_rows {
+                for j in 0..rows {
+                    let want = dot(&x[r * cols..(r + 1) * cols], &want[j * cols..(j + 1) * cols]);
+                    assert!((y[r * rows + j] - want).abs() < 1e-3, "{dtype:?} m={m_rows}: [{r},{j}]");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decoding_matches_candle_for_every_format() {
+        for dtype in [GgmlDType::Q4_0, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+            check(dtype);
+        }
+    }
+}
