@@ -101,7 +101,9 @@ impl Sequence {
                 self.text.truncate(cut);
                 return Ok(Some(FinishReason::Stop));
             }
-            if reason.is_some() {
+            // A request handing its KV over continues elsewhere: an incomplete character stays
+            // held back, as the next worker's decoder will hold it.
+            if reason.is_some() && self.retain_kv != KvRetention::All {
                 let tail = self.decoder.flush(tok, &self.tokens[self.prompt_len..])?;
                 self.text.push_str(&tail);
             }

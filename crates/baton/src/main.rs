@@ -3,6 +3,7 @@
 
 mod bench;
 mod generate;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -17,6 +18,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Serve the OpenAI-compatible API: a conductor with prefill and decode workers, in one
+    /// process.
+    Serve(serve::ServeArgs),
     /// Generate text for one prompt with a local engine and print it.
     Generate(generate::GenerateArgs),
     /// Benchmarks (not tests): engine throughput and more.
@@ -30,6 +34,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Serve(args) => serve::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(cmd) => bench::run(cmd),
     }

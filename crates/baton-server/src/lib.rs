@@ -1,0 +1,141 @@
+//! Baton's serving layer: the conductor (an OpenAI-compatible HTTP API that routes each request
+//! to prefill and decode workers and streams the answer) and the workers (an engine each, on a
+//! thread of its own).
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use baton_server::{ServeConfig, build};
+//!
+//! let config = ServeConfig::new("fixtures/models/tiny-llama".into());
+//! let conductor = build(&config)?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8000").await?;
+//! baton_server::serve(listener, conductor, std::future::pending()).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Modules: [`openai`] parses and validates request bodies; [`conductor`] runs requests and
+//! serves HTTP; [`worker`] owns an engine thread; [`routing`] is the policy seam; [`metrics`]
+//! renders Prometheus text.
+
+pub mod conductor;
+pub mod error;
+pub mod metrics;
+pub mod openai;
+pub mod routing;
+pub mod worker;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_engine::{Engine, EngineConfig};
+use baton_model::Checkpoint;
+
+pub use conductor::Conductor;
+pub use error::ApiError;
+pub use worker::{Role, WorkerHandle};
+
+/// An all-in-one deployment: a conductor and its workers in one process.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Hugging Face checkpoint directory or GGUF file.
+    pub model: PathBuf,
+    /// The id clients name in `model` (default: the file or directory name).
+    pub model_id: Option<String>,
+    /// Prefill workers.
+    pub prefill: usize,
+    /// Decode workers.
+    pub decode: usize,
+    /// Colocated workers (prefill and decode in one engine).
+    pub colocated: usize,
+    /// Each worker's engine.
+    pub engine: EngineConfig,
+    /// Require `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// How long a prefill worker holds handed-off KV that no one releases.
+    pub lease: Duration,
+}
+
+impl ServeConfig {
+    /// One prefill and one decode worker with default engines.
+    pub fn new(model: PathBuf) -> Self {
+        Self {
+            model,
+            model_id: None,
+            prefill: 1,
+            decode: 1,
+            colocated: 0,
+            engine: EngineConfig::default(),
+            api_key: None,
+            lease: worker::DEFAULT_LEASE,
+        }
+    }
+}
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The model failed to load.
+    #[error(transparent)]
+    Model(#[from] baton_model::ModelError),
+    /// An engine could not be built.
+    #[error(transparent)]
+    Engine(#[from] baton_engine::EngineError),
+    /// Threads or sockets.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// The configuration makes no deployment.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Loads the model once and starts the workers (sharing its weights) and the conductor.
+pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
+    if config.prefill + config.decode + config.colocated == 0 {
+        return Err(ServeError::Config("at least one worker is needed".into()));
+    }
+    if (config.prefill == 0) != (config.decode == 0) {
+        return Err(ServeError::Config("prefill and decode workers come together (or use colocated workers)".into()));
+    }
+    let ckpt = Checkpoint::open(&config.model)?;
+    let model_id = config.model_id.clone().unwrap_or_else(|| {
+        config.model.file_stem().map_or_else(|| "baton".to_owned(), |s| s.to_string_lossy().into_owned())
+    });
+    let tokenizer = Arc::new(ckpt.tokenizer);
+    let model = Arc::new(ckpt.model);
+    let validator = openai::Validator {
+        model_id,
+        tokenizer: tokenizer.clone(),
+        template: ckpt.chat_template.map(Arc::new),
+        max_context: model.config().max_position_embeddings,
+        vocab_size: model.config().vocab_size,
+    };
+    let mut workers = Vec::new();
+    let roles = std::iter::repeat_n(Role::Prefill, config.prefill)
+        .chain(std::iter::repeat_n(Role::Decode, config.decode))
+        .chain(std::iter::repeat_n(Role::Colocated, config.colocated));
+    for (i, role) in roles.enumerate() {
+        let mut engine_config = config.engine.clone();
+        engine_config.instance = baton_kv::InstanceId(i as u32);
+        let engine = Engine::new(model.clone(), Some(tokenizer.clone()), engine_config)?;
+        let name = format!("{}-{i}", format!("{role:?}").to_lowercase());
+        workers.push(WorkerHandle::spawn(name, role, engine, config.lease)?);
+    }
+    let bytes_per_token = model.kv_geometry(config.engine.block_size).bytes_per_token();
+    Ok(Arc::new(Conductor::new(
+        validator,
+        workers,
+        Box::new(routing::LeastLoad),
+        config.api_key.clone(),
+        bytes_per_token,
+    )))
+}
+
+/// Serves the conductor's API on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    conductor: Arc<Conductor>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, conductor.router()).with_graceful_shutdown(shutdown).await
+}

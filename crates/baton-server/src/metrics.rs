@@ -1,0 +1,204 @@
+//! The conductor's metrics, rendered in Prometheus' text format at `GET /metrics`.
+//!
+//! Counters and fixed-bucket histograms on atomics: recording never blocks a request.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A histogram with fixed upper bounds (seconds).
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    /// Sum in microseconds.
+    sum_us: AtomicU64,
+    count: AtomicU64,
+}
+
+const LATENCY_BOUNDS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+impl Histogram {
+    fn latency() -> Self {
+        Self {
+            bounds: LATENCY_BOUNDS,
+            counts: LATENCY_BOUNDS.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_us: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one observation in seconds.
+    pub fn observe(&self, seconds: f64) {
+        if let Some(i) = self.bounds.iter().position(|&b| seconds <= b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_us.fetch_add((seconds * 1e6) as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            cumulative += c.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_sum {}", self.sum_us.load(Ordering::Relaxed) as f64 / 1e6);
+        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
+
+/// How a request ended, for the `requests_total` counter.
+#[derive(Debug, Clone, Copy)]
+pub enum Outcome {
+    /// Completed.
+    Ok,
+    /// Refused as invalid (4xx).
+    Invalid,
+    /// Refused for load (429).
+    Rejected,
+    /// Failed on a worker (5xx).
+    Failed,
+    /// The client went away.
+    Cancelled,
+}
+
+const OUTCOMES: [&str; 5] = ["ok", "invalid", "rejected", "failed", "cancelled"];
+
+/// All of the conductor's metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    /// Time to first token.
+    pub ttft: Histogram,
+    /// Time between tokens.
+    pub tbt: Histogram,
+    /// Request latency, end to end.
+    pub e2e: Histogram,
+    /// KV hand-off time (prefill finished → decode holding the KV).
+    pub transfer: Histogram,
+    outcomes: [AtomicU64; 5],
+    /// Requests routed colocated.
+    pub routed_colocated: AtomicU64,
+    /// Requests routed prefill → decode.
+    pub routed_disaggregated: AtomicU64,
+    /// KV bytes handed between workers.
+    pub transfer_bytes: AtomicU64,
+    /// Prompt tokens.
+    pub prompt_tokens: AtomicU64,
+    /// Generated tokens.
+    pub generation_tokens: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            ttft: Histogram::latency(),
+            tbt: Histogram::latency(),
+            e2e: Histogram::latency(),
+            transfer: Histogram::latency(),
+            outcomes: Default::default(),
+            routed_colocated: AtomicU64::new(0),
+            routed_disaggregated: AtomicU64::new(0),
+            transfer_bytes: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+        }
+    }
+}
+
+/// A worker's gauges at render time.
+#[derive(Debug, Clone)]
+pub struct WorkerGauges {
+    /// Worker name.
+    pub name: String,
+    /// Role label.
+    pub role: &'static str,
+    /// Running requests.
+    pub running: usize,
+    /// Waiting requests.
+    pub waiting: usize,
+    /// KV blocks in use (not free, not merely cached).
+    pub blocks_used: usize,
+    /// KV blocks in the device tier.
+    pub blocks_total: usize,
+}
+
+impl Metrics {
+    /// Counts a request's outcome.
+    pub fn outcome(&self, o: Outcome) {
+        self.outcomes[o as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self, workers: &[WorkerGauges]) -> String {
+        let mut out = String::new();
+        self.ttft.render(&mut out, "baton_time_to_first_token_seconds", "Time to first token.");
+        self.tbt.render(&mut out, "baton_time_between_tokens_seconds", "Time between consecutive tokens.");
+        self.e2e.render(&mut out, "baton_request_duration_seconds", "Request latency, end to end.");
+        self.transfer.render(&mut out, "baton_kv_transfer_seconds", "KV hand-off time from prefill to decode.");
+        let _ = writeln!(out, "# HELP baton_requests_total Requests by outcome.\n# TYPE baton_requests_total counter");
+        for (name, c) in OUTCOMES.iter().zip(&self.outcomes) {
+            let _ = writeln!(out, "baton_requests_total{{outcome=\"{name}\"}} {}", c.load(Ordering::Relaxed));
+        }
+        let _ = writeln!(
+            out,
+            "# HELP baton_routing_decisions_total Routing decisions.\n# TYPE baton_routing_decisions_total counter"
+        );
+        let _ = writeln!(
+            out,
+            "baton_routing_decisions_total{{route=\"colocated\"}} {}",
+            self.routed_colocated.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "baton_routing_decisions_total{{route=\"disaggregated\"}} {}",
+            self.routed_disaggregated.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP baton_kv_transfer_bytes_total KV bytes handed between workers.\n# TYPE baton_kv_transfer_bytes_total counter"
+        );
+        let _ = writeln!(out, "baton_kv_transfer_bytes_total {}", self.transfer_bytes.load(Ordering::Relaxed));
+        let _ = writeln!(
+            out,
+            "# TYPE baton_prompt_tokens_total counter\nbaton_prompt_tokens_total {}",
+            self.prompt_tokens.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE baton_generation_tokens_total counter\nbaton_generation_tokens_total {}",
+            self.generation_tokens.load(Ordering::Relaxed)
+        );
+        let _ =
+            writeln!(out, "# HELP baton_queue_length Requests per worker and state.\n# TYPE baton_queue_length gauge");
+        for w in workers {
+            let _ = writeln!(
+                out,
+                "baton_queue_length{{worker=\"{}\",role=\"{}\",state=\"running\"}} {}",
+                w.name, w.role, w.running
+            );
+            let _ = writeln!(
+                out,
+                "baton_queue_length{{worker=\"{}\",role=\"{}\",state=\"waiting\"}} {}",
+                w.name, w.role, w.waiting
+            );
+        }
+        let _ =
+            writeln!(out, "# HELP baton_kv_blocks KV blocks per worker, tier and state.\n# TYPE baton_kv_blocks gauge");
+        for w in workers {
+            let _ = writeln!(
+                out,
+                "baton_kv_blocks{{worker=\"{}\",tier=\"device\",state=\"used\"}} {}",
+                w.name, w.blocks_used
+            );
+            let _ = writeln!(
+                out,
+                "baton_kv_blocks{{worker=\"{}\",tier=\"device\",state=\"total\"}} {}",
+                w.name, w.blocks_total
+            );
+        }
+        out
+    }
+}

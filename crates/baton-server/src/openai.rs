@@ -1,0 +1,410 @@
+//! The OpenAI API's request bodies, and their validation into a typed [`ValidRequest`].
+//!
+//! Bodies are parsed by hand from bytes (not by an extractor) so that every malformed body,
+//! unknown field or out-of-range parameter is a 400 with an OpenAI-style error naming the
+//! parameter. Parameters OpenAI defines but Baton does not implement are accepted only at their
+//! neutral value (e.g. `presence_penalty: 0`), and refused otherwise, never silently ignored.
+
+use std::sync::Arc;
+
+use baton_engine::StopParams;
+use baton_model::{ChatMessage, ChatTemplate, SamplingParams, Tokenizer};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::error::ApiError;
+
+/// Most stop strings per request (as OpenAI).
+const MAX_STOP_STRINGS: usize = 4;
+/// Completions' default `max_tokens` (as OpenAI).
+const DEFAULT_COMPLETION_TOKENS: usize = 16;
+
+/// `prompt` of a completion: text, one text in a list, or token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// A list of texts (only one is supported: `n` prompts would be a batch API).
+    Texts(Vec<String>),
+    /// Token ids.
+    Tokens(Vec<i64>),
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Fields both endpoints accept (unknown fields are refused before deserializing, because
+/// serde's `deny_unknown_fields` does not work through `flatten`).
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "ignore_eos",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "best_of",
+    "echo",
+    "suffix",
+];
+
+/// Parameters common to both endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    /// Model id.
+    pub model: Option<String>,
+    /// Tokens to generate.
+    pub max_tokens: Option<i64>,
+    /// Chat's newer name for `max_tokens`.
+    pub max_completion_tokens: Option<i64>,
+    /// Sampling temperature in [0, 2].
+    pub temperature: Option<f64>,
+    /// Nucleus sampling in (0, 1].
+    pub top_p: Option<f64>,
+    /// Top-k (an extension, as vLLM).
+    pub top_k: Option<i64>,
+    /// Choices per request: only 1.
+    pub n: Option<i64>,
+    /// Stream server-sent events.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Stop strings.
+    pub stop: Option<Stop>,
+    /// Seed of the sampler.
+    pub seed: Option<i64>,
+    /// Keep generating past end-of-sequence (an extension, as vLLM).
+    pub ignore_eos: Option<bool>,
+    /// End-user id (accepted, unused).
+    pub user: Option<String>,
+    /// Only 0 is supported.
+    pub presence_penalty: Option<f64>,
+    /// Only 0 is supported.
+    pub frequency_penalty: Option<f64>,
+    /// Only absent or empty is supported.
+    pub logit_bias: Option<Value>,
+    /// Only absent, false or 0 is supported.
+    pub logprobs: Option<Value>,
+    /// Only absent or 0 is supported.
+    pub top_logprobs: Option<i64>,
+    /// Only absent or 1 is supported.
+    pub best_of: Option<i64>,
+    /// Only absent or false is supported.
+    pub echo: Option<bool>,
+    /// Only absent is supported.
+    pub suffix: Option<String>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Everything else.
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// Content of a chat message: text, or a list of text parts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Text.
+    Text(String),
+    /// Parts; only `{"type": "text", "text": ...}` is supported.
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of a message's content.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// Must be `text`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text.
+    pub text: Option<String>,
+}
+
+/// A chat message as sent.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatMessageIn {
+    /// `system`, `user`, `assistant`, `developer`.
+    pub role: String,
+    /// The content.
+    pub content: Option<Content>,
+    /// Participant name (accepted, unused).
+    pub name: Option<String>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Vec<ChatMessageIn>,
+    /// Everything else.
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// Which endpoint a request came through (shapes the response).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+/// A request that passed validation: token ids and engine parameters.
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    /// The endpoint.
+    pub endpoint: Endpoint,
+    /// Model id to echo back.
+    pub model: String,
+    /// Prompt token ids.
+    pub prompt_ids: Vec<u32>,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Stopping.
+    pub stop: StopParams,
+    /// Stream server-sent events.
+    pub stream: bool,
+    /// Send usage in a last streamed chunk.
+    pub include_usage: bool,
+}
+
+/// What validation needs to know about the served model.
+#[derive(Clone)]
+pub struct Validator {
+    /// The model id clients must name (or omit).
+    pub model_id: String,
+    /// The tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// The chat template, if the model has one.
+    pub template: Option<Arc<ChatTemplate>>,
+    /// Context length in tokens.
+    pub max_context: usize,
+    /// Vocabulary size (token-id prompts are checked against it).
+    pub vocab_size: usize,
+}
+
+impl std::fmt::Debug for Validator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Validator").field("model_id", &self.model_id).field("max_context", &self.max_context).finish()
+    }
+}
+
+/// Parses a JSON object body, refusing fields outside `COMMON_FIELDS` and `own`.
+fn parse<T: for<'de> Deserialize<'de>>(body: &[u8], own: &str) -> Result<T, ApiError> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}")))?;
+    let Some(obj) = value.as_object() else {
+        return Err(ApiError::invalid("the body must be a JSON object"));
+    };
+    if let Some(k) = obj.keys().find(|k| k.as_str() != own && !COMMON_FIELDS.contains(&k.as_str())) {
+        return Err(ApiError::param(k, format!("Unrecognized request argument supplied: {k}")));
+    }
+    if !obj.contains_key(own) {
+        return Err(ApiError::param(own, format!("`{own}` is required")));
+    }
+    serde_json::from_value(value).map_err(|e| ApiError::invalid(format!("invalid request: {e}")))
+}
+
+impl Validator {
+    /// Validates a completion body.
+    pub fn completion(&self, body: &[u8]) -> Result<ValidRequest, ApiError> {
+        let req: CompletionRequest = parse(body, "prompt")?;
+        let prompt_ids = match req.prompt {
+            Prompt::Text(t) => self.encode(&t, true)?,
+            Prompt::Texts(ts) if ts.len() == 1 => self.encode(&ts[0], true)?,
+            Prompt::Texts(_) => return Err(ApiError::param("prompt", "exactly one prompt per request is supported")),
+            Prompt::Tokens(ids) => ids
+                .iter()
+                .map(|&t| {
+                    u32::try_from(t)
+                        .ok()
+                        .filter(|&t| (t as usize) < self.vocab_size)
+                        .ok_or_else(|| ApiError::param("prompt", format!("token id {t} is outside the vocabulary")))
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        self.finish(Endpoint::Completions, prompt_ids, req.common)
+    }
+
+    /// Validates a chat completion body: renders the conversation with the chat template.
+    pub fn chat(&self, body: &[u8]) -> Result<ValidRequest, ApiError> {
+        let req: ChatRequest = parse(body, "messages")?;
+        if req.messages.is_empty() {
+            return Err(ApiError::param("messages", "at least one message is required"));
+        }
+        let template = self
+            .template
+            .as_ref()
+            .ok_or_else(|| ApiError::invalid("this model has no chat template; use /v1/completions"))?;
+        let mut messages = Vec::with_capacity(req.messages.len());
+        for (i, m) in req.messages.iter().enumerate() {
+            if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
+                return Err(ApiError::param(&format!("messages[{i}].role"), format!("unknown role `{}`", m.role)));
+            }
+            let content = match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
+                    let mut text = String::new();
+                    for p in parts {
+                        match (p.kind.as_str(), &p.text) {
+                            ("text", Some(t)) => text.push_str(t),
+                            _ => {
+                                return Err(ApiError::param(
+                                    &format!("messages[{i}].content"),
+                                    "only text content parts are supported",
+                                ));
+                            }
+                        }
+                    }
+                    text
+                }
+            };
+            messages.push(ChatMessage::new(if m.role == "developer" { "system" } else { &m.role }, content));
+        }
+        let text = template.render(&messages, true)?;
+        let ids = self.encode(&text, !template.starts_with_bos(&text))?;
+        self.finish(Endpoint::Chat, ids, req.common)
+    }
+
+    fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
+        Ok(self.tokenizer.encode(text, add_special)?)
+    }
+
+    fn finish(&self, endpoint: Endpoint, prompt_ids: Vec<u32>, c: Common) -> Result<ValidRequest, ApiError> {
+        let model = match c.model {
+            Some(m) if m != self.model_id => return Err(ApiError::ModelNotFound(m)),
+            _ => self.model_id.clone(),
+        };
+        if prompt_ids.is_empty() {
+            return Err(ApiError::param("prompt", "the prompt is empty"));
+        }
+        if prompt_ids.len() >= self.max_context {
+            return Err(ApiError::param(
+                "prompt",
+                format!(
+                    "the prompt has {} tokens; this model's context is {} tokens",
+                    prompt_ids.len(),
+                    self.max_context
+                ),
+            ));
+        }
+        let room = self.max_context - prompt_ids.len();
+        let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+            None if endpoint == Endpoint::Chat => room,
+            None => DEFAULT_COMPLETION_TOKENS.min(room),
+            Some(n) if n < 1 => return Err(ApiError::param("max_tokens", format!("must be at least 1, got {n}"))),
+            Some(n) if n as u64 > room as u64 => {
+                return Err(ApiError::param(
+                    "max_tokens",
+                    format!(
+                        "{n} tokens do not fit: the prompt has {} tokens and the context is {}",
+                        prompt_ids.len(),
+                        self.max_context
+                    ),
+                ));
+            }
+            Some(n) => n as usize,
+        };
+        let temperature = c.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::param("temperature", format!("must be between 0 and 2, got {temperature}")));
+        }
+        let top_p = c.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::param("top_p", format!("must be in (0, 1], got {top_p}")));
+        }
+        let top_k = match c.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 => k as usize,
+            Some(k) => return Err(ApiError::param("top_k", format!("must be positive (or -1 for all), got {k}"))),
+        };
+        if let Some(n) = c.n
+            && n != 1
+        {
+            return Err(ApiError::param("n", format!("only n = 1 is supported, got {n}")));
+        }
+        let seed = match c.seed {
+            None => None,
+            Some(s) => Some(u64::try_from(s).map_err(|_| ApiError::param("seed", "must be non-negative"))?),
+        };
+        let stop_strings = match c.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s],
+            Some(Stop::Many(v)) => v,
+        };
+        if stop_strings.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::param("stop", format!("at most {MAX_STOP_STRINGS} stop strings")));
+        }
+        if stop_strings.iter().any(String::is_empty) {
+            return Err(ApiError::param("stop", "stop strings must not be empty"));
+        }
+        neutral("presence_penalty", c.presence_penalty.is_none_or(|v| v == 0.0))?;
+        neutral("frequency_penalty", c.frequency_penalty.is_none_or(|v| v == 0.0))?;
+        neutral(
+            "logit_bias",
+            c.logit_bias.as_ref().is_none_or(|v| v.is_null() || v.as_object().is_some_and(|o| o.is_empty())),
+        )?;
+        neutral(
+            "logprobs",
+            c.logprobs.as_ref().is_none_or(|v| v.is_null() || v == &Value::Bool(false) || v.as_i64() == Some(0)),
+        )?;
+        neutral("top_logprobs", c.top_logprobs.is_none_or(|v| v == 0))?;
+        neutral("best_of", c.best_of.is_none_or(|v| v == 1))?;
+        neutral("echo", c.echo != Some(true))?;
+        neutral("suffix", c.suffix.is_none())?;
+        let stream = c.stream.unwrap_or(false);
+        Ok(ValidRequest {
+            endpoint,
+            model,
+            prompt_ids,
+            sampling: SamplingParams { temperature: temperature as f32, top_k, top_p: top_p as f32, seed },
+            stop: StopParams { max_tokens, ignore_eos: c.ignore_eos.unwrap_or(false), stop_strings },
+            stream,
+            include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
+        })
+    }
+}
+
+fn neutral(param: &str, ok: bool) -> Result<(), ApiError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::param(param, format!("`{param}` is not supported (only its default value)")))
+    }
+}

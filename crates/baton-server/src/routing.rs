@@ -1,0 +1,111 @@
+//! The routing seam: a pure policy over a snapshot of the workers.
+//!
+//! The conductor builds a [`Snapshot`] per request and calls [`RoutePolicy::route`]; the
+//! scheduling crate's policies plug in here. The default is least-load: the prefill and decode
+//! workers (or the colocated worker) with the fewest requests in flight.
+
+/// What a policy sees of one worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerView {
+    /// Index into the conductor's worker list.
+    pub index: usize,
+    /// Its role.
+    pub role: crate::Role,
+    /// Requests in flight on it.
+    pub in_flight: usize,
+}
+
+/// The cluster as a policy sees it.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    /// Every live worker.
+    pub workers: Vec<WorkerView>,
+}
+
+/// What a policy sees of a request.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRequest {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+}
+
+/// A routing decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// One colocated worker does everything.
+    Colocated(usize),
+    /// Prefill on one worker, decode on another.
+    Disaggregated {
+        /// The prefill worker.
+        prefill: usize,
+        /// The decode worker.
+        decode: usize,
+    },
+    /// Refuse the request (HTTP 429).
+    Reject {
+        /// For the client.
+        reason: String,
+    },
+    /// No worker can take it (HTTP 503).
+    NoWorkers,
+}
+
+/// A routing policy: pure, a function of the snapshot and the request.
+pub trait RoutePolicy: Send + Sync {
+    /// Decides where a request runs.
+    fn route(&self, snapshot: &Snapshot, request: &RouteRequest) -> Decision;
+}
+
+/// Least-load: fewest requests in flight, ties to the first worker. Disaggregates when there
+/// is at least one prefill and one decode worker, else uses a colocated worker.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LeastLoad;
+
+fn least(snapshot: &Snapshot, role: crate::Role) -> Option<usize> {
+    snapshot.workers.iter().filter(|w| w.role == role).min_by_key(|w| (w.in_flight, w.index)).map(|w| w.index)
+}
+
+impl RoutePolicy for LeastLoad {
+    fn route(&self, snapshot: &Snapshot, _request: &RouteRequest) -> Decision {
+        use crate::Role;
+        match (least(snapshot, Role::Prefill), least(snapshot, Role::Decode), least(snapshot, Role::Colocated)) {
+            (Some(prefill), Some(decode), _) => Decision::Disaggregated { prefill, decode },
+            (_, _, Some(c)) => Decision::Colocated(c),
+            _ => Decision::NoWorkers,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Role;
+
+    fn view(index: usize, role: Role, in_flight: usize) -> WorkerView {
+        WorkerView { index, role, in_flight }
+    }
+
+    #[test]
+    fn least_load_picks_the_idlest_of_each_role() {
+        let s = Snapshot {
+            workers: vec![
+                view(0, Role::Prefill, 3),
+                view(1, Role::Prefill, 1),
+                view(2, Role::Decode, 0),
+                view(3, Role::Decode, 5),
+            ],
+        };
+        let r = RouteRequest { prompt_tokens: 10, max_tokens: 10 };
+        assert_eq!(LeastLoad.route(&s, &r), Decision::Disaggregated { prefill: 1, decode: 2 });
+    }
+
+    #[test]
+    fn colocated_when_a_role_is_missing_and_nothing_when_empty() {
+        let r = RouteRequest { prompt_tokens: 10, max_tokens: 10 };
+        let s = Snapshot { workers: vec![view(0, Role::Prefill, 0), view(1, Role::Colocated, 2)] };
+        assert_eq!(LeastLoad.route(&s, &r), Decision::Colocated(1));
+        assert_eq!(LeastLoad.route(&Snapshot::default(), &r), Decision::NoWorkers);
+    }
+}

@@ -1,0 +1,285 @@
+//! The conductor and its workers on a real socket: disaggregated output equals colocated
+//! output equals the engine alone; streaming, concurrency and cancellation; bad input answered
+//! with OpenAI-style errors; and after every scenario, no KV block held anywhere.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_engine::{Engine, EngineConfig, GenerationRequest, RequestId, StopParams};
+use baton_model::Checkpoint;
+use baton_server::{Conductor, ServeConfig};
+use serde_json::{Value, json};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models").join(name)
+}
+
+fn engine_config() -> EngineConfig {
+    // Small blocks so every prompt spans several; a small arena so leaks would show.
+    EngineConfig { block_size: 4, num_blocks: 256, max_batch_tokens: 64, prefill_chunk: 32, ..EngineConfig::default() }
+}
+
+struct Server {
+    url: String,
+    conductor: Arc<Conductor>,
+    _shutdown: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn start(model: &str, prefill: usize, decode: usize, colocated: usize, api_key: Option<&str>) -> Server {
+    let config = ServeConfig {
+        prefill,
+        decode,
+        colocated,
+        engine: engine_config(),
+        api_key: api_key.map(str::to_owned),
+        ..ServeConfig::new(fixture(model))
+    };
+    let conductor = baton_server::build(&config).expect("builds");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(baton_server::serve(listener, conductor.clone(), async {
+        let _ = rx.await;
+    }));
+    Server { url, conductor, _shutdown: tx }
+}
+
+impl Server {
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = reqwest::Client::new().post(format!("{}{path}", self.url)).json(&body).send().await.expect("sends");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn post_raw(&self, path: &str, body: &str) -> (u16, Value) {
+        let r = reqwest::Client::new()
+            .post(format!("{}{path}", self.url))
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+            .send()
+            .await
+            .expect("sends");
+        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn stream(&self, path: &str, body: Value, stop_after: Option<usize>) -> (String, Option<String>, usize) {
+        stream(&self.url, path, body, stop_after).await
+    }
+
+    /// Waits until no worker runs anything or holds any KV.
+    async fn assert_no_kv_held(&self) {
+        for _ in 0..100 {
+            let mut clean = true;
+            for w in self.conductor.workers() {
+                let s = w.stats().await.expect("stats");
+                clean &= s.running == 0 && s.waiting == 0 && s.leased == 0 && s.available_blocks == s.total_blocks;
+            }
+            if clean {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for w in self.conductor.workers() {
+            eprintln!("{}: {:?}", w.name(), w.stats().await);
+        }
+        panic!("a worker still holds KV");
+    }
+}
+
+/// Streams a request and returns the concatenated text, the finish reason and the chunk count;
+/// `stop_after` drops the connection after that many chunks.
+async fn stream(url: &str, path: &str, body: Value, stop_after: Option<usize>) -> (String, Option<String>, usize) {
+    let mut r = reqwest::Client::new().post(format!("{url}{path}")).json(&body).send().await.expect("sends");
+    assert_eq!(r.status().as_u16(), 200);
+    let (mut text, mut finish, mut chunks, mut buf) = (String::new(), None, 0, String::new());
+    while let Some(bytes) = r.chunk().await.expect("reads") {
+        buf.push_str(std::str::from_utf8(&bytes).expect("utf-8"));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else { continue };
+            if data == "[DONE]" {
+                return (text, finish, chunks);
+            }
+            let v: Value = serde_json::from_str(data).expect("chunk is JSON");
+            assert!(v.get("error").is_none(), "streamed error: {v}");
+            let choice = &v["choices"][0];
+            text.push_str(choice["text"].as_str().or(choice["delta"]["content"].as_str()).unwrap_or(""));
+            if let Some(f) = choice["finish_reason"].as_str() {
+                finish = Some(f.to_owned());
+            }
+            chunks += 1;
+            if stop_after == Some(chunks) {
+                return (text, finish, chunks);
+            }
+        }
+    }
+    panic!("the stream ended without [DONE]");
+}
+
+/// The engine alone, greedy, for the reference output.
+fn engine_alone(model: &str, prompt: &str, max_tokens: usize) -> (Vec<u32>, String) {
+    let ckpt = Checkpoint::open(&fixture(model)).expect("loads");
+    let ids = ckpt.tokenizer.encode(prompt, true).expect("encodes");
+    let mut e = Engine::new(Arc::new(ckpt.model), Some(Arc::new(ckpt.tokenizer)), engine_config()).expect("engine");
+    e.add_request(GenerationRequest {
+        stop: StopParams { max_tokens, ignore_eos: true, stop_strings: vec![] },
+        ..GenerationRequest::new(RequestId(0), ids.clone())
+    })
+    .expect("valid");
+    let done = e.run_to_completion().expect("runs").remove(0);
+    (ids, done.text)
+}
+
+const PROMPTS: [&str; 3] = [
+    "Disaggregated inference separates prefill and decode.",
+    "The KV cache is transferred from the prefill worker to the decode worker",
+    "A",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_equals_colocated_equals_the_engine() {
+    for model in ["tiny-llama", "tiny-qwen2"] {
+        let disagg = start(model, 1, 1, 0, None).await;
+        let coloc = start(model, 0, 0, 1, None).await;
+        for prompt in PROMPTS {
+            let (ids, want) = engine_alone(model, prompt, 20);
+            let body = json!({"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": true});
+            for server in [&disagg, &coloc] {
+                let (status, v) = server.post("/v1/completions", body.clone()).await;
+                assert_eq!(status, 200, "{v}");
+                assert_eq!(v["choices"][0]["text"], want, "{model} {prompt:?}");
+                assert_eq!(v["choices"][0]["finish_reason"], "length");
+                assert_eq!(v["usage"]["prompt_tokens"], ids.len());
+                assert_eq!(v["usage"]["completion_tokens"], 20);
+                let mut streamed = body.clone();
+                streamed["stream"] = json!(true);
+                let (text, finish, _) = server.stream("/v1/completions", streamed, None).await;
+                assert_eq!(text, want, "{model} {prompt:?} streamed");
+                assert_eq!(finish.as_deref(), Some("length"));
+            }
+        }
+        disagg.assert_no_kv_held().await;
+        coloc.assert_no_kv_held().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_streams_and_concurrent_requests_are_each_correct() {
+    let server = start("tiny-llama", 1, 1, 0, None).await;
+    let chat = json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is prefill?"}],
+        "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    let (status, full) = server.post("/v1/chat/completions", chat.clone()).await;
+    assert_eq!(status, 200, "{full}");
+    assert_eq!(full["object"], "chat.completion");
+    assert_eq!(full["choices"][0]["message"]["role"], "assistant");
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let (text, finish, _) = server.stream("/v1/chat/completions", streamed, None).await;
+    assert_eq!(text, full["choices"][0]["message"]["content"].as_str().expect("content"));
+    assert_eq!(finish.as_deref(), Some("length"));
+
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let prompt = PROMPTS[i % PROMPTS.len()];
+        let (_, want) = engine_alone("tiny-llama", prompt, 16);
+        let url = server.url.clone();
+        let body = json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": true, "stream": true});
+        tasks.push(tokio::spawn(async move {
+            let (text, finish, _) = stream(&url, "/v1/completions", body, None).await;
+            assert_eq!(text, want, "concurrent stream {i}");
+            assert_eq!(finish.as_deref(), Some("length"));
+        }));
+    }
+    for t in tasks {
+        t.await.expect("stream task");
+    }
+    server.assert_no_kv_held().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_frees_its_kv() {
+    let server = start("tiny-llama", 1, 1, 0, None).await;
+    let body = json!({"prompt": PROMPTS[1], "max_tokens": 900, "ignore_eos": true, "stream": true});
+    let (_, finish, chunks) = server.stream("/v1/completions", body, Some(3)).await;
+    assert_eq!((finish, chunks), (None, 3), "dropped mid-stream");
+    server.assert_no_kv_held().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_openai_style_errors() {
+    let server = start("tiny-llama", 1, 1, 0, None).await;
+    let long = "word ".repeat(2000);
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("/v1/completions", "{not json".into(), 400, "not valid JSON"),
+        ("/v1/completions", "[1, 2]".into(), 400, "JSON object"),
+        ("/v1/completions", r#"{"prompt": "hi", "temprature": 0.5}"#.into(), 400, "temprature"),
+        ("/v1/completions", r#"{"max_tokens": 5}"#.into(), 400, "prompt"),
+        ("/v1/completions", json!({"prompt": long}).to_string(), 400, "context"),
+        ("/v1/completions", r#"{"prompt": "hi", "max_tokens": -3}"#.into(), 400, "max_tokens"),
+        ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 100000000000}"#.into(), 400, "max_tokens"),
+        ("/v1/completions", r#"{"prompt": "hi", "temperature": 5}"#.into(), 400, "temperature"),
+        ("/v1/completions", r#"{"prompt": "hi", "top_p": 0}"#.into(), 400, "top_p"),
+        ("/v1/completions", r#"{"prompt": "hi", "n": 2}"#.into(), 400, "n"),
+        ("/v1/completions", r#"{"prompt": "hi", "seed": -1}"#.into(), 400, "seed"),
+        ("/v1/completions", r#"{"prompt": "hi", "presence_penalty": 1.5}"#.into(), 400, "presence_penalty"),
+        ("/v1/completions", r#"{"prompt": [1, 2, 99999]}"#.into(), 400, "vocabulary"),
+        ("/v1/completions", r#"{"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}"#.into(), 400, "stop"),
+        ("/v1/completions", r#"{"prompt": "hi", "model": "gpt-9"}"#.into(), 404, "gpt-9"),
+        ("/v1/chat/completions", r#"{"messages": []}"#.into(), 400, "messages"),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#.into(), 400, "role"),
+        ("/v1/chat/completions", r#"{"messages": "hello"}"#.into(), 400, "invalid"),
+        ("/v1/nothing", "{}".into(), 404, "no such endpoint"),
+    ];
+    for (path, body, status, needle) in cases {
+        let (got, v) = server.post_raw(path, &body).await;
+        assert_eq!(got, status, "{body} -> {v}");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(needle), "{body}: `{message}` should mention `{needle}`");
+        assert!(v["error"]["type"].is_string(), "{v}");
+    }
+    server.assert_no_kv_held().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_key_is_required_when_set() {
+    let server = start("tiny-llama", 0, 0, 1, Some("sesame")).await;
+    let (status, v) = server.post("/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
+    assert_eq!(status, 401, "{v}");
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/completions", server.url))
+        .bearer_auth("sesame")
+        .json(&json!({"prompt": "hi", "max_tokens": 2}))
+        .send()
+        .await
+        .expect("sends");
+    assert_eq!(r.status().as_u16(), 200);
+    let r = reqwest::Client::new()
+        .get(format!("{}/v1/models", server.url))
+        .bearer_auth("nope")
+        .send()
+        .await
+        .expect("sends");
+    assert_eq!(r.status().as_u16(), 401);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_health_and_metrics_answer() {
+    let server = start("tiny-llama", 1, 1, 0, None).await;
+    let (status, _) =
+        server.post("/v1/completions", json!({"prompt": "hi", "max_tokens": 3, "ignore_eos": true})).await;
+    assert_eq!(status, 200);
+    let get = |p: &str| reqwest::Client::new().get(format!("{}{p}", server.url)).send();
+    let models: Value = get("/v1/models").await.expect("sends").json().await.expect("json");
+    assert_eq!(models["data"][0]["id"], "tiny-llama");
+    assert_eq!(get("/health").await.expect("sends").status().as_u16(), 200);
+    let text = get("/metrics").await.expect("sends").text().await.expect("text");
+    for needle in [
+        "baton_time_to_first_token_seconds_count 1",
+        "baton_requests_total{outcome=\"ok\"} 1",
+        "baton_routing_decisions_total{route=\"disaggregated\"} 1",
+        "baton_kv_blocks{worker=\"prefill-0\",tier=\"device\",state=\"total\"} 256",
+    ] {
+        assert!(text.contains(needle), "metrics lack `{needle}`:\n{text}");
+    }
+}

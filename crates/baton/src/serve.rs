@@ -1,0 +1,126 @@
+//! `baton serve`: the all-in-one deployment — a conductor with its prefill and decode workers
+//! in one process, serving the OpenAI-compatible API.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use baton_engine::EngineConfig;
+use baton_kv::KvLayout;
+use baton_server::ServeConfig;
+
+/// File name `scripts/fetch-model.sh` stores the default model under.
+const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+
+/// Arguments of `baton serve`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ServeArgs {
+    /// Model: a Hugging Face checkpoint directory or a GGUF file. Default: Gemma 3 270M from
+    /// `$BATON_MODELS_DIR` or `./.models` (fetch it with `scripts/fetch-model.sh`).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The model id clients send (default: the file or directory name).
+    #[arg(long)]
+    model_id: Option<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Prefill workers.
+    #[arg(long, default_value_t = 1)]
+    prefill: usize,
+    /// Decode workers.
+    #[arg(long, default_value_t = 1)]
+    decode: usize,
+    /// Colocated workers instead (prefill and decode in one engine, as vLLM runs); with this
+    /// flag and no explicit --prefill/--decode, no disaggregated workers are started.
+    #[arg(long)]
+    colocated: Option<usize>,
+    /// Require clients to send `Authorization: Bearer <KEY>`.
+    #[arg(long, env = "BATON_API_KEY")]
+    api_key: Option<String>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// KV blocks per worker.
+    #[arg(long, default_value_t = 2048)]
+    num_blocks: usize,
+    /// Most sequences a worker runs at once.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// Most tokens a worker computes per step.
+    #[arg(long, default_value_t = 512)]
+    max_batch_tokens: usize,
+    /// Most prompt tokens of one sequence per step (chunked prefill).
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// KV layout: block-major or layer-major.
+    #[arg(long, default_value = "block-major")]
+    layout: KvLayout,
+    /// Seconds a prefill worker holds handed-off KV that no decode worker releases.
+    #[arg(long, default_value_t = 30)]
+    lease_s: u64,
+}
+
+fn default_model() -> PathBuf {
+    std::env::var_os("BATON_MODELS_DIR")
+        .map_or_else(|| PathBuf::from(".models"), PathBuf::from)
+        .join(DEFAULT_MODEL_FILE)
+}
+
+pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
+    let model = match a.model {
+        Some(m) => m,
+        None => {
+            let m = default_model();
+            if !m.exists() {
+                anyhow::bail!("the default model is not here ({}); fetch it with: scripts/fetch-model.sh", m.display());
+            }
+            m
+        }
+    };
+    let colocated_only =
+        a.colocated.is_some() && !std::env::args().any(|x| x.starts_with("--prefill") || x.starts_with("--decode"));
+    let (prefill, decode) = if colocated_only { (0, 0) } else { (a.prefill, a.decode) };
+    let config = ServeConfig {
+        model_id: a.model_id,
+        prefill,
+        decode,
+        colocated: a.colocated.unwrap_or(0),
+        engine: EngineConfig {
+            block_size: a.block_size,
+            num_blocks: a.num_blocks,
+            layout: a.layout,
+            max_num_seqs: a.max_num_seqs,
+            max_batch_tokens: a.max_batch_tokens,
+            prefill_chunk: a.prefill_chunk,
+            ..EngineConfig::default()
+        },
+        api_key: a.api_key,
+        lease: Duration::from_secs(a.lease_s),
+        ..ServeConfig::new(model.clone())
+    };
+    eprintln!("loading {} ...", model.display());
+    let conductor = baton_server::build(&config).with_context(|| format!("starting on {}", model.display()))?;
+    let addr = SocketAddr::new(a.host, a.port);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        eprintln!(
+            "baton serving {} on http://{} ({} prefill, {} decode, {} colocated workers); Ctrl-C stops",
+            model.display(),
+            listener.local_addr()?,
+            prefill,
+            decode,
+            config.colocated
+        );
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        baton_server::serve(listener, conductor, shutdown).await?;
+        Ok(())
+    })
+}
