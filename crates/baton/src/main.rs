@@ -4,6 +4,7 @@
 mod bench;
 mod generate;
 mod serve;
+mod sim;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +24,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Generate text for one prompt with a local engine and print it.
     Generate(generate::GenerateArgs),
+    /// Simulate a cluster on virtual time with the conductor's scheduling policies.
+    Sim(sim::SimArgs),
     /// Benchmarks (not tests): engine throughput and more.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -37,5 +40,6 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(args) => serve::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Sim(args) => sim::run(args),
     }
 }

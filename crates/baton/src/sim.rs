@@ -1,0 +1,236 @@
+//! `baton sim`: a whole cluster on virtual time, with the same scheduling policies the
+//! conductor uses (baton-sched), on a trace or a synthetic workload.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use baton_sched::{AdmissionKind, CostProfile, PolicyKind};
+use baton_sim::workload::Synthetic;
+use baton_sim::{Report, SimConfig, WorkloadSpec};
+
+/// Arguments of `baton sim`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct SimArgs {
+    /// Mooncake-format trace (JSON lines: timestamp, input_length, output_length, hash_ids).
+    #[arg(long, group = "workload")]
+    trace: Option<PathBuf>,
+    /// ShareGPT-format JSON file, replayed as Poisson arrivals at --rate.
+    #[arg(long, group = "workload")]
+    sharegpt: Option<PathBuf>,
+    /// Synthetic: this many Poisson requests at --rate, lengths from --input and --output.
+    #[arg(long, group = "workload")]
+    poisson: Option<usize>,
+    /// Synthetic: this many shared-prefix sessions of --turns turns at --rate.
+    #[arg(long, group = "workload")]
+    sessions: Option<usize>,
+    /// Turns per session.
+    #[arg(long, default_value_t = 4)]
+    turns: usize,
+    /// Arrival rate (requests or sessions per second).
+    #[arg(long, default_value_t = 1.0)]
+    rate: f64,
+    /// Prompt length range A:B (for sessions: system prompt A, turn B tokens).
+    #[arg(long, default_value = "1000:8000", value_parser = range)]
+    input: (u64, u64),
+    /// Output length range A:B.
+    #[arg(long, default_value = "16:256", value_parser = range)]
+    output: (u64, u64),
+    /// Replay the trace this many times faster.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Prefill instances.
+    #[arg(long)]
+    prefill: Option<usize>,
+    /// Decode instances.
+    #[arg(long)]
+    decode: Option<usize>,
+    /// Colocated instances.
+    #[arg(long)]
+    colocated: Option<usize>,
+    /// Policy: round-robin, random, least-load, session-affinity, prompt-tree, kv-centric, load-aware.
+    #[arg(long, default_value = "kv-centric")]
+    policy: PolicyKind,
+    /// Admission: none, baseline, early, predictive.
+    #[arg(long, default_value = "none")]
+    admission: AdmissionKind,
+    /// TTFT SLO in milliseconds.
+    #[arg(long)]
+    ttft_slo_ms: Option<u64>,
+    /// TBT SLO in milliseconds.
+    #[arg(long)]
+    tbt_slo_ms: Option<u64>,
+    /// Uniform decode time t_d of predictive rejection, in milliseconds.
+    #[arg(long)]
+    decode_time_ms: Option<u64>,
+    /// Mooncake's kvcache_balancing_threshold.
+    #[arg(long)]
+    threshold: Option<f64>,
+    /// KV blocks per instance on the device tier.
+    #[arg(long)]
+    device_blocks: Option<u64>,
+    /// Of those, blocks the prefix cache may keep.
+    #[arg(long)]
+    cache_blocks: Option<u64>,
+    /// Host DRAM blocks per instance.
+    #[arg(long)]
+    host_blocks: Option<u64>,
+    /// Largest decode batch.
+    #[arg(long)]
+    max_batch: Option<usize>,
+    /// Load-aware: how long an imbalance must last before a role changes, in milliseconds.
+    #[arg(long)]
+    persist_ms: Option<u64>,
+    /// Cost profile: a800, h100 (LLaMA-2-70B on 8 GPUs) or a JSON profile file.
+    #[arg(long, default_value = "a800")]
+    profile: String,
+    /// Seed of the scheduler and the generators.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print the whole report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Print one markdown table row (with SIM_ROW_HEADER set, the header first).
+    #[arg(long)]
+    row: bool,
+}
+
+fn range(s: &str) -> Result<(u64, u64), String> {
+    let (a, b) = s.split_once(':').ok_or("expected A:B")?;
+    Ok((a.parse().map_err(|e| format!("{e}"))?, b.parse().map_err(|e| format!("{e}"))?))
+}
+
+pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
+    let mut cfg = SimConfig { policy: a.policy, seed: a.seed, ..SimConfig::default() };
+    cfg.admission.kind = a.admission;
+    let set = |target: &mut usize, v: Option<usize>| {
+        if let Some(v) = v {
+            *target = v;
+        }
+    };
+    set(&mut cfg.cluster.prefill, a.prefill);
+    set(&mut cfg.cluster.decode, a.decode);
+    set(&mut cfg.cluster.colocated, a.colocated);
+    for (target, v) in [
+        (&mut cfg.cluster.device_blocks, a.device_blocks),
+        (&mut cfg.cluster.device_cache_blocks, a.cache_blocks),
+        (&mut cfg.cluster.host_blocks, a.host_blocks),
+    ] {
+        if let Some(v) = v {
+            *target = v;
+        }
+    }
+    set(&mut cfg.cluster.max_batch, a.max_batch);
+    if let Some(ms) = a.ttft_slo_ms {
+        cfg.admission.slo.ttft_us = ms * 1000;
+    }
+    if let Some(ms) = a.tbt_slo_ms {
+        cfg.admission.slo.tbt_us = ms * 1000;
+    }
+    if let Some(ms) = a.decode_time_ms {
+        cfg.admission.decode_time_us = ms * 1000;
+    }
+    if let Some(t) = a.threshold {
+        cfg.policy_config.kvcache_balancing_threshold = t;
+    }
+    if let Some(ms) = a.persist_ms {
+        cfg.policy_config.load_aware.persist_us = ms * 1000;
+    }
+    cfg.cost = match a.profile.as_str() {
+        "a800" => CostProfile::llama2_70b_8xa800(),
+        "h100" => CostProfile::llama2_70b_8xh100(),
+        path => CostProfile::from_json(&std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?)?,
+    };
+    cfg.workload = if let Some(path) = a.trace {
+        WorkloadSpec::MooncakeTrace { path, time_scale: a.time_scale }
+    } else if let Some(path) = a.sharegpt {
+        WorkloadSpec::ShareGpt { path, rate: a.rate }
+    } else if let Some(requests) = a.poisson {
+        WorkloadSpec::Synthetic(Synthetic::Poisson { requests, rate: a.rate, input: a.input, output: a.output })
+    } else if let Some(sessions) = a.sessions {
+        WorkloadSpec::Synthetic(Synthetic::SharedPrefix {
+            sessions,
+            turns: a.turns,
+            rate: a.rate,
+            system_tokens: a.input.0,
+            turn_tokens: a.input.1,
+            output: a.output.1,
+        })
+    } else {
+        bail!("give a workload: --trace PATH, --sharegpt PATH, --poisson N or --sessions N");
+    };
+    // The load-aware policy watches the same SLOs admission uses.
+    cfg.policy_config.load_aware.ttft_slo_us = cfg.admission.slo.ttft_us;
+    cfg.policy_config.load_aware.tbt_slo_us = cfg.admission.slo.tbt_us;
+    let t0 = Instant::now();
+    let report = baton_sim::run(&cfg)?;
+    let wall = t0.elapsed();
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else if a.row {
+        print_row(&report);
+    } else {
+        print_summary(&report);
+    }
+    eprintln!("simulated {} requests ({} events) in {:.2} s wall", report.requests, report.events, wall.as_secs_f64());
+    Ok(())
+}
+
+fn ms(us: u64) -> f64 {
+    us as f64 / 1000.0
+}
+
+fn print_summary(r: &Report) {
+    println!(
+        "policy={} admission={} instances(P,D,C)={:?} requests={} completed={} rejected_early={} rejected_after_prefill={}",
+        r.policy, r.admission, r.instances, r.requests, r.completed, r.rejected_early, r.rejected_after_prefill
+    );
+    println!(
+        "TTFT ms: mean {:.0} p50 {:.0} p90 {:.0} p99 {:.0} | TBT ms: mean {:.1} p90 {:.1} | JCT ms: mean {:.0} p90 {:.0}",
+        ms(r.ttft.mean),
+        ms(r.ttft.p50),
+        ms(r.ttft.p90),
+        ms(r.ttft.p99),
+        ms(r.tbt.mean),
+        ms(r.tbt.p90),
+        ms(r.jct.mean),
+        ms(r.jct.p90)
+    );
+    println!(
+        "SLO: ttft attainment {:.3}, both {:.3} ({} within SLO), goodput {:.2} req/s | wasted prefill {:.1} s ({} tokens) | cache hit {:.3}, transfers {} | role changes {}",
+        r.ttft_slo_attainment,
+        r.slo_attainment,
+        r.completed_within_slo,
+        r.goodput_rps,
+        r.wasted_prefill_us as f64 / 1e6,
+        r.wasted_prefill_tokens,
+        r.cache_hit_ratio,
+        r.cache_transfers,
+        r.role_changes.len()
+    );
+}
+
+/// Columns of `--row`.
+const ROW_HEADER: &str = "| policy | admission | completed | rejected early | rejected after prefill | TTFT mean s | TTFT p90 s | TTFT SLO att. | within both SLOs | wasted prefill s | JCT mean s | goodput req/s | role changes |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|";
+
+fn print_row(r: &Report) {
+    if std::env::var_os("SIM_ROW_HEADER").is_some() {
+        println!("{ROW_HEADER}");
+    }
+    println!(
+        "| {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.3} | {} | {:.1} | {:.2} | {:.2} | {} |",
+        r.policy,
+        r.admission,
+        r.completed,
+        r.rejected_early,
+        r.rejected_after_prefill,
+        r.ttft.mean as f64 / 1e6,
+        r.ttft.p90 as f64 / 1e6,
+        r.ttft_slo_attainment,
+        r.completed_within_slo,
+        r.wasted_prefill_us as f64 / 1e6,
+        r.jct.mean as f64 / 1e6,
+        r.goodput_rps,
+        r.role_changes.len()
+    );
+}
