@@ -553,6 +553,10 @@ impl MemPool {
     /// Frees slots in `tier` until `n` are free, evicting cold cached blocks.
     fn make_room(&mut self, tier: Tier, n: usize) -> Result<(), PoolError> {
         let t = &self.tiers[tier.index()];
+        if t.alloc.num_free() >= n {
+            return Ok(());
+        }
+        // Only when eviction is needed: the scan is O(blocks of the tier).
         let available = t.alloc.num_free() + self.reclaimable(tier);
         if available < n {
             return Err(PoolError::OutOfBlocks { tier, wanted: n, available });
