@@ -1,16 +1,18 @@
 //! `baton bench engine`: prefill and decode throughput of the engine on a random-weight model
-//! of realistic shape, next to the machine's memory bandwidth measured in the same run.
+//! of realistic shape (or a real checkpoint, `--model`), next to the machine's memory bandwidth
+//! measured in the same run.
 //!
 //! Decode at small batch is bound by reading the weights once per step, so the figure of merit
 //! is the weight bytes read per second as a fraction of the bandwidth a plain parallel read of
 //! memory achieves on the same machine, in the same run.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use baton_kv::KvLayout;
 use baton_model::config::{Architecture, ModelConfig, RopeConfig, RopeScaling, WeightDtype};
-use baton_model::{Model, RandomWeights};
+use baton_model::{Checkpoint, Model, RandomWeights};
 use serde::Serialize;
 
 use crate::{Engine, EngineConfig, EngineError, GenerationRequest, RequestId, StopParams};
@@ -39,6 +41,9 @@ pub struct EngineBenchConfig {
     /// KV layout.
     #[serde(skip)]
     pub layout: KvLayout,
+    /// A real checkpoint (HF directory or `.gguf` file) to run instead of random weights; the
+    /// shape fields above are then ignored.
+    pub model: Option<PathBuf>,
 }
 
 impl Default for EngineBenchConfig {
@@ -54,6 +59,7 @@ impl Default for EngineBenchConfig {
             decode_steps: 32,
             batches: vec![1, 16],
             layout: KvLayout::BlockMajor,
+            model: None,
         }
     }
 }
@@ -83,6 +89,23 @@ impl EngineBenchConfig {
             ..ModelConfig::plain_decoder(self.layers, rope)
         }
     }
+}
+
+/// What was benchmarked.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelSummary {
+    /// `Llama`, `Qwen2`, `Gemma3`.
+    pub architecture: String,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Width of the residual stream.
+    pub hidden: usize,
+    /// Query heads / KV heads.
+    pub heads: (usize, usize),
+    /// Vocabulary.
+    pub vocab: usize,
+    /// Where the weights came from: a path, or `random`.
+    pub source: String,
 }
 
 /// Bandwidth of this machine, measured with all threads.
@@ -118,6 +141,8 @@ pub struct BatchResult {
 pub struct EngineBenchReport {
     /// The workload.
     pub config: EngineBenchConfig,
+    /// The model's architecture and shape as loaded.
+    pub model: ModelSummary,
     /// Parameters of the model.
     pub params: usize,
     /// Bytes of weights one forward step reads.
@@ -160,11 +185,31 @@ pub fn measure_memory_bandwidth() -> MemoryBandwidth {
 pub fn run(config: EngineBenchConfig, progress: &mut dyn FnMut(&str)) -> Result<EngineBenchReport, EngineError> {
     progress("measuring memory bandwidth");
     let memory = measure_memory_bandwidth();
-    progress("building the random-weight model");
-    let mc = config.model_config();
-    let model = Arc::new(Model::load(&mc, &RandomWeights { seed: 7, std: 0.02 })?);
+    let (model, source) = match &config.model {
+        Some(path) => {
+            progress(&format!("loading {}", path.display()));
+            (Arc::new(Checkpoint::open(path)?.model), path.display().to_string())
+        }
+        None => {
+            progress("building the random-weight model");
+            (Arc::new(Model::load(&config.model_config(), &RandomWeights { seed: 7, std: 0.02 })?), "random".into())
+        }
+    };
+    let mc = model.config().clone();
+    let summary = ModelSummary {
+        architecture: format!("{:?}", mc.architecture),
+        layers: mc.num_layers,
+        hidden: mc.hidden_size,
+        heads: (mc.num_heads, mc.num_kv_heads),
+        vocab: mc.vocab_size,
+        source,
+    };
+    // Parameters of the matrices (the embedding counted once, tied or not) and the norms aside.
+    let per_layer = mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+        + mc.num_heads * mc.head_dim * mc.hidden_size
+        + 3 * mc.hidden_size * mc.intermediate_size;
     let params =
-        model.weight_bytes_per_step() / 4 + mc.vocab_size * mc.hidden_size * usize::from(!mc.tie_word_embeddings);
+        mc.num_layers * per_layer + mc.vocab_size * mc.hidden_size * (1 + usize::from(!mc.tie_word_embeddings));
     let weight_bytes = model.weight_bytes_per_step();
     let mut results = Vec::new();
     for &batch in &config.batches {
@@ -178,7 +223,15 @@ pub fn run(config: EngineBenchConfig, progress: &mut dyn FnMut(&str)) -> Result<
         (Some(a), Some(b)) if results.len() > 1 && a.batch == 1 => Some(b.decode_tokens_per_s / a.decode_tokens_per_s),
         _ => None,
     };
-    Ok(EngineBenchReport { config, params, weight_bytes_per_step: weight_bytes, memory, results, batch_speedup })
+    Ok(EngineBenchReport {
+        config,
+        model: summary,
+        params,
+        weight_bytes_per_step: weight_bytes,
+        memory,
+        results,
+        batch_speedup,
+    })
 }
 
 fn run_batch(
@@ -202,7 +255,8 @@ fn run_batch(
     };
     let mut engine = Engine::new(model.clone(), None, engine_config)?;
     for i in 0..batch {
-        let prompt = (0..config.prompt_len).map(|t| ((t * 31 + i * 17) % config.vocab) as u32).collect();
+        let vocab = model.config().vocab_size;
+        let prompt = (0..config.prompt_len).map(|t| ((t * 31 + i * 17 + 1000) % vocab) as u32).collect();
         engine.add_request(GenerationRequest {
             // Early sequences decode while later ones prefill: leave room so none finishes
             // before the timed decode steps are over.

@@ -15,8 +15,6 @@ use candle_core::{Device, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
-use crate::kernels::dot;
-
 /// A block format this module decodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum BlockFormat {
@@ -59,7 +57,7 @@ impl BlockFormat {
     }
 
     /// Decodes one block `b` into `y` (`block_len` values).
-    #[inline]
+    #[inline(always)]
     fn decode(self, b: &[u8], y: &mut [f32]) {
         let half = |i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
         match self {
@@ -79,13 +77,14 @@ impl BlockFormat {
             }
             Self::Q5_0 => {
                 let d = half(0);
-                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                let qh = &b[2..6];
                 let qs = &b[6..22];
+                // Bit `j` of the little-endian `qh` is the fifth bit of value `j`.
+                let high = |j: usize| i32::from((qh[j / 8] >> (j % 8)) & 1) << 4;
+                let (lo, hi) = y[..32].split_at_mut(16);
                 for j in 0..16 {
-                    let h0 = ((qh >> j) << 4) & 0x10;
-                    let h1 = (qh >> (j + 12)) & 0x10;
-                    y[j] = d * ((u32::from(qs[j] & 0x0f) | h0) as i32 - 16) as f32;
-                    y[j + 16] = d * ((u32::from(qs[j] >> 4) | h1) as i32 - 16) as f32;
+                    lo[j] = d * ((i32::from(qs[j] & 0x0f) | high(j)) - 16) as f32;
+                    hi[j] = d * ((i32::from(qs[j] >> 4) | high(j + 16)) - 16) as f32;
                 }
             }
             Self::Q4K => {
@@ -191,6 +190,7 @@ impl QuantMatrix {
     }
 
     /// Decodes row `r` into `out` (`cols` values).
+    #[inline(always)]
     fn decode_row(&self, r: usize, out: &mut [f32]) {
         let (n, bb) = (self.format.block_len(), self.format.block_bytes());
         let row = &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes];
@@ -221,12 +221,7 @@ impl QuantMatrix {
         let mut yt = vec![0f32; n * m];
         yt.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(task, out)| {
             let mut w = vec![0f32; k];
-            for (i, out) in out.chunks_exact_mut(m).enumerate() {
-                self.decode_row(task * ROWS_PER_TASK + i, &mut w);
-                for (o, xr) in out.iter_mut().zip(x.chunks_exact(k)) {
-                    *o = dot(&w, xr);
-                }
-            }
+            dot_rows_dispatch(self, task * ROWS_PER_TASK, x, m, out, &mut w);
         });
         if m == 1 {
             return yt;
@@ -263,9 +258,58 @@ impl QuantMatrix {
     }
 }
 
+/// Decodes weight rows `first..` (as many as `out` has room for, `m` outputs each) and dots
+/// each with every row of `x`, into `out` (`[rows][m]`).
+#[inline(always)]
+fn dot_rows(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [f32], row: &mut [f32]) {
+    for (i, out) in out.chunks_exact_mut(m).enumerate() {
+        w.decode_row(first + i, row);
+        for (o, xr) in out.iter_mut().zip(x.chunks_exact(w.cols)) {
+            *o = dot32(row, xr);
+        }
+    }
+}
+
+/// Dot product with 32 independent accumulators (four AVX registers), so the adds do not wait
+/// on each other; the lengths are whole blocks (multiples of 32).
+#[inline(always)]
+fn dot32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 32];
+    for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
+        for i in 0..32 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum()
+}
+
+/// [`dot_rows`] compiled for AVX2 (the crate is built for the x86-64 baseline, SSE2).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_rows_avx2(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [f32], row: &mut [f32]) {
+    dot_rows(w, first, x, m, out, row);
+}
+
+fn dot_rows_dispatch(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [f32], row: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c")
+    {
+        #[allow(unsafe_code)]
+        // SAFETY: the CPU has AVX2, FMA and F16C, checked just above.
+        unsafe {
+            dot_rows_avx2(w, first, x, m, out, row);
+        }
+        return;
+    }
+    dot_rows(w, first, x, m, out, row);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::dot;
     use candle_core::quantized::QTensor;
 
     fn check(dtype: GgmlDType) {

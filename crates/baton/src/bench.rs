@@ -45,6 +45,10 @@ pub(crate) struct EngineArgs {
     /// KV layout.
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
+    /// Run a real model (HF directory or `.gguf` file) instead of random weights; the shape
+    /// options are then ignored. Batch sizes default to 1.
+    #[arg(long)]
+    model: Option<std::path::PathBuf>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -53,6 +57,12 @@ pub(crate) struct EngineArgs {
 pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Engine(a) => engine(a),
+    }
+}
+
+impl EngineArgs {
+    fn batches_default(&self) -> bool {
+        self.batches == [1, 16]
     }
 }
 
@@ -66,8 +76,9 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
         vocab: a.vocab,
         prompt_len: a.prompt_len,
         decode_steps: a.decode_steps,
-        batches: a.batches,
+        batches: if a.model.is_some() && a.batches_default() { vec![1] } else { a.batches.clone() },
         layout: a.layout,
+        model: a.model.clone(),
     };
     let report = bench::run(config, &mut |msg| eprintln!("[bench engine] {msg}"))?;
     if a.json {
@@ -75,12 +86,15 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let m = &report.memory;
+    let s = &report.model;
     println!(
-        "model: {} layers, hidden {}, heads {}/{}, {:.0}M params, {:.0} MB of f32 weights read per step",
-        report.config.layers,
-        report.config.hidden,
-        report.config.heads,
-        report.config.kv_heads,
+        "model: {} ({}), {} layers, hidden {}, heads {}/{}, {:.0}M params, {:.0} MB of weights read per step",
+        s.architecture,
+        s.source,
+        s.layers,
+        s.hidden,
+        s.heads.0,
+        s.heads.1,
         report.params as f64 / 1e6,
         report.weight_bytes_per_step as f64 / 1e6
     );

@@ -1,7 +1,7 @@
 //! `baton generate`: one prompt through a local engine.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,9 +14,11 @@ use serde::Serialize;
 /// Arguments of `baton generate`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct GenerateArgs {
-    /// Checkpoint directory (Hugging Face layout: config.json, model.safetensors, tokenizer.json).
+    /// A checkpoint directory (Hugging Face layout: config.json, model.safetensors,
+    /// tokenizer.json) or a `.gguf` file. Default: Gemma 3 270M from `$BATON_MODELS_DIR` or
+    /// `.models` (fetch it with `scripts/fetch-model.sh`).
     #[arg(long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// The prompt text.
     #[arg(long)]
     prompt: String,
@@ -67,8 +69,34 @@ struct GenerateReport {
     total_s: f64,
 }
 
+/// The model to load: `arg` when given, else the default model where
+/// [`baton_model::default_model_path`] puts it (under the working directory, then under the
+/// source tree this binary was built from). The error is one line saying how to fetch it.
+pub(crate) fn model_path(arg: Option<&Path>) -> anyhow::Result<PathBuf> {
+    if let Some(path) = arg {
+        return Ok(path.to_owned());
+    }
+    let here = baton_model::default_model_path(Path::new("."));
+    let built_from = baton_model::default_model_path(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
+    match [&here, &built_from].into_iter().find(|p| p.is_file()) {
+        Some(p) => Ok(p.clone()),
+        None => anyhow::bail!(
+            "no model given and the default model ({}) is missing: run `scripts/fetch-model.sh`, or pass --model",
+            here.display()
+        ),
+    }
+}
+
 pub(crate) fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    let ckpt = Checkpoint::open(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
+    let path = match model_path(args.model.as_deref()) {
+        Ok(p) => p,
+        Err(e) => {
+            // One line, no backtrace: this is the user's next step, not a bug.
+            eprintln!("baton: {e}");
+            std::process::exit(2);
+        }
+    };
+    let ckpt = Checkpoint::open(&path).with_context(|| format!("loading {}", path.display()))?;
     let prompt = if args.chat {
         ckpt.encode_chat(&[ChatMessage::new("user", args.prompt.clone())])?.1
     } else {

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Baton against llama.cpp on the same GGUF file and the same threads: prompt processing of a
+# 512-token prompt (pp512, tokens/s) and generation at batch 1 (tg, tokens/s).
+#
+# llama.cpp comes from PyPI: llama-cpp-python builds it from source into a virtual environment
+# under .bench/ (git-ignored) on the first run, which takes a while on 2 cores; later runs reuse
+# it. Baton runs `baton bench engine --model ... --json` from a release build.
+#
+# Usage: scripts/bench-vs-llamacpp.sh [MODEL.gguf]
+# Environment:
+#   THREADS        threads for both (default: all cores, as `nproc` says)
+#   TG_TOKENS      tokens generated for tg (default: 64)
+#   BATON_MODELS_DIR  where the default model is (default: <repo>/.models)
+#   BATON_BIN      a baton binary to use instead of building target/release/baton
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+model="${1:-${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf}"
+threads="${THREADS:-$(nproc)}"
+tg_tokens="${TG_TOKENS:-64}"
+venv="$repo_root/.bench/venv"
+llama_cpp_python_version="0.3.36"
+
+info() { echo "bench-vs-llamacpp: $*" >&2; }
+die() { echo "bench-vs-llamacpp: error: $*" >&2; exit 1; }
+
+[[ -f "$model" ]] || die "$model is missing: run scripts/fetch-model.sh"
+
+if ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
+  info "building llama-cpp-python $llama_cpp_python_version (compiles llama.cpp; several minutes on 2 cores)"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --upgrade pip
+  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" CMAKE_ARGS="-DGGML_NATIVE=ON" \
+    "$venv/bin/pip" install --progress-bar on --verbose "llama-cpp-python==$llama_cpp_python_version" 2>&1 |
+    grep --line-buffered -E '^\s*\[ *[0-9]+%\]|Successfully|error' >&2 || true
+  "$venv/bin/python" -c "import llama_cpp" || die "llama-cpp-python did not install"
+fi
+
+info "llama.cpp: pp512 and tg$tg_tokens with $threads threads"
+llama_json="$("$venv/bin/python" - "$model" "$threads" "$tg_tokens" <<'EOF'
+import json, sys, time
+import llama_cpp
+
+model, threads, tg = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = llama_cpp.Llama(model_path=model, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
+                      n_threads_batch=threads, verbose=False)
+prompt = [(t * 31 + 1000) % llm.n_vocab() for t in range(512)]
+
+def pp():
+    llm.reset()  # the next eval drops the KV cells past position 0
+    t = time.perf_counter()
+    llm.eval(prompt)
+    return 512 / (time.perf_counter() - t)
+
+def tgen():
+    llm.reset()  # the next eval drops the KV cells past position 0
+    llm.eval(prompt[:1])
+    t = time.perf_counter()
+    tok = prompt[1]
+    for _ in range(tg):
+        llm.eval([tok])
+        tok = (tok * 7 + 3) % llm.n_vocab()
+    return tg / (time.perf_counter() - t)
+
+pp()  # warm-up
+print(json.dumps({"pp512": max(pp() for _ in range(3)), "tg": max(tgen() for _ in range(2))}))
+EOF
+)"
+
+baton_bin="${BATON_BIN:-}"
+if [[ -z "$baton_bin" ]]; then
+  info "baton: building (release)"
+  (cd "$repo_root" && cargo build --release -q -p baton)
+  baton_bin="$repo_root/target/release/baton"
+fi
+info "baton: bench engine with $threads threads"
+baton_json="$(RAYON_NUM_THREADS="$threads" "$baton_bin" bench engine \
+  --model "$model" --prompt-len 512 --decode-steps "$tg_tokens" --batches 1 --json)"
+
+python3 - "$llama_json" "$baton_json" "$threads" <<'EOF'
+import json, sys
+llama, baton, threads = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+r = baton["results"][0]
+rows = [("pp512 (tokens/s)", r["prefill_tokens_per_s"], llama["pp512"], 0.8),
+        ("tg (tokens/s)", r["decode_tokens_per_s"], llama["tg"], 1.0)]
+print(f"same GGUF, {threads} threads")
+print(f"{'':18} {'baton':>10} {'llama.cpp':>10} {'ratio':>7} {'target':>7}")
+for name, b, l, target in rows:
+    print(f"{name:18} {b:10.1f} {l:10.1f} {b / l:6.2f}x {target:6.1f}x")
+EOF
