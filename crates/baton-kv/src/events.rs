@@ -7,6 +7,8 @@
 //! resynchronise rather than drift.
 
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::sync::Arc;
 
 use crate::{BlockHash, InstanceId, Tier};
 
@@ -21,6 +23,67 @@ pub struct KvEvent {
     pub kind: KvEventKind,
 }
 
+/// The tokens of one block: a window of a buffer that the blocks of one insert share, so an
+/// event costs no allocation of its own. Dereferences to `[u32]`; compares as that slice.
+#[derive(Clone, Default)]
+pub struct BlockTokens {
+    buf: Arc<[u32]>,
+    start: usize,
+    end: usize,
+}
+
+impl BlockTokens {
+    /// The tokens `buf[range]`.
+    ///
+    /// # Panics
+    ///
+    /// If `range` is out of `buf`'s bounds.
+    pub fn new(buf: Arc<[u32]>, range: Range<usize>) -> Self {
+        assert!(range.start <= range.end && range.end <= buf.len(), "token range out of bounds");
+        Self { buf, start: range.start, end: range.end }
+    }
+
+    /// The tokens.
+    pub fn as_slice(&self) -> &[u32] {
+        &self.buf[self.start..self.end]
+    }
+}
+
+impl std::ops::Deref for BlockTokens {
+    type Target = [u32];
+
+    fn deref(&self) -> &[u32] {
+        self.as_slice()
+    }
+}
+
+impl From<Vec<u32>> for BlockTokens {
+    fn from(tokens: Vec<u32>) -> Self {
+        let end = tokens.len();
+        Self { buf: tokens.into(), start: 0, end }
+    }
+}
+
+impl From<&[u32]> for BlockTokens {
+    fn from(tokens: &[u32]) -> Self {
+        Self { buf: tokens.into(), start: 0, end: tokens.len() }
+    }
+}
+
+impl PartialEq for BlockTokens {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for BlockTokens {}
+
+impl std::fmt::Debug for BlockTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
 /// What changed in an index.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEventKind {
@@ -31,7 +94,7 @@ pub enum KvEventKind {
         /// The previous block's hash (`None` for a prompt's first block).
         parent: Option<BlockHash>,
         /// Its tokens.
-        tokens: Vec<u32>,
+        tokens: BlockTokens,
         /// Where it lives.
         tier: Tier,
     },

@@ -75,7 +75,7 @@ mod tier;
 pub use allocator::{AllocatorError, BlockAllocator};
 pub use arena::{ArenaHandle, KvArena, MappedArena};
 pub use block_table::BlockTable;
-pub use events::{EventError, IndexEntry, KvEvent, KvEventKind, RemoteIndex};
+pub use events::{BlockTokens, EventError, IndexEntry, KvEvent, KvEventKind, RemoteIndex};
 pub use geometry::{Dim, KvDtype, KvGeometry, KvLayout, KvPart, TensorDescriptor};
 pub use hash::{BlockHash, HASH_SEED, block_hash, prefix_hashes};
 pub use index::{NodeInfo, PrefixIndex};

@@ -18,9 +18,10 @@
 //! to the calls that record use.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
-use crate::events::{IndexEntry, KvEvent, KvEventKind};
-use crate::index::PrefixIndex;
+use crate::events::{BlockTokens, IndexEntry, KvEvent, KvEventKind};
+use crate::index::{HashStream, Lookup, PrefixIndex};
 use crate::{
     AllocatorError, BlockHash, BlockId, DiskStore, EvictionPolicy, InstanceId, KvAddr, KvArena, KvDtype, KvGeometry,
     KvLayout, Loc, NodeId, PolicyKind, SegmentAllocator, Tier, block_hash,
@@ -28,6 +29,8 @@ use crate::{
 
 const NO_OWNER: u32 = u32::MAX;
 const SWAP_OWNER: u32 = u32::MAX - 1;
+/// How many blocks ahead [`MemPool::insert`] prefetches the node slot it will reuse.
+const REUSE_AHEAD: usize = 4;
 
 /// How to build a [`MemPool`].
 #[derive(Debug, Clone)]
@@ -687,11 +690,17 @@ impl MemPool {
         let mut parent: Option<NodeId> = None;
         let mut parent_hash: Option<BlockHash> = None;
         let mut added = 0;
+        let mut hashes = HashStream::new(&tokens[..full * bs], bs);
+        // Grow the event list once, not by doubling as blocks are added.
+        self.events.reserve(full);
+        // The tokens of this call's `Stored` events, copied once and shared by all of them.
+        let mut shared: Option<Arc<[u32]>> = None;
         for (i, &b) in blocks[..full].iter().enumerate() {
+            let hash = hashes.next(&self.index).expect("one hash per full block");
+            self.index.prefetch_reuse(REUSE_AHEAD);
             let toks = &tokens[i * bs..(i + 1) * bs];
-            let hash = block_hash(parent_hash, toks);
-            let n = match self.index.find(parent, hash, toks) {
-                Some(n) => {
+            let n = match self.index.lookup(parent, hash, toks) {
+                Lookup::Hit(n) => {
                     let node = &self.index.nodes[n.index()];
                     if node.loc.tier != Tier::Device {
                         let promotable = !node.in_flight
@@ -706,12 +715,14 @@ impl MemPool {
                     self.tiers[0].policy.touch(n, now);
                     n
                 }
-                None => {
-                    if self.owner(Self::dev(b)) != NO_OWNER || self.index.get(hash).is_some() {
-                        // The block is cached under another prefix, or the hash collides.
+                // The hash collides with another block's.
+                Lookup::Collision => break,
+                Lookup::Miss(vacant) => {
+                    if self.owner(Self::dev(b)) != NO_OWNER {
+                        // The block is cached under another prefix.
                         break;
                     }
-                    let n = self.index.add(parent, hash, toks, Self::dev(b));
+                    let n = self.index.add_at(vacant, parent, hash, toks, Self::dev(b));
                     self.tiers[0].owner[b.index()] = n.0;
                     self.tiers[0].policy.insert(n, now);
                     self.refresh(n);
@@ -719,12 +730,9 @@ impl MemPool {
                         self.index.nodes[p.index()].same_tier_children += 1;
                         self.refresh(p);
                     }
-                    self.emit(KvEventKind::Stored {
-                        hash,
-                        parent: parent_hash,
-                        tokens: toks.to_vec(),
-                        tier: Tier::Device,
-                    });
+                    let buf = shared.get_or_insert_with(|| Arc::from(&tokens[..full * bs]));
+                    let tokens = BlockTokens::new(Arc::clone(buf), i * bs..(i + 1) * bs);
+                    self.emit(KvEventKind::Stored { hash, parent: parent_hash, tokens, tier: Tier::Device });
                     added += 1;
                     n
                 }
@@ -766,13 +774,12 @@ impl MemPool {
         let bs = self.geometry.block_size;
         let mut path = Vec::new();
         let mut parent = None;
-        let mut parent_hash = None;
+        let mut hashes = HashStream::new(tokens, bs);
         for toks in tokens.chunks_exact(bs) {
-            let hash = block_hash(parent_hash, toks);
+            let hash = hashes.next(&self.index).expect("one hash per full block");
             let Some(n) = self.index.find(parent, hash, toks) else { break };
             path.push(n);
             parent = Some(n);
-            parent_hash = Some(hash);
         }
         path
     }

@@ -174,7 +174,7 @@ mod tests {
     }
 
     fn stored(h: u64) -> KvEventKind {
-        KvEventKind::Stored { hash: BlockHash(h), parent: None, tokens: Vec::new(), tier: Tier::Device }
+        KvEventKind::Stored { hash: BlockHash(h), parent: None, tokens: Default::default(), tier: Tier::Device }
     }
 
     #[test]
