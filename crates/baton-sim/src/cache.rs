@@ -100,7 +100,12 @@ impl BlockCache {
                 if self.host.remove(&h) {
                     self.events.push(KvEventKind::Moved { hash: h, tier: Tier::Device });
                 } else {
-                    self.events.push(KvEventKind::Stored { hash: h, parent, tokens: Default::default(), tier: Tier::Device });
+                    self.events.push(KvEventKind::Stored {
+                        hash: h,
+                        parent,
+                        tokens: Default::default(),
+                        tier: Tier::Device,
+                    });
                 }
                 self.device.touch(h, self.clock);
                 self.evict();
