@@ -45,6 +45,44 @@ struct HashTable {
     len: usize,
 }
 
+/// The index's token ids, block after block: a growable array in an anonymous mapping advised
+/// to use huge pages, like [`HashTable`] (a new block's tokens land on a random page).
+#[derive(Debug)]
+struct TokenStore {
+    map: memmap2::MmapMut,
+    len: usize,
+}
+
+impl TokenStore {
+    fn with_capacity(n: usize) -> Self {
+        let map = memmap2::MmapMut::map_anon(n.max(1024) * 4).expect("memory for the index's tokens");
+        #[cfg(target_os = "linux")]
+        let _ = map.advise(memmap2::Advice::HugePage);
+        Self { map, len: 0 }
+    }
+
+    fn as_slice(&self) -> &[u32] {
+        &bytemuck::cast_slice(&self.map)[..self.len]
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u32] {
+        &mut bytemuck::cast_slice_mut(&mut self.map)[..self.len]
+    }
+
+    fn extend_from_slice(&mut self, tokens: &[u32]) {
+        let cap = self.map.len() / 4;
+        if self.len + tokens.len() > cap {
+            let mut bigger = Self::with_capacity((self.len + tokens.len()).max(2 * cap));
+            bigger.len = self.len;
+            bigger.as_mut_slice().copy_from_slice(self.as_slice());
+            *self = bigger;
+        }
+        let at = self.len;
+        self.len += tokens.len();
+        self.as_mut_slice()[at..].copy_from_slice(tokens);
+    }
+}
+
 /// Where a probe ended: at the key's slot, or at the empty slot where the key would go.
 enum Probe {
     Found(u32),
@@ -261,7 +299,7 @@ pub(crate) enum Lookup {
 pub struct PrefixIndex {
     block_size: usize,
     pub(crate) nodes: Vec<Node>,
-    tokens: Vec<u32>,
+    tokens: TokenStore,
     free_nodes: Vec<u32>,
     by_hash: HashTable,
 }
@@ -277,7 +315,7 @@ impl PrefixIndex {
         Self {
             block_size,
             nodes: Vec::with_capacity(nodes),
-            tokens: Vec::with_capacity(nodes * block_size),
+            tokens: TokenStore::with_capacity(nodes * block_size),
             free_nodes: Vec::new(),
             by_hash: HashTable::with_capacity(nodes),
         }
@@ -315,7 +353,7 @@ impl PrefixIndex {
     pub(crate) fn prefetch_reuse(&self, k: usize) {
         if let Some(&n) = self.free_nodes.len().checked_sub(k + 1).and_then(|i| self.free_nodes.get(i)) {
             prefetch(&self.nodes[n as usize]);
-            prefetch(&self.tokens[n as usize * self.block_size]);
+            prefetch(&self.tokens.as_slice()[n as usize * self.block_size]);
         }
     }
 
@@ -348,7 +386,7 @@ impl PrefixIndex {
 
     fn tokens_of(&self, n: u32) -> &[u32] {
         let s = n as usize * self.block_size;
-        &self.tokens[s..s + self.block_size]
+        &self.tokens.as_slice()[s..s + self.block_size]
     }
 
     /// What the index records about a live node.
@@ -434,7 +472,7 @@ impl PrefixIndex {
                 node.generation = self.nodes[n as usize].generation;
                 self.nodes[n as usize] = node;
                 let s = n as usize * self.block_size;
-                self.tokens[s..s + self.block_size].copy_from_slice(tokens);
+                self.tokens.as_mut_slice()[s..s + self.block_size].copy_from_slice(tokens);
                 n
             }
             None => {
@@ -481,6 +519,20 @@ impl PrefixIndex {
 #[cfg(test)]
 mod table_tests {
     use super::*;
+
+    #[test]
+    fn token_store_grows_keeping_its_tokens() {
+        let mut t = TokenStore::with_capacity(0);
+        let mut v = Vec::new();
+        for i in 0..3000u32 {
+            let block = [i, i + 1, i + 2];
+            t.extend_from_slice(&block);
+            v.extend_from_slice(&block);
+        }
+        assert_eq!(t.as_slice(), &v[..]);
+        t.as_mut_slice()[5] = 7;
+        assert_eq!(t.as_slice()[5], 7);
+    }
 
     #[test]
     fn hash_table_agrees_with_a_hash_map_through_inserts_removes_and_growth() {
