@@ -10,6 +10,9 @@ pub(crate) enum BenchCommand {
     /// Prefill and decode tokens/s of the engine on a random-weight model of realistic shape,
     /// against the machine's memory bandwidth.
     Engine(EngineArgs),
+    /// KV transfer between two processes (naive per-block messages vs coalesced pull over TCP
+    /// and shared memory, both layouts) against memcpy and loopback TCP measured in the same run.
+    Transfer(crate::bench_transfer::TransferArgs),
 }
 
 /// Arguments of `baton bench engine`.
@@ -57,6 +60,7 @@ pub(crate) struct EngineArgs {
 pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Engine(a) => engine(a),
+        BenchCommand::Transfer(a) => crate::bench_transfer::transfer(a),
     }
 }
 

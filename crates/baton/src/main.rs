@@ -2,6 +2,7 @@
 //! library crates; no logic of its own lives here.
 
 mod bench;
+mod bench_transfer;
 mod generate;
 mod serve;
 mod sim;
@@ -32,6 +33,10 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    // `baton bench transfer` re-runs this binary as its prefill-side process.
+    if baton_transfer::bench::serve_if_child() {
+        return Ok(());
+    }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
