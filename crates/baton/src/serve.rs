@@ -10,9 +10,6 @@ use baton_engine::EngineConfig;
 use baton_kv::KvLayout;
 use baton_server::ServeConfig;
 
-/// File name `scripts/fetch-model.sh` stores the default model under.
-const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
-
 /// Arguments of `baton serve`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct ServeArgs {
@@ -65,23 +62,8 @@ pub(crate) struct ServeArgs {
     lease_s: u64,
 }
 
-fn default_model() -> PathBuf {
-    std::env::var_os("BATON_MODELS_DIR")
-        .map_or_else(|| PathBuf::from(".models"), PathBuf::from)
-        .join(DEFAULT_MODEL_FILE)
-}
-
 pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
-    let model = match a.model {
-        Some(m) => m,
-        None => {
-            let m = default_model();
-            if !m.exists() {
-                anyhow::bail!("the default model is not here ({}); fetch it with: scripts/fetch-model.sh", m.display());
-            }
-            m
-        }
-    };
+    let model = crate::generate::model_path(a.model.as_deref())?;
     let colocated_only =
         a.colocated.is_some() && !std::env::args().any(|x| x.starts_with("--prefill") || x.starts_with("--decode"));
     let (prefill, decode) = if colocated_only { (0, 0) } else { (a.prefill, a.decode) };
