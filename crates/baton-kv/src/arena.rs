@@ -145,25 +145,36 @@ impl KvArena {
     /// layout but must have the same geometry. Used to move a sequence's KV between arenas.
     pub fn copy_blocks_from(&mut self, other: &KvArena, src: &[BlockId], dst: &[BlockId]) {
         assert_eq!(self.geometry, other.geometry, "copy between arenas of different geometry");
+        self.copy_blocks_from_slice(&other.descriptor, other.as_slice(), src, dst);
+    }
+
+    /// Copies `src` blocks of a region described by `src_desc` (another arena, possibly mapped
+    /// from another process, with this arena's geometry in any layout) onto `dst` blocks here.
+    pub fn copy_blocks_from_slice(
+        &mut self,
+        src_desc: &TensorDescriptor,
+        from_all: &[f32],
+        src: &[BlockId],
+        dst: &[BlockId],
+    ) {
         assert_eq!(src.len(), dst.len(), "copy needs as many destination blocks as sources");
-        let same_layout = self.descriptor.dims == other.descriptor.dims;
-        let from_all = other.as_slice();
+        let same_layout = self.descriptor.dims == src_desc.dims;
         let geometry = self.geometry;
         let n = geometry.slab_elems();
         let descriptor = self.descriptor.clone();
         let to_all = self.as_mut_slice();
         for (&s, &d) in src.iter().zip(dst) {
-            if same_layout && other.descriptor.dims[0] == crate::Dim::Block {
+            if same_layout && src_desc.dims[0] == crate::Dim::Block {
                 // Block-major on both sides: one copy per block.
                 let len = geometry.block_elems();
-                let from = other.descriptor.offset(0, KvPart::Key, s.index(), 0, 0);
+                let from = src_desc.offset(0, KvPart::Key, s.index(), 0, 0);
                 let to = descriptor.offset(0, KvPart::Key, d.index(), 0, 0);
                 to_all[to..to + len].copy_from_slice(&from_all[from..from + len]);
                 continue;
             }
             for layer in 0..geometry.layers {
                 for part in [KvPart::Key, KvPart::Value] {
-                    let from = other.descriptor.offset(layer, part, s.index(), 0, 0);
+                    let from = src_desc.offset(layer, part, s.index(), 0, 0);
                     let to = descriptor.offset(layer, part, d.index(), 0, 0);
                     to_all[to..to + n].copy_from_slice(&from_all[from..from + n]);
                 }

@@ -157,7 +157,12 @@ pub struct TensorDescriptor {
 impl TensorDescriptor {
     /// The descriptor of a dense tensor of `num_blocks` blocks in `layout`.
     pub fn new(geometry: &KvGeometry, layout: KvLayout, num_blocks: usize) -> Self {
-        let dims = layout.dims();
+        Self::dense(geometry, layout.dims(), num_blocks)
+    }
+
+    /// The descriptor of a dense tensor of `num_blocks` blocks with dimensions in any order
+    /// (`dims` must be a permutation of the six), outermost first.
+    pub fn dense(geometry: &KvGeometry, dims: [Dim; 6], num_blocks: usize) -> Self {
         let extent = |d: Dim| match d {
             Dim::Layer => geometry.layers,
             Dim::Kv => 2,

@@ -266,7 +266,7 @@ impl Run {
                     self.send(Piece::Text(text))?;
                 }
                 RequestEvent::Finished { reason, prompt_tokens, kv, .. } => break (reason, prompt_tokens, kv),
-                RequestEvent::Failed(m) => return Err(worker_failure(m)),
+                RequestEvent::Failed(e) => return Err(RunError::Api(e)),
             }
         };
         let done_at_prefill = reason != FinishReason::Length || self.valid.stop.max_tokens == 1;
@@ -316,7 +316,7 @@ impl Run {
                 RequestEvent::Finished { reason, prompt_tokens, completion_tokens, .. } => {
                     return self.finish(reason, prompt_tokens, completion_tokens);
                 }
-                RequestEvent::Failed(m) => return Err(worker_failure(m)),
+                RequestEvent::Failed(e) => return Err(RunError::Api(e)),
             }
         }
     }
@@ -338,14 +338,6 @@ enum RunError {
     Cancelled,
     /// The request failed.
     Api(ApiError),
-}
-
-fn worker_failure(message: String) -> RunError {
-    if message.starts_with("invalid request: ") {
-        RunError::Api(ApiError::invalid(message.trim_start_matches("invalid request: ")))
-    } else {
-        RunError::Api(ApiError::Internal(message))
-    }
 }
 
 async fn next(events: &mut mpsc::UnboundedReceiver<RequestEvent>) -> Result<RequestEvent, RunError> {

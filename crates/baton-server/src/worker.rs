@@ -16,9 +16,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use baton_engine::{Engine, EngineError, FinishReason, GenerationRequest, KvPrefix, RequestId};
-use baton_kv::{ArenaHandle, BlockId, KvPart, MappedArena, TensorDescriptor};
+use baton_engine::{Engine, FinishReason, GenerationRequest, KvPrefix, RequestId};
+use baton_kv::{ArenaHandle, BlockId, MappedArena};
 use tokio::sync::{mpsc, oneshot};
+
+use crate::error::ApiError;
 
 /// A worker's role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -65,8 +67,8 @@ pub enum RequestEvent {
         /// KV kept for a hand-off (prefill role): held under a lease until released.
         kv: Option<RemoteKv>,
     },
-    /// The request could not run.
-    Failed(String),
+    /// The request could not run (a 400 when the engine refused it as invalid).
+    Failed(ApiError),
 }
 
 enum Command {
@@ -147,14 +149,15 @@ impl WorkerHandle {
     pub fn submit(&self, req: GenerationRequest, pull: Option<RemoteKv>) -> mpsc::UnboundedReceiver<RequestEvent> {
         let (tx, rx) = mpsc::unbounded_channel();
         if pull.is_some() && self.inner.arena.is_none() {
-            let _ = tx.send(RequestEvent::Failed("this worker's arena cannot be shared".into()));
+            let _ = tx.send(RequestEvent::Failed(ApiError::Internal("this worker's arena cannot be shared".into())));
             return rx;
         }
         self.inner.in_flight.fetch_add(1, Ordering::Relaxed);
         let guard = InFlight(self.inner.clone());
         let (ftx, frx) = mpsc::unbounded_channel();
         if self.inner.commands.send(Command::Submit { req: Box::new(req), pull, events: ftx }).is_err() {
-            let _ = tx.send(RequestEvent::Failed(format!("worker {} has stopped", self.inner.name)));
+            let _ =
+                tx.send(RequestEvent::Failed(ApiError::Internal(format!("worker {} has stopped", self.inner.name))));
             return rx;
         }
         // Forward events, counting the request out when it ends however it ends.
@@ -252,7 +255,7 @@ impl EngineLoop {
                     match self.pull(&remote) {
                         Ok(prefix) => req.prefix = Some(prefix),
                         Err(e) => {
-                            let _ = events.send(RequestEvent::Failed(e));
+                            let _ = events.send(RequestEvent::Failed(ApiError::Internal(e)));
                             return;
                         }
                     }
@@ -262,7 +265,7 @@ impl EngineLoop {
                         self.streams.insert(id, events);
                     }
                     Err(e) => {
-                        let _ = events.send(RequestEvent::Failed(e.to_string()));
+                        let _ = events.send(RequestEvent::Failed(e.into()));
                     }
                 }
             }
@@ -294,7 +297,7 @@ impl EngineLoop {
         }
         let reserved = self.engine.reserve_kv(remote.tokens).map_err(|e| e.to_string())?;
         let src = self.peers[&path].as_slice();
-        copy_blocks(&remote.arena.descriptor, src, &remote.blocks, self.engine.kv_mut(), &reserved.blocks);
+        self.engine.kv_mut().copy_blocks_from_slice(&remote.arena.descriptor, src, &remote.blocks, &reserved.blocks);
         Ok(reserved)
     }
 
@@ -305,7 +308,7 @@ impl EngineLoop {
                 // A failed step is a bug or a model failure: fail everything in flight.
                 tracing::error!(error = %e, "engine step failed");
                 for (id, tx) in self.streams.drain() {
-                    let _ = tx.send(RequestEvent::Failed(e.to_string()));
+                    let _ = tx.send(RequestEvent::Failed(ApiError::Internal(e.to_string())));
                     let _ = self.engine.abort(id);
                 }
                 return;
@@ -372,33 +375,4 @@ impl EngineLoop {
             }
         }
     }
-}
-
-/// Copies whole blocks from a peer arena (described by `src_desc`) into local blocks, slab by
-/// slab, whatever the two layouts.
-fn copy_blocks(
-    src_desc: &TensorDescriptor,
-    src: &[f32],
-    src_blocks: &[BlockId],
-    dst: &mut baton_kv::KvArena,
-    dst_blocks: &[BlockId],
-) {
-    let g = *dst.geometry();
-    let dst_desc = dst.descriptor().clone();
-    let data = dst.as_mut_slice();
-    let n = g.slab_elems();
-    for (&s, &d) in src_blocks.iter().zip(dst_blocks) {
-        for layer in 0..g.layers {
-            for part in [KvPart::Key, KvPart::Value] {
-                let from = src_desc.offset(layer, part, s.index(), 0, 0);
-                let to = dst_desc.offset(layer, part, d.index(), 0, 0);
-                data[to..to + n].copy_from_slice(&src[from..from + n]);
-            }
-        }
-    }
-}
-
-/// Whether an engine error is the client's fault.
-pub fn is_client_error(e: &EngineError) -> bool {
-    matches!(e, EngineError::InvalidRequest(_))
 }

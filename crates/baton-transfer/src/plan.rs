@@ -301,22 +301,7 @@ mod tests {
         }
         order.insert(block_pos, Dim::Block);
         let dims: [Dim; 6] = [order[0], order[1], order[2], order[3], order[4], order[5]];
-        let extent = |d: Dim| match d {
-            Dim::Layer => g.layers,
-            Dim::Kv => 2,
-            Dim::Block => blocks,
-            Dim::Token => g.block_size,
-            Dim::Head => g.kv_heads,
-            Dim::HeadDim => g.head_dim,
-        };
-        let shape = dims.map(extent);
-        let mut strides = [0; 6];
-        let mut acc = 1;
-        for i in (0..6).rev() {
-            strides[i] = acc;
-            acc *= shape[i];
-        }
-        TensorDescriptor { dims, shape, strides, elem_size: 2, base }
+        TensorDescriptor { elem_size: 2, base, ..TensorDescriptor::dense(g, dims, blocks) }
     }
 
     fn layout() -> impl Strategy<Value = (usize, bool)> {
