@@ -15,6 +15,10 @@ use candle_core::{Device, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx512;
+
 /// A block format this module decodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum BlockFormat {
@@ -292,6 +296,18 @@ fn dot_rows_avx2(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [
 
 fn dot_rows_dispatch(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [f32], row: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c")
+    {
+        #[allow(unsafe_code)]
+        // SAFETY: the CPU has AVX-512F, FMA and F16C, checked just above.
+        unsafe {
+            avx512::band(w.format, &w.bytes, w.row_bytes, w.cols, first, x, m, out);
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2")
         && std::is_x86_feature_detected!("fma")
         && std::is_x86_feature_detected!("f16c")
@@ -324,7 +340,7 @@ mod tests {
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(worst < 1e-5, "{dtype:?}: decode differs from candle's by {worst}");
         // Both product paths against the float product of the decoded matrix.
-        for m_rows in [1, 3, 20] {
+        for m_rows in [1, 2, 3, 5, 8, 9, 20] {
             let x: Vec<f32> = (0..m_rows * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
             let y = m.matmul_xwt(&x, m_rows).expect("product");
             for r in 0..m_rows {
