@@ -213,6 +213,8 @@ struct TierState {
     owner: Vec<u32>,
     policy: Box<dyn EvictionPolicy>,
     store: Store,
+    /// Cached slots no request holds and no swap is moving (see [`MemPool::available`]).
+    reclaimable: usize,
 }
 
 enum Store {
@@ -229,6 +231,7 @@ impl TierState {
             owner: vec![NO_OWNER; n],
             policy: policy.build(),
             store,
+            reclaimable: 0,
         }
     }
 
@@ -355,19 +358,49 @@ impl MemPool {
     /// A cached block is evicted only once its children are (the policy sees leaves), but
     /// eviction cascades up a chain, so every unreferenced cached block is reclaimable: a
     /// reference on a block implies references on its ancestors (requests hold whole prefixes).
+    ///
+    /// `O(1)`: the pool keeps the count of such blocks as references, owners and swaps change
+    /// (the engine calls this every step); [`check_invariants`](Self::check_invariants) checks
+    /// it against a scan.
     pub fn available(&self) -> usize {
-        self.tiers[0].alloc.num_free() + self.reclaimable(Tier::Device)
+        self.tiers[0].alloc.num_free() + self.tiers[0].reclaimable
     }
 
-    /// Cached blocks of `tier` that no request holds and no swap is moving: O(blocks of the
-    /// tier), called once per engine step.
-    fn reclaimable(&self, tier: Tier) -> usize {
+    /// Cached blocks of `tier` that no request holds and no swap is moving, counted by a scan
+    /// of the tier: what the maintained counter must equal.
+    fn reclaimable_by_scan(&self, tier: Tier) -> usize {
         let t = &self.tiers[tier.index()];
-        t.owner
-            .iter()
-            .zip(&t.refs)
-            .filter(|&(&owner, &refs)| owner < SWAP_OWNER && refs == 0 && !self.index.nodes[owner as usize].in_flight)
-            .count()
+        (0..t.size()).filter(|&i| self.is_reclaimable(Loc { tier, block: BlockId(i as u32) })).count()
+    }
+
+    /// Whether the slot at `loc` is cached, unreferenced and not being moved by a swap: what
+    /// the per-tier `reclaimable` counter counts.
+    #[inline]
+    fn is_reclaimable(&self, loc: Loc) -> bool {
+        let t = &self.tiers[loc.tier.index()];
+        let owner = t.owner[loc.block.index()];
+        owner < SWAP_OWNER && t.refs[loc.block.index()] == 0 && !self.index.nodes[owner as usize].in_flight
+    }
+
+    /// Brings the `reclaimable` counter of `loc`'s tier up to date after a change to the slot
+    /// (its owner, references or its node's swap state) that found it reclaimable or not (`was`).
+    #[inline]
+    fn recount(&mut self, loc: Loc, was: bool) {
+        let now = self.is_reclaimable(loc);
+        let t = &mut self.tiers[loc.tier.index()];
+        match (was, now) {
+            (false, true) => t.reclaimable += 1,
+            (true, false) => t.reclaimable -= 1,
+            _ => {}
+        }
+    }
+
+    /// Marks a node as being moved by a swap, or no longer.
+    fn set_in_flight(&mut self, n: NodeId, in_flight: bool) {
+        let loc = self.index.nodes[n.index()].loc;
+        let was = self.is_reclaimable(loc);
+        self.index.nodes[n.index()].in_flight = in_flight;
+        self.recount(loc, was);
     }
 
     /// References held on a slot.
@@ -512,6 +545,9 @@ impl MemPool {
         if *r == 1 {
             let owner = t.owner[loc.block.index()];
             if owner < SWAP_OWNER {
+                if !self.index.nodes[owner as usize].in_flight {
+                    t.reclaimable -= 1;
+                }
                 self.refresh(NodeId(owner));
             }
         }
@@ -529,7 +565,12 @@ impl MemPool {
             match t.owner[loc.block.index()] {
                 NO_OWNER => t.alloc.free(&[loc.block])?,
                 SWAP_OWNER => unreachable!("swap destinations carry no references"),
-                node => self.refresh(NodeId(node)),
+                node => {
+                    if !self.index.nodes[node as usize].in_flight {
+                        t.reclaimable += 1;
+                    }
+                    self.refresh(NodeId(node))
+                }
             }
         }
         Ok(())
@@ -559,8 +600,7 @@ impl MemPool {
         if t.alloc.num_free() >= n {
             return Ok(());
         }
-        // Only when eviction is needed: the scan is O(blocks of the tier).
-        let available = t.alloc.num_free() + self.reclaimable(tier);
+        let available = t.alloc.num_free() + t.reclaimable;
         if available < n {
             return Err(PoolError::OutOfBlocks { tier, wanted: n, available });
         }
@@ -596,6 +636,7 @@ impl MemPool {
     /// of its old slot there and freeing the old slot.
     fn retarget(&mut self, n: NodeId, to: Loc) {
         let from = self.index.nodes[n.index()].loc;
+        let (was_from, was_to) = (self.is_reclaimable(from), self.is_reclaimable(to));
         let refs = std::mem::take(&mut self.tiers[from.tier.index()].refs[from.block.index()]);
         self.tiers[from.tier.index()].owner[from.block.index()] = NO_OWNER;
         self.tiers[from.tier.index()].alloc.free(&[from.block]).expect("a cached slot is allocated");
@@ -603,6 +644,8 @@ impl MemPool {
         self.tiers[to.tier.index()].refs[to.block.index()] += refs;
         self.tiers[to.tier.index()].owner[to.block.index()] = n.0;
         self.index.nodes[n.index()].loc = to;
+        self.recount(from, was_from);
+        self.recount(to, was_to);
         let same = self.index.children(n).filter(|c| self.index.nodes[c.index()].loc.tier == to.tier).count();
         self.index.nodes[n.index()].same_tier_children = same as u32;
         let parent = self.index.nodes[n.index()].parent;
@@ -626,7 +669,9 @@ impl MemPool {
     fn remove_node(&mut self, n: NodeId) {
         let node = &self.index.nodes[n.index()];
         let (loc, parent, hash) = (node.loc, node.parent, node.hash);
+        let was = self.is_reclaimable(loc);
         let t = &mut self.tiers[loc.tier.index()];
+        t.reclaimable -= usize::from(was);
         t.policy.remove(n);
         t.owner[loc.block.index()] = NO_OWNER;
         if t.refs[loc.block.index()] == 0 {
@@ -869,10 +914,10 @@ impl MemPool {
         for _ in 0..n {
             let Some(v) = self.tiers[0].policy.victim() else { break };
             // Pin the victim first: making room below must not pick it.
-            self.index.nodes[v.index()].in_flight = true;
+            self.set_in_flight(v, true);
             self.refresh(v);
             if self.make_room(lower, 1).is_err() {
-                self.index.nodes[v.index()].in_flight = false;
+                self.set_in_flight(v, false);
                 self.refresh(v);
                 break;
             }
@@ -899,7 +944,7 @@ impl MemPool {
             t.owner[m.to.block.index()] = NO_OWNER;
             let live = self.index.is_live(m.node, m.generation) && self.index.nodes[m.node.index()].loc == m.from;
             if live {
-                self.index.nodes[m.node.index()].in_flight = false;
+                self.set_in_flight(m.node, false);
                 if self.eligible(m.node) && first_err.is_none() {
                     match self.copy(m.from, m.to) {
                         Ok(()) => {
@@ -1048,6 +1093,10 @@ impl MemPool {
             }
             if evictable != t.policy.evictable() {
                 return Err(format!("{tier}: {evictable} evictable, policy says {}", t.policy.evictable()));
+            }
+            let reclaimable = self.reclaimable_by_scan(tier);
+            if reclaimable != t.reclaimable {
+                return Err(format!("{tier}: {reclaimable} reclaimable by a scan, counted {}", t.reclaimable));
             }
         }
         let mut live = 0;

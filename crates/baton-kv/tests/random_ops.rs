@@ -1,8 +1,9 @@
 //! Seeded random-operation test of the MemPool: 100,000 operations mixing allocation, free,
 //! insert, match, delete, swaps (including unfinished ones) and eviction under pressure, with
 //! requests holding references. After every step it checks that every block of every tier has
-//! exactly one owner, that reference counts equal what the simulated requests hold, that match
-//! agrees with the index the event stream describes, and that KV bytes survive every move.
+//! exactly one owner, that reference counts equal what the simulated requests hold, that the
+//! maintained `available()` counter equals a scan, that match agrees with the index the event
+//! stream describes, and that KV bytes survive every move.
 
 use std::collections::HashMap;
 
@@ -231,6 +232,19 @@ impl Sim {
             for a in &r.held {
                 *held.entry(a.loc).or_default() += 1;
             }
+        }
+        // `available()` is a maintained counter: it must equal free blocks plus every cached
+        // device block no request holds, counted here by a scan (blocks a swap job is moving
+        // are excluded by the pool, and `check_invariants` compares those too).
+        if self.job.is_none() {
+            let idle_cached = self
+                .pool
+                .index()
+                .iter()
+                .map(|n| self.pool.index().info(n).loc)
+                .filter(|&loc| loc.tier == Tier::Device && self.pool.ref_count(loc) == 0)
+                .count();
+            assert_eq!(self.pool.available(), self.pool.num_free() + idle_cached, "step {}: available()", self.now);
         }
         for tier in Tier::ALL {
             let usage = self.pool.usage(tier);
