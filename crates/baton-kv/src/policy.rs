@@ -42,6 +42,12 @@ impl PolicyKind {
 pub trait EvictionPolicy: std::fmt::Debug + Send {
     /// Starts tracking `node`, unpinned, as used at `now`.
     fn insert(&mut self, node: NodeId, now: u64);
+    /// Starts tracking `node`, pinned, as used at `now`: [`insert`](Self::insert) then
+    /// [`pin`](Self::pin) in one call (a block cached while a request holds it).
+    fn insert_pinned(&mut self, node: NodeId, now: u64) {
+        self.insert(node, now);
+        self.pin(node);
+    }
     /// Records a use of a tracked `node` at `now`.
     fn touch(&mut self, node: NodeId, now: u64);
     /// Stops tracking `node`.
@@ -140,6 +146,13 @@ impl EvictionPolicy for Lru {
         self.push_back(node.0);
     }
 
+    fn insert_pinned(&mut self, node: NodeId, _now: u64) {
+        if self.slot(node) == Slot::Listed {
+            self.unlink(node.0);
+        }
+        *self.link(node.0) = Link { prev: NIL, next: NIL, slot: Slot::Pinned };
+    }
+
     fn touch(&mut self, node: NodeId, _now: u64) {
         if self.slot(node) == Slot::Listed {
             self.unlink(node.0);
@@ -213,6 +226,11 @@ impl EvictionPolicy for Lfu {
         self.order.insert((1, now, node.0));
     }
 
+    fn insert_pinned(&mut self, node: NodeId, now: u64) {
+        self.remove(node);
+        *self.entry(node) = Some(Freq { count: 1, last: now, pinned: true });
+    }
+
     fn touch(&mut self, node: NodeId, now: u64) {
         let Some(Some(f)) = self.entries.get_mut(node.index()) else { return };
         let old = (f.count, f.last, node.0);
@@ -284,6 +302,34 @@ mod tests {
         p.remove(NodeId(3));
         p.unpin(NodeId(1));
         assert_eq!(p.victim(), Some(NodeId(0)), "unpinning counts as a use");
+    }
+
+    #[test]
+    fn insert_pinned_is_insert_then_pin() {
+        for kind in [PolicyKind::Lru, PolicyKind::Lfu] {
+            let (mut a, mut b) = (kind.build(), kind.build());
+            for i in 0..4 {
+                a.insert(NodeId(i), u64::from(i));
+                b.insert(NodeId(i), u64::from(i));
+            }
+            // A fresh node and one already tracked and listed.
+            for n in [NodeId(7), NodeId(1)] {
+                a.insert(n, 9);
+                a.pin(n);
+                b.insert_pinned(n, 9);
+            }
+            for x in [&mut a, &mut b] {
+                x.unpin(NodeId(1));
+            }
+            assert_eq!(a.evictable(), b.evictable(), "{kind:?}");
+            assert!(b.contains(NodeId(7)));
+            while let Some(v) = a.victim() {
+                assert_eq!(b.victim(), Some(v), "{kind:?}");
+                a.remove(v);
+                b.remove(v);
+            }
+            assert_eq!(b.victim(), None);
+        }
     }
 
     #[test]

@@ -248,6 +248,9 @@ pub struct MemPool {
     tiers: [TierState; 3],
     index: PrefixIndex,
     events: Vec<KvEvent>,
+    /// [`insert`](Self::insert)'s scratch list of blocks it added (position in the prompt, hash,
+    /// parent hash), kept between calls so an insert allocates nothing for it.
+    stored: Vec<(usize, BlockHash, Option<BlockHash>)>,
     next_seq: u64,
     now: u64,
 }
@@ -302,6 +305,7 @@ impl MemPool {
                 config.device_blocks + config.host_blocks + config.disk_blocks,
             ),
             events: Vec::new(),
+            stored: Vec::new(),
             next_seq: 0,
             now: 0,
         })
@@ -734,17 +738,15 @@ impl MemPool {
         }
         let mut parent: Option<NodeId> = None;
         let mut parent_hash: Option<BlockHash> = None;
-        let mut added = 0;
+        // Whether `parent` was added by this call (then the caller holds it: it is pinned).
+        let mut parent_added = false;
         let mut hashes = HashStream::new(&tokens[..full * bs], bs);
-        // Grow the event list once, not by doubling as blocks are added.
-        self.events.reserve(full);
-        // The tokens of this call's `Stored` events, copied once and shared by all of them.
-        let mut shared: Option<Arc<[u32]>> = None;
+        let mut stored = std::mem::take(&mut self.stored);
         for (i, &b) in blocks[..full].iter().enumerate() {
             let hash = hashes.next(&self.index).expect("one hash per full block");
             self.index.prefetch_reuse(REUSE_AHEAD);
             let toks = &tokens[i * bs..(i + 1) * bs];
-            let n = match self.index.lookup(parent, hash, toks) {
+            let (n, added) = match self.index.lookup(parent, hash, toks) {
                 Lookup::Hit(n) => {
                     let node = &self.index.nodes[n.index()];
                     if node.loc.tier != Tier::Device {
@@ -758,7 +760,7 @@ impl MemPool {
                         self.retarget(n, Self::dev(b));
                     }
                     self.tiers[0].policy.touch(n, now);
-                    n
+                    (n, false)
                 }
                 // The hash collides with another block's.
                 Lookup::Collision => break,
@@ -768,23 +770,40 @@ impl MemPool {
                         break;
                     }
                     let n = self.index.add_at(vacant, parent, hash, toks, Self::dev(b));
+                    // The caller holds `b` (checked above): the new node is neither reclaimable
+                    // nor evictable, so it enters its policy pinned.
+                    debug_assert!(self.ref_count(Self::dev(b)) > 0);
                     self.tiers[0].owner[b.index()] = n.0;
-                    self.tiers[0].policy.insert(n, now);
-                    self.refresh(n);
+                    self.tiers[0].policy.insert_pinned(n, now);
                     if let Some(p) = parent {
                         self.index.nodes[p.index()].same_tier_children += 1;
-                        self.refresh(p);
+                        if !parent_added {
+                            self.refresh(p);
+                        }
                     }
-                    let buf = shared.get_or_insert_with(|| Arc::from(&tokens[..full * bs]));
-                    let tokens = BlockTokens::new(Arc::clone(buf), i * bs..(i + 1) * bs);
-                    self.emit(KvEventKind::Stored { hash, parent: parent_hash, tokens, tier: Tier::Device });
-                    added += 1;
-                    n
+                    stored.push((i, hash, parent_hash));
+                    (n, true)
                 }
             };
             parent = Some(n);
             parent_hash = Some(hash);
+            parent_added = added;
         }
+        // The `Stored` events, after the walk: each clones the shared token buffer's `Arc`,
+        // and an atomic increment inside the walk would wait for the walk's pending stores
+        // (cache misses) each time. Only hits (before any miss) emit events inside the walk.
+        let added = stored.len();
+        if added > 0 {
+            // The tokens of this call's events, copied once and shared by all of them.
+            let shared: Arc<[u32]> = Arc::from(&tokens[..full * bs]);
+            self.events.reserve(added);
+            for &(i, hash, parent) in &stored {
+                let tokens = BlockTokens::new(Arc::clone(&shared), i * bs..(i + 1) * bs);
+                self.emit(KvEventKind::Stored { hash, parent, tokens, tier: Tier::Device });
+            }
+        }
+        stored.clear();
+        self.stored = stored;
         Ok(added)
     }
 
