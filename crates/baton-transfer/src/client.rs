@@ -21,7 +21,7 @@ use crate::auth::{self, Side};
 use crate::compat::{Compat, check_peer};
 use crate::conn::Conn;
 use crate::frame::{EndpointInfo, FLAG_GATHER, Frame, TransferMode};
-use crate::plan::plan;
+use crate::plan::{RangeCopy, plan};
 use crate::region::{Access, Region};
 use crate::transport::{ShmTransport, TcpLimits, TcpTransport, Transport, TransportKind};
 use crate::{PeerId, Result, TransferError, TransferId, TransferStats};
@@ -58,6 +58,19 @@ impl ClientConfig {
             tcp: TcpLimits::default(),
         }
     }
+}
+
+/// What one message of the naive message-passing transfer moves
+/// ([`KvClient::pull_naive_by`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NaiveUnit {
+    /// One whole block: every layer's K and V slab of it, gathered into one message.
+    Block,
+    /// One `(block, layer, K/V)` slab `[T][H][D]` (32 KiB at Llama-3-8B's geometry, f16): the
+    /// contiguous piece a layer-major (vLLM) cache holds, which a message-passing library
+    /// (UCX, NCCL, MPI) sends one message at a time. KVDirect's baseline (§3, Fig. 3–4: 4–32 KB
+    /// "blocks" of one layer; §6, Fig. 15: message-based transfer over UCX).
+    Slab,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -157,38 +170,81 @@ impl KvClient {
         self.expect(id, "COMPLETE_ACK")
     }
 
-    /// KVDirect's message-passing baseline: one request/response per block, gathered into a
-    /// buffer by the server and scattered from one here, over the control connection.
+    /// The naive message-passing transfer, one whole block per message (see
+    /// [`pull_naive_by`](Self::pull_naive_by) with [`NaiveUnit::Block`]).
     pub fn pull_naive(&mut self, id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Result<TransferStats> {
+        self.pull_naive_by(id, remote, local, NaiveUnit::Block)
+    }
+
+    /// Message passing without the tensor-centric protocol: after TRANSFER, one
+    /// request/response round trip per `unit` — the server gathers the unit's bytes into a
+    /// buffer and sends it, this side receives it into a buffer and scatters it — then
+    /// COMPLETE. Over the control connection, one message in flight at a time (KVDirect §3,
+    /// Fig. 3 and Fig. 7a). [`NaiveUnit::Slab`] on a layer-major cache is KVDirect's baseline.
+    pub fn pull_naive_by(
+        &mut self,
+        id: TransferId,
+        remote: &[BlockId],
+        local: &[BlockId],
+        unit: NaiveUnit,
+    ) -> Result<TransferStats> {
         let start = Instant::now();
         if remote.len() != local.len() {
             return Err(crate::PlanError::Lengths { src: remote.len(), dst: local.len() }.into());
         }
         self.open(id, remote, local)?;
-        let (mut bytes, mut copies) = (0u64, 0usize);
-        for (seq, (&r, &l)) in remote.iter().zip(local).enumerate() {
+        let slab = self.config.compat.geometry.slab_elems() * self.config.compat.geometry.dtype.size();
+        let (mut bytes, mut copies, mut calls) = (0u64, 0usize, 0usize);
+        let mut buf = Vec::new();
+        for (&r, &l) in remote.iter().zip(local) {
             let p = plan(&self.remote.descriptor, &[r], self.local.descriptor(), &[l])?;
-            let ranges: Vec<ByteRange> = p.copies.iter().map(|c| c.src).collect();
-            self.control.send(&Frame::Read { id, seq: seq as u64, ranges, flags: FLAG_GATHER })?;
-            let buf = match self.control.recv()? {
-                Frame::Data { payload_len, .. } if payload_len == p.bytes() as u64 => {
-                    self.control.recv_vec(payload_len)?
+            match unit {
+                NaiveUnit::Block => {
+                    self.naive_message(id, calls as u64, &p.copies, &mut buf)?;
+                    calls += 1;
                 }
-                Frame::Error { id, code, message } => {
-                    return Err(TransferError::Remote { peer: self.remote.peer, id, code, message });
+                NaiveUnit::Slab => {
+                    // A block's runs are whole slabs on both sides (a slab is contiguous in
+                    // every layout): one message per slab.
+                    for c in &p.copies {
+                        for at in (0..c.src.len).step_by(slab) {
+                            let len = slab.min(c.src.len - at);
+                            let piece = RangeCopy {
+                                src: ByteRange { offset: c.src.offset + at, len },
+                                dst: ByteRange { offset: c.dst.offset + at, len },
+                            };
+                            self.naive_message(id, calls as u64, &[piece], &mut buf)?;
+                            calls += 1;
+                        }
+                    }
                 }
-                other => return Err(TransferError::Protocol(format!("expected DATA, got {}", other.name()))),
-            };
-            let mut at = 0;
-            for c in &p.copies {
-                self.local.write(c.dst.offset, &buf[at..at + c.dst.len])?;
-                at += c.dst.len;
             }
             bytes += p.bytes() as u64;
             copies += p.len();
         }
         self.complete(id)?;
-        Ok(TransferStats { bytes, copies, calls: remote.len(), elapsed: start.elapsed() })
+        Ok(TransferStats { bytes, copies, calls, elapsed: start.elapsed() })
+    }
+
+    /// One naive round trip: READ (gathered) of the copies' sources, DATA into `buf`, scattered
+    /// to the copies' destinations.
+    fn naive_message(&mut self, id: TransferId, seq: u64, copies: &[RangeCopy], buf: &mut Vec<u8>) -> Result<()> {
+        let ranges: Vec<ByteRange> = copies.iter().map(|c| c.src).collect();
+        let len: usize = ranges.iter().map(|r| r.len).sum();
+        self.control.send(&Frame::Read { id, seq, ranges, flags: FLAG_GATHER })?;
+        match self.control.recv()? {
+            Frame::Data { payload_len, .. } if payload_len == len as u64 => self.control.recv_buf(len, buf)?,
+            Frame::Error { id, code, message } => {
+                return Err(TransferError::Remote { peer: self.remote.peer, id, code, message });
+            }
+            other => return Err(TransferError::Protocol(format!("expected DATA, got {}", other.name()))),
+        }
+        let mut at = 0;
+        for c in copies {
+            self.local.write(c.dst.offset, &buf[at..at + c.dst.len])?;
+            at += c.dst.len;
+        }
+        Ok(())
     }
 
     /// Push mode, first half: sends the ids of the blocks this side reserved for `id`.

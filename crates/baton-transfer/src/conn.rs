@@ -120,6 +120,13 @@ impl Conn {
         Ok(())
     }
 
+    /// Reads a payload of `len` bytes into `buf` (resized to `len`; its allocation is reused).
+    pub(crate) fn recv_buf(&mut self, len: usize, buf: &mut Vec<u8>) -> Result<()> {
+        buf.resize(len, 0);
+        let e = self.err("receiving KV bytes");
+        self.stream.read_exact(buf).map_err(e)
+    }
+
     /// Reads a payload of `len` bytes into a new buffer.
     pub(crate) fn recv_vec(&mut self, len: u64) -> Result<Vec<u8>> {
         let len = usize::try_from(len).map_err(|_| TransferError::Protocol("payload too large".into()))?;

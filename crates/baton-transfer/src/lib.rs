@@ -37,7 +37,7 @@ pub mod region;
 mod server;
 pub mod transport;
 
-pub use client::{ClientConfig, KvClient};
+pub use client::{ClientConfig, KvClient, NaiveUnit};
 pub use region::{Access, Region};
 pub use server::{BlockOwner, KvServer, ServerConfig};
 pub use transport::{ShmTransport, TcpLimits, TcpTransport, Transport, TransportKind};

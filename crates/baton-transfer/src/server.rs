@@ -400,6 +400,7 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64) -> Result<()> {
     let writer = Arc::new(Mutex::new(conn.try_clone()?));
     let send = |f: &Frame| lock(&writer).send(f);
     let mut allowed: HashMap<TransferId, Vec<ByteRange>> = HashMap::new();
+    let mut gather: Vec<u8> = Vec::new();
     loop {
         if shared.stop.load(Ordering::Acquire) {
             return Ok(());
@@ -464,12 +465,12 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64) -> Result<()> {
                 let payload_len = ranges.iter().map(|r| r.len as u64).sum();
                 let data = Frame::Data { id, seq, payload_len };
                 if flags & FLAG_GATHER != 0 {
-                    // The message-passing baseline: gather into a buffer, then send it.
-                    let mut buf = Vec::with_capacity(payload_len as usize);
+                    // The message-passing baseline: gather into a (reused) buffer, then send it.
+                    gather.clear();
                     for r in &ranges {
-                        shared.region.with_bytes(*r, |b| buf.extend_from_slice(b))?;
+                        shared.region.with_bytes(*r, |b| gather.extend_from_slice(b))?;
                     }
-                    lock(&writer).send_with_bytes(&data, &buf)?;
+                    lock(&writer).send_with_bytes(&data, &gather)?;
                 } else {
                     lock(&writer).send_with_payload(&data, &shared.region, &ranges)?;
                 }

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use baton_kv::{BlockId, InstanceId, KvGeometry, KvLayout, KvPart, MemPool, PoolConfig};
 use baton_transfer::{
-    Access, BlockOwner, ClientConfig, Compat, ErrorCode, KvClient, KvServer, PeerId, Region, Release, ServerConfig,
-    TransferError, TransferId, TransportKind,
+    Access, BlockOwner, ClientConfig, Compat, ErrorCode, KvClient, KvServer, NaiveUnit, PeerId, Region, Release,
+    ServerConfig, TransferError, TransferId, TransportKind,
 };
 
 const CHILD_ENV: &str = "BATON_TRANSFER_TEST_PREFILL";
@@ -311,6 +311,44 @@ fn pull_shm_layer_major_to_block_major() {
 #[test]
 fn pull_tcp_block_major_to_block_major() {
     pull_case("block-major", KvLayout::BlockMajor, TransportKind::Tcp);
+}
+
+/// The naive message-passing baselines move the same bytes, one round trip per block or per
+/// (block, layer, K/V) slab, between any layouts.
+fn naive_case(src_layout: &str, dst_layout: KvLayout) {
+    let mut prefill = Prefill::spawn(&spec(src_layout, "pull", 10_000));
+    let (free_before, _) = prefill.free();
+    let mut decode = Decode::new(dst_layout);
+    let mut client = decode.client(prefill.addr, TransportKind::Tcp);
+    let g = geometry();
+    let units = [(1, NaiveUnit::Slab), (2, NaiveUnit::Block), (3, NaiveUnit::Slab)];
+    let mut got = Vec::new();
+    for ((req, n), (want_req, unit)) in REQUESTS.into_iter().zip(units) {
+        assert_eq!(req, want_req);
+        let local = decode.alloc(n);
+        let stats = client.pull_naive_by(TransferId(req), &prefill.blocks(req), &local, unit).expect("naive pull");
+        assert_eq!(stats.bytes as usize, n * g.block_elems() * 4);
+        let per_block = if unit == NaiveUnit::Slab { 2 * g.layers } else { 1 };
+        assert_eq!(stats.calls, n * per_block, "{unit:?}");
+        got.push((req, local));
+    }
+    for (req, local) in &got {
+        let others: Vec<BlockId> = got.iter().filter(|(r, _)| r != req).flat_map(|(_, b)| b.clone()).collect();
+        check_subset(&decode, *req, local, &others);
+    }
+    let (free_after, leases) = prefill.free();
+    assert_eq!(leases, 0, "every COMPLETE released its lease");
+    assert_eq!(free_after, free_before + REQUESTS.iter().map(|r| r.1).sum::<usize>());
+}
+
+#[test]
+fn naive_per_slab_and_per_block_layer_major_to_block_major() {
+    naive_case("layer-major", KvLayout::BlockMajor);
+}
+
+#[test]
+fn naive_per_slab_and_per_block_block_major_to_layer_major() {
+    naive_case("block-major", KvLayout::LayerMajor);
 }
 
 #[test]
