@@ -1,5 +1,7 @@
 //! `baton bench transfer`: one request's KV moved between two processes, per variant, next to
-//! the machine's memcpy and loopback TCP limits measured in the same run.
+//! the machine's memcpy and loopback TCP limits measured in the same run, with the speed-up over
+//! two naive message-passing transfers: per-slab on a layer-major cache (KVDirect's baseline)
+//! and per-block (a stronger one); see `baton_transfer::bench`.
 
 use baton_transfer::bench::{TransferBenchConfig, format_table, run};
 
