@@ -57,6 +57,12 @@ impl ClusterSecret {
         Self(bytes)
     }
 
+    /// The secret's bytes, for a component that runs its own proof (the KV transfer
+    /// protocol's handshake). Never log or send them.
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+
     fn mac(&self) -> HmacSha256 {
         // HMAC accepts keys of any length, so this cannot fail.
         #[allow(clippy::expect_used)]
@@ -86,15 +92,16 @@ impl ClusterSecret {
         mac.verify_slice(&bytes).is_ok()
     }
 
-    /// The value of [`AUTH_HEADER`] for an HTTP request.
-    pub(crate) fn sign_request(&self, method: &str, path: &str, now_ms: u64, body: &[u8]) -> String {
+    /// The value of [`AUTH_HEADER`] for an HTTP request (the registry's routes, and the
+    /// control API a conductor calls on its workers).
+    pub fn sign_request(&self, method: &str, path: &str, now_ms: u64, body: &[u8]) -> String {
         let ts = now_ms.to_string();
         let sig = self.sign(&[method.as_bytes(), path.as_bytes(), ts.as_bytes(), body]);
         format!("t={ts},sig={sig}")
     }
 
     /// Verifies an [`AUTH_HEADER`] value; returns the request's timestamp.
-    pub(crate) fn verify_request(
+    pub fn verify_request(
         &self,
         header: Option<&str>,
         method: &str,
@@ -123,7 +130,7 @@ impl fmt::Debug for ClusterSecret {
 
 /// Why a request's proof was refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum AuthFailure {
+pub enum AuthFailure {
     /// No proof header.
     Missing,
     /// A header that does not parse.
@@ -138,7 +145,7 @@ pub(crate) enum AuthFailure {
 
 impl AuthFailure {
     /// A message for the refused client.
-    pub(crate) fn message(self) -> &'static str {
+    pub fn message(self) -> &'static str {
         match self {
             AuthFailure::Missing => "missing x-baton-cluster-auth header: the request carries no cluster secret proof",
             AuthFailure::Malformed => "malformed x-baton-cluster-auth header (expected t=<unix ms>,sig=<hex>)",

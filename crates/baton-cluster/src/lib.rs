@@ -53,7 +53,7 @@ mod remote;
 pub mod table;
 mod types;
 
-pub use auth::ClusterSecret;
+pub use auth::{AUTH_HEADER, AuthFailure, ClusterSecret};
 pub use config::{DEFAULT_CLUSTER, EtcdConfig, RegistryConfig};
 pub use embedded::{EmbeddedRegistry, MembersSnapshot};
 pub use error::ClusterError;

@@ -7,10 +7,14 @@
 //! worker pulls the KV into blocks of its own, the prefill worker is told to release it, and the
 //! decode worker streams the rest. A client that disconnects drops the response stream, which
 //! drops the worker's event receiver, which aborts the request and frees its KV.
+//!
+//! Workers are local ([`crate::WorkerHandle`]) or remote ([`crate::remote::RemoteWorker`]), and
+//! may join and leave at any time ([`Conductor::add_worker`], [`Conductor::follow`]). A request
+//! whose worker is lost before anything was streamed to the client is routed again.
 
 use std::convert::Infallible;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
@@ -20,7 +24,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use baton_engine::{FinishReason, GenerationRequest, KvRetention, RequestId, StopParams};
+use baton_engine::RequestId;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -29,15 +33,19 @@ use crate::error::ApiError;
 use crate::metrics::{Metrics, Outcome, WorkerGauges};
 use crate::openai::{Endpoint, ValidRequest, Validator};
 use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView};
-use crate::worker::{RequestEvent, Role, WorkerHandle};
+use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
 
 /// How long the conductor waits for a worker's next event before failing the request.
 const WORKER_EVENT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How many times a request whose worker was lost before it streamed anything is routed again.
+const MAX_RETRIES: usize = 2;
+
+type Workers = Vec<Arc<dyn Worker>>;
 
 /// Shared state of the conductor's handlers.
 pub struct Conductor {
     validator: Validator,
-    workers: Vec<WorkerHandle>,
+    workers: RwLock<Workers>,
     policy: Box<dyn RoutePolicy>,
     metrics: Metrics,
     api_key: Option<String>,
@@ -48,7 +56,7 @@ pub struct Conductor {
 
 impl std::fmt::Debug for Conductor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Conductor").field("workers", &self.workers).finish_non_exhaustive()
+        f.debug_struct("Conductor").field("workers", &self.workers()).finish_non_exhaustive()
     }
 }
 
@@ -56,14 +64,14 @@ impl Conductor {
     /// A conductor over `workers`.
     pub fn new(
         validator: Validator,
-        workers: Vec<WorkerHandle>,
+        workers: Workers,
         policy: Box<dyn RoutePolicy>,
         api_key: Option<String>,
         kv_bytes_per_token: usize,
     ) -> Self {
         Self {
             validator,
-            workers,
+            workers: RwLock::new(workers),
             policy,
             metrics: Metrics::default(),
             api_key,
@@ -72,9 +80,30 @@ impl Conductor {
         }
     }
 
-    /// The workers.
-    pub fn workers(&self) -> &[WorkerHandle] {
-        &self.workers
+    /// The workers now.
+    pub fn workers(&self) -> Workers {
+        self.workers.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Adds a worker (it joined the cluster). A worker of the same name is replaced.
+    pub fn add_worker(&self, worker: Arc<dyn Worker>) {
+        let mut workers = self.workers.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        workers.retain(|w| w.name() != worker.name());
+        tracing::info!(worker = worker.name(), role = worker.role().as_str(), "worker joined");
+        workers.push(worker);
+    }
+
+    /// Removes a worker (it left the cluster); requests already on it keep their handle.
+    pub fn remove_worker(&self, name: &str) -> Option<Arc<dyn Worker>> {
+        let mut workers = self.workers.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let i = workers.iter().position(|w| w.name() == name)?;
+        tracing::info!(worker = name, "worker left");
+        Some(workers.remove(i))
+    }
+
+    /// The model id clients name.
+    pub fn model_id(&self) -> &str {
+        &self.validator.model_id
     }
 
     /// The HTTP API.
@@ -100,14 +129,34 @@ impl Conductor {
         }
     }
 
-    fn snapshot(&self) -> Snapshot {
-        Snapshot {
-            workers: self
-                .workers
-                .iter()
-                .enumerate()
-                .map(|(index, w)| WorkerView { index, role: w.role(), in_flight: w.in_flight() })
-                .collect(),
+    /// The workers a policy may pick (all but `excluded`) and the snapshot it sees of them.
+    fn snapshot(&self, excluded: &[String]) -> (Workers, Snapshot) {
+        let workers: Workers = self.workers().into_iter().filter(|w| !excluded.iter().any(|e| e == w.name())).collect();
+        let views = workers
+            .iter()
+            .enumerate()
+            .map(|(index, w)| WorkerView { index, role: w.role(), in_flight: w.in_flight() })
+            .collect();
+        (workers, Snapshot { workers: views })
+    }
+
+    /// Routes a request among the workers not `excluded`.
+    fn route(&self, valid: &ValidRequest, excluded: &[String]) -> Result<Route, ApiError> {
+        let (workers, snapshot) = self.snapshot(excluded);
+        let request = RouteRequest { prompt_tokens: valid.prompt_ids.len(), max_tokens: valid.stop.max_tokens };
+        match self.policy.route(&snapshot, &request) {
+            Decision::Colocated(w) => Ok(Route::Colocated(workers[w].clone())),
+            Decision::Disaggregated { prefill, decode } => {
+                Ok(Route::Disaggregated { prefill: workers[prefill].clone(), decode: workers[decode].clone() })
+            }
+            Decision::Reject { reason } => {
+                self.metrics.outcome(Outcome::Rejected);
+                Err(ApiError::Overloaded { message: reason, retry_after_s: 1 })
+            }
+            Decision::NoWorkers => {
+                self.metrics.outcome(Outcome::Failed);
+                Err(ApiError::Unavailable("no worker is available".into()))
+            }
         }
     }
 
@@ -123,25 +172,14 @@ impl Conductor {
                 return e.into_response();
             }
         };
-        let route = self.policy.route(
-            &self.snapshot(),
-            &RouteRequest { prompt_tokens: valid.prompt_ids.len(), max_tokens: valid.stop.max_tokens },
-        );
-        let route = match route {
-            Decision::Reject { reason } => {
-                self.metrics.outcome(Outcome::Rejected);
-                return ApiError::Overloaded { message: reason, retry_after_s: 1 }.into_response();
-            }
-            Decision::NoWorkers => {
-                self.metrics.outcome(Outcome::Failed);
-                return ApiError::Unavailable("no worker is available".into()).into_response();
-            }
-            other => other,
+        let route = match self.route(&valid, &[]) {
+            Ok(r) => r,
+            Err(e) => return e.into_response(),
         };
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = mpsc::unbounded_channel();
         let stream = valid.stream;
-        let run = Run { conductor: self.clone(), valid: valid.clone(), id, out: tx };
+        let run = Run { conductor: self.clone(), valid: valid.clone(), id, out: tx, streamed: AtomicBool::new(false) };
         tokio::spawn(run.run(route));
         if stream { sse_response(valid, id, rx) } else { full_response(valid, id, rx).await }
     }
@@ -169,23 +207,21 @@ async fn models(State(c): State<Arc<Conductor>>, headers: HeaderMap) -> Response
 }
 
 async fn health(State(c): State<Arc<Conductor>>) -> Response {
-    if c.workers.is_empty() {
+    let workers = c.workers();
+    if workers.is_empty() {
         return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "no workers"}))).into_response();
     }
-    Json(json!({"status": "ok", "workers": c.workers.len()})).into_response()
+    let names: Vec<_> = workers.iter().map(|w| json!({"name": w.name(), "role": w.role().as_str()})).collect();
+    Json(json!({"status": "ok", "workers": names})).into_response()
 }
 
 async fn metrics(State(c): State<Arc<Conductor>>) -> Response {
     let mut gauges = Vec::new();
-    for w in &c.workers {
+    for w in c.workers() {
         if let Some(s) = w.stats().await {
             gauges.push(WorkerGauges {
                 name: w.name().to_owned(),
-                role: match w.role() {
-                    Role::Prefill => "prefill",
-                    Role::Decode => "decode",
-                    Role::Colocated => "colocated",
-                },
+                role: w.role().as_str(),
                 running: s.running,
                 waiting: s.waiting,
                 blocks_used: s.total_blocks - s.available_blocks,
@@ -199,8 +235,14 @@ async fn metrics(State(c): State<Arc<Conductor>>) -> Response {
 /// What a run sends the response: text as it comes, then the end.
 enum Piece {
     Text(String),
-    Done { reason: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    Done { reason: Finish, prompt_tokens: usize, completion_tokens: usize },
     Failed(ApiError),
+}
+
+/// Where a request runs.
+enum Route {
+    Colocated(Arc<dyn Worker>),
+    Disaggregated { prefill: Arc<dyn Worker>, decode: Arc<dyn Worker> },
 }
 
 /// One request's life across the workers.
@@ -209,28 +251,49 @@ struct Run {
     valid: ValidRequest,
     id: RequestId,
     out: mpsc::UnboundedSender<Piece>,
+    /// Whether any text reached the client (after which a lost worker cannot be hidden).
+    streamed: AtomicBool,
 }
 
 impl Run {
-    async fn run(self, route: Decision) {
+    async fn run(self, mut route: Route) {
         let c = self.conductor.clone();
         let start = Instant::now();
-        let result = match route {
-            Decision::Colocated(w) => {
-                c.metrics.routed_colocated.fetch_add(1, Ordering::Relaxed);
-                let req = self.request(self.valid.stop.clone());
-                let events = c.workers[w].submit(req, None);
-                self.relay(events, start, None).await
+        let mut lost_workers = Vec::new();
+        let result = loop {
+            let result = match &route {
+                Route::Colocated(w) => {
+                    c.metrics.routed_colocated.fetch_add(1, Ordering::Relaxed);
+                    let events = w.submit(self.request());
+                    self.relay(w, events, start, None).await
+                }
+                Route::Disaggregated { prefill, decode } => {
+                    c.metrics.routed_disaggregated.fetch_add(1, Ordering::Relaxed);
+                    self.disaggregated(prefill, decode, start).await
+                }
+            };
+            match result {
+                Err(RunError::Lost { worker, reason })
+                    if !self.streamed.load(Ordering::Relaxed) && lost_workers.len() < MAX_RETRIES =>
+                {
+                    tracing::warn!(request = self.id.0, worker, reason, "worker lost before streaming; routing again");
+                    c.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                    lost_workers.push(worker);
+                    match c.route(&self.valid, &lost_workers) {
+                        Ok(r) => route = r,
+                        Err(e) => break Err(RunError::Api(e)),
+                    }
+                }
+                other => break other,
             }
-            Decision::Disaggregated { prefill, decode } => {
-                c.metrics.routed_disaggregated.fetch_add(1, Ordering::Relaxed);
-                self.disaggregated(&c.workers[prefill], &c.workers[decode], start).await
-            }
-            Decision::Reject { .. } | Decision::NoWorkers => unreachable!("handled before spawning"),
         };
         let outcome = match result {
             Ok(()) => Outcome::Ok,
             Err(RunError::Cancelled) => Outcome::Cancelled,
+            Err(RunError::Lost { worker, reason }) => {
+                let _ = self.out.send(Piece::Failed(ApiError::Internal(format!("worker {worker} was lost: {reason}"))));
+                Outcome::Failed
+            }
             Err(RunError::Api(e)) => {
                 let o = if e.status().is_client_error() { Outcome::Invalid } else { Outcome::Failed };
                 let _ = self.out.send(Piece::Failed(e));
@@ -241,25 +304,33 @@ impl Run {
         c.metrics.e2e.observe(start.elapsed().as_secs_f64());
     }
 
-    fn request(&self, stop: StopParams) -> GenerationRequest {
-        GenerationRequest {
-            sampling: self.valid.sampling.clone(),
-            stop,
-            ..GenerationRequest::new(self.id, self.valid.prompt_ids.clone())
+    fn request(&self) -> WorkRequest {
+        let v = &self.valid;
+        WorkRequest {
+            id: self.id.0,
+            prompt: v.prompt_ids.clone(),
+            generated: Vec::new(),
+            temperature: v.sampling.temperature,
+            top_k: v.sampling.top_k,
+            top_p: v.sampling.top_p,
+            seed: v.sampling.seed,
+            max_tokens: v.stop.max_tokens,
+            ignore_eos: v.stop.ignore_eos,
+            stop: v.stop.stop_strings.clone(),
+            retain_kv: false,
+            pull: None,
         }
     }
 
-    async fn disaggregated(&self, p: &WorkerHandle, d: &WorkerHandle, start: Instant) -> Result<(), RunError> {
+    async fn disaggregated(&self, p: &Arc<dyn Worker>, d: &Arc<dyn Worker>, start: Instant) -> Result<(), RunError> {
         let c = &self.conductor;
-        // Prefill: the prompt and the first token; the KV stays on `p` under a lease.
-        let first_stop = StopParams { max_tokens: 1, ..self.valid.stop.clone() };
-        // (With max_tokens 1 the request ends here: nothing to hand over.)
-        let retain_kv = if self.valid.stop.max_tokens > 1 { KvRetention::All } else { KvRetention::None };
-        let req = GenerationRequest { retain_kv, ..self.request(first_stop) };
-        let mut events = p.submit(req, None);
+        // Prefill: the prompt and the first token; the KV stays on `p` under a lease. (With
+        // max_tokens 1 the request ends there: nothing to hand over.)
+        let retain_kv = self.valid.stop.max_tokens > 1;
+        let mut events = p.submit(WorkRequest { max_tokens: 1, retain_kv, ..self.request() });
         let mut first = Vec::new();
         let (reason, prompt_tokens, kv) = loop {
-            match next(&mut events).await? {
+            match next(p, &mut events).await? {
                 RequestEvent::Token { token, text } => {
                     c.metrics.ttft.observe(start.elapsed().as_secs_f64());
                     first.push(token);
@@ -267,38 +338,41 @@ impl Run {
                 }
                 RequestEvent::Finished { reason, prompt_tokens, kv, .. } => break (reason, prompt_tokens, kv),
                 RequestEvent::Failed(e) => return Err(RunError::Api(e)),
+                RequestEvent::Lost(reason) => return Err(RunError::Lost { worker: p.name().to_owned(), reason }),
             }
         };
-        let done_at_prefill = reason != FinishReason::Length || self.valid.stop.max_tokens == 1;
+        let done_at_prefill = reason != Finish::Length || self.valid.stop.max_tokens == 1;
         let Some(kv) = kv.filter(|_| !done_at_prefill) else {
-            p.release(self.id);
+            p.release(self.id.0);
             return self.finish(reason, prompt_tokens, first.len());
         };
-        // Decode: pull the KV, release it on the prefill side, stream the rest.
+        // Decode: pull the KV (COMPLETE releases it on the prefill side), stream the rest.
         let handoff = Instant::now();
         let bytes = kv.tokens * c.kv_bytes_per_token;
-        let req = GenerationRequest { generated: first, ..self.request(self.valid.stop.clone()) };
-        let events = d.submit(req, Some(kv));
-        let result = self.relay(events, start, Some((p, handoff, bytes))).await;
-        // Released in any case (already released after a successful pull: a no-op then).
-        p.release(self.id);
+        let events = d.submit(WorkRequest { generated: first, pull: Some(kv), ..self.request() });
+        let result = self.relay(d, events, start, Some((handoff, bytes))).await;
+        // Whatever happened on the decode side, the prefill side's blocks are not needed any
+        // more (a no-op when the pull completed).
+        p.release(self.id.0);
         result
     }
 
     /// Streams a worker's events to the response. With `handoff`, the first event means the
-    /// KV was pulled: release it at the prefill worker and record the hand-off.
+    /// KV was pulled: record the hand-off.
     async fn relay(
         &self,
+        worker: &Arc<dyn Worker>,
         mut events: mpsc::UnboundedReceiver<RequestEvent>,
         start: Instant,
-        mut handoff: Option<(&WorkerHandle, Instant, usize)>,
+        mut handoff: Option<(Instant, usize)>,
     ) -> Result<(), RunError> {
         let c = &self.conductor;
         let mut last = None;
         loop {
-            let event = next(&mut events).await?;
-            if let Some((p, t, bytes)) = handoff.take() {
-                p.release(self.id);
+            let event = next(worker, &mut events).await?;
+            if let Some((t, bytes)) = handoff.take()
+                && !matches!(event, RequestEvent::Failed(_) | RequestEvent::Lost(_))
+            {
                 c.metrics.transfer.observe(t.elapsed().as_secs_f64());
                 c.metrics.transfer_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
                 last = Some(Instant::now());
@@ -317,11 +391,12 @@ impl Run {
                     return self.finish(reason, prompt_tokens, completion_tokens);
                 }
                 RequestEvent::Failed(e) => return Err(RunError::Api(e)),
+                RequestEvent::Lost(reason) => return Err(RunError::Lost { worker: worker.name().to_owned(), reason }),
             }
         }
     }
 
-    fn finish(&self, reason: FinishReason, prompt_tokens: usize, completion_tokens: usize) -> Result<(), RunError> {
+    fn finish(&self, reason: Finish, prompt_tokens: usize, completion_tokens: usize) -> Result<(), RunError> {
         let m = &self.conductor.metrics;
         m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         m.generation_tokens.fetch_add(completion_tokens as u64, Ordering::Relaxed);
@@ -329,6 +404,9 @@ impl Run {
     }
 
     fn send(&self, piece: Piece) -> Result<(), RunError> {
+        if matches!(&piece, Piece::Text(t) if !t.is_empty()) {
+            self.streamed.store(true, Ordering::Relaxed);
+        }
         self.out.send(piece).map_err(|_| RunError::Cancelled)
     }
 }
@@ -338,13 +416,19 @@ enum RunError {
     Cancelled,
     /// The request failed.
     Api(ApiError),
+    /// A worker went away.
+    Lost { worker: String, reason: String },
 }
 
-async fn next(events: &mut mpsc::UnboundedReceiver<RequestEvent>) -> Result<RequestEvent, RunError> {
+async fn next(
+    worker: &Arc<dyn Worker>,
+    events: &mut mpsc::UnboundedReceiver<RequestEvent>,
+) -> Result<RequestEvent, RunError> {
+    let lost = |reason: &str| RunError::Lost { worker: worker.name().to_owned(), reason: reason.to_owned() };
     match tokio::time::timeout(WORKER_EVENT_TIMEOUT, events.recv()).await {
         Ok(Some(e)) => Ok(e),
-        Ok(None) => Err(RunError::Api(ApiError::Internal("the worker stopped before finishing the request".into()))),
-        Err(_) => Err(RunError::Api(ApiError::Internal("the worker did not answer in time".into()))),
+        Ok(None) => Err(lost("it stopped before finishing the request")),
+        Err(_) => Err(lost("it did not answer in time")),
     }
 }
 

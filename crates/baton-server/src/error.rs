@@ -6,7 +6,8 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 /// What went wrong with a request, as the client sees it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", content = "detail", rename_all = "snake_case")]
 pub enum ApiError {
     /// The request is malformed or asks for something impossible (400).
     #[error("{message}")]

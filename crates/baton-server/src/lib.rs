@@ -14,13 +14,18 @@
 //! ```
 //!
 //! Modules: [`openai`] parses and validates request bodies; [`conductor`] runs requests and
-//! serves HTTP; [`worker`] owns an engine thread; [`routing`] is the policy seam; [`metrics`]
-//! renders Prometheus text.
+//! serves HTTP; [`worker`] owns an engine thread, its KV server and its transfer thread;
+//! [`control`] is a worker's HTTP control API and [`remote`] the conductor's client of it;
+//! [`deploy`] runs `baton worker` and `baton conductor` processes; [`routing`] is the policy
+//! seam; [`metrics`] renders Prometheus text.
 
 pub mod conductor;
+pub mod control;
+pub mod deploy;
 pub mod error;
 pub mod metrics;
 pub mod openai;
+pub mod remote;
 pub mod routing;
 pub mod worker;
 
@@ -33,7 +38,7 @@ use baton_model::Checkpoint;
 
 pub use conductor::Conductor;
 pub use error::ApiError;
-pub use worker::{Role, WorkerHandle};
+pub use worker::{Role, TransportChoice, Worker, WorkerHandle, WorkerOptions, WorkerStats};
 
 /// An all-in-one deployment: a conductor and its workers in one process.
 #[derive(Debug, Clone)]
@@ -54,6 +59,8 @@ pub struct ServeConfig {
     pub api_key: Option<String>,
     /// How long a prefill worker holds handed-off KV that no one releases.
     pub lease: Duration,
+    /// Requests in flight per worker before new ones get HTTP 429 (`None`: no limit).
+    pub max_in_flight: Option<usize>,
 }
 
 impl ServeConfig {
@@ -68,6 +75,7 @@ impl ServeConfig {
             engine: EngineConfig::default(),
             api_key: None,
             lease: worker::DEFAULT_LEASE,
+            max_in_flight: None,
         }
     }
 }
@@ -87,20 +95,24 @@ pub enum ServeError {
     /// The configuration makes no deployment.
     #[error("{0}")]
     Config(String),
+    /// Cluster membership failed.
+    #[error(transparent)]
+    Cluster(#[from] baton_cluster::ClusterError),
 }
 
-/// Loads the model once and starts the workers (sharing its weights) and the conductor.
-pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
-    if config.prefill + config.decode + config.colocated == 0 {
-        return Err(ServeError::Config("at least one worker is needed".into()));
-    }
-    if (config.prefill == 0) != (config.decode == 0) {
-        return Err(ServeError::Config("prefill and decode workers come together (or use colocated workers)".into()));
-    }
-    let ckpt = Checkpoint::open(&config.model)?;
-    let model_id = config.model_id.clone().unwrap_or_else(|| {
-        config.model.file_stem().map_or_else(|| "baton".to_owned(), |s| s.to_string_lossy().into_owned())
-    });
+/// A loaded model as the serving layer uses it: the validator (tokenizer, chat template,
+/// limits) and the model itself.
+pub(crate) struct Loaded {
+    pub(crate) validator: openai::Validator,
+    pub(crate) model: Arc<baton_model::Model>,
+    pub(crate) tokenizer: Arc<baton_model::Tokenizer>,
+}
+
+pub(crate) fn load(path: &std::path::Path, model_id: Option<&str>) -> Result<Loaded, ServeError> {
+    let ckpt = Checkpoint::open(path)?;
+    let model_id = model_id
+        .map(str::to_owned)
+        .unwrap_or_else(|| path.file_stem().map_or_else(|| "baton".to_owned(), |s| s.to_string_lossy().into_owned()));
     let tokenizer = Arc::new(ckpt.tokenizer);
     let model = Arc::new(ckpt.model);
     let validator = openai::Validator {
@@ -110,22 +122,49 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
         max_context: model.config().max_position_embeddings,
         vocab_size: model.config().vocab_size,
     };
-    let mut workers = Vec::new();
+    Ok(Loaded { validator, model, tokenizer })
+}
+
+/// The compatibility record KV peers compare: model id and KV geometry.
+pub(crate) fn compat(loaded: &Loaded, block_size: usize) -> baton_transfer::Compat {
+    baton_transfer::Compat::new(loaded.validator.model_id.clone(), loaded.model.kv_geometry(block_size))
+}
+
+/// Loads the model once and starts the workers (sharing its weights) and the conductor. KV
+/// moves between the workers over the shared-memory transport.
+pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
+    if config.prefill + config.decode + config.colocated == 0 {
+        return Err(ServeError::Config("at least one worker is needed".into()));
+    }
+    if (config.prefill == 0) != (config.decode == 0) {
+        return Err(ServeError::Config("prefill and decode workers come together (or use colocated workers)".into()));
+    }
+    let loaded = load(&config.model, config.model_id.as_deref())?;
+    let options = WorkerOptions {
+        lease: config.lease,
+        secret: baton_cluster::ClusterSecret::random(),
+        kv_bind: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        kv_advertise: None,
+        transport: TransportChoice::Shm,
+        compat: compat(&loaded, config.engine.block_size),
+        io_timeout: Duration::from_secs(10),
+    };
+    let mut workers: Vec<Arc<dyn Worker>> = Vec::new();
     let roles = std::iter::repeat_n(Role::Prefill, config.prefill)
         .chain(std::iter::repeat_n(Role::Decode, config.decode))
         .chain(std::iter::repeat_n(Role::Colocated, config.colocated));
     for (i, role) in roles.enumerate() {
         let mut engine_config = config.engine.clone();
         engine_config.instance = baton_kv::InstanceId(i as u32);
-        let engine = Engine::new(model.clone(), Some(tokenizer.clone()), engine_config)?;
-        let name = format!("{}-{i}", format!("{role:?}").to_lowercase());
-        workers.push(WorkerHandle::spawn(name, role, engine, config.lease)?);
+        let engine = Engine::new(loaded.model.clone(), Some(loaded.tokenizer.clone()), engine_config)?;
+        let name = format!("{}-{i}", role.as_str());
+        workers.push(Arc::new(WorkerHandle::spawn(name, role, engine, options.clone())?));
     }
-    let bytes_per_token = model.kv_geometry(config.engine.block_size).bytes_per_token();
+    let bytes_per_token = loaded.model.kv_geometry(config.engine.block_size).bytes_per_token();
     Ok(Arc::new(Conductor::new(
-        validator,
+        loaded.validator,
         workers,
-        Box::new(routing::LeastLoad),
+        Box::new(routing::LeastLoad { max_in_flight: config.max_in_flight }),
         config.api_key.clone(),
         bytes_per_token,
     )))

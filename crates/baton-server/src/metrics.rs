@@ -89,6 +89,8 @@ pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     /// Generated tokens.
     pub generation_tokens: AtomicU64,
+    /// Requests routed again after their worker was lost.
+    pub retries: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -104,6 +106,7 @@ impl Default for Metrics {
             transfer_bytes: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
         }
     }
 }
@@ -155,6 +158,11 @@ impl Metrics {
             out,
             "baton_routing_decisions_total{{route=\"disaggregated\"}} {}",
             self.routed_disaggregated.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP baton_retries_total Requests routed again after their worker was lost.\n# TYPE baton_retries_total counter\nbaton_retries_total {}",
+            self.retries.load(Ordering::Relaxed)
         );
         let _ = writeln!(
             out,

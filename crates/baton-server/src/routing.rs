@@ -59,21 +59,39 @@ pub trait RoutePolicy: Send + Sync {
 }
 
 /// Least-load: fewest requests in flight, ties to the first worker. Disaggregates when there
-/// is at least one prefill and one decode worker, else uses a colocated worker.
+/// is at least one prefill and one decode worker, else uses a colocated worker. With
+/// `max_in_flight`, a request whose least-loaded worker already has that many requests is
+/// rejected (HTTP 429): queueing it would only add latency the client can spend retrying.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct LeastLoad;
+pub struct LeastLoad {
+    /// Most requests in flight per worker before new ones are refused (`None`: no limit).
+    pub max_in_flight: Option<usize>,
+}
 
-fn least(snapshot: &Snapshot, role: crate::Role) -> Option<usize> {
-    snapshot.workers.iter().filter(|w| w.role == role).min_by_key(|w| (w.in_flight, w.index)).map(|w| w.index)
+fn least(snapshot: &Snapshot, role: crate::Role) -> Option<&WorkerView> {
+    snapshot.workers.iter().filter(|w| w.role == role).min_by_key(|w| (w.in_flight, w.index))
 }
 
 impl RoutePolicy for LeastLoad {
     fn route(&self, snapshot: &Snapshot, _request: &RouteRequest) -> Decision {
         use crate::Role;
-        match (least(snapshot, Role::Prefill), least(snapshot, Role::Decode), least(snapshot, Role::Colocated)) {
-            (Some(prefill), Some(decode), _) => Decision::Disaggregated { prefill, decode },
-            (_, _, Some(c)) => Decision::Colocated(c),
+        let full = |w: &WorkerView| self.max_in_flight.is_some_and(|m| w.in_flight >= m);
+        let decision = match (least(snapshot, Role::Prefill), least(snapshot, Role::Decode)) {
+            (Some(p), Some(d)) if !full(p) && !full(d) => Decision::Disaggregated { prefill: p.index, decode: d.index },
+            (Some(_), Some(_)) => Decision::Reject { reason: String::new() },
             _ => Decision::NoWorkers,
+        };
+        let colocated = least(snapshot, Role::Colocated);
+        match (decision, colocated) {
+            (Decision::Disaggregated { prefill, decode }, _) => Decision::Disaggregated { prefill, decode },
+            (_, Some(c)) if !full(c) => Decision::Colocated(c.index),
+            (Decision::NoWorkers, None) => Decision::NoWorkers,
+            _ => Decision::Reject {
+                reason: format!(
+                    "every worker has {} requests in flight; retry later",
+                    self.max_in_flight.unwrap_or_default()
+                ),
+            },
         }
     }
 }
@@ -98,14 +116,29 @@ mod tests {
             ],
         };
         let r = RouteRequest { prompt_tokens: 10, max_tokens: 10 };
-        assert_eq!(LeastLoad.route(&s, &r), Decision::Disaggregated { prefill: 1, decode: 2 });
+        assert_eq!(LeastLoad::default().route(&s, &r), Decision::Disaggregated { prefill: 1, decode: 2 });
     }
 
     #[test]
     fn colocated_when_a_role_is_missing_and_nothing_when_empty() {
         let r = RouteRequest { prompt_tokens: 10, max_tokens: 10 };
         let s = Snapshot { workers: vec![view(0, Role::Prefill, 0), view(1, Role::Colocated, 2)] };
-        assert_eq!(LeastLoad.route(&s, &r), Decision::Colocated(1));
-        assert_eq!(LeastLoad.route(&Snapshot::default(), &r), Decision::NoWorkers);
+        assert_eq!(LeastLoad::default().route(&s, &r), Decision::Colocated(1));
+        assert_eq!(LeastLoad::default().route(&Snapshot::default(), &r), Decision::NoWorkers);
+    }
+
+    #[test]
+    fn a_full_cluster_rejects_and_a_free_colocated_worker_still_serves() {
+        let r = RouteRequest { prompt_tokens: 10, max_tokens: 10 };
+        let capped = LeastLoad { max_in_flight: Some(2) };
+        let s = Snapshot { workers: vec![view(0, Role::Prefill, 2), view(1, Role::Decode, 0)] };
+        assert!(matches!(capped.route(&s, &r), Decision::Reject { .. }));
+        let s = Snapshot {
+            workers: vec![view(0, Role::Prefill, 2), view(1, Role::Decode, 0), view(2, Role::Colocated, 1)],
+        };
+        assert_eq!(capped.route(&s, &r), Decision::Colocated(2));
+        let s = Snapshot { workers: vec![view(0, Role::Colocated, 2)] };
+        assert!(matches!(capped.route(&s, &r), Decision::Reject { .. }));
+        assert_eq!(LeastLoad::default().route(&s, &r), Decision::Colocated(0));
     }
 }

@@ -6,24 +6,40 @@
 //! When a request's receiver is dropped (the client went away), the next event fails to send
 //! and the engine aborts the request, freeing its KV.
 //!
-//! KV hand-off between workers on one host uses shared memory: every worker's arena is a memfd
-//! mapping, a prefill worker keeps a finished prompt's blocks under a lease, and the decode
-//! worker maps the prefill arena read-only and copies the blocks into blocks it reserved (pull
-//! mode), then tells the prefill worker to release them (COMPLETE).
+//! KV moves between workers with `baton-transfer`'s protocol, in pull mode (KVDirect):
+//!
+//! 1. A prefill worker finishes a prompt with its KV retained and offers the blocks on its
+//!    [`KvServer`] under a lease; the request's `Finished` event names them ([`KvSource`]).
+//! 2. The decode worker's engine thread reserves blocks of its own, and its transfer thread
+//!    pulls into them with a [`KvClient`] (TRANSFER, coalesced reads, COMPLETE) — over shared
+//!    memory when the peer is on this host, else TCP — without stalling the engine's steps.
+//! 3. COMPLETE (or the lease running out, or the conductor's [`Worker::release`]) hands the
+//!    blocks back to the prefill engine through its [`BlockOwner`].
+//!
+//! A failed pull frees the reserved blocks; a prefill worker's blocks come back when their lease
+//! ends whatever the decode side does, so a dead peer leaves nothing held.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use baton_engine::{Engine, FinishReason, GenerationRequest, KvPrefix, RequestId};
-use baton_kv::{ArenaHandle, BlockId, MappedArena};
+use baton_engine::{Engine, FinishReason, GenerationRequest, KvPrefix, KvRetention, RequestId, StopParams};
+use baton_kv::BlockId;
+use baton_model::SamplingParams;
+use baton_transfer::{
+    Access, BlockOwner, ClientConfig, Compat, KvClient, KvServer, PeerId, Region, Release, ServerConfig, TransferId,
+    TransferStats, TransportKind,
+};
+use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::ApiError;
 
 /// A worker's role.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Role {
     /// Computes prompts and first tokens, then hands the KV over.
     Prefill,
@@ -33,19 +49,142 @@ pub enum Role {
     Colocated,
 }
 
-/// KV another worker holds for a request, and where to read it.
-#[derive(Debug, Clone)]
-pub struct RemoteKv {
-    /// The holder's arena.
-    pub arena: ArenaHandle,
-    /// The blocks, in token order.
-    pub blocks: Vec<BlockId>,
+impl Role {
+    /// The role's name on the command line and in metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Colocated => "colocated",
+        }
+    }
+}
+
+impl From<baton_cluster::Role> for Role {
+    fn from(r: baton_cluster::Role) -> Self {
+        match r {
+            baton_cluster::Role::Prefill => Role::Prefill,
+            baton_cluster::Role::Decode => Role::Decode,
+            baton_cluster::Role::Colocated => Role::Colocated,
+        }
+    }
+}
+
+impl From<Role> for baton_cluster::Role {
+    fn from(r: Role) -> Self {
+        match r {
+            Role::Prefill => baton_cluster::Role::Prefill,
+            Role::Decode => baton_cluster::Role::Decode,
+            Role::Colocated => baton_cluster::Role::Colocated,
+        }
+    }
+}
+
+/// KV a prefill worker holds for a request under a lease, and where to pull it from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvSource {
+    /// The holder's KV server.
+    pub addr: SocketAddr,
+    /// The holder's blocks, in token order.
+    pub blocks: Vec<u32>,
     /// Tokens they hold.
     pub tokens: usize,
 }
 
-/// What a request produces, in order: tokens, then one `Finished` (or `Failed`).
-#[derive(Debug)]
+/// One request as a worker receives it, locally or over the control API.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkRequest {
+    /// Unique among the conductor's requests; also the KV transfer's id.
+    pub id: u64,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens already generated elsewhere (the prefill worker's first token).
+    #[serde(default)]
+    pub generated: Vec<u32>,
+    /// Softmax temperature (0: greedy).
+    pub temperature: f32,
+    /// Top-k (0: all).
+    #[serde(default)]
+    pub top_k: usize,
+    /// Top-p (1: all).
+    pub top_p: f32,
+    /// Seed of the random stream.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Most tokens to generate, counting `generated`.
+    pub max_tokens: usize,
+    /// Keep going past end-of-sequence.
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Stop strings.
+    #[serde(default)]
+    pub stop: Vec<String>,
+    /// Keep the KV for a hand-off when the request ends (prefill role).
+    #[serde(default)]
+    pub retain_kv: bool,
+    /// KV to pull before starting (decode role).
+    #[serde(default)]
+    pub pull: Option<KvSource>,
+}
+
+impl WorkRequest {
+    fn into_parts(self) -> (GenerationRequest, Option<KvSource>) {
+        let req = GenerationRequest {
+            generated: self.generated,
+            sampling: SamplingParams {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                seed: self.seed,
+            },
+            stop: StopParams { max_tokens: self.max_tokens, ignore_eos: self.ignore_eos, stop_strings: self.stop },
+            retain_kv: if self.retain_kv { KvRetention::All } else { KvRetention::None },
+            ..GenerationRequest::new(RequestId(self.id), self.prompt)
+        };
+        (req, self.pull)
+    }
+}
+
+/// Why a request ended, as it travels between processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Finish {
+    /// End-of-sequence token.
+    Eos,
+    /// `max_tokens` or the context length.
+    Length,
+    /// A stop string.
+    Stop,
+    /// Aborted.
+    Aborted,
+}
+
+impl From<FinishReason> for Finish {
+    fn from(r: FinishReason) -> Self {
+        match r {
+            FinishReason::Eos => Finish::Eos,
+            FinishReason::Length => Finish::Length,
+            FinishReason::Stop => Finish::Stop,
+            FinishReason::Aborted => Finish::Aborted,
+        }
+    }
+}
+
+impl Finish {
+    /// The OpenAI API's name for it.
+    pub fn as_openai(self) -> &'static str {
+        match self {
+            Finish::Eos | Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::Aborted => "abort",
+        }
+    }
+}
+
+/// What a request produces, in order: tokens, then one `Finished`, `Failed` or `Lost`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
 pub enum RequestEvent {
     /// A generated token and the text it makes visible.
     Token {
@@ -57,40 +196,163 @@ pub enum RequestEvent {
     /// The request ended.
     Finished {
         /// Why.
-        reason: FinishReason,
+        reason: Finish,
         /// Prompt tokens.
         prompt_tokens: usize,
         /// Prompt tokens served from cached or transferred KV.
         cached_tokens: usize,
         /// Generated tokens (upstream ones included).
         completion_tokens: usize,
-        /// KV kept for a hand-off (prefill role): held under a lease until released.
-        kv: Option<RemoteKv>,
+        /// KV kept for a hand-off (prefill role), leased until pulled or released.
+        kv: Option<KvSource>,
     },
     /// The request could not run (a 400 when the engine refused it as invalid).
     Failed(ApiError),
+    /// The worker went away (crashed, left the cluster, unreachable): the request may be
+    /// retried elsewhere if nothing was streamed yet.
+    Lost(String),
 }
 
-enum Command {
-    Submit { req: Box<GenerationRequest>, pull: Option<RemoteKv>, events: mpsc::UnboundedSender<RequestEvent> },
-    Abort(RequestId),
-    Release(RequestId),
-    Stats(oneshot::Sender<WorkerStats>),
+impl RequestEvent {
+    /// Whether this event ends the request.
+    pub fn is_last(&self) -> bool {
+        !matches!(self, RequestEvent::Token { .. })
+    }
 }
 
 /// Load and memory figures of a worker.
-#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerStats {
     /// Requests running.
     pub running: usize,
     /// Requests waiting.
     pub waiting: usize,
+    /// Requests whose KV is being pulled in.
+    pub pulling: usize,
     /// Blocks allocatable now (free or merely cached).
     pub available_blocks: usize,
     /// Blocks in the arena.
     pub total_blocks: usize,
     /// KV handed off and not yet released.
     pub leased: usize,
+}
+
+impl WorkerStats {
+    /// Nothing in flight and every block allocatable: what a quiet worker must report.
+    pub fn is_quiet(&self) -> bool {
+        self.running == 0
+            && self.waiting == 0
+            && self.pulling == 0
+            && self.leased == 0
+            && self.available_blocks == self.total_blocks
+    }
+}
+
+/// What the conductor needs of a worker, wherever it runs: [`WorkerHandle`] in this process,
+/// [`crate::remote::RemoteWorker`] behind a control API.
+#[async_trait::async_trait]
+pub trait Worker: Send + Sync + std::fmt::Debug {
+    /// The worker's name (its cluster id).
+    fn name(&self) -> &str;
+    /// Its role.
+    fn role(&self) -> Role;
+    /// Requests submitted through this handle and not finished.
+    fn in_flight(&self) -> usize;
+    /// Submits a request. Events arrive on the returned receiver; dropping it aborts the
+    /// request (and frees its KV).
+    fn submit(&self, req: WorkRequest) -> mpsc::UnboundedReceiver<RequestEvent>;
+    /// Releases KV this worker handed off for request `id` and still holds (no-op if the decode
+    /// side already completed the pull).
+    fn release(&self, id: u64);
+    /// Current load and memory; `None` when the worker does not answer in time.
+    async fn stats(&self) -> Option<WorkerStats>;
+}
+
+/// How a decode worker reaches prefill workers' KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// Shared memory when the peer's KV server is on a loopback address, else TCP.
+    #[default]
+    Auto,
+    /// Always shared memory (fails for peers on other hosts).
+    Shm,
+    /// Always TCP.
+    Tcp,
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "shm" => Ok(Self::Shm),
+            "tcp" => Ok(Self::Tcp),
+            other => Err(format!("unknown transport `{other}` (expected auto, shm or tcp)")),
+        }
+    }
+}
+
+/// How a worker serves and fetches KV.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// How long handed-off KV is held when no one pulls or releases it.
+    pub lease: Duration,
+    /// The cluster secret KV peers must prove.
+    pub secret: baton_cluster::ClusterSecret,
+    /// Where the KV server listens (prefill and colocated roles).
+    pub kv_bind: SocketAddr,
+    /// The address decode workers dial for this worker's KV, when it differs from `kv_bind`'s
+    /// (which, if unspecified like `0.0.0.0`, is advertised as loopback).
+    pub kv_advertise: Option<std::net::IpAddr>,
+    /// How pulls travel (decode role).
+    pub transport: TransportChoice,
+    /// Model and KV geometry, checked with every peer.
+    pub compat: Compat,
+    /// Bound on every KV socket read and write.
+    pub io_timeout: Duration,
+}
+
+/// How long a prefill worker keeps handed-off KV when no one releases it.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+enum Command {
+    Submit {
+        req: Box<GenerationRequest>,
+        pull: Option<KvSource>,
+        events: mpsc::UnboundedSender<RequestEvent>,
+    },
+    Abort(RequestId),
+    /// The conductor gives up a hand-off: end its lease now.
+    Release(RequestId),
+    /// The KV server ended a lease (COMPLETE, expiry or cancel): the blocks are ours again.
+    Released(Release),
+    /// The transfer thread finished a pull.
+    Pulled {
+        job: Box<PullJob>,
+        result: Result<TransferStats, String>,
+    },
+    Stats(oneshot::Sender<WorkerStats>),
+    /// The last handle is gone: stop the KV server and the thread.
+    Shutdown,
+}
+
+/// A pull the transfer thread runs for the engine thread.
+struct PullJob {
+    req: GenerationRequest,
+    prefix: KvPrefix,
+    source: KvSource,
+    events: mpsc::UnboundedSender<RequestEvent>,
+}
+
+/// The KV server hands leased blocks back through the engine thread's command channel.
+struct LoopOwner(std::sync::Mutex<std::sync::mpsc::Sender<Command>>);
+
+impl BlockOwner for LoopOwner {
+    fn release(&self, release: Release) {
+        // A closed channel means the engine is gone, and its pool with it: nothing to free.
+        let _ = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).send(Command::Released(release));
+    }
 }
 
 /// A handle on a worker's engine thread. Cloning it shares the worker.
@@ -103,7 +365,7 @@ struct Inner {
     name: String,
     role: Role,
     commands: std::sync::mpsc::Sender<Command>,
-    arena: Option<ArenaHandle>,
+    kv_addr: Option<SocketAddr>,
     /// Requests submitted and not finished: the load figure routing reads without a round trip.
     in_flight: AtomicUsize,
 }
@@ -114,50 +376,110 @@ impl std::fmt::Debug for WorkerHandle {
     }
 }
 
-/// How long a prefill worker keeps handed-off KV when no one releases it.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+fn io_error(context: &str, e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::other(format!("{context}: {e}"))
+}
 
 impl WorkerHandle {
-    /// Starts a worker thread that owns `engine`.
-    pub fn spawn(name: impl Into<String>, role: Role, engine: Engine, lease: Duration) -> std::io::Result<Self> {
+    /// Starts a worker thread that owns `engine`; prefill and colocated workers also start a
+    /// KV server over the engine's arena, decode workers a transfer thread.
+    pub fn spawn(name: impl Into<String>, role: Role, engine: Engine, options: WorkerOptions) -> std::io::Result<Self> {
         let name = name.into();
         let (tx, rx) = std::sync::mpsc::channel();
         let arena = engine.kv().handle();
-        std::thread::Builder::new()
-            .name(format!("baton-{name}"))
-            .spawn(move || EngineLoop::new(engine, lease).run(rx))?;
-        Ok(Self { inner: Arc::new(Inner { name, role, commands: tx, arena, in_flight: AtomicUsize::new(0) }) })
+        let peer = PeerId(u64::from(engine.config().instance.0));
+        let server = if role == Role::Decode {
+            None
+        } else {
+            let arena = arena.as_ref().ok_or_else(|| io_error("KV server", "the engine's arena cannot be shared"))?;
+            let region = Region::from_arena(arena, Access::ReadOnly)?;
+            let config = ServerConfig {
+                bind: options.kv_bind,
+                lease: options.lease,
+                io_timeout: options.io_timeout,
+                ..ServerConfig::new(peer, options.compat.clone(), options.secret.expose())
+            };
+            let owner = LoopOwner(std::sync::Mutex::new(tx.clone()));
+            Some(KvServer::start(config, region, owner).map_err(|e| io_error("starting the KV server", e))?)
+        };
+        let puller = if role == Role::Prefill {
+            None
+        } else {
+            let arena = arena.as_ref().ok_or_else(|| io_error("KV client", "the engine's arena cannot be shared"))?;
+            let local = Arc::new(Region::from_arena(arena, Access::ReadWrite)?);
+            let config = ClientConfig {
+                io_timeout: options.io_timeout,
+                ..ClientConfig::new(peer, options.compat.clone(), options.secret.expose())
+            };
+            let (jobs, job_rx) = std::sync::mpsc::channel();
+            let back = tx.clone();
+            let transport = options.transport;
+            std::thread::Builder::new()
+                .name(format!("baton-{name}-pull"))
+                .spawn(move || Puller { local, config, transport, clients: HashMap::new() }.run(job_rx, back))?;
+            Some(jobs)
+        };
+        let kv_addr = server.as_ref().map(|s| {
+            let mut addr = s.addr();
+            match options.kv_advertise {
+                Some(ip) => addr.set_ip(ip),
+                None if addr.ip().is_unspecified() => addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into()),
+                None => {}
+            }
+            addr
+        });
+        std::thread::Builder::new().name(format!("baton-{name}")).spawn(move || {
+            EngineLoop {
+                kv_addr,
+                engine,
+                streams: HashMap::new(),
+                handed_off: HashMap::new(),
+                server,
+                puller,
+                pulling: HashMap::new(),
+            }
+            .run(rx)
+        })?;
+        Ok(Self { inner: Arc::new(Inner { name, role, commands: tx, kv_addr, in_flight: AtomicUsize::new(0) }) })
     }
 
-    /// The worker's name.
-    pub fn name(&self) -> &str {
+    /// Where this worker's KV server listens (prefill and colocated roles).
+    pub fn kv_addr(&self) -> Option<SocketAddr> {
+        self.inner.kv_addr
+    }
+
+    /// Aborts a request.
+    pub fn abort(&self, id: u64) {
+        let _ = self.inner.commands.send(Command::Abort(RequestId(id)));
+    }
+}
+
+#[async_trait::async_trait]
+impl Worker for WorkerHandle {
+    fn name(&self) -> &str {
         &self.inner.name
     }
 
-    /// The worker's role.
-    pub fn role(&self) -> Role {
+    fn role(&self) -> Role {
         self.inner.role
     }
 
-    /// Requests submitted through this handle and not finished.
-    pub fn in_flight(&self) -> usize {
+    fn in_flight(&self) -> usize {
         self.inner.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Submits a request; `pull` names KV to copy in first (decode role). Events arrive on the
-    /// returned receiver; dropping it aborts the request.
-    pub fn submit(&self, req: GenerationRequest, pull: Option<RemoteKv>) -> mpsc::UnboundedReceiver<RequestEvent> {
+    fn submit(&self, req: WorkRequest) -> mpsc::UnboundedReceiver<RequestEvent> {
         let (tx, rx) = mpsc::unbounded_channel();
-        if pull.is_some() && self.inner.arena.is_none() {
-            let _ = tx.send(RequestEvent::Failed(ApiError::Internal("this worker's arena cannot be shared".into())));
+        let (req, pull) = req.into_parts();
+        if pull.is_some() && self.inner.role == Role::Prefill {
+            let _ = tx.send(RequestEvent::Failed(ApiError::Internal("a prefill worker does not pull KV".into())));
             return rx;
         }
         self.inner.in_flight.fetch_add(1, Ordering::Relaxed);
         let guard = InFlight(self.inner.clone());
         let (ftx, frx) = mpsc::unbounded_channel();
         if self.inner.commands.send(Command::Submit { req: Box::new(req), pull, events: ftx }).is_err() {
-            let _ =
-                tx.send(RequestEvent::Failed(ApiError::Internal(format!("worker {} has stopped", self.inner.name))));
+            let _ = tx.send(RequestEvent::Lost(format!("worker {} has stopped", self.inner.name)));
             return rx;
         }
         // Forward events, counting the request out when it ends however it ends.
@@ -165,21 +487,22 @@ impl WorkerHandle {
         rx
     }
 
-    /// Aborts a request.
-    pub fn abort(&self, id: RequestId) {
-        let _ = self.inner.commands.send(Command::Abort(id));
+    fn release(&self, id: u64) {
+        let _ = self.inner.commands.send(Command::Release(RequestId(id)));
     }
 
-    /// Releases KV this worker handed off for `id` (the decode side's COMPLETE).
-    pub fn release(&self, id: RequestId) {
-        let _ = self.inner.commands.send(Command::Release(id));
-    }
-
-    /// Current load and memory.
-    pub async fn stats(&self) -> Option<WorkerStats> {
+    async fn stats(&self) -> Option<WorkerStats> {
         let (tx, rx) = oneshot::channel();
         self.inner.commands.send(Command::Stats(tx)).ok()?;
         tokio::time::timeout(Duration::from_secs(5), rx).await.ok()?.ok()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The KV server's owner and the transfer thread hold senders too, so the channel
+        // would never close on its own.
+        let _ = self.commands.send(Command::Shutdown);
     }
 }
 
@@ -197,7 +520,7 @@ async fn forward(
     _guard: InFlight,
 ) {
     while let Some(e) = from.recv().await {
-        let last = matches!(e, RequestEvent::Finished { .. } | RequestEvent::Failed(_));
+        let last = e.is_last();
         if to.send(e).is_err() || last {
             // Dropping `from` makes the engine's next send fail, which aborts the request.
             return;
@@ -205,25 +528,77 @@ async fn forward(
     }
 }
 
+/// The decode side's transfer thread: one [`KvClient`] per prefill peer, connected on first
+/// use and dropped after an error (the next pull reconnects).
+struct Puller {
+    local: Arc<Region>,
+    config: ClientConfig,
+    transport: TransportChoice,
+    clients: HashMap<SocketAddr, KvClient>,
+}
+
+impl Puller {
+    fn run(mut self, jobs: std::sync::mpsc::Receiver<PullJob>, back: std::sync::mpsc::Sender<Command>) {
+        while let Ok(job) = jobs.recv() {
+            let result = self.pull(&job);
+            if back.send(Command::Pulled { job: Box::new(job), result }).is_err() {
+                return;
+            }
+        }
+    }
+
+    fn pull(&mut self, job: &PullJob) -> Result<TransferStats, String> {
+        let addr = job.source.addr;
+        if job.events.is_closed() {
+            return Err("the request was cancelled".into());
+        }
+        if !self.clients.contains_key(&addr) {
+            let kind = match self.transport {
+                TransportChoice::Shm => TransportKind::Shm,
+                TransportChoice::Tcp => TransportKind::Tcp,
+                TransportChoice::Auto if addr.ip().is_loopback() => TransportKind::Shm,
+                TransportChoice::Auto => TransportKind::Tcp,
+            };
+            let config = ClientConfig { transport: kind, ..self.config.clone() };
+            let client = match KvClient::connect(addr, config, self.local.clone()) {
+                Err(e) if self.transport == TransportChoice::Auto && kind == TransportKind::Shm => {
+                    tracing::info!(peer = %addr, error = %e, "shared memory unavailable; pulling over TCP");
+                    let config = ClientConfig { transport: TransportKind::Tcp, ..self.config.clone() };
+                    KvClient::connect(addr, config, self.local.clone())
+                }
+                other => other,
+            }
+            .map_err(|e| format!("connecting to the KV server at {addr}: {e}"))?;
+            self.clients.insert(addr, client);
+        }
+        let remote: Vec<BlockId> = job.source.blocks.iter().map(|&b| BlockId(b)).collect();
+        let client = self.clients.get_mut(&addr).ok_or("no client")?;
+        let result = client.pull(TransferId(job.req.id.0), &remote, &job.prefix.blocks);
+        result.map_err(|e| {
+            self.clients.remove(&addr);
+            format!("pulling KV from {addr}: {e}")
+        })
+    }
+}
+
 /// The engine thread's state.
 struct EngineLoop {
     engine: Engine,
     streams: HashMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
-    /// Handed-off KV by request, with its deadline.
-    leases: HashMap<RequestId, (KvPrefix, Instant)>,
-    lease: Duration,
-    /// Peer arenas mapped for pulls, by memfd path.
-    peers: HashMap<std::path::PathBuf, MappedArena>,
+    /// KV offered on the KV server, by request, until its lease ends.
+    handed_off: HashMap<RequestId, KvPrefix>,
+    server: Option<KvServer>,
+    /// The KV server's advertised address.
+    kv_addr: Option<SocketAddr>,
+    puller: Option<std::sync::mpsc::Sender<PullJob>>,
+    /// Requests whose KV is being pulled; `true` once aborted.
+    pulling: HashMap<RequestId, bool>,
 }
 
 impl EngineLoop {
-    fn new(engine: Engine, lease: Duration) -> Self {
-        Self { engine, streams: HashMap::new(), leases: HashMap::new(), lease, peers: HashMap::new() }
-    }
-
     fn run(mut self, rx: std::sync::mpsc::Receiver<Command>) {
         loop {
-            // Idle: block for a command (waking for lease expiry); busy: take what is there.
+            // Idle: block for a command; busy: take what is there.
             let first = if self.engine.has_work() {
                 rx.try_recv().map_err(|e| matches!(e, std::sync::mpsc::TryRecvError::Disconnected))
             } else {
@@ -232,46 +607,38 @@ impl EngineLoop {
             };
             match first {
                 Ok(cmd) => {
-                    self.handle(cmd);
-                    while let Ok(cmd) = rx.try_recv() {
-                        self.handle(cmd);
+                    let mut go = self.handle(cmd);
+                    while go && let Ok(cmd) = rx.try_recv() {
+                        go = self.handle(cmd);
+                    }
+                    if !go {
+                        break;
                     }
                 }
-                Err(true) => return,
+                Err(true) => break,
                 Err(false) => {}
             }
-            self.expire_leases();
             if self.engine.has_work() {
                 self.step();
             }
         }
+        // Requests still running learn that the worker stopped when their senders drop.
+        if let Some(server) = self.server.take() {
+            server.shutdown();
+        }
     }
 
-    fn handle(&mut self, cmd: Command) {
+    /// Handles a command; `false` means stop.
+    fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Submit { mut req, pull, events } => {
-                let id = req.id;
-                if let Some(remote) = pull {
-                    match self.pull(&remote) {
-                        Ok(prefix) => req.prefix = Some(prefix),
-                        Err(e) => {
-                            let _ = events.send(RequestEvent::Failed(ApiError::Internal(e)));
-                            return;
-                        }
-                    }
-                }
-                match self.engine.add_request(*req) {
-                    Ok(()) => {
-                        self.streams.insert(id, events);
-                    }
-                    Err(e) => {
-                        let _ = events.send(RequestEvent::Failed(e.into()));
-                    }
-                }
-            }
+            Command::Shutdown => return false,
+            Command::Submit { req, pull: Some(source), events } => self.start_pull(*req, source, events),
+            Command::Submit { req, pull: None, events } => self.admit(*req, events),
+            Command::Pulled { job, result } => self.finish_pull(*job, result),
             Command::Abort(id) => self.abort(id),
-            Command::Release(id) => {
-                if let Some((kv, _)) = self.leases.remove(&id) {
+            Command::Release(id) => self.cancel_lease(id),
+            Command::Released(release) => {
+                if let Some(kv) = self.handed_off.remove(&RequestId(release.id.0)) {
                     self.release(kv);
                 }
             }
@@ -280,25 +647,76 @@ impl EngineLoop {
                 let _ = reply.send(WorkerStats {
                     running,
                     waiting,
+                    pulling: self.pulling.len(),
                     available_blocks: self.engine.available_blocks(),
                     total_blocks: self.engine.config().num_blocks,
-                    leased: self.leases.len(),
+                    leased: self.handed_off.len(),
                 });
+            }
+        }
+        true
+    }
+
+    fn admit(&mut self, req: GenerationRequest, events: mpsc::UnboundedSender<RequestEvent>) {
+        let id = req.id;
+        match self.engine.add_request(req) {
+            Ok(()) => {
+                self.streams.insert(id, events);
+            }
+            Err(e) => {
+                let _ = events.send(RequestEvent::Failed(e.into()));
             }
         }
     }
 
-    /// Reserves local blocks and copies a peer's KV into them (shared-memory pull).
-    fn pull(&mut self, remote: &RemoteKv) -> Result<KvPrefix, String> {
-        let path = remote.arena.path();
-        if !self.peers.contains_key(&path) {
-            let mapped = MappedArena::open(&remote.arena).map_err(|e| format!("cannot map the prefill arena: {e}"))?;
-            self.peers.insert(path.clone(), mapped);
+    /// Reserves blocks for a peer's KV and hands the copy to the transfer thread.
+    fn start_pull(&mut self, req: GenerationRequest, source: KvSource, events: mpsc::UnboundedSender<RequestEvent>) {
+        let Some(puller) = &self.puller else {
+            let _ = events.send(RequestEvent::Failed(ApiError::Internal("this worker cannot pull KV".into())));
+            return;
+        };
+        if source.blocks.len() != source.tokens.div_ceil(self.engine.config().block_size) {
+            let _ = events.send(RequestEvent::Failed(ApiError::Internal(format!(
+                "{} blocks cannot hold {} tokens",
+                source.blocks.len(),
+                source.tokens
+            ))));
+            return;
         }
-        let reserved = self.engine.reserve_kv(remote.tokens).map_err(|e| e.to_string())?;
-        let src = self.peers[&path].as_slice();
-        self.engine.kv_mut().copy_blocks_from_slice(&remote.arena.descriptor, src, &remote.blocks, &reserved.blocks);
-        Ok(reserved)
+        let prefix = match self.engine.reserve_kv(source.tokens) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = events.send(RequestEvent::Failed(ApiError::Overloaded {
+                    message: format!("no room for the request's KV: {e}"),
+                    retry_after_s: 1,
+                }));
+                return;
+            }
+        };
+        let id = req.id;
+        if let Err(std::sync::mpsc::SendError(job)) = puller.send(PullJob { req, prefix, source, events }) {
+            let _ = job.events.send(RequestEvent::Failed(ApiError::Internal("the transfer thread stopped".into())));
+            self.release(job.prefix);
+            return;
+        }
+        self.pulling.insert(id, false);
+    }
+
+    fn finish_pull(&mut self, job: PullJob, result: Result<TransferStats, String>) {
+        let PullJob { mut req, prefix, events, .. } = job;
+        let aborted = self.pulling.remove(&req.id).unwrap_or(true) || events.is_closed();
+        match result {
+            Ok(stats) if !aborted => {
+                tracing::debug!(request = req.id.0, bytes = stats.bytes, calls = stats.calls, "pulled KV");
+                req.prefix = Some(prefix);
+                self.admit(req, events);
+            }
+            Ok(_) => self.release(prefix),
+            Err(e) => {
+                self.release(prefix);
+                let _ = events.send(RequestEvent::Failed(ApiError::Internal(e)));
+            }
+        }
     }
 
     fn step(&mut self) {
@@ -323,22 +741,14 @@ impl EngineLoop {
             }
         }
         for f in out.finished {
-            let kv = f.kv.map(|kv| {
-                let remote = self.engine.kv().handle().map(|arena| RemoteKv {
-                    arena,
-                    blocks: kv.blocks.clone(),
-                    tokens: kv.tokens,
-                });
-                self.leases.insert(f.id, (kv, Instant::now() + self.lease));
-                remote
-            });
+            let kv = f.kv.and_then(|kv| self.offer(f.id, kv));
             if let Some(tx) = self.streams.remove(&f.id) {
                 let _ = tx.send(RequestEvent::Finished {
-                    reason: f.reason,
+                    reason: f.reason.into(),
                     prompt_tokens: f.prompt_tokens,
                     cached_tokens: f.cached_tokens,
                     completion_tokens: f.token_ids.len(),
-                    kv: kv.flatten(),
+                    kv,
                 });
             }
         }
@@ -347,32 +757,49 @@ impl EngineLoop {
         }
     }
 
+    /// Offers a finished request's KV on the KV server; without one, frees it.
+    fn offer(&mut self, id: RequestId, kv: KvPrefix) -> Option<KvSource> {
+        let (Some(server), Some(addr)) = (&self.server, self.kv_addr) else {
+            self.release(kv);
+            return None;
+        };
+        let source = KvSource { addr, blocks: kv.blocks.iter().map(|b| b.0).collect(), tokens: kv.tokens };
+        match server.offer(TransferId(id.0), kv.blocks.clone()) {
+            Ok(()) => {
+                self.handed_off.insert(id, kv);
+                Some(source)
+            }
+            Err(e) => {
+                tracing::error!(request = id.0, error = %e, "cannot offer KV for transfer");
+                self.release(kv);
+                None
+            }
+        }
+    }
+
+    fn cancel_lease(&mut self, id: RequestId) {
+        // The server hands the blocks back through `Released` when it held a lease.
+        if let Some(server) = &self.server {
+            server.cancel(TransferId(id.0));
+        }
+    }
+
     fn abort(&mut self, id: RequestId) {
         self.streams.remove(&id);
+        if let Some(aborted) = self.pulling.get_mut(&id) {
+            *aborted = true;
+        }
         if let Ok(Some(f)) = self.engine.abort(id)
             && let Some(kv) = f.kv
         {
             self.release(kv);
         }
-        if let Some((kv, _)) = self.leases.remove(&id) {
-            self.release(kv);
-        }
+        self.cancel_lease(id);
     }
 
     fn release(&mut self, kv: KvPrefix) {
         if let Err(e) = self.engine.release_kv(kv) {
-            tracing::error!(error = %e, "releasing handed-off KV failed");
-        }
-    }
-
-    fn expire_leases(&mut self) {
-        let now = Instant::now();
-        let expired: Vec<RequestId> = self.leases.iter().filter(|(_, (_, t))| *t <= now).map(|(id, _)| *id).collect();
-        for id in expired {
-            tracing::warn!(request = id.0, "no one released handed-off KV within the lease; releasing it");
-            if let Some((kv, _)) = self.leases.remove(&id) {
-                self.release(kv);
-            }
+            tracing::error!(error = %e, "releasing KV failed");
         }
     }
 }

@@ -3,6 +3,8 @@
 
 mod bench;
 mod bench_transfer;
+mod cluster;
+mod engine_flags;
 mod generate;
 mod serve;
 mod sim;
@@ -23,6 +25,12 @@ enum Command {
     /// Serve the OpenAI-compatible API: a conductor with prefill and decode workers, in one
     /// process.
     Serve(serve::ServeArgs),
+    /// Run one worker (prefill, decode or colocated) of a multi-process cluster; it joins
+    /// through the registry and serves KV to its peers.
+    Worker(cluster::WorkerArgs),
+    /// Run the conductor of a multi-process cluster: the OpenAI-compatible API, routing to the
+    /// workers that join through its registry.
+    Conductor(cluster::ConductorArgs),
     /// Generate text for one prompt with a local engine and print it.
     Generate(generate::GenerateArgs),
     /// Simulate a cluster on virtual time with the conductor's scheduling policies.
@@ -43,6 +51,8 @@ fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Serve(args) => serve::run(args),
+        Command::Worker(args) => cluster::worker(args),
+        Command::Conductor(args) => cluster::conductor(args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Sim(args) => sim::run(args),

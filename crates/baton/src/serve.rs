@@ -6,8 +6,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use baton_engine::EngineConfig;
-use baton_kv::KvLayout;
 use baton_server::ServeConfig;
 
 /// Arguments of `baton serve`.
@@ -39,24 +37,11 @@ pub(crate) struct ServeArgs {
     /// Require clients to send `Authorization: Bearer <KEY>`.
     #[arg(long, env = "BATON_API_KEY")]
     api_key: Option<String>,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
-    block_size: usize,
-    /// KV blocks per worker.
-    #[arg(long, default_value_t = 2048)]
-    num_blocks: usize,
-    /// Most sequences a worker runs at once.
-    #[arg(long, default_value_t = 64)]
-    max_num_seqs: usize,
-    /// Most tokens a worker computes per step.
-    #[arg(long, default_value_t = 512)]
-    max_batch_tokens: usize,
-    /// Most prompt tokens of one sequence per step (chunked prefill).
-    #[arg(long, default_value_t = 512)]
-    prefill_chunk: usize,
-    /// KV layout: block-major or layer-major.
-    #[arg(long, default_value = "block-major")]
-    layout: KvLayout,
+    #[command(flatten)]
+    engine: crate::engine_flags::EngineFlags,
+    /// Requests in flight per worker before new ones are answered 429 (default: no limit).
+    #[arg(long)]
+    max_in_flight: Option<usize>,
     /// Seconds a prefill worker holds handed-off KV that no decode worker releases.
     #[arg(long, default_value_t = 30)]
     lease_s: u64,
@@ -72,17 +57,10 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
         prefill,
         decode,
         colocated: a.colocated.unwrap_or(0),
-        engine: EngineConfig {
-            block_size: a.block_size,
-            num_blocks: a.num_blocks,
-            layout: a.layout,
-            max_num_seqs: a.max_num_seqs,
-            max_batch_tokens: a.max_batch_tokens,
-            prefill_chunk: a.prefill_chunk,
-            ..EngineConfig::default()
-        },
+        engine: a.engine.config(),
         api_key: a.api_key,
         lease: Duration::from_secs(a.lease_s),
+        max_in_flight: a.max_in_flight,
         ..ServeConfig::new(model.clone())
     };
     eprintln!("loading {} ...", model.display());

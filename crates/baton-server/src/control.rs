@@ -1,0 +1,106 @@
+//! A worker's control API: what a conductor in another process calls.
+//!
+//! | route                        | body            | answer                                      |
+//! |------------------------------|-----------------|---------------------------------------------|
+//! | `POST /worker/v1/generate`   | [`WorkRequest`] | 200, then one [`RequestEvent`] per line (NDJSON) |
+//! | `POST /worker/v1/release`    | [`ReleaseBody`] | 204                                         |
+//! | `GET /worker/v1/stats`       | none            | 200 [`WorkerStats`]                         |
+//!
+//! Every request proves the cluster secret with the `x-baton-cluster-auth` header (an HMAC over
+//! method, path, timestamp and body, see [`baton_cluster::auth`]); without it the answer is 401.
+//! Closing the generate response's connection aborts the request and frees its KV.
+
+use std::convert::Infallible;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use baton_cluster::{AUTH_HEADER, ClusterSecret, unix_millis};
+use serde::{Deserialize, Serialize};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::error::ApiError;
+use crate::worker::{Worker, WorkerHandle};
+
+/// Path of the generate route.
+pub const GENERATE_PATH: &str = "/worker/v1/generate";
+/// Path of the release route.
+pub const RELEASE_PATH: &str = "/worker/v1/release";
+/// Path of the stats route.
+pub const STATS_PATH: &str = "/worker/v1/stats";
+
+/// Body of `POST /worker/v1/release`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseBody {
+    /// The request whose handed-off KV to release.
+    pub id: u64,
+}
+
+#[derive(Clone)]
+struct ControlState {
+    worker: WorkerHandle,
+    secret: ClusterSecret,
+}
+
+/// The control routes over a local worker.
+pub fn router(worker: WorkerHandle, secret: ClusterSecret) -> Router {
+    Router::new()
+        .route(GENERATE_PATH, post(generate))
+        .route(RELEASE_PATH, post(release))
+        .route(STATS_PATH, get(stats))
+        .with_state(ControlState { worker, secret })
+}
+
+fn authorize(state: &ControlState, headers: &HeaderMap, method: &str, path: &str, body: &[u8]) -> Result<(), ApiError> {
+    let proof = headers.get(AUTH_HEADER).and_then(|v| v.to_str().ok());
+    state
+        .secret
+        .verify_request(proof, method, path, unix_millis(), body)
+        .map(|_| ())
+        .map_err(|f| ApiError::Unauthorized(format!("worker control API: {}", f.message())))
+}
+
+async fn generate(State(state): State<ControlState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(e) = authorize(&state, &headers, "POST", GENERATE_PATH, &body) {
+        return e.into_response();
+    }
+    let req = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return ApiError::invalid(format!("invalid work request: {e}")).into_response(),
+    };
+    let events = state.worker.submit(req);
+    let lines = UnboundedReceiverStream::new(events).map(|event| {
+        let mut line = serde_json::to_vec(&event).unwrap_or_else(|_| b"{}".to_vec());
+        line.push(b'\n');
+        Ok::<_, Infallible>(Bytes::from(line))
+    });
+    ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(lines)).into_response()
+}
+
+async fn release(State(state): State<ControlState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(e) = authorize(&state, &headers, "POST", RELEASE_PATH, &body) {
+        return e.into_response();
+    }
+    match serde_json::from_slice::<ReleaseBody>(&body) {
+        Ok(b) => {
+            state.worker.release(b.id);
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => ApiError::invalid(format!("invalid release request: {e}")).into_response(),
+    }
+}
+
+async fn stats(State(state): State<ControlState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&state, &headers, "GET", STATS_PATH, b"") {
+        return e.into_response();
+    }
+    match state.worker.stats().await {
+        Some(s) => axum::Json(s).into_response(),
+        None => ApiError::Unavailable("the engine did not answer in time".into()).into_response(),
+    }
+}

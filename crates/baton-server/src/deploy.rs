@@ -1,0 +1,257 @@
+//! Multi-process deployments: `baton worker` and `baton conductor`.
+//!
+//! A worker process runs one engine ([`WorkerHandle`]), its KV server, its control API
+//! ([`crate::control`]) and — for a colocated worker — the OpenAI API directly (a conductor over
+//! just this worker, handy for measuring what routing adds). It registers with the cluster's
+//! registry under a lease and deregisters on shutdown; if it dies, the lease lapses within its
+//! TTL and the conductor forgets it.
+//!
+//! A conductor process serves the OpenAI API and follows membership: each worker that joins
+//! becomes a [`RemoteWorker`], each that leaves is dropped and its streaming requests are lost
+//! (retried when nothing was streamed yet). With the embedded registry the conductor also
+//! serves the registry's `/cluster/*` routes that workers register through.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_cluster::{
+    ClusterSecret, EmbeddedRegistry, KvSummary, MembershipEvent, MembershipWatch, Registry, RegistryConfig, WorkerId,
+    WorkerInfo,
+};
+use baton_engine::{Engine, EngineConfig};
+
+use crate::conductor::Conductor;
+use crate::remote::RemoteWorker;
+use crate::worker::{Role, TransportChoice, Worker, WorkerHandle, WorkerOptions};
+use crate::{ServeError, compat, load, routing};
+
+/// A worker process.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Hugging Face checkpoint directory or GGUF file.
+    pub model: PathBuf,
+    /// The id clients name (must match the conductor's).
+    pub model_id: Option<String>,
+    /// Prefill, decode or colocated.
+    pub role: Role,
+    /// Cluster id (default: `<role>-<host>-<port>`).
+    pub name: Option<String>,
+    /// Where the control API (and, for colocated workers, the OpenAI API) listens.
+    pub listen: SocketAddr,
+    /// Where the KV server listens (prefill and colocated roles).
+    pub kv_listen: SocketAddr,
+    /// The host others use to reach this worker (default: the listen address, or loopback
+    /// when that is unspecified).
+    pub advertise: Option<IpAddr>,
+    /// The cluster's registry.
+    pub registry: RegistryConfig,
+    /// The shared secret.
+    pub secret: ClusterSecret,
+    /// The engine.
+    pub engine: EngineConfig,
+    /// How long handed-off KV is held.
+    pub lease: Duration,
+    /// How pulls travel.
+    pub transport: TransportChoice,
+    /// Membership lease: a dead worker is forgotten this long after its last heartbeat.
+    pub ttl: Duration,
+}
+
+/// A running worker process's addresses, for whoever started it (tests, benchmarks).
+#[derive(Debug, Clone)]
+pub struct WorkerReady {
+    /// Cluster id.
+    pub name: String,
+    /// Control API (and OpenAI API for colocated workers).
+    pub url: String,
+    /// KV server, if any.
+    pub kv_addr: Option<SocketAddr>,
+}
+
+/// Runs a worker until `shutdown` resolves (then deregisters) or its membership lease is lost.
+/// `on_ready` is called once it is registered and serving.
+pub async fn run_worker(
+    config: WorkerConfig,
+    listener: tokio::net::TcpListener,
+    on_ready: impl FnOnce(WorkerReady),
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let path = config.model.clone();
+    let model_id = config.model_id.clone();
+    let loaded = tokio::task::spawn_blocking(move || load(&path, model_id.as_deref()))
+        .await
+        .map_err(|e| ServeError::Config(format!("loading the model: {e}")))??;
+    let local = listener.local_addr()?;
+    let host = config.advertise.unwrap_or(if local.ip().is_unspecified() {
+        std::net::Ipv4Addr::LOCALHOST.into()
+    } else {
+        local.ip()
+    });
+    let name = config.name.clone().unwrap_or_else(|| format!("{}-{}-{}", config.role.as_str(), host, local.port()));
+    let id = WorkerId::new(name.replace(['[', ']'], ""))?;
+    let options = WorkerOptions {
+        lease: config.lease,
+        secret: config.secret.clone(),
+        kv_bind: config.kv_listen,
+        kv_advertise: Some(config.advertise.unwrap_or(if config.kv_listen.ip().is_unspecified() {
+            host
+        } else {
+            config.kv_listen.ip()
+        })),
+        transport: config.transport,
+        compat: compat(&loaded, config.engine.block_size),
+        io_timeout: Duration::from_secs(10),
+    };
+    let engine = Engine::new(loaded.model.clone(), Some(loaded.tokenizer.clone()), config.engine.clone())?;
+    let geometry = loaded.model.kv_geometry(config.engine.block_size);
+    let handle = WorkerHandle::spawn(id.to_string(), config.role, engine, options)?;
+    let mut app = crate::control::router(handle.clone(), config.secret.clone());
+    if config.role == Role::Colocated {
+        let bytes_per_token = geometry.bytes_per_token();
+        let direct = Conductor::new(
+            loaded.validator.clone(),
+            vec![Arc::new(handle.clone())],
+            Box::new(routing::LeastLoad::default()),
+            None,
+            bytes_per_token,
+        );
+        app = app.merge(Arc::new(direct).router());
+    }
+    let url = format!("http://{}", SocketAddr::new(host, local.port()));
+    let info = WorkerInfo {
+        id: id.clone(),
+        role: config.role.into(),
+        control_url: url.clone(),
+        kv_addr: handle.kv_addr().map(|a| a.to_string()).unwrap_or_default(),
+        model: loaded.validator.model_id.clone(),
+        kv: KvSummary {
+            num_layers: geometry.layers as u32,
+            num_kv_heads: geometry.kv_heads as u32,
+            head_dim: geometry.head_dim as u32,
+            block_tokens: geometry.block_size as u32,
+            dtype: format!("{:?}", geometry.dtype).to_lowercase(),
+        },
+        capacity_blocks: config.engine.num_blocks as u64,
+        started_at_ms: baton_cluster::unix_millis(),
+    };
+    let mut server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let registry = baton_cluster::connect(&config.registry, config.secret.clone()).await?;
+    let lease = registry.register(info, config.ttl).await?;
+    on_ready(WorkerReady { name: id.to_string(), url, kv_addr: handle.kv_addr() });
+    tokio::select! {
+        () = shutdown => {
+            registry.deregister(lease).await?;
+            server.abort();
+            Ok(())
+        }
+        reason = lease.lost() => {
+            server.abort();
+            Err(ServeError::Config(format!("this worker lost its cluster membership: {reason}")))
+        }
+        r = &mut server => Err(ServeError::Config(format!("the control API stopped: {r:?}"))),
+    }
+}
+
+/// A conductor process.
+#[derive(Debug, Clone)]
+pub struct ConductorConfig {
+    /// The model (its tokenizer, chat template and limits validate requests).
+    pub model: PathBuf,
+    /// The id clients name.
+    pub model_id: Option<String>,
+    /// The cluster's registry: `embedded` serves it from this process.
+    pub registry: RegistryConfig,
+    /// The shared secret.
+    pub secret: ClusterSecret,
+    /// Require `Authorization: Bearer <key>` from clients.
+    pub api_key: Option<String>,
+    /// Requests in flight per worker before HTTP 429.
+    pub max_in_flight: Option<usize>,
+}
+
+/// Runs a conductor on `listener` until `shutdown` resolves.
+pub async fn run_conductor(
+    config: ConductorConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let path = config.model.clone();
+    let model_id = config.model_id.clone();
+    let loaded = tokio::task::spawn_blocking(move || load(&path, model_id.as_deref()))
+        .await
+        .map_err(|e| ServeError::Config(format!("loading the model: {e}")))??;
+    let bytes_per_token = loaded.model.kv_geometry(16).bytes_per_token();
+    let conductor = Arc::new(Conductor::new(
+        loaded.validator,
+        Vec::new(),
+        Box::new(routing::LeastLoad { max_in_flight: config.max_in_flight }),
+        config.api_key.clone(),
+        bytes_per_token,
+    ));
+    let mut app = conductor.clone().router();
+    let registry: Arc<dyn Registry> = match &config.registry {
+        RegistryConfig::Embedded => {
+            let embedded = EmbeddedRegistry::start(config.secret.clone());
+            app = baton_cluster::router(embedded.clone()).merge(app);
+            Arc::new(embedded)
+        }
+        other => baton_cluster::connect(other, config.secret.clone()).await?,
+    };
+    let watch = registry.watch().await?;
+    let follower = tokio::spawn(follow(conductor, watch, config.secret.clone()));
+    let result = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
+    follower.abort();
+    Ok(result?)
+}
+
+/// Keeps the conductor's workers in step with membership.
+pub async fn follow(conductor: Arc<Conductor>, mut watch: MembershipWatch, secret: ClusterSecret) {
+    let mut remotes: HashMap<WorkerId, Arc<RemoteWorker>> = HashMap::new();
+    while let Some(event) = watch.recv().await {
+        match event {
+            MembershipEvent::Joined(info) => {
+                if info.model != conductor.model_id() {
+                    tracing::warn!(
+                        worker = %info.id,
+                        model = info.model,
+                        "a worker serving another model joined; ignoring it (start it with the same --model-id)"
+                    );
+                    continue;
+                }
+                match RemoteWorker::new(info.clone(), secret.clone()) {
+                    Ok(w) => {
+                        let w = Arc::new(w);
+                        if let Some(old) = remotes.insert(info.id.clone(), w.clone()) {
+                            old.mark_gone();
+                        }
+                        conductor.add_worker(w);
+                    }
+                    Err(e) => tracing::error!(worker = %info.id, error = %e, "cannot reach the worker that joined"),
+                }
+            }
+            MembershipEvent::Left(id, reason) => {
+                tracing::warn!(worker = %id, ?reason, "worker left the cluster");
+                conductor.remove_worker(id.as_str());
+                if let Some(w) = remotes.remove(&id) {
+                    w.mark_gone();
+                }
+            }
+        }
+    }
+    tracing::error!("the membership watch ended; the worker set is frozen");
+}
+
+/// Whether every worker reports no request in flight and every block allocatable.
+pub async fn all_quiet(workers: &[Arc<dyn Worker>]) -> bool {
+    for w in workers {
+        match w.stats().await {
+            Some(s) if s.is_quiet() => {}
+            _ => return false,
+        }
+    }
+    true
+}

@@ -1,0 +1,203 @@
+//! A worker in another process, seen through its control API ([`crate::control`]).
+//!
+//! [`RemoteWorker`] implements [`Worker`] over HTTP: `submit` posts the request and turns the
+//! NDJSON event lines of the answer into [`RequestEvent`]s. Dropping the receiver closes the
+//! connection, which aborts the request on the worker. When the worker cannot be reached, its
+//! stream breaks, or membership says it left ([`RemoteWorker::mark_gone`]), the request gets a
+//! [`RequestEvent::Lost`], which the conductor may retry elsewhere.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use baton_cluster::{AUTH_HEADER, ClusterSecret, WorkerInfo, unix_millis};
+use tokio::sync::{mpsc, watch};
+
+use crate::control::{GENERATE_PATH, RELEASE_PATH, ReleaseBody, STATS_PATH};
+use crate::error::ApiError;
+use crate::worker::{RequestEvent, Role, WorkRequest, Worker, WorkerStats};
+
+/// How long to wait for a worker to accept a connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bound on the small control calls (release, stats).
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A worker behind its control API.
+pub struct RemoteWorker {
+    info: WorkerInfo,
+    role: Role,
+    base: String,
+    client: reqwest::Client,
+    secret: ClusterSecret,
+    in_flight: Arc<AtomicUsize>,
+    gone: watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for RemoteWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteWorker").field("id", &self.info.id).field("url", &self.base).finish()
+    }
+}
+
+impl RemoteWorker {
+    /// A client for the worker `info` describes.
+    pub fn new(info: WorkerInfo, secret: ClusterSecret) -> Result<Self, ApiError> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .build()
+            .map_err(|e| ApiError::Internal(format!("HTTP client: {e}")))?;
+        Ok(Self {
+            role: info.role.into(),
+            base: info.control_url.trim_end_matches('/').to_owned(),
+            info,
+            client,
+            secret,
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            gone: watch::channel(false).0,
+        })
+    }
+
+    /// Its registration.
+    pub fn info(&self) -> &WorkerInfo {
+        &self.info
+    }
+
+    /// The worker left the cluster: every request still streaming from it is lost.
+    pub fn mark_gone(&self) {
+        self.gone.send_replace(true);
+    }
+
+    fn signed(&self, method: reqwest::Method, path: &str, body: Vec<u8>) -> reqwest::RequestBuilder {
+        let proof = self.secret.sign_request(method.as_str(), path, unix_millis(), &body);
+        self.client
+            .request(method, format!("{}{path}", self.base))
+            .header(AUTH_HEADER, proof)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body)
+    }
+}
+
+/// Resolves once `gone` is (or becomes) true.
+async fn gone(mut gone: watch::Receiver<bool>) {
+    let _ = gone.wait_for(|g| *g).await;
+}
+
+/// Decrements the in-flight count however a request ends.
+struct Counted(Arc<AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[async_trait::async_trait]
+impl Worker for RemoteWorker {
+    fn name(&self) -> &str {
+        self.info.id.as_str()
+    }
+
+    fn role(&self) -> Role {
+        self.role
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    fn submit(&self, req: WorkRequest) -> mpsc::UnboundedReceiver<RequestEvent> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let body = match serde_json::to_vec(&req) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = tx.send(RequestEvent::Failed(ApiError::Internal(format!("encoding the request: {e}"))));
+                return rx;
+            }
+        };
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let counted = Counted(self.in_flight.clone());
+        let request = self.signed(reqwest::Method::POST, GENERATE_PATH, body);
+        let name = self.info.id.to_string();
+        let gone_rx = self.gone.subscribe();
+        tokio::spawn(async move {
+            let _counted = counted;
+            tokio::select! {
+                lost = stream(request, &tx) => {
+                    if let Some(reason) = lost {
+                        let _ = tx.send(RequestEvent::Lost(format!("worker {name}: {reason}")));
+                    }
+                }
+                () = gone(gone_rx) => {
+                    let _ = tx.send(RequestEvent::Lost(format!("worker {name} left the cluster")));
+                }
+                // The client went away: returning drops the response, closing the connection,
+                // which aborts the request on the worker.
+                () = tx.closed() => {}
+            }
+        });
+        rx
+    }
+
+    fn release(&self, id: u64) {
+        let body = serde_json::to_vec(&ReleaseBody { id }).unwrap_or_default();
+        let request = self.signed(reqwest::Method::POST, RELEASE_PATH, body).timeout(CALL_TIMEOUT);
+        let name = self.info.id.to_string();
+        tokio::spawn(async move {
+            match request.send().await {
+                Ok(r) if r.status().is_success() => {}
+                // The lease runs out on its own; this only frees the blocks sooner.
+                Ok(r) => tracing::warn!(worker = name, status = %r.status(), "release refused"),
+                Err(e) => tracing::warn!(worker = name, error = %e, "release failed"),
+            }
+        });
+    }
+
+    async fn stats(&self) -> Option<WorkerStats> {
+        let r = self.signed(reqwest::Method::GET, STATS_PATH, Vec::new()).timeout(CALL_TIMEOUT).send().await.ok()?;
+        if !r.status().is_success() {
+            return None;
+        }
+        r.json().await.ok()
+    }
+}
+
+/// Posts a request and relays its event lines; returns why the worker was lost, if it was.
+async fn stream(request: reqwest::RequestBuilder, tx: &mpsc::UnboundedSender<RequestEvent>) -> Option<String> {
+    let mut response = match request.send().await {
+        Ok(r) => r,
+        Err(e) => return Some(format!("unreachable: {e}")),
+    };
+    if !response.status().is_success() {
+        let status = response.status();
+        let error = match response.json::<serde_json::Value>().await {
+            Ok(body) => body["error"]["message"].as_str().unwrap_or("no message").to_owned(),
+            Err(_) => "no readable body".to_owned(),
+        };
+        let e = if status.is_client_error() && status != reqwest::StatusCode::UNAUTHORIZED {
+            ApiError::invalid(error)
+        } else {
+            ApiError::Internal(format!("the worker answered {status}: {error}"))
+        };
+        let _ = tx.send(RequestEvent::Failed(e));
+        return None;
+    }
+    let mut buf = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(bytes)) => buf.extend_from_slice(&bytes),
+            Ok(None) => return Some("the event stream ended before the request finished".into()),
+            Err(e) => return Some(format!("the event stream broke: {e}")),
+        }
+        while let Some(end) = buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=end).collect();
+            let event: RequestEvent = match serde_json::from_slice(&line) {
+                Ok(e) => e,
+                Err(e) => return Some(format!("unreadable event: {e}")),
+            };
+            let last = event.is_last();
+            if tx.send(event).is_err() || last {
+                return None;
+            }
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! `baton worker` and `baton conductor`: one process per role, for multi-process and multi-host
+//! deployments. Workers find the conductor through a registry: the conductor's embedded one
+//! (`--registry http://CONDUCTOR:PORT`) or etcd (`--registry etcd://HOST:PORT`).
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use baton_cluster::{ClusterSecret, RegistryConfig};
+use baton_server::deploy::{ConductorConfig, WorkerConfig, run_conductor, run_worker};
+use baton_server::{Role, TransportChoice};
+
+/// The cluster secret, shared by every member.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct SecretFlag {
+    /// Shared cluster secret: workers, the conductor and KV peers without it are refused.
+    #[arg(long, env = "BATON_CLUSTER_SECRET", hide_env_values = true)]
+    cluster_secret: String,
+}
+
+impl SecretFlag {
+    fn secret(&self) -> anyhow::Result<ClusterSecret> {
+        ClusterSecret::new(self.cluster_secret.as_bytes().to_vec()).context("--cluster-secret")
+    }
+}
+
+/// A worker's role on the command line.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub(crate) enum RoleArg {
+    /// Computes prompts and hands their KV over.
+    Prefill,
+    /// Pulls KV and generates.
+    Decode,
+    /// Both, in one engine.
+    Colocated,
+}
+
+/// How a decode worker pulls KV.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub(crate) enum TransportArg {
+    /// Shared memory for peers on loopback addresses, TCP for others.
+    Auto,
+    /// Shared memory only (same host).
+    Shm,
+    /// TCP only.
+    Tcp,
+}
+
+/// Arguments of `baton worker`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct WorkerArgs {
+    /// What this worker does.
+    #[arg(long, value_enum)]
+    role: RoleArg,
+    /// The cluster's registry: `http://CONDUCTOR:PORT` (the conductor's embedded registry) or
+    /// `etcd://HOST:PORT[,HOST:PORT...]`.
+    #[arg(long)]
+    registry: RegistryConfig,
+    #[command(flatten)]
+    secret: SecretFlag,
+    /// Model: a Hugging Face checkpoint directory or a GGUF file (default: Gemma 3 270M from
+    /// `./.models`). Must be the conductor's.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The model id (default: the file or directory name); must match the conductor's.
+    #[arg(long)]
+    model_id: Option<String>,
+    /// Cluster id (default: `<role>-<host>-<port>`).
+    #[arg(long)]
+    name: Option<String>,
+    /// Address of the control API (and of the OpenAI API, for a colocated worker).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port of the control API (0 picks one).
+    #[arg(long, default_value_t = 0)]
+    port: u16,
+    /// Port of the KV server (0 picks one); it listens on --host.
+    #[arg(long, default_value_t = 0)]
+    kv_port: u16,
+    /// Address other hosts use to reach this worker, if not --host.
+    #[arg(long)]
+    advertise: Option<IpAddr>,
+    /// How this worker pulls KV from prefill workers.
+    #[arg(long, value_enum, default_value = "auto")]
+    transport: TransportArg,
+    /// Seconds handed-off KV is held when no decode worker pulls it.
+    #[arg(long, default_value_t = 30)]
+    lease_s: u64,
+    /// Seconds after its last heartbeat a silent worker is dropped from the cluster.
+    #[arg(long, default_value_t = 3.0)]
+    ttl_s: f64,
+    #[command(flatten)]
+    engine: crate::engine_flags::EngineFlags,
+}
+
+/// Arguments of `baton conductor`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ConductorArgs {
+    /// The cluster's registry: `embedded` (served by this process at /cluster/*; workers use
+    /// `--registry http://THIS_HOST:PORT`) or `etcd://HOST:PORT[,HOST:PORT...]`.
+    #[arg(long, default_value = "embedded")]
+    registry: RegistryConfig,
+    #[command(flatten)]
+    secret: SecretFlag,
+    /// Model (its tokenizer and chat template validate requests); the workers' model.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The model id clients send (default: the file or directory name).
+    #[arg(long)]
+    model_id: Option<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require clients to send `Authorization: Bearer <KEY>`.
+    #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Requests in flight per worker before new ones are answered 429 (default: no limit).
+    #[arg(long)]
+    max_in_flight: Option<usize>,
+}
+
+async fn shutdown_signal() {
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+pub(crate) fn worker(a: WorkerArgs) -> anyhow::Result<()> {
+    let model = crate::generate::model_path(a.model.as_deref())?;
+    if !(a.ttl_s > 0.0 && a.ttl_s.is_finite()) {
+        anyhow::bail!("--ttl-s must be a positive number of seconds");
+    }
+    let config = WorkerConfig {
+        model: model.clone(),
+        model_id: a.model_id,
+        role: match a.role {
+            RoleArg::Prefill => Role::Prefill,
+            RoleArg::Decode => Role::Decode,
+            RoleArg::Colocated => Role::Colocated,
+        },
+        name: a.name,
+        listen: SocketAddr::new(a.host, a.port),
+        kv_listen: SocketAddr::new(a.host, a.kv_port),
+        advertise: a.advertise,
+        registry: a.registry,
+        secret: a.secret.secret()?,
+        engine: a.engine.config(),
+        lease: Duration::from_secs(a.lease_s),
+        transport: match a.transport {
+            TransportArg::Auto => TransportChoice::Auto,
+            TransportArg::Shm => TransportChoice::Shm,
+            TransportArg::Tcp => TransportChoice::Tcp,
+        },
+        ttl: Duration::from_secs_f64(a.ttl_s),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let listener =
+            tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+        eprintln!("loading {} ...", model.display());
+        let role = config.role.as_str();
+        run_worker(
+            config,
+            listener,
+            |ready| {
+                // One line a supervisor (or a test) can wait for.
+                println!(
+                    "baton worker {} ({role}) ready: control {} kv {}",
+                    ready.name,
+                    ready.url,
+                    ready.kv_addr.map_or_else(|| "-".to_owned(), |a| a.to_string())
+                );
+            },
+            shutdown_signal(),
+        )
+        .await
+        .context("worker")
+    })
+}
+
+pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
+    let model = crate::generate::model_path(a.model.as_deref())?;
+    let config = ConductorConfig {
+        model: model.clone(),
+        model_id: a.model_id,
+        registry: a.registry,
+        secret: a.secret.secret()?,
+        api_key: a.api_key,
+        max_in_flight: a.max_in_flight,
+    };
+    let addr = SocketAddr::new(a.host, a.port);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        println!("baton conductor listening on http://{}", listener.local_addr()?);
+        run_conductor(config, listener, shutdown_signal()).await.context("conductor")
+    })
+}

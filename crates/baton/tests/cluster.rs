@@ -1,0 +1,404 @@
+//! Multi-process clusters: `baton conductor` and `baton worker` processes on real sockets,
+//! KV pulled between processes over TCP and shared memory, membership through the embedded
+//! registry and through a real etcd, workers joining, leaving and killed mid-request, and a
+//! KV accounting check on every worker after each scenario.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
+
+#[path = "../../baton-cluster/tests/common/mod.rs"]
+mod etcd_common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use baton_cluster::{AUTH_HEADER, ClusterSecret, unix_millis};
+use serde_json::{Value, json};
+
+const SECRET: &str = "test-cluster-secret";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn model(name: &str) -> PathBuf {
+    repo().join("fixtures/models").join(name)
+}
+
+/// A child process killed on drop, with the lines of its stdout.
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    what: String,
+}
+
+impl Proc {
+    fn spawn(what: &str, args: &[&str], secret: &str) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+            .args(args)
+            .env("BATON_CLUSTER_SECRET", secret)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = mpsc::channel();
+        let stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Proc { child, lines, what: what.to_owned() }
+    }
+
+    /// The first stdout line containing `needle`.
+    fn wait_line(&mut self, needle: &str, limit: Duration) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(_) => {}
+                Err(_) => {
+                    let status = self.child.try_wait().unwrap();
+                    panic!("{} printed no `{needle}` within {limit:?} (exit status {status:?})", self.what)
+                }
+            }
+        }
+    }
+
+    /// Waits for the process to exit, with a deadline.
+    fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "{} did not exit within {limit:?}", self.what);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn interrupt(&mut self) {
+        let _ = Command::new("kill").arg("-INT").arg(self.child.id().to_string()).status();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A started worker: its process and its control URL.
+struct WorkerProc {
+    proc: Proc,
+    url: String,
+}
+
+fn conductor(model_dir: &Path, registry: &str) -> (Proc, String) {
+    let mut p = Proc::spawn(
+        "conductor",
+        &[
+            "conductor",
+            "--model",
+            model_dir.to_str().unwrap(),
+            "--model-id",
+            "tiny",
+            "--port",
+            "0",
+            "--registry",
+            registry,
+        ],
+        SECRET,
+    );
+    let line = p.wait_line("listening on", Duration::from_secs(60));
+    let url = line.rsplit(' ').next().unwrap().to_owned();
+    (p, url)
+}
+
+fn worker(model_dir: &Path, role: &str, registry: &str, extra: &[&str]) -> WorkerProc {
+    worker_with_secret(model_dir, role, registry, extra, SECRET)
+}
+
+fn worker_with_secret(model_dir: &Path, role: &str, registry: &str, extra: &[&str], secret: &str) -> WorkerProc {
+    let mut args = vec![
+        "worker",
+        "--role",
+        role,
+        "--model",
+        model_dir.to_str().unwrap(),
+        "--model-id",
+        "tiny",
+        "--registry",
+        registry,
+        "--num-blocks",
+        "256",
+    ];
+    if !extra.contains(&"--ttl-s") {
+        args.extend_from_slice(&["--ttl-s", "1.5"]);
+    }
+    args.extend_from_slice(extra);
+    let mut proc = Proc::spawn(&format!("{role} worker"), &args, secret);
+    let line = proc.wait_line("ready:", Duration::from_secs(60));
+    let url = line.split("control ").nth(1).unwrap().split(' ').next().unwrap().to_owned();
+    WorkerProc { proc, url }
+}
+
+fn http() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap()
+}
+
+/// The names of the workers the conductor routes to.
+fn members(conductor: &str) -> Vec<String> {
+    let r = http().get(format!("{conductor}/health")).send().unwrap();
+    let body: Value = r.json().unwrap_or(Value::Null);
+    body["workers"]
+        .as_array()
+        .map_or_else(Vec::new, |a| a.iter().map(|w| w["name"].as_str().unwrap_or_default().to_owned()).collect())
+}
+
+fn wait_members(conductor: &str, n: usize, limit: Duration) -> Vec<String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let m = members(conductor);
+        if m.len() == n {
+            return m;
+        }
+        assert!(Instant::now() < deadline, "the conductor saw {m:?}, not {n} workers, within {limit:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn complete(base: &str, prompt: &str, max_tokens: usize) -> Value {
+    let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let r = http().post(format!("{base}/v1/completions")).json(&body).send().unwrap();
+    let status = r.status();
+    let v: Value = r.json().unwrap();
+    assert!(status.is_success(), "{base}: {status} {v}");
+    v
+}
+
+fn text(v: &Value) -> String {
+    v["choices"][0]["text"].as_str().unwrap().to_owned()
+}
+
+/// A worker's stats through its control API (signed with the cluster secret).
+fn stats(url: &str) -> Value {
+    let secret = ClusterSecret::new(SECRET).unwrap();
+    let proof = secret.sign_request("GET", "/worker/v1/stats", unix_millis(), b"");
+    let r = http().get(format!("{url}/worker/v1/stats")).header(AUTH_HEADER, proof).send().unwrap();
+    assert!(r.status().is_success(), "stats of {url}: {}", r.status());
+    r.json().unwrap()
+}
+
+/// Every worker ends with nothing in flight, nothing leased and every block allocatable.
+fn assert_no_leak(workers: &[&WorkerProc]) {
+    for w in workers {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = stats(&w.url);
+            let quiet = s["running"] == 0
+                && s["waiting"] == 0
+                && s["pulling"] == 0
+                && s["leased"] == 0
+                && s["available_blocks"] == s["total_blocks"];
+            if quiet {
+                break;
+            }
+            assert!(Instant::now() < deadline, "worker {} still holds KV: {s}", w.url);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// `baton generate`'s greedy text for a prompt.
+fn generate(model_dir: &Path, prompt: &str, max_tokens: usize) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["generate", "--model", model_dir.to_str().unwrap(), "--prompt", prompt, "--json"])
+        .args(["--max-tokens", &max_tokens.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "baton generate: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["text"].as_str().unwrap().to_owned()
+}
+
+/// A prompt of several KV blocks.
+const LONG: &str = "The quick brown fox jumps over the lazy dog while the cat watches from the \
+    warm windowsill, and the farmer counts his sheep one by one before the evening rain begins";
+
+#[test]
+fn one_prefill_one_decode_over_tcp_matches_colocated_and_generate() {
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        let dir = model(name);
+        let (_c, url) = conductor(&dir, "embedded");
+        let p = worker(&dir, "prefill", &url, &[]);
+        let d = worker(&dir, "decode", &url, &["--transport", "tcp"]);
+        wait_members(&url, 2, Duration::from_secs(10));
+        // A colocated worker of its own cluster: its direct OpenAI API is the reference.
+        let (_c2, url2) = conductor(&dir, "embedded");
+        let colo = worker(&dir, "colocated", &url2, &[]);
+        for prompt in ["Hello", LONG] {
+            let disagg = complete(&url, prompt, 12);
+            let colocated = complete(&colo.url, prompt, 12);
+            let expected = generate(&dir, prompt, 12);
+            assert_eq!(text(&disagg), expected, "{name}: disaggregated vs baton generate for {prompt:?}");
+            assert_eq!(text(&colocated), expected, "{name}: colocated vs baton generate for {prompt:?}");
+            assert_eq!(disagg["usage"], colocated["usage"], "{name}");
+        }
+        let metrics = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
+        let moved = metrics.lines().find(|l| l.starts_with("baton_kv_transfer_bytes_total")).unwrap();
+        assert!(!moved.ends_with(" 0"), "no KV moved between the processes: {moved}");
+        assert_no_leak(&[&p, &d, &colo]);
+    }
+}
+
+#[test]
+fn concurrent_streams_across_processes_over_shared_memory() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    let p = worker(&dir, "prefill", &url, &[]);
+    let d = worker(&dir, "decode", &url, &["--transport", "shm"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let expected = generate(&dir, LONG, 16);
+    let handles: Vec<_> = (0..6)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let body = json!({"model": "tiny", "prompt": LONG, "max_tokens": 16, "temperature": 0, "stream": true});
+                let r = http().post(format!("{url}/v1/completions")).json(&body).send().unwrap();
+                assert!(r.status().is_success());
+                let mut text = String::new();
+                for line in r.text().unwrap().lines() {
+                    if let Some(data) = line.strip_prefix("data: ")
+                        && data != "[DONE]"
+                    {
+                        let v: Value = serde_json::from_str(data).unwrap();
+                        text.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+                    }
+                }
+                text
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), expected);
+    }
+    assert_no_leak(&[&p, &d]);
+}
+
+/// Streams a long completion; calls `after_some` once a few chunks arrived; returns the body.
+fn stream_and_then(url: &str, after_some: impl FnOnce()) -> String {
+    use std::io::Read;
+    let body = json!({"model": "tiny", "prompt": LONG, "max_tokens": 900, "temperature": 0,
+        "ignore_eos": true, "stream": true});
+    let mut r = http().post(format!("{url}/v1/completions")).json(&body).send().unwrap();
+    assert!(r.status().is_success());
+    let mut all = String::new();
+    let mut buf = [0u8; 256];
+    let mut hook = Some(after_some);
+    loop {
+        let n = r.read(&mut buf).unwrap_or(0);
+        if n == 0 {
+            return all;
+        }
+        all.push_str(&String::from_utf8_lossy(&buf[..n]));
+        if all.matches("data: ").count() >= 4
+            && let Some(h) = hook.take()
+        {
+            h();
+        }
+    }
+}
+
+#[test]
+fn etcd_membership_workers_join_leave_and_die_mid_request() {
+    let etcd = etcd_common::TestEtcd::start();
+    let registry = format!("etcd://{}", etcd.endpoint);
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, &registry);
+    let p = worker(&dir, "prefill", &registry, &["--name", "prefill-1"]);
+    let mut d1 = worker(&dir, "decode", &registry, &["--transport", "tcp", "--name", "decode-1"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let expected = generate(&dir, LONG, 8);
+    assert_eq!(text(&complete(&url, LONG, 8)), expected);
+
+    // Kill the decode worker in the middle of a stream it serves: text was already streamed,
+    // so the client gets an error event; the worker is dropped within its TTL; nothing stays
+    // held on the prefill side.
+    let body = stream_and_then(&url, || d1.proc.kill());
+    assert!(
+        body.contains("\"error\""),
+        "the stream did not report the killed worker: ...{}",
+        &body[body.len().saturating_sub(300)..]
+    );
+    assert!(!body.contains("[DONE]"));
+    let left = wait_members(&url, 1, Duration::from_secs(10));
+    assert_eq!(left, ["prefill-1"]);
+    assert_no_leak(&[&p]);
+
+    // A new decode worker joins at run time and serves.
+    let mut d2 = worker(&dir, "decode", &registry, &["--transport", "tcp", "--name", "decode-2"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    assert_eq!(text(&complete(&url, LONG, 8)), expected);
+    assert_no_leak(&[&p, &d2]);
+
+    // A worker that leaves cleanly (Ctrl-C) deregisters at once; prefill alone cannot serve.
+    d2.proc.interrupt();
+    assert!(d2.proc.wait_exit(Duration::from_secs(10)).success());
+    wait_members(&url, 1, Duration::from_secs(3));
+    let r =
+        http().post(format!("{url}/v1/completions")).json(&json!({"model": "tiny", "prompt": "Hi"})).send().unwrap();
+    assert_eq!(r.status(), 503);
+    assert_no_leak(&[&p]);
+}
+
+#[test]
+fn a_request_routed_to_a_dead_worker_is_retried_elsewhere() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    // Joined first, so least-load's tie-break picks it; dead before its 10 s lease runs out.
+    let mut dead = worker(&dir, "colocated", &url, &["--name", "a-dead", "--ttl-s", "10"]);
+    let live = worker(&dir, "colocated", &url, &["--name", "b-live"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    dead.proc.kill();
+    let expected = generate(&dir, LONG, 6);
+    assert_eq!(text(&complete(&url, LONG, 6)), expected);
+    let metrics = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
+    assert!(metrics.contains("baton_retries_total 1"), "{metrics}");
+    assert_no_leak(&[&live]);
+}
+
+#[test]
+fn a_worker_without_the_secret_is_refused_and_the_control_api_wants_proof() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    let mut intruder = Proc::spawn(
+        "intruder",
+        &["worker", "--role", "decode", "--model", dir.to_str().unwrap(), "--model-id", "tiny", "--registry", &url],
+        "not-the-secret",
+    );
+    let status = intruder.wait_exit(Duration::from_secs(60));
+    assert!(!status.success(), "a worker with the wrong secret joined");
+    assert!(members(&url).is_empty());
+
+    // The control API of a real worker refuses unsigned and wrongly signed calls.
+    let p = worker(&dir, "prefill", &url, &[]);
+    let r = http().get(format!("{}/worker/v1/stats", p.url)).send().unwrap();
+    assert_eq!(r.status(), 401);
+    let wrong = ClusterSecret::new("wrong").unwrap().sign_request("GET", "/worker/v1/stats", unix_millis(), b"");
+    let r = http().get(format!("{}/worker/v1/stats", p.url)).header(AUTH_HEADER, wrong).send().unwrap();
+    assert_eq!(r.status(), 401);
+    let body = r.json::<Value>().unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("cluster"), "{body}");
+}
