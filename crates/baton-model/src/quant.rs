@@ -6,9 +6,15 @@
 //! reference resolves the other way within its first dozen greedy tokens. Here activations stay
 //! float32, so the only difference from the reference is summation order.
 //!
-//! Few rows (decode): each weight row is decoded into a small buffer and dotted with every
-//! activation row, in parallel over weight rows. More rows (prefill): a tile of weight rows is
-//! decoded and multiplied with candle's float GEMM. The decoders are checked against candle's.
+//! Few rows (decode), in parallel over weight rows: with AVX-512, each block is decoded into
+//! registers and multiplied into every activation row right there ([`avx512`]); elsewhere each
+//! weight row is decoded into a small buffer and dotted with every activation row.
+//!
+//! More rows (prefill), where the products are compute-bound: a chunk of weight rows is decoded
+//! once, then multiplied with all activation rows. With AVX-512 the chunk is packed into
+//! column-major panels of 32 rows and run through a 12×32 register tile; elsewhere candle's
+//! float GEMM multiplies it. The decoders are checked against candle's, every kernel against
+//! the float product of the decoded matrix.
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
@@ -146,8 +152,11 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 const DOT_ROWS: usize = 8;
 /// Weight rows decoded per task of the dot path.
 const ROWS_PER_TASK: usize = 64;
-/// Float32 elements of one decoded tile on the GEMM path.
+/// Float32 elements of one decoded tile on the GEMM paths.
 const TILE_ELEMS: usize = 1 << 20;
+/// Activation rows per task of the AVX-512 GEMM path (two register tiles of 12).
+#[cfg(target_arch = "x86_64")]
+const GEMM_ROW_BLOCK: usize = 24;
 
 /// A quantized matrix `[rows][cols]`, rows of whole blocks.
 #[derive(Debug, Clone)]
@@ -214,7 +223,66 @@ impl QuantMatrix {
 
     /// `x · Wᵀ` for `m` rows of `x` (`[m][cols]`), into `[m][rows]`.
     pub(crate) fn matmul_xwt(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
-        if m <= DOT_ROWS { Ok(self.matmul_dot(x, m)) } else { self.matmul_tiles(x, m) }
+        if m <= DOT_ROWS {
+            return Ok(self.matmul_dot(x, m));
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma") {
+            return Ok(self.matmul_panels(x, m));
+        }
+        self.matmul_tiles(x, m)
+    }
+
+    /// Decodes weight rows `first..first + rows` (at most [`avx512::PANEL`]) into `panel`,
+    /// packed `[cols][PANEL]` with zeros past `rows`; `buf` holds one row.
+    #[cfg(target_arch = "x86_64")]
+    fn pack_panel(&self, first: usize, rows: usize, panel: &mut [f32], buf: &mut [f32]) {
+        const P: usize = avx512::PANEL;
+        for c in 0..P {
+            if c < rows {
+                self.decode_row(first + c, buf);
+                for (t, &v) in buf.iter().enumerate() {
+                    panel[t * P + c] = v;
+                }
+            } else {
+                (0..self.cols).for_each(|t| panel[t * P + c] = 0.0);
+            }
+        }
+    }
+
+    /// More rows, on a CPU with AVX-512: chunks of weight rows are decoded once into packed
+    /// panels (in parallel over panels), then blocks of activation rows run against every panel
+    /// of the chunk (in parallel over blocks, each owning its rows of `y`), in register tiles
+    /// of 12 rows × 32 weight rows with no horizontal sums.
+    #[cfg(target_arch = "x86_64")]
+    fn matmul_panels(&self, x: &[f32], m: usize) -> Vec<f32> {
+        const P: usize = avx512::PANEL;
+        let (n, k) = (self.rows, self.cols);
+        let chunk = (TILE_ELEMS / k / P).max(1) * P;
+        let mut y = vec![0f32; m * n];
+        let mut packed = vec![0f32; chunk.min(n.next_multiple_of(P)) * k];
+        for j0 in (0..n).step_by(chunk) {
+            let rows = chunk.min(n - j0);
+            let panels = rows.div_ceil(P);
+            packed[..panels * P * k].par_chunks_mut(P * k).enumerate().for_each_init(
+                || vec![0f32; k],
+                |buf, (p, panel)| self.pack_panel(j0 + p * P, P.min(rows - p * P), panel, buf),
+            );
+            let packed = &packed[..panels * P * k];
+            y.par_chunks_mut(GEMM_ROW_BLOCK * n).enumerate().for_each(|(b, yb)| {
+                let (r0, mr) = (b * GEMM_ROW_BLOCK, yb.len() / n);
+                let xb = &x[r0 * k..(r0 + mr) * k];
+                for (p, panel) in packed.chunks_exact(P * k).enumerate() {
+                    let cols = P.min(rows - p * P);
+                    #[allow(unsafe_code)]
+                    // SAFETY: `matmul_xwt` checked the CPU has AVX-512F and FMA.
+                    unsafe {
+                        avx512::panel_gemm(panel, k, xb, k, mr, &mut yb[j0 + p * P..], n, cols);
+                    }
+                }
+            });
+        }
+        y
     }
 
     /// Few rows: each weight row is decoded once into a small buffer and dotted with every
@@ -223,10 +291,12 @@ impl QuantMatrix {
         let (n, k) = (self.rows, self.cols);
         // `[n][m]`, transposed at the end when `m > 1`: each task owns whole rows of it.
         let mut yt = vec![0f32; n * m];
-        yt.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(task, out)| {
-            let mut w = vec![0f32; k];
-            dot_rows_dispatch(self, task * ROWS_PER_TASK, x, m, out, &mut w);
-        });
+        let kernel = DotKernel::detect();
+        // The row buffer is only the fallback kernels' (one per rayon job, not per task).
+        yt.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each_init(
+            || if kernel == DotKernel::Avx512 { Vec::new() } else { vec![0f32; k] },
+            |w, (task, out)| kernel.run(self, task * ROWS_PER_TASK, x, m, out, w),
+        );
         if m == 1 {
             return yt;
         }
@@ -294,32 +364,57 @@ fn dot_rows_avx2(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [
     dot_rows(w, first, x, m, out, row);
 }
 
-fn dot_rows_dispatch(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [f32], row: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("fma")
-        && std::is_x86_feature_detected!("f16c")
-    {
-        #[allow(unsafe_code)]
-        // SAFETY: the CPU has AVX-512F, FMA and F16C, checked just above.
-        unsafe {
-            avx512::band(w.format, &w.bytes, w.row_bytes, w.cols, first, x, m, out);
+/// The implementation of the decode-and-dot path, picked once per product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DotKernel {
+    /// Blocks decoded into registers ([`avx512`]).
+    Avx512,
+    /// [`dot_rows`] compiled for AVX2.
+    Avx2,
+    /// [`dot_rows`] for the baseline target.
+    Portable,
+}
+
+impl DotKernel {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let fma_f16c = std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c");
+            if fma_f16c && std::is_x86_feature_detected!("avx512f") {
+                return Self::Avx512;
+            }
+            if fma_f16c && std::is_x86_feature_detected!("avx2") {
+                return Self::Avx2;
+            }
         }
-        return;
+        Self::Portable
     }
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2")
-        && std::is_x86_feature_detected!("fma")
-        && std::is_x86_feature_detected!("f16c")
-    {
-        #[allow(unsafe_code)]
-        // SAFETY: the CPU has AVX2, FMA and F16C, checked just above.
-        unsafe {
-            dot_rows_avx2(w, first, x, m, out, row);
+
+    /// Weight rows `first..` (as many as `out` has room for) dotted with the `m` rows of `x`,
+    /// into `out` (`[rows][m]`); `row` is a buffer of `w.cols` floats except for `Avx512`.
+    fn run(self, w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [f32], row: &mut [f32]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            #[allow(unsafe_code)]
+            // SAFETY: `detect` picked this kernel only on a CPU with AVX-512F, FMA and F16C.
+            Self::Avx512 => unsafe { avx512::band(w.format, &w.bytes, w.row_bytes, w.cols, first, x, m, out) },
+            #[cfg(target_arch = "x86_64")]
+            #[allow(unsafe_code)]
+            // SAFETY: `detect` picked this kernel only on a CPU with AVX2, FMA and F16C.
+            Self::Avx2 => unsafe { dot_rows_avx2(w, first, x, m, out, row) },
+            _ => dot_rows(w, first, x, m, out, row),
         }
-        return;
     }
-    dot_rows(w, first, x, m, out, row);
+
+    /// The kernels this CPU can run, for tests.
+    #[cfg(test)]
+    fn available() -> Vec<Self> {
+        match Self::detect() {
+            Self::Avx512 => vec![Self::Avx512, Self::Avx2, Self::Portable],
+            Self::Avx2 => vec![Self::Avx2, Self::Portable],
+            Self::Portable => vec![Self::Portable],
+        }
+    }
 }
 
 #[cfg(test)]
@@ -339,10 +434,30 @@ mod tests {
         let got = m.gather(&(0..rows as u32).collect::<Vec<_>>());
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(worst < 1e-5, "{dtype:?}: decode differs from candle's by {worst}");
-        // Both product paths against the float product of the decoded matrix.
-        for m_rows in [1, 2, 3, 5, 8, 9, 20] {
+        // Every decode-and-dot kernel this CPU runs, then both product paths, against the
+        // float product of the decoded matrix.
+        for kernel in DotKernel::available() {
+            for m_rows in [1, 2, 3, 4, 5, 8, 11] {
+                let x: Vec<f32> = (0..m_rows * cols).map(|i| ((i * 11 % 31) as f32 - 15.0) / 7.0).collect();
+                let mut out = vec![0f32; rows * m_rows];
+                kernel.run(&m, 0, &x, m_rows, &mut out, &mut vec![0f32; cols]);
+                for r in 0..m_rows {
+                    for j in 0..rows {
+                        let want = dot(&x[r * cols..(r + 1) * cols], &want[j * cols..(j + 1) * cols]);
+                        let got = out[j * m_rows + r];
+                        assert!((got - want).abs() < 1e-3, "{dtype:?} {kernel:?} m={m_rows}: [{r},{j}]");
+                    }
+                }
+            }
+        }
+        for m_rows in [1, 2, 3, 5, 8, 9, 20, 37] {
             let x: Vec<f32> = (0..m_rows * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
             let y = m.matmul_xwt(&x, m_rows).expect("product");
+            if m_rows > DOT_ROWS {
+                // The portable GEMM path, which this CPU may not take above.
+                let tiles = m.matmul_tiles(&x, m_rows).expect("product");
+                assert!(tiles.iter().zip(&y).all(|(a, b)| (a - b).abs() < 1e-3), "{dtype:?} m={m_rows}: tiles");
+            }
             for r in 0..m_rows {
                 for j in 0..rows {
                     let want = dot(&x[r * cols..(r + 1) * cols], &want[j * cols..(j + 1) * cols]);
@@ -356,6 +471,48 @@ mod tests {
     fn decoding_matches_candle_for_every_format() {
         for dtype in [GgmlDType::Q4_0, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
             check(dtype);
+        }
+    }
+}
+
+#[cfg(test)]
+mod speed {
+    use super::*;
+    use candle_core::quantized::QTensor;
+
+    /// Single-threaded throughput of the decode path for each format at Gemma 3 270M's shapes
+    /// (`cargo test --release -p baton-model speed -- --ignored --nocapture`).
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn decode_path_throughput() {
+        for (dtype, rows, cols) in [
+            (GgmlDType::Q8_0, 16384, 640),
+            (GgmlDType::Q5_0, 4096, 640),
+            (GgmlDType::Q4K, 640, 1024),
+            (GgmlDType::Q6K, 640, 2048),
+        ] {
+            let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+            let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
+            let q = QTensor::quantize(&t, dtype).expect("quantizes");
+            let w = QuantMatrix::new(dtype, &q.data().expect("bytes"), rows, cols).expect("decodable");
+            for m in [1, 4] {
+                let x: Vec<f32> = (0..m * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
+                let mut out = vec![0f32; rows * m];
+                let mut row = vec![0f32; cols];
+                let mut best = f64::MAX;
+                for _ in 0..20 {
+                    let t = std::time::Instant::now();
+                    DotKernel::detect().run(&w, 0, &x, m, &mut out, &mut row);
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                let weights = (rows * cols) as f64;
+                println!(
+                    "{dtype:?} {rows}x{cols} m={m}: {:.3} ms, {:.2} Gweights/s, {:.1} GB/s",
+                    best * 1e3,
+                    weights / best / 1e9,
+                    w.byte_len() as f64 / best / 1e9
+                );
+            }
         }
     }
 }

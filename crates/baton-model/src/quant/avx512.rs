@@ -184,12 +184,12 @@ small_blocks!(
         let (nib, sixteen) = (_mm512_set1_epi32(0x0f), _mm512_set1_epi32(16));
         let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
         let q = u8x16(b, 6);
-        // Value j's fifth bit is bit j of `qh`: set it where the mask says, then offset.
+        // Value j is its nibble + 16·(bit j of `qh`) − 16: subtract 16 where the bit is clear.
         let lo = _mm512_and_si512(q, nib);
-        let lo = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
+        let lo = _mm512_mask_sub_epi32(lo, !(qh as u16), lo, sixteen);
         let hi = _mm512_srli_epi32::<4>(q);
-        let hi = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
-        (half_at(b, 0), _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, sixteen)), _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, sixteen)))
+        let hi = _mm512_mask_sub_epi32(hi, !((qh >> 16) as u16), hi, sixteen);
+        (half_at(b, 0), _mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi))
     }
 );
 
@@ -263,5 +263,99 @@ fn q6k<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: &[f32], k:
             }
         }
         store(&acc, out);
+    }
+}
+
+/// Weight rows per packed panel of [`panel_gemm`]: two registers.
+pub(super) const PANEL: usize = 32;
+
+/// `y[i·ldy + c] = Σ_t x[i·ldx + t] · p[t·PANEL + c]` for `i < rows`, `c < cols`: activation rows
+/// against a panel of `PANEL` weight rows packed `[k][PANEL]` (a column of the panel per `t`),
+/// so each step of `t` is two loads of weights and a broadcast of one float per row.
+///
+/// # Safety
+/// The CPU must support AVX-512F and FMA.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,fma")]
+pub(super) unsafe fn panel_gemm(
+    p: &[f32],
+    k: usize,
+    x: &[f32],
+    ldx: usize,
+    rows: usize,
+    y: &mut [f32],
+    ldy: usize,
+    cols: usize,
+) {
+    if rows == 0 {
+        return;
+    }
+    assert!(p.len() >= k * PANEL && cols <= PANEL && k <= ldx && cols <= ldy);
+    assert!(x.len() >= (rows - 1) * ldx + k && y.len() >= (rows - 1) * ldy + cols);
+    let masks = [((1u32 << cols.min(16)) - 1) as u16, ((1u32 << cols.saturating_sub(16)) - 1) as u16];
+    let s = PanelShape { k, ldx, ldy, cols, masks };
+    let mut r = 0;
+    while r + 12 <= rows {
+        panel_tile::<12>(p, &x[r * ldx..], &mut y[r * ldy..], s);
+        r += 12;
+    }
+    if r == rows {
+        return;
+    }
+    let (xr, yr) = (&x[r * ldx..], &mut y[r * ldy..]);
+    match rows - r {
+        1 => panel_tile::<1>(p, xr, yr, s),
+        2 => panel_tile::<2>(p, xr, yr, s),
+        3 => panel_tile::<3>(p, xr, yr, s),
+        4 => panel_tile::<4>(p, xr, yr, s),
+        5 => panel_tile::<5>(p, xr, yr, s),
+        6 => panel_tile::<6>(p, xr, yr, s),
+        7 => panel_tile::<7>(p, xr, yr, s),
+        8 => panel_tile::<8>(p, xr, yr, s),
+        9 => panel_tile::<9>(p, xr, yr, s),
+        10 => panel_tile::<10>(p, xr, yr, s),
+        _ => panel_tile::<11>(p, xr, yr, s),
+    }
+}
+
+#[derive(Clone, Copy)]
+struct PanelShape {
+    k: usize,
+    ldx: usize,
+    ldy: usize,
+    cols: usize,
+    /// Store masks of the panel's two registers (all ones for a full panel).
+    masks: [u16; 2],
+}
+
+/// `MR` activation rows (from `x[0]`, `ldx` apart) against the panel, into `y` (`ldy` apart):
+/// `2·MR` accumulators.
+#[target_feature(enable = "avx512f,fma")]
+#[inline]
+fn panel_tile<const MR: usize>(p: &[f32], x: &[f32], y: &mut [f32], s: PanelShape) {
+    let PanelShape { k, ldx, ldy, cols, masks } = s;
+    assert!(p.len() >= k * PANEL && x.len() >= (MR - 1) * ldx + k && y.len() >= (MR - 1) * ldy + cols);
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for t in 0..k {
+        // SAFETY: `t < k`, and the assert above bounds `p` to `k` panel columns and `x` to `MR`
+        // rows of `k` floats `ldx` apart.
+        unsafe {
+            let w0 = _mm512_loadu_ps(p.as_ptr().add(t * PANEL));
+            let w1 = _mm512_loadu_ps(p.as_ptr().add(t * PANEL + 16));
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let xv = _mm512_set1_ps(*x.get_unchecked(i * ldx + t));
+                acc[0] = _mm512_fmadd_ps(xv, w0, acc[0]);
+                acc[1] = _mm512_fmadd_ps(xv, w1, acc[1]);
+            }
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        let row = &mut y[i * ldy..];
+        // SAFETY: the masks select the first `cols` floats, which the assert above shows the
+        // row holds; masked-off lanes are not accessed.
+        unsafe {
+            _mm512_mask_storeu_ps(row.as_mut_ptr(), masks[0], acc[0]);
+            _mm512_mask_storeu_ps(row.as_mut_ptr().wrapping_add(16), masks[1], acc[1]);
+        }
     }
 }
