@@ -11,7 +11,8 @@
 #   THREADS        threads for both (default: all cores, as `nproc` says)
 #   TG_TOKENS      tokens generated for tg (default: 64)
 #   BATON_MODELS_DIR  where the default model is (default: <repo>/.models)
-#   BATON_BIN      a baton binary to use instead of building target/release/baton
+#   BATON_BIN      a baton binary to use instead of building one (into $CARGO_TARGET_DIR, or
+#                  target/, as cargo does)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -71,7 +72,9 @@ baton_bin="${BATON_BIN:-}"
 if [[ -z "$baton_bin" ]]; then
   info "baton: building (release)"
   (cd "$repo_root" && cargo build --release -q -p baton)
-  baton_bin="$repo_root/target/release/baton"
+  target_dir="${CARGO_TARGET_DIR:-target}"
+  [[ "$target_dir" == /* ]] || target_dir="$repo_root/$target_dir"  # cargo ran in $repo_root
+  baton_bin="$target_dir/release/baton"
 fi
 info "baton: bench engine with $threads threads"
 baton_json="$(RAYON_NUM_THREADS="$threads" "$baton_bin" bench engine \
