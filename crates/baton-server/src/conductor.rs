@@ -12,9 +12,10 @@
 //! may join and leave at any time ([`Conductor::add_worker`], [`Conductor::follow`]). A request
 //! whose worker is lost before anything was streamed to the client is routed again.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
@@ -52,6 +53,54 @@ pub struct Conductor {
     next_id: AtomicU64,
     /// KV bytes per token, for the transfer counter.
     kv_bytes_per_token: usize,
+    /// What each worker is doing, as far as this conductor routed it.
+    loads: Mutex<Loads>,
+    /// Time zero of the snapshots' clocks.
+    epoch: Instant,
+}
+
+/// The conductor's ledger of its workers: a stable instance id per name, and the requests in
+/// prefill and in decode on each, kept by [`Tracked`] guards.
+#[derive(Debug, Default)]
+struct Loads {
+    ids: HashMap<String, u32>,
+    next_id: u32,
+    /// Worker → request → prompt tokens.
+    prefill: HashMap<String, HashMap<u64, usize>>,
+    /// Worker → request → (decode start, µs; context tokens).
+    decode: HashMap<String, HashMap<u64, (u64, usize)>>,
+}
+
+impl Loads {
+    fn id(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.ids.get(name) {
+            return id;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.ids.insert(name.to_owned(), id);
+        id
+    }
+}
+
+/// A request's entry in the ledger while it prefills or decodes on a worker; removed on drop.
+struct Tracked<'a> {
+    conductor: &'a Conductor,
+    worker: String,
+    id: u64,
+    decode: bool,
+}
+
+impl Drop for Tracked<'_> {
+    fn drop(&mut self) {
+        let mut loads = self.conductor.loads();
+        let table = if self.decode {
+            loads.decode.get_mut(&self.worker).map(|t| t.remove(&self.id).is_some())
+        } else {
+            loads.prefill.get_mut(&self.worker).map(|t| t.remove(&self.id).is_some())
+        };
+        debug_assert!(table.is_some());
+    }
 }
 
 impl std::fmt::Debug for Conductor {
@@ -77,7 +126,32 @@ impl Conductor {
             api_key,
             next_id: AtomicU64::new(1),
             kv_bytes_per_token,
+            loads: Mutex::new(Loads::default()),
+            epoch: Instant::now(),
         }
+    }
+
+    fn loads(&self) -> std::sync::MutexGuard<'_, Loads> {
+        self.loads.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records that request `id` prefills (`decode: false`, `tokens` = prompt) or decodes
+    /// (`tokens` = context) on `worker` until the guard drops.
+    fn track(&self, worker: &dyn Worker, id: RequestId, decode: bool, tokens: usize) -> Tracked<'_> {
+        let now = self.now_us();
+        let mut loads = self.loads();
+        let name = worker.name().to_owned();
+        if decode {
+            loads.decode.entry(name.clone()).or_default().insert(id.0, (now, tokens));
+        } else {
+            loads.prefill.entry(name.clone()).or_default().insert(id.0, tokens);
+        }
+        Tracked { conductor: self, worker: name, id: id.0, decode }
+    }
+
+    /// Microseconds since the conductor started: the clock of its snapshots.
+    pub fn now_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
     /// The workers now.
@@ -132,18 +206,32 @@ impl Conductor {
     /// The workers a policy may pick (all but `excluded`) and the snapshot it sees of them.
     fn snapshot(&self, excluded: &[String]) -> (Workers, Snapshot) {
         let workers: Workers = self.workers().into_iter().filter(|w| !excluded.iter().any(|e| e == w.name())).collect();
+        let mut loads = self.loads();
         let views = workers
             .iter()
             .enumerate()
-            .map(|(index, w)| WorkerView { index, role: w.role(), in_flight: w.in_flight() })
+            .map(|(index, w)| {
+                let name = w.name();
+                let instance = loads.id(name);
+                WorkerView {
+                    index,
+                    instance,
+                    role: w.role(),
+                    in_flight: w.in_flight(),
+                    prefilling: loads.prefill.get(name).map(|t| t.values().copied().collect()).unwrap_or_default(),
+                    decoding: loads.decode.get(name).map(|t| t.values().copied().collect()).unwrap_or_default(),
+                    capacity_blocks: w.capacity_blocks(),
+                }
+            })
             .collect();
-        (workers, Snapshot { workers: views })
+        drop(loads);
+        (workers, Snapshot { workers: views, now_us: self.now_us() })
     }
 
     /// Routes a request among the workers not `excluded`.
     fn route(&self, valid: &ValidRequest, excluded: &[String]) -> Result<Route, ApiError> {
         let (workers, snapshot) = self.snapshot(excluded);
-        let request = RouteRequest { prompt_tokens: valid.prompt_ids.len(), max_tokens: valid.stop.max_tokens };
+        let request = RouteRequest { prompt: &valid.prompt_ids, max_tokens: valid.stop.max_tokens };
         match self.policy.route(&snapshot, &request) {
             Decision::Colocated(w) => Ok(Route::Colocated(workers[w].clone())),
             Decision::Disaggregated { prefill, decode } => {
@@ -265,7 +353,8 @@ impl Run {
                 Route::Colocated(w) => {
                     c.metrics.routed_colocated.fetch_add(1, Ordering::Relaxed);
                     let events = w.submit(self.request());
-                    self.relay(w, events, start, None).await
+                    let prefill = c.track(w.as_ref(), self.id, false, self.valid.prompt_ids.len());
+                    self.relay(w, events, start, None, Some(prefill)).await
                 }
                 Route::Disaggregated { prefill, decode } => {
                     c.metrics.routed_disaggregated.fetch_add(1, Ordering::Relaxed);
@@ -328,6 +417,7 @@ impl Run {
         // max_tokens 1 the request ends there: nothing to hand over.)
         let retain_kv = self.valid.stop.max_tokens > 1;
         let mut events = p.submit(WorkRequest { max_tokens: 1, retain_kv, ..self.request() });
+        let prefill = c.track(p.as_ref(), self.id, false, self.valid.prompt_ids.len());
         let mut first = Vec::new();
         let (reason, prompt_tokens, kv) = loop {
             match next(p, &mut events).await? {
@@ -341,6 +431,7 @@ impl Run {
                 RequestEvent::Lost(reason) => return Err(RunError::Lost { worker: p.name().to_owned(), reason }),
             }
         };
+        drop(prefill);
         let done_at_prefill = reason != Finish::Length || self.valid.stop.max_tokens == 1;
         let Some(kv) = kv.filter(|_| !done_at_prefill) else {
             p.release(self.id.0);
@@ -349,8 +440,9 @@ impl Run {
         // Decode: pull the KV (COMPLETE releases it on the prefill side), stream the rest.
         let handoff = Instant::now();
         let bytes = kv.tokens * c.kv_bytes_per_token;
+        let _decode = c.track(d.as_ref(), self.id, true, self.valid.prompt_ids.len() + first.len());
         let events = d.submit(WorkRequest { generated: first, pull: Some(kv), ..self.request() });
-        let result = self.relay(d, events, start, Some((handoff, bytes))).await;
+        let result = self.relay(d, events, start, Some((handoff, bytes)), None).await;
         // Whatever happened on the decode side, the prefill side's blocks are not needed any
         // more (a no-op when the pull completed).
         p.release(self.id.0);
@@ -365,9 +457,11 @@ impl Run {
         mut events: mpsc::UnboundedReceiver<RequestEvent>,
         start: Instant,
         mut handoff: Option<(Instant, usize)>,
+        mut prefill: Option<Tracked<'_>>,
     ) -> Result<(), RunError> {
         let c = &self.conductor;
         let mut last = None;
+        let mut _decode = None;
         loop {
             let event = next(worker, &mut events).await?;
             if let Some((t, bytes)) = handoff.take()
@@ -379,6 +473,10 @@ impl Run {
             }
             match event {
                 RequestEvent::Token { text, .. } => {
+                    // A colocated worker's first token ends its prefill.
+                    if prefill.take().is_some() {
+                        _decode = Some(c.track(worker.as_ref(), self.id, true, self.valid.prompt_ids.len() + 1));
+                    }
                     let now = Instant::now();
                     match last {
                         None => c.metrics.ttft.observe(start.elapsed().as_secs_f64()),

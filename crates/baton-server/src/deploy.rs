@@ -169,8 +169,10 @@ pub struct ConductorConfig {
     pub secret: ClusterSecret,
     /// Require `Authorization: Bearer <key>` from clients.
     pub api_key: Option<String>,
-    /// Requests in flight per worker before HTTP 429.
-    pub max_in_flight: Option<usize>,
+    /// How requests are routed and admitted.
+    pub policy: crate::sched::PolicyChoice,
+    /// Tokens per KV block of the workers (prompt hashing for prefix-aware policies).
+    pub block_tokens: usize,
 }
 
 /// Runs a conductor on `listener` until `shutdown` resolves.
@@ -188,7 +190,7 @@ pub async fn run_conductor(
     let conductor = Arc::new(Conductor::new(
         loaded.validator,
         Vec::new(),
-        Box::new(routing::LeastLoad { max_in_flight: config.max_in_flight }),
+        config.policy.build(config.block_tokens),
         config.api_key.clone(),
         bytes_per_token,
     ));

@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod openai;
 pub mod remote;
 pub mod routing;
+pub mod sched;
 pub mod worker;
 
 use std::path::PathBuf;
@@ -59,8 +60,8 @@ pub struct ServeConfig {
     pub api_key: Option<String>,
     /// How long a prefill worker holds handed-off KV that no one releases.
     pub lease: Duration,
-    /// Requests in flight per worker before new ones get HTTP 429 (`None`: no limit).
-    pub max_in_flight: Option<usize>,
+    /// How the conductor routes (and admits) requests.
+    pub policy: sched::PolicyChoice,
 }
 
 impl ServeConfig {
@@ -75,7 +76,7 @@ impl ServeConfig {
             engine: EngineConfig::default(),
             api_key: None,
             lease: worker::DEFAULT_LEASE,
-            max_in_flight: None,
+            policy: sched::PolicyChoice::default(),
         }
     }
 }
@@ -164,7 +165,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
     Ok(Arc::new(Conductor::new(
         loaded.validator,
         workers,
-        Box::new(routing::LeastLoad { max_in_flight: config.max_in_flight }),
+        config.policy.build(config.engine.block_size),
         config.api_key.clone(),
         bytes_per_token,
     )))

@@ -152,6 +152,10 @@ impl Worker for RemoteWorker {
         });
     }
 
+    fn capacity_blocks(&self) -> usize {
+        usize::try_from(self.info.capacity_blocks).unwrap_or(usize::MAX)
+    }
+
     async fn stats(&self) -> Option<WorkerStats> {
         let r = self.signed(reqwest::Method::GET, STATS_PATH, Vec::new()).timeout(CALL_TIMEOUT).send().await.ok()?;
         if !r.status().is_success() {

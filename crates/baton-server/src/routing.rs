@@ -5,14 +5,39 @@
 //! workers (or the colocated worker) with the fewest requests in flight.
 
 /// What a policy sees of one worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerView {
-    /// Index into the conductor's worker list.
+    /// Index into the snapshot's worker list.
     pub index: usize,
+    /// A stable id of the worker for as long as the conductor knows it (policies with memory,
+    /// such as prompt trees, key on it).
+    pub instance: u32,
     /// Its role.
     pub role: crate::Role,
     /// Requests in flight on it.
     pub in_flight: usize,
+    /// Prompt tokens of each request waiting for or in prefill on it.
+    pub prefilling: Vec<usize>,
+    /// Each request decoding on it: (when decoding started, µs since the conductor started;
+    /// context tokens).
+    pub decoding: Vec<(u64, usize)>,
+    /// KV blocks of its pool (0: unknown).
+    pub capacity_blocks: usize,
+}
+
+impl WorkerView {
+    /// A view with only a load figure.
+    pub fn new(index: usize, role: crate::Role, in_flight: usize) -> Self {
+        Self {
+            index,
+            instance: index as u32,
+            role,
+            in_flight,
+            prefilling: Vec::new(),
+            decoding: Vec::new(),
+            capacity_blocks: 0,
+        }
+    }
 }
 
 /// The cluster as a policy sees it.
@@ -20,13 +45,15 @@ pub struct WorkerView {
 pub struct Snapshot {
     /// Every live worker.
     pub workers: Vec<WorkerView>,
+    /// The conductor's clock when the snapshot was taken (µs since it started).
+    pub now_us: u64,
 }
 
 /// What a policy sees of a request.
 #[derive(Debug, Clone, Copy)]
-pub struct RouteRequest {
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
+pub struct RouteRequest<'a> {
+    /// Prompt token ids.
+    pub prompt: &'a [u32],
     /// Tokens to generate at most.
     pub max_tokens: usize,
 }
@@ -55,7 +82,7 @@ pub enum Decision {
 /// A routing policy: pure, a function of the snapshot and the request.
 pub trait RoutePolicy: Send + Sync {
     /// Decides where a request runs.
-    fn route(&self, snapshot: &Snapshot, request: &RouteRequest) -> Decision;
+    fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision;
 }
 
 /// Least-load: fewest requests in flight, ties to the first worker. Disaggregates when there
@@ -73,7 +100,7 @@ fn least(snapshot: &Snapshot, role: crate::Role) -> Option<&WorkerView> {
 }
 
 impl RoutePolicy for LeastLoad {
-    fn route(&self, snapshot: &Snapshot, _request: &RouteRequest) -> Decision {
+    fn route(&self, snapshot: &Snapshot, _request: &RouteRequest<'_>) -> Decision {
         use crate::Role;
         let full = |w: &WorkerView| self.max_in_flight.is_some_and(|m| w.in_flight >= m);
         let decision = match (least(snapshot, Role::Prefill), least(snapshot, Role::Decode)) {
@@ -102,12 +129,13 @@ mod tests {
     use crate::Role;
 
     fn view(index: usize, role: Role, in_flight: usize) -> WorkerView {
-        WorkerView { index, role, in_flight }
+        WorkerView::new(index, role, in_flight)
     }
 
     #[test]
     fn least_load_picks_the_idlest_of_each_role() {
         let s = Snapshot {
+            now_us: 0,
             workers: vec![
                 view(0, Role::Prefill, 3),
                 view(1, Role::Prefill, 1),
@@ -115,29 +143,30 @@ mod tests {
                 view(3, Role::Decode, 5),
             ],
         };
-        let r = RouteRequest { prompt_tokens: 10, max_tokens: 10 };
+        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10 };
         assert_eq!(LeastLoad::default().route(&s, &r), Decision::Disaggregated { prefill: 1, decode: 2 });
     }
 
     #[test]
     fn colocated_when_a_role_is_missing_and_nothing_when_empty() {
-        let r = RouteRequest { prompt_tokens: 10, max_tokens: 10 };
-        let s = Snapshot { workers: vec![view(0, Role::Prefill, 0), view(1, Role::Colocated, 2)] };
+        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10 };
+        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 0), view(1, Role::Colocated, 2)] };
         assert_eq!(LeastLoad::default().route(&s, &r), Decision::Colocated(1));
         assert_eq!(LeastLoad::default().route(&Snapshot::default(), &r), Decision::NoWorkers);
     }
 
     #[test]
     fn a_full_cluster_rejects_and_a_free_colocated_worker_still_serves() {
-        let r = RouteRequest { prompt_tokens: 10, max_tokens: 10 };
+        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10 };
         let capped = LeastLoad { max_in_flight: Some(2) };
-        let s = Snapshot { workers: vec![view(0, Role::Prefill, 2), view(1, Role::Decode, 0)] };
+        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 2), view(1, Role::Decode, 0)] };
         assert!(matches!(capped.route(&s, &r), Decision::Reject { .. }));
         let s = Snapshot {
+            now_us: 0,
             workers: vec![view(0, Role::Prefill, 2), view(1, Role::Decode, 0), view(2, Role::Colocated, 1)],
         };
         assert_eq!(capped.route(&s, &r), Decision::Colocated(2));
-        let s = Snapshot { workers: vec![view(0, Role::Colocated, 2)] };
+        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Colocated, 2)] };
         assert!(matches!(capped.route(&s, &r), Decision::Reject { .. }));
         assert_eq!(LeastLoad::default().route(&s, &r), Decision::Colocated(0));
     }

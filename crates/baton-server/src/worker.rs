@@ -266,6 +266,10 @@ pub trait Worker: Send + Sync + std::fmt::Debug {
     fn release(&self, id: u64);
     /// Current load and memory; `None` when the worker does not answer in time.
     async fn stats(&self) -> Option<WorkerStats>;
+    /// KV blocks of its pool (0: unknown).
+    fn capacity_blocks(&self) -> usize {
+        0
+    }
 }
 
 /// How a decode worker reaches prefill workers' KV.
@@ -366,6 +370,7 @@ struct Inner {
     role: Role,
     commands: std::sync::mpsc::Sender<Command>,
     kv_addr: Option<SocketAddr>,
+    capacity_blocks: usize,
     /// Requests submitted and not finished: the load figure routing reads without a round trip.
     in_flight: AtomicUsize,
 }
@@ -419,6 +424,7 @@ impl WorkerHandle {
                 .spawn(move || Puller { local, config, transport, clients: HashMap::new() }.run(job_rx, back))?;
             Some(jobs)
         };
+        let capacity_blocks = engine.config().num_blocks;
         let kv_addr = server.as_ref().map(|s| {
             let mut addr = s.addr();
             match options.kv_advertise {
@@ -440,7 +446,16 @@ impl WorkerHandle {
             }
             .run(rx)
         })?;
-        Ok(Self { inner: Arc::new(Inner { name, role, commands: tx, kv_addr, in_flight: AtomicUsize::new(0) }) })
+        Ok(Self {
+            inner: Arc::new(Inner {
+                name,
+                role,
+                commands: tx,
+                kv_addr,
+                capacity_blocks,
+                in_flight: AtomicUsize::new(0),
+            }),
+        })
     }
 
     /// Where this worker's KV server listens (prefill and colocated roles).
@@ -489,6 +504,10 @@ impl Worker for WorkerHandle {
 
     fn release(&self, id: u64) {
         let _ = self.inner.commands.send(Command::Release(RequestId(id)));
+    }
+
+    fn capacity_blocks(&self) -> usize {
+        self.inner.capacity_blocks
     }
 
     async fn stats(&self) -> Option<WorkerStats> {

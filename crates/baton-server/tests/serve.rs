@@ -283,3 +283,89 @@ async fn models_health_and_metrics_answer() {
         assert!(text.contains(needle), "metrics lack `{needle}`:\n{text}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overloaded_cluster_answers_429_with_retry_after() {
+    let config = ServeConfig {
+        prefill: 0,
+        decode: 0,
+        colocated: 1,
+        engine: engine_config(),
+        policy: baton_server::sched::PolicyChoice::Simple { max_in_flight: Some(1) },
+        ..ServeConfig::new(fixture("tiny-llama"))
+    };
+    let conductor = baton_server::build(&config).expect("builds");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(baton_server::serve(listener, conductor.clone(), std::future::pending()));
+    let body = json!({"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true});
+    let send = |body: Value| {
+        let url = url.clone();
+        async move { reqwest::Client::new().post(format!("{url}/v1/completions")).json(&body).send().await.expect("sends") }
+    };
+    let responses = futures_join(vec![send(body.clone()), send(body.clone()), send(body.clone()), send(body)]).await;
+    let mut ok = 0;
+    let mut rejected = 0;
+    for r in responses {
+        match r.status().as_u16() {
+            200 => ok += 1,
+            429 => {
+                rejected += 1;
+                assert_eq!(r.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+                let v: Value = r.json().await.expect("json");
+                assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+            }
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert!(ok >= 1 && rejected >= 1, "{ok} served, {rejected} rejected");
+    let server = Server { url, conductor, _shutdown: tokio::sync::oneshot::channel().0 };
+    server.assert_no_kv_held().await;
+}
+
+/// Runs futures concurrently and returns their outputs in order.
+async fn futures_join<F: std::future::Future + Send + 'static>(futures: Vec<F>) -> Vec<F::Output>
+where
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futures.into_iter().map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.expect("joins"));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduling_crates_policies_route_live_requests() {
+    use baton_sched::{AdmissionConfig, CostProfile, PolicyConfig, PolicyKind};
+    for policy in [PolicyKind::KvCentric, PolicyKind::PromptTree, PolicyKind::LoadAware] {
+        let config = ServeConfig {
+            prefill: 1,
+            decode: 1,
+            colocated: 0,
+            engine: engine_config(),
+            policy: baton_server::sched::PolicyChoice::Sched {
+                policy,
+                config: PolicyConfig::default(),
+                admission: AdmissionConfig::default(),
+                cost: Box::new(CostProfile::llama2_70b_8xa800()),
+                seed: 1,
+            },
+            ..ServeConfig::new(fixture("tiny-llama"))
+        };
+        let conductor = baton_server::build(&config).expect("builds");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(baton_server::serve(listener, conductor.clone(), std::future::pending()));
+        let server = Server { url, conductor, _shutdown: tokio::sync::oneshot::channel().0 };
+        let body =
+            json!({"model": "tiny-llama", "prompt": "Once upon a time there was", "max_tokens": 8, "temperature": 0});
+        let (s1, a) = server.post("/v1/completions", body.clone()).await;
+        let (s2, b) = server.post("/v1/completions", body).await;
+        assert_eq!((s1, s2), (200, 200), "{}: {a} {b}", policy.name());
+        assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"], "{}", policy.name());
+        assert_eq!(a["usage"]["completion_tokens"], 8);
+        server.assert_no_kv_held().await;
+    }
+}

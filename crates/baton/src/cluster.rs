@@ -118,9 +118,11 @@ pub(crate) struct ConductorArgs {
     /// Require clients to send `Authorization: Bearer <KEY>`.
     #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Requests in flight per worker before new ones are answered 429 (default: no limit).
-    #[arg(long)]
-    max_in_flight: Option<usize>,
+    #[command(flatten)]
+    routing: crate::engine_flags::RoutingFlags,
+    /// Tokens per KV block of the workers (prefix-aware policies hash prompts in blocks).
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
 }
 
 async fn shutdown_signal() {
@@ -188,7 +190,8 @@ pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
         registry: a.registry,
         secret: a.secret.secret()?,
         api_key: a.api_key,
-        max_in_flight: a.max_in_flight,
+        policy: a.routing.choice()?,
+        block_tokens: a.block_size,
     };
     let addr = SocketAddr::new(a.host, a.port);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

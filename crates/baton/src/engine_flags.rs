@@ -40,3 +40,66 @@ impl EngineFlags {
         }
     }
 }
+
+/// How the conductor routes and admits requests (`baton serve`, `baton conductor`).
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct RoutingFlags {
+    /// Routing policy: `simple` (fewest requests in flight, with --max-in-flight), or one of
+    /// baton-sched's policies as `baton sim` runs them: round-robin, random, least-load,
+    /// session-affinity, prompt-tree, kv-centric, load-aware.
+    #[arg(long, default_value = "simple")]
+    policy: String,
+    /// With `simple`: requests in flight per worker before new ones are answered 429.
+    #[arg(long)]
+    max_in_flight: Option<usize>,
+    /// With a baton-sched policy: admission control (none, baseline, early, predictive);
+    /// rejected requests are answered 429.
+    #[arg(long, default_value = "none")]
+    admission: baton_sched::AdmissionKind,
+    /// TTFT SLO in milliseconds, for admission control.
+    #[arg(long, default_value_t = 10_000)]
+    slo_ttft_ms: u64,
+    /// TBT SLO in milliseconds, for admission control.
+    #[arg(long, default_value_t = 1_000)]
+    slo_tbt_ms: u64,
+    /// Cost profile (JSON, as `baton profile` writes it) the policies predict with; default:
+    /// the built-in LLaMA-2-70B on 8×A800 profile, which only matters for admission control.
+    #[arg(long)]
+    cost_profile: Option<std::path::PathBuf>,
+    /// Seed of the random policy.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl RoutingFlags {
+    /// The policy these flags choose.
+    pub(crate) fn choice(&self) -> anyhow::Result<baton_server::sched::PolicyChoice> {
+        use baton_server::sched::PolicyChoice;
+        if self.policy == "simple" {
+            return Ok(PolicyChoice::Simple { max_in_flight: self.max_in_flight });
+        }
+        anyhow::ensure!(self.max_in_flight.is_none(), "--max-in-flight goes with --policy simple");
+        let policy: baton_sched::PolicyKind = self.policy.parse()?;
+        let cost = match &self.cost_profile {
+            Some(path) => {
+                let text =
+                    std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+                baton_sched::CostProfile::from_json(&text)
+                    .map_err(|e| anyhow::anyhow!("{} is not a cost profile: {e}", path.display()))?
+            }
+            None => baton_sched::CostProfile::llama2_70b_8xa800(),
+        };
+        let admission = baton_sched::AdmissionConfig {
+            kind: self.admission,
+            slo: baton_sched::Slo { ttft_us: self.slo_ttft_ms * 1000, tbt_us: self.slo_tbt_ms * 1000 },
+            decode_time_us: 10_000_000,
+        };
+        Ok(PolicyChoice::Sched {
+            policy,
+            config: baton_sched::PolicyConfig::default(),
+            admission,
+            cost: Box::new(cost),
+            seed: self.seed,
+        })
+    }
+}

@@ -39,9 +39,8 @@ pub(crate) struct ServeArgs {
     api_key: Option<String>,
     #[command(flatten)]
     engine: crate::engine_flags::EngineFlags,
-    /// Requests in flight per worker before new ones are answered 429 (default: no limit).
-    #[arg(long)]
-    max_in_flight: Option<usize>,
+    #[command(flatten)]
+    routing: crate::engine_flags::RoutingFlags,
     /// Seconds a prefill worker holds handed-off KV that no decode worker releases.
     #[arg(long, default_value_t = 30)]
     lease_s: u64,
@@ -60,7 +59,7 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
         engine: a.engine.config(),
         api_key: a.api_key,
         lease: Duration::from_secs(a.lease_s),
-        max_in_flight: a.max_in_flight,
+        policy: a.routing.choice()?,
         ..ServeConfig::new(model.clone())
     };
     eprintln!("loading {} ...", model.display());

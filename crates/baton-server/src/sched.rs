@@ -1,0 +1,285 @@
+//! The scheduling crate's policies in the conductor: the same [`Scheduler::decide`] the
+//! simulator calls, on a [`ClusterSnapshot`] built from the conductor's view of its workers.
+//!
+//! [`SchedPolicy`] implements the conductor's [`RoutePolicy`] seam. Per request it turns the
+//! routing [`Snapshot`] (the conductor's ledger: requests prefilling and decoding on each
+//! worker, pool sizes) into a [`ClusterSnapshot`], hashes the prompt into the chained block
+//! hashes the pool uses, asks the scheduler, and maps the instances it names back to workers.
+//!
+//! Prompt trees: the conductor records each routed prompt's blocks at its prefill instance
+//! ([`GlobalPromptTrees::predict`]) when it routes it — an entry the trees' TTL drops unless a
+//! KV event confirms it. Workers' KV events are not streamed to the conductor yet, so live
+//! trees are predicted only (Dynamo's "approximate" router mode); the simulator feeds real
+//! events.
+
+use std::sync::Mutex;
+
+use baton_kv::{InstanceId, Tier, prefix_hashes};
+use baton_sched::{
+    ClusterSnapshot, CostProfile, DecodeSeq, GlobalPromptTrees, InstanceSnapshot, Micros, Request, RequestId,
+    Role as SchedRole, Scheduler, TierUsage,
+};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use crate::Role;
+use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot};
+
+/// How long a routed prompt's blocks count as cached at its prefill worker without a KV event.
+pub const PREDICTED_TTL_US: Micros = 120_000_000;
+
+/// Live state behind the lock.
+struct State {
+    scheduler: Scheduler,
+    trees: GlobalPromptTrees,
+    rng: StdRng,
+    next_request: u64,
+}
+
+/// A baton-sched [`Scheduler`] behind the conductor's routing seam.
+pub struct SchedPolicy {
+    state: Mutex<State>,
+    cost: CostProfile,
+    block_tokens: usize,
+}
+
+impl std::fmt::Debug for SchedPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SchedPolicy").field("block_tokens", &self.block_tokens).finish_non_exhaustive()
+    }
+}
+
+impl SchedPolicy {
+    /// A policy deciding with `scheduler`, costing with `cost`, hashing prompts in blocks of
+    /// `block_tokens` (the workers' block size).
+    pub fn new(scheduler: Scheduler, cost: CostProfile, block_tokens: usize, seed: u64) -> Self {
+        let state = State {
+            scheduler,
+            trees: GlobalPromptTrees::new(PREDICTED_TTL_US),
+            rng: StdRng::seed_from_u64(seed),
+            next_request: 0,
+        };
+        Self { state: Mutex::new(state), cost, block_tokens: block_tokens.max(1) }
+    }
+
+    /// The scheduler's view of the conductor's snapshot at `now`.
+    pub fn cluster_snapshot<'a>(
+        snapshot: &Snapshot,
+        trees: &'a GlobalPromptTrees,
+        cost: &'a CostProfile,
+        block_tokens: usize,
+        now: Micros,
+    ) -> ClusterSnapshot<'a> {
+        let instances = snapshot
+            .workers
+            .iter()
+            .map(|w| {
+                let mut i = InstanceSnapshot::idle(InstanceId(w.instance), sched_role(w.role));
+                i.prefill_queue_len = u32::try_from(w.prefilling.len()).unwrap_or(u32::MAX);
+                i.queued_prefill_us = w.prefilling.iter().map(|&t| cost.prefill_time(t as u64, 0.0)).sum();
+                i.decode_running =
+                    w.decoding.iter().map(|&(started_at, ctx)| DecodeSeq { started_at, context: ctx as u64 }).collect();
+                let tokens: usize = w.prefilling.iter().sum::<usize>() + w.decoding.iter().map(|d| d.1).sum::<usize>();
+                i.kv[Tier::Device as usize] = TierUsage {
+                    used: tokens.div_ceil(block_tokens) as u64,
+                    total: if w.capacity_blocks == 0 { u64::MAX } else { w.capacity_blocks as u64 },
+                };
+                i
+            })
+            .collect();
+        ClusterSnapshot { now, instances, trees, cost, links: Vec::new() }
+    }
+
+    /// The scheduler's request for a prompt.
+    pub fn request(id: u64, prompt: &[u32], max_tokens: usize, block_tokens: usize) -> Request {
+        Request {
+            id: RequestId(id),
+            prompt_tokens: prompt.len() as u64,
+            block_hashes: prefix_hashes(prompt, block_tokens),
+            block_tokens: block_tokens as u64,
+            expected_output: max_tokens as u64,
+            session: None,
+        }
+    }
+
+    /// Maps a scheduler decision back onto the snapshot's workers.
+    pub fn to_route(snapshot: &Snapshot, decision: &baton_sched::Decision) -> Decision {
+        let index = |id: InstanceId| snapshot.workers.iter().find(|w| w.instance == id.0).map(|w| w.index);
+        match decision {
+            baton_sched::Decision::Route(r) => match (index(r.prefill), index(r.decode)) {
+                (Some(p), Some(d)) if p == d => Decision::Colocated(p),
+                (Some(prefill), Some(decode)) => Decision::Disaggregated { prefill, decode },
+                _ => Decision::NoWorkers,
+            },
+            baton_sched::Decision::Reject { reason } => Decision::Reject { reason: reason.to_string() },
+        }
+    }
+}
+
+fn sched_role(role: Role) -> SchedRole {
+    match role {
+        Role::Prefill => SchedRole::Prefill,
+        Role::Decode => SchedRole::Decode,
+        Role::Colocated => SchedRole::Colocated,
+    }
+}
+
+impl RoutePolicy for SchedPolicy {
+    fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision {
+        if snapshot.workers.is_empty() {
+            return Decision::NoWorkers;
+        }
+        let now = snapshot.now_us;
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let State { scheduler, trees, rng, next_request } = &mut *state;
+        trees.expire(now);
+        for w in &snapshot.workers {
+            trees.set_role(InstanceId(w.instance), sched_role(w.role));
+        }
+        *next_request += 1;
+        let req = Self::request(*next_request, request.prompt, request.max_tokens, self.block_tokens);
+        let decision = {
+            let cluster = Self::cluster_snapshot(snapshot, trees, &self.cost, self.block_tokens, now);
+            scheduler.decide(&cluster, &req, rng)
+        };
+        if let baton_sched::Decision::Route(r) = &decision {
+            trees.predict(r.prefill, &req.block_hashes, now);
+        }
+        Self::to_route(snapshot, &decision)
+    }
+}
+
+/// Which policy the conductor routes with.
+#[derive(Debug, Clone)]
+pub enum PolicyChoice {
+    /// The conductor's own least-in-flight routing with an optional cap (HTTP 429 above it).
+    Simple {
+        /// Requests in flight per worker before new ones are refused.
+        max_in_flight: Option<usize>,
+    },
+    /// A baton-sched policy and admission control, as the simulator runs them.
+    Sched {
+        /// The policy.
+        policy: baton_sched::PolicyKind,
+        /// Its parameters.
+        config: baton_sched::PolicyConfig,
+        /// Admission control and SLOs.
+        admission: baton_sched::AdmissionConfig,
+        /// The cost model predictions use.
+        cost: Box<CostProfile>,
+        /// Seed of random choices.
+        seed: u64,
+    },
+}
+
+impl Default for PolicyChoice {
+    fn default() -> Self {
+        PolicyChoice::Simple { max_in_flight: None }
+    }
+}
+
+impl PolicyChoice {
+    /// The routing policy, for workers whose KV blocks hold `block_tokens` tokens.
+    pub fn build(&self, block_tokens: usize) -> Box<dyn RoutePolicy> {
+        match self {
+            PolicyChoice::Simple { max_in_flight } => {
+                Box::new(crate::routing::LeastLoad { max_in_flight: *max_in_flight })
+            }
+            PolicyChoice::Sched { policy, config, admission, cost, seed } => {
+                let scheduler = Scheduler::new(policy.build(config), *admission);
+                Box::new(SchedPolicy::new(scheduler, (**cost).clone(), block_tokens, *seed))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use baton_sched::{AdmissionConfig, PolicyConfig, PolicyKind};
+
+    use super::*;
+    use crate::routing::WorkerView;
+
+    fn snapshot() -> Snapshot {
+        let mut workers = vec![
+            WorkerView::new(0, Role::Prefill, 3),
+            WorkerView::new(1, Role::Prefill, 0),
+            WorkerView::new(2, Role::Decode, 1),
+            WorkerView::new(3, Role::Decode, 4),
+        ];
+        workers[0].prefilling = vec![4000, 2000, 900];
+        workers[2].decoding = vec![(10, 700)];
+        workers[3].decoding = vec![(10, 4000), (20, 3000), (30, 5000), (40, 100)];
+        for (i, w) in workers.iter_mut().enumerate() {
+            w.instance = 10 + i as u32;
+            w.capacity_blocks = 4096;
+        }
+        Snapshot { workers, now_us: 1_000_000 }
+    }
+
+    /// The conductor's seam and a direct call of the scheduler on the snapshot it builds (what
+    /// the simulator does) agree, for every policy.
+    #[test]
+    fn the_seam_decides_as_the_scheduler_does() {
+        let snap = snapshot();
+        let prompt: Vec<u32> = (0..300).collect();
+        let cost = CostProfile::llama2_70b_8xa800();
+        for kind in PolicyKind::ALL {
+            let live = SchedPolicy::new(
+                Scheduler::new(kind.build(&PolicyConfig::default()), AdmissionConfig::default()),
+                cost.clone(),
+                16,
+                7,
+            );
+            let routed = live.route(&snap, &RouteRequest { prompt: &prompt, max_tokens: 64 });
+
+            let mut direct = Scheduler::new(kind.build(&PolicyConfig::default()), AdmissionConfig::default());
+            let mut trees = GlobalPromptTrees::new(PREDICTED_TTL_US);
+            for w in &snap.workers {
+                trees.set_role(InstanceId(w.instance), sched_role(w.role));
+            }
+            let cluster = SchedPolicy::cluster_snapshot(&snap, &trees, &cost, 16, snap.now_us);
+            let req = SchedPolicy::request(1, &prompt, 64, 16);
+            let decision = direct.decide(&cluster, &req, &mut StdRng::seed_from_u64(7));
+            assert_eq!(routed, SchedPolicy::to_route(&snap, &decision), "{}", kind.name());
+            assert!(matches!(routed, Decision::Disaggregated { .. }), "{}: {routed:?}", kind.name());
+        }
+    }
+
+    /// Least-load sees the ledger: the idle prefill worker and the lighter decode worker.
+    #[test]
+    fn the_ledger_reaches_the_policy() {
+        let live = SchedPolicy::new(
+            Scheduler::new(PolicyKind::LeastLoad.build(&PolicyConfig::default()), AdmissionConfig::default()),
+            CostProfile::llama2_70b_8xa800(),
+            16,
+            0,
+        );
+        let d = live.route(&snapshot(), &RouteRequest { prompt: &[1, 2, 3], max_tokens: 8 });
+        assert_eq!(d, Decision::Disaggregated { prefill: 1, decode: 2 });
+    }
+
+    /// Prompt-tree routing remembers where a prompt went: the same prompt returns to the same
+    /// colocated worker even when another is as idle.
+    #[test]
+    fn prompt_tree_sends_a_repeated_prompt_back() {
+        let live = SchedPolicy::new(
+            Scheduler::new(PolicyKind::PromptTree.build(&PolicyConfig::default()), AdmissionConfig::default()),
+            CostProfile::llama2_70b_8xa800(),
+            16,
+            0,
+        );
+        let snap = Snapshot {
+            workers: vec![WorkerView::new(0, Role::Colocated, 0), WorkerView::new(1, Role::Colocated, 0)],
+            now_us: 0,
+        };
+        let a: Vec<u32> = (0..64).collect();
+        let b: Vec<u32> = (100..164).collect();
+        let first_a = live.route(&snap, &RouteRequest { prompt: &a, max_tokens: 4 });
+        let first_b = live.route(&snap, &RouteRequest { prompt: &b, max_tokens: 4 });
+        for _ in 0..3 {
+            assert_eq!(live.route(&snap, &RouteRequest { prompt: &a, max_tokens: 4 }), first_a);
+            assert_eq!(live.route(&snap, &RouteRequest { prompt: &b, max_tokens: 4 }), first_b);
+        }
+    }
+}
