@@ -1,0 +1,267 @@
+//! Plots of a report, PNG and SVG from the same drawing code: latency CDFs (TTFT, ITL, JCT),
+//! the number of requests in flight over time, and for a sweep over rates TTFT, TBT and
+//! throughput (or goodput) against the rate.
+//!
+//! Text is drawn with an embedded DejaVu Sans (through `ab_glyph`), so plotting needs no system
+//! fonts or fontconfig.
+
+use std::path::{Path, PathBuf};
+use std::sync::Once;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use crate::BenchError;
+use crate::arrival::Arrival;
+use crate::metrics::{RequestRecord, in_flight};
+use crate::report::Report;
+
+type Res = Result<(), String>;
+
+fn err<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+fn register_font() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // The font is compiled in and valid; a failure would only lose the labels.
+        let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular());
+    });
+}
+
+/// Writes every plot that applies to `report` into `dir` (created if needed) as PNG and SVG;
+/// returns the files written.
+pub fn write_plots(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, BenchError> {
+    register_font();
+    std::fs::create_dir_all(dir).map_err(|source| BenchError::Io { path: dir.to_path_buf(), source })?;
+    let mut written = Vec::new();
+    Canvas::Cdf(report).write(dir, "latency_cdf", (1500, 460), &mut written)?;
+    Canvas::Timeline(report).write(dir, "in_flight", (1000, 460), &mut written)?;
+    if sweep_points(report).len() >= 2 {
+        Canvas::Sweep(report).write(dir, "sweep", (1500, 460), &mut written)?;
+    }
+    Ok(written)
+}
+
+/// One figure, drawable on any backend.
+enum Canvas<'a> {
+    Cdf(&'a Report),
+    Timeline(&'a Report),
+    Sweep(&'a Report),
+}
+
+impl Canvas<'_> {
+    /// Draws `NAME.png` and `NAME.svg` in `dir`.
+    fn write(&self, dir: &Path, name: &str, size: (u32, u32), written: &mut Vec<PathBuf>) -> Result<(), BenchError> {
+        let png = dir.join(format!("{name}.png"));
+        let svg = dir.join(format!("{name}.svg"));
+        self.png(&png, size)
+            .and_then(|()| self.svg(&svg, size))
+            .map_err(|e| BenchError::Plot(format!("{name}: {e}")))?;
+        written.extend([png, svg]);
+        Ok(())
+    }
+
+    fn png(&self, path: &Path, size: (u32, u32)) -> Res {
+        let root = BitMapBackend::new(path, size).into_drawing_area();
+        self.draw(&root)?;
+        root.present().map_err(err)
+    }
+
+    fn svg(&self, path: &Path, size: (u32, u32)) -> Res {
+        let root = SVGBackend::new(path, size).into_drawing_area();
+        self.draw(&root)?;
+        root.present().map_err(err)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Res {
+        root.fill(&WHITE).map_err(err)?;
+        match self {
+            Canvas::Cdf(r) => draw_cdfs(root, r),
+            Canvas::Timeline(r) => draw_timeline(root, r),
+            Canvas::Sweep(r) => draw_sweep(root, r),
+        }
+    }
+}
+
+/// At most `n` points of the empirical CDF of `values` (ms), as (value, fraction ≤ value).
+pub fn cdf_points(values: &[f64], n: usize) -> Vec<(f64, f64)> {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return Vec::new();
+    }
+    let len = v.len();
+    let step = len.div_ceil(n.max(1)).max(1);
+    let mut pts: Vec<(f64, f64)> = (0..len).step_by(step).map(|i| (v[i], (i + 1) as f64 / len as f64)).collect();
+    if pts.last().is_some_and(|p| p.1 < 1.0) {
+        pts.push((v[len - 1], 1.0));
+    }
+    pts
+}
+
+fn metric_values(records: &[RequestRecord], metric: usize) -> Vec<f64> {
+    let ok = records.iter().filter(|r| r.ok());
+    match metric {
+        0 => ok.filter_map(|r| r.ttft_us).map(|t| t as f64 / 1e3).collect(),
+        1 => ok.flat_map(|r| r.itl_us.iter()).map(|&t| t as f64 / 1e3).collect(),
+        _ => ok.map(|r| r.jct_us as f64 / 1e3).collect(),
+    }
+}
+
+fn draw_cdfs<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report) -> Res {
+    let panels = root.split_evenly((1, 3));
+    for (m, (panel, title)) in panels.iter().zip(["TTFT", "ITL (time between tokens)", "JCT (end to end)"]).enumerate()
+    {
+        let series: Vec<(String, Vec<(f64, f64)>)> = report
+            .runs
+            .iter()
+            .map(|run| (run.label.clone(), cdf_points(&metric_values(&run.records, m), 2000)))
+            .collect();
+        let xmax = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)).fold(0.0f64, f64::max).max(1e-3) * 1.05;
+        let mut chart = ChartBuilder::on(panel)
+            .caption(format!("{title} CDF"), ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(48)
+            .build_cartesian_2d(0.0..xmax, 0.0..1.0)
+            .map_err(err)?;
+        chart.configure_mesh().x_desc("ms").y_desc("fraction of requests").draw().map_err(err)?;
+        for (i, (label, pts)) in series.into_iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+                .map_err(err)?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+/// The in-flight count as a step line: (seconds, count).
+pub fn timeline_points(records: &[RequestRecord]) -> Vec<(f64, f64)> {
+    let mut pts = vec![(0.0, 0.0)];
+    let mut prev = 0.0;
+    for (t, n) in in_flight(records) {
+        let x = t as f64 / 1e6;
+        pts.push((x, prev));
+        pts.push((x, n as f64));
+        prev = n as f64;
+    }
+    pts
+}
+
+fn draw_timeline<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report) -> Res {
+    let series: Vec<(String, Vec<(f64, f64)>)> =
+        report.runs.iter().map(|r| (r.label.clone(), timeline_points(&r.records))).collect();
+    let xmax = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)).fold(0.0f64, f64::max).max(1e-3) * 1.02;
+    let ymax = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)).fold(0.0f64, f64::max).max(1.0) * 1.1;
+    let mut chart = ChartBuilder::on(root)
+        .caption("Requests in flight", ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(48)
+        .build_cartesian_2d(0.0..xmax, 0.0..ymax)
+        .map_err(err)?;
+    chart.configure_mesh().x_desc("seconds from the start of the run").y_desc("requests").draw().map_err(err)?;
+    for (i, (label, pts)) in series.into_iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}
+
+/// The runs of a sweep over Poisson rates, by rate.
+fn sweep_points(report: &Report) -> Vec<(f64, &crate::metrics::Summary)> {
+    let mut v: Vec<(f64, &crate::metrics::Summary)> = report
+        .runs
+        .iter()
+        .filter_map(|r| match r.arrival {
+            Arrival::Poisson { rate } => Some((rate, &r.summary)),
+            _ => None,
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    v
+}
+
+/// A metric of a summary.
+type Pick = fn(&crate::metrics::Summary) -> f64;
+/// A panel of the sweep figure: title, unit, and the lines (label, metric).
+type Panel = (&'static str, &'static str, Vec<(&'static str, Pick)>);
+
+fn draw_sweep<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report) -> Res {
+    let pts = sweep_points(report);
+    let xmax = pts.iter().map(|p| p.0).fold(0.0, f64::max) * 1.05;
+    let has_slo = pts.iter().any(|p| p.1.slo.is_some());
+    let panels: [Panel; 3] = [
+        (
+            "TTFT vs rate",
+            "ms",
+            vec![("p50", |s| s.ttft_ms.p50), ("p90", |s| s.ttft_ms.p90), ("p99", |s| s.ttft_ms.p99)],
+        ),
+        (
+            "TBT vs rate",
+            "ms",
+            vec![("ITL p50", |s| s.itl_ms.p50), ("ITL p90", |s| s.itl_ms.p90), ("TPOT mean", |s| s.tpot_ms.mean)],
+        ),
+        if has_slo {
+            (
+                "Goodput vs rate",
+                "req/s",
+                vec![("goodput", |s| s.slo.map_or(0.0, |x| x.goodput_req_s)), ("completed", |s| s.request_throughput)],
+            )
+        } else {
+            ("Output throughput vs rate", "tok/s", vec![("output tok/s", |s| s.output_throughput)])
+        },
+    ];
+    for (area, (title, unit, lines)) in root.split_evenly((1, 3)).iter().zip(panels) {
+        let ymax = pts.iter().flat_map(|p| lines.iter().map(|(_, f)| f(p.1))).fold(0.0, f64::max).max(1e-3) * 1.1;
+        let mut chart = ChartBuilder::on(area)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(56)
+            .build_cartesian_2d(0.0..xmax.max(1e-3), 0.0..ymax)
+            .map_err(err)?;
+        chart.configure_mesh().x_desc("request rate (req/s)").y_desc(unit).draw().map_err(err)?;
+        for (i, (label, f)) in lines.into_iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let data: Vec<(f64, f64)> = pts.iter().map(|p| (p.0, f(p.1))).collect();
+            chart
+                .draw_series(LineSeries::new(data.clone(), color.stroke_width(2)))
+                .map_err(err)?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+            chart.draw_series(data.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+    }
+    Ok(())
+}
