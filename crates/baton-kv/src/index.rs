@@ -123,15 +123,16 @@ impl HashTable {
         (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
     }
 
-    /// Prefetches the cache line holding `hash`'s home slot and, unless the home slot starts
-    /// its line, the next line too: a probe that misses reads past its home slot (2.5 slots on
-    /// average at half load), and a run crossing into an unfetched line costs a full miss.
+    /// Prefetches the cache line holding `hash`'s home slot and, with `to_miss` unless the home
+    /// slot starts its line, the next line too: a probe for a missing key reads past its home
+    /// slot (2.5 slots on average at half load), and a run crossing into an unfetched line
+    /// costs a full miss. A probe that finds its key reads 1.5 slots on average: one line.
     #[inline]
-    fn prefetch(&self, hash: u64) {
+    fn prefetch(&self, hash: u64, to_miss: bool) {
         let slots = self.slots();
         let i = self.home(hash);
         prefetch(&slots[i]);
-        if !i.is_multiple_of(SLOTS_PER_LINE) {
+        if to_miss && !i.is_multiple_of(SLOTS_PER_LINE) {
             prefetch(&slots[(i + SLOTS_PER_LINE - 1) & (slots.len() - 1)]);
         }
     }
@@ -263,12 +264,26 @@ pub(crate) struct HashStream<'a> {
     made: usize,
     used: usize,
     last: Option<BlockHash>,
+    to_miss: bool,
 }
 
 impl<'a> HashStream<'a> {
-    /// The hashes of the full blocks of `tokens`.
+    /// The hashes of the full blocks of `tokens`, for lookups expected to hit (a match).
     pub(crate) fn new(tokens: &'a [u32], block_size: usize) -> Self {
-        Self { blocks: tokens.chunks_exact(block_size), ring: [BlockHash(0); HASH_AHEAD], made: 0, used: 0, last: None }
+        Self {
+            blocks: tokens.chunks_exact(block_size),
+            ring: [BlockHash(0); HASH_AHEAD],
+            made: 0,
+            used: 0,
+            last: None,
+            to_miss: false,
+        }
+    }
+
+    /// Like [`new`](Self::new), for lookups expected to miss (an insert): prefetches the
+    /// longer probe too.
+    pub(crate) fn to_miss(tokens: &'a [u32], block_size: usize) -> Self {
+        Self { to_miss: true, ..Self::new(tokens, block_size) }
     }
 
     /// The next block's hash, `None` after the last full block.
@@ -277,7 +292,7 @@ impl<'a> HashStream<'a> {
         while self.made < self.used + HASH_AHEAD {
             let Some(block) = self.blocks.next() else { break };
             let h = crate::block_hash(self.last, block);
-            index.prefetch_hash(h);
+            index.prefetch_hash(h, self.to_miss);
             self.ring[self.made % HASH_AHEAD] = h;
             self.last = Some(h);
             self.made += 1;
@@ -354,8 +369,8 @@ impl PrefixIndex {
 
     /// Starts loading what a lookup of `hash` will read (see [`lookup`](Self::lookup)).
     #[inline]
-    pub(crate) fn prefetch_hash(&self, hash: BlockHash) {
-        self.by_hash.prefetch(hash.0);
+    pub(crate) fn prefetch_hash(&self, hash: BlockHash, to_miss: bool) {
+        self.by_hash.prefetch(hash.0, to_miss);
     }
 
     /// Starts loading the node and token slots that the `k`-th next [`add_at`](Self::add_at) will

@@ -740,7 +740,7 @@ impl MemPool {
         let mut parent_hash: Option<BlockHash> = None;
         // Whether `parent` was added by this call (then the caller holds it: it is pinned).
         let mut parent_added = false;
-        let mut hashes = HashStream::new(&tokens[..full * bs], bs);
+        let mut hashes = HashStream::to_miss(&tokens[..full * bs], bs);
         let mut stored = std::mem::take(&mut self.stored);
         for (i, &b) in blocks[..full].iter().enumerate() {
             let hash = hashes.next(&self.index).expect("one hash per full block");
