@@ -116,6 +116,33 @@ impl CostProfile {
         to_micros(d.fixed_us + d.per_seq_us * batch as f64 + d.per_context_token_us * total_context as f64)
     }
 
+    /// One engine step of continuous batching: prefill chunks (`(start, end)`: tokens `start..end`
+    /// of a prompt computed, the first `start` already in KV) and `decode_batch` decoding sequences
+    /// with `decode_context` tokens of context between them, in one forward pass.
+    ///
+    /// The weights are read once per step, so a mixed step pays the larger fixed term once; each
+    /// chunk adds its tokens' GEMMs and its attention (`end² − start²`), each decoding sequence its
+    /// per-sequence and context terms. A step of one chunk `(c, x)` takes exactly
+    /// [`prefill_time_cached(x, c)`](Self::prefill_time_cached), a pure decode step exactly
+    /// [`decode_step`](Self::decode_step). This is what the emulated backend of `baton-engine`
+    /// waits for per step.
+    pub fn batch_time(&self, prefill_chunks: &[(u64, u64)], decode_batch: u64, decode_context: u64) -> Micros {
+        if prefill_chunks.is_empty() {
+            return self.decode_step(decode_batch, decode_context);
+        }
+        let p = &self.prefill;
+        let d = &self.decode;
+        let mut us = if decode_batch > 0 { p.fixed_us.max(d.fixed_us) } else { p.fixed_us };
+        for &(start, end) in prefill_chunks {
+            let (c, x) = (start.min(end) as f64, end as f64);
+            us += p.per_token_us * (x - c) + p.attention_us * (x * x - c * c);
+        }
+        if decode_batch > 0 {
+            us += d.per_seq_us * decode_batch as f64 + d.per_context_token_us * decode_context as f64;
+        }
+        to_micros(us)
+    }
+
     /// Bytes of KV of `tokens` tokens.
     pub fn kv_bytes(&self, tokens: u64) -> u64 {
         tokens.saturating_mul(self.kv_bytes_per_token)
@@ -230,6 +257,18 @@ mod tests {
         // 1 GB over 100 GB/s: 10 ms plus latency.
         assert_eq!(transfer_time(1_000_000_000, Link { bytes_per_s: 100_000_000_000, latency_us: 20 }), 10_020);
         assert_eq!(transfer_time(0, p.network), 0);
+    }
+
+    #[test]
+    fn batch_time_reduces_to_prefill_and_decode() {
+        let p = CostProfile::llama2_70b_8xa800();
+        assert_eq!(p.batch_time(&[(512, 2048)], 0, 0), p.prefill_time_cached(2048, 512));
+        assert_eq!(p.batch_time(&[], 8, 8000), p.decode_step(8, 8000));
+        assert_eq!(p.batch_time(&[], 0, 0), 0);
+        // A mixed step reads the weights once: cheaper than the two steps apart.
+        let mixed = p.batch_time(&[(0, 1024)], 8, 8000);
+        assert!(mixed < p.prefill_time(1024, 0.0) + p.decode_step(8, 8000));
+        assert!(mixed > p.prefill_time(1024, 0.0));
     }
 
     #[test]

@@ -16,7 +16,10 @@
 //!   Mooncake's Algorithm 1 ([`KvCentric`]), FlowKV's [`LoadAware`] with role switching.
 //! - [`admission`]: none, Mooncake's baseline, early rejection, prediction-based early rejection.
 //! - [`Scheduler`]: a policy plus an admission control; [`Scheduler::decide`] is the one call
-//!   per request.
+//!   per request, for the simulator and the conductor alike.
+//! - [`WorkerLoad`] and [`ClusterSnapshot::from_workers`]: how both build the snapshot from
+//!   per-worker figures (the conductor from load reports and its own routing records, the
+//!   simulator from its virtual instances), with [`GlobalPromptTrees`] fed by KV events.
 //!
 //! ```
 //! use baton_kv::{BlockHash, InstanceId};
@@ -65,13 +68,13 @@ pub type Micros = u64;
 
 pub use admission::{AdmissionConfig, AdmissionKind, Scheduler, Slo, admit, predicted_tbt_at};
 pub use cost::{CostProfile, DecodeCoeffs, Link, PrefillCoeffs, transfer_time};
-pub use fit::{DecodeSample, FitError, PrefillSample, fit_decode, fit_prefill};
+pub use fit::{DecodeSample, FitError, PrefillSample, fit_decode, fit_error, fit_prefill};
 pub use policy::{
     KvCentric, LeastLoad, LoadAware, LoadAwareConfig, Policy, PolicyConfig, PolicyKind, PromptTree, RandomPolicy,
     RoundRobin, SessionAffinity,
 };
 pub use snapshot::{
-    ClusterSnapshot, Decision, DecodeSeq, Estimate, IncomingSeq, InstanceSnapshot, RejectReason, Request, RequestId,
-    Reuse, Role, RoleChange, Route, SessionId, TierUsage,
+    ClusterSnapshot, Decision, DecodeSeq, Estimate, IncomingSeq, InstanceSnapshot, PendingPrefill, RejectReason,
+    Request, RequestId, Reuse, Role, RoleChange, Route, SessionId, TierUsage, WorkerLoad,
 };
 pub use trees::{GlobalPromptTrees, PrefixMatch};

@@ -128,6 +128,90 @@ impl InstanceSnapshot {
     }
 }
 
+/// A prefill routed to an instance and not finished: what the conductor (or the simulator)
+/// tracks to estimate the instance's prefill queue time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingPrefill {
+    /// Its predicted compute time, fixed when it was routed:
+    /// `cost.prefill_time_cached(req.prompt_tokens, req.cached_tokens(route.reused_blocks()))`.
+    pub est_us: Micros,
+    /// When it started computing (`None`: still queued).
+    pub started_at: Option<Micros>,
+}
+
+/// The figures a conductor has of one live worker: its membership (id, role, accepting), its load
+/// report (KV blocks used and total per tier, requests waiting to join the decode batch) and what
+/// the conductor itself tracks (prefills routed and not finished, running decodes with their
+/// contexts, decodes whose KV has not arrived). [`WorkerLoad::snapshot`] turns it into the
+/// [`InstanceSnapshot`] a policy sees; the simulator builds its snapshots through the same call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerLoad {
+    /// Its id.
+    pub id: InstanceId,
+    /// Its role.
+    pub role: Role,
+    /// Whether it takes new work.
+    pub accepting: bool,
+    /// Prefills routed to it and not finished, oldest (the running one) first.
+    pub prefills: Vec<PendingPrefill>,
+    /// Its running decode batch.
+    pub decode_running: Vec<DecodeSeq>,
+    /// Requests waiting to join the decode batch.
+    pub decode_waiting: u32,
+    /// Requests routed here for decode whose KV has not arrived.
+    pub decode_incoming: Vec<IncomingSeq>,
+    /// KV blocks used and total on the device tier (the engine's `num_blocks` and
+    /// `num_blocks - available_blocks`, or with the cache counted as used, as the worker reports).
+    pub kv_device: TierUsage,
+    /// KV blocks of the host tier.
+    pub kv_host: TierUsage,
+}
+
+impl WorkerLoad {
+    /// An idle, accepting worker with no KV in use.
+    pub fn idle(id: InstanceId, role: Role) -> Self {
+        Self {
+            id,
+            role,
+            accepting: true,
+            prefills: Vec::new(),
+            decode_running: Vec::new(),
+            decode_waiting: 0,
+            decode_incoming: Vec::new(),
+            kv_device: TierUsage::default(),
+            kv_host: TierUsage::default(),
+        }
+    }
+
+    /// Estimated time until its prefill queue is empty at `now` (Mooncake's
+    /// `EstimatePrefillQueueTime`): queued prefills in full, the running ones' remainder.
+    pub fn queued_prefill_us(&self, now: Micros) -> Micros {
+        self.prefills
+            .iter()
+            .map(|p| match p.started_at {
+                None => p.est_us,
+                Some(s) => p.est_us.saturating_sub(now.saturating_sub(s)),
+            })
+            .sum()
+    }
+
+    /// The policy's view of this worker at `now`.
+    pub fn snapshot(&self, now: Micros) -> InstanceSnapshot {
+        InstanceSnapshot {
+            id: self.id,
+            role: self.role,
+            accepting: self.accepting,
+            prefill_queue_len: self.prefills.len() as u32,
+            queued_prefill_us: self.queued_prefill_us(now),
+            decode_running: self.decode_running.clone(),
+            decode_waiting: self.decode_waiting,
+            decode_incoming: self.decode_incoming.clone(),
+            kv: [self.kv_device, self.kv_host, TierUsage::default()],
+            nic_bytes_per_s: 0,
+        }
+    }
+}
+
 /// The cluster at one instant, as one scheduling decision needs it.
 #[derive(Debug, Clone)]
 pub struct ClusterSnapshot<'a> {
@@ -143,7 +227,62 @@ pub struct ClusterSnapshot<'a> {
     pub links: Vec<(InstanceId, InstanceId, Link)>,
 }
 
-impl ClusterSnapshot<'_> {
+impl<'a> ClusterSnapshot<'a> {
+    /// The snapshot a conductor (or the simulator) builds at `now` from its workers' figures and
+    /// its global prompt trees (fed by the workers' KV events): instances in id order, no special
+    /// links.
+    ///
+    /// ```
+    /// use baton_kv::{BlockHash, InstanceId, KvEvent, KvEventKind, Tier};
+    /// use baton_sched::*;
+    /// use rand::SeedableRng;
+    ///
+    /// let cost = CostProfile::llama2_70b_8xh100();
+    /// let mut trees = GlobalPromptTrees::new(60_000_000);
+    /// let mut workers = vec![
+    ///     WorkerLoad::idle(InstanceId(0), Role::Prefill),
+    ///     WorkerLoad::idle(InstanceId(1), Role::Prefill),
+    ///     WorkerLoad::idle(InstanceId(2), Role::Decode),
+    /// ];
+    /// for w in &workers {
+    ///     trees.set_role(w.id, w.role);
+    /// }
+    /// // Worker 0's pool stored the prompt's first block (from `Engine::drain_kv_events`).
+    /// let stored = KvEventKind::Stored { hash: BlockHash(7), parent: None, tokens: Default::default(), tier: Tier::Device };
+    /// trees.apply(&KvEvent { instance: InstanceId(0), seq: 0, kind: stored })?;
+    /// // Worker 1 is busy with a prefill of 2 s that started 0.5 s ago; worker 2 decodes one sequence.
+    /// workers[1].prefills.push(PendingPrefill { est_us: 2_000_000, started_at: Some(500_000) });
+    /// workers[2].decode_running.push(DecodeSeq { started_at: 0, context: 3000 });
+    /// workers[2].kv_device = TierUsage { used: 200, total: 4000 };
+    ///
+    /// let now = 1_000_000;
+    /// let snap = ClusterSnapshot::from_workers(now, &workers, &trees, &cost);
+    /// assert_eq!(snap.instance(InstanceId(1)).map(|i| i.queued_prefill_us), Some(1_500_000));
+    /// let req = Request {
+    ///     id: RequestId(1),
+    ///     prompt_tokens: 1000,
+    ///     block_hashes: vec![BlockHash(7), BlockHash(8)],
+    ///     block_tokens: 512,
+    ///     expected_output: 100,
+    ///     session: None,
+    /// };
+    /// let mut sched = Scheduler::new(PolicyKind::KvCentric.build(&PolicyConfig::default()), AdmissionConfig::default());
+    /// let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+    /// let route = sched.decide(&snap, &req, &mut rng).route().cloned().expect("routed");
+    /// assert_eq!((route.prefill, route.decode, route.reused_blocks()), (InstanceId(0), InstanceId(2), 1));
+    /// # Ok::<(), baton_kv::EventError>(())
+    /// ```
+    pub fn from_workers(
+        now: Micros,
+        workers: &[WorkerLoad],
+        trees: &'a GlobalPromptTrees,
+        cost: &'a CostProfile,
+    ) -> Self {
+        let mut instances: Vec<InstanceSnapshot> = workers.iter().map(|w| w.snapshot(now)).collect();
+        instances.sort_by_key(|i| i.id);
+        Self { now, instances, trees, cost, links: Vec::new() }
+    }
+
     /// The instance with this id.
     pub fn instance(&self, id: InstanceId) -> Option<&InstanceSnapshot> {
         self.instances.iter().find(|i| i.id == id)
