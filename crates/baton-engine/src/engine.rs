@@ -4,14 +4,23 @@
 //! KV memory is a [`MemPool`]: blocks come from its segment allocator, and with prefix caching
 //! on, a finished sequence's full blocks go into its prefix index and a new request starts from
 //! the longest cached prefix of its prompt. The engine's logical clock (its step count) is the
-//! time the pool's eviction policy sees: no wall clock is read here.
+//! time the pool's eviction policy sees: no wall clock is read here, except by the emulated
+//! backend's sleeping clock, to end a step at its predicted time.
+//!
+//! The seam between scheduling and computing is the private `Backend`: the model's forward pass
+//! (logits, sampled by each sequence's sampler) or the [emulated](crate::emulated) backend (a
+//! predicted step time and deterministic tokens). It is an enum rather than a trait: there are
+//! two backends, and everything else in a step — planning, allocation, stop conditions,
+//! detokenisation, caching, retention — is the same code for both.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use baton_kv::{InstanceId, KvArena, KvEvent, KvGeometry, KvLayout, Loc, MemPool, PolicyKind, PoolConfig, Tier};
-use baton_model::{LogitsWanted, Model, SeqStep, Tokenizer};
+use baton_model::{LogitsWanted, Model, ModelConfig, SeqStep, StepLogits, Tokenizer};
+
+use crate::emulated::{EmulatedModel, EmulatedStats, Emulator, StepWork};
 
 use crate::planner::{self, PlanInput, PlannerConfig, SeqView};
 use crate::request::{FinishReason, Finished, GenerationRequest, KvPrefix, KvRetention, StepOutput, TokenEvent};
@@ -89,9 +98,33 @@ impl EngineConfig {
     }
 }
 
+/// What computes a step: the model's forward pass, or the emulated backend's wait.
+#[derive(Debug)]
+enum Backend {
+    Model(Arc<Model>),
+    Emulated(Box<Emulator>),
+}
+
+impl Backend {
+    fn config(&self) -> &ModelConfig {
+        match self {
+            Backend::Model(m) => m.config(),
+            Backend::Emulated(e) => &e.model.config,
+        }
+    }
+}
+
+/// What a step's execution produced for the scheduled sequences, in batch order.
+enum Computed {
+    /// The model's logits (sampled by each sequence's sampler).
+    Logits(StepLogits),
+    /// The emulated backend's next token of each sequence that completed its known tokens.
+    Tokens(Vec<Option<u32>>),
+}
+
 /// One instance's inference loop over a paged KV cache.
 pub struct Engine {
-    model: Arc<Model>,
+    backend: Backend,
     tokenizer: Option<Arc<Tokenizer>>,
     config: EngineConfig,
     pool: MemPool,
@@ -123,8 +156,30 @@ impl Engine {
         tokenizer: Option<Arc<Tokenizer>>,
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
-        config.validate()?;
         let geometry = model.kv_geometry(config.block_size);
+        Self::with_backend(Backend::Model(model), geometry, tokenizer, config)
+    }
+
+    /// An engine that emulates `model` (see [`crate::emulated`]): the same loop, planner and KV
+    /// pool, with step times from the model's cost profile and deterministic tokens instead of a
+    /// forward pass. No weights are needed; the tokenizer (of the real model the configuration
+    /// describes) gives text and stop strings.
+    pub fn emulated(
+        model: EmulatedModel,
+        tokenizer: Option<Arc<Tokenizer>>,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        let geometry = model.kv_geometry(config.block_size);
+        Self::with_backend(Backend::Emulated(Box::new(Emulator::new(model))), geometry, tokenizer, config)
+    }
+
+    fn with_backend(
+        backend: Backend,
+        geometry: KvGeometry,
+        tokenizer: Option<Arc<Tokenizer>>,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        config.validate()?;
         let pool = MemPool::new(PoolConfig {
             host_blocks: config.host_blocks,
             disk_blocks: config.disk_blocks,
@@ -135,7 +190,7 @@ impl Engine {
         Ok(Self {
             pool,
             clock: 0,
-            model,
+            backend,
             tokenizer,
             config,
             seqs: HashMap::new(),
@@ -150,9 +205,25 @@ impl Engine {
         &self.config
     }
 
-    /// The model.
-    pub fn model(&self) -> &Arc<Model> {
-        &self.model
+    /// The model (`None` for an emulated engine).
+    pub fn model(&self) -> Option<&Arc<Model>> {
+        match &self.backend {
+            Backend::Model(m) => Some(m),
+            Backend::Emulated(_) => None,
+        }
+    }
+
+    /// The model's configuration (vocabulary, end tokens, context length).
+    pub fn model_config(&self) -> &ModelConfig {
+        self.backend.config()
+    }
+
+    /// Emulated time so far (`None` unless the engine is [emulated](Self::emulated)).
+    pub fn emulated_clock(&self) -> Option<EmulatedStats> {
+        match &self.backend {
+            Backend::Model(_) => None,
+            Backend::Emulated(e) => Some(e.stats),
+        }
     }
 
     /// KV geometry of the arena.
@@ -199,7 +270,7 @@ impl Engine {
     /// Validates and queues a request.
     pub fn add_request(&mut self, mut req: GenerationRequest) -> Result<(), EngineError> {
         let invalid = |m: String| Err(EngineError::InvalidRequest(m));
-        let cfg = self.model.config();
+        let cfg = self.backend.config();
         let bs = self.config.block_size;
         if self.seqs.contains_key(&req.id) {
             return invalid(format!("request id {} is already in use", req.id.0));
@@ -209,6 +280,9 @@ impl Engine {
         }
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
             return invalid(format!("token id {t} is outside the vocabulary ({} tokens)", cfg.vocab_size));
+        }
+        if req.return_prompt_logits && matches!(self.backend, Backend::Emulated(_)) {
+            return invalid("an emulated engine computes no logits".into());
         }
         if req.stop.max_tokens == 0 {
             return invalid("max_tokens must be at least 1".into());
@@ -327,6 +401,7 @@ impl Engine {
 
     /// Plans and runs one step.
     pub fn step(&mut self) -> Result<StepOutput, EngineError> {
+        let started = std::time::Instant::now();
         self.clock += 1;
         let running: Vec<SeqView> = self.running.iter().map(|id| Self::view(&self.seqs[id])).collect();
         let waiting: Vec<SeqView> = self.waiting.iter().map(|id| Self::view(&self.seqs[id])).collect();
@@ -353,39 +428,60 @@ impl Engine {
             return Ok(out);
         }
 
-        let vocab = self.model.config().vocab_size;
-        let steps: Vec<SeqStep<'_>> = plan
-            .batch
-            .iter()
-            .map(|s| {
-                let seq = &self.seqs[&s.id];
-                let end = seq.computed + s.num_tokens;
-                let collecting = seq.collecting_prompt_logits(vocab);
-                let logits = if collecting {
-                    LogitsWanted::All
-                } else if end == seq.tokens.len() {
-                    LogitsWanted::Last
-                } else {
-                    LogitsWanted::None
-                };
-                SeqStep {
-                    start_pos: seq.computed,
-                    tokens: &seq.tokens[seq.computed..end],
-                    blocks: seq.table.blocks(),
-                    logits,
-                }
-            })
-            .collect();
-        let logits = self.model.forward(&steps, self.pool.arena_mut())?;
-        drop(steps);
+        let computed = match &mut self.backend {
+            Backend::Model(model) => {
+                let vocab = model.config().vocab_size;
+                let steps: Vec<SeqStep<'_>> = plan
+                    .batch
+                    .iter()
+                    .map(|s| {
+                        let seq = &self.seqs[&s.id];
+                        let end = seq.computed + s.num_tokens;
+                        let collecting = seq.collecting_prompt_logits(vocab);
+                        let logits = if collecting {
+                            LogitsWanted::All
+                        } else if end == seq.tokens.len() {
+                            LogitsWanted::Last
+                        } else {
+                            LogitsWanted::None
+                        };
+                        SeqStep {
+                            start_pos: seq.computed,
+                            tokens: &seq.tokens[seq.computed..end],
+                            blocks: seq.table.blocks(),
+                            logits,
+                        }
+                    })
+                    .collect();
+                Computed::Logits(model.forward(&steps, self.pool.arena_mut())?)
+            }
+            Backend::Emulated(emu) => {
+                let mut work = StepWork::default();
+                let tokens = plan
+                    .batch
+                    .iter()
+                    .map(|s| {
+                        let seq = &self.seqs[&s.id];
+                        work.add(seq.computed, s.num_tokens);
+                        (seq.computed + s.num_tokens == seq.tokens.len())
+                            .then(|| emu.next_token(&seq.tokens, seq.prompt_len))
+                    })
+                    .collect();
+                emu.run_step(&work, started);
+                Computed::Tokens(tokens)
+            }
+        };
         out.computed_tokens = plan.num_tokens();
 
-        let eos = self.model.config().eos_token_ids.clone();
-        let max_context = self.model.config().max_position_embeddings;
+        let eos = self.backend.config().eos_token_ids.clone();
+        let max_context = self.backend.config().max_position_embeddings;
+        let vocab = self.backend.config().vocab_size;
         for (i, s) in plan.batch.iter().enumerate() {
-            let rows = logits.of(i);
             let seq = self.seqs.get_mut(&s.id).expect("planned sequences exist");
-            if seq.collecting_prompt_logits(vocab) {
+            if let Computed::Logits(logits) = &computed
+                && seq.collecting_prompt_logits(vocab)
+            {
+                let rows = logits.of(i);
                 let prompt_rows = (seq.prompt_len - seq.computed).min(s.num_tokens);
                 if let Some(collected) = &mut seq.prompt_logits {
                     collected.extend_from_slice(&rows[..prompt_rows * vocab]);
@@ -395,8 +491,15 @@ impl Engine {
             if seq.computed < seq.tokens.len() {
                 continue;
             }
-            let last = &rows[rows.len() - logits.vocab..];
-            let token = seq.sampler.sample(last);
+            let token = match &computed {
+                Computed::Logits(logits) => {
+                    let rows = logits.of(i);
+                    seq.sampler.sample(&rows[rows.len() - logits.vocab..])
+                }
+                Computed::Tokens(tokens) => tokens[i].ok_or_else(|| {
+                    EngineError::Internal("the emulated backend produced no token for a finished run".into())
+                })?,
+            };
             let reason = seq.push_token(token, &eos, self.tokenizer.as_deref(), max_context)?;
             let text_delta = seq.take_delta(reason.is_some());
             out.tokens.push(TokenEvent { id: s.id, token, text_delta });
@@ -413,7 +516,8 @@ impl Engine {
     fn preempt(&mut self, id: RequestId) -> Result<(), EngineError> {
         let seq = self.seqs.get_mut(&id).expect("preempted sequences exist");
         self.pool.free_blocks(&seq.table.take())?;
-        if seq.collecting_prompt_logits(self.model.config().vocab_size)
+        let vocab = self.backend.config().vocab_size;
+        if seq.collecting_prompt_logits(vocab)
             && let Some(l) = &mut seq.prompt_logits
         {
             // Half-collected prompt logits are collected again from the first position.
@@ -421,7 +525,7 @@ impl Engine {
         }
         seq.computed = 0;
         seq.cached_tokens = 0;
-        if self.config.prefix_caching && !seq.collecting_prompt_logits(self.model.config().vocab_size) {
+        if self.config.prefix_caching && !seq.collecting_prompt_logits(vocab) {
             let known = seq.tokens.len() - 1;
             let (blocks, tokens) = self.pool.acquire_prefix(&seq.tokens[..known], self.clock)?;
             seq.table.extend(blocks);

@@ -19,13 +19,41 @@
 //! }
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! The same engine runs without weights as an [emulated](emulated) backend: the loop, the planner
+//! and the KV pool are real, a step takes the time a cost profile predicts, and tokens are
+//! deterministic (never end-of-sequence), so a request produces exactly `max_tokens` tokens.
+//!
+//! ```
+//! use baton_engine::{EmulatedClock, EmulatedModel, Engine, EngineConfig, GenerationRequest, RequestId};
+//! use baton_model::ModelConfig;
+//! use baton_sched::CostProfile;
+//!
+//! let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-llama");
+//! let config = ModelConfig::from_dir(&dir)?;
+//! let model = EmulatedModel {
+//!     clock: EmulatedClock::Virtual, // advance a counter instead of sleeping
+//!     ..EmulatedModel::new(config, CostProfile::llama2_70b_8xh100())
+//! };
+//! let mut engine = Engine::emulated(model, None, EngineConfig::default())?;
+//! engine.add_request(GenerationRequest::new(RequestId(1), vec![5; 1000]))?;
+//! let done = engine.run_to_completion()?;
+//! assert_eq!(done[0].token_ids.len(), 16); // the default max_tokens
+//! let t = engine.emulated_clock().expect("emulated");
+//! assert_eq!(t.steps, 17); // two prefill chunks (512 + 488 tokens), then 15 decode steps
+//! assert!(t.total_us > 15 * 6_000); // a 70B decode step on 8×H100 reads 138 GB of weights: ≥ 6 ms
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 pub mod bench;
+pub mod emulated;
 mod engine;
 pub mod planner;
+pub mod profile;
 mod request;
 mod sequence;
 
+pub use emulated::{EmulatedClock, EmulatedKv, EmulatedModel, EmulatedStats};
 pub use engine::{Engine, EngineConfig};
 pub use request::{
     FinishReason, Finished, GenerationRequest, KvPrefix, KvRetention, StepOutput, StopParams, TokenEvent,

@@ -1,0 +1,146 @@
+//! The emulated backend: the real loop, planner and KV pool with step times from a cost profile
+//! and deterministic tokens. Requests run to their exact lengths, the pool's accounting holds,
+//! step times are the profile's, and outputs do not depend on batching.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use baton_engine::{
+    EmulatedClock, EmulatedModel, Engine, EngineConfig, FinishReason, GenerationRequest, KvRetention, RequestId,
+    StopParams,
+};
+use baton_model::{ModelConfig, Tokenizer};
+use baton_sched::CostProfile;
+
+fn fixture() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-llama")
+}
+
+/// The tiny fixture's vocabulary and tokenizer, with a 70B-class profile's step times.
+fn model(clock: EmulatedClock) -> EmulatedModel {
+    let config = ModelConfig::from_dir(&fixture()).expect("config");
+    EmulatedModel { clock, ..EmulatedModel::new(config, CostProfile::llama2_70b_8xh100()) }
+}
+
+fn tokenizer() -> Arc<Tokenizer> {
+    Arc::new(Tokenizer::from_file(&fixture().join("tokenizer.json")).expect("tokenizer"))
+}
+
+fn request(id: u64, prompt_len: usize, max_tokens: usize) -> GenerationRequest {
+    let prompt = (0..prompt_len).map(|i| 2 + ((id as usize * 31 + i * 7) % 400) as u32).collect();
+    GenerationRequest {
+        stop: StopParams { max_tokens, ..StopParams::default() },
+        ..GenerationRequest::new(RequestId(id), prompt)
+    }
+}
+
+#[test]
+fn requests_finish_with_exact_lengths_and_clean_accounting() {
+    let config = EngineConfig {
+        block_size: 16,
+        num_blocks: 32,
+        max_batch_tokens: 256,
+        prefill_chunk: 128,
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::emulated(model(EmulatedClock::Virtual), Some(tokenizer()), config).expect("engine");
+    assert!(e.model().is_none());
+    let lens = [(32, 200), (40, 180), (17, 1), (50, 150), (300, 40), (64, 64), (5, 200), (250, 9)];
+    for (i, &(p, m)) in lens.iter().enumerate() {
+        e.add_request(request(i as u64, p, m)).expect("valid");
+    }
+    let mut done = Vec::new();
+    let mut preempted = 0;
+    while e.has_work() {
+        let out = e.step().expect("step");
+        preempted += out.preempted;
+        done.extend(out.finished);
+        e.pool().check_invariants().expect("pool accounting holds after every step");
+    }
+    assert!(preempted > 0, "32 blocks of 16 are tight enough to preempt");
+    assert_eq!(done.len(), lens.len());
+    for f in &done {
+        let (_, m) = lens[f.id.0 as usize];
+        assert_eq!(f.reason, FinishReason::Length, "never EOS");
+        assert_eq!(f.token_ids.len(), m, "request {}", f.id.0);
+        assert!(f.token_ids.iter().all(|&t| (t as usize) < e.model_config().vocab_size));
+    }
+    assert!(done.iter().any(|f| !f.text.is_empty()), "the tokenizer gives text");
+    assert_eq!(e.available_blocks(), 32, "every block is free or merely cached");
+    assert!(e.emulated_clock().expect("emulated").total_us > 0);
+}
+
+#[test]
+fn step_times_are_the_profiles() {
+    let profile = CostProfile::llama2_70b_8xh100();
+    let config = EngineConfig { prefix_caching: false, ..EngineConfig::default() };
+    let mut e = Engine::emulated(model(EmulatedClock::Virtual), None, config.clone()).expect("engine");
+    // One prefill of 500 tokens, alone: exactly prefill_time(500, 0).
+    e.add_request(request(1, 500, 3)).expect("valid");
+    e.step().expect("step");
+    assert_eq!(e.emulated_clock().expect("emulated").last_step_us, profile.prefill_time(500, 0.0));
+    // Its next step is a decode of one sequence with 501 tokens of context.
+    e.step().expect("step");
+    assert_eq!(e.emulated_clock().expect("emulated").last_step_us, profile.decode_step(1, 501));
+
+    // With the sleeping clock, a decode step's wall time is the profile's: never less, and more
+    // only by the scheduler's wake-up latency (generous bound: this machine is shared).
+    let mut e = Engine::emulated(model(EmulatedClock::Sleep), None, config).expect("engine");
+    for i in 0..4 {
+        e.add_request(request(i, 100, 4)).expect("valid");
+    }
+    e.step().expect("prefill step");
+    for k in 1..=2u64 {
+        let t0 = Instant::now();
+        e.step().expect("decode step");
+        let wall = t0.elapsed().as_micros() as u64;
+        let predicted = e.emulated_clock().expect("emulated").last_step_us;
+        assert_eq!(predicted, profile.decode_step(4, 4 * (100 + k)));
+        assert!(wall >= predicted && wall < predicted + 30_000, "wall {wall} µs vs predicted {predicted} µs");
+    }
+}
+
+#[test]
+fn outputs_do_not_depend_on_batching_and_hand_over() {
+    let run_alone = |r: GenerationRequest| {
+        let mut e = Engine::emulated(model(EmulatedClock::Virtual), None, EngineConfig::default()).expect("engine");
+        e.add_request(r).expect("valid");
+        e.run_to_completion().expect("runs").remove(0).token_ids
+    };
+    let alone: Vec<_> = (0..5).map(|i| run_alone(request(i, 40 + i as usize * 13, 20))).collect();
+    let mut e = Engine::emulated(model(EmulatedClock::Virtual), None, EngineConfig::default()).expect("engine");
+    for i in 0..5 {
+        e.add_request(request(i, 40 + i as usize * 13, 20)).expect("valid");
+    }
+    let mut batched = e.run_to_completion().expect("runs");
+    batched.sort_by_key(|f| f.id);
+    for (f, a) in batched.iter().zip(&alone) {
+        assert_eq!(&f.token_ids, a);
+    }
+
+    // Prefill on one emulated engine, decode on another (the disaggregated path).
+    let mut p = Engine::emulated(model(EmulatedClock::Virtual), None, EngineConfig::default()).expect("engine");
+    let mut d = Engine::emulated(model(EmulatedClock::Virtual), None, EngineConfig::default()).expect("engine");
+    let req = GenerationRequest { retain_kv: KvRetention::All, ..request(0, 40, 1) };
+    p.add_request(req).expect("valid");
+    let mut first = p.run_to_completion().expect("prefill");
+    let f = first.remove(0);
+    let kv = f.kv.expect("retained");
+    let reserved = d.reserve_kv(kv.tokens).expect("room");
+    d.kv_mut().copy_blocks_from(p.kv(), &kv.blocks, &reserved.blocks);
+    p.release_kv(kv).expect("release");
+    let cont = GenerationRequest { generated: f.token_ids.clone(), prefix: Some(reserved), ..request(0, 40, 20) };
+    d.add_request(cont).expect("valid");
+    let out = d.run_to_completion().expect("decode").remove(0);
+    assert_eq!(out.token_ids, alone[0], "the hand-over continues the same tokens");
+    assert_eq!(p.available_blocks(), p.config().num_blocks);
+    assert_eq!(d.available_blocks(), d.config().num_blocks);
+
+    // EOS only when asked for.
+    let eos_model = EmulatedModel { eos_after: Some(3), ..model(EmulatedClock::Virtual) };
+    let mut e = Engine::emulated(eos_model, None, EngineConfig::default()).expect("engine");
+    e.add_request(request(9, 10, 50)).expect("valid");
+    let f = e.run_to_completion().expect("runs").remove(0);
+    assert_eq!((f.reason, f.token_ids.len()), (FinishReason::Eos, 3));
+}
