@@ -10,7 +10,7 @@
 //!   `hash_ids`), ShareGPT-style files, Poisson and shared-prefix generators.
 //! - [`Simulator`]: the event loop (queues, continuous batching, KV capacity per tier, transfers).
 //! - [`Report`]: TTFT / TBT / JCT percentiles, SLO attainment, goodput, rejections, wasted
-//!   prefill, as JSON.
+//!   prefill, as JSON; [`plot`] draws CDFs and summaries of several runs as PNG and SVG.
 //!
 //! ```
 //! use baton_sim::{ClusterConfig, SimConfig, WorkloadSpec, workload::Synthetic};
@@ -33,6 +33,7 @@
 
 mod cache;
 mod metrics;
+pub mod plot;
 mod sim;
 pub mod workload;
 

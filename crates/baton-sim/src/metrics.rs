@@ -109,6 +109,12 @@ pub struct Report {
     pub makespan_us: Micros,
     /// Events processed.
     pub events: u64,
+    /// Every completed request's TTFT, sorted (for CDF plots; not in the JSON).
+    #[serde(skip)]
+    pub ttft_samples_us: Vec<Micros>,
+    /// Every completed request's JCT, sorted (not in the JSON).
+    #[serde(skip)]
+    pub jct_samples_us: Vec<Micros>,
 }
 
 /// Per-request outcome the simulator records.
@@ -158,6 +164,12 @@ pub(crate) fn summarise(
     let first = arrivals.first().map_or(0, |a| a.0);
     let makespan = last.saturating_sub(first);
     let secs = (makespan as f64 / 1e6).max(1e-9);
+    let sorted = |v: &[Micros]| {
+        let mut v = v.to_vec();
+        v.sort_unstable();
+        v
+    };
+    let (ttft_samples_us, jct_samples_us) = (sorted(&ttft), sorted(&jct));
     Report {
         policy: policy.to_owned(),
         admission: admission.to_owned(),
@@ -188,6 +200,8 @@ pub(crate) fn summarise(
         role_changes: extra.role_changes,
         makespan_us: makespan,
         events: extra.events,
+        ttft_samples_us,
+        jct_samples_us,
     }
 }
 

@@ -19,8 +19,8 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use baton_kv::{InstanceId, KvEvent};
 use baton_sched::{
-    AdmissionKind, ClusterSnapshot, Decision, DecodeSeq, GlobalPromptTrees, IncomingSeq, InstanceSnapshot, Micros,
-    Request, RequestId, Role, Route, Scheduler, TierUsage,
+    AdmissionKind, ClusterSnapshot, Decision, DecodeSeq, GlobalPromptTrees, IncomingSeq, Micros, PendingPrefill,
+    Request, RequestId, Role, Route, Scheduler, TierUsage, WorkerLoad,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -57,8 +57,8 @@ struct Instance {
     cache: BlockCache,
     kv_seq: u64,
     prefill_queue: VecDeque<usize>,
-    queued_est_us: Micros,
-    prefill_running: Option<(usize, Micros)>,
+    /// The running prefill: request, start, end.
+    prefill_running: Option<(usize, Micros, Micros)>,
     decode_waiting: VecDeque<usize>,
     decode_running: Vec<usize>,
     decode_incoming: Vec<usize>,
@@ -80,9 +80,9 @@ struct ReqState {
     outcome: Outcome,
 }
 
-/// A simulation in progress. [`Simulator::snapshot`] and [`Simulator::request_view`] expose
-/// exactly what the scheduler sees, so a test can check that the simulator's decision equals the
-/// policy's on the same snapshot.
+/// A simulation in progress. [`Simulator::worker_loads`], [`Simulator::snapshot`] and
+/// [`Simulator::request_view`] expose exactly what the scheduler sees, so a test can check that
+/// the simulator's decision equals the conductor's on the same figures.
 pub struct Simulator {
     cfg: SimConfig,
     requests: Vec<SimRequest>,
@@ -95,6 +95,8 @@ pub struct Simulator {
     seq: u64,
     now: Micros,
     extra: Extra,
+    /// Every KV event applied to the trees, when recording (see [`Simulator::record_kv_events`]).
+    event_log: Option<Vec<KvEvent>>,
 }
 
 impl std::fmt::Debug for Simulator {
@@ -122,7 +124,6 @@ impl Simulator {
                     cache: BlockCache::new(c.device_cache_blocks as usize, c.host_blocks as usize),
                     kv_seq: 0,
                     prefill_queue: VecDeque::new(),
-                    queued_est_us: 0,
                     prefill_running: None,
                     decode_waiting: VecDeque::new(),
                     decode_running: Vec::new(),
@@ -146,6 +147,7 @@ impl Simulator {
             seq: 0,
             now: 0,
             extra: Extra::default(),
+            event_log: None,
             cfg,
         };
         for i in 0..sim.requests.len() {
@@ -180,21 +182,26 @@ impl Simulator {
         }
     }
 
-    /// The cluster as the scheduler sees it now.
-    pub fn snapshot(&self) -> ClusterSnapshot<'_> {
-        let instances = self.instances.iter().map(|inst| self.instance_snapshot(inst)).collect();
-        ClusterSnapshot { now: self.now, instances, trees: &self.trees, cost: &self.cfg.cost, links: Vec::new() }
+    /// Each instance's figures now, as a conductor would have them of live workers (the running
+    /// prefill first, then the queued ones; decodes with their contexts; KV blocks in use: the
+    /// decode batch's and the prefix cache's).
+    pub fn worker_loads(&self) -> Vec<WorkerLoad> {
+        self.instances.iter().map(|inst| self.worker_load(inst)).collect()
     }
 
-    fn instance_snapshot(&self, inst: &Instance) -> InstanceSnapshot {
-        let remaining = inst.prefill_running.map_or(0, |(_, end)| end.saturating_sub(self.now));
+    fn worker_load(&self, inst: &Instance) -> WorkerLoad {
         let (dev_cache, host_cache) = inst.cache.usage();
-        InstanceSnapshot {
+        let running =
+            inst.prefill_running.map(|(_, start, end)| PendingPrefill { est_us: end - start, started_at: Some(start) });
+        let queued = inst
+            .prefill_queue
+            .iter()
+            .map(|&r| PendingPrefill { est_us: self.state[r].est_prefill_us, started_at: None });
+        WorkerLoad {
             id: inst.id,
             role: inst.role,
             accepting: true,
-            prefill_queue_len: (inst.prefill_queue.len() + usize::from(inst.prefill_running.is_some())) as u32,
-            queued_prefill_us: inst.queued_est_us + remaining,
+            prefills: running.into_iter().chain(queued).collect(),
             decode_running: inst
                 .decode_running
                 .iter()
@@ -212,22 +219,34 @@ impl Simulator {
                     context: self.requests[r].input_tokens,
                 })
                 .collect(),
-            kv: [
-                TierUsage { used: inst.decode_blocks_used + dev_cache as u64, total: inst.device_blocks },
-                TierUsage { used: host_cache as u64, total: inst.host_blocks },
-                TierUsage::default(),
-            ],
-            nic_bytes_per_s: 0,
+            kv_device: TierUsage { used: inst.decode_blocks_used + dev_cache as u64, total: inst.device_blocks },
+            kv_host: TierUsage { used: host_cache as u64, total: inst.host_blocks },
         }
+    }
+
+    /// The snapshot the simulator passes to the scheduler now: [`Simulator::worker_loads`] through
+    /// [`ClusterSnapshot::from_workers`], the same call a conductor makes with live figures.
+    pub fn snapshot(&self) -> ClusterSnapshot<'_> {
+        ClusterSnapshot::from_workers(self.now, &self.worker_loads(), &self.trees, &self.cfg.cost)
+    }
+
+    /// Starts (or stops) keeping every KV event the instances emit, for
+    /// [`Simulator::take_kv_events`]: what a conductor's prompt trees would be fed.
+    pub fn record_kv_events(&mut self, on: bool) {
+        self.event_log = on.then(Vec::new);
+    }
+
+    /// KV events recorded since the last call.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.event_log.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// The scheduler's decision for request `i` now (consumes randomness and policy state, as the
     /// live conductor would).
     pub fn decide(&mut self, i: usize) -> Decision {
         let req = self.request_view(i);
-        let instances = self.instances.iter().map(|inst| self.instance_snapshot(inst)).collect();
-        let snap =
-            ClusterSnapshot { now: self.now, instances, trees: &self.trees, cost: &self.cfg.cost, links: Vec::new() };
+        let loads = self.worker_loads();
+        let snap = ClusterSnapshot::from_workers(self.now, &loads, &self.trees, &self.cfg.cost);
         self.scheduler.decide(&snap, &req, &mut self.rng)
     }
 
@@ -301,7 +320,6 @@ impl Simulator {
         st.expected_ready_us = self.now + route.estimate.ttft_us + transfer;
         st.route = Some(route);
         self.instances[p].prefill_queue.push_back(i);
-        self.instances[p].queued_est_us += est;
         self.instances[d].decode_incoming.push(i);
         self.kick(p);
     }
@@ -331,7 +349,6 @@ impl Simulator {
         let req = &self.requests[r];
         let view = self.request_view(r);
         let st = &self.state[r];
-        self.instances[p].queued_est_us = self.instances[p].queued_est_us.saturating_sub(st.est_prefill_us);
         // What is cached here now (it may differ from what the scheduler saw).
         let hit = self.instances[p].cache.lookup(&req.hashes);
         let mut cached = hit.blocks;
@@ -358,7 +375,7 @@ impl Simulator {
         self.extra.reused_tokens += cached_tokens;
         let end = self.now + extra_us + compute;
         self.state[r].prefill_compute_us = compute;
-        self.instances[p].prefill_running = Some((r, end));
+        self.instances[p].prefill_running = Some((r, self.now, end));
         // Blocks being read are in use: refresh them in the LRU now.
         let used = req.hashes[..hit.blocks].to_vec();
         self.instances[p].cache.insert(&used);
@@ -383,10 +400,13 @@ impl Simulator {
             // The simulator's event stream has no gaps, so this cannot fail.
             let _ = self.trees.apply(e);
         }
+        if let Some(log) = &mut self.event_log {
+            log.extend(events);
+        }
     }
 
     fn on_prefill_done(&mut self, p: usize) {
-        let Some((r, _)) = self.instances[p].prefill_running.take() else { return };
+        let Some((r, _, _)) = self.instances[p].prefill_running.take() else { return };
         let hashes = self.requests[r].hashes.clone();
         self.instances[p].cache.insert(&hashes);
         self.flush_events(p);
@@ -471,9 +491,8 @@ impl Simulator {
     }
 
     fn on_rebalance(&mut self) {
-        let instances = self.instances.iter().map(|inst| self.instance_snapshot(inst)).collect();
-        let snap =
-            ClusterSnapshot { now: self.now, instances, trees: &self.trees, cost: &self.cfg.cost, links: Vec::new() };
+        let loads = self.worker_loads();
+        let snap = ClusterSnapshot::from_workers(self.now, &loads, &self.trees, &self.cfg.cost);
         let change = self.scheduler.rebalance(&snap);
         if let Some(c) = change {
             let i = self.index_of(c.instance);

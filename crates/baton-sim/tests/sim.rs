@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-use baton_sched::{AdmissionKind, PolicyKind, Scheduler};
+use baton_kv::InstanceId;
+use baton_sched::{AdmissionKind, ClusterSnapshot, GlobalPromptTrees, PolicyKind, Role, Scheduler};
 use baton_sim::workload::{SimRequest, Synthetic, read_mooncake};
 use baton_sim::{ClusterConfig, SimConfig, Simulator, WorkloadSpec};
 use rand::SeedableRng;
@@ -107,6 +108,71 @@ fn simulator_and_policy_function_decide_the_same_on_the_same_snapshot() {
     }
 }
 
+/// The conductor's path: prompt trees fed only by the workers' KV events, a snapshot built with
+/// `ClusterSnapshot::from_workers` from the per-worker figures, the same `Scheduler::decide`.
+/// On the simulator's state at a moment it gives the simulator's snapshot and decision.
+#[test]
+fn conductor_path_builds_the_simulators_snapshot_and_decision() {
+    let requests: Vec<SimRequest> = baton_sim::workload::synthesize(
+        &Synthetic::SharedPrefix {
+            sessions: 6,
+            turns: 5,
+            rate: 4.0,
+            system_tokens: 2048,
+            turn_tokens: 700,
+            output: 40,
+        },
+        512,
+        5,
+    );
+    for policy in [PolicyKind::LeastLoad, PolicyKind::PromptTree, PolicyKind::KvCentric, PolicyKind::LoadAware] {
+        let mut c = cfg(policy, WorkloadSpec::Requests(requests.clone()));
+        // Only KV events feed the conductor's trees here, so the simulator's own predictions
+        // must not outlive the instant they are made.
+        c.tree_ttl_us = 0;
+        c.admission.kind = AdmissionKind::Predictive;
+        let mut sim = Simulator::new(c.clone(), requests.clone());
+        sim.record_kv_events(true);
+        let mut conductor_trees = GlobalPromptTrees::new(c.tree_ttl_us);
+        for (i, role) in
+            [Role::Prefill, Role::Prefill, Role::Prefill, Role::Decode, Role::Decode].into_iter().enumerate()
+        {
+            conductor_trees.set_role(InstanceId(i as u32), role);
+        }
+        let mut checked = 0;
+        for step in 1..=4 {
+            let at = requests[requests.len() * step / 5].arrival_us;
+            sim.run_until(at);
+            for e in sim.take_kv_events() {
+                conductor_trees.apply(&e).expect("events arrive in sequence");
+            }
+            let next = requests.iter().position(|r| r.arrival_us > at).expect("a later request");
+            let req = sim.request_view(next);
+            let loads = sim.worker_loads();
+            let conductor = ClusterSnapshot::from_workers(sim.now(), &loads, &conductor_trees, &c.cost);
+            let simulator = sim.snapshot();
+            assert_eq!(conductor.instances, simulator.instances, "{policy:?}");
+            for i in &conductor.instances {
+                assert_eq!(
+                    conductor.trees.prefix_len(i.id, &req.block_hashes, sim.now()),
+                    simulator.trees.prefix_len(i.id, &req.block_hashes, sim.now()),
+                );
+            }
+            let decide = |snap: &ClusterSnapshot<'_>| {
+                Scheduler::new(policy.build(&c.policy_config), c.admission).decide(
+                    snap,
+                    &req,
+                    &mut StdRng::seed_from_u64(1),
+                )
+            };
+            let (a, b) = (decide(&conductor), decide(&simulator));
+            assert_eq!(a, b, "{policy:?}");
+            checked += usize::from(a.route().is_some_and(|r| r.reused_blocks() > 0));
+        }
+        assert!(checked > 0 || policy == PolicyKind::LeastLoad, "{policy:?}: some decision reuses cached blocks");
+    }
+}
+
 #[test]
 fn overload_controls_reject_before_wasting_prefill() {
     // Decode-bound: long outputs, a tight TBT target, two decode instances.
@@ -177,4 +243,30 @@ fn load_aware_role_switching_beats_fixed_roles_on_a_decode_heavy_workload() {
         flexible.role_changes
     );
     assert!(flexible.jct.mean < fixed.jct.mean, "{} vs {}", flexible.jct.mean, fixed.jct.mean);
+}
+
+#[test]
+fn plots_are_written_as_png_and_svg_with_text() {
+    let path = write_temp("plot.jsonl", &small_trace());
+    let runs: Vec<_> = [PolicyKind::Random, PolicyKind::KvCentric]
+        .into_iter()
+        .map(|p| {
+            baton_sim::run(&cfg(p, WorkloadSpec::MooncakeTrace { path: path.clone(), time_scale: 1.0 })).expect("run")
+        })
+        .collect();
+    assert_eq!(runs[0].ttft_samples_us.len(), runs[0].completed);
+    let dir = std::env::temp_dir().join(format!("baton-sim-plots-{}", std::process::id()));
+    let files = baton_sim::plot::write_plots(&dir, "t", "small trace", &runs).expect("plots");
+    assert_eq!(files.len(), 6);
+    for f in &files {
+        let bytes = std::fs::read(f).expect("written");
+        assert!(bytes.len() > 1000, "{} has {} bytes", f.display(), bytes.len());
+        if f.extension().is_some_and(|e| e == "svg") {
+            let text = String::from_utf8(bytes).expect("svg is text");
+            assert!(text.contains("kv-centric"), "the legend names the runs");
+        } else {
+            assert_eq!(&bytes[1..4], b"PNG");
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }
