@@ -487,6 +487,7 @@ mod speed {
     fn decode_path_throughput() {
         for (dtype, rows, cols) in [
             (GgmlDType::Q8_0, 16384, 640),
+            (GgmlDType::Q8_0, 131_072, 640),
             (GgmlDType::Q5_0, 4096, 640),
             (GgmlDType::Q4K, 640, 1024),
             (GgmlDType::Q6K, 640, 2048),

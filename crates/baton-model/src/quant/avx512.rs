@@ -117,6 +117,24 @@ fn store<const M: usize, const A: usize>(acc: &[[__m512; M]; A], out: &mut [f32]
     }
 }
 
+/// How far ahead of the block being decoded the kernels prefetch: the matrices stream from
+/// memory (the Q8_0 output head alone is most of a decode step's bytes), and prefetching this
+/// far ahead took a single thread's read of an 89 MB Q8_0 matrix from 9 to 16-17 GB/s.
+const PREFETCH_BYTES: usize = 2048;
+
+/// Prefetches the cache lines `PREFETCH_BYTES` past those `b` spans.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn prefetch_ahead(b: &[u8]) {
+    let mut off = 0;
+    while off < b.len() {
+        // A prefetch never faults, whatever the address; `wrapping_add` keeps the pointer
+        // arithmetic defined past the slice.
+        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(PREFETCH_BYTES + off).cast());
+        off += 64;
+    }
+}
+
 /// A kernel for a format of 32-value blocks: `$decode(b)` gives the block's scale and its 32
 /// integers as floats (two registers); the block's products are summed unscaled and scaled
 /// once. Consecutive blocks go to different accumulators.
@@ -141,6 +159,9 @@ macro_rules! small_blocks {
                 let tail = groups.remainder();
                 let mut i = 0;
                 for g in groups {
+                    // Streams from memory run ahead of the hardware prefetcher (the Q8_0 output
+                    // head is most of a decode step's bytes).
+                    prefetch_ahead(g);
                     for (a, acc) in acc.iter_mut().enumerate() {
                         block(acc, i + a, &g[$bytes * a..$bytes * (a + 1)]);
                     }
@@ -201,6 +222,7 @@ fn q4k<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: &[f32], k:
     for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
         let mut acc = [[_mm512_setzero_ps(); M]; A];
         for (i, b) in row.chunks_exact(144).enumerate() {
+            prefetch_ahead(b);
             let (d, dmin) = (half_at(b, 0), half_at(b, 2));
             let scales = &b[4..16];
             for g in 0..4 {
@@ -234,6 +256,7 @@ fn q6k<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: &[f32], k:
     for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
         let mut acc = [[_mm512_setzero_ps(); M]; A];
         for (i, b) in row.chunks_exact(210).enumerate() {
+            prefetch_ahead(b);
             let d = half_at(b, 208);
             for n in 0..2 {
                 let sc = &b[192 + 8 * n..200 + 8 * n];
