@@ -4,6 +4,10 @@
 use baton_engine::bench::{self, EngineBenchConfig};
 use baton_kv::KvLayout;
 
+// Declared here rather than in main.rs: `baton bench serve` and `compare` are bench commands.
+#[path = "bench_serve.rs"]
+mod bench_serve;
+
 /// Benchmarks.
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum BenchCommand {
@@ -13,6 +17,12 @@ pub(crate) enum BenchCommand {
     /// KV transfer between two processes (naive per-block messages vs coalesced pull over TCP
     /// and shared memory, both layouts) against memcpy and loopback TCP measured in the same run.
     Transfer(crate::bench_transfer::TransferArgs),
+    /// Load generator against an OpenAI-compatible server (Baton, vLLM, ...): streams a
+    /// workload at a rate, a trace's timestamps or a concurrency and reports TTFT, TBT, JCT,
+    /// throughput, SLO attainment and goodput, with a JSON report and plots.
+    Serve(bench_serve::ServeBenchArgs),
+    /// Side-by-side table of two `baton bench serve` reports.
+    Compare(bench_serve::CompareArgs),
 }
 
 /// Arguments of `baton bench engine`.
@@ -61,6 +71,8 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Engine(a) => engine(a),
         BenchCommand::Transfer(a) => crate::bench_transfer::transfer(a),
+        BenchCommand::Serve(a) => bench_serve::serve(a),
+        BenchCommand::Compare(a) => bench_serve::compare(a),
     }
 }
 
