@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Cross-check of `baton bench serve` against an independent client: NVIDIA's aiperf (from PyPI)
+# runs the same workload against the same `baton serve`, and the two tables are printed side by
+# side with their ratios. Agreement within 15% on TTFT (mean, p50, p90) and output throughput is
+# the target; the script exits non-zero when a figure is further apart.
+#
+# The workload: REQUESTS requests, closed loop at CONCURRENCY, ISL prompt tokens, exactly OSL
+# output tokens (ignore_eos), streaming completions. aiperf builds its prompts with a tokenizer
+# (tiny-llama's, a local path, so nothing is fetched from a hub) and counts tokens from the server's
+# usage; baton bench's prompts are words, so its prompt length is calibrated on the server's
+# reported prompt tokens to match aiperf's.
+#
+# aiperf goes into a virtual environment under .bench/ (git-ignored) on the first run.
+#
+# Usage: scripts/bench-crosscheck.sh [MODEL]   (default: Gemma 3 270M from .models/ if fetched,
+#                                               else fixtures/models/tiny-llama)
+# Environment:
+#   PORT (8123), REQUESTS (48), CONCURRENCY (4), ISL (128), OSL (32), TOLERANCE (0.15)
+#   BATON_BIN   a baton binary to use instead of building one (release)
+#   SERVE_BIN   a baton binary for the server only (default: BATON_BIN)
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+default_model="${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf"
+[[ -f "$default_model" ]] || default_model="$repo_root/fixtures/models/tiny-llama"
+model="${1:-$default_model}"
+port="${PORT:-8123}"
+requests="${REQUESTS:-48}"
+concurrency="${CONCURRENCY:-4}"
+isl="${ISL:-128}"
+osl="${OSL:-32}"
+tolerance="${TOLERANCE:-0.15}"
+tokenizer="$repo_root/fixtures/models/tiny-llama"
+venv="$repo_root/.bench/venv-aiperf"
+aiperf_version="0.13.0"
+out="$repo_root/.bench/crosscheck"
+url="http://127.0.0.1:$port"
+
+info() { echo "bench-crosscheck: $*" >&2; }
+die() { echo "bench-crosscheck: error: $*" >&2; exit 1; }
+
+[[ -e "$model" ]] || die "$model is missing (scripts/fetch-model.sh fetches the default)"
+
+if ! "$venv/bin/aiperf" --version >/dev/null 2>&1; then
+  info "installing aiperf $aiperf_version into $venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --upgrade pip
+  "$venv/bin/pip" install --quiet "aiperf==$aiperf_version"
+fi
+
+baton_bin="${BATON_BIN:-}"
+if [[ -z "$baton_bin" ]]; then
+  info "building baton (release)"
+  (cd "$repo_root" && cargo build --release -q -p baton)
+  target_dir="${CARGO_TARGET_DIR:-target}"
+  [[ "$target_dir" == /* ]] || target_dir="$repo_root/$target_dir"
+  baton_bin="$target_dir/release/baton"
+fi
+
+rm -rf "$out" && mkdir -p "$out"
+info "serving $model on $url"
+"${SERVE_BIN:-$baton_bin}" serve --model "$model" --port "$port" >"$out/serve.log" 2>&1 &
+server_pid=$!
+trap 'kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true' EXIT
+for _ in $(seq 1 300); do
+  curl -sf "$url/health" >/dev/null 2>&1 && break
+  kill -0 "$server_pid" 2>/dev/null || die "the server exited: $(tail -5 "$out/serve.log")"
+  sleep 1
+done
+curl -sf "$url/health" >/dev/null || die "the server did not come up in 300 s"
+model_id="$(curl -sf "$url/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')"
+
+bench() { # bench DIR INPUT_LEN N
+  "$baton_bin" bench serve --url "$url" --model "$model_id" --num-requests "$3" --input-len "$2" \
+    --output-len "$osl" --ignore-eos --concurrency "$concurrency" --seed 0 --no-progress --no-plots \
+    --out-dir "$1" >/dev/null
+}
+mean_input() { python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["runs"][0]; print(r["summary"]["input_tokens"]/max(1,r["summary"]["completed"]))' "$1/report.json"; }
+
+info "warm-up (baton bench, 8 requests)"
+bench "$out/warmup" "$isl" 8
+
+info "aiperf: $requests requests, concurrency $concurrency, ISL $isl, OSL $osl"
+"$venv/bin/aiperf" profile \
+  --model "$model_id" --url "$url" --endpoint-type completions --streaming \
+  --tokenizer "$tokenizer" --use-server-token-count --use-legacy-max-tokens \
+  --synthetic-input-tokens-mean "$isl" --synthetic-input-tokens-stddev 0 \
+  --output-tokens-mean "$osl" --output-tokens-stddev 0 --extra-inputs ignore_eos:true \
+  --concurrency "$concurrency" --request-count "$requests" --random-seed 0 \
+  --ui-type none --artifact-dir "$out/aiperf" >"$out/aiperf.log" 2>&1 ||
+  die "aiperf failed: $(tail -20 "$out/aiperf.log")"
+aiperf_json="$(find "$out/aiperf" -name 'profile_export_aiperf.json' | head -1)"
+[[ -n "$aiperf_json" ]] || die "aiperf wrote no profile_export_aiperf.json (see $out/aiperf.log)"
+
+# Match aiperf's prompt length as the server counts it: one probe, then scale the word count.
+target="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["input_sequence_length"]["avg"])' "$aiperf_json")"
+bench "$out/probe" "$isl" 4
+measured="$(mean_input "$out/probe")"
+input_len="$(python3 -c 'import sys; t,m,i=map(float,sys.argv[1:]); print(max(1, round(i*t/m)))' "$target" "$measured" "$isl")"
+info "baton bench: $requests requests, concurrency $concurrency, $input_len words (aiperf's prompts: $target tokens)"
+bench "$out/baton" "$input_len" "$requests"
+
+python3 - "$out/baton/report.json" "$aiperf_json" "$tolerance" <<'PY'
+import json, sys
+b = json.load(open(sys.argv[1]))["runs"][0]["summary"]
+a = json.load(open(sys.argv[2]))
+tol = float(sys.argv[3])
+def am(name, stat):
+    m = a.get(name) or {}
+    return m.get(stat)
+rows = [
+    # name, baton, aiperf, checked
+    ("requests completed", b["completed"], am("request_count", "avg"), False),
+    ("input tokens / request (server)", b["input_tokens"] / max(1, b["completed"]), am("input_sequence_length", "avg"), False),
+    ("output tokens / request (server)", b["output_tokens"] / max(1, b["completed"]), am("output_sequence_length", "avg"), False),
+    ("TTFT mean (ms)", b["ttft_ms"]["mean"], am("time_to_first_token", "avg"), True),
+    ("TTFT p50 (ms)", b["ttft_ms"]["p50"], am("time_to_first_token", "p50"), True),
+    ("TTFT p90 (ms)", b["ttft_ms"]["p90"], am("time_to_first_token", "p90"), True),
+    ("ITL mean (ms)", b["tpot_ms"]["mean"], am("inter_token_latency", "avg"), False),
+    ("JCT mean (ms)", b["jct_ms"]["mean"], am("request_latency", "avg"), False),
+    ("output throughput (tok/s)", b["output_throughput"], am("output_token_throughput", "avg"), True),
+    ("request throughput (req/s)", b["request_throughput"], am("request_throughput", "avg"), False),
+]
+print(f"{'metric':34} {'baton bench':>12} {'aiperf':>12} {'baton/aiperf':>13}")
+bad = []
+for name, x, y, checked in rows:
+    ratio = (x / y) if (x is not None and y) else None
+    flag = ""
+    if checked and ratio is not None and abs(ratio - 1) > tol:
+        flag = "  <- outside {:.0f}%".format(tol * 100)
+        bad.append(name)
+    fx = "-" if x is None else f"{x:.2f}"
+    fy = "-" if y is None else f"{y:.2f}"
+    fr = "-" if ratio is None else f"{ratio:.3f}"
+    print(f"{name:34} {fx:>12} {fy:>12} {fr:>13}{flag}")
+print("(ITL: baton's TPOT mean, (JCT - TTFT) / (tokens - 1), which is aiperf's inter_token_latency)")
+if bad:
+    print("disagreement beyond tolerance: " + ", ".join(bad))
+    sys.exit(1)
+print(f"TTFT and output throughput agree within {tol:.0%}")
+PY
