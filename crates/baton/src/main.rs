@@ -6,6 +6,7 @@ mod bench_transfer;
 mod cluster;
 mod engine_flags;
 mod generate;
+mod profile;
 mod serve;
 mod sim;
 
@@ -35,6 +36,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Simulate a cluster on virtual time with the conductor's scheduling policies.
     Sim(sim::SimArgs),
+    /// Time the CPU backend and fit the cost profile that `sim --profile` and emulated workers use.
+    Profile(profile::ProfileArgs),
     /// Benchmarks (not tests): engine throughput and more.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -56,5 +59,6 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Sim(args) => sim::run(args),
+        Command::Profile(args) => profile::run(args),
     }
 }

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use baton_sched::{AdmissionKind, CostProfile, PolicyKind};
+use baton_engine::profile::load_profile;
+use baton_sched::{AdmissionKind, PolicyKind};
 use baton_sim::workload::Synthetic;
 use baton_sim::{Report, SimConfig, WorkloadSpec};
 
@@ -48,12 +49,13 @@ pub(crate) struct SimArgs {
     /// Colocated instances.
     #[arg(long)]
     colocated: Option<usize>,
-    /// Policy: round-robin, random, least-load, session-affinity, prompt-tree, kv-centric, load-aware.
-    #[arg(long, default_value = "kv-centric")]
-    policy: PolicyKind,
-    /// Admission: none, baseline, early, predictive.
-    #[arg(long, default_value = "none")]
-    admission: AdmissionKind,
+    /// Policy: round-robin, random, least-load, session-affinity, prompt-tree, kv-centric,
+    /// load-aware; several, comma-separated, run one after the other on the same workload.
+    #[arg(long, value_delimiter = ',', default_value = "kv-centric")]
+    policy: Vec<PolicyKind>,
+    /// Admission: none, baseline, early, predictive; several, comma-separated, are run each.
+    #[arg(long, value_delimiter = ',', default_value = "none")]
+    admission: Vec<AdmissionKind>,
     /// TTFT SLO in milliseconds.
     #[arg(long)]
     ttft_slo_ms: Option<u64>,
@@ -81,9 +83,19 @@ pub(crate) struct SimArgs {
     /// Load-aware: how long an imbalance must last before a role changes, in milliseconds.
     #[arg(long)]
     persist_ms: Option<u64>,
-    /// Cost profile: a800, h100 (LLaMA-2-70B on 8 GPUs) or a JSON profile file.
+    /// Cost profile: a800, h100 (LLaMA-2-70B on 8 GPUs) or a profile file (`baton profile`).
     #[arg(long, default_value = "a800")]
     profile: String,
+    /// Write the reports (`NAME.json`) and plots (`NAME_ttft_cdf`, `NAME_jct_cdf`,
+    /// `NAME_summary`, PNG and SVG) into this directory.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// File name stem of --plot's files.
+    #[arg(long, default_value = "sim")]
+    name: String,
+    /// Title of the plots (default: the workload and the cluster).
+    #[arg(long)]
+    title: Option<String>,
     /// Seed of the scheduler and the generators.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -101,8 +113,7 @@ fn range(s: &str) -> Result<(u64, u64), String> {
 }
 
 pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
-    let mut cfg = SimConfig { policy: a.policy, seed: a.seed, ..SimConfig::default() };
-    cfg.admission.kind = a.admission;
+    let mut cfg = SimConfig { seed: a.seed, ..SimConfig::default() };
     let set = |target: &mut usize, v: Option<usize>| {
         if let Some(v) = v {
             *target = v;
@@ -136,10 +147,13 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
     if let Some(ms) = a.persist_ms {
         cfg.policy_config.load_aware.persist_us = ms * 1000;
     }
-    cfg.cost = match a.profile.as_str() {
-        "a800" => CostProfile::llama2_70b_8xa800(),
-        "h100" => CostProfile::llama2_70b_8xh100(),
-        path => CostProfile::from_json(&std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?)?,
+    cfg.cost = load_profile(&a.profile)?;
+    let workload_name = if let Some(p) = &a.trace {
+        format!("{} at {}x", p.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned()), a.time_scale)
+    } else if let Some(n) = a.poisson {
+        format!("{n} Poisson requests at {}/s", a.rate)
+    } else {
+        "workload".to_owned()
     };
     cfg.workload = if let Some(path) = a.trace {
         WorkloadSpec::MooncakeTrace { path, time_scale: a.time_scale }
@@ -162,17 +176,43 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
     // The load-aware policy watches the same SLOs admission uses.
     cfg.policy_config.load_aware.ttft_slo_us = cfg.admission.slo.ttft_us;
     cfg.policy_config.load_aware.tbt_slo_us = cfg.admission.slo.tbt_us;
-    let t0 = Instant::now();
-    let report = baton_sim::run(&cfg)?;
-    let wall = t0.elapsed();
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else if a.row {
-        print_row(&report);
-    } else {
-        print_summary(&report);
+    let mut reports = Vec::new();
+    for &policy in &a.policy {
+        for &admission in &a.admission {
+            let mut cfg = cfg.clone();
+            cfg.policy = policy;
+            cfg.admission.kind = admission;
+            let t0 = Instant::now();
+            let report = baton_sim::run(&cfg)?;
+            let wall = t0.elapsed();
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else if a.row {
+                print_row(&report, reports.is_empty());
+            } else {
+                print_summary(&report);
+            }
+            eprintln!(
+                "simulated {} requests ({} events) in {:.2} s wall",
+                report.requests,
+                report.events,
+                wall.as_secs_f64()
+            );
+            reports.push(report);
+        }
     }
-    eprintln!("simulated {} requests ({} events) in {:.2} s wall", report.requests, report.events, wall.as_secs_f64());
+    if let Some(dir) = &a.plot {
+        let c = &cfg.cluster;
+        let title = a.title.clone().unwrap_or_else(|| {
+            format!("{workload_name}, {}P+{}D+{}C, {}", c.prefill, c.decode, c.colocated, cfg.cost.name)
+        });
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let json = dir.join(format!("{}.json", a.name));
+        std::fs::write(&json, serde_json::to_string_pretty(&reports)?)
+            .with_context(|| format!("writing {}", json.display()))?;
+        let files = baton_sim::plot::write_plots(dir, &a.name, &title, &reports)?;
+        eprintln!("wrote {} and {} plots into {}", json.display(), files.len(), dir.display());
+    }
     Ok(())
 }
 
@@ -213,8 +253,8 @@ fn print_summary(r: &Report) {
 /// Columns of `--row`.
 const ROW_HEADER: &str = "| policy | admission | completed | rejected early | rejected after prefill | TTFT mean s | TTFT p90 s | TTFT SLO att. | within both SLOs | wasted prefill s | JCT mean s | goodput req/s | role changes |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|";
 
-fn print_row(r: &Report) {
-    if std::env::var_os("SIM_ROW_HEADER").is_some() {
+fn print_row(r: &Report, first: bool) {
+    if first && std::env::var_os("SIM_ROW_HEADER").is_some() {
         println!("{ROW_HEADER}");
     }
     println!(
