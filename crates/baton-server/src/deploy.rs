@@ -138,7 +138,7 @@ pub async fn run_worker(
         capacity_blocks: config.engine.num_blocks as u64,
         started_at_ms: baton_cluster::unix_millis(),
     };
-    let mut server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let mut server = tokio::spawn(async move { axum::serve(crate::no_delay(listener), app).await });
     let registry = baton_cluster::connect(&config.registry, config.secret.clone()).await?;
     let lease = registry.register(info, config.ttl).await?;
     on_ready(WorkerReady { name: id.to_string(), url, kv_addr: handle.kv_addr() });
@@ -205,7 +205,7 @@ pub async fn run_conductor(
     };
     let watch = registry.watch().await?;
     let follower = tokio::spawn(follow(conductor, watch, config.secret.clone()));
-    let result = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
+    let result = axum::serve(crate::no_delay(listener), app).with_graceful_shutdown(shutdown).await;
     follower.abort();
     Ok(result?)
 }

@@ -171,11 +171,24 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
     )))
 }
 
+/// Sets TCP_NODELAY on every accepted connection: streamed events are small writes, and Nagle's
+/// algorithm against the peer's delayed ACK holds each one back about 40 ms.
+pub(crate) fn no_delay(
+    listener: tokio::net::TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
+    use axum::serve::ListenerExt;
+    listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("cannot set TCP_NODELAY: {e}");
+        }
+    })
+}
+
 /// Serves the conductor's API on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     conductor: Arc<Conductor>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, conductor.router()).with_graceful_shutdown(shutdown).await
+    axum::serve(no_delay(listener), conductor.router()).with_graceful_shutdown(shutdown).await
 }

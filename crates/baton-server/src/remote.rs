@@ -44,6 +44,7 @@ impl RemoteWorker {
     pub fn new(info: WorkerInfo, secret: ClusterSecret) -> Result<Self, ApiError> {
         let client = reqwest::Client::builder()
             .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true)
             .build()
             .map_err(|e| ApiError::Internal(format!("HTTP client: {e}")))?;
         Ok(Self {
