@@ -22,7 +22,7 @@ use baton_cluster::{
     ClusterSecret, EmbeddedRegistry, KvSummary, MembershipEvent, MembershipWatch, Registry, RegistryConfig, WorkerId,
     WorkerInfo,
 };
-use baton_engine::{Engine, EngineConfig};
+use baton_engine::EngineConfig;
 
 use crate::conductor::Conductor;
 use crate::remote::RemoteWorker;
@@ -59,6 +59,8 @@ pub struct WorkerConfig {
     pub transport: TransportChoice,
     /// Membership lease: a dead worker is forgotten this long after its last heartbeat.
     pub ttl: Duration,
+    /// Emulate the model with this cost profile (see [`crate::ServeConfig::emulate`]).
+    pub emulate: Option<baton_sched::CostProfile>,
 }
 
 /// A running worker process's addresses, for whoever started it (tests, benchmarks).
@@ -93,6 +95,8 @@ pub async fn run_worker(
     });
     let name = config.name.clone().unwrap_or_else(|| format!("{}-{}-{}", config.role.as_str(), host, local.port()));
     let id = WorkerId::new(name.replace(['[', ']'], ""))?;
+    let engine = crate::engine(&loaded, config.engine.clone(), config.emulate.as_ref())?;
+    let geometry = engine.kv_geometry();
     let options = WorkerOptions {
         lease: config.lease,
         secret: config.secret.clone(),
@@ -103,11 +107,9 @@ pub async fn run_worker(
             config.kv_listen.ip()
         })),
         transport: config.transport,
-        compat: compat(&loaded, config.engine.block_size),
+        compat: compat(&loaded, &engine),
         io_timeout: Duration::from_secs(10),
     };
-    let engine = Engine::new(loaded.model.clone(), Some(loaded.tokenizer.clone()), config.engine.clone())?;
-    let geometry = loaded.model.kv_geometry(config.engine.block_size);
     let handle = WorkerHandle::spawn(id.to_string(), config.role, engine, options)?;
     let mut app = crate::control::router(handle.clone(), config.secret.clone());
     if config.role == Role::Colocated {

@@ -62,6 +62,9 @@ pub struct ServeConfig {
     pub lease: Duration,
     /// How the conductor routes (and admits) requests.
     pub policy: sched::PolicyChoice,
+    /// Emulate the model with this cost profile instead of computing it (the engine loop, KV
+    /// pool and transfers stay real; step times and tokens are emulated).
+    pub emulate: Option<baton_sched::CostProfile>,
 }
 
 impl ServeConfig {
@@ -77,6 +80,7 @@ impl ServeConfig {
             api_key: None,
             lease: worker::DEFAULT_LEASE,
             policy: sched::PolicyChoice::default(),
+            emulate: None,
         }
     }
 }
@@ -126,9 +130,26 @@ pub(crate) fn load(path: &std::path::Path, model_id: Option<&str>) -> Result<Loa
     Ok(Loaded { validator, model, tokenizer })
 }
 
-/// The compatibility record KV peers compare: model id and KV geometry.
-pub(crate) fn compat(loaded: &Loaded, block_size: usize) -> baton_transfer::Compat {
-    baton_transfer::Compat::new(loaded.validator.model_id.clone(), loaded.model.kv_geometry(block_size))
+/// The compatibility record KV peers compare: model id and the engine's KV geometry.
+pub(crate) fn compat(loaded: &Loaded, engine: &Engine) -> baton_transfer::Compat {
+    baton_transfer::Compat::new(loaded.validator.model_id.clone(), engine.kv_geometry())
+}
+
+/// An engine for the loaded model: computing it, or emulating it with a cost profile.
+pub(crate) fn engine(
+    loaded: &Loaded,
+    config: EngineConfig,
+    emulate: Option<&baton_sched::CostProfile>,
+) -> Result<Engine, ServeError> {
+    let tokenizer = Some(loaded.tokenizer.clone());
+    Ok(match emulate {
+        None => Engine::new(loaded.model.clone(), tokenizer, config)?,
+        Some(profile) => Engine::emulated(
+            baton_engine::EmulatedModel::new(loaded.model.config().clone(), profile.clone()),
+            tokenizer,
+            config,
+        )?,
+    })
 }
 
 /// Loads the model once and starts the workers (sharing its weights) and the conductor. KV
@@ -141,15 +162,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
         return Err(ServeError::Config("prefill and decode workers come together (or use colocated workers)".into()));
     }
     let loaded = load(&config.model, config.model_id.as_deref())?;
-    let options = WorkerOptions {
-        lease: config.lease,
-        secret: baton_cluster::ClusterSecret::random(),
-        kv_bind: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-        kv_advertise: None,
-        transport: TransportChoice::Shm,
-        compat: compat(&loaded, config.engine.block_size),
-        io_timeout: Duration::from_secs(10),
-    };
+    let secret = baton_cluster::ClusterSecret::random();
     let mut workers: Vec<Arc<dyn Worker>> = Vec::new();
     let roles = std::iter::repeat_n(Role::Prefill, config.prefill)
         .chain(std::iter::repeat_n(Role::Decode, config.decode))
@@ -157,11 +170,23 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
     for (i, role) in roles.enumerate() {
         let mut engine_config = config.engine.clone();
         engine_config.instance = baton_kv::InstanceId(i as u32);
-        let engine = Engine::new(loaded.model.clone(), Some(loaded.tokenizer.clone()), engine_config)?;
+        let engine = engine(&loaded, engine_config, config.emulate.as_ref())?;
+        let options = WorkerOptions {
+            lease: config.lease,
+            secret: secret.clone(),
+            kv_bind: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            kv_advertise: None,
+            transport: TransportChoice::Shm,
+            compat: compat(&loaded, &engine),
+            io_timeout: Duration::from_secs(10),
+        };
         let name = format!("{}-{i}", role.as_str());
-        workers.push(Arc::new(WorkerHandle::spawn(name, role, engine, options.clone())?));
+        workers.push(Arc::new(WorkerHandle::spawn(name, role, engine, options)?));
     }
-    let bytes_per_token = loaded.model.kv_geometry(config.engine.block_size).bytes_per_token();
+    let bytes_per_token = match &config.emulate {
+        Some(profile) => usize::try_from(profile.kv_bytes_per_token).unwrap_or(usize::MAX),
+        None => loaded.model.kv_geometry(config.engine.block_size).bytes_per_token(),
+    };
     Ok(Arc::new(Conductor::new(
         loaded.validator,
         workers,

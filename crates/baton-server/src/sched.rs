@@ -14,10 +14,10 @@
 
 use std::sync::Mutex;
 
-use baton_kv::{InstanceId, Tier, prefix_hashes};
+use baton_kv::{InstanceId, prefix_hashes};
 use baton_sched::{
-    ClusterSnapshot, CostProfile, DecodeSeq, GlobalPromptTrees, InstanceSnapshot, Micros, Request, RequestId,
-    Role as SchedRole, Scheduler, TierUsage,
+    ClusterSnapshot, CostProfile, DecodeSeq, GlobalPromptTrees, Micros, PendingPrefill, Request, RequestId,
+    Role as SchedRole, Scheduler, TierUsage, WorkerLoad,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -62,7 +62,34 @@ impl SchedPolicy {
         Self { state: Mutex::new(state), cost, block_tokens: block_tokens.max(1) }
     }
 
-    /// The scheduler's view of the conductor's snapshot at `now`.
+    /// The per-worker figures baton-sched's snapshot builder takes, from the conductor's
+    /// ledger: queued prefills with their predicted compute time, running decodes with their
+    /// contexts, device blocks in use (estimated from the tokens in flight).
+    pub fn worker_loads(snapshot: &Snapshot, cost: &CostProfile, block_tokens: usize) -> Vec<WorkerLoad> {
+        snapshot
+            .workers
+            .iter()
+            .map(|w| {
+                let mut load = WorkerLoad::idle(InstanceId(w.instance), sched_role(w.role));
+                load.prefills = w
+                    .prefilling
+                    .iter()
+                    .map(|&t| PendingPrefill { est_us: cost.prefill_time(t as u64, 0.0), started_at: None })
+                    .collect();
+                load.decode_running =
+                    w.decoding.iter().map(|&(started_at, ctx)| DecodeSeq { started_at, context: ctx as u64 }).collect();
+                let tokens: usize = w.prefilling.iter().sum::<usize>() + w.decoding.iter().map(|d| d.1).sum::<usize>();
+                load.kv_device = TierUsage {
+                    used: tokens.div_ceil(block_tokens) as u64,
+                    total: if w.capacity_blocks == 0 { u64::MAX } else { w.capacity_blocks as u64 },
+                };
+                load
+            })
+            .collect()
+    }
+
+    /// The scheduler's view of the conductor's snapshot at `now`: [`Self::worker_loads`]
+    /// through [`ClusterSnapshot::from_workers`], the builder the simulator uses too.
     pub fn cluster_snapshot<'a>(
         snapshot: &Snapshot,
         trees: &'a GlobalPromptTrees,
@@ -70,24 +97,7 @@ impl SchedPolicy {
         block_tokens: usize,
         now: Micros,
     ) -> ClusterSnapshot<'a> {
-        let instances = snapshot
-            .workers
-            .iter()
-            .map(|w| {
-                let mut i = InstanceSnapshot::idle(InstanceId(w.instance), sched_role(w.role));
-                i.prefill_queue_len = u32::try_from(w.prefilling.len()).unwrap_or(u32::MAX);
-                i.queued_prefill_us = w.prefilling.iter().map(|&t| cost.prefill_time(t as u64, 0.0)).sum();
-                i.decode_running =
-                    w.decoding.iter().map(|&(started_at, ctx)| DecodeSeq { started_at, context: ctx as u64 }).collect();
-                let tokens: usize = w.prefilling.iter().sum::<usize>() + w.decoding.iter().map(|d| d.1).sum::<usize>();
-                i.kv[Tier::Device as usize] = TierUsage {
-                    used: tokens.div_ceil(block_tokens) as u64,
-                    total: if w.capacity_blocks == 0 { u64::MAX } else { w.capacity_blocks as u64 },
-                };
-                i
-            })
-            .collect();
-        ClusterSnapshot { now, instances, trees, cost, links: Vec::new() }
+        ClusterSnapshot::from_workers(now, &Self::worker_loads(snapshot, cost, block_tokens), trees, cost)
     }
 
     /// The scheduler's request for a prompt.

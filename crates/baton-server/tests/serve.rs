@@ -369,3 +369,28 @@ async fn the_scheduling_crates_policies_route_live_requests() {
         server.assert_no_kv_held().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emulated_workers_hand_kv_over_and_run_to_exact_lengths() {
+    let mut profile = baton_sched::CostProfile::llama2_70b_8xh100();
+    // Shrink the step times so the test runs in milliseconds; the shape stays.
+    profile.prefill.fixed_us = 200.0;
+    profile.prefill.per_token_us = 1.0;
+    profile.prefill.attention_us = 0.0;
+    profile.decode.fixed_us = 300.0;
+    let config =
+        ServeConfig { engine: engine_config(), emulate: Some(profile), ..ServeConfig::new(fixture("tiny-llama")) };
+    let conductor = baton_server::build(&config).expect("builds");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(baton_server::serve(listener, conductor.clone(), std::future::pending()));
+    let server = Server { url, conductor, _shutdown: tokio::sync::oneshot::channel().0 };
+    for max_tokens in [1, 2, 17] {
+        let body = json!({"model": "tiny-llama", "prompt": "An emulated prompt of a few blocks of tokens", "max_tokens": max_tokens});
+        let (status, v) = server.post("/v1/completions", body).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], max_tokens, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+    }
+    server.assert_no_kv_held().await;
+}

@@ -17,10 +17,14 @@ pub(crate) enum BenchCommand {
     /// KV transfer between two processes (naive per-block messages vs coalesced pull over TCP
     /// and shared memory, both layouts) against memcpy and loopback TCP measured in the same run.
     Transfer(crate::bench_transfer::TransferArgs),
+    /// What routing through the conductor adds to a request: a colocated worker's own API vs
+    /// the same worker behind a conductor, on loopback (p50/p90/p99 of both and of the paired
+    /// difference).
+    Conductor(crate::bench_conductor::ConductorBenchArgs),
     /// Load generator against an OpenAI-compatible server (Baton, vLLM, ...): streams a
     /// workload at a rate, a trace's timestamps or a concurrency and reports TTFT, TBT, JCT,
     /// throughput, SLO attainment and goodput, with a JSON report and plots.
-    Serve(bench_serve::ServeBenchArgs),
+    Serve(Box<bench_serve::ServeBenchArgs>),
     /// Side-by-side table of two `baton bench serve` reports.
     Compare(bench_serve::CompareArgs),
 }
@@ -71,7 +75,8 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Engine(a) => engine(a),
         BenchCommand::Transfer(a) => crate::bench_transfer::transfer(a),
-        BenchCommand::Serve(a) => bench_serve::serve(a),
+        BenchCommand::Conductor(a) => crate::bench_conductor::run(a),
+        BenchCommand::Serve(a) => bench_serve::serve(*a),
         BenchCommand::Compare(a) => bench_serve::compare(a),
     }
 }

@@ -156,6 +156,7 @@ pub(crate) fn worker(a: WorkerArgs) -> anyhow::Result<()> {
             TransportArg::Tcp => TransportChoice::Tcp,
         },
         ttl: Duration::from_secs_f64(a.ttl_s),
+        emulate: a.engine.emulate()?,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {

@@ -24,9 +24,33 @@ pub(crate) struct EngineFlags {
     /// KV layout: block-major or layer-major.
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
+    /// Emulate the model instead of computing it: step times from this cost profile (a JSON
+    /// file from `baton profile`, or `llama2-70b-8xa800` / `llama2-70b-8xh100`), deterministic
+    /// tokens; the engine loop, KV pool and transfers stay real.
+    #[arg(long, value_name = "PROFILE")]
+    emulate: Option<String>,
+}
+
+/// A cost profile by built-in name or JSON file.
+pub(crate) fn cost_profile(name: &str) -> anyhow::Result<baton_sched::CostProfile> {
+    Ok(match name {
+        "llama2-70b-8xa800" => baton_sched::CostProfile::llama2_70b_8xa800(),
+        "llama2-70b-8xh100" => baton_sched::CostProfile::llama2_70b_8xh100(),
+        path => {
+            let text =
+                std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("reading cost profile {path}: {e}"))?;
+            baton_sched::CostProfile::from_json(&text)
+                .map_err(|e| anyhow::anyhow!("{path} is not a cost profile: {e}"))?
+        }
+    })
 }
 
 impl EngineFlags {
+    /// The cost profile to emulate, if any.
+    pub(crate) fn emulate(&self) -> anyhow::Result<Option<baton_sched::CostProfile>> {
+        self.emulate.as_deref().map(cost_profile).transpose()
+    }
+
     /// The engine configuration these flags describe.
     pub(crate) fn config(&self) -> EngineConfig {
         EngineConfig {
@@ -62,10 +86,11 @@ pub(crate) struct RoutingFlags {
     /// TBT SLO in milliseconds, for admission control.
     #[arg(long, default_value_t = 1_000)]
     slo_tbt_ms: u64,
-    /// Cost profile (JSON, as `baton profile` writes it) the policies predict with; default:
-    /// the built-in LLaMA-2-70B on 8×A800 profile, which only matters for admission control.
+    /// Cost profile the policies predict with: a JSON file from `baton profile`, or
+    /// `llama2-70b-8xa800` (the default; it only matters for admission control) /
+    /// `llama2-70b-8xh100`.
     #[arg(long)]
-    cost_profile: Option<std::path::PathBuf>,
+    cost_profile: Option<String>,
     /// Seed of the random policy.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -81,12 +106,7 @@ impl RoutingFlags {
         anyhow::ensure!(self.max_in_flight.is_none(), "--max-in-flight goes with --policy simple");
         let policy: baton_sched::PolicyKind = self.policy.parse()?;
         let cost = match &self.cost_profile {
-            Some(path) => {
-                let text =
-                    std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
-                baton_sched::CostProfile::from_json(&text)
-                    .map_err(|e| anyhow::anyhow!("{} is not a cost profile: {e}", path.display()))?
-            }
+            Some(name) => cost_profile(name)?,
             None => baton_sched::CostProfile::llama2_70b_8xa800(),
         };
         let admission = baton_sched::AdmissionConfig {

@@ -2,6 +2,7 @@
 //! library crates; no logic of its own lives here.
 
 mod bench;
+mod bench_conductor;
 mod bench_transfer;
 mod cluster;
 mod engine_flags;
