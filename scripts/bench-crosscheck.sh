@@ -75,11 +75,15 @@ bench() { # bench DIR INPUT_LEN N
     --output-len "$osl" --ignore-eos --concurrency "$concurrency" --seed 0 --no-progress --no-plots \
     --out-dir "$1" >/dev/null
 }
+# The server's own TTFT (sum and count of its histogram), to tell a client's error from a server
+# that a heavier client slowed down (on a small CPU machine the two share the cores).
+server_ttft() { curl -sf "$url/metrics" | awk '/^baton_time_to_first_token_seconds_sum/ {s=$2} /^baton_time_to_first_token_seconds_count/ {c=$2} END {print s+0, c+0}'; }
 mean_input() { python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["runs"][0]; print(r["summary"]["input_tokens"]/max(1,r["summary"]["completed"]))' "$1/report.json"; }
 
 info "warm-up (baton bench, 8 requests)"
 bench "$out/warmup" "$isl" 8
 
+a0="$(server_ttft)"
 info "aiperf: $requests requests, concurrency $concurrency, ISL $isl, OSL $osl"
 "$venv/bin/aiperf" profile \
   --model "$model_id" --url "$url" --endpoint-type completions --streaming \
@@ -89,6 +93,7 @@ info "aiperf: $requests requests, concurrency $concurrency, ISL $isl, OSL $osl"
   --concurrency "$concurrency" --request-count "$requests" --random-seed 0 \
   --ui-type none --artifact-dir "$out/aiperf" >"$out/aiperf.log" 2>&1 ||
   die "aiperf failed: $(tail -20 "$out/aiperf.log")"
+a1="$(server_ttft)"
 aiperf_json="$(find "$out/aiperf" -name 'profile_export_aiperf.json' | head -1)"
 [[ -n "$aiperf_json" ]] || die "aiperf wrote no profile_export_aiperf.json (see $out/aiperf.log)"
 
@@ -98,13 +103,19 @@ bench "$out/probe" "$isl" 4
 measured="$(mean_input "$out/probe")"
 input_len="$(python3 -c 'import sys; t,m,i=map(float,sys.argv[1:]); print(max(1, round(i*t/m)))' "$target" "$measured" "$isl")"
 info "baton bench: $requests requests, concurrency $concurrency, $input_len words (aiperf's prompts: $target tokens)"
+b0="$(server_ttft)"
 bench "$out/baton" "$input_len" "$requests"
+b1="$(server_ttft)"
 
-python3 - "$out/baton/report.json" "$aiperf_json" "$tolerance" <<'PY'
+python3 - "$out/baton/report.json" "$aiperf_json" "$tolerance" "$a0 $a1" "$b0 $b1" <<'PY'
 import json, sys
 b = json.load(open(sys.argv[1]))["runs"][0]["summary"]
 a = json.load(open(sys.argv[2]))
 tol = float(sys.argv[3])
+def window(s):
+    s0, c0, s1, c1 = map(float, s.split())
+    return 1000 * (s1 - s0) / (c1 - c0) if c1 > c0 else None
+server_a, server_b = window(sys.argv[4]), window(sys.argv[5])
 def am(name, stat):
     m = a.get(name) or {}
     return m.get(stat)
@@ -114,6 +125,7 @@ rows = [
     ("input tokens / request (server)", b["input_tokens"] / max(1, b["completed"]), am("input_sequence_length", "avg"), False),
     ("output tokens / request (server)", b["output_tokens"] / max(1, b["completed"]), am("output_sequence_length", "avg"), False),
     ("TTFT mean (ms)", b["ttft_ms"]["mean"], am("time_to_first_token", "avg"), True),
+    ("  server's own TTFT mean (ms)", server_b, server_a, False),
     ("TTFT p50 (ms)", b["ttft_ms"]["p50"], am("time_to_first_token", "p50"), True),
     ("TTFT p90 (ms)", b["ttft_ms"]["p90"], am("time_to_first_token", "p90"), True),
     ("ITL mean (ms)", b["tpot_ms"]["mean"], am("inter_token_latency", "avg"), False),
@@ -133,6 +145,9 @@ for name, x, y, checked in rows:
     fy = "-" if y is None else f"{y:.2f}"
     fr = "-" if ratio is None else f"{ratio:.3f}"
     print(f"{name:34} {fx:>12} {fy:>12} {fr:>13}{flag}")
+for name, client, server in (("baton bench", b["ttft_ms"]["mean"], server_b), ("aiperf", am("time_to_first_token", "avg"), server_a)):
+    if client and server:
+        print(f"{name}: client TTFT mean / server's TTFT mean in its window = {client / server:.3f}")
 print("(ITL: baton's TPOT mean, (JCT - TTFT) / (tokens - 1), which is aiperf's inter_token_latency)")
 if bad:
     print("disagreement beyond tolerance: " + ", ".join(bad))
