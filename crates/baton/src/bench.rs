@@ -14,7 +14,8 @@ pub(crate) enum BenchCommand {
     /// Prefill and decode tokens/s of the engine on a random-weight model of realistic shape,
     /// against the machine's memory bandwidth.
     Engine(EngineArgs),
-    /// KV transfer between two processes (naive per-block messages vs coalesced pull over TCP
+    /// KV transfer between two processes (naive per-slab messages — KVDirect's baseline — and
+    /// per-block messages vs coalesced pull over TCP
     /// and shared memory, both layouts) against memcpy and loopback TCP measured in the same run.
     Transfer(crate::bench_transfer::TransferArgs),
     /// What routing through the conductor adds to a request: a colocated worker's own API vs
