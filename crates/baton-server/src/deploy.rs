@@ -29,6 +29,14 @@ use crate::remote::RemoteWorker;
 use crate::worker::{Role, TransportChoice, Worker, WorkerHandle, WorkerOptions};
 use crate::{ServeError, compat, load, routing};
 
+/// Loads the model on a blocking thread, so the runtime keeps serving meanwhile.
+async fn load_off_runtime(path: &std::path::Path, model_id: Option<&str>) -> Result<crate::Loaded, ServeError> {
+    let (path, model_id) = (path.to_owned(), model_id.map(str::to_owned));
+    tokio::task::spawn_blocking(move || load(&path, model_id.as_deref()))
+        .await
+        .map_err(|e| ServeError::Config(format!("loading the model: {e}")))?
+}
+
 /// A worker process.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
@@ -82,11 +90,7 @@ pub async fn run_worker(
     on_ready: impl FnOnce(WorkerReady),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    let path = config.model.clone();
-    let model_id = config.model_id.clone();
-    let loaded = tokio::task::spawn_blocking(move || load(&path, model_id.as_deref()))
-        .await
-        .map_err(|e| ServeError::Config(format!("loading the model: {e}")))??;
+    let loaded = load_off_runtime(&config.model, config.model_id.as_deref()).await?;
     let local = listener.local_addr()?;
     let host = config.advertise.unwrap_or(if local.ip().is_unspecified() {
         std::net::Ipv4Addr::LOCALHOST.into()
@@ -183,11 +187,7 @@ pub async fn run_conductor(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    let path = config.model.clone();
-    let model_id = config.model_id.clone();
-    let loaded = tokio::task::spawn_blocking(move || load(&path, model_id.as_deref()))
-        .await
-        .map_err(|e| ServeError::Config(format!("loading the model: {e}")))??;
+    let loaded = load_off_runtime(&config.model, config.model_id.as_deref()).await?;
     let bytes_per_token = loaded.model.kv_geometry(16).bytes_per_token();
     let conductor = Arc::new(Conductor::new(
         loaded.validator,
