@@ -76,13 +76,20 @@ pub enum Role {
     Colocated,
 }
 
-impl fmt::Display for Role {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl Role {
+    /// The role's name on the command line, in etcd and in metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
             Role::Prefill => "prefill",
             Role::Decode => "decode",
             Role::Colocated => "colocated",
-        })
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

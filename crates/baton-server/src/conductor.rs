@@ -94,12 +94,11 @@ struct Tracked<'a> {
 impl Drop for Tracked<'_> {
     fn drop(&mut self) {
         let mut loads = self.conductor.loads();
-        let table = if self.decode {
-            loads.decode.get_mut(&self.worker).map(|t| t.remove(&self.id).is_some())
+        if self.decode {
+            loads.decode.get_mut(&self.worker).map(|r| r.remove(&self.id));
         } else {
-            loads.prefill.get_mut(&self.worker).map(|t| t.remove(&self.id).is_some())
-        };
-        debug_assert!(table.is_some());
+            loads.prefill.get_mut(&self.worker).map(|r| r.remove(&self.id));
+        }
     }
 }
 

@@ -130,7 +130,7 @@ pub async fn run_worker(
     let url = format!("http://{}", SocketAddr::new(host, local.port()));
     let info = WorkerInfo {
         id: id.clone(),
-        role: config.role.into(),
+        role: config.role,
         control_url: url.clone(),
         kv_addr: handle.kv_addr().map(|a| a.to_string()).unwrap_or_default(),
         model: loaded.validator.model_id.clone(),

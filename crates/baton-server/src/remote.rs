@@ -48,7 +48,7 @@ impl RemoteWorker {
             .build()
             .map_err(|e| ApiError::Internal(format!("HTTP client: {e}")))?;
         Ok(Self {
-            role: info.role.into(),
+            role: info.role,
             base: info.control_url.trim_end_matches('/').to_owned(),
             info,
             client,

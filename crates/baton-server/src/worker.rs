@@ -37,48 +37,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::error::ApiError;
 
-/// A worker's role.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Computes prompts and first tokens, then hands the KV over.
-    Prefill,
-    /// Continues requests from KV computed elsewhere.
-    Decode,
-    /// Both, in one engine (vLLM's way).
-    Colocated,
-}
-
-impl Role {
-    /// The role's name on the command line and in metrics.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Colocated => "colocated",
-        }
-    }
-}
-
-impl From<baton_cluster::Role> for Role {
-    fn from(r: baton_cluster::Role) -> Self {
-        match r {
-            baton_cluster::Role::Prefill => Role::Prefill,
-            baton_cluster::Role::Decode => Role::Decode,
-            baton_cluster::Role::Colocated => Role::Colocated,
-        }
-    }
-}
-
-impl From<Role> for baton_cluster::Role {
-    fn from(r: Role) -> Self {
-        match r {
-            Role::Prefill => baton_cluster::Role::Prefill,
-            Role::Decode => baton_cluster::Role::Decode,
-            Role::Colocated => baton_cluster::Role::Colocated,
-        }
-    }
-}
+/// A worker's role: the cluster's, so registry, routing and workers share one type.
+pub use baton_cluster::Role;
 
 /// KV a prefill worker holds for a request under a lease, and where to pull it from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

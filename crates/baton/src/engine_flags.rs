@@ -25,24 +25,16 @@ pub(crate) struct EngineFlags {
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
     /// Emulate the model instead of computing it: step times from this cost profile (a JSON
-    /// file from `baton profile`, or `llama2-70b-8xa800` / `llama2-70b-8xh100`), deterministic
+    /// file from `baton profile`, or `a800` / `h100` for LLaMA-2-70B on 8×A800 / 8×H100), deterministic
     /// tokens; the engine loop, KV pool and transfers stay real.
     #[arg(long, value_name = "PROFILE")]
     emulate: Option<String>,
 }
 
-/// A cost profile by built-in name or JSON file.
-pub(crate) fn cost_profile(name: &str) -> anyhow::Result<baton_sched::CostProfile> {
-    Ok(match name {
-        "llama2-70b-8xa800" => baton_sched::CostProfile::llama2_70b_8xa800(),
-        "llama2-70b-8xh100" => baton_sched::CostProfile::llama2_70b_8xh100(),
-        path => {
-            let text =
-                std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("reading cost profile {path}: {e}"))?;
-            baton_sched::CostProfile::from_json(&text)
-                .map_err(|e| anyhow::anyhow!("{path} is not a cost profile: {e}"))?
-        }
-    })
+/// A cost profile: `a800` / `h100` (LLaMA-2-70B on 8 GPUs, from published figures) or a file
+/// `baton profile` wrote.
+pub(crate) fn cost_profile(spec: &str) -> anyhow::Result<baton_sched::CostProfile> {
+    Ok(baton_engine::profile::load_profile(spec)?)
 }
 
 impl EngineFlags {
@@ -86,9 +78,8 @@ pub(crate) struct RoutingFlags {
     /// TBT SLO in milliseconds, for admission control.
     #[arg(long, default_value_t = 1_000)]
     slo_tbt_ms: u64,
-    /// Cost profile the policies predict with: a JSON file from `baton profile`, or
-    /// `llama2-70b-8xa800` (the default; it only matters for admission control) /
-    /// `llama2-70b-8xh100`.
+    /// Cost profile the policies predict with: a JSON file from `baton profile`, or `a800`
+    /// (the default; it only matters for admission control) / `h100`.
     #[arg(long)]
     cost_profile: Option<String>,
     /// Seed of the random policy.
