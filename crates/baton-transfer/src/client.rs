@@ -251,8 +251,11 @@ impl KvClient {
     pub fn begin_push(&mut self, id: TransferId, local: &[BlockId]) -> Result<()> {
         self.pushes.insert(id, PushState::default());
         let frame = Frame::Transfer { id, mode: TransferMode::Push, remote: Vec::new(), local: ids(local) };
-        self.control.send(&frame)?;
-        self.expect(id, "TRANSFER_OK")
+        let registered = self.control.send(&frame).and_then(|()| self.expect(id, "TRANSFER_OK"));
+        if registered.is_err() {
+            self.pushes.remove(&id);
+        }
+        registered
     }
 
     /// Push mode, second half: receives the prefill side's writes until its last layer, then
@@ -275,9 +278,50 @@ impl KvClient {
             let frame = self.control.recv()?;
             self.handle_async(frame)?;
         }
-        self.complete(id)?;
+        let completed = self.complete(id);
+        // Finished or refused, the push is over on both sides.
         let p = self.pushes.remove(&id).unwrap_or_default();
+        completed?;
         Ok(TransferStats { bytes: p.bytes, copies: p.frames, calls: p.frames, elapsed: start.elapsed() })
+    }
+
+    /// Push mode, for many pushes in flight: applies the prefill side's writes that arrive
+    /// within `wait` (a zero `wait` only takes what is there) and returns the pushes whose
+    /// last layer is in place; [`finish_push`](Self::finish_push) then completes each at once.
+    pub fn poll_pushes(&mut self, wait: Duration) -> Result<Vec<TransferId>> {
+        let mut poll = wait;
+        while self.control.readable(poll)? {
+            let frame = self.control.recv()?;
+            self.handle_async(frame)?;
+            poll = Duration::ZERO;
+        }
+        Ok(self.pushes.iter().filter(|(_, p)| p.done).map(|(&id, _)| id).collect())
+    }
+
+    /// Push mode: gives up push `id` (its requester went away, or it took too long). COMPLETE
+    /// withdraws the reservation on the prefill side (and ends its lease there); once the
+    /// answer arrives, whatever it says, the prefill side writes nothing more into the blocks
+    /// reserved for `id`, and the caller may free them. An error leaves that unknown: the
+    /// connection is then unusable, and only [`close`](Self::close) returning `true` makes
+    /// the blocks safe to free.
+    pub fn cancel_push(&mut self, id: TransferId) -> Result<()> {
+        if !self.pushes.contains_key(&id) {
+            return Ok(());
+        }
+        let answered = self.control.send(&Frame::Complete { id }).and_then(|()| self.expect(id, "COMPLETE_ACK"));
+        self.pushes.remove(&id);
+        match answered {
+            Ok(()) => Ok(()),
+            Err(TransferError::Remote { id: got, .. }) if got == id => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Closes the connection and waits up to `wait` for the prefill side to close its end;
+    /// `true` when it did, which proves none of its pushes can still write into this side's
+    /// region (it drops a connection's reservations before its last handle on it).
+    pub fn close(mut self, wait: Duration) -> bool {
+        self.control.close(wait)
     }
 
     /// Layers of push transfer `id` in place so far.

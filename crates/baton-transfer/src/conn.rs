@@ -43,6 +43,30 @@ impl Conn {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 
+    /// Closes this side for writing and reads (discarding) until the peer closes too, for at
+    /// most `wait`; `true` when it did (end of stream or reset), i.e. every handle the peer had
+    /// on the connection is gone.
+    pub(crate) fn close(&mut self, wait: Duration) -> bool {
+        let _ = self.stream.shutdown(std::net::Shutdown::Write);
+        let deadline = std::time::Instant::now() + wait;
+        let mut scratch = vec![0u8; 64 * 1024];
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() || self.stream.set_read_timeout(Some(left)).is_err() {
+                return false;
+            }
+            match self.stream.read(&mut scratch) {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+                    return matches!(e.kind(), ConnectionReset | ConnectionAborted | BrokenPipe);
+                }
+            }
+        }
+    }
+
     fn err(&self, context: &'static str) -> impl FnOnce(std::io::Error) -> TransferError + use<> {
         let millis = self.timeout.as_millis() as u64;
         move |e| match e.kind() {
@@ -53,13 +77,24 @@ impl Conn {
 
     /// Waits up to `poll` for the next frame to start arriving; `false` on timeout. The frame
     /// itself is then read under the full timeout, so a slow peer cannot desynchronise us.
+    /// A zero `poll` only looks.
     pub(crate) fn readable(&mut self, poll: Duration) -> Result<bool> {
-        let e = self.err("configuring a socket");
-        self.stream.set_read_timeout(Some(poll)).map_err(e)?;
         let mut b = [0u8; 1];
-        let r = self.stream.peek(&mut b);
-        let e = self.err("configuring a socket");
-        self.stream.set_read_timeout(Some(self.timeout)).map_err(e)?;
+        let r = if poll.is_zero() {
+            let e = self.err("configuring a socket");
+            self.stream.set_nonblocking(true).map_err(e)?;
+            let r = self.stream.peek(&mut b);
+            let e = self.err("configuring a socket");
+            self.stream.set_nonblocking(false).map_err(e)?;
+            r
+        } else {
+            let e = self.err("configuring a socket");
+            self.stream.set_read_timeout(Some(poll)).map_err(e)?;
+            let r = self.stream.peek(&mut b);
+            let e = self.err("configuring a socket");
+            self.stream.set_read_timeout(Some(self.timeout)).map_err(e)?;
+            r
+        };
         match r {
             Ok(0) => Err(TransferError::PeerClosed("waiting for a frame")),
             Ok(_) => Ok(true),

@@ -79,6 +79,8 @@ impl ServerConfig {
 /// A decode side waiting for pushed KV.
 struct PushTarget {
     conn_no: u64,
+    /// Tells a reservation from a later one under the same id.
+    serial: u64,
     dst_blocks: Vec<BlockId>,
     peer: EndpointInfo,
     writer: Arc<Mutex<Conn>>,
@@ -96,6 +98,7 @@ struct Shared {
     push_ready: Condvar,
     conns: Mutex<HashMap<u64, Conn>>,
     next_conn: AtomicU64,
+    next_push: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -162,6 +165,7 @@ impl KvServer {
             push_ready: Condvar::new(),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
+            next_push: AtomicU64::new(1),
         });
         let acceptor = {
             let shared = Arc::clone(&shared);
@@ -231,21 +235,35 @@ impl KvServer {
         layers: Range<usize>,
         wait: Duration,
     ) -> Result<TransferStats> {
-        let start = Instant::now();
-        let s = &self.shared;
         {
+            let s = &self.shared;
             let now = s.now();
             let mut leases = lock(&s.leases);
             if leases.blocks(id, now).is_err() {
                 leases.offer(id, src_blocks.to_vec(), now, s.lease_ms())?;
             }
         }
-        let (dst_blocks, descriptor, writer, shm) = {
-            let deadline = Instant::now() + wait;
+        self.push_offered(id, layers, wait)
+    }
+
+    /// Push mode for blocks already under a lease ([`offer`](Self::offer)): writes `layers` of
+    /// them into the blocks the decode side reserved for `id`, waiting up to `wait` for its
+    /// TRANSFER. Fails without writing anything when the lease ends first (COMPLETE, cancel or
+    /// expiry) or the decode side withdrew its reservation (COMPLETE, or its connection
+    /// closed); once the decode side has the answer to its COMPLETE, or has seen its
+    /// connection close, no write of this server reaches its blocks any more.
+    pub fn push_offered(&self, id: TransferId, layers: Range<usize>, wait: Duration) -> Result<TransferStats> {
+        let start = Instant::now();
+        let s = &self.shared;
+        let deadline = Instant::now() + wait;
+        let (src_blocks, serial, dst_blocks, descriptor, writer, shm) = {
             let mut pushes = lock(&s.pushes);
             loop {
+                // Lock order: pushes, then leases.
+                let src = lock(&s.leases).blocks(id, s.now()).map(<[BlockId]>::to_vec)?;
                 if let Some(t) = pushes.get(&id) {
-                    break (t.dst_blocks.clone(), t.peer.descriptor.clone(), Arc::clone(&t.writer), t.shm.clone());
+                    let target = (t.serial, t.dst_blocks.clone(), t.peer.descriptor.clone());
+                    break (src, target.0, target.1, target.2, Arc::clone(&t.writer), t.shm.clone());
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
@@ -254,11 +272,25 @@ impl KvServer {
                         millis: wait.as_millis() as u64,
                     });
                 }
-                pushes = s.push_ready.wait_timeout(pushes, left).unwrap_or_else(PoisonError::into_inner).0;
+                // In slices, so a lease that ends meanwhile is noticed without a wake-up.
+                let slice = left.min(Duration::from_millis(20));
+                pushes = s.push_ready.wait_timeout(pushes, slice).unwrap_or_else(PoisonError::into_inner).0;
             }
         };
         let layers_total = s.region.descriptor().extent(Dim::Layer);
-        let p = plan_layers(s.region.descriptor(), src_blocks, &descriptor, &dst_blocks, layers.clone())?;
+        let p = plan_layers(s.region.descriptor(), &src_blocks, &descriptor, &dst_blocks, layers.clone())?;
+        // The writer's lock is held from the check that the reservation still stands to the
+        // last byte: the answer to the decode side's COMPLETE goes out under the same lock, so
+        // it can never overtake a write.
+        let mut w = lock(&writer);
+        if lock(&s.pushes).get(&id).is_none_or(|t| t.serial != serial) {
+            return Err(TransferError::Remote {
+                peer: s.config.peer,
+                id,
+                code: ErrorCode::UnknownTransfer,
+                message: "the decode side withdrew its reservation".into(),
+            });
+        }
         let calls = match &shm {
             Some(dst) => {
                 for c in &p.copies {
@@ -267,7 +299,6 @@ impl KvServer {
                 p.copies.len()
             }
             None => {
-                let mut w = lock(&writer);
                 let batches = p.copies.chunks(4096);
                 let n = batches.len();
                 for batch in batches {
@@ -280,7 +311,7 @@ impl KvServer {
             }
         };
         let done = layers.end == layers_total;
-        lock(&writer).send(&Frame::Pushed { id, layers_done: layers.end as u32, done })?;
+        w.send(&Frame::Pushed { id, layers_done: layers.end as u32, done })?;
         Ok(TransferStats { bytes: p.bytes() as u64, copies: p.len(), calls, elapsed: start.elapsed() })
     }
 
@@ -435,6 +466,7 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64) -> Result<()> {
                 };
                 let target = PushTarget {
                     conn_no,
+                    serial: shared.next_push.fetch_add(1, Ordering::Relaxed),
                     dst_blocks: local.into_iter().map(BlockId).collect(),
                     peer: peer.clone(),
                     writer: Arc::clone(&writer),

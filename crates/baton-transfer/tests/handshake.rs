@@ -100,3 +100,109 @@ fn many_transfers_in_flight_on_one_connection() {
     }
     assert_eq!(server.live_leases(), 0);
 }
+
+/// Whether `local` blocks of `dst` hold exactly the server's `remote` blocks.
+fn same_bytes(server: &KvServer, dst: &Region, remote: &[BlockId], local: &[BlockId]) -> bool {
+    let src = server.region();
+    let p = baton_transfer::plan(src.descriptor(), remote, dst.descriptor(), local).expect("plan");
+    p.copies.iter().all(|c| {
+        let (mut a, mut b) = (vec![0u8; c.src.len], vec![0u8; c.dst.len]);
+        src.read(c.src.offset, &mut a).expect("read");
+        dst.read(c.dst.offset, &mut b).expect("read");
+        a == b
+    })
+}
+
+fn push_client(server: &KvServer, transport: TransportKind, dst: &Arc<Region>) -> KvClient {
+    let mut c = config("s3cret", Compat::new("m", geometry()));
+    c.transport = transport;
+    KvClient::connect(server.addr(), c, Arc::clone(dst)).expect("connect")
+}
+
+#[test]
+fn pushes_of_offered_blocks_are_polled_together_and_completed() {
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        let (server, rx) = server();
+        let server = Arc::new(server);
+        let remote = |id: u64| (0..3).map(|k| BlockId((id as u32 - 1) * 3 + k)).collect::<Vec<_>>();
+        let local_of = |id: u64| (0..3).map(|k| BlockId(15 - ((id as u32 - 1) * 3 + k))).collect::<Vec<_>>();
+        for id in 1..=2 {
+            server.offer(TransferId(id), remote(id)).expect("offer");
+        }
+        let dst = local();
+        let mut client = push_client(&server, transport, &dst);
+        // The prefill side starts pushing before the decode side registers: it waits.
+        let pushers: Vec<_> = (1..=2u64)
+            .map(|id| {
+                let s = Arc::clone(&server);
+                std::thread::spawn(move || s.push_offered(TransferId(id), 0..2, Duration::from_secs(5)))
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(50));
+        for id in [2, 1] {
+            client.begin_push(TransferId(id), &local_of(id)).expect("register");
+        }
+        let mut done = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while done.len() < 2 {
+            assert!(std::time::Instant::now() < deadline, "{transport:?}: pushes did not arrive");
+            for id in client.poll_pushes(Duration::from_millis(10)).expect("poll") {
+                client.finish_push(id, Duration::ZERO).expect("complete");
+                done.push(id.0);
+            }
+        }
+        for p in pushers {
+            p.join().expect("pusher").expect("pushed");
+        }
+        done.sort();
+        assert_eq!(done, vec![1, 2]);
+        for id in 1..=2 {
+            assert!(same_bytes(&server, &dst, &remote(id), &local_of(id)), "{transport:?}: push {id} bytes");
+        }
+        let mut released: Vec<u64> = rx.try_iter().map(|r| r.id.0).collect();
+        released.sort();
+        assert_eq!(released, vec![1, 2], "{transport:?}: COMPLETE ends the leases");
+    }
+}
+
+#[test]
+fn a_cancelled_push_writes_nothing_and_ends_the_lease() {
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        let (server, rx) = server();
+        server.offer(TransferId(7), vec![BlockId(0), BlockId(1)]).expect("offer");
+        let dst = local();
+        let mut client = push_client(&server, transport, &dst);
+        client.begin_push(TransferId(7), &[BlockId(4), BlockId(5)]).expect("register");
+        client.cancel_push(TransferId(7)).expect("cancel");
+        // The reservation is gone: a push now fails and writes nothing.
+        let err = server.push_offered(TransferId(7), 0..2, Duration::from_millis(100)).expect_err("no reservation");
+        assert!(matches!(err, TransferError::Lease(_) | TransferError::Timeout { .. }), "{transport:?}: {err}");
+        let mut zero = vec![0u8; dst.len()];
+        dst.read(0, &mut zero).expect("read");
+        assert!(zero.iter().all(|&b| b == 0), "{transport:?}: a cancelled push wrote into the reserved blocks");
+        assert_eq!(rx.try_iter().map(|r| r.id.0).collect::<Vec<_>>(), vec![7], "{transport:?}");
+        assert_eq!(server.live_leases(), 0);
+        // The connection stays usable: cancelling again, or something never pushed, is fine.
+        client.cancel_push(TransferId(7)).expect("idempotent");
+        assert!(client.close(Duration::from_secs(2)), "the server closes its end too");
+    }
+}
+
+#[test]
+fn a_push_gives_up_when_its_lease_ends() {
+    let (server, rx) = server();
+    let server = Arc::new(server);
+    server.offer(TransferId(3), vec![BlockId(2)]).expect("offer");
+    let s = Arc::clone(&server);
+    let started = std::time::Instant::now();
+    let pusher = std::thread::spawn(move || s.push_offered(TransferId(3), 0..2, Duration::from_secs(30)));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(server.cancel(TransferId(3)));
+    let err = pusher.join().expect("pusher").expect_err("no lease, no push");
+    assert!(matches!(err, TransferError::Lease(_)), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(2), "the push noticed the lease end late");
+    assert_eq!(rx.try_iter().count(), 1);
+    // And a push with no lease at all fails at once.
+    let err = server.push_offered(TransferId(99), 0..2, Duration::from_secs(30)).expect_err("unknown");
+    assert!(matches!(err, TransferError::Lease(_)), "{err}");
+}
