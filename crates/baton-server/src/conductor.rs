@@ -4,9 +4,11 @@
 //! A request is validated into a [`ValidRequest`], routed by the [`RoutePolicy`], then run:
 //! colocated, it goes to one worker; disaggregated, the prefill worker computes the prompt and
 //! the first token and keeps the KV under a lease, the conductor streams that token, the decode
-//! worker pulls the KV into blocks of its own, the prefill worker is told to release it, and the
-//! decode worker streams the rest. A client that disconnects drops the response stream, which
-//! drops the worker's event receiver, which aborts the request and frees its KV.
+//! worker reserves blocks of its own and pulls the KV into them (or, in push mode, the prefill
+//! worker writes it into them: [`crate::handoff`]), the prefill worker is told to release
+//! whatever it still holds, and the decode worker streams the rest. A client that disconnects
+//! drops the response stream, which drops the worker's event receiver, which aborts the request
+//! (and any transfer of its KV in flight) and frees its KV.
 //!
 //! Workers are local ([`crate::WorkerHandle`]) or remote ([`crate::remote::RemoteWorker`]), and
 //! may join and leave at any time ([`Conductor::add_worker`], [`Conductor::follow`]). A request
@@ -31,6 +33,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::error::ApiError;
+use crate::handoff::KvTransfer;
 use crate::metrics::{Metrics, Outcome, WorkerGauges};
 use crate::openai::{Endpoint, ValidRequest, Validator};
 use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView};
@@ -57,6 +60,8 @@ pub struct Conductor {
     loads: Mutex<Loads>,
     /// Time zero of the snapshots' clocks.
     epoch: Instant,
+    /// How KV moves from prefill to decode workers.
+    kv_transfer: KvTransfer,
 }
 
 /// The conductor's ledger of its workers: a stable instance id per name, and the requests in
@@ -127,7 +132,20 @@ impl Conductor {
             kv_bytes_per_token,
             loads: Mutex::new(Loads::default()),
             epoch: Instant::now(),
+            kv_transfer: KvTransfer::default(),
         }
+    }
+
+    /// Hands KV from prefill to decode workers in `mode` (pull by default).
+    #[must_use]
+    pub fn with_kv_transfer(mut self, mode: KvTransfer) -> Self {
+        self.kv_transfer = mode;
+        self
+    }
+
+    /// How KV moves from prefill to decode workers.
+    pub fn kv_transfer(&self) -> KvTransfer {
+        self.kv_transfer
     }
 
     fn loads(&self) -> std::sync::MutexGuard<'_, Loads> {
@@ -406,28 +424,42 @@ impl Run {
             ignore_eos: v.stop.ignore_eos,
             stop: v.stop.stop_strings.clone(),
             retain_kv: false,
-            pull: None,
+            kv_transfer: self.conductor.kv_transfer,
+            kv: None,
         }
     }
 
     async fn disaggregated(&self, p: &Arc<dyn Worker>, d: &Arc<dyn Worker>, start: Instant) -> Result<(), RunError> {
         let c = &self.conductor;
-        // Prefill: the prompt and the first token; the KV stays on `p` under a lease. (With
-        // max_tokens 1 the request ends there: nothing to hand over.)
+        // Prefill: the prompt and the first token; the KV stays on `p` under a lease (in push
+        // mode, `p` also waits to write it into `d`'s blocks). (With max_tokens 1 the request
+        // ends there: nothing to hand over.)
         let retain_kv = self.valid.stop.max_tokens > 1;
         let mut events = p.submit(WorkRequest { max_tokens: 1, retain_kv, ..self.request() });
         let prefill = c.track(p.as_ref(), self.id, false, self.valid.prompt_ids.len());
         let mut first = Vec::new();
-        let (reason, prompt_tokens, kv) = loop {
-            match next(p, &mut events).await? {
-                RequestEvent::Token { token, text } => {
-                    c.metrics.ttft.observe(start.elapsed().as_secs_f64());
-                    first.push(token);
-                    self.send(Piece::Text(text))?;
+        let prefilled = async {
+            loop {
+                match self.next(p, &mut events).await? {
+                    RequestEvent::Token { token, text } => {
+                        c.metrics.ttft.observe(start.elapsed().as_secs_f64());
+                        first.push(token);
+                        self.send(Piece::Text(text))?;
+                    }
+                    RequestEvent::Finished { reason, prompt_tokens, kv, .. } => break Ok((reason, prompt_tokens, kv)),
+                    RequestEvent::Failed(e) => break Err(RunError::Api(e)),
+                    RequestEvent::Lost(reason) => break Err(RunError::Lost { worker: p.name().to_owned(), reason }),
                 }
-                RequestEvent::Finished { reason, prompt_tokens, kv, .. } => break (reason, prompt_tokens, kv),
-                RequestEvent::Failed(e) => return Err(RunError::Api(e)),
-                RequestEvent::Lost(reason) => return Err(RunError::Lost { worker: p.name().to_owned(), reason }),
+            }
+        };
+        let (reason, prompt_tokens, kv) = match prefilled.await {
+            Ok(done) => done,
+            Err(e) => {
+                // The client may have gone just as the prefill finished: end any lease at once.
+                if !matches!(e, RunError::Lost { .. }) {
+                    p.release(self.id.0);
+                }
+                return Err(e);
             }
         };
         drop(prefill);
@@ -436,11 +468,12 @@ impl Run {
             p.release(self.id.0);
             return self.finish(reason, prompt_tokens, first.len());
         };
-        // Decode: pull the KV (COMPLETE releases it on the prefill side), stream the rest.
+        // Decode: reserve blocks and pull the KV into them, or have `p` push it (COMPLETE
+        // releases it on the prefill side), then stream the rest.
         let handoff = Instant::now();
         let bytes = kv.tokens * c.kv_bytes_per_token;
         let _decode = c.track(d.as_ref(), self.id, true, self.valid.prompt_ids.len() + first.len());
-        let events = d.submit(WorkRequest { generated: first, pull: Some(kv), ..self.request() });
+        let events = d.submit(WorkRequest { generated: first, kv: Some(kv), ..self.request() });
         let result = self.relay(d, events, start, Some((handoff, bytes)), None).await;
         // Whatever happened on the decode side, the prefill side's blocks are not needed any
         // more (a no-op when the pull completed).
@@ -462,7 +495,7 @@ impl Run {
         let mut last = None;
         let mut _decode = None;
         loop {
-            let event = next(worker, &mut events).await?;
+            let event = self.next(worker, &mut events).await?;
             if let Some((t, bytes)) = handoff.take()
                 && !matches!(event, RequestEvent::Failed(_) | RequestEvent::Lost(_))
             {
@@ -517,15 +550,24 @@ enum RunError {
     Lost { worker: String, reason: String },
 }
 
-async fn next(
-    worker: &Arc<dyn Worker>,
-    events: &mut mpsc::UnboundedReceiver<RequestEvent>,
-) -> Result<RequestEvent, RunError> {
-    let lost = |reason: &str| RunError::Lost { worker: worker.name().to_owned(), reason: reason.to_owned() };
-    match tokio::time::timeout(WORKER_EVENT_TIMEOUT, events.recv()).await {
-        Ok(Some(e)) => Ok(e),
-        Ok(None) => Err(lost("it stopped before finishing the request")),
-        Err(_) => Err(lost("it did not answer in time")),
+impl Run {
+    /// A worker's next event for this request, or `Cancelled` as soon as the client goes away
+    /// (returning drops the worker's receiver, which aborts the request there).
+    async fn next(
+        &self,
+        worker: &Arc<dyn Worker>,
+        events: &mut mpsc::UnboundedReceiver<RequestEvent>,
+    ) -> Result<RequestEvent, RunError> {
+        let lost = |reason: &str| RunError::Lost { worker: worker.name().to_owned(), reason: reason.to_owned() };
+        let event = tokio::select! {
+            e = tokio::time::timeout(WORKER_EVENT_TIMEOUT, events.recv()) => e,
+            () = self.out.closed() => return Err(RunError::Cancelled),
+        };
+        match event {
+            Ok(Some(e)) => Ok(e),
+            Ok(None) => Err(lost("it stopped before finishing the request")),
+            Err(_) => Err(lost("it did not answer in time")),
+        }
     }
 }
 
@@ -588,7 +630,13 @@ fn sse_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedRecei
                 return;
             }
         }
-        while let Some(piece) = rx.recv().await {
+        loop {
+            // A client that went away is noticed at once: dropping `rx` cancels the run.
+            let piece = tokio::select! {
+                p = rx.recv() => p,
+                () = tx.closed() => return,
+            };
+            let Some(piece) = piece else { break };
             let sent = match piece {
                 Piece::Text(t) if t.is_empty() => Ok(()),
                 Piece::Text(t) => {

@@ -25,6 +25,7 @@ use baton_cluster::{
 use baton_engine::EngineConfig;
 
 use crate::conductor::Conductor;
+use crate::handoff::KvTransfer;
 use crate::remote::RemoteWorker;
 use crate::worker::{Role, TransportChoice, Worker, WorkerHandle, WorkerOptions};
 use crate::{ServeError, compat, load, routing};
@@ -113,6 +114,7 @@ pub async fn run_worker(
         transport: config.transport,
         compat: compat(&loaded, &engine),
         io_timeout: Duration::from_secs(10),
+        push_delay: push_delay_from_env(),
     };
     let handle = WorkerHandle::spawn(id.to_string(), config.role, engine, options)?;
     let mut app = crate::control::router(handle.clone(), config.secret.clone());
@@ -179,6 +181,20 @@ pub struct ConductorConfig {
     pub policy: crate::sched::PolicyChoice,
     /// Tokens per KV block of the workers (prompt hashing for prefix-aware policies).
     pub block_tokens: usize,
+    /// How KV moves from prefill to decode workers (every worker supports both modes).
+    pub kv_transfer: KvTransfer,
+}
+
+/// The environment variable that delays a worker process's pushes (fault injection for
+/// tests, see [`WorkerOptions::push_delay`]).
+pub const PUSH_DELAY_ENV: &str = "BATON_FAULT_PUSH_DELAY_MS";
+
+fn push_delay_from_env() -> Duration {
+    let ms = std::env::var(PUSH_DELAY_ENV).ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    if ms > 0 {
+        tracing::warn!("{PUSH_DELAY_ENV} is set: every push of this worker waits {ms} ms (fault injection)");
+    }
+    Duration::from_millis(ms)
 }
 
 /// Runs a conductor on `listener` until `shutdown` resolves.
@@ -189,13 +205,16 @@ pub async fn run_conductor(
 ) -> Result<(), ServeError> {
     let loaded = load_off_runtime(&config.model, config.model_id.as_deref()).await?;
     let bytes_per_token = loaded.model.kv_geometry(16).bytes_per_token();
-    let conductor = Arc::new(Conductor::new(
-        loaded.validator,
-        Vec::new(),
-        config.policy.build(config.block_tokens),
-        config.api_key.clone(),
-        bytes_per_token,
-    ));
+    let conductor = Arc::new(
+        Conductor::new(
+            loaded.validator,
+            Vec::new(),
+            config.policy.build(config.block_tokens),
+            config.api_key.clone(),
+            bytes_per_token,
+        )
+        .with_kv_transfer(config.kv_transfer),
+    );
     let mut app = conductor.clone().router();
     let registry: Arc<dyn Registry> = match &config.registry {
         RegistryConfig::Embedded => {

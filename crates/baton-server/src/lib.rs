@@ -15,6 +15,7 @@
 //!
 //! Modules: [`openai`] parses and validates request bodies; [`conductor`] runs requests and
 //! serves HTTP; [`worker`] owns an engine thread, its KV server and its transfer thread;
+//! [`handoff`] moves a request's KV from prefill to decode worker, pulled or pushed;
 //! [`control`] is a worker's HTTP control API and [`remote`] the conductor's client of it;
 //! [`deploy`] runs `baton worker` and `baton conductor` processes; [`routing`] is the policy
 //! seam; [`metrics`] renders Prometheus text.
@@ -23,6 +24,7 @@ pub mod conductor;
 pub mod control;
 pub mod deploy;
 pub mod error;
+pub mod handoff;
 pub mod metrics;
 pub mod openai;
 pub mod remote;
@@ -39,6 +41,7 @@ use baton_model::Checkpoint;
 
 pub use conductor::Conductor;
 pub use error::ApiError;
+pub use handoff::KvTransfer;
 pub use worker::{Role, TransportChoice, Worker, WorkerHandle, WorkerOptions, WorkerStats};
 
 /// An all-in-one deployment: a conductor and its workers in one process.
@@ -62,6 +65,10 @@ pub struct ServeConfig {
     pub lease: Duration,
     /// How the conductor routes (and admits) requests.
     pub policy: sched::PolicyChoice,
+    /// How KV moves from prefill to decode workers.
+    pub kv_transfer: KvTransfer,
+    /// Fault injection for tests (see [`WorkerOptions::push_delay`]).
+    pub push_delay: Duration,
     /// Emulate the model with this cost profile instead of computing it (the engine loop, KV
     /// pool and transfers stay real; step times and tokens are emulated).
     pub emulate: Option<baton_sched::CostProfile>,
@@ -80,6 +87,8 @@ impl ServeConfig {
             api_key: None,
             lease: worker::DEFAULT_LEASE,
             policy: sched::PolicyChoice::default(),
+            kv_transfer: KvTransfer::default(),
+            push_delay: Duration::ZERO,
             emulate: None,
         }
     }
@@ -153,7 +162,8 @@ pub(crate) fn engine(
 }
 
 /// Loads the model once and starts the workers (sharing its weights) and the conductor. KV
-/// moves between the workers over the shared-memory transport.
+/// moves between the workers over the shared-memory transport, pulled or pushed as
+/// `config.kv_transfer` says.
 pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
     if config.prefill + config.decode + config.colocated == 0 {
         return Err(ServeError::Config("at least one worker is needed".into()));
@@ -179,6 +189,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
             transport: TransportChoice::Shm,
             compat: compat(&loaded, &engine),
             io_timeout: Duration::from_secs(10),
+            push_delay: config.push_delay,
         };
         let name = format!("{}-{i}", role.as_str());
         workers.push(Arc::new(WorkerHandle::spawn(name, role, engine, options)?));
@@ -187,13 +198,16 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
         Some(profile) => usize::try_from(profile.kv_bytes_per_token).unwrap_or(usize::MAX),
         None => loaded.model.kv_geometry(config.engine.block_size).bytes_per_token(),
     };
-    Ok(Arc::new(Conductor::new(
-        loaded.validator,
-        workers,
-        config.policy.build(config.engine.block_size),
-        config.api_key.clone(),
-        bytes_per_token,
-    )))
+    Ok(Arc::new(
+        Conductor::new(
+            loaded.validator,
+            workers,
+            config.policy.build(config.engine.block_size),
+            config.api_key.clone(),
+            bytes_per_token,
+        )
+        .with_kv_transfer(config.kv_transfer),
+    ))
 }
 
 /// Sets TCP_NODELAY on every accepted connection: streamed events are small writes, and Nagle's

@@ -6,41 +6,45 @@
 //! When a request's receiver is dropped (the client went away), the next event fails to send
 //! and the engine aborts the request, freeing its KV.
 //!
-//! KV moves between workers with `baton-transfer`'s protocol, in pull mode (KVDirect):
+//! KV moves between workers with `baton-transfer`'s protocol, pulled or pushed as each request
+//! says ([`KvTransfer`]; the modes are described in [`crate::handoff`]):
 //!
 //! 1. A prefill worker finishes a prompt with its KV retained and offers the blocks on its
-//!    [`KvServer`] under a lease; the request's `Finished` event names them ([`KvSource`]).
+//!    [`KvServer`] under a lease; the request's `Finished` event names them ([`KvSource`]). In
+//!    push mode it also starts pushing them, which waits for the decode worker's reservation.
 //! 2. The decode worker's engine thread reserves blocks of its own, and its transfer thread
-//!    pulls into them with a [`KvClient`] (TRANSFER, coalesced reads, COMPLETE) — over shared
-//!    memory when the peer is on this host, else TCP — without stalling the engine's steps.
+//!    pulls into them, or registers them for the push and waits for it, with a
+//!    [`baton_transfer::KvClient`] — over shared memory when the peer is on this host, else
+//!    TCP — without stalling the engine's steps; then it COMPLETEs.
 //! 3. COMPLETE (or the lease running out, or the conductor's [`Worker::release`]) hands the
 //!    blocks back to the prefill engine through its [`BlockOwner`].
 //!
-//! A failed pull frees the reserved blocks; a prefill worker's blocks come back when their lease
-//! ends whatever the decode side does, so a dead peer leaves nothing held.
+//! A failed transfer frees the reserved blocks; a prefill worker's blocks come back when their
+//! lease ends whatever the decode side does, so a dead peer leaves nothing held.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use baton_engine::{Engine, FinishReason, GenerationRequest, KvPrefix, KvRetention, RequestId, StopParams};
-use baton_kv::BlockId;
 use baton_model::SamplingParams;
 use baton_transfer::{
-    Access, BlockOwner, ClientConfig, Compat, KvClient, KvServer, PeerId, Region, Release, ServerConfig, TransferId,
-    TransferStats, TransportKind,
+    Access, BlockOwner, ClientConfig, Compat, KvServer, PeerId, Region, Release, ServerConfig, TransferId,
+    TransferStats,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::ApiError;
+pub use crate::handoff::KvTransfer;
+use crate::handoff::{KvJob, TransferThread, spawn_push};
 
 /// A worker's role: the cluster's, so registry, routing and workers share one type.
 pub use baton_cluster::Role;
 
-/// KV a prefill worker holds for a request under a lease, and where to pull it from.
+/// KV a prefill worker holds for a request under a lease, and where its KV server is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvSource {
     /// The holder's KV server.
@@ -83,13 +87,17 @@ pub struct WorkRequest {
     /// Keep the KV for a hand-off when the request ends (prefill role).
     #[serde(default)]
     pub retain_kv: bool,
-    /// KV to pull before starting (decode role).
+    /// How the hand-off moves the KV: whether a prefill worker pushes what it retains, and how
+    /// a decode worker receives `kv`.
     #[serde(default)]
-    pub pull: Option<KvSource>,
+    pub kv_transfer: KvTransfer,
+    /// KV to receive before starting (decode role).
+    #[serde(default)]
+    pub kv: Option<KvSource>,
 }
 
 impl WorkRequest {
-    fn into_parts(self) -> (GenerationRequest, Option<KvSource>) {
+    fn into_parts(self) -> (GenerationRequest, Option<KvSource>, KvTransfer) {
         let req = GenerationRequest {
             generated: self.generated,
             sampling: SamplingParams {
@@ -102,7 +110,7 @@ impl WorkRequest {
             retain_kv: if self.retain_kv { KvRetention::All } else { KvRetention::None },
             ..GenerationRequest::new(RequestId(self.id), self.prompt)
         };
-        (req, self.pull)
+        (req, self.kv, self.kv_transfer)
     }
 }
 
@@ -187,7 +195,7 @@ pub struct WorkerStats {
     pub running: usize,
     /// Requests waiting.
     pub waiting: usize,
-    /// Requests whose KV is being pulled in.
+    /// Requests whose KV is being pulled in or pushed here.
     pub pulling: usize,
     /// Blocks allocatable now (free or merely cached).
     pub available_blocks: usize,
@@ -269,21 +277,25 @@ pub struct WorkerOptions {
     /// The address decode workers dial for this worker's KV, when it differs from `kv_bind`'s
     /// (which, if unspecified like `0.0.0.0`, is advertised as loopback).
     pub kv_advertise: Option<std::net::IpAddr>,
-    /// How pulls travel (decode role).
+    /// How KV travels to this worker, pulled or pushed (decode role).
     pub transport: TransportChoice,
     /// Model and KV geometry, checked with every peer.
     pub compat: Compat,
-    /// Bound on every KV socket read and write.
+    /// Bound on every KV socket read and write, and on a decode worker's wait for pushed KV.
     pub io_timeout: Duration,
+    /// Fault injection for tests: how long a prefill worker waits before each push (zero
+    /// outside tests), so that a test can break a hand-off in the middle.
+    pub push_delay: Duration,
 }
 
 /// How long a prefill worker keeps handed-off KV when no one releases it.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
-enum Command {
+pub(crate) enum Command {
     Submit {
         req: Box<GenerationRequest>,
-        pull: Option<KvSource>,
+        kv: Option<KvSource>,
+        mode: KvTransfer,
         events: mpsc::UnboundedSender<RequestEvent>,
     },
     Abort(RequestId),
@@ -291,22 +303,14 @@ enum Command {
     Release(RequestId),
     /// The KV server ended a lease (COMPLETE, expiry or cancel): the blocks are ours again.
     Released(Release),
-    /// The transfer thread finished a pull.
-    Pulled {
-        job: Box<PullJob>,
+    /// The transfer thread finished fetching a request's KV.
+    Transferred {
+        job: Box<KvJob>,
         result: Result<TransferStats, String>,
     },
     Stats(oneshot::Sender<WorkerStats>),
     /// The last handle is gone: stop the KV server and the thread.
     Shutdown,
-}
-
-/// A pull the transfer thread runs for the engine thread.
-struct PullJob {
-    req: GenerationRequest,
-    prefix: KvPrefix,
-    source: KvSource,
-    events: mpsc::UnboundedSender<RequestEvent>,
 }
 
 /// The KV server hands leased blocks back through the engine thread's command channel.
@@ -365,9 +369,10 @@ impl WorkerHandle {
                 ..ServerConfig::new(peer, options.compat.clone(), options.secret.expose())
             };
             let owner = LoopOwner(std::sync::Mutex::new(tx.clone()));
-            Some(KvServer::start(config, region, owner).map_err(|e| io_error("starting the KV server", e))?)
+            let server = KvServer::start(config, region, owner).map_err(|e| io_error("starting the KV server", e))?;
+            Some(Arc::new(server))
         };
-        let puller = if role == Role::Prefill {
+        let transfers = if role == Role::Prefill {
             None
         } else {
             let arena = arena.as_ref().ok_or_else(|| io_error("KV client", "the engine's arena cannot be shared"))?;
@@ -376,13 +381,7 @@ impl WorkerHandle {
                 io_timeout: options.io_timeout,
                 ..ClientConfig::new(peer, options.compat.clone(), options.secret.expose())
             };
-            let (jobs, job_rx) = std::sync::mpsc::channel();
-            let back = tx.clone();
-            let transport = options.transport;
-            std::thread::Builder::new()
-                .name(format!("baton-{name}-pull"))
-                .spawn(move || Puller { local, config, transport, clients: HashMap::new() }.run(job_rx, back))?;
-            Some(jobs)
+            Some(TransferThread::spawn(&name, local, config, options.transport, tx.clone())?)
         };
         let capacity_blocks = engine.config().num_blocks;
         let kv_addr = server.as_ref().map(|s| {
@@ -394,6 +393,7 @@ impl WorkerHandle {
             }
             addr
         });
+        let push = PushOptions { wait: options.lease, delay: options.push_delay };
         std::thread::Builder::new().name(format!("baton-{name}")).spawn(move || {
             EngineLoop {
                 kv_addr,
@@ -401,7 +401,9 @@ impl WorkerHandle {
                 streams: HashMap::new(),
                 handed_off: HashMap::new(),
                 server,
-                puller,
+                push,
+                push_on_finish: HashSet::new(),
+                transfers,
                 pulling: HashMap::new(),
             }
             .run(rx)
@@ -445,15 +447,15 @@ impl Worker for WorkerHandle {
 
     fn submit(&self, req: WorkRequest) -> mpsc::UnboundedReceiver<RequestEvent> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let (req, pull) = req.into_parts();
-        if pull.is_some() && self.inner.role == Role::Prefill {
-            let _ = tx.send(RequestEvent::Failed(ApiError::Internal("a prefill worker does not pull KV".into())));
+        let (req, kv, mode) = req.into_parts();
+        if kv.is_some() && self.inner.role == Role::Prefill {
+            let _ = tx.send(RequestEvent::Failed(ApiError::Internal("a prefill worker does not receive KV".into())));
             return rx;
         }
         self.inner.in_flight.fetch_add(1, Ordering::Relaxed);
         let guard = InFlight(self.inner.clone());
         let (ftx, frx) = mpsc::unbounded_channel();
-        if self.inner.commands.send(Command::Submit { req: Box::new(req), pull, events: ftx }).is_err() {
+        if self.inner.commands.send(Command::Submit { req: Box::new(req), kv, mode, events: ftx }).is_err() {
             let _ = tx.send(RequestEvent::Lost(format!("worker {} has stopped", self.inner.name)));
             return rx;
         }
@@ -498,65 +500,18 @@ async fn forward(
     to: mpsc::UnboundedSender<RequestEvent>,
     _guard: InFlight,
 ) {
-    while let Some(e) = from.recv().await {
+    loop {
+        // Dropping `from` makes the engine's next send fail, which aborts the request, and tells
+        // a transfer in flight at once that its request is cancelled.
+        let e = tokio::select! {
+            e = from.recv() => e,
+            () = to.closed() => return,
+        };
+        let Some(e) = e else { return };
         let last = e.is_last();
         if to.send(e).is_err() || last {
-            // Dropping `from` makes the engine's next send fail, which aborts the request.
             return;
         }
-    }
-}
-
-/// The decode side's transfer thread: one [`KvClient`] per prefill peer, connected on first
-/// use and dropped after an error (the next pull reconnects).
-struct Puller {
-    local: Arc<Region>,
-    config: ClientConfig,
-    transport: TransportChoice,
-    clients: HashMap<SocketAddr, KvClient>,
-}
-
-impl Puller {
-    fn run(mut self, jobs: std::sync::mpsc::Receiver<PullJob>, back: std::sync::mpsc::Sender<Command>) {
-        while let Ok(job) = jobs.recv() {
-            let result = self.pull(&job);
-            if back.send(Command::Pulled { job: Box::new(job), result }).is_err() {
-                return;
-            }
-        }
-    }
-
-    fn pull(&mut self, job: &PullJob) -> Result<TransferStats, String> {
-        let addr = job.source.addr;
-        if job.events.is_closed() {
-            return Err("the request was cancelled".into());
-        }
-        if !self.clients.contains_key(&addr) {
-            let kind = match self.transport {
-                TransportChoice::Shm => TransportKind::Shm,
-                TransportChoice::Tcp => TransportKind::Tcp,
-                TransportChoice::Auto if addr.ip().is_loopback() => TransportKind::Shm,
-                TransportChoice::Auto => TransportKind::Tcp,
-            };
-            let config = ClientConfig { transport: kind, ..self.config.clone() };
-            let client = match KvClient::connect(addr, config, self.local.clone()) {
-                Err(e) if self.transport == TransportChoice::Auto && kind == TransportKind::Shm => {
-                    tracing::info!(peer = %addr, error = %e, "shared memory unavailable; pulling over TCP");
-                    let config = ClientConfig { transport: TransportKind::Tcp, ..self.config.clone() };
-                    KvClient::connect(addr, config, self.local.clone())
-                }
-                other => other,
-            }
-            .map_err(|e| format!("connecting to the KV server at {addr}: {e}"))?;
-            self.clients.insert(addr, client);
-        }
-        let remote: Vec<BlockId> = job.source.blocks.iter().map(|&b| BlockId(b)).collect();
-        let client = self.clients.get_mut(&addr).ok_or("no client")?;
-        let result = client.pull(TransferId(job.req.id.0), &remote, &job.prefix.blocks);
-        result.map_err(|e| {
-            self.clients.remove(&addr);
-            format!("pulling KV from {addr}: {e}")
-        })
     }
 }
 
@@ -566,12 +521,24 @@ struct EngineLoop {
     streams: HashMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
     /// KV offered on the KV server, by request, until its lease ends.
     handed_off: HashMap<RequestId, KvPrefix>,
-    server: Option<KvServer>,
+    server: Option<Arc<KvServer>>,
     /// The KV server's advertised address.
     kv_addr: Option<SocketAddr>,
-    puller: Option<std::sync::mpsc::Sender<PullJob>>,
-    /// Requests whose KV is being pulled; `true` once aborted.
+    push: PushOptions,
+    /// Requests whose retained KV is pushed when they finish.
+    push_on_finish: HashSet<RequestId>,
+    transfers: Option<std::sync::mpsc::Sender<KvJob>>,
+    /// Requests whose KV is being pulled or pushed in; `true` once aborted.
     pulling: HashMap<RequestId, bool>,
+}
+
+/// How a prefill worker pushes.
+#[derive(Debug, Clone, Copy)]
+struct PushOptions {
+    /// Longest wait for the decode worker's reservation (the lease ends it anyway).
+    wait: Duration,
+    /// See [`WorkerOptions::push_delay`].
+    delay: Duration,
 }
 
 impl EngineLoop {
@@ -602,7 +569,8 @@ impl EngineLoop {
             }
         }
         // Requests still running learn that the worker stopped when their senders drop.
-        if let Some(server) = self.server.take() {
+        // (A push still running holds the server; it stops when that push ends.)
+        if let Some(server) = self.server.take().and_then(|s| Arc::try_unwrap(s).ok()) {
             server.shutdown();
         }
     }
@@ -611,9 +579,14 @@ impl EngineLoop {
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::Shutdown => return false,
-            Command::Submit { req, pull: Some(source), events } => self.start_pull(*req, source, events),
-            Command::Submit { req, pull: None, events } => self.admit(*req, events),
-            Command::Pulled { job, result } => self.finish_pull(*job, result),
+            Command::Submit { req, kv: Some(source), mode, events } => self.start_transfer(*req, source, mode, events),
+            Command::Submit { req, kv: None, mode, events } => {
+                if mode == KvTransfer::Push && req.retain_kv == KvRetention::All {
+                    self.push_on_finish.insert(req.id);
+                }
+                self.admit(*req, events);
+            }
+            Command::Transferred { job, result } => self.finish_transfer(*job, result),
             Command::Abort(id) => self.abort(id),
             Command::Release(id) => self.cancel_lease(id),
             Command::Released(release) => {
@@ -643,15 +616,22 @@ impl EngineLoop {
                 self.streams.insert(id, events);
             }
             Err(e) => {
+                self.push_on_finish.remove(&id);
                 let _ = events.send(RequestEvent::Failed(e.into()));
             }
         }
     }
 
-    /// Reserves blocks for a peer's KV and hands the copy to the transfer thread.
-    fn start_pull(&mut self, req: GenerationRequest, source: KvSource, events: mpsc::UnboundedSender<RequestEvent>) {
-        let Some(puller) = &self.puller else {
-            let _ = events.send(RequestEvent::Failed(ApiError::Internal("this worker cannot pull KV".into())));
+    /// Reserves blocks for a peer's KV and hands the transfer to the transfer thread.
+    fn start_transfer(
+        &mut self,
+        req: GenerationRequest,
+        source: KvSource,
+        mode: KvTransfer,
+        events: mpsc::UnboundedSender<RequestEvent>,
+    ) {
+        let Some(transfers) = &self.transfers else {
+            let _ = events.send(RequestEvent::Failed(ApiError::Internal("this worker cannot receive KV".into())));
             return;
         };
         if source.blocks.len() != source.tokens.div_ceil(self.engine.config().block_size) {
@@ -673,7 +653,7 @@ impl EngineLoop {
             }
         };
         let id = req.id;
-        if let Err(std::sync::mpsc::SendError(job)) = puller.send(PullJob { req, prefix, source, events }) {
+        if let Err(std::sync::mpsc::SendError(job)) = transfers.send(KvJob { req, prefix, source, mode, events }) {
             let _ = job.events.send(RequestEvent::Failed(ApiError::Internal("the transfer thread stopped".into())));
             self.release(job.prefix);
             return;
@@ -681,12 +661,13 @@ impl EngineLoop {
         self.pulling.insert(id, false);
     }
 
-    fn finish_pull(&mut self, job: PullJob, result: Result<TransferStats, String>) {
-        let PullJob { mut req, prefix, events, .. } = job;
+    fn finish_transfer(&mut self, job: KvJob, result: Result<TransferStats, String>) {
+        let KvJob { mut req, prefix, events, mode, .. } = job;
         let aborted = self.pulling.remove(&req.id).unwrap_or(true) || events.is_closed();
         match result {
             Ok(stats) if !aborted => {
-                tracing::debug!(request = req.id.0, bytes = stats.bytes, calls = stats.calls, "pulled KV");
+                let mode = mode.as_str();
+                tracing::debug!(request = req.id.0, mode, bytes = stats.bytes, calls = stats.calls, "received KV");
                 req.prefix = Some(prefix);
                 self.admit(req, events);
             }
@@ -720,7 +701,14 @@ impl EngineLoop {
             }
         }
         for f in out.finished {
+            let push = self.push_on_finish.remove(&f.id);
             let kv = f.kv.and_then(|kv| self.offer(f.id, kv));
+            if push
+                && kv.is_some()
+                && let Some(server) = &self.server
+            {
+                spawn_push(server, f.id, self.push.wait, self.push.delay);
+            }
             if let Some(tx) = self.streams.remove(&f.id) {
                 let _ = tx.send(RequestEvent::Finished {
                     reason: f.reason.into(),
@@ -765,6 +753,7 @@ impl EngineLoop {
 
     fn abort(&mut self, id: RequestId) {
         self.streams.remove(&id);
+        self.push_on_finish.remove(&id);
         if let Some(aborted) = self.pulling.get_mut(&id) {
             *aborted = true;
         }

@@ -1,6 +1,7 @@
-//! The conductor and its workers on a real socket: disaggregated output equals colocated
-//! output equals the engine alone; streaming, concurrency and cancellation; bad input answered
-//! with OpenAI-style errors; and after every scenario, no KV block held anywhere.
+//! The conductor and its workers on a real socket: disaggregated output (KV pulled or pushed)
+//! equals colocated output equals the engine alone; streaming, concurrency and cancellation, in
+//! the middle of a push too; bad input answered with OpenAI-style errors; and after every
+//! scenario, no KV block held anywhere.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 use baton_engine::{Engine, EngineConfig, GenerationRequest, RequestId, StopParams};
 use baton_model::Checkpoint;
-use baton_server::{Conductor, ServeConfig};
+use baton_server::{Conductor, KvTransfer, ServeConfig};
 use serde_json::{Value, json};
 
 fn fixture(name: &str) -> PathBuf {
@@ -35,7 +36,18 @@ async fn start(model: &str, prefill: usize, decode: usize, colocated: usize, api
         api_key: api_key.map(str::to_owned),
         ..ServeConfig::new(fixture(model))
     };
-    let conductor = baton_server::build(&config).expect("builds");
+    start_with(&config).await
+}
+
+/// One prefill and one decode worker handing KV over in `mode`; each push waits `push_delay`.
+async fn start_handoff(model: &str, mode: KvTransfer, push_delay: Duration) -> Server {
+    let config =
+        ServeConfig { engine: engine_config(), kv_transfer: mode, push_delay, ..ServeConfig::new(fixture(model)) };
+    start_with(&config).await
+}
+
+async fn start_with(config: &ServeConfig) -> Server {
+    let conductor = baton_server::build(config).expect("builds");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -72,8 +84,7 @@ impl Server {
         for _ in 0..100 {
             let mut clean = true;
             for w in self.conductor.workers() {
-                let s = w.stats().await.expect("stats");
-                clean &= s.running == 0 && s.waiting == 0 && s.leased == 0 && s.available_blocks == s.total_blocks;
+                clean &= w.stats().await.expect("stats").is_quiet();
             }
             if clean {
                 return;
@@ -199,10 +210,86 @@ async fn chat_streams_and_concurrent_requests_are_each_correct() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_frees_its_kv() {
-    let server = start("tiny-llama", 1, 1, 0, None).await;
-    let body = json!({"prompt": PROMPTS[1], "max_tokens": 900, "ignore_eos": true, "stream": true});
-    let (_, finish, chunks) = server.stream("/v1/completions", body, Some(3)).await;
-    assert_eq!((finish, chunks), (None, 3), "dropped mid-stream");
+    for mode in [KvTransfer::Pull, KvTransfer::Push] {
+        let server = start_handoff("tiny-llama", mode, Duration::ZERO).await;
+        let body = json!({"prompt": PROMPTS[1], "max_tokens": 900, "ignore_eos": true, "stream": true});
+        let (_, finish, chunks) = server.stream("/v1/completions", body, Some(3)).await;
+        assert_eq!((finish, chunks), (None, 3), "dropped mid-stream");
+        server.assert_no_kv_held().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushed_kv_gives_the_output_of_pulled_kv_and_of_the_engine() {
+    for model in ["tiny-llama", "tiny-qwen2"] {
+        let pull = start_handoff(model, KvTransfer::Pull, Duration::ZERO).await;
+        let push = start_handoff(model, KvTransfer::Push, Duration::ZERO).await;
+        assert_eq!(push.conductor.kv_transfer(), KvTransfer::Push);
+        // Block size 4: the prompts span one to several blocks.
+        for prompt in PROMPTS {
+            let (ids, want) = engine_alone(model, prompt, 20);
+            let body = json!({"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": true});
+            let (status, pulled) = pull.post("/v1/completions", body.clone()).await;
+            assert_eq!(status, 200, "{pulled}");
+            let (status, pushed) = push.post("/v1/completions", body.clone()).await;
+            assert_eq!(status, 200, "{pushed}");
+            assert_eq!(pushed["choices"][0]["text"], want, "{model} {prompt:?}: push vs the engine");
+            assert_eq!(pushed["choices"][0]["text"], pulled["choices"][0]["text"], "{model} {prompt:?}");
+            assert_eq!(pushed["usage"], pulled["usage"]);
+            assert_eq!(pushed["usage"]["prompt_tokens"], ids.len());
+            let mut streamed = body.clone();
+            streamed["stream"] = json!(true);
+            let (text, finish, _) = push.stream("/v1/completions", streamed, None).await;
+            assert_eq!(text, want, "{model} {prompt:?} streamed");
+            assert_eq!(finish.as_deref(), Some("length"));
+        }
+        // Requests that end at the prefill worker hand nothing over, in push mode too.
+        for max_tokens in [1, 2] {
+            let body = json!({"prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+            let (status, v) = push.post("/v1/completions", body).await;
+            assert_eq!((status, v["usage"]["completion_tokens"].as_u64()), (200, Some(max_tokens)), "{v}");
+        }
+        let metrics = reqwest::get(format!("{}/metrics", push.url)).await.expect("metrics").text().await.expect("text");
+        let moved = metrics.lines().find(|l| l.starts_with("baton_kv_transfer_bytes_total")).expect("counter");
+        assert!(!moved.ends_with(" 0"), "no KV was pushed: {moved}");
+        pull.assert_no_kv_held().await;
+        push.assert_no_kv_held().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_pushes_are_each_correct_and_a_client_gone_mid_push_frees_everything() {
+    // Every push waits a little, so pushes overlap and a client can leave in the middle of one.
+    let server = start_handoff("tiny-llama", KvTransfer::Push, Duration::from_millis(300)).await;
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let prompt = PROMPTS[i % PROMPTS.len()];
+        let (_, want) = engine_alone("tiny-llama", prompt, 16);
+        let url = server.url.clone();
+        let body = json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": true, "stream": true});
+        tasks.push(tokio::spawn(async move {
+            let (text, finish, _) = stream(&url, "/v1/completions", body, None).await;
+            assert_eq!(text, want, "concurrent pushed stream {i}");
+            assert_eq!(finish.as_deref(), Some("length"));
+        }));
+    }
+    for t in tasks {
+        t.await.expect("stream task");
+    }
+    server.assert_no_kv_held().await;
+
+    // The first chunk is the prefill worker's token; the push is then waiting its 300 ms.
+    for _ in 0..3 {
+        let body = json!({"prompt": PROMPTS[1], "max_tokens": 50, "ignore_eos": true, "stream": true});
+        let (_, finish, chunks) = server.stream("/v1/completions", body, Some(1)).await;
+        assert_eq!((finish, chunks), (None, 1), "dropped mid-push");
+    }
+    server.assert_no_kv_held().await;
+    // And the workers still serve.
+    let (_, want) = engine_alone("tiny-llama", PROMPTS[0], 8);
+    let body = json!({"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    let (status, v) = server.post("/v1/completions", body).await;
+    assert_eq!((status, v["choices"][0]["text"].as_str()), (200, Some(want.as_str())), "{v}");
     server.assert_no_kv_held().await;
 }
 
@@ -378,19 +465,21 @@ async fn emulated_workers_hand_kv_over_and_run_to_exact_lengths() {
     profile.prefill.per_token_us = 1.0;
     profile.prefill.attention_us = 0.0;
     profile.decode.fixed_us = 300.0;
-    let config =
-        ServeConfig { engine: engine_config(), emulate: Some(profile), ..ServeConfig::new(fixture("tiny-llama")) };
-    let conductor = baton_server::build(&config).expect("builds");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(baton_server::serve(listener, conductor.clone(), std::future::pending()));
-    let server = Server { url, conductor, _shutdown: tokio::sync::oneshot::channel().0 };
-    for max_tokens in [1, 2, 17] {
-        let body = json!({"model": "tiny-llama", "prompt": "An emulated prompt of a few blocks of tokens", "max_tokens": max_tokens});
-        let (status, v) = server.post("/v1/completions", body).await;
-        assert_eq!(status, 200, "{v}");
-        assert_eq!(v["usage"]["completion_tokens"], max_tokens, "{v}");
-        assert_eq!(v["choices"][0]["finish_reason"], "length");
+    for kv_transfer in [KvTransfer::Pull, KvTransfer::Push] {
+        let config = ServeConfig {
+            engine: engine_config(),
+            emulate: Some(profile.clone()),
+            kv_transfer,
+            ..ServeConfig::new(fixture("tiny-llama"))
+        };
+        let server = start_with(&config).await;
+        for max_tokens in [1, 2, 17] {
+            let body = json!({"model": "tiny-llama", "prompt": "An emulated prompt of a few blocks of tokens", "max_tokens": max_tokens});
+            let (status, v) = server.post("/v1/completions", body).await;
+            assert_eq!(status, 200, "{kv_transfer:?}: {v}");
+            assert_eq!(v["usage"]["completion_tokens"], max_tokens, "{kv_transfer:?}: {v}");
+            assert_eq!(v["choices"][0]["finish_reason"], "length");
+        }
+        server.assert_no_kv_held().await;
     }
-    server.assert_no_kv_held().await;
 }

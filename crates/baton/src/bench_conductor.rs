@@ -77,6 +77,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             api_key: None,
             policy: baton_server::sched::PolicyChoice::default(),
             block_tokens: 16,
+            kv_transfer: baton_server::KvTransfer::default(),
         };
         tokio::spawn(run_conductor(conductor, conductor_listener, std::future::pending()));
         let worker = WorkerConfig {

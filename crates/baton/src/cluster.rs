@@ -30,13 +30,13 @@ impl SecretFlag {
 pub(crate) enum RoleArg {
     /// Computes prompts and hands their KV over.
     Prefill,
-    /// Pulls KV and generates.
+    /// Receives KV (pulled or pushed) and generates.
     Decode,
     /// Both, in one engine.
     Colocated,
 }
 
-/// How a decode worker pulls KV.
+/// How KV reaches a decode worker.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub(crate) enum TransportArg {
     /// Shared memory for peers on loopback addresses, TCP for others.
@@ -81,7 +81,8 @@ pub(crate) struct WorkerArgs {
     /// Address other hosts use to reach this worker, if not --host.
     #[arg(long)]
     advertise: Option<IpAddr>,
-    /// How this worker pulls KV from prefill workers.
+    /// How KV travels to this worker from prefill workers, pulled or pushed (the conductor's
+    /// --kv-transfer picks which).
     #[arg(long, value_enum, default_value = "auto")]
     transport: TransportArg,
     /// Seconds handed-off KV is held when no decode worker pulls it.
@@ -192,6 +193,7 @@ pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
         secret: a.secret.secret()?,
         api_key: a.api_key,
         policy: a.routing.choice()?,
+        kv_transfer: a.routing.kv_transfer(),
         block_tokens: a.block_size,
     };
     let addr = SocketAddr::new(a.host, a.port);

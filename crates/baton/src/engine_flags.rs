@@ -57,7 +57,19 @@ impl EngineFlags {
     }
 }
 
-/// How the conductor routes and admits requests (`baton serve`, `baton conductor`).
+/// How KV moves from a prefill worker to a decode worker.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub(crate) enum KvTransferArg {
+    /// The decode worker reserves blocks, then reads the prefill worker's KV into them
+    /// (KVDirect's default).
+    Pull,
+    /// The decode worker reserves blocks and registers them with the prefill worker, which
+    /// writes the KV into them (one-sided copies over shared memory, WRITE frames over TCP).
+    Push,
+}
+
+/// How the conductor routes and admits requests, and hands KV over (`baton serve`, `baton
+/// conductor`).
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct RoutingFlags {
     /// Routing policy: `simple` (fewest requests in flight, with --max-in-flight), or one of
@@ -85,9 +97,21 @@ pub(crate) struct RoutingFlags {
     /// Seed of the random policy.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// How the KV cache of a disaggregated request moves from its prefill worker to its decode
+    /// worker. Every worker supports both modes; the conductor picks one for all requests.
+    #[arg(long, value_enum, default_value = "pull")]
+    kv_transfer: KvTransferArg,
 }
 
 impl RoutingFlags {
+    /// The KV hand-off mode these flags choose.
+    pub(crate) fn kv_transfer(&self) -> baton_server::KvTransfer {
+        match self.kv_transfer {
+            KvTransferArg::Pull => baton_server::KvTransfer::Pull,
+            KvTransferArg::Push => baton_server::KvTransfer::Push,
+        }
+    }
+
     /// The policy these flags choose.
     pub(crate) fn choice(&self) -> anyhow::Result<baton_server::sched::PolicyChoice> {
         use baton_server::sched::PolicyChoice;

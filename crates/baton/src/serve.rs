@@ -60,6 +60,7 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
         api_key: a.api_key,
         lease: Duration::from_secs(a.lease_s),
         policy: a.routing.choice()?,
+        kv_transfer: a.routing.kv_transfer(),
         emulate: a.engine.emulate()?,
         ..ServeConfig::new(model.clone())
     };

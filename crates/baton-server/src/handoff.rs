@@ -1,0 +1,364 @@
+//! The KV hand-off from a prefill worker to a decode worker, in `baton-transfer`'s two modes.
+//!
+//! The conductor picks the mode (`--kv-transfer pull|push` on `baton serve` and `baton
+//! conductor`) and names it in both halves of every disaggregated request ([`KvTransfer`] in
+//! [`WorkRequest`](crate::worker::WorkRequest)); every worker supports both, so the choice lives
+//! in one place and a cluster needs no per-worker configuration. Each mode has one path:
+//!
+//! - **Pull** (KVDirect's default). The prefill worker finishes the prompt and its first token
+//!   and offers the blocks on its [`KvServer`] under a lease. The decode worker's engine thread
+//!   reserves blocks; its transfer thread reads the prefill blocks into them (TRANSFER,
+//!   coalesced reads) and COMPLETEs.
+//! - **Push** (DESIGN.md: "decode reserves blocks first, prefill writes into them"). The
+//!   prefill worker offers the blocks the same way and starts a push ([`spawn_push`]): it waits
+//!   for the decode worker's reservation. The decode worker's engine thread reserves blocks;
+//!   its transfer thread registers them with the prefill worker's KV server (TRANSFER in push
+//!   mode, [`KvClient::begin_push`]). The push then writes every layer into them — a one-sided
+//!   copy into the decode worker's mapped arena over shared memory, WRITE frames over TCP —
+//!   and reports the last layer; the decode worker COMPLETEs.
+//!
+//! Either way COMPLETE ends the prefill side's lease (its blocks go back to its engine), and the
+//! decode worker's engine admits the request with the received KV as its prefix, continuing from
+//! the first token the prefill worker sampled (the conductor streamed it already).
+//!
+//! Why the decode worker reserves when the conductor hands it the request, not before the prefill
+//! starts: the decode worker continues from the prefill worker's first token, which exists only
+//! once the prefill is done, and reserving earlier would hold decode memory idle while the prompt
+//! waits and computes (KVDirect's argument for pulling by default). So in both modes the conductor
+//! runs the same two steps and the transfer waits on nothing but the transfer: the decode side's
+//! wait for pushed KV is bounded by its I/O timeout. Layer-by-layer pushing during the forward
+//! pass would need the reservation before the prefill, and the first token on another path; the
+//! protocol supports it ([`KvServer::push_offered`] takes a layer range), the workers do not yet.
+//!
+//! Failures, in both modes: a dead or slow peer fails the request (the decode side's wait is
+//! bounded by its I/O timeout; the prefill side's push gives up when its lease ends, which the
+//! conductor's release or the lease's expiry does), and nothing stays held — a failed or
+//! cancelled transfer frees the decode side's reserved blocks, and the prefill side's blocks come
+//! back when the lease ends. A pushed-into block is freed only once the prefill side provably
+//! writes no more into it: after the answer to COMPLETE ([`KvClient::cancel_push`]), or after the
+//! connection closed on both ends ([`KvClient::close`]).
+//!
+//! Fault injection for tests: [`WorkerOptions::push_delay`](crate::WorkerOptions::push_delay)
+//! (for `baton worker` processes, the `BATON_FAULT_PUSH_DELAY_MS` environment variable) makes a
+//! prefill worker wait before each push, so a test can kill a worker mid-push.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::time::{Duration, Instant};
+
+use baton_engine::{GenerationRequest, KvPrefix, RequestId};
+use baton_kv::{BlockId, Dim};
+use baton_transfer::{ClientConfig, KvClient, KvServer, Region, TransferId, TransferStats, TransportKind};
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::worker::{Command, KvSource, RequestEvent, TransportChoice};
+
+/// How KV moves from the prefill worker to the decode worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvTransfer {
+    /// The decode worker reads the prefill worker's leased blocks into blocks it reserved.
+    #[default]
+    Pull,
+    /// The decode worker reserves blocks and registers them; the prefill worker writes into
+    /// them.
+    Push,
+}
+
+impl KvTransfer {
+    /// The name on the command line and in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvTransfer::Pull => "pull",
+            KvTransfer::Push => "push",
+        }
+    }
+}
+
+impl std::str::FromStr for KvTransfer {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "pull" => Ok(Self::Pull),
+            "push" => Ok(Self::Push),
+            other => Err(format!("unknown KV transfer mode `{other}` (expected pull or push)")),
+        }
+    }
+}
+
+/// How often the transfer thread looks at its pushes in flight (and at new jobs meanwhile).
+const POLL: Duration = Duration::from_millis(5);
+
+/// A request whose KV the decode side fetches into blocks it reserved.
+pub(crate) struct KvJob {
+    pub(crate) req: GenerationRequest,
+    pub(crate) prefix: KvPrefix,
+    pub(crate) source: KvSource,
+    pub(crate) mode: KvTransfer,
+    pub(crate) events: mpsc::UnboundedSender<RequestEvent>,
+}
+
+impl KvJob {
+    fn id(&self) -> TransferId {
+        TransferId(self.req.id.0)
+    }
+}
+
+/// A push this side registered and waits for.
+struct Pending {
+    job: KvJob,
+    deadline: Instant,
+}
+
+/// The decode side's transfer thread: one [`KvClient`] per prefill peer, connected on first use
+/// and dropped after an error (the next job reconnects). A pull runs to its end at once; a push
+/// is registered, then watched among the others until its last layer is in, its request is
+/// cancelled or its deadline passes. Results go back to the engine thread as
+/// [`Command::Transferred`], which frees the reserved blocks of a failed job.
+pub(crate) struct TransferThread {
+    local: Arc<Region>,
+    config: ClientConfig,
+    transport: TransportChoice,
+    clients: HashMap<SocketAddr, KvClient>,
+    pushes: Vec<Pending>,
+    back: Sender<Command>,
+}
+
+impl TransferThread {
+    /// Starts the thread; jobs go in over the returned sender.
+    pub(crate) fn spawn(
+        name: &str,
+        local: Arc<Region>,
+        config: ClientConfig,
+        transport: TransportChoice,
+        back: Sender<Command>,
+    ) -> std::io::Result<Sender<KvJob>> {
+        let (jobs, job_rx) = std::sync::mpsc::channel();
+        let thread = TransferThread { local, config, transport, clients: HashMap::new(), pushes: Vec::new(), back };
+        std::thread::Builder::new().name(format!("baton-{name}-kv")).spawn(move || thread.run(job_rx))?;
+        Ok(jobs)
+    }
+
+    fn run(mut self, jobs: Receiver<KvJob>) {
+        loop {
+            // Idle: block for a job; pushes in flight: take what is there, then watch them.
+            let mut next = if self.pushes.is_empty() {
+                match jobs.recv() {
+                    Ok(job) => Some(job),
+                    Err(_) => return,
+                }
+            } else {
+                match jobs.try_recv() {
+                    Ok(job) => Some(job),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => return,
+                }
+            };
+            while let Some(job) = next {
+                if !self.start(job) {
+                    return;
+                }
+                next = jobs.try_recv().ok();
+            }
+            if !self.watch() {
+                return;
+            }
+        }
+    }
+
+    /// Hands a job's result to the engine thread; `false` when it is gone.
+    fn report(&self, job: KvJob, result: Result<TransferStats, String>) -> bool {
+        self.back.send(Command::Transferred { job: Box::new(job), result }).is_ok()
+    }
+
+    fn start(&mut self, job: KvJob) -> bool {
+        if job.events.is_closed() {
+            return self.report(job, Err("the request was cancelled".into()));
+        }
+        let addr = job.source.addr;
+        if let Err(e) = self.connect(addr) {
+            return self.report(job, Err(e));
+        }
+        let Some(client) = self.clients.get_mut(&addr) else {
+            return self.report(job, Err("no connection".into()));
+        };
+        match job.mode {
+            KvTransfer::Pull => {
+                let remote: Vec<BlockId> = job.source.blocks.iter().map(|&b| BlockId(b)).collect();
+                match client.pull(job.id(), &remote, &job.prefix.blocks) {
+                    Ok(stats) => self.report(job, Ok(stats)),
+                    // Pipelined reads may still be answered: the connection is out of step.
+                    Err(e) => {
+                        self.drop_client(addr, &e.to_string(), Some((job, format!("pulling KV from {addr}: {e}"))))
+                    }
+                }
+            }
+            KvTransfer::Push => match client.begin_push(job.id(), &job.prefix.blocks) {
+                Ok(()) => {
+                    self.pushes.push(Pending { job, deadline: Instant::now() + self.config.io_timeout });
+                    true
+                }
+                // Refused: nothing was registered.
+                Err(e) if e.is_remote() => self.report(job, Err(format!("reserving KV on {addr} for a push: {e}"))),
+                // Perhaps registered: only a closed connection makes the blocks safe to free.
+                Err(e) => self.drop_client(
+                    addr,
+                    &e.to_string(),
+                    Some((job, format!("registering for a push from {addr}: {e}"))),
+                ),
+            },
+        }
+    }
+
+    /// Connects to the KV server at `addr` unless a client is there already.
+    fn connect(&mut self, addr: SocketAddr) -> Result<(), String> {
+        if self.clients.contains_key(&addr) {
+            return Ok(());
+        }
+        let kind = match self.transport {
+            TransportChoice::Shm => TransportKind::Shm,
+            TransportChoice::Tcp => TransportKind::Tcp,
+            TransportChoice::Auto if addr.ip().is_loopback() => TransportKind::Shm,
+            TransportChoice::Auto => TransportKind::Tcp,
+        };
+        let config = ClientConfig { transport: kind, ..self.config.clone() };
+        let client = match KvClient::connect(addr, config, self.local.clone()) {
+            Err(e) if self.transport == TransportChoice::Auto && kind == TransportKind::Shm => {
+                tracing::info!(peer = %addr, error = %e, "shared memory unavailable; using TCP");
+                let config = ClientConfig { transport: TransportKind::Tcp, ..self.config.clone() };
+                KvClient::connect(addr, config, self.local.clone())
+            }
+            other => other,
+        }
+        .map_err(|e| format!("connecting to the KV server at {addr}: {e}"))?;
+        self.clients.insert(addr, client);
+        Ok(())
+    }
+
+    /// Drops the connection to `addr` after `error`, failing its pushes (and `also`, a job that
+    /// hit the error). When pushes may still be registered, the blocks are handed back only
+    /// after the peer closed its end too (or, a hung peer, after the I/O timeout).
+    fn drop_client(&mut self, addr: SocketAddr, error: &str, also: Option<(KvJob, String)>) -> bool {
+        let (failed, kept): (Vec<Pending>, Vec<Pending>) =
+            std::mem::take(&mut self.pushes).into_iter().partition(|p| p.job.source.addr == addr);
+        self.pushes = kept;
+        if let Some(client) = self.clients.remove(&addr) {
+            let registered = !failed.is_empty() || also.as_ref().is_some_and(|(j, _)| j.mode == KvTransfer::Push);
+            if registered && !client.close(self.config.io_timeout) {
+                tracing::warn!(peer = %addr, "the KV server did not close the failed connection; freeing its push targets anyway");
+            }
+        }
+        let mut go = true;
+        for p in failed {
+            go &= self.report(p.job, Err(format!("receiving pushed KV from {addr}: {error}")));
+        }
+        if let Some((job, message)) = also {
+            go &= self.report(job, Err(message));
+        }
+        go
+    }
+
+    /// Takes the pushes whose last layer arrived, and gives up those cancelled or overdue.
+    fn watch(&mut self) -> bool {
+        let mut addrs: Vec<SocketAddr> = self.pushes.iter().map(|p| p.job.source.addr).collect();
+        addrs.sort_unstable();
+        addrs.dedup();
+        let slice = POLL / u32::try_from(addrs.len().max(1)).unwrap_or(u32::MAX);
+        for addr in addrs {
+            let Some(client) = self.clients.get_mut(&addr) else { continue };
+            let done = match client.poll_pushes(slice) {
+                Ok(done) => done,
+                Err(e) => {
+                    if !self.drop_client(addr, &e.to_string(), None) {
+                        return false;
+                    }
+                    continue;
+                }
+            };
+            for id in done {
+                let at = self.pushes.iter().position(|p| p.job.source.addr == addr && p.job.id() == id);
+                let Some(client) = self.clients.get_mut(&addr) else { break };
+                let Some(at) = at else {
+                    // Not ours any more: end it on the prefill side too.
+                    let _ = client.cancel_push(id);
+                    continue;
+                };
+                let job = self.pushes.swap_remove(at).job;
+                // Its last layer is in: nothing more is written into its blocks, whatever the
+                // COMPLETE says.
+                let go = match client.finish_push(id, Duration::ZERO) {
+                    Ok(stats) => self.report(job, Ok(stats)),
+                    Err(e) if e.is_remote() => self.report(job, Err(format!("completing the push from {addr}: {e}"))),
+                    Err(e) => {
+                        let message = format!("completing the push from {addr}: {e}");
+                        self.drop_client(addr, &e.to_string(), Some((job, message)))
+                    }
+                };
+                if !go {
+                    return false;
+                }
+            }
+        }
+        let now = Instant::now();
+        let due: Vec<(SocketAddr, TransferId, String)> = self
+            .pushes
+            .iter()
+            .filter_map(|p| {
+                let addr = p.job.source.addr;
+                let why = if p.job.events.is_closed() {
+                    "the request was cancelled".to_owned()
+                } else if now >= p.deadline {
+                    format!("no KV was pushed from {addr} within {:?}", self.config.io_timeout)
+                } else {
+                    return None;
+                };
+                Some((addr, p.job.id(), why))
+            })
+            .collect();
+        for (addr, id, why) in due {
+            let Some(at) = self.pushes.iter().position(|p| p.job.source.addr == addr && p.job.id() == id) else {
+                continue;
+            };
+            let job = self.pushes.swap_remove(at).job;
+            let cancelled = self.clients.get_mut(&addr).map_or(Ok(()), |c| c.cancel_push(id));
+            let go = match cancelled {
+                Ok(()) => self.report(job, Err(why)),
+                Err(e) => self.drop_client(addr, &e.to_string(), Some((job, why))),
+            };
+            if !go {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// Pushes a finished request's offered KV (every layer) into the blocks the decode worker
+/// reserves for it, on a thread of its own: a push waits for that reservation, which must not
+/// hold up the other requests' pushes. It gives up when `wait` passes or the lease ends; a
+/// failed push cancels the lease, so the blocks go back to the engine at once.
+pub(crate) fn spawn_push(server: &Arc<KvServer>, id: RequestId, wait: Duration, delay: Duration) {
+    let xfer = TransferId(id.0);
+    let layers = server.region().descriptor().extent(Dim::Layer);
+    let s = Arc::clone(server);
+    let spawned = std::thread::Builder::new().name(format!("baton-push-{}", id.0)).spawn(move || {
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
+        match s.push_offered(xfer, 0..layers, wait) {
+            Ok(stats) => tracing::debug!(request = id.0, bytes = stats.bytes, calls = stats.calls, "pushed KV"),
+            Err(e) => {
+                tracing::warn!(request = id.0, error = %e, "pushing KV failed");
+                s.cancel(xfer);
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::error!(request = id.0, error = %e, "cannot start a push");
+        server.cancel(xfer);
+    }
+}
