@@ -1,7 +1,7 @@
 //! Multi-process clusters: `baton conductor` and `baton worker` processes on real sockets,
-//! KV pulled between processes over TCP and shared memory, membership through the embedded
-//! registry and through a real etcd, workers joining, leaving and killed mid-request, and a
-//! KV accounting check on every worker after each scenario.
+//! KV pulled and pushed between processes over TCP and shared memory, membership through the
+//! embedded registry and through a real etcd, workers joining, leaving and killed mid-request
+//! (and mid-push), and a KV accounting check on every worker after each scenario.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
 
@@ -36,8 +36,13 @@ struct Proc {
 
 impl Proc {
     fn spawn(what: &str, args: &[&str], secret: &str) -> Proc {
+        Proc::spawn_env(what, args, secret, &[])
+    }
+
+    fn spawn_env(what: &str, args: &[&str], secret: &str, env: &[(&str, &str)]) -> Proc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
             .args(args)
+            .envs(env.iter().copied())
             .env("BATON_CLUSTER_SECRET", secret)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
@@ -106,21 +111,23 @@ struct WorkerProc {
 }
 
 fn conductor(model_dir: &Path, registry: &str) -> (Proc, String) {
-    let mut p = Proc::spawn(
+    conductor_with(model_dir, registry, &[])
+}
+
+fn conductor_with(model_dir: &Path, registry: &str, extra: &[&str]) -> (Proc, String) {
+    let mut args = vec![
         "conductor",
-        &[
-            "conductor",
-            "--model",
-            model_dir.to_str().unwrap(),
-            "--model-id",
-            "tiny",
-            "--port",
-            "0",
-            "--registry",
-            registry,
-        ],
-        SECRET,
-    );
+        "--model",
+        model_dir.to_str().unwrap(),
+        "--model-id",
+        "tiny",
+        "--port",
+        "0",
+        "--registry",
+        registry,
+    ];
+    args.extend_from_slice(extra);
+    let mut p = Proc::spawn("conductor", &args, SECRET);
     let line = p.wait_line("listening on", Duration::from_secs(60));
     let url = line.rsplit(' ').next().unwrap().to_owned();
     (p, url)
@@ -131,6 +138,17 @@ fn worker(model_dir: &Path, role: &str, registry: &str, extra: &[&str]) -> Worke
 }
 
 fn worker_with_secret(model_dir: &Path, role: &str, registry: &str, extra: &[&str], secret: &str) -> WorkerProc {
+    worker_env(model_dir, role, registry, extra, secret, &[])
+}
+
+fn worker_env(
+    model_dir: &Path,
+    role: &str,
+    registry: &str,
+    extra: &[&str],
+    secret: &str,
+    env: &[(&str, &str)],
+) -> WorkerProc {
     let mut args = vec![
         "worker",
         "--role",
@@ -148,7 +166,7 @@ fn worker_with_secret(model_dir: &Path, role: &str, registry: &str, extra: &[&st
         args.extend_from_slice(&["--ttl-s", "1.5"]);
     }
     args.extend_from_slice(extra);
-    let mut proc = Proc::spawn(&format!("{role} worker"), &args, secret);
+    let mut proc = Proc::spawn_env(&format!("{role} worker"), &args, secret, env);
     let line = proc.wait_line("ready:", Duration::from_secs(60));
     let url = line.split("control ").nth(1).unwrap().split(' ').next().unwrap().to_owned();
     WorkerProc { proc, url }
@@ -207,11 +225,7 @@ fn assert_no_leak(workers: &[&WorkerProc]) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let s = stats(&w.url);
-            let quiet = s["running"] == 0
-                && s["waiting"] == 0
-                && s["pulling"] == 0
-                && s["leased"] == 0
-                && s["available_blocks"] == s["total_blocks"];
+            let quiet = serde_json::from_value::<baton_server::WorkerStats>(s.clone()).unwrap().is_quiet();
             if quiet {
                 break;
             }
@@ -401,4 +415,154 @@ fn a_worker_without_the_secret_is_refused_and_the_control_api_wants_proof() {
     assert_eq!(r.status(), 401);
     let body = r.json::<Value>().unwrap();
     assert!(body["error"]["message"].as_str().unwrap().contains("cluster"), "{body}");
+}
+
+/// Streams a completion, calls `hook` once `after` chunks arrived, and returns the whole body.
+fn stream_with_hook(url: &str, max_tokens: usize, after: usize, hook: impl FnOnce()) -> String {
+    use std::io::Read;
+    let body = json!({"model": "tiny", "prompt": LONG, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": true, "stream": true});
+    let mut r = http().post(format!("{url}/v1/completions")).json(&body).send().unwrap();
+    assert!(r.status().is_success());
+    let mut all = String::new();
+    let mut buf = [0u8; 256];
+    let mut hook = Some(hook);
+    loop {
+        let n = r.read(&mut buf).unwrap_or(0);
+        if n == 0 {
+            return all;
+        }
+        all.push_str(&String::from_utf8_lossy(&buf[..n]));
+        if all.matches("data: ").count() >= after
+            && let Some(h) = hook.take()
+        {
+            h();
+        }
+    }
+}
+
+/// How many chunks of a streamed body carry text (not the error, not `[DONE]`).
+fn token_chunks(body: &str) -> usize {
+    body.lines().filter(|l| l.starts_with("data: ") && l.contains("\"choices\"") && !l.contains("\"error\"")).count()
+}
+
+/// The text of a streamed completion's body.
+fn streamed_text(body: &str) -> String {
+    let mut text = String::new();
+    for line in body.lines() {
+        if let Some(data) = line.strip_prefix("data: ")
+            && data != "[DONE]"
+        {
+            let v: Value = serde_json::from_str(data).unwrap();
+            assert!(v.get("error").is_none(), "streamed error: {v}");
+            text.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+        }
+    }
+    text
+}
+
+#[test]
+fn push_mode_over_tcp_matches_pull_mode_and_generate() {
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        let dir = model(name);
+        // One pair of workers, two conductors: the push one serves the registry, the pull one
+        // follows it. Workers take either mode, request by request.
+        let (_push, push_url) = conductor_with(&dir, "embedded", &["--kv-transfer", "push"]);
+        let p = worker(&dir, "prefill", &push_url, &[]);
+        let d = worker(&dir, "decode", &push_url, &["--transport", "tcp"]);
+        let (_pull, pull_url) = conductor_with(&dir, &push_url, &["--kv-transfer", "pull"]);
+        wait_members(&push_url, 2, Duration::from_secs(10));
+        wait_members(&pull_url, 2, Duration::from_secs(10));
+        for prompt in ["Hello", LONG] {
+            let expected = generate(&dir, prompt, 12);
+            let pushed = complete(&push_url, prompt, 12);
+            let pulled = complete(&pull_url, prompt, 12);
+            assert_eq!(text(&pushed), expected, "{name}: push vs baton generate for {prompt:?}");
+            assert_eq!(text(&pulled), expected, "{name}: pull vs baton generate for {prompt:?}");
+            assert_eq!(pushed["usage"], pulled["usage"], "{name}");
+        }
+        for url in [&push_url, &pull_url] {
+            let metrics = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
+            let moved = metrics.lines().find(|l| l.starts_with("baton_kv_transfer_bytes_total")).unwrap();
+            assert!(!moved.ends_with(" 0"), "no KV moved between the processes: {moved}");
+        }
+        assert_no_leak(&[&p, &d]);
+    }
+}
+
+#[test]
+fn concurrent_streams_in_push_mode_over_shared_memory() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", "push"]);
+    let p = worker(&dir, "prefill", &url, &[]);
+    let d = worker(&dir, "decode", &url, &["--transport", "shm"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let expected = generate(&dir, LONG, 16);
+    let handles: Vec<_> = (0..6)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let body = json!({"model": "tiny", "prompt": LONG, "max_tokens": 16, "temperature": 0, "stream": true});
+                let r = http().post(format!("{url}/v1/completions")).json(&body).send().unwrap();
+                assert!(r.status().is_success());
+                streamed_text(&r.text().unwrap())
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), expected);
+    }
+    assert_no_leak(&[&p, &d]);
+}
+
+#[test]
+fn a_worker_killed_mid_push_fails_the_request_and_the_survivor_holds_nothing() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", "push"]);
+    // Every push of this prefill worker first waits 1.5 s: the window to kill a worker in.
+    let delay = [(baton_server::deploy::PUSH_DELAY_ENV, "1500")];
+    let p = worker_env(&dir, "prefill", &url, &["--name", "prefill-1"], SECRET, &delay);
+    let mut d1 = worker(&dir, "decode", &url, &["--transport", "tcp", "--name", "decode-1"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let expected = generate(&dir, LONG, 4);
+    assert_eq!(text(&complete(&url, LONG, 4)), expected, "pushes work, if slowly");
+
+    // The decode worker dies after registering its blocks, before the push writes into them:
+    // the client (which has the first token) gets an error; the prefill worker's lease ends.
+    let body = stream_with_hook(&url, 40, 1, || d1.proc.kill());
+    assert!(body.contains("\"error\""), "the stream did not report the killed decode worker: {body}");
+    assert!(!body.contains("[DONE]"));
+    assert_eq!(token_chunks(&body), 1, "killed before the decode worker streamed (mid-push): {body}");
+    assert_eq!(wait_members(&url, 1, Duration::from_secs(10)), ["prefill-1"]);
+    assert_no_leak(&[&p]);
+
+    // The prefill worker dies while the decode worker waits for its push: the decode worker
+    // gives its reserved blocks back, and the client gets an error.
+    let d2 = worker(&dir, "decode", &url, &["--transport", "shm", "--name", "decode-2"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let mut p = p;
+    let body = stream_with_hook(&url, 40, 1, || p.proc.kill());
+    assert!(body.contains("\"error\""), "the stream did not report the killed prefill worker: {body}");
+    assert!(!body.contains("[DONE]"));
+    assert_eq!(token_chunks(&body), 1, "killed before the decode worker streamed (mid-push): {body}");
+    assert_eq!(wait_members(&url, 1, Duration::from_secs(10)), ["decode-2"]);
+    assert_no_leak(&[&d2]);
+}
+
+#[test]
+fn serve_and_conductor_offer_both_kv_transfer_modes() {
+    for command in ["serve", "conductor"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_baton")).args([command, "--help"]).output().unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "baton {command} --help");
+        for needle in ["--kv-transfer", "pull", "push", "registers them with the prefill worker"] {
+            assert!(help.contains(needle), "baton {command} --help lacks `{needle}`:\n{help}");
+        }
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["conductor", "--kv-transfer", "teleport", "--cluster-secret", "x"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("teleport"));
 }
