@@ -11,7 +11,7 @@
 //! (and any transfer of its KV in flight) and frees its KV.
 //!
 //! Workers are local ([`crate::WorkerHandle`]) or remote ([`crate::remote::RemoteWorker`]), and
-//! may join and leave at any time ([`Conductor::add_worker`], [`Conductor::follow`]). A request
+//! may join and leave at any time ([`Conductor::add_worker`], [`crate::deploy::follow`]). A request
 //! whose worker is lost before anything was streamed to the client is routed again.
 
 use std::collections::HashMap;

@@ -9,6 +9,10 @@
 //! Every request proves the cluster secret with the `x-baton-cluster-auth` header (an HMAC over
 //! method, path, timestamp and body, see [`baton_cluster::auth`]); without it the answer is 401.
 //! Closing the generate response's connection aborts the request and frees its KV.
+//!
+//! [`WorkRequest`]: crate::worker::WorkRequest
+//! [`RequestEvent`]: crate::worker::RequestEvent
+//! [`WorkerStats`]: crate::worker::WorkerStats
 
 use std::convert::Infallible;
 

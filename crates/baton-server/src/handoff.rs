@@ -10,7 +10,7 @@
 //!   reserves blocks; its transfer thread reads the prefill blocks into them (TRANSFER,
 //!   coalesced reads) and COMPLETEs.
 //! - **Push** (DESIGN.md: "decode reserves blocks first, prefill writes into them"). The
-//!   prefill worker offers the blocks the same way and starts a push ([`spawn_push`]): it waits
+//!   prefill worker offers the blocks the same way and starts a push (`spawn_push`): it waits
 //!   for the decode worker's reservation. The decode worker's engine thread reserves blocks;
 //!   its transfer thread registers them with the prefill worker's KV server (TRANSFER in push
 //!   mode, [`KvClient::begin_push`]). The push then writes every layer into them — a one-sided

@@ -4,25 +4,28 @@
 //! A prefill worker exposes its KV region through a [`KvServer`]; a decode worker connects with a
 //! [`KvClient`] (CONNECT: descriptors, geometry and a compatibility hash go both ways, and each
 //! side proves it knows the cluster secret), then for every request pulls the prefill side's
-//! blocks into its own (TRANSFER, reads, one COMPLETE). The [planner](plan) turns two block lists
-//! into the fewest byte-range copies for any pair of layouts; a [transport](transport) executes
+//! blocks into its own (TRANSFER, reads, one COMPLETE). The [planner](mod@plan) turns two block lists
+//! into the fewest byte-range copies for any pair of layouts; a [transport] executes
 //! them: one-sided `memcpy` from the peer's mapped region on the same host, or vectored range
 //! reads over TCP. Blocks the prefill side holds for a transfer are under a [lease]: COMPLETE
 //! releases them, and so does the lease running out, after which reads are refused.
+//! In push mode the decode side registers blocks it reserved and the prefill side writes into
+//! them ([`KvServer::push_offered`]); the decode side watches many such pushes at once
+//! ([`KvClient::poll_pushes`]) and may withdraw one ([`KvClient::cancel_push`]).
 //!
 //! The modules, bottom up:
 //!
 //! | module | what | I/O |
 //! |---|---|---|
 //! | [`frame`] | wire format: header, CONNECT … ERROR, explicit little-endian | none |
-//! | [`plan`] | block lists → coalesced `(src, dst)` byte-range copies | none |
+//! | [`mod@plan`] | block lists → coalesced `(src, dst)` byte-range copies | none |
 //! | [`lease`] | the lease table, time passed in | none |
 //! | [`compat`], [`auth`] | compatibility hash, HMAC proofs | none |
 //! | [`region`] | a KV region in a memfd: created, or a second mapping of an arena or a peer's | mmap |
 //! | [`transport`] | the `Transport` trait; shared memory and TCP | copies, sockets |
 //! | `server` | [`KvServer`]: acceptor, connection threads, lease reaper, push | sockets |
 //! | `client` | [`KvClient`]: connect, pull, push receive | sockets |
-//! | [`bench`] | the transfer benchmark between two processes | processes |
+//! | [`mod@bench`] | the transfer benchmark between two processes | processes |
 
 pub mod auth;
 pub mod bench;

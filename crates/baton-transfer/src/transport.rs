@@ -1,6 +1,6 @@
 //! Transports: how planned copies move from the peer's region into ours.
 //!
-//! [`Transport::read`] executes a [`TransferPlan`]'s copies for one transfer. The shared-memory
+//! [`Transport::read`] executes a [`TransferPlan`](crate::TransferPlan)'s copies for one transfer. The shared-memory
 //! transport is one-sided — a `memcpy` per copy out of the peer's region mapped read-only, the
 //! prefill side not involved — and the TCP transport sends READ frames of many ranges each and
 //! receives the DATA straight into the destination blocks. An RDMA-class transport fits the same
