@@ -24,6 +24,12 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx512_q16;
+mod q16;
+
+use q16::Q16Rows;
 
 /// A block format this module decodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -292,10 +298,12 @@ impl QuantMatrix {
         // `[n][m]`, transposed at the end when `m > 1`: each task owns whole rows of it.
         let mut yt = vec![0f32; n * m];
         let kernel = DotKernel::detect();
+        // Rounded once per product, not per task.
+        let q16 = kernel.q16(self, x);
         // The row buffer is only the fallback kernels' (one per rayon job, not per task).
         yt.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each_init(
-            || if kernel == DotKernel::Avx512 { Vec::new() } else { vec![0f32; k] },
-            |w, (task, out)| kernel.run(self, task * ROWS_PER_TASK, x, m, out, w),
+            || if kernel.decodes_rows() { vec![0f32; k] } else { Vec::new() },
+            |w, (task, out)| kernel.run(self, task * ROWS_PER_TASK, x, q16.as_ref(), m, out, w),
         );
         if m == 1 {
             return yt;
@@ -364,10 +372,13 @@ fn dot_rows_avx2(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [
     dot_rows(w, first, x, m, out, row);
 }
 
-/// The implementation of the decode-and-dot path, picked once per product.
+/// The implementation of the decode-and-dot path, picked once per process (see
+/// [`DotKernel::detect`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum DotKernel {
-    /// Blocks decoded into registers ([`avx512`]).
+    /// Blocks decoded into int16 registers against int16 activations ([`avx512_q16`]).
+    Avx512Q16,
+    /// Blocks decoded into float32 registers against float32 activations ([`avx512`]).
     Avx512,
     /// [`dot_rows`] compiled for AVX2.
     Avx2,
@@ -376,24 +387,94 @@ enum DotKernel {
 }
 
 impl DotKernel {
+    /// The fastest kernel this CPU runs, or the one `BATON_DOT_KERNEL` names (`avx512-q16`,
+    /// `avx512`, `avx2`, `portable`) when the CPU runs that one too.
     fn detect() -> Self {
+        static KERNEL: std::sync::OnceLock<DotKernel> = std::sync::OnceLock::new();
+        *KERNEL.get_or_init(|| {
+            let available = Self::available();
+            let wanted = std::env::var("BATON_DOT_KERNEL")
+                .ok()
+                .and_then(|name| available.iter().copied().find(|k| k.name() == name));
+            wanted.unwrap_or(available[0])
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Avx512Q16 => "avx512-q16",
+            Self::Avx512 => "avx512",
+            Self::Avx2 => "avx2",
+            Self::Portable => "portable",
+        }
+    }
+
+    /// Whether [`Self::run`] needs a row buffer.
+    fn decodes_rows(self) -> bool {
+        matches!(self, Self::Avx2 | Self::Portable)
+    }
+
+    /// The activations rounded to int16 as this kernel takes them, for [`Self::Avx512Q16`].
+    fn q16(self, w: &QuantMatrix, x: &[f32]) -> Option<Q16Rows> {
+        #[cfg(target_arch = "x86_64")]
+        if self == Self::Avx512Q16 {
+            return Some(Q16Rows::new(x, w.cols, avx512_q16::q16_block(w.format)));
+        }
+        let _ = (w, x);
+        None
+    }
+
+    /// The kernels this CPU runs, fastest first.
+    fn available() -> Vec<Self> {
+        let mut kernels = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
             let fma_f16c = std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c");
             if fma_f16c && std::is_x86_feature_detected!("avx512f") {
-                return Self::Avx512;
+                if std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vl") {
+                    kernels.push(Self::Avx512Q16);
+                }
+                kernels.push(Self::Avx512);
             }
             if fma_f16c && std::is_x86_feature_detected!("avx2") {
-                return Self::Avx2;
+                kernels.push(Self::Avx2);
             }
         }
-        Self::Portable
+        kernels.push(Self::Portable);
+        kernels
     }
 
     /// Weight rows `first..` (as many as `out` has room for) dotted with the `m` rows of `x`,
-    /// into `out` (`[rows][m]`); `row` is a buffer of `w.cols` floats except for `Avx512`.
-    fn run(self, w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [f32], row: &mut [f32]) {
+    /// into `out` (`[rows][m]`); `q16` is `x` as [`Self::q16`] rounds it (rounded here when
+    /// `None`), and `row` a buffer of `w.cols` floats where [`Self::decodes_rows`].
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        self,
+        w: &QuantMatrix,
+        first: usize,
+        x: &[f32],
+        q16: Option<&Q16Rows>,
+        m: usize,
+        out: &mut [f32],
+        row: &mut [f32],
+    ) {
         match self {
+            #[cfg(target_arch = "x86_64")]
+            #[allow(unsafe_code)]
+            Self::Avx512Q16 => {
+                let own;
+                let q = match q16 {
+                    Some(q) => q,
+                    None => {
+                        own = self.q16(w, x).expect("int16 activations");
+                        &own
+                    }
+                };
+                debug_assert_eq!(q.view().m(), m);
+                // SAFETY: `available` lists this kernel only on a CPU with AVX-512F, AVX-512BW,
+                // AVX-512VL, FMA and F16C.
+                unsafe { avx512_q16::band(w.format, &w.bytes, w.row_bytes, w.cols, first, q.view(), out) }
+            }
             #[cfg(target_arch = "x86_64")]
             #[allow(unsafe_code)]
             // SAFETY: `detect` picked this kernel only on a CPU with AVX-512F, FMA and F16C.
@@ -403,16 +484,6 @@ impl DotKernel {
             // SAFETY: `detect` picked this kernel only on a CPU with AVX2, FMA and F16C.
             Self::Avx2 => unsafe { dot_rows_avx2(w, first, x, m, out, row) },
             _ => dot_rows(w, first, x, m, out, row),
-        }
-    }
-
-    /// The kernels this CPU can run, for tests.
-    #[cfg(test)]
-    fn available() -> Vec<Self> {
-        match Self::detect() {
-            Self::Avx512 => vec![Self::Avx512, Self::Avx2, Self::Portable],
-            Self::Avx2 => vec![Self::Avx2, Self::Portable],
-            Self::Portable => vec![Self::Portable],
         }
     }
 }
@@ -436,16 +507,18 @@ mod tests {
         assert!(worst < 1e-5, "{dtype:?}: decode differs from candle's by {worst}");
         // Every decode-and-dot kernel this CPU runs, then both product paths, against the
         // float product of the decoded matrix.
+        let want_row = |j: usize| want[j * cols..(j + 1) * cols].to_vec();
         for kernel in DotKernel::available() {
             for m_rows in [1, 2, 3, 4, 5, 8, 11] {
                 let x: Vec<f32> = (0..m_rows * cols).map(|i| ((i * 11 % 31) as f32 - 15.0) / 7.0).collect();
                 let mut out = vec![0f32; rows * m_rows];
-                kernel.run(&m, 0, &x, m_rows, &mut out, &mut vec![0f32; cols]);
+                kernel.run(&m, 0, &x, None, m_rows, &mut out, &mut vec![0f32; cols]);
                 for r in 0..m_rows {
                     for j in 0..rows {
                         let want = dot(&x[r * cols..(r + 1) * cols], &want[j * cols..(j + 1) * cols]);
                         let got = out[j * m_rows + r];
-                        assert!((got - want).abs() < 1e-3, "{dtype:?} {kernel:?} m={m_rows}: [{r},{j}]");
+                        let tol = 1e-3 + rounding_bound(kernel, &m, &x[r * cols..(r + 1) * cols], &want_row(j));
+                        assert!((got - want).abs() < tol, "{dtype:?} {kernel:?} m={m_rows}: [{r},{j}]");
                     }
                 }
             }
@@ -465,6 +538,79 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// How far `kernel`'s `x · w` may be from the float product beyond float rounding: half a
+    /// step of int16 rounding of each activation, times its weight, for [`DotKernel::Avx512Q16`].
+    fn rounding_bound(kernel: DotKernel, m: &QuantMatrix, x: &[f32], w: &[f32]) -> f32 {
+        if kernel != DotKernel::Avx512Q16 {
+            return 0.0;
+        }
+        let q = kernel.q16(m, x).expect("int16 activations");
+        let block = q.block;
+        w.iter().enumerate().map(|(i, w)| w.abs() * 0.5 * q.scale[i / block]).sum::<f32>() * 1.01
+    }
+
+    /// Every kernel against dequantize-then-dot on random weights and activations (some of
+    /// them outliers, as a Gemma hidden state has): shapes with tails past every unrolled loop
+    /// (odd block counts, row counts off the task and tile sizes), 1 to 11 activation rows.
+    #[test]
+    fn every_kernel_matches_dequantize_then_dot_on_random_data() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        let mut rng = StdRng::seed_from_u64(7);
+        for (dtype, cols) in [
+            (GgmlDType::Q8_0, 32),
+            (GgmlDType::Q8_0, 160),
+            (GgmlDType::Q4_0, 96),
+            (GgmlDType::Q5_0, 224),
+            (GgmlDType::Q5_0, 640),
+            (GgmlDType::Q4K, 256),
+            (GgmlDType::Q4K, 768),
+            (GgmlDType::Q6K, 256),
+            (GgmlDType::Q6K, 768),
+        ] {
+            let rows = 37;
+            let values: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
+            let q = QTensor::quantize(&t, dtype).expect("quantizes");
+            let w: Vec<f32> =
+                q.dequantize(&Device::Cpu).expect("dequantizes").flatten_all().expect("flat").to_vec1().expect("vec");
+            let mat = QuantMatrix::new(dtype, &q.data().expect("bytes"), rows, cols).expect("decodable");
+            for m in 1..=11 {
+                let x: Vec<f32> = (0..m * cols)
+                    .map(|_| {
+                        let v = rng.random_range(-1.0f32..1.0);
+                        if rng.random_range(0..50) == 0 { v * 300.0 } else { v }
+                    })
+                    .collect();
+                for kernel in DotKernel::available() {
+                    // From a row other than the first, as a task past the first does.
+                    let first = 3;
+                    let mut out = vec![0f32; (rows - first) * m];
+                    kernel.run(&mat, first, &x, None, m, &mut out, &mut vec![0f32; cols]);
+                    for r in 0..m {
+                        let xr = &x[r * cols..(r + 1) * cols];
+                        for j in first..rows {
+                            let wr = &w[j * cols..(j + 1) * cols];
+                            let want = dot(xr, wr);
+                            let scale: f32 = xr.iter().zip(wr).map(|(a, b)| (a * b).abs()).sum();
+                            let tol = 1e-5 * scale + 1e-5 + rounding_bound(kernel, &mat, xr, wr);
+                            let got = out[(j - first) * m + r];
+                            assert!(
+                                (got - want).abs() <= tol,
+                                "{dtype:?} cols {cols} {kernel:?} m={m}: [{r},{j}] {got} vs {want} (tol {tol})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_kernel_named_in_the_environment_is_one_this_cpu_runs() {
+        assert!(DotKernel::available().contains(&DotKernel::detect()));
+        assert_eq!(DotKernel::available().last(), Some(&DotKernel::Portable));
     }
 
     #[test]
@@ -500,10 +646,11 @@ mod speed {
                 let x: Vec<f32> = (0..m * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
                 let mut out = vec![0f32; rows * m];
                 let mut row = vec![0f32; cols];
+                let q16 = DotKernel::detect().q16(&w, &x);
                 let mut best = f64::MAX;
                 for _ in 0..20 {
                     let t = std::time::Instant::now();
-                    DotKernel::detect().run(&w, 0, &x, m, &mut out, &mut row);
+                    DotKernel::detect().run(&w, 0, &x, q16.as_ref(), m, &mut out, &mut row);
                     best = best.min(t.elapsed().as_secs_f64());
                 }
                 let weights = (rows * cols) as f64;

@@ -1,0 +1,326 @@
+//! AVX-512BW kernels of [`super`] against int16 activations ([`super::q16`]): each weight block
+//! is decoded into int16 lanes (the K formats' integer sub-block scales multiplied in), and
+//! `vpmaddwd` multiplies it with every activation row, exact in int32. Only a block's sum (32
+//! values; a K super-block's 256) is converted and scaled in float32, where the float32 kernels
+//! of [`super::avx512`] convert and scale every value: on cores that split 512-bit float work
+//! in two (AMD Zen 4) that work, not memory, bounded a decode step's smaller matrices.
+
+use std::arch::x86_64::*;
+
+use super::BlockFormat;
+use super::q16::Q16View;
+
+/// `out[i·m + r] = w[first + i] · x[r]` for every weight row `i` that `out` has room for,
+/// where weight row `j` is `bytes[j·row_bytes..]` in `format`; `x.block` must be 256 for the
+/// K formats and 32 for the others.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX-512BW, AVX-512VL, FMA and F16C.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub(super) unsafe fn band(
+    format: BlockFormat,
+    bytes: &[u8],
+    row_bytes: usize,
+    cols: usize,
+    first: usize,
+    x: Q16View<'_>,
+    out: &mut [f32],
+) {
+    let m = x.m();
+    let rows = out.len() / m;
+    assert!(cols == x.k && row_bytes == cols / format.block_len() * format.block_bytes());
+    assert!(x.block == q16_block(format) && x.scale.len() * x.block == m * cols && x.sum32.len() * 32 == m * cols);
+    assert!(bytes.len() >= (first + rows) * row_bytes && out.len() == rows * m);
+    let w = &bytes[first * row_bytes..(first + rows) * row_bytes];
+    // Two accumulators per activation row hide the FMA latency when `M` is small.
+    macro_rules! by_rows {
+        ($kernel:ident) => {
+            match m {
+                1 => $kernel::<1, 2>(w, row_bytes, x, out),
+                2 => $kernel::<2, 2>(w, row_bytes, x, out),
+                3 => $kernel::<3, 2>(w, row_bytes, x, out),
+                4 => $kernel::<4, 2>(w, row_bytes, x, out),
+                5 => $kernel::<5, 1>(w, row_bytes, x, out),
+                6 => $kernel::<6, 1>(w, row_bytes, x, out),
+                7 => $kernel::<7, 1>(w, row_bytes, x, out),
+                8 => $kernel::<8, 1>(w, row_bytes, x, out),
+                _ => {
+                    // More rows than registers allow: eight at a time.
+                    let mut part = vec![0f32; rows * 8];
+                    for r0 in (0..m).step_by(8) {
+                        let mr = 8.min(m - r0);
+                        let (k, b) = (x.k, x.block);
+                        let xs = Q16View {
+                            q: &x.q[r0 * k..(r0 + mr) * k],
+                            scale: &x.scale[r0 * k / b..(r0 + mr) * k / b],
+                            sum32: &x.sum32[r0 * k / 32..(r0 + mr) * k / 32],
+                            ..x
+                        };
+                        // SAFETY: the same CPU features as this function's.
+                        unsafe { band(format, w, row_bytes, cols, 0, xs, &mut part[..rows * mr]) };
+                        for (o, p) in out.chunks_exact_mut(m).zip(part.chunks_exact(mr)) {
+                            o[r0..r0 + mr].copy_from_slice(p);
+                        }
+                    }
+                }
+            }
+        };
+    }
+    match format {
+        BlockFormat::Q8_0 => by_rows!(q8_0),
+        BlockFormat::Q4_0 => by_rows!(q4_0),
+        BlockFormat::Q5_0 => by_rows!(q5_0),
+        BlockFormat::Q4K => by_rows!(q4k),
+        BlockFormat::Q6K => by_rows!(q6k),
+    }
+}
+
+/// Values per activation scale the kernel for `format` expects.
+pub(crate) fn q16_block(format: BlockFormat) -> usize {
+    match format {
+        BlockFormat::Q4K | BlockFormat::Q6K => 256,
+        BlockFormat::Q8_0 | BlockFormat::Q4_0 | BlockFormat::Q5_0 => 32,
+    }
+}
+
+/// The float16 at `b[i..i + 2]`.
+#[target_feature(enable = "avx512f,f16c")]
+#[inline]
+fn half_at(b: &[u8], i: usize) -> f32 {
+    let bits = u16::from_le_bytes([b[i], b[i + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// 32 bytes from `b[i..]`, zero-extended to 32 int16 lanes.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn u8x32(b: &[u8], i: usize) -> __m512i {
+    let s = &b[i..i + 32];
+    // SAFETY: `s` holds the 32 bytes read.
+    _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(s.as_ptr().cast()) })
+}
+
+/// 32 int16 activations from `q`, multiplied pairwise with `w` and summed in pairs: 16 int32
+/// lanes. (Pointers, not slices, in the kernels' inner loops: the bounds checks of slices
+/// there cost more than the arithmetic; `band` checks the sizes once.)
+///
+/// # Safety
+/// `q` must point to 32 readable values.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn madd(w: __m512i, q: *const i16) -> __m512i {
+    // SAFETY: the caller's.
+    _mm512_madd_epi16(w, unsafe { _mm512_loadu_si512(q.cast()) })
+}
+
+/// The 16 bytes at `b[i..]` as 32: their low nibbles, then their high nibbles.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+fn nibble_bytes(b: &[u8], i: usize) -> __m256i {
+    let s = &b[i..i + 16];
+    // SAFETY: `s` holds the 16 bytes read.
+    let q = unsafe { _mm_loadu_si128(s.as_ptr().cast()) };
+    let both = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(q), _mm_srli_epi16::<4>(q));
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
+}
+
+/// Writes the sum of each activation row's accumulators to one output row, less `minus[r]`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn store<const M: usize, const A: usize>(acc: &[[__m512; M]; A], minus: &[f32; M], out: &mut [f32]) {
+    for (r, o) in out.iter_mut().enumerate() {
+        let mut s = acc[0][r];
+        for a in &acc[1..] {
+            s = _mm512_add_ps(s, a[r]);
+        }
+        *o = _mm512_reduce_add_ps(s) - minus[r];
+    }
+}
+
+/// How far ahead of the block being decoded the kernels prefetch (as [`super::avx512`]'s).
+const PREFETCH_BYTES: usize = 2048;
+
+/// Prefetches the cache lines `PREFETCH_BYTES` past those `b` spans.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn prefetch_ahead(b: &[u8]) {
+    let mut off = 0;
+    while off < b.len() {
+        // A prefetch never faults, whatever the address; `wrapping_add` keeps the pointer
+        // arithmetic defined past the slice.
+        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(PREFETCH_BYTES + off).cast());
+        off += 64;
+    }
+}
+
+/// A kernel for a format of 32-value blocks with a float16 scale first: `$decode(b)` gives the
+/// block's 32 integers in int16 lanes. Consecutive blocks go to different accumulators.
+macro_rules! small_blocks {
+    ($(#[$doc:meta])* $name:ident, $bytes:literal, $decode:expr) => {
+        $(#[$doc])*
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+        fn $name<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
+            let (k, nb) = (x.k, x.k / 32);
+            assert!(row_bytes == nb * $bytes && x.q.len() == M * k && x.scale.len() == M * nb);
+            let (xq, xs) = (x.q.as_ptr(), x.scale.as_ptr());
+            for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
+                let mut acc = [[_mm512_setzero_ps(); M]; A];
+                // One block into accumulator set `a` (a constant once the loops unroll).
+                let block = |acc: &mut [__m512; M], i: usize, b: &[u8]| {
+                    let wq: __m512i = $decode(b);
+                    let d = half_at(b, 0);
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        // SAFETY: block `i < nb` of row `r < M`, which the assert above bounds.
+                        let (p, sx) = unsafe { (madd(wq, xq.add(r * k + 32 * i)), *xs.add(r * nb + i)) };
+                        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d * sx), *acc);
+                    }
+                };
+                let groups = row.chunks_exact($bytes * A);
+                let tail = groups.remainder();
+                let mut i = 0;
+                for g in groups {
+                    prefetch_ahead(g);
+                    for (a, acc) in acc.iter_mut().enumerate() {
+                        block(acc, i + a, &g[$bytes * a..$bytes * (a + 1)]);
+                    }
+                    i += A;
+                }
+                for b in tail.chunks_exact($bytes) {
+                    block(&mut acc[0], i, b);
+                    i += 1;
+                }
+                store(&acc, &[0.0; M], out);
+            }
+        }
+    };
+}
+
+small_blocks!(
+    /// Q8_0: 32 int8 values and a float16 scale.
+    q8_0,
+    34,
+    |b: &[u8]| {
+        let s = &b[2..34];
+        // SAFETY: `s` holds the 32 bytes read.
+        _mm512_cvtepi8_epi16(unsafe { _mm256_loadu_si256(s.as_ptr().cast()) })
+    }
+);
+
+small_blocks!(
+    /// Q4_0: 32 4-bit values (low nibbles first, then high) offset by 8, and a float16 scale.
+    q4_0,
+    18,
+    |b: &[u8]| _mm512_cvtepi8_epi16(_mm256_sub_epi8(nibble_bytes(b, 2), _mm256_set1_epi8(8)))
+);
+
+small_blocks!(
+    /// Q5_0: Q4_0's nibbles with a fifth bit each from a 32-bit mask, offset by 16.
+    q5_0,
+    22,
+    |b: &[u8]| {
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        // Value j is its nibble + 16·(bit j of `qh`) − 16: less 16 where the bit is clear.
+        let v = nibble_bytes(b, 6);
+        _mm512_cvtepi8_epi16(_mm256_mask_sub_epi8(v, !qh, v, _mm256_set1_epi8(16)))
+    }
+);
+
+/// Q4_K: 256 4-bit values in 8 sub-blocks of 32, each with a 6-bit scale and min; value =
+/// `d·scale·q − dmin·min`. `scale·q` is formed in int16 and the super-block summed in int32
+/// (at most 8 · 2 · 15 · 63 · 32767 < 2³¹ per lane); the minimums multiply the activations'
+/// float sums.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+fn q4k<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
+    let (k, nb) = (x.k, x.k / 256);
+    assert!(row_bytes == nb * 144 && x.q.len() == M * k && x.scale.len() == M * nb && x.sum32.len() == M * 8 * nb);
+    let (xq, xs, x32) = (x.q.as_ptr(), x.scale.as_ptr(), x.sum32.as_ptr());
+    let nib = _mm512_set1_epi16(0x0f);
+    for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
+        let mut acc = [[_mm512_setzero_ps(); M]; A];
+        let mut minus = [0f32; M];
+        for (i, b) in row.chunks_exact(144).enumerate() {
+            prefetch_ahead(b);
+            let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+            let mut isum = [_mm512_setzero_si512(); M];
+            for g in 0..4 {
+                let (s1, m1) = super::scale_min_k4(2 * g, &b[4..16]);
+                let (s2, m2) = super::scale_min_k4(2 * g + 1, &b[4..16]);
+                let q = u8x32(b, 16 + 32 * g);
+                let lo = _mm512_mullo_epi16(_mm512_and_si512(q, nib), _mm512_set1_epi16(i16::from(s1)));
+                let hi = _mm512_mullo_epi16(_mm512_srli_epi16::<4>(q), _mm512_set1_epi16(i16::from(s2)));
+                for (r, isum) in isum.iter_mut().enumerate() {
+                    let base = r * k + 256 * i + 64 * g;
+                    // SAFETY: values `base..base + 64` and sums `base / 32..+ 2` of row `r < M`,
+                    // super-block `i < nb`, which the assert above bounds.
+                    let (a, b, s0, s1) = unsafe {
+                        let s = x32.add(base / 32);
+                        (madd(lo, xq.add(base)), madd(hi, xq.add(base + 32)), *s, *s.add(1))
+                    };
+                    *isum = _mm512_add_epi32(*isum, _mm512_add_epi32(a, b));
+                    minus[r] += dmin * (f32::from(m1) * s0 + f32::from(m2) * s1);
+                }
+            }
+            for (r, isum) in isum.iter().enumerate() {
+                // SAFETY: as above.
+                let sx = unsafe { *xs.add(r * nb + i) };
+                let a = &mut acc[i % A][r];
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*isum), _mm512_set1_ps(d * sx), *a);
+            }
+        }
+        store(&acc, &minus, out);
+    }
+}
+
+/// Q6_K: 256 6-bit values (low 4 bits in `ql`, high 2 in `qh`) offset by 32, in 16
+/// sub-blocks of 16 with int8 scales, and a float16 scale. `(q − 32)·scale` is formed in int16
+/// (|·| ≤ 4096) and the super-block summed in int32 (at most 8 · 2 · 4096 · 32767 < 2³¹).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+fn q6k<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
+    let (k, nb) = (x.k, x.k / 256);
+    assert!(row_bytes == nb * 210 && x.q.len() == M * k && x.scale.len() == M * nb);
+    let (xq, xs) = (x.q.as_ptr(), x.scale.as_ptr());
+    let (nib, three, high, off) =
+        (_mm512_set1_epi16(0x0f), _mm512_set1_epi16(3), _mm512_set1_epi16(0x30), _mm512_set1_epi16(32));
+    for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
+        let mut acc = [[_mm512_setzero_ps(); M]; A];
+        for (i, b) in row.chunks_exact(210).enumerate() {
+            prefetch_ahead(b);
+            let d = half_at(b, 208);
+            // The scale of sub-blocks `j` (lanes 0-15) and `j + 1` (lanes 16-31).
+            let scale = |j: usize| {
+                let (lo, hi) = (i16::from(b[192 + j] as i8), i16::from(b[193 + j] as i8));
+                _mm512_mask_blend_epi16(0xffff_0000, _mm512_set1_epi16(lo), _mm512_set1_epi16(hi))
+            };
+            let mut isum = [_mm512_setzero_si512(); M];
+            for n in 0..2 {
+                let qa = u8x32(b, 64 * n);
+                let qb = u8x32(b, 64 * n + 32);
+                let c = u8x32(b, 128 + 32 * n);
+                let or = |low: __m512i, hi2: __m512i| _mm512_sub_epi16(_mm512_or_si512(low, hi2), off);
+                let ws = [
+                    or(_mm512_and_si512(qa, nib), _mm512_slli_epi16::<4>(_mm512_and_si512(c, three))),
+                    or(_mm512_and_si512(qb, nib), _mm512_and_si512(_mm512_slli_epi16::<2>(c), high)),
+                    or(_mm512_srli_epi16::<4>(qa), _mm512_and_si512(c, high)),
+                    or(_mm512_srli_epi16::<4>(qb), _mm512_and_si512(_mm512_srli_epi16::<2>(c), high)),
+                ];
+                for (j, wv) in ws.iter().enumerate() {
+                    let wv = _mm512_mullo_epi16(*wv, scale(8 * n + 2 * j));
+                    for (r, isum) in isum.iter_mut().enumerate() {
+                        // SAFETY: 32 values of row `r < M` in super-block `i < nb`, which the
+                        // assert above bounds.
+                        let p = unsafe { madd(wv, xq.add(r * k + 256 * i + 128 * n + 32 * j)) };
+                        *isum = _mm512_add_epi32(*isum, p);
+                    }
+                }
+            }
+            for (r, isum) in isum.iter().enumerate() {
+                // SAFETY: as above.
+                let sx = unsafe { *xs.add(r * nb + i) };
+                let a = &mut acc[i % A][r];
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*isum), _mm512_set1_ps(d * sx), *a);
+            }
+        }
+        store(&acc, &[0.0; M], out);
+    }
+}

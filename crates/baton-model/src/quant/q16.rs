@@ -1,0 +1,102 @@
+//! Activation rows rounded to int16 for the integer decode-and-dot kernels ([`super::avx512_q16`]).
+//!
+//! Each run of `block` values of a row gets its own scale (`max |x| / 32767`), so a value is
+//! off by at most 1/65534 of its block's largest — about 250 times finer than the 8-bit
+//! activations of llama.cpp (and candle), whose rounding moves Gemma 3 270M's logits enough to
+//! flip near-ties. The weights' integers multiply these in int16 lanes (`vpmaddwd`), exact in
+//! int32, and only each block's sum is scaled in float32.
+//!
+//! `block` is 32 for formats with a float scale per 32 weights (Q8_0, Q4_0, Q5_0) and 256 for
+//! the K formats, whose 256-value super-blocks share one float scale: the kernel then sums a
+//! whole super-block in int32 before converting once.
+
+/// The largest magnitude of a rounded activation.
+pub(crate) const Q16_MAX: f32 = 32767.0;
+
+/// `m` rows of `k` activations as int16 with a float scale per `block` values, and the float
+/// sum of every 32 values (Q4_K's minimums multiply those).
+#[derive(Debug, Clone)]
+pub(crate) struct Q16Rows {
+    /// `[m][k]`: `x ≈ q · scale` of the value's block.
+    pub(crate) q: Vec<i16>,
+    /// `[m][k / block]`.
+    pub(crate) scale: Vec<f32>,
+    /// `[m][k / 32]`: sums of the float32 values.
+    pub(crate) sum32: Vec<f32>,
+    pub(crate) k: usize,
+    pub(crate) block: usize,
+}
+
+impl Q16Rows {
+    /// Rounds `x` (`[m][k]`, `k` a multiple of `block`, `block` of 32) to int16.
+    pub(crate) fn new(x: &[f32], k: usize, block: usize) -> Self {
+        assert!(block.is_multiple_of(32) && k.is_multiple_of(block) && x.len().is_multiple_of(k));
+        let mut q = vec![0i16; x.len()];
+        let mut scale = Vec::with_capacity(x.len() / block);
+        for (xs, qs) in x.chunks_exact(block).zip(q.chunks_exact_mut(block)) {
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let inv = if amax > 0.0 { Q16_MAX / amax } else { 0.0 };
+            for (q, &v) in qs.iter_mut().zip(xs) {
+                *q = (v * inv).round().clamp(-Q16_MAX, Q16_MAX) as i16;
+            }
+            scale.push(amax / Q16_MAX);
+        }
+        let sum32 = x.chunks_exact(32).map(|c| c.iter().sum()).collect();
+        Self { q, scale, sum32, k, block }
+    }
+
+    /// Rows `r0..r0 + n` (borrowed).
+    pub(crate) fn rows(&self, r0: usize, n: usize) -> Q16View<'_> {
+        let (k, b) = (self.k, self.block);
+        Q16View {
+            q: &self.q[r0 * k..(r0 + n) * k],
+            scale: &self.scale[r0 * k / b..(r0 + n) * k / b],
+            sum32: &self.sum32[r0 * k / 32..(r0 + n) * k / 32],
+            k,
+            block: b,
+        }
+    }
+
+    /// All rows.
+    pub(crate) fn view(&self) -> Q16View<'_> {
+        self.rows(0, self.q.len() / self.k)
+    }
+}
+
+/// Some rows of a [`Q16Rows`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Q16View<'a> {
+    pub(crate) q: &'a [i16],
+    pub(crate) scale: &'a [f32],
+    pub(crate) sum32: &'a [f32],
+    pub(crate) k: usize,
+    pub(crate) block: usize,
+}
+
+impl Q16View<'_> {
+    pub(crate) fn m(&self) -> usize {
+        self.q.len() / self.k
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_is_within_half_a_step_of_each_block() {
+        let (k, block) = (512, 256);
+        let x: Vec<f32> =
+            (0..2 * k).map(|i| ((i * 37 % 101) as f32 - 50.0) * if i % 300 == 0 { 40.0 } else { 0.1 }).collect();
+        let q = Q16Rows::new(&x, k, block);
+        for (i, &v) in x.iter().enumerate() {
+            let s = q.scale[i / block];
+            assert!((f32::from(q.q[i]) * s - v).abs() <= 0.5 * s * 1.001, "{i}");
+        }
+        let v = q.rows(1, 1);
+        assert_eq!(v.m(), 1);
+        assert_eq!(v.sum32[0], x[k..k + 32].iter().sum::<f32>());
+        let zeros = Q16Rows::new(&[0.0; 32], 32, 32);
+        assert!(zeros.q.iter().all(|&q| q == 0) && zeros.scale == [0.0]);
+    }
+}
