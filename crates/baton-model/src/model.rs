@@ -235,6 +235,12 @@ impl Model {
     /// Runs one batch step: writes the new tokens' keys and values into `kv` and returns the
     /// logits each sequence asked for.
     pub fn forward(&self, batch: &[SeqStep<'_>], kv: &mut KvArena) -> Result<StepLogits> {
+        // The step runs on one of rayon's threads: its hundred-odd parallel products are then
+        // forks within the pool, not a caller blocking on a condition variable each time.
+        in_pool(|| self.forward_in_pool(batch, kv))
+    }
+
+    fn forward_in_pool(&self, batch: &[SeqStep<'_>], kv: &mut KvArena) -> Result<StepLogits> {
         let c = &self.config;
         let (hidden, head_dim) = (c.hidden_size, c.head_dim);
         let block_size = kv.geometry().block_size;
@@ -347,4 +353,13 @@ impl Model {
         };
         Ok(StepLogits { data, vocab: c.vocab_size, rows: ranges })
     }
+}
+
+/// Runs `f` on a thread of rayon's global pool (right here when this already is one).
+fn in_pool<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    if rayon::current_thread_index().is_some() {
+        return f();
+    }
+    // A scope's body runs on a worker thread, the caller waiting once for the whole of it.
+    rayon::scope(|_| f())
 }
