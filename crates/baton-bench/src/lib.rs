@@ -120,7 +120,8 @@ pub struct BenchConfig {
     pub ignore_eos: bool,
     /// Sampling temperature.
     pub temperature: f64,
-    /// Seed of everything random (lengths, texts, arrivals, sampling seeds).
+    /// Seed of everything random (lengths, texts, arrivals, sampling seeds). The runs of a sweep
+    /// share lengths but get fresh texts, so none meets another's prompts in a prefix cache.
     pub seed: u64,
     /// Latency targets for attainment and goodput.
     pub slo: Slo,
@@ -211,10 +212,15 @@ pub fn is_loopback_url(url: &str) -> Result<bool, BenchError> {
 /// workload, and summarises each.
 pub async fn run(config: &BenchConfig, observer: Arc<dyn Observer>) -> Result<Report, BenchError> {
     config.validate()?;
-    let mut workload = workload::build(&config.workload, config.seed)?;
-    if let Some(n) = config.max_requests {
-        workload.truncate(n);
-    }
+    // Every run of a sweep gets the same lengths but fresh prompt texts (see `Seeds::for_run`).
+    let build_run = |run: usize| -> Result<workload::Workload, BenchError> {
+        let mut workload = workload::build(&config.workload, workload::Seeds::for_run(config.seed, run))?;
+        if let Some(n) = config.max_requests {
+            workload.truncate(n);
+        }
+        Ok(workload)
+    };
+    let mut workload = build_run(0)?;
     if workload.requests() == 0 {
         return Err(BenchError::Config("the workload has no requests".into()));
     }
@@ -232,7 +238,10 @@ pub async fn run(config: &BenchConfig, observer: Arc<dyn Observer>) -> Result<Re
         temperature: config.temperature,
     });
     let mut runs = Vec::new();
-    for arrival in &config.arrivals {
+    for (k, arrival) in config.arrivals.iter().enumerate() {
+        if k > 0 {
+            workload = build_run(k)?;
+        }
         let plan = RunPlan {
             starts: arrival::schedule(arrival, &workload, config.seed)?,
             concurrency: arrival.concurrency_limit(config.max_concurrency),

@@ -197,15 +197,43 @@ pub enum WorkloadSpec {
     },
 }
 
+/// The seeds a workload is built from: one for lengths (and orders), one for generated texts.
+/// A plain `u64` seeds both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seeds {
+    /// Lengths, ShareGPT's shuffle.
+    pub lengths: u64,
+    /// Generated prompt texts (synthetic, sessions, Mooncake blocks).
+    pub text: u64,
+}
+
+impl From<u64> for Seeds {
+    fn from(seed: u64) -> Self {
+        Seeds { lengths: seed, text: seed }
+    }
+}
+
+impl Seeds {
+    /// The seeds of run `run` of a sweep: the same lengths in every run, but fresh texts after
+    /// the first, so that no run finds the previous runs' prompts in the server's prefix cache
+    /// (within a run, shared prefixes stay shared). Run 0 is `seed` itself. A ShareGPT file's
+    /// texts are the file's, the same in every run.
+    pub fn for_run(seed: u64, run: usize) -> Self {
+        let text = if run == 0 { seed } else { mix(&[seed, TAG_RUN, run as u64]) };
+        Seeds { lengths: seed, text }
+    }
+}
+
 /// Builds a workload, reading its file if it has one.
-pub fn build(spec: &WorkloadSpec, seed: u64) -> Result<Workload, BenchError> {
+pub fn build(spec: &WorkloadSpec, seed: impl Into<Seeds>) -> Result<Workload, BenchError> {
+    let seed = seed.into();
     match spec {
         WorkloadSpec::Synthetic { requests, input, output } => Ok(synthetic(*requests, input, output, seed)),
         WorkloadSpec::Sessions { sessions: n, turns, system_tokens, turn_tokens, output } => {
             Ok(sessions(*n, *turns, *system_tokens, turn_tokens, output, seed))
         }
         WorkloadSpec::ShareGpt { path, requests, multi_turn } => {
-            parse_sharegpt(&read(path)?, *requests, *multi_turn, seed)
+            parse_sharegpt(&read(path)?, *requests, *multi_turn, seed.lengths)
         }
         WorkloadSpec::Mooncake { path, requests, max_input_tokens } => {
             parse_mooncake(&read(path)?, *requests, *max_input_tokens, seed)
@@ -223,16 +251,18 @@ const TAG_PROMPT: u64 = 2;
 const TAG_SYSTEM: u64 = 3;
 const TAG_BLOCK: u64 = 4;
 const TAG_SHUFFLE: u64 = 5;
+const TAG_RUN: u64 = 6;
 
 /// `requests` independent requests with lengths drawn from `input` and `output`; each prompt has
 /// its own text, so no two share a prefix.
-pub fn synthetic(requests: usize, input: &LengthDist, output: &LengthDist, seed: u64) -> Workload {
+pub fn synthetic(requests: usize, input: &LengthDist, output: &LengthDist, seed: impl Into<Seeds>) -> Workload {
+    let Seeds { lengths: seed, text: text_seed } = seed.into();
     let mut lengths = mix(&[seed, TAG_LENGTHS]);
     let chains = (0..requests)
         .map(|i| {
             let inp = input.sample(&mut lengths);
             let out = output.sample(&mut lengths);
-            let text = words(mix(&[seed, TAG_PROMPT, i as u64]), inp);
+            let text = words(mix(&[text_seed, TAG_PROMPT, i as u64]), inp);
             Chain { arrival_us: None, turns: vec![Turn { text, input_tokens: inp, max_tokens: out }] }
         })
         .collect();
@@ -247,9 +277,10 @@ pub fn sessions(
     system_tokens: u64,
     turn_tokens: &LengthDist,
     output: &LengthDist,
-    seed: u64,
+    seed: impl Into<Seeds>,
 ) -> Workload {
-    let system = words(mix(&[seed, TAG_SYSTEM]), system_tokens);
+    let Seeds { lengths: seed, text: text_seed } = seed.into();
+    let system = words(mix(&[text_seed, TAG_SYSTEM]), system_tokens);
     let mut lengths = mix(&[seed, TAG_LENGTHS]);
     let chains = (0..n)
         .map(|s| {
@@ -259,7 +290,7 @@ pub fn sessions(
                     let user = turn_tokens.sample(&mut lengths);
                     let out = output.sample(&mut lengths);
                     let mut text = if t == 0 { system.clone() } else { String::new() };
-                    text.push_str(&words(mix(&[seed, TAG_PROMPT, s as u64, t as u64]), user));
+                    text.push_str(&words(mix(&[text_seed, TAG_PROMPT, s as u64, t as u64]), user));
                     context += user;
                     let turn = Turn { text, input_tokens: context, max_tokens: out };
                     context += out;
@@ -371,8 +402,9 @@ pub fn parse_mooncake(
     text: &str,
     requests: Option<usize>,
     max_input_tokens: Option<u64>,
-    seed: u64,
+    seed: impl Into<Seeds>,
 ) -> Result<Workload, BenchError> {
+    let seed = seed.into().text;
     let mut lines = Vec::new();
     for (n, line) in text.lines().enumerate() {
         if line.trim().is_empty() {

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use baton_bench::arrival::{Arrival, schedule};
 use baton_bench::workload::{
-    self, LengthDist, MOONCAKE_BLOCK_TOKENS, WorkloadSpec, parse_mooncake, parse_sharegpt, sessions, synthetic,
+    self, LengthDist, MOONCAKE_BLOCK_TOKENS, Seeds, WorkloadSpec, parse_mooncake, parse_sharegpt, sessions, synthetic,
 };
 
 fn data(name: &str) -> String {
@@ -177,4 +177,52 @@ fn arrival_schedules() {
     let trace = parse_mooncake(&data("mooncake_small.jsonl"), None, None, 0).expect("parses");
     let t = schedule(&Arrival::Trace { time_scale: 2.0 }, &trace, 0).expect("schedules");
     assert_eq!(t, vec![0, 62_500, 125_000, 500_000, 1_000_000]);
+}
+
+#[test]
+fn each_run_of_a_sweep_has_the_same_lengths_and_fresh_texts() {
+    let spec = |n| WorkloadSpec::Synthetic {
+        requests: n,
+        input: LengthDist::Uniform { min: 10, max: 40 },
+        output: LengthDist::Uniform { min: 1, max: 9 },
+    };
+    let first = workload::build(&spec(20), Seeds::for_run(5, 0)).expect("builds");
+    assert_eq!(first, workload::build(&spec(20), 5).expect("builds"), "run 0 is the plain seed");
+    let second = workload::build(&spec(20), Seeds::for_run(5, 1)).expect("builds");
+    let third = workload::build(&spec(20), Seeds::for_run(5, 2)).expect("builds");
+    for w in [&second, &third] {
+        for (a, b) in first.chains.iter().zip(&w.chains) {
+            let (ta, tb) = (&a.turns[0], &b.turns[0]);
+            assert_eq!((ta.input_tokens, ta.max_tokens), (tb.input_tokens, tb.max_tokens), "same lengths");
+            assert_eq!(word_count(&ta.text), word_count(&tb.text));
+            let first_words = |t: &str| t.split_whitespace().take(4).collect::<Vec<_>>().join(" ");
+            assert_ne!(first_words(&ta.text), first_words(&tb.text), "no prefix shared across runs");
+        }
+    }
+    assert_ne!(second, third);
+
+    // Sessions: within a run the system prompt is still shared; across runs it is not.
+    let sessions_of = |run| {
+        let spec = WorkloadSpec::Sessions {
+            sessions: 2,
+            turns: 2,
+            system_tokens: 30,
+            turn_tokens: LengthDist::Fixed(5),
+            output: LengthDist::Fixed(6),
+        };
+        workload::build(&spec, Seeds::for_run(9, run)).expect("builds")
+    };
+    let system = |w: &workload::Workload, c: usize| -> String {
+        w.chains[c].turns[0].text.split_whitespace().take(30).collect::<Vec<_>>().join(" ")
+    };
+    let (a, b) = (sessions_of(0), sessions_of(1));
+    assert_eq!(system(&b, 0), system(&b, 1));
+    assert_ne!(system(&a, 0), system(&b, 0));
+
+    // Mooncake: equal hash ids still give equal blocks within a run, not across runs.
+    let trace = data("mooncake_small.jsonl");
+    let m0 = parse_mooncake(&trace, None, None, Seeds::for_run(7, 0)).expect("parses");
+    let m1 = parse_mooncake(&trace, None, None, Seeds::for_run(7, 1)).expect("parses");
+    assert_eq!(m0, parse_mooncake(&trace, None, None, 7).expect("parses"));
+    assert_ne!(m0.chains[0].turns[0].text, m1.chains[0].turns[0].text);
 }
