@@ -1,6 +1,6 @@
 //! Plots of a report, PNG and SVG from the same drawing code: latency CDFs (TTFT, ITL, JCT),
 //! the number of requests in flight over time, and for a sweep over rates TTFT, TBT and
-//! throughput (or goodput) against the rate.
+//! throughput (or goodput) against the rate; and several reports' sweeps in one figure ([`write_versus`]).
 //!
 //! Text is drawn with an embedded DejaVu Sans (through `ab_glyph`), so plotting needs no system
 //! fonts or fontconfig.
@@ -12,9 +12,8 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::BenchError;
-use crate::arrival::Arrival;
 use crate::metrics::{RequestRecord, in_flight};
-use crate::report::Report;
+use crate::report::{Better, Report, SWEEP_FIGURES, sweep_runs};
 
 type Res = Result<(), String>;
 
@@ -38,9 +37,20 @@ pub fn write_plots(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, BenchErr
     let mut written = Vec::new();
     Canvas::Cdf(report).write(dir, "latency_cdf", (1500, 460), &mut written)?;
     Canvas::Timeline(report).write(dir, "in_flight", (1000, 460), &mut written)?;
-    if sweep_points(report).len() >= 2 {
+    if sweep_runs(report).len() >= 2 {
         Canvas::Sweep(report).write(dir, "sweep", (1500, 460), &mut written)?;
     }
+    Ok(written)
+}
+
+/// Writes `versus.png` and `versus.svg` into `dir`: the rate sweeps of several named reports
+/// (e.g. colocated and disaggregated serving) in one figure, a panel per figure of
+/// [`SWEEP_FIGURES`] (TTFT, TBT and JCT p90, goodput) and a line per report. Returns the files.
+pub fn write_versus(reports: &[(&str, &Report)], dir: &Path) -> Result<Vec<PathBuf>, BenchError> {
+    register_font();
+    std::fs::create_dir_all(dir).map_err(|source| BenchError::Io { path: dir.to_path_buf(), source })?;
+    let mut written = Vec::new();
+    Canvas::Versus(reports).write(dir, "versus", (1800, 460), &mut written)?;
     Ok(written)
 }
 
@@ -49,6 +59,7 @@ enum Canvas<'a> {
     Cdf(&'a Report),
     Timeline(&'a Report),
     Sweep(&'a Report),
+    Versus(&'a [(&'a str, &'a Report)]),
 }
 
 impl Canvas<'_> {
@@ -81,6 +92,7 @@ impl Canvas<'_> {
             Canvas::Cdf(r) => draw_cdfs(root, r),
             Canvas::Timeline(r) => draw_timeline(root, r),
             Canvas::Sweep(r) => draw_sweep(root, r),
+            Canvas::Versus(r) => draw_versus(root, r),
         }
     }
 }
@@ -191,27 +203,13 @@ fn draw_timeline<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Rep
     Ok(())
 }
 
-/// The runs of a sweep over Poisson rates, by rate.
-fn sweep_points(report: &Report) -> Vec<(f64, &crate::metrics::Summary)> {
-    let mut v: Vec<(f64, &crate::metrics::Summary)> = report
-        .runs
-        .iter()
-        .filter_map(|r| match r.arrival {
-            Arrival::Poisson { rate } => Some((rate, &r.summary)),
-            _ => None,
-        })
-        .collect();
-    v.sort_by(|a, b| a.0.total_cmp(&b.0));
-    v
-}
-
 /// A metric of a summary.
 type Pick = fn(&crate::metrics::Summary) -> f64;
 /// A panel of the sweep figure: title, unit, and the lines (label, metric).
 type Panel = (&'static str, &'static str, Vec<(&'static str, Pick)>);
 
 fn draw_sweep<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report) -> Res {
-    let pts = sweep_points(report);
+    let pts = sweep_runs(report);
     let xmax = pts.iter().map(|p| p.0).fold(0.0, f64::max) * 1.05;
     let has_slo = pts.iter().any(|p| p.1.slo.is_some());
     let panels: [Panel; 3] = [
@@ -248,6 +246,45 @@ fn draw_sweep<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report
         for (i, (label, f)) in lines.into_iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
             let data: Vec<(f64, f64)> = pts.iter().map(|p| (p.0, f(p.1))).collect();
+            chart
+                .draw_series(LineSeries::new(data.clone(), color.stroke_width(2)))
+                .map_err(err)?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+            chart.draw_series(data.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+fn draw_versus<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, reports: &[(&str, &Report)]) -> Res {
+    let runs: Vec<(&str, Vec<(f64, &crate::metrics::Summary)>)> =
+        reports.iter().map(|(name, r)| (*name, sweep_runs(r))).collect();
+    let xmax = runs.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)).fold(0.0, f64::max).max(1e-3) * 1.05;
+    for (area, fig) in root.split_evenly((1, SWEEP_FIGURES.len())).iter().zip(SWEEP_FIGURES) {
+        let series: Vec<(&str, Vec<(f64, f64)>)> = runs
+            .iter()
+            .map(|(name, pts)| (*name, pts.iter().filter_map(|p| (fig.pick)(p.1).map(|v| (p.0, v))).collect()))
+            .collect();
+        let ymax = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)).fold(0.0, f64::max).max(1e-3) * 1.1;
+        let better = if fig.better == Better::Higher { "higher is better" } else { "lower is better" };
+        let mut chart = ChartBuilder::on(area)
+            .caption(format!("{} ({better})", fig.name), ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0.0..xmax, 0.0..ymax)
+            .map_err(err)?;
+        chart.configure_mesh().x_desc("request rate (req/s)").y_desc(fig.unit).draw().map_err(err)?;
+        for (i, (label, data)) in series.into_iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
             chart
                 .draw_series(LineSeries::new(data.clone(), color.stroke_width(2)))
                 .map_err(err)?

@@ -170,6 +170,97 @@ fn write_table(out: &mut String, columns: &[(String, Vec<Row>)]) {
     }
 }
 
+/// One figure of a rate sweep compared across reports (the headline comparison's four): its
+/// name, unit, which way is better, and how to read it from a run's summary (`None` where the
+/// run has no such figure, e.g. goodput without SLOs).
+#[derive(Clone, Copy)]
+pub struct SweepFigure {
+    /// Name, e.g. `TTFT p90`.
+    pub name: &'static str,
+    /// Unit, e.g. `ms`.
+    pub unit: &'static str,
+    /// Which way is better.
+    pub better: Better,
+    /// The value of a run.
+    pub pick: fn(&Summary) -> Option<f64>,
+}
+
+/// P90 per-request TTFT, TBT (a request's mean gap between tokens, TPOT) and JCT, and goodput:
+/// the figures of KVDirect's Figure 13 plus Mooncake's goodput.
+pub const SWEEP_FIGURES: [SweepFigure; 4] = [
+    SweepFigure { name: "TTFT p90", unit: "ms", better: Better::Lower, pick: |s| Some(s.ttft_ms.p90) },
+    SweepFigure {
+        name: "TBT p90 (per-request TPOT)",
+        unit: "ms",
+        better: Better::Lower,
+        pick: |s| Some(s.tpot_ms.p90),
+    },
+    SweepFigure { name: "JCT p90", unit: "ms", better: Better::Lower, pick: |s| Some(s.jct_ms.p90) },
+    SweepFigure { name: "goodput", unit: "req/s", better: Better::Higher, pick: |s| s.slo.map(|x| x.goodput_req_s) },
+];
+
+/// The runs of a report at Poisson rates, sorted by rate.
+pub fn sweep_runs(report: &Report) -> Vec<(f64, &Summary)> {
+    let mut v: Vec<(f64, &Summary)> = report
+        .runs
+        .iter()
+        .filter_map(|r| match r.arrival {
+            Arrival::Poisson { rate } => Some((rate, &r.summary)),
+            _ => None,
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    v
+}
+
+/// Rate sweeps of several reports (e.g. colocated and disaggregated serving) side by side: for
+/// each of [`SWEEP_FIGURES`], one line per rate with every report's value and the best one's
+/// name where it beats every other by more than 5%. Rates are matched by value; a report without
+/// a rate shows `-`.
+pub fn sweep_table(reports: &[(&str, &Report)]) -> String {
+    let mut out = String::new();
+    let runs: Vec<Vec<(f64, &Summary)>> = reports.iter().map(|(_, r)| sweep_runs(r)).collect();
+    let mut rates: Vec<f64> = runs.iter().flatten().map(|p| p.0).collect();
+    rates.sort_by(f64::total_cmp);
+    rates.dedup();
+    let col = reports.iter().map(|(n, _)| n.chars().count()).max().unwrap_or(0).max(10);
+    for fig in SWEEP_FIGURES {
+        let _ = writeln!(out, "{} ({})", fig.name, fig.unit);
+        let _ = write!(out, "  {:>12}", "rate (req/s)");
+        for (name, _) in reports {
+            let _ = write!(out, "  {name:>col$}");
+        }
+        let _ = writeln!(out, "  best");
+        for &rate in &rates {
+            let values: Vec<Option<f64>> =
+                runs.iter().map(|r| r.iter().find(|p| p.0 == rate).and_then(|p| (fig.pick)(p.1))).collect();
+            let _ = write!(out, "  {:>12}", fmt_value(rate));
+            for v in &values {
+                let _ = write!(out, "  {:>col$}", v.map_or_else(|| "-".to_owned(), fmt_value));
+            }
+            let best = clear_winner(&values, fig.better).map_or("", |i| reports[i].0);
+            let _ = writeln!(out, "  {best}");
+        }
+        out.push('\n');
+    }
+    out.push_str("(best: the report that beats every other by more than 5%)\n");
+    out
+}
+
+/// The index of the value that is better than every other by more than 5%, if any.
+fn clear_winner(values: &[Option<f64>], better: Better) -> Option<usize> {
+    let known: Vec<(usize, f64)> = values.iter().enumerate().filter_map(|(i, v)| v.map(|v| (i, v))).collect();
+    if known.len() < 2 {
+        return None;
+    }
+    let beats = |x: f64, y: f64| match better {
+        Better::Lower => x < y * 0.95,
+        Better::Higher => x > y * 1.05,
+        Better::Neither => false,
+    };
+    known.iter().find(|&&(i, x)| known.iter().all(|&(j, y)| i == j || beats(x, y))).map(|p| p.0)
+}
+
 /// A side-by-side table of two reports, run by run (matched in order): A, B, and B/A with a
 /// mark on the better side.
 pub fn compare_table(a: &Report, b: &Report, name_a: &str, name_b: &str) -> String {
@@ -216,4 +307,72 @@ pub fn compare_table(a: &Report, b: &Report, name_a: &str, name_b: &str) -> Stri
     }
     out.push_str("\n(A or B after a ratio marks the better side when they differ by more than 5%)\n");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::{Slo, SloSummary, summarize};
+
+    /// A report with one Poisson run per (rate, TTFT p90, TPOT p90, JCT p90, goodput).
+    fn sweep(points: &[(f64, f64, f64, f64, Option<f64>)]) -> Report {
+        let runs = points
+            .iter()
+            .map(|&(rate, ttft, tbt, jct, goodput)| {
+                let mut summary = summarize(&[], &Slo::default(), 0);
+                summary.ttft_ms.p90 = ttft;
+                summary.tpot_ms.p90 = tbt;
+                summary.jct_ms.p90 = jct;
+                summary.slo =
+                    goodput.map(|g| SloSummary { slo: Slo::default(), met: 0, attainment: 0.0, goodput_req_s: g });
+                RunReport {
+                    label: format!("rate {rate}/s"),
+                    arrival: Arrival::Poisson { rate },
+                    summary,
+                    records: Vec::new(),
+                }
+            })
+            .collect();
+        Report {
+            tool: "baton-bench".into(),
+            version: "0".into(),
+            model: "m".into(),
+            config: BenchConfig::new("http://127.0.0.1:1"),
+            workload_requests: 0,
+            runs,
+        }
+    }
+
+    #[test]
+    fn sweep_table_matches_rates_and_names_clear_winners() {
+        let colocated = sweep(&[(2.0, 100.0, 20.0, 900.0, Some(1.9)), (4.0, 300.0, 40.0, 2000.0, Some(2.5))]);
+        // Rates out of order and one extra: matched by value, missing ones shown as "-".
+        let disagg = sweep(&[
+            (8.0, 900.0, 12.0, 3000.0, Some(3.0)),
+            (4.0, 310.0, 12.0, 1000.0, Some(3.8)),
+            (2.0, 150.0, 12.5, 880.0, Some(1.9)),
+        ]);
+        let table = sweep_table(&[("colocated", &colocated), ("disagg", &disagg)]);
+        let line = |fig: &str, rate: &str| -> Vec<String> {
+            let block = table.split("\n\n").find(|b| b.starts_with(fig)).unwrap_or_else(|| panic!("{fig} in\n{table}"));
+            let row = block.lines().find(|l| l.split_whitespace().next() == Some(rate)).expect("rate row");
+            row.split_whitespace().map(str::to_owned).collect()
+        };
+        assert_eq!(line("TTFT p90", "2"), ["2", "100", "150", "colocated"]);
+        assert_eq!(line("TTFT p90", "4"), ["4", "300", "310"], "within 5%: no winner");
+        assert_eq!(line("TTFT p90", "8"), ["8", "-", "900"], "one value: no winner");
+        assert_eq!(line("TBT p90", "4"), ["4", "40", "12", "disagg"]);
+        assert_eq!(line("JCT p90", "2"), ["2", "900", "880"]);
+        assert_eq!(line("goodput", "4"), ["4", "2.50", "3.80", "disagg"], "higher is better");
+        let rates: Vec<_> = table.lines().skip(2).take(3).map(|l| l.split_whitespace().next().unwrap_or("")).collect();
+        assert_eq!(rates, ["2", "4", "8"], "sorted by rate");
+    }
+
+    #[test]
+    fn a_missing_figure_names_no_winner() {
+        assert_eq!(clear_winner(&[None, Some(1.0)], Better::Lower), None);
+        assert_eq!(clear_winner(&[Some(1.0), Some(2.0), Some(1.02)], Better::Lower), None);
+        assert_eq!(clear_winner(&[Some(3.0), Some(2.0), Some(1.0)], Better::Higher), Some(0));
+        assert_eq!(clear_winner(&[Some(1.0), Some(2.0)], Better::Neither), None);
+    }
 }

@@ -130,6 +130,11 @@ async fn sessions_on_chat_are_causal_across_a_rate_sweep() {
     let dir = scratch("sweep");
     let files = baton_bench::plot::write_plots(&report, &dir).expect("plots");
     assert!(files.iter().any(|f| f.ends_with("sweep.svg")));
+    let versus = baton_bench::plot::write_versus(&[("a", &report), ("b", &report)], &dir).expect("versus plot");
+    assert_eq!(versus.len(), 2);
+    for f in &versus {
+        assert!(std::fs::metadata(f).expect("written").len() > 1000, "{}", f.display());
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -9,7 +9,7 @@ use anyhow::Context;
 use baton_bench::arrival::Arrival;
 use baton_bench::client::Endpoint;
 use baton_bench::metrics::{Slo, TbtStat};
-use baton_bench::report::{Report, compare_table, summary_table};
+use baton_bench::report::{Report, compare_table, summary_table, sweep_runs, sweep_table};
 use baton_bench::runner::{Observer, Quiet};
 use baton_bench::workload::{LengthDist, WorkloadSpec};
 use baton_bench::{BenchConfig, progress::ProgressBars};
@@ -155,11 +155,22 @@ pub(crate) struct ServeBenchArgs {
 
 /// Arguments of `baton bench compare`.
 #[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  baton bench compare .bench/a/report.json .bench/b/report.json
+  baton bench compare colocated/report.json disaggregated/report.json \\
+      --names colocated,disaggregated --plot .bench/versus")]
 pub(crate) struct CompareArgs {
     /// The first report (A).
     a: PathBuf,
     /// The second report (B).
     b: PathBuf,
+    /// Names of A and B in the tables and plots, as NAME_A,NAME_B (default: the file paths).
+    #[arg(long, value_delimiter = ',')]
+    names: Vec<String>,
+    /// When both reports are rate sweeps: also draw TTFT, TBT and JCT p90 and goodput against
+    /// the rate, one line per report, as versus.png and versus.svg in this directory.
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
 }
 
 fn parse_rate(s: &str) -> anyhow::Result<Arrival> {
@@ -253,6 +264,21 @@ pub(crate) fn serve(a: ServeBenchArgs) -> anyhow::Result<()> {
 pub(crate) fn compare(a: CompareArgs) -> anyhow::Result<()> {
     let ra = Report::read(&a.a)?;
     let rb = Report::read(&a.b)?;
-    print!("{}", compare_table(&ra, &rb, &a.a.display().to_string(), &a.b.display().to_string()));
+    let (name_a, name_b) = match a.names.as_slice() {
+        [x, y] => (x.clone(), y.clone()),
+        [] => (a.a.display().to_string(), a.b.display().to_string()),
+        other => anyhow::bail!("--names takes two names, NAME_A,NAME_B (got {})", other.len()),
+    };
+    print!("{}", compare_table(&ra, &rb, &name_a, &name_b));
+    let both = [(name_a.as_str(), &ra), (name_b.as_str(), &rb)];
+    let sweeps = sweep_runs(&ra).len() >= 2 && sweep_runs(&rb).len() >= 2;
+    if sweeps {
+        print!("\nBy rate\n{}", sweep_table(&both));
+    }
+    if let Some(dir) = &a.plot {
+        anyhow::ensure!(sweeps, "--plot needs two rate sweeps (baton bench serve --rates R1,R2,...)");
+        let files = baton_bench::plot::write_versus(&both, dir)?;
+        eprintln!("plots: {}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
+    }
     Ok(())
 }
