@@ -24,12 +24,12 @@ pub(crate) struct ServeArgs {
     /// Port to listen on.
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Prefill workers.
-    #[arg(long, default_value_t = 1)]
-    prefill: usize,
-    /// Decode workers.
-    #[arg(long, default_value_t = 1)]
-    decode: usize,
+    /// Prefill workers [default: 1, or 0 with --colocated].
+    #[arg(long)]
+    prefill: Option<usize>,
+    /// Decode workers [default: 1, or 0 with --colocated].
+    #[arg(long)]
+    decode: Option<usize>,
     /// Colocated workers instead (prefill and decode in one engine, as vLLM runs); with this
     /// flag and no explicit --prefill/--decode, no disaggregated workers are started.
     #[arg(long)]
@@ -46,16 +46,23 @@ pub(crate) struct ServeArgs {
     lease_s: u64,
 }
 
+impl ServeArgs {
+    /// Prefill, decode and colocated workers: 1P1D by default, only colocated ones when
+    /// `--colocated` is given without `--prefill` / `--decode`.
+    fn worker_counts(&self) -> (usize, usize, usize) {
+        let disaggregated = if self.colocated.is_some() { 0 } else { 1 };
+        (self.prefill.unwrap_or(disaggregated), self.decode.unwrap_or(disaggregated), self.colocated.unwrap_or(0))
+    }
+}
+
 pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
     let model = crate::generate::model_path(a.model.as_deref())?;
-    let colocated_only =
-        a.colocated.is_some() && !std::env::args().any(|x| x.starts_with("--prefill") || x.starts_with("--decode"));
-    let (prefill, decode) = if colocated_only { (0, 0) } else { (a.prefill, a.decode) };
+    let (prefill, decode, colocated) = a.worker_counts();
     let config = ServeConfig {
         model_id: a.model_id,
         prefill,
         decode,
-        colocated: a.colocated.unwrap_or(0),
+        colocated,
         engine: a.engine.config(),
         api_key: a.api_key,
         lease: Duration::from_secs(a.lease_s),
@@ -84,4 +91,29 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
         baton_server::serve(listener, conductor, shutdown).await?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: super::ServeArgs,
+    }
+
+    fn counts(args: &[&str]) -> (usize, usize, usize) {
+        Cli::parse_from(std::iter::once("serve").chain(args.iter().copied())).serve.worker_counts()
+    }
+
+    #[test]
+    fn worker_counts_follow_the_flags() {
+        assert_eq!(counts(&[]), (1, 1, 0));
+        assert_eq!(counts(&["--colocated", "2"]), (0, 0, 2));
+        // An engine flag that starts like a worker flag changes nothing (it used to).
+        assert_eq!(counts(&["--colocated", "2", "--prefill-chunk", "2048"]), (0, 0, 2));
+        assert_eq!(counts(&["--colocated", "1", "--prefill", "2", "--decode", "1"]), (2, 1, 1));
+        assert_eq!(counts(&["--prefill=3", "--decode=2"]), (3, 2, 0));
+    }
 }
