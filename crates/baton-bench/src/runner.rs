@@ -59,13 +59,19 @@ pub async fn run(
     let mut tasks = tokio::task::JoinSet::new();
     let mut first_id = 0;
     for (c, chain) in workload.chains.iter().enumerate() {
+        let start = t0 + Duration::from_micros(plan.starts.get(c).copied().unwrap_or(0));
+        if deadline.is_some_and(|d| start >= d) {
+            // Due after the run's duration: never sent (and not waited for).
+            first_id += chain.turns.len();
+            continue;
+        }
         let ctx = ChainCtx {
             client: client.clone(),
             opts: opts.clone(),
             permits: permits.clone(),
             observer: observer.clone(),
             t0,
-            start: t0 + Duration::from_micros(plan.starts.get(c).copied().unwrap_or(0)),
+            start,
             deadline,
             request_timeout: plan.request_timeout,
             think_time: plan.think_time,

@@ -178,3 +178,26 @@ async fn failures_are_counted_by_kind() {
     assert!(baton_bench::is_loopback_url("http://[::1]:8000").expect("parses"));
     assert!(!baton_bench::is_loopback_url("http://10.0.0.1:8000").expect("parses"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duration_bound_ends_the_run_without_waiting_out_the_schedule() {
+    let server = start().await;
+    // 200 requests at 2/s are scheduled over about 100 s; the run stops sending after 1 s and
+    // must end when those few answers are in, not when the last scheduled arrival comes.
+    let config = BenchConfig {
+        workload: WorkloadSpec::Synthetic { requests: 200, input: LengthDist::Fixed(4), output: LengthDist::Fixed(2) },
+        arrivals: vec![Arrival::Poisson { rate: 2.0 }],
+        duration_s: Some(1.0),
+        ignore_eos: true,
+        request_timeout_s: 30.0,
+        ..BenchConfig::new(&server.url)
+    };
+    let began = std::time::Instant::now();
+    let report = baton_bench::run(&config, Arc::new(Quiet)).await.expect("runs");
+    let took = began.elapsed();
+    assert!(took < std::time::Duration::from_secs(40), "the run took {took:?}");
+    let s = &report.runs[0].summary;
+    assert!(s.sent < 20, "only arrivals within the first second are sent, got {}", s.sent);
+    assert_eq!(s.completed, s.sent);
+    assert!(report.runs[0].records.iter().all(|r| r.scheduled_us < 1_000_000));
+}
