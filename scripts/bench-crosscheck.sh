@@ -4,6 +4,14 @@
 # side with their ratios. Agreement within 15% on TTFT (mean, p50, p90) and output throughput is
 # the target; the script exits non-zero when a figure is further apart.
 #
+# The server must run at the same speed under both clients, or the comparison measures the
+# clients' CPU appetite instead of their measurements: on a 2-core machine aiperf's Python
+# processes slowed a real-model server 2.5x against baton bench's. So by default the server runs
+# the emulated backend (`--emulate h100`: step times from a cost profile, slept, not computed;
+# the HTTP path, engine loop, KV pool and transfers stay real), and it is pinned to core 0 and
+# the clients to the other cores (taskset, where there are 2+ cores). BACKEND=model serves the
+# real model instead (pinned the same way).
+#
 # The workload: REQUESTS requests, closed loop at CONCURRENCY, ISL prompt tokens, exactly OSL
 # output tokens (ignore_eos), streaming completions. aiperf builds its prompts with a tokenizer
 # (tiny-llama's, a local path, so nothing is fetched from a hub) and counts tokens from the server's
@@ -15,19 +23,46 @@
 # Usage: scripts/bench-crosscheck.sh [MODEL]   (default: Gemma 3 270M from .models/ if fetched,
 #                                               else fixtures/models/tiny-llama)
 # Environment:
-#   PORT (8123), REQUESTS (48), CONCURRENCY (4), ISL (128), OSL (32), TOLERANCE (0.15)
+#   BACKEND      emulated (default) or model
+#   EMULATE      the cost profile of the emulated backend (default: h100)
+#   PIN          1 (default): pin the server to core 0 and the clients to the rest; 0: don't
+#   PORT (8123), REQUESTS (96), CONCURRENCY (4), ISL (aiperf's tiny-llama tokens: 4096 emulated
+#   with Gemma, 512 with tiny-llama, 128 model), OSL (32),
+#   TOLERANCE (0.15)
 #   BATON_BIN   a baton binary to use instead of building one (release)
 #   SERVE_BIN   a baton binary for the server only (default: BATON_BIN)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-default_model="${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf"
-[[ -f "$default_model" ]] || default_model="$repo_root/fixtures/models/tiny-llama"
+backend="${BACKEND:-emulated}"
+serve_extra=()
+case "$backend" in
+  emulated)
+    # The model gives the tokenizer and the context length only: Gemma 3 (32K) when fetched,
+    # else tiny-llama (1K context, so shorter prompts).
+    default_model="${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf"
+    # aiperf counts ISL in tiny-llama tokens; 4096 of them are about 1,590 Gemma tokens, a
+    # ~100 ms prefill on the emulated 8xH100: long enough that a millisecond of client jitter
+    # does not decide the comparison.
+    default_isl=4096
+    if [[ ! -f "$default_model" ]]; then
+      default_model="$repo_root/fixtures/models/tiny-llama"
+      default_isl=512
+    fi
+    serve_extra=(--emulate "${EMULATE:-h100}")
+    ;;
+  model)
+    default_model="${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf"
+    [[ -f "$default_model" ]] || default_model="$repo_root/fixtures/models/tiny-llama"
+    default_isl=128
+    ;;
+  *) echo "bench-crosscheck: error: BACKEND is emulated or model, not '$backend'" >&2; exit 2 ;;
+esac
 model="${1:-$default_model}"
 port="${PORT:-8123}"
-requests="${REQUESTS:-48}"
+requests="${REQUESTS:-96}"
 concurrency="${CONCURRENCY:-4}"
-isl="${ISL:-128}"
+isl="${ISL:-$default_isl}"
 osl="${OSL:-32}"
 tolerance="${TOLERANCE:-0.15}"
 tokenizer="$repo_root/fixtures/models/tiny-llama"
@@ -57,9 +92,18 @@ if [[ -z "$baton_bin" ]]; then
   baton_bin="$target_dir/release/baton"
 fi
 
+# Pinning: the server on core 0, every client on the others.
+server_cpus=() client_cpus=()
+if [[ "${PIN:-1}" == 1 ]] && command -v taskset >/dev/null && (($(nproc) >= 2)); then
+  server_cpus=(taskset -c 0)
+  client_cpus=(taskset -c "1-$(($(nproc) - 1))")
+  info "server pinned to core 0, clients to cores 1-$(($(nproc) - 1))"
+fi
+
 rm -rf "$out" && mkdir -p "$out"
-info "serving $model on $url"
-"${SERVE_BIN:-$baton_bin}" serve --model "$model" --port "$port" >"$out/serve.log" 2>&1 &
+info "serving $model on $url ($backend backend)"
+"${server_cpus[@]}" "${SERVE_BIN:-$baton_bin}" serve --model "$model" --port "$port" "${serve_extra[@]}" \
+  >"$out/serve.log" 2>&1 &
 server_pid=$!
 trap 'kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true' EXIT
 for _ in $(seq 1 300); do
@@ -71,7 +115,7 @@ curl -sf "$url/health" >/dev/null || die "the server did not come up in 300 s"
 model_id="$(curl -sf "$url/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')"
 
 bench() { # bench DIR INPUT_LEN N
-  "$baton_bin" bench serve --url "$url" --model "$model_id" --num-requests "$3" --input-len "$2" \
+  "${client_cpus[@]}" "$baton_bin" bench serve --url "$url" --model "$model_id" --num-requests "$3" --input-len "$2" \
     --output-len "$osl" --ignore-eos --concurrency "$concurrency" --seed 0 --no-progress --no-plots \
     --out-dir "$1" >/dev/null
 }
@@ -85,7 +129,7 @@ bench "$out/warmup" "$isl" 8
 
 a0="$(server_ttft)"
 info "aiperf: $requests requests, concurrency $concurrency, ISL $isl, OSL $osl"
-"$venv/bin/aiperf" profile \
+"${client_cpus[@]}" "$venv/bin/aiperf" profile \
   --model "$model_id" --url "$url" --endpoint-type completions --streaming \
   --tokenizer "$tokenizer" --use-server-token-count --use-legacy-max-tokens \
   --synthetic-input-tokens-mean "$isl" --synthetic-input-tokens-stddev 0 \
