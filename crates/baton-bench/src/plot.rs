@@ -234,71 +234,60 @@ fn draw_sweep<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report
         },
     ];
     for (area, (title, unit, lines)) in root.split_evenly((1, 3)).iter().zip(panels) {
-        let ymax = pts.iter().flat_map(|p| lines.iter().map(|(_, f)| f(p.1))).fold(0.0, f64::max).max(1e-3) * 1.1;
-        let mut chart = ChartBuilder::on(area)
-            .caption(title, ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(56)
-            .build_cartesian_2d(0.0..xmax.max(1e-3), 0.0..ymax)
-            .map_err(err)?;
-        chart.configure_mesh().x_desc("request rate (req/s)").y_desc(unit).draw().map_err(err)?;
-        for (i, (label, f)) in lines.into_iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            let data: Vec<(f64, f64)> = pts.iter().map(|p| (p.0, f(p.1))).collect();
-            chart
-                .draw_series(LineSeries::new(data.clone(), color.stroke_width(2)))
-                .map_err(err)?
-                .label(label)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
-            chart.draw_series(data.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        let series: Vec<(&str, Vec<(f64, f64)>)> =
+            lines.into_iter().map(|(label, f)| (label, pts.iter().map(|p| (p.0, f(p.1))).collect())).collect();
+        rate_panel(area, title, unit, xmax, series)?;
     }
     Ok(())
+}
+
+/// One panel of lines with dots against the request rate: a title, the y unit, the largest rate,
+/// and (label, points) per line.
+fn rate_panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    title: &str,
+    unit: &str,
+    xmax: f64,
+    series: Vec<(&str, Vec<(f64, f64)>)>,
+) -> Res {
+    let ymax = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)).fold(0.0, f64::max).max(1e-3) * 1.1;
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(64)
+        .build_cartesian_2d(0.0..xmax.max(1e-3), 0.0..ymax)
+        .map_err(err)?;
+    chart.configure_mesh().x_desc("request rate (req/s)").y_desc(unit).draw().map_err(err)?;
+    for (i, (label, data)) in series.into_iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(data.clone(), color.stroke_width(2)))
+            .map_err(err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+        chart.draw_series(data.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)
 }
 
 fn draw_versus<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, reports: &[(&str, &Report)]) -> Res {
     let runs: Vec<(&str, Vec<(f64, &crate::metrics::Summary)>)> =
         reports.iter().map(|(name, r)| (*name, sweep_runs(r))).collect();
-    let xmax = runs.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)).fold(0.0, f64::max).max(1e-3) * 1.05;
+    let xmax = runs.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)).fold(0.0, f64::max) * 1.05;
     for (area, fig) in root.split_evenly((1, SWEEP_FIGURES.len())).iter().zip(SWEEP_FIGURES) {
         let series: Vec<(&str, Vec<(f64, f64)>)> = runs
             .iter()
             .map(|(name, pts)| (*name, pts.iter().filter_map(|p| (fig.pick)(p.1).map(|v| (p.0, v))).collect()))
             .collect();
-        let ymax = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)).fold(0.0, f64::max).max(1e-3) * 1.1;
         let better = if fig.better == Better::Higher { "higher is better" } else { "lower is better" };
-        let mut chart = ChartBuilder::on(area)
-            .caption(format!("{} ({better})", fig.name), ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(64)
-            .build_cartesian_2d(0.0..xmax, 0.0..ymax)
-            .map_err(err)?;
-        chart.configure_mesh().x_desc("request rate (req/s)").y_desc(fig.unit).draw().map_err(err)?;
-        for (i, (label, data)) in series.into_iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            chart
-                .draw_series(LineSeries::new(data.clone(), color.stroke_width(2)))
-                .map_err(err)?
-                .label(label)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
-            chart.draw_series(data.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        rate_panel(area, &format!("{} ({better})", fig.name), fig.unit, xmax, series)?;
     }
     Ok(())
 }
