@@ -76,7 +76,8 @@ pub struct Metrics {
     pub tbt: Histogram,
     /// Request latency, end to end.
     pub e2e: Histogram,
-    /// KV hand-off time (prefill finished → decode holding the KV).
+    /// From handing a request to its decode worker to that worker's first token: the KV
+    /// hand-off, joining the batch and one decode step.
     pub transfer: Histogram,
     outcomes: [AtomicU64; 5],
     /// Requests routed colocated.
@@ -140,7 +141,12 @@ impl Metrics {
         self.ttft.render(&mut out, "baton_time_to_first_token_seconds", "Time to first token.");
         self.tbt.render(&mut out, "baton_time_between_tokens_seconds", "Time between consecutive tokens.");
         self.e2e.render(&mut out, "baton_request_duration_seconds", "Request latency, end to end.");
-        self.transfer.render(&mut out, "baton_kv_transfer_seconds", "KV hand-off time from prefill to decode.");
+        self.transfer.render(
+            &mut out,
+            "baton_kv_transfer_seconds",
+            "From handing a request to its decode worker to that worker's first token \
+             (KV hand-off, joining the batch, one decode step).",
+        );
         let _ = writeln!(out, "# HELP baton_requests_total Requests by outcome.\n# TYPE baton_requests_total counter");
         for (name, c) in OUTCOMES.iter().zip(&self.outcomes) {
             let _ = writeln!(out, "baton_requests_total{{outcome=\"{name}\"}} {}", c.load(Ordering::Relaxed));
