@@ -131,30 +131,15 @@ fn draw_cdfs<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report)
             .iter()
             .map(|run| (run.label.clone(), cdf_points(&metric_values(&run.records, m), 2000)))
             .collect();
-        let xmax = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)).fold(0.0f64, f64::max).max(1e-3) * 1.05;
-        let mut chart = ChartBuilder::on(panel)
-            .caption(format!("{title} CDF"), ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(48)
-            .build_cartesian_2d(0.0..xmax, 0.0..1.0)
-            .map_err(err)?;
-        chart.configure_mesh().x_desc("ms").y_desc("fraction of requests").draw().map_err(err)?;
-        for (i, (label, pts)) in series.into_iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            chart
-                .draw_series(LineSeries::new(pts, color.stroke_width(2)))
-                .map_err(err)?
-                .label(label)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        let axes = Axes {
+            title: &format!("{title} CDF"),
+            x_desc: "ms",
+            y_desc: "fraction of requests",
+            y_max: Some(1.0),
+            legend: SeriesLabelPosition::LowerRight,
+            dots: false,
+        };
+        line_panel(panel, axes, max_x(&series) * 1.05, series)?;
     }
     Ok(())
 }
@@ -175,31 +160,16 @@ pub fn timeline_points(records: &[RequestRecord]) -> Vec<(f64, f64)> {
 fn draw_timeline<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report) -> Res {
     let series: Vec<(String, Vec<(f64, f64)>)> =
         report.runs.iter().map(|r| (r.label.clone(), timeline_points(&r.records))).collect();
-    let xmax = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)).fold(0.0f64, f64::max).max(1e-3) * 1.02;
-    let ymax = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)).fold(0.0f64, f64::max).max(1.0) * 1.1;
-    let mut chart = ChartBuilder::on(root)
-        .caption("Requests in flight", ("sans-serif", 20))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(48)
-        .build_cartesian_2d(0.0..xmax, 0.0..ymax)
-        .map_err(err)?;
-    chart.configure_mesh().x_desc("seconds from the start of the run").y_desc("requests").draw().map_err(err)?;
-    for (i, (label, pts)) in series.into_iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
-            .map_err(err)?
-            .label(label)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
+    let y_max = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)).fold(0.0f64, f64::max).max(1.0) * 1.1;
+    let axes = Axes {
+        title: "Requests in flight",
+        x_desc: "seconds from the start of the run",
+        y_desc: "requests",
+        y_max: Some(y_max),
+        legend: SeriesLabelPosition::UpperRight,
+        dots: false,
+    };
+    line_panel(root, axes, max_x(&series) * 1.02, series)?;
     Ok(())
 }
 
@@ -241,8 +211,7 @@ fn draw_sweep<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report
     Ok(())
 }
 
-/// One panel of lines with dots against the request rate: a title, the y unit, the largest rate,
-/// and (label, points) per line.
+/// A panel against the request rate, its y axis sized to the data.
 fn rate_panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
     title: &str,
@@ -250,27 +219,68 @@ fn rate_panel<DB: DrawingBackend>(
     xmax: f64,
     series: Vec<(&str, Vec<(f64, f64)>)>,
 ) -> Res {
-    let ymax = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)).fold(0.0, f64::max).max(1e-3) * 1.1;
+    let axes = Axes {
+        title,
+        x_desc: "request rate (req/s)",
+        y_desc: unit,
+        y_max: None,
+        legend: SeriesLabelPosition::UpperLeft,
+        dots: true,
+    };
+    line_panel(area, axes, xmax, series)
+}
+
+/// How a [`line_panel`] looks.
+struct Axes<'a> {
+    title: &'a str,
+    x_desc: &'a str,
+    y_desc: &'a str,
+    /// The top of the y axis (`None`: 10% above the largest value).
+    y_max: Option<f64>,
+    legend: SeriesLabelPosition,
+    /// Mark each point with a dot.
+    dots: bool,
+}
+
+/// The largest x of a set of lines (at least a sliver, so an empty chart still has an axis).
+fn max_x<L>(series: &[(L, Vec<(f64, f64)>)]) -> f64 {
+    series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)).fold(0.0f64, f64::max).max(1e-3)
+}
+
+/// The one chart of every figure: lines (label, points) from x = 0 to `x_max`, y from 0, a
+/// legend. Every panel of the CDF, timeline, sweep and versus figures is drawn here.
+fn line_panel<DB: DrawingBackend, L: Into<String>>(
+    area: &DrawingArea<DB, Shift>,
+    axes: Axes<'_>,
+    x_max: f64,
+    series: Vec<(L, Vec<(f64, f64)>)>,
+) -> Res {
+    let y_max = axes
+        .y_max
+        .unwrap_or_else(|| series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)).fold(0.0, f64::max).max(1e-3) * 1.1);
     let mut chart = ChartBuilder::on(area)
-        .caption(title, ("sans-serif", 18))
+        .caption(axes.title, ("sans-serif", 18))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(64)
-        .build_cartesian_2d(0.0..xmax.max(1e-3), 0.0..ymax)
+        .build_cartesian_2d(0.0..x_max.max(1e-3), 0.0..y_max)
         .map_err(err)?;
-    chart.configure_mesh().x_desc("request rate (req/s)").y_desc(unit).draw().map_err(err)?;
+    chart.configure_mesh().x_desc(axes.x_desc).y_desc(axes.y_desc).draw().map_err(err)?;
     for (i, (label, data)) in series.into_iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
+        let line = LineSeries::new(data.iter().copied(), color.stroke_width(2));
         chart
-            .draw_series(LineSeries::new(data.clone(), color.stroke_width(2)))
+            .draw_series(line)
             .map_err(err)?
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
-        chart.draw_series(data.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
+        if axes.dots {
+            chart.draw_series(data.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
+        }
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(axes.legend)
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()
