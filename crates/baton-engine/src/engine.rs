@@ -17,12 +17,14 @@ use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use baton_kv::{InstanceId, KvArena, KvEvent, KvGeometry, KvLayout, Loc, MemPool, PolicyKind, PoolConfig, Tier};
+use baton_kv::{
+    InstanceId, KvArena, KvEvent, KvGeometry, KvLayout, Loc, MemPool, PolicyKind, PoolConfig, PoolError, Tier,
+};
 use baton_model::{LogitsWanted, Model, ModelConfig, SeqStep, StepLogits, Tokenizer};
 
 use crate::emulated::{EmulatedModel, EmulatedStats, Emulator, StepWork};
 
-use crate::planner::{self, PlanInput, PlannerConfig, SeqView};
+use crate::planner::{self, PlanInput, PlannerConfig, Scheduled, SeqView};
 use crate::request::{FinishReason, Finished, GenerationRequest, KvPrefix, KvRetention, StepOutput, TokenEvent};
 use crate::sequence::Sequence;
 use crate::{EngineError, RequestId};
@@ -267,8 +269,37 @@ impl Engine {
         (self.running.len(), self.waiting.len())
     }
 
-    /// Validates and queues a request.
+    /// Validates and queues a request. The engine takes over the references `req.prefix` holds:
+    /// a refused request's prefix is released (unless its blocks were not held to begin with).
     pub fn add_request(&mut self, mut req: GenerationRequest) -> Result<(), EngineError> {
+        if let Err(e) = self.validate(&req) {
+            if let Some(prefix) = req.prefix.take()
+                && prefix.blocks.iter().all(|&b| self.pool.ref_count(Loc { tier: Tier::Device, block: b }) > 0)
+            {
+                self.pool.free_blocks(&prefix.blocks)?;
+            }
+            return Err(e);
+        }
+        let bs = self.config.block_size;
+        let known = req.prompt.len() + req.generated.len();
+        // A request without a prefix takes its cached prefix when admitted (`admit`), not now:
+        // a waiting request holds no blocks it cannot use yet.
+        if let Some(prefix) = &mut req.prefix {
+            // At least one token must be computed to sample from its logits.
+            while prefix.tokens >= known {
+                let b = prefix.blocks.pop().expect("tokens > 0 means blocks");
+                self.pool.free_blocks(&[b])?;
+                prefix.tokens = prefix.blocks.len() * bs;
+            }
+        }
+        self.next_seed = self.next_seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let seq = Sequence::new(req, self.next_seed, self.tokenizer.as_deref())?;
+        self.waiting.push_back(seq.id);
+        self.seqs.insert(seq.id, seq);
+        Ok(())
+    }
+
+    fn validate(&self, req: &GenerationRequest) -> Result<(), EngineError> {
         let invalid = |m: String| Err(EngineError::InvalidRequest(m));
         let cfg = self.backend.config();
         let bs = self.config.block_size;
@@ -322,7 +353,7 @@ impl Engine {
             return invalid(format!("generated token id {t} is outside the vocabulary ({} tokens)", cfg.vocab_size));
         }
         let known = req.prompt.len() + req.generated.len();
-        if let Some(prefix) = &mut req.prefix {
+        if let Some(prefix) = &req.prefix {
             let partial = prefix.tokens % bs != 0;
             if prefix.blocks.len() != prefix.tokens.div_ceil(bs) {
                 return invalid(format!(
@@ -346,23 +377,7 @@ impl Engine {
             if partial && prefix.blocks.last().is_some_and(|b| held(b) != 1) {
                 return invalid("a prefix ending in a partial block must hold that block alone".into());
             }
-        } else if self.config.prefix_caching && !req.return_prompt_logits {
-            // (A request for prompt logits computes every prompt position, so it skips the cache.)
-            let (blocks, tokens) = self.pool.acquire_prefix(&req.prompt, self.clock)?;
-            req.prefix = Some(KvPrefix { blocks, tokens });
         }
-        if let Some(prefix) = &mut req.prefix {
-            // At least one token must be computed to sample from its logits.
-            while prefix.tokens >= known {
-                let b = prefix.blocks.pop().expect("tokens > 0 means blocks");
-                self.pool.free_blocks(&[b])?;
-                prefix.tokens = prefix.blocks.len() * bs;
-            }
-        }
-        self.next_seed = self.next_seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let seq = Sequence::new(req, self.next_seed, self.tokenizer.as_deref())?;
-        self.waiting.push_back(seq.id);
-        self.seqs.insert(seq.id, seq);
         Ok(())
     }
 
@@ -395,16 +410,89 @@ impl Engine {
         Ok(())
     }
 
-    fn view(seq: &Sequence) -> SeqView {
-        SeqView { id: seq.id, computed: seq.computed, total: seq.tokens.len(), blocks: seq.table.len() }
+    /// Whether a sequence may take (and give) KV through the prefix cache now: a request for
+    /// prompt logits computes every prompt position, so it skips the cache until it has them.
+    fn uses_cache(&self, seq: &Sequence) -> bool {
+        self.config.prefix_caching && !seq.collecting_prompt_logits(self.backend.config().vocab_size)
     }
 
-    /// Plans and runs one step.
+    /// What the planner sees of a sequence. A waiting sequence that holds nothing and may use
+    /// the cache is seen with the cache hit it would take when admitted (`peek` is false for
+    /// those the planner cannot reach this step: they are seen without it).
+    fn view(&self, seq: &Sequence, peek: bool) -> SeqView {
+        let freeable = seq
+            .table
+            .blocks()
+            .iter()
+            .filter(|&&b| self.pool.ref_count(Loc { tier: Tier::Device, block: b }) == 1)
+            .count();
+        let base = SeqView {
+            id: seq.id,
+            computed: seq.computed,
+            total: seq.tokens.len(),
+            blocks: seq.table.len(),
+            freeable,
+            to_pin: 0,
+        };
+        if !peek || !seq.table.is_empty() || !self.uses_cache(seq) {
+            return base;
+        }
+        let hit = self.pool.peek_device_prefix(&seq.tokens[..seq.tokens.len() - 1]);
+        SeqView {
+            computed: hit.blocks * self.config.block_size,
+            blocks: hit.blocks,
+            to_pin: hit.blocks - hit.held,
+            ..base
+        }
+    }
+
+    /// Starts a waiting sequence: takes its cached prefix (if it holds no KV yet) and the blocks
+    /// of its first chunk of at most `num` tokens. `None` when the blocks cannot be had after
+    /// all (the cache changed since planning): it keeps waiting, holding what it held before.
+    fn admit(&mut self, id: RequestId, num: usize) -> Result<Option<Scheduled>, EngineError> {
+        let bs = self.config.block_size;
+        let uses_cache = self.uses_cache(&self.seqs[&id]);
+        let seq = self.seqs.get_mut(&id).expect("admitted sequences exist");
+        let mut took = false;
+        if seq.table.is_empty() && uses_cache {
+            let known = seq.tokens.len() - 1;
+            let (blocks, tokens) = self.pool.acquire_prefix(&seq.tokens[..known], self.clock)?;
+            seq.table.extend(blocks);
+            seq.computed = tokens;
+            took = true;
+        }
+        if !seq.admitted_once {
+            seq.admitted_once = true;
+            seq.cached_tokens = seq.computed;
+        }
+        let num = num.min(seq.tokens.len() - seq.computed);
+        let need = (seq.computed + num).div_ceil(bs).saturating_sub(seq.table.len());
+        match self.pool.alloc_blocks(need) {
+            Ok(blocks) => {
+                seq.table.extend(blocks);
+                Ok(Some(Scheduled { id, num_tokens: num, new_blocks: need }))
+            }
+            Err(PoolError::OutOfBlocks { .. }) => {
+                if took {
+                    self.pool.free_blocks(&seq.table.take())?;
+                    seq.computed = 0;
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Plans and runs one step. Never fails for want of KV blocks: the planner schedules only
+    /// what the pool can hold, and should an allocation fail all the same, the sequence is
+    /// preempted (running) or keeps waiting (admitted), and the rest of the batch runs.
     pub fn step(&mut self) -> Result<StepOutput, EngineError> {
         let started = std::time::Instant::now();
         self.clock += 1;
-        let running: Vec<SeqView> = self.running.iter().map(|id| Self::view(&self.seqs[id])).collect();
-        let waiting: Vec<SeqView> = self.waiting.iter().map(|id| Self::view(&self.seqs[id])).collect();
+        let reach = self.config.max_num_seqs;
+        let running: Vec<SeqView> = self.running.iter().map(|id| self.view(&self.seqs[id], false)).collect();
+        let waiting: Vec<SeqView> =
+            self.waiting.iter().enumerate().map(|(i, id)| self.view(&self.seqs[id], i < reach)).collect();
         let plan = planner::plan(&PlanInput {
             config: self.config.planner(),
             free_blocks: self.pool.available(),
@@ -416,23 +504,35 @@ impl Engine {
         for &id in plan.preempted.iter().rev() {
             self.preempt(id)?;
         }
-        for &id in &plan.admitted {
-            self.waiting.retain(|&w| w != id);
-            self.running.push(id);
+        let mut batch: Vec<Scheduled> = Vec::with_capacity(plan.batch.len());
+        for s in plan.batch.iter().filter(|s| !plan.admitted.contains(&s.id)) {
+            match self.pool.alloc_blocks(s.new_blocks) {
+                Ok(blocks) => {
+                    self.seqs.get_mut(&s.id).expect("planned sequences exist").table.extend(blocks);
+                    batch.push(*s);
+                }
+                Err(PoolError::OutOfBlocks { .. }) => {
+                    tracing::debug!(request = s.id.0, "blocks ran out after planning; preempting");
+                    self.preempt(s.id)?;
+                    out.preempted += 1;
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
-        for s in &plan.batch {
-            let blocks = self.pool.alloc_blocks(s.new_blocks)?;
-            self.seqs.get_mut(&s.id).expect("planned sequences exist").table.extend(blocks);
+        for s in plan.batch.iter().filter(|s| plan.admitted.contains(&s.id)) {
+            let Some(scheduled) = self.admit(s.id, s.num_tokens)? else { break };
+            self.waiting.retain(|&w| w != s.id);
+            self.running.push(s.id);
+            batch.push(scheduled);
         }
-        if plan.batch.is_empty() {
+        if batch.is_empty() {
             return Ok(out);
         }
 
         let computed = match &mut self.backend {
             Backend::Model(model) => {
                 let vocab = model.config().vocab_size;
-                let steps: Vec<SeqStep<'_>> = plan
-                    .batch
+                let steps: Vec<SeqStep<'_>> = batch
                     .iter()
                     .map(|s| {
                         let seq = &self.seqs[&s.id];
@@ -457,8 +557,7 @@ impl Engine {
             }
             Backend::Emulated(emu) => {
                 let mut work = StepWork::default();
-                let tokens = plan
-                    .batch
+                let tokens = batch
                     .iter()
                     .map(|s| {
                         let seq = &self.seqs[&s.id];
@@ -471,12 +570,12 @@ impl Engine {
                 Computed::Tokens(tokens)
             }
         };
-        out.computed_tokens = plan.num_tokens();
+        out.computed_tokens = batch.iter().map(|s| s.num_tokens).sum();
 
         let eos = self.backend.config().eos_token_ids.clone();
         let max_context = self.backend.config().max_position_embeddings;
         let vocab = self.backend.config().vocab_size;
-        for (i, s) in plan.batch.iter().enumerate() {
+        for (i, s) in batch.iter().enumerate() {
             let seq = self.seqs.get_mut(&s.id).expect("planned sequences exist");
             if let Computed::Logits(logits) = &computed
                 && seq.collecting_prompt_logits(vocab)
@@ -511,8 +610,10 @@ impl Engine {
         Ok(out)
     }
 
-    /// Frees a running sequence's blocks and puts it back at the front of the queue, to be
-    /// recomputed (from the longest prefix the cache still holds, with prefix caching on).
+    /// Frees a sequence's blocks, to be recomputed later (from the longest prefix the cache
+    /// holds when it is admitted again, with prefix caching on). A running sequence goes back
+    /// to the front of the queue; a waiting one (that held KV received from a peer) keeps its
+    /// place.
     fn preempt(&mut self, id: RequestId) -> Result<(), EngineError> {
         let seq = self.seqs.get_mut(&id).expect("preempted sequences exist");
         self.pool.free_blocks(&seq.table.take())?;
@@ -524,15 +625,10 @@ impl Engine {
             l.clear();
         }
         seq.computed = 0;
-        seq.cached_tokens = 0;
-        if self.config.prefix_caching && !seq.collecting_prompt_logits(vocab) {
-            let known = seq.tokens.len() - 1;
-            let (blocks, tokens) = self.pool.acquire_prefix(&seq.tokens[..known], self.clock)?;
-            seq.table.extend(blocks);
-            seq.computed = tokens;
+        if self.running.contains(&id) {
+            self.running.retain(|&r| r != id);
+            self.waiting.push_front(id);
         }
-        self.running.retain(|&r| r != id);
-        self.waiting.push_front(id);
         Ok(())
     }
 

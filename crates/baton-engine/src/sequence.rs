@@ -16,7 +16,10 @@ pub(crate) struct Sequence {
     /// Tokens whose KV is in `table`'s blocks.
     pub(crate) computed: usize,
     pub(crate) table: BlockTable,
+    /// Prompt tokens whose KV was reused (cached or received) when first admitted.
     pub(crate) cached_tokens: usize,
+    /// Whether it was ever admitted (`cached_tokens` is final then).
+    pub(crate) admitted_once: bool,
     pub(crate) sampler: Sampler,
     pub(crate) stop: StopParams,
     pub(crate) retain_kv: KvRetention,
@@ -51,6 +54,7 @@ impl Sequence {
             computed,
             table,
             cached_tokens: computed,
+            admitted_once: false,
             sampler: Sampler::new(req.sampling, fallback_seed),
             stop: req.stop,
             retain_kv: req.retain_kv,

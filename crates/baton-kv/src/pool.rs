@@ -128,6 +128,15 @@ impl PrefixMatch {
     }
 }
 
+/// The device part of a cached prefix, seen without taking it ([`MemPool::peek_device_prefix`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DevicePrefix {
+    /// Cached device blocks of the prefix, in a row from its start.
+    pub blocks: usize,
+    /// Of those, the blocks someone holds already.
+    pub held: usize,
+}
+
 /// Blocks of each kind of owner in one tier: they add up to the tier's size.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TierUsage {
@@ -830,6 +839,26 @@ impl MemPool {
         let mut out = [0; 3];
         for n in self.walk(tokens) {
             out[self.index.nodes[n.index()].loc.tier.index()] += 1;
+        }
+        out
+    }
+
+    /// What taking the cached prefix of `tokens` would cost the device tier, without taking
+    /// references or recording a use (the engine's admission planning): the device blocks
+    /// of the longest cached prefix, up to the first block on a slower tier, and how many of them
+    /// are held already (by a request or a lease). Taking an unheld block removes it from
+    /// [`available`](Self::available); taking a held one costs nothing.
+    pub fn peek_device_prefix(&self, tokens: &[u32]) -> DevicePrefix {
+        let mut out = DevicePrefix::default();
+        for n in self.walk(tokens) {
+            let loc = self.index.nodes[n.index()].loc;
+            if loc.tier != Tier::Device {
+                break;
+            }
+            out.blocks += 1;
+            if self.ref_count(loc) > 0 {
+                out.held += 1;
+            }
         }
         out
     }
