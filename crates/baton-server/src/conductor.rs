@@ -12,7 +12,14 @@
 //!
 //! Workers are local ([`crate::WorkerHandle`]) or remote ([`crate::remote::RemoteWorker`]), and
 //! may join and leave at any time ([`Conductor::add_worker`], [`crate::deploy::follow`]). A request
-//! whose worker is lost before anything was streamed to the client is routed again.
+//! whose worker is lost before anything was streamed to the client is routed again; one whose
+//! decode worker is lost after the prefill's first token but before a token of its own has its
+//! decode half handed to another decode worker.
+//!
+//! Failure is seen at once, not at the registry's TTL: a worker that is lost on a request (its
+//! connection refused or broken, its thread gone, no answer in time) trips a circuit breaker
+//! and leaves routing; a probe asks it for its stats with a growing back-off and puts it back
+//! when it answers. A worker that rejoins the cluster starts with a closed breaker.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -43,6 +50,10 @@ use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
 const WORKER_EVENT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How many times a request whose worker was lost before it streamed anything is routed again.
 const MAX_RETRIES: usize = 2;
+/// First wait before probing a worker whose breaker tripped; it doubles up to `PROBE_MAX`.
+const PROBE_FIRST: Duration = Duration::from_millis(250);
+/// Longest wait between probes of a tripped worker.
+const PROBE_MAX: Duration = Duration::from_secs(5);
 
 type Workers = Vec<Arc<dyn Worker>>;
 
@@ -62,6 +73,9 @@ pub struct Conductor {
     epoch: Instant,
     /// How KV moves from prefill to decode workers.
     kv_transfer: KvTransfer,
+    /// Workers out of routing after a failure, by name, with the generation of their breaker.
+    tripped: Mutex<HashMap<String, u64>>,
+    next_trip: AtomicU64,
 }
 
 /// The conductor's ledger of its workers: a stable instance id per name, and the requests in
@@ -133,6 +147,8 @@ impl Conductor {
             loads: Mutex::new(Loads::default()),
             epoch: Instant::now(),
             kv_transfer: KvTransfer::default(),
+            tripped: Mutex::new(HashMap::new()),
+            next_trip: AtomicU64::new(0),
         }
     }
 
@@ -176,8 +192,61 @@ impl Conductor {
         self.workers.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
-    /// Adds a worker (it joined the cluster). A worker of the same name is replaced.
+    fn tripped(&self) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
+        self.tripped.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether `name` is out of routing after a failure.
+    pub fn is_tripped(&self, name: &str) -> bool {
+        self.tripped().contains_key(name)
+    }
+
+    /// Takes `worker` out of routing after it failed (`reason`), and starts probing it: it is
+    /// routed to again once it answers a stats call, or forgotten when it leaves the cluster or
+    /// is replaced by a worker of the same name.
+    fn trip(self: &Arc<Self>, worker: &Arc<dyn Worker>, reason: &str) {
+        let name = worker.name().to_owned();
+        let generation = self.next_trip.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut tripped = self.tripped();
+            if tripped.contains_key(&name) {
+                return;
+            }
+            tripped.insert(name.clone(), generation);
+        }
+        self.metrics.breaker_trips.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(worker = name, reason, "worker failed; out of routing until it answers a probe");
+        let conductor = Arc::downgrade(self);
+        let worker = worker.clone();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        runtime.spawn(async move {
+            let mut wait = PROBE_FIRST;
+            loop {
+                tokio::time::sleep(wait).await;
+                let Some(c) = conductor.upgrade() else { return };
+                if c.tripped().get(&name) != Some(&generation) {
+                    return; // replaced, or put back already
+                }
+                if !c.workers().iter().any(|w| w.name() == name) {
+                    c.tripped().remove(&name);
+                    return; // left the cluster
+                }
+                if worker.stats().await.is_some() {
+                    if c.tripped().get(&name) == Some(&generation) {
+                        c.tripped().remove(&name);
+                    }
+                    tracing::info!(worker = name, "worker answers again; back in routing");
+                    return;
+                }
+                wait = (wait * 2).min(PROBE_MAX);
+            }
+        });
+    }
+
+    /// Adds a worker (it joined the cluster). A worker of the same name is replaced, and its
+    /// breaker is closed: a restarted worker is routed to at once.
     pub fn add_worker(&self, worker: Arc<dyn Worker>) {
+        self.tripped().remove(worker.name());
         let mut workers = self.workers.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         workers.retain(|w| w.name() != worker.name());
         tracing::info!(worker = worker.name(), role = worker.role().as_str(), "worker joined");
@@ -220,9 +289,15 @@ impl Conductor {
         }
     }
 
-    /// The workers a policy may pick (all but `excluded`) and the snapshot it sees of them.
+    /// The workers a policy may pick (all but `excluded` and those whose breaker tripped) and
+    /// the snapshot it sees of them.
     fn snapshot(&self, excluded: &[String]) -> (Workers, Snapshot) {
-        let workers: Workers = self.workers().into_iter().filter(|w| !excluded.iter().any(|e| e == w.name())).collect();
+        let tripped = self.tripped().clone();
+        let workers: Workers = self
+            .workers()
+            .into_iter()
+            .filter(|w| !excluded.iter().any(|e| e == w.name()) && !tripped.contains_key(w.name()))
+            .collect();
         let mut loads = self.loads();
         let views = workers
             .iter()
@@ -238,6 +313,7 @@ impl Conductor {
                     prefilling: loads.prefill.get(name).map(|t| t.values().copied().collect()).unwrap_or_default(),
                     decoding: loads.decode.get(name).map(|t| t.values().copied().collect()).unwrap_or_default(),
                     capacity_blocks: w.capacity_blocks(),
+                    capacity_tokens: w.capacity_blocks() * w.block_tokens(),
                 }
             })
             .collect();
@@ -371,7 +447,7 @@ impl Run {
                     c.metrics.routed_colocated.fetch_add(1, Ordering::Relaxed);
                     let events = w.submit(self.request());
                     let prefill = c.track(w.as_ref(), self.id, false, self.valid.prompt_ids.len());
-                    self.relay(w, events, start, None, Some(prefill)).await
+                    self.relay(w, events, start, None, Some(prefill), &mut 0).await
                 }
                 Route::Disaggregated { prefill, decode } => {
                     c.metrics.routed_disaggregated.fetch_add(1, Ordering::Relaxed);
@@ -382,6 +458,7 @@ impl Run {
                 Err(RunError::Lost { worker, reason })
                     if !self.streamed.load(Ordering::Relaxed) && lost_workers.len() < MAX_RETRIES =>
                 {
+                    self.trip_named(&worker, &reason);
                     tracing::warn!(request = self.id.0, worker, reason, "worker lost before streaming; routing again");
                     c.metrics.retries.fetch_add(1, Ordering::Relaxed);
                     lost_workers.push(worker);
@@ -397,7 +474,11 @@ impl Run {
             Ok(()) => Outcome::Ok,
             Err(RunError::Cancelled) => Outcome::Cancelled,
             Err(RunError::Lost { worker, reason }) => {
-                let _ = self.out.send(Piece::Failed(ApiError::Internal(format!("worker {worker} was lost: {reason}"))));
+                self.trip_named(&worker, &reason);
+                tracing::warn!(request = self.id.0, worker, reason, "worker lost mid-request");
+                let _ = self.out.send(Piece::Failed(ApiError::Internal(
+                    "a worker was lost while running the request; retry it".into(),
+                )));
                 Outcome::Failed
             }
             Err(RunError::Api(e)) => {
@@ -408,6 +489,23 @@ impl Run {
         };
         c.metrics.outcome(outcome);
         c.metrics.e2e.observe(start.elapsed().as_secs_f64());
+    }
+
+    /// Trips the breaker of the worker named `name`, if the conductor still knows it.
+    fn trip_named(&self, name: &str, reason: &str) {
+        let c = &self.conductor;
+        if let Some(w) = c.workers().into_iter().find(|w| w.name() == name) {
+            c.trip(&w, reason);
+        }
+    }
+
+    /// Another worker to decode on, after `tried` failed: the decode worker (or else the
+    /// colocated worker) the policy picks among the rest.
+    fn reroute_decode(&self, tried: &[String]) -> Option<Arc<dyn Worker>> {
+        match self.conductor.route(&self.valid, tried).ok()? {
+            Route::Disaggregated { decode, .. } => Some(decode),
+            Route::Colocated(w) => Some(w),
+        }
     }
 
     fn request(&self) -> WorkRequest {
@@ -472,9 +570,35 @@ impl Run {
         // releases it on the prefill side), then stream the rest.
         let handoff = Instant::now();
         let bytes = kv.tokens * c.kv_bytes_per_token;
-        let _decode = c.track(d.as_ref(), self.id, true, self.valid.prompt_ids.len() + first.len());
-        let events = d.submit(WorkRequest { generated: first, kv: Some(kv), ..self.request() });
-        let result = self.relay(d, events, start, Some((handoff, bytes)), None).await;
+        let mut decode = d.clone();
+        let mut tried = Vec::new();
+        let result = loop {
+            let _decode = c.track(decode.as_ref(), self.id, true, self.valid.prompt_ids.len() + first.len());
+            let events =
+                decode.submit(WorkRequest { generated: first.clone(), kv: Some(kv.clone()), ..self.request() });
+            let mut relayed = 0;
+            let result = self.relay(&decode, events, start, Some((handoff, bytes)), None, &mut relayed).await;
+            // A decode worker lost before its first token: hand the decode half to another (it
+            // pulls the KV if the lease still holds it, else recomputes the prompt).
+            match result {
+                Err(RunError::Lost { worker, reason }) if relayed == 0 && tried.len() < MAX_RETRIES => {
+                    c.trip(&decode, &reason);
+                    c.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        request = self.id.0,
+                        worker,
+                        reason,
+                        "decode worker lost; handing the decode to another"
+                    );
+                    tried.push(worker.clone());
+                    match self.reroute_decode(&tried) {
+                        Some(next) => decode = next,
+                        None => break Err(RunError::Lost { worker, reason }),
+                    }
+                }
+                other => break other,
+            }
+        };
         // Whatever happened on the decode side, the prefill side's blocks are not needed any
         // more (a no-op when the pull completed).
         p.release(self.id.0);
@@ -490,6 +614,7 @@ impl Run {
         start: Instant,
         mut handoff: Option<(Instant, usize)>,
         mut prefill: Option<Tracked<'_>>,
+        relayed: &mut usize,
     ) -> Result<(), RunError> {
         let c = &self.conductor;
         let mut last = None;
@@ -515,6 +640,7 @@ impl Run {
                         Some(t) => c.metrics.tbt.observe((now - t).as_secs_f64()),
                     }
                     last = Some(now);
+                    *relayed += 1;
                     self.send(Piece::Text(text))?;
                 }
                 RequestEvent::Finished { reason, prompt_tokens, completion_tokens, .. } => {

@@ -92,6 +92,8 @@ pub struct Metrics {
     pub generation_tokens: AtomicU64,
     /// Requests routed again after their worker was lost.
     pub retries: AtomicU64,
+    /// Workers taken out of routing after a failure (circuit breaker trips).
+    pub breaker_trips: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -108,6 +110,7 @@ impl Default for Metrics {
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            breaker_trips: AtomicU64::new(0),
         }
     }
 }
@@ -169,6 +172,11 @@ impl Metrics {
             out,
             "# HELP baton_retries_total Requests routed again after their worker was lost.\n# TYPE baton_retries_total counter\nbaton_retries_total {}",
             self.retries.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP baton_worker_breaker_trips_total Workers taken out of routing after a failed connect or request.\n# TYPE baton_worker_breaker_trips_total counter\nbaton_worker_breaker_trips_total {}",
+            self.breaker_trips.load(Ordering::Relaxed)
         );
         let _ = writeln!(
             out,

@@ -157,6 +157,10 @@ impl Worker for RemoteWorker {
         usize::try_from(self.info.capacity_blocks).unwrap_or(usize::MAX)
     }
 
+    fn block_tokens(&self) -> usize {
+        self.info.kv.block_tokens as usize
+    }
+
     async fn stats(&self) -> Option<WorkerStats> {
         let r = self.signed(reqwest::Method::GET, STATS_PATH, Vec::new()).timeout(CALL_TIMEOUT).send().await.ok()?;
         if !r.status().is_success() {

@@ -23,6 +23,8 @@ pub struct WorkerView {
     pub decoding: Vec<(u64, usize)>,
     /// KV blocks of its pool (0: unknown).
     pub capacity_blocks: usize,
+    /// Tokens of KV its pool holds (0: unknown).
+    pub capacity_tokens: usize,
 }
 
 impl WorkerView {
@@ -36,6 +38,7 @@ impl WorkerView {
             prefilling: Vec::new(),
             decoding: Vec::new(),
             capacity_blocks: 0,
+            capacity_tokens: 0,
         }
     }
 }
@@ -99,13 +102,31 @@ fn least(snapshot: &Snapshot, role: crate::Role) -> Option<&WorkerView> {
     snapshot.workers.iter().filter(|w| w.role == role).min_by_key(|w| (w.in_flight, w.index))
 }
 
+/// Whether a decode worker has room to start a request of `prompt` tokens now: the context of
+/// every request decoding on it or handed to it, plus this prompt, fits in its KV pool. When
+/// it does not, the hand-off would have to wait for room after the prefill (and the client would
+/// have its first token and then wait): refusing before the prefill is the honest answer.
+pub fn decode_has_room(w: &WorkerView, prompt: usize) -> bool {
+    w.capacity_tokens == 0 || w.decoding.iter().map(|&(_, ctx)| ctx).sum::<usize>() + prompt < w.capacity_tokens
+}
+
 impl RoutePolicy for LeastLoad {
-    fn route(&self, snapshot: &Snapshot, _request: &RouteRequest<'_>) -> Decision {
+    fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision {
         use crate::Role;
         let full = |w: &WorkerView| self.max_in_flight.is_some_and(|m| w.in_flight >= m);
-        let decision = match (least(snapshot, Role::Prefill), least(snapshot, Role::Decode)) {
-            (Some(p), Some(d)) if !full(p) && !full(d) => Decision::Disaggregated { prefill: p.index, decode: d.index },
-            (Some(_), Some(_)) => Decision::Reject { reason: String::new() },
+        let decode = snapshot
+            .workers
+            .iter()
+            .filter(|w| w.role == Role::Decode && decode_has_room(w, request.prompt.len()))
+            .min_by_key(|w| (w.in_flight, w.index));
+        let decision = match (least(snapshot, Role::Prefill), decode, least(snapshot, Role::Decode)) {
+            (Some(p), Some(d), _) if !full(p) && !full(d) => {
+                Decision::Disaggregated { prefill: p.index, decode: d.index }
+            }
+            (Some(_), None, Some(_)) => Decision::Reject {
+                reason: "no decode worker has room for the request's KV now; retry later".to_owned(),
+            },
+            (Some(_), _, Some(_)) => Decision::Reject { reason: String::new() },
             _ => Decision::NoWorkers,
         };
         let colocated = least(snapshot, Role::Colocated);
@@ -113,6 +134,7 @@ impl RoutePolicy for LeastLoad {
             (Decision::Disaggregated { prefill, decode }, _) => Decision::Disaggregated { prefill, decode },
             (_, Some(c)) if !full(c) => Decision::Colocated(c.index),
             (Decision::NoWorkers, None) => Decision::NoWorkers,
+            (Decision::Reject { reason }, None) if !reason.is_empty() => Decision::Reject { reason },
             _ => Decision::Reject {
                 reason: format!(
                     "every worker has {} requests in flight; retry later",
@@ -153,6 +175,17 @@ mod tests {
         let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 0), view(1, Role::Colocated, 2)] };
         assert_eq!(LeastLoad::default().route(&s, &r), Decision::Colocated(1));
         assert_eq!(LeastLoad::default().route(&Snapshot::default(), &r), Decision::NoWorkers);
+    }
+
+    #[test]
+    fn a_decode_worker_without_room_is_not_chosen_and_none_means_429() {
+        let r = RouteRequest { prompt: &[1; 100], max_tokens: 10 };
+        let busy = WorkerView { capacity_tokens: 1000, decoding: vec![(0, 950)], ..view(1, Role::Decode, 0) };
+        let idle = WorkerView { capacity_tokens: 1000, decoding: vec![(0, 300)], ..view(2, Role::Decode, 3) };
+        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 0), busy.clone(), idle] };
+        assert_eq!(LeastLoad::default().route(&s, &r), Decision::Disaggregated { prefill: 0, decode: 2 });
+        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 0), busy] };
+        assert!(matches!(LeastLoad::default().route(&s, &r), Decision::Reject { reason } if reason.contains("room")));
     }
 
     #[test]

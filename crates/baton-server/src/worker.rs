@@ -22,11 +22,11 @@
 //! A failed transfer frees the reserved blocks; a prefill worker's blocks come back when their
 //! lease ends whatever the decode side does, so a dead peer leaves nothing held.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use baton_engine::{Engine, FinishReason, GenerationRequest, KvPrefix, KvRetention, RequestId, StopParams};
 use baton_model::SamplingParams;
@@ -203,6 +203,9 @@ pub struct WorkerStats {
     pub total_blocks: usize,
     /// KV handed off and not yet released.
     pub leased: usize,
+    /// Hand-offs waiting for room to receive their KV (decode role).
+    #[serde(default)]
+    pub incoming: usize,
 }
 
 impl WorkerStats {
@@ -211,6 +214,7 @@ impl WorkerStats {
         self.running == 0
             && self.waiting == 0
             && self.pulling == 0
+            && self.incoming == 0
             && self.leased == 0
             && self.available_blocks == self.total_blocks
     }
@@ -236,6 +240,10 @@ pub trait Worker: Send + Sync + std::fmt::Debug {
     async fn stats(&self) -> Option<WorkerStats>;
     /// KV blocks of its pool (0: unknown).
     fn capacity_blocks(&self) -> usize {
+        0
+    }
+    /// Tokens per KV block (0: unknown).
+    fn block_tokens(&self) -> usize {
         0
     }
 }
@@ -291,6 +299,12 @@ pub struct WorkerOptions {
 /// How long a prefill worker keeps handed-off KV when no one releases it.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
+/// How long an idle engine thread waits for a command before looking around again.
+const IDLE_WAIT: Duration = Duration::from_millis(500);
+/// How long a stalled engine thread (its work waits for blocks that a lease, a transfer or a
+/// departing client will free) waits for a command before trying again: no spinning.
+const STALL_WAIT: Duration = Duration::from_millis(5);
+
 pub(crate) enum Command {
     Submit {
         req: Box<GenerationRequest>,
@@ -335,6 +349,7 @@ struct Inner {
     commands: std::sync::mpsc::Sender<Command>,
     kv_addr: Option<SocketAddr>,
     capacity_blocks: usize,
+    block_tokens: usize,
     /// Requests submitted and not finished: the load figure routing reads without a round trip.
     in_flight: AtomicUsize,
 }
@@ -384,6 +399,7 @@ impl WorkerHandle {
             Some(TransferThread::spawn(&name, local, config, options.transport, tx.clone())?)
         };
         let capacity_blocks = engine.config().num_blocks;
+        let block_tokens = engine.config().block_size;
         let kv_addr = server.as_ref().map(|s| {
             let mut addr = s.addr();
             match options.kv_advertise {
@@ -405,6 +421,8 @@ impl WorkerHandle {
                 push_on_finish: HashSet::new(),
                 transfers,
                 pulling: HashMap::new(),
+                incoming: VecDeque::new(),
+                incoming_wait: options.lease / 2,
             }
             .run(rx)
         })?;
@@ -415,6 +433,7 @@ impl WorkerHandle {
                 commands: tx,
                 kv_addr,
                 capacity_blocks,
+                block_tokens,
                 in_flight: AtomicUsize::new(0),
             }),
         })
@@ -470,6 +489,10 @@ impl Worker for WorkerHandle {
 
     fn capacity_blocks(&self) -> usize {
         self.inner.capacity_blocks
+    }
+
+    fn block_tokens(&self) -> usize {
+        self.inner.block_tokens
     }
 
     async fn stats(&self) -> Option<WorkerStats> {
@@ -530,6 +553,21 @@ struct EngineLoop {
     transfers: Option<std::sync::mpsc::Sender<KvJob>>,
     /// Requests whose KV is being pulled or pushed in; `true` once aborted.
     pulling: HashMap<RequestId, bool>,
+    /// Hand-offs that found no room for their KV, first come first served: each waits until
+    /// blocks free up, or until its deadline, when it is run by recomputing its prompt here.
+    incoming: VecDeque<Incoming>,
+    /// How long a hand-off waits for room (half the prefill side's lease, so the KV is still
+    /// there when room comes).
+    incoming_wait: Duration,
+}
+
+/// A hand-off waiting for room to receive its KV.
+struct Incoming {
+    req: GenerationRequest,
+    source: KvSource,
+    mode: KvTransfer,
+    events: mpsc::UnboundedSender<RequestEvent>,
+    deadline: Instant,
 }
 
 /// How a prefill worker pushes.
@@ -543,13 +581,15 @@ struct PushOptions {
 
 impl EngineLoop {
     fn run(mut self, rx: std::sync::mpsc::Receiver<Command>) {
+        let mut stalled = false;
         loop {
-            // Idle: block for a command; busy: take what is there.
-            let first = if self.engine.has_work() {
+            // Idle: block for a command; busy: take what is there; stalled (work that waits for
+            // blocks a lease or a transfer holds): wait a little for the command that frees them.
+            let first = if self.engine.has_work() && !stalled {
                 rx.try_recv().map_err(|e| matches!(e, std::sync::mpsc::TryRecvError::Disconnected))
             } else {
-                rx.recv_timeout(Duration::from_millis(500))
-                    .map_err(|e| matches!(e, std::sync::mpsc::RecvTimeoutError::Disconnected))
+                let wait = if stalled || !self.incoming.is_empty() { STALL_WAIT } else { IDLE_WAIT };
+                rx.recv_timeout(wait).map_err(|e| matches!(e, std::sync::mpsc::RecvTimeoutError::Disconnected))
             };
             match first {
                 Ok(cmd) => {
@@ -564,9 +604,9 @@ impl EngineLoop {
                 Err(true) => break,
                 Err(false) => {}
             }
-            if self.engine.has_work() {
-                self.step();
-            }
+            self.drop_departed();
+            self.start_incoming();
+            stalled = self.engine.has_work() && !self.step();
         }
         // Requests still running learn that the worker stopped when their senders drop.
         // (A push still running holds the server; it stops when that push ends.)
@@ -600,6 +640,7 @@ impl EngineLoop {
                     running,
                     waiting,
                     pulling: self.pulling.len(),
+                    incoming: self.incoming.len(),
                     available_blocks: self.engine.available_blocks(),
                     total_blocks: self.engine.config().num_blocks,
                     leased: self.handed_off.len(),
@@ -630,10 +671,10 @@ impl EngineLoop {
         mode: KvTransfer,
         events: mpsc::UnboundedSender<RequestEvent>,
     ) {
-        let Some(transfers) = &self.transfers else {
+        if self.transfers.is_none() {
             let _ = events.send(RequestEvent::Failed(ApiError::Internal("this worker cannot receive KV".into())));
             return;
-        };
+        }
         if source.blocks.len() != source.tokens.div_ceil(self.engine.config().block_size) {
             let _ = events.send(RequestEvent::Failed(ApiError::Internal(format!(
                 "{} blocks cannot hold {} tokens",
@@ -642,15 +683,52 @@ impl EngineLoop {
             ))));
             return;
         }
-        let prefix = match self.engine.reserve_kv(source.tokens) {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = events.send(RequestEvent::Failed(ApiError::Overloaded {
-                    message: format!("no room for the request's KV: {e}"),
-                    retry_after_s: 1,
-                }));
-                return;
+        let deadline = Instant::now() + self.incoming_wait;
+        self.incoming.push_back(Incoming { req, source, mode, events, deadline });
+        self.start_incoming();
+    }
+
+    /// Starts the waiting hand-offs that have room now, first come first served; one whose
+    /// deadline passed runs by recomputing its prompt (its KV would be gone soon anyway).
+    fn start_incoming(&mut self) {
+        while let Some(head) = self.incoming.front() {
+            if head.events.is_closed() {
+                self.incoming.pop_front();
+                continue;
             }
+            let blocks = head.source.tokens.div_ceil(self.engine.config().block_size);
+            // Leave a block per running sequence for its next decode step.
+            let (running, _) = self.engine.queue_lengths();
+            if self.engine.available_blocks() >= blocks + running {
+                let Some(h) = self.incoming.pop_front() else { break };
+                match self.engine.reserve_kv(h.source.tokens) {
+                    Ok(prefix) => self.send_job(h.req, prefix, h.source, h.mode, h.events),
+                    Err(e) => {
+                        tracing::warn!(request = h.req.id.0, error = %e, "no room for KV after all; recomputing");
+                        self.admit(h.req, h.events);
+                    }
+                }
+            } else if Instant::now() >= head.deadline {
+                let Some(h) = self.incoming.pop_front() else { break };
+                tracing::warn!(request = h.req.id.0, "no room for the KV in time; recomputing the prompt here");
+                self.admit(h.req, h.events);
+            } else {
+                break;
+            }
+        }
+    }
+
+    fn send_job(
+        &mut self,
+        req: GenerationRequest,
+        prefix: KvPrefix,
+        source: KvSource,
+        mode: KvTransfer,
+        events: mpsc::UnboundedSender<RequestEvent>,
+    ) {
+        let Some(transfers) = &self.transfers else {
+            self.release(prefix);
+            return;
         };
         let id = req.id;
         if let Err(std::sync::mpsc::SendError(job)) = transfers.send(KvJob { req, prefix, source, mode, events }) {
@@ -672,14 +750,30 @@ impl EngineLoop {
                 self.admit(req, events);
             }
             Ok(_) => self.release(prefix),
+            Err(_) if aborted => self.release(prefix),
             Err(e) => {
+                // The KV did not arrive (the peer died, its lease ended, the link broke): this
+                // worker has the prompt and the tokens so far, so it recomputes the KV itself.
+                tracing::warn!(request = req.id.0, error = %e, "receiving KV failed; recomputing the prompt here");
                 self.release(prefix);
-                let _ = events.send(RequestEvent::Failed(ApiError::Internal(e)));
+                self.admit(req, events);
             }
         }
     }
 
-    fn step(&mut self) {
+    /// Aborts the requests whose client went away, wherever they are: waiting, running or
+    /// waiting for room (a request that only waits sends nothing, so no failed send says so).
+    fn drop_departed(&mut self) {
+        let gone: Vec<RequestId> = self.streams.iter().filter(|(_, tx)| tx.is_closed()).map(|(&id, _)| id).collect();
+        for id in gone {
+            tracing::debug!(request = id.0, "client went away; aborting");
+            self.abort(id);
+        }
+        self.incoming.retain(|h| !h.events.is_closed());
+    }
+
+    /// Runs one engine step; `false` when it made no progress (everything waits for blocks).
+    fn step(&mut self) -> bool {
         let out = match self.engine.step() {
             Ok(out) => out,
             Err(e) => {
@@ -689,9 +783,10 @@ impl EngineLoop {
                     let _ = tx.send(RequestEvent::Failed(ApiError::Internal(e.to_string())));
                     let _ = self.engine.abort(id);
                 }
-                return;
+                return true;
             }
         };
+        let progressed = out.computed_tokens > 0 || out.preempted > 0 || !out.finished.is_empty();
         let mut gone = Vec::new();
         for t in out.tokens {
             if let Some(tx) = self.streams.get(&t.id)
@@ -722,6 +817,7 @@ impl EngineLoop {
         for id in gone {
             self.abort(id);
         }
+        progressed
     }
 
     /// Offers a finished request's KV on the KV server; without one, frees it.

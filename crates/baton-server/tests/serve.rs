@@ -3,28 +3,20 @@
 //! the middle of a push too; bad input answered with OpenAI-style errors; and after every
 //! scenario, no KV block held anywhere.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use baton_engine::{Engine, EngineConfig, GenerationRequest, RequestId, StopParams};
 use baton_model::Checkpoint;
-use baton_server::{Conductor, KvTransfer, ServeConfig};
-use serde_json::{Value, json};
+use baton_server::{KvTransfer, ServeConfig};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models").join(name)
-}
+mod common;
+use common::{Server, fixture, start_with};
+use serde_json::{Value, json};
 
 fn engine_config() -> EngineConfig {
     // Small blocks so every prompt spans several; a small arena so leaks would show.
     EngineConfig { block_size: 4, num_blocks: 256, max_batch_tokens: 64, prefill_chunk: 32, ..EngineConfig::default() }
-}
-
-struct Server {
-    url: String,
-    conductor: Arc<Conductor>,
-    _shutdown: tokio::sync::oneshot::Sender<()>,
 }
 
 async fn start(model: &str, prefill: usize, decode: usize, colocated: usize, api_key: Option<&str>) -> Server {
@@ -44,17 +36,6 @@ async fn start_handoff(model: &str, mode: KvTransfer, push_delay: Duration) -> S
     let config =
         ServeConfig { engine: engine_config(), kv_transfer: mode, push_delay, ..ServeConfig::new(fixture(model)) };
     start_with(&config).await
-}
-
-async fn start_with(config: &ServeConfig) -> Server {
-    let conductor = baton_server::build(config).expect("builds");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(baton_server::serve(listener, conductor.clone(), async {
-        let _ = rx.await;
-    }));
-    Server { url, conductor, _shutdown: tx }
 }
 
 impl Server {
@@ -77,24 +58,6 @@ impl Server {
 
     async fn stream(&self, path: &str, body: Value, stop_after: Option<usize>) -> (String, Option<String>, usize) {
         stream(&self.url, path, body, stop_after).await
-    }
-
-    /// Waits until no worker runs anything or holds any KV.
-    async fn assert_no_kv_held(&self) {
-        for _ in 0..100 {
-            let mut clean = true;
-            for w in self.conductor.workers() {
-                clean &= w.stats().await.expect("stats").is_quiet();
-            }
-            if clean {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        for w in self.conductor.workers() {
-            eprintln!("{}: {:?}", w.name(), w.stats().await);
-        }
-        panic!("a worker still holds KV");
     }
 }
 
