@@ -39,6 +39,7 @@ pub mod progress;
 pub mod report;
 pub mod runner;
 pub mod sse;
+pub mod storm;
 pub mod text;
 pub mod workload;
 

@@ -7,6 +7,8 @@ use baton_kv::KvLayout;
 // Declared here rather than in main.rs: `baton bench serve` and `compare` are bench commands.
 #[path = "bench_serve.rs"]
 mod bench_serve;
+#[path = "bench_storm.rs"]
+mod bench_storm;
 
 /// Benchmarks.
 #[derive(Debug, clap::Subcommand)]
@@ -28,6 +30,11 @@ pub(crate) enum BenchCommand {
     Serve(Box<bench_serve::ServeBenchArgs>),
     /// Side-by-side table of two `baton bench serve` reports.
     Compare(bench_serve::CompareArgs),
+    /// Bursts of concurrent streaming requests (shared-prefix completions, unrelated
+    /// completions, chats): per burst, how many completed, were refused before their first token
+    /// (429), failed before it, failed after it or hung (the last two: target 0), and tokens/s.
+    /// Exits non-zero when any failed after its first token or hung.
+    Storm(bench_storm::StormArgs),
 }
 
 /// Arguments of `baton bench engine`.
@@ -78,6 +85,7 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Transfer(a) => crate::bench_transfer::transfer(a),
         BenchCommand::Conductor(a) => crate::bench_conductor::run(a),
         BenchCommand::Serve(a) => bench_serve::serve(*a),
+        BenchCommand::Storm(a) => bench_storm::run(a),
         BenchCommand::Compare(a) => bench_serve::compare(a),
     }
 }

@@ -1,0 +1,189 @@
+//! Storms: many requests at once against a server, and how each ended from the client's side.
+//!
+//! A serving system under more load than it can hold must do one of two things with a request:
+//! serve it, or refuse it before its first token (HTTP 429). Failing a request after its first
+//! token, or leaving it hanging, is the bug a storm looks for. [`StormTally`] counts the four
+//! (plus failures before the first token, e.g. a 503) and the tokens served; `baton bench storm`
+//! is the thin shell that sends the requests, `scripts/bench-storm.sh` sweeps concurrency and KV
+//! size.
+
+use std::fmt::Write as _;
+
+use serde_json::{Value, json};
+
+use crate::client::{Endpoint, Exchange};
+use crate::metrics::Outcome;
+
+/// How one request of a storm ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StormOutcome {
+    /// Served to the end.
+    Completed,
+    /// Refused with 429 before any token: what an overloaded server should do.
+    Refused,
+    /// Failed before any token, otherwise than a 429 (a 5xx, a refused connection).
+    FailedBefore,
+    /// Failed after streaming at least one token: the bug (target 0).
+    FailedAfter,
+    /// No answer within the client's timeout: the other bug (target 0).
+    Hung,
+}
+
+/// Classifies an exchange.
+pub fn classify(ex: &Exchange) -> StormOutcome {
+    match ex.outcome {
+        Outcome::Ok => StormOutcome::Completed,
+        Outcome::Timeout => StormOutcome::Hung,
+        Outcome::Rejected if ex.chunks == 0 => StormOutcome::Refused,
+        _ if ex.chunks == 0 => StormOutcome::FailedBefore,
+        _ => StormOutcome::FailedAfter,
+    }
+}
+
+/// Counts of a storm's outcomes and the tokens served.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StormTally {
+    /// Served to the end.
+    pub completed: u64,
+    /// Refused with 429 before the first token.
+    pub refused: u64,
+    /// Failed before the first token, not a 429.
+    pub failed_before: u64,
+    /// Failed after the first token (target 0).
+    pub failed_after: u64,
+    /// Hung past the timeout (target 0).
+    pub hung: u64,
+    /// Text chunks (about one per token) of completed requests.
+    pub tokens: u64,
+}
+
+impl StormTally {
+    /// Counts one exchange.
+    pub fn add(&mut self, ex: &Exchange) {
+        match classify(ex) {
+            StormOutcome::Completed => {
+                self.completed += 1;
+                self.tokens += ex.chunks;
+            }
+            StormOutcome::Refused => self.refused += 1,
+            StormOutcome::FailedBefore => self.failed_before += 1,
+            StormOutcome::FailedAfter => self.failed_after += 1,
+            StormOutcome::Hung => self.hung += 1,
+        }
+    }
+
+    /// Requests counted.
+    pub fn total(&self) -> u64 {
+        self.completed + self.refused + self.failed_before + self.failed_after + self.hung
+    }
+
+    /// Whether nothing failed after its first token and nothing hung.
+    pub fn is_clean(&self) -> bool {
+        self.failed_after == 0 && self.hung == 0
+    }
+}
+
+/// The header of [`row`]'s table.
+pub fn header() -> String {
+    format!(
+        "{:>10} {:>11} {:>9} {:>8} {:>13} {:>12} {:>6} {:>9} {:>10}",
+        "kv_blocks",
+        "concurrency",
+        "completed",
+        "refused",
+        "failed_before",
+        "failed_after",
+        "hung",
+        "wall_s",
+        "tokens/s"
+    )
+}
+
+/// One line of the table: a storm of `concurrency` requests on a server of `kv_blocks` blocks
+/// (0: unknown) that took `wall_s` seconds.
+pub fn row(kv_blocks: usize, concurrency: usize, t: &StormTally, wall_s: f64) -> String {
+    let mut out = String::new();
+    let rate = if wall_s > 0.0 { t.tokens as f64 / wall_s } else { 0.0 };
+    let blocks = if kv_blocks == 0 { "-".to_owned() } else { kv_blocks.to_string() };
+    let _ = write!(
+        out,
+        "{blocks:>10} {concurrency:>11} {:>9} {:>8} {:>13} {:>12} {:>6} {wall_s:>9.1} {rate:>10.1}",
+        t.completed, t.refused, t.failed_before, t.failed_after, t.hung
+    );
+    out
+}
+
+/// The storm's `i`-th request: completions that share a long system prompt, unrelated
+/// completions and chats, in turn (what breaks a prefix cache that pins blocks, and what does
+/// not share at all).
+pub fn storm_request(i: usize, max_tokens: u64, model: &str) -> (Endpoint, Value) {
+    const SYSTEM: &str = "You are a helpful assistant that answers questions about distributed \
+        inference, key-value caches, and how prefill and decode share the work of serving. ";
+    const TOPICS: [&str; 6] = ["prefill", "decode", "the KV cache", "batching", "routing", "preemption"];
+    let topic = TOPICS[i % TOPICS.len()];
+    match i % 3 {
+        0 => (
+            Endpoint::Completions,
+            json!({"model": model, "prompt": format!("{SYSTEM}Question {i}: what is {topic}?"),
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true}),
+        ),
+        1 => (
+            Endpoint::Completions,
+            json!({"model": model, "prompt": format!("Story {i} begins with {topic} and a relay race"),
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true}),
+        ),
+        _ => (
+            Endpoint::Chat,
+            json!({"model": model, "messages": [{"role": "user", "content": format!("Tell me about {topic}, #{i}.")}],
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true}),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ex(outcome: Outcome, chunks: u64) -> Exchange {
+        Exchange {
+            ttft_us: None,
+            itl_us: Vec::new(),
+            jct_us: 0,
+            text: String::new(),
+            chunks,
+            usage: None,
+            outcome,
+            error: None,
+        }
+    }
+
+    #[test]
+    fn outcomes_are_told_apart_by_whether_a_token_came_first() {
+        assert_eq!(classify(&ex(Outcome::Ok, 5)), StormOutcome::Completed);
+        assert_eq!(classify(&ex(Outcome::Rejected, 0)), StormOutcome::Refused);
+        assert_eq!(classify(&ex(Outcome::Http { status: 503 }, 0)), StormOutcome::FailedBefore);
+        assert_eq!(classify(&ex(Outcome::ServerError, 0)), StormOutcome::FailedBefore);
+        assert_eq!(classify(&ex(Outcome::ServerError, 1)), StormOutcome::FailedAfter);
+        assert_eq!(classify(&ex(Outcome::Stream, 3)), StormOutcome::FailedAfter);
+        assert_eq!(classify(&ex(Outcome::Timeout, 0)), StormOutcome::Hung);
+        assert_eq!(classify(&ex(Outcome::Timeout, 7)), StormOutcome::Hung);
+        let mut t = StormTally::default();
+        for e in [ex(Outcome::Ok, 5), ex(Outcome::Rejected, 0), ex(Outcome::ServerError, 1), ex(Outcome::Ok, 3)] {
+            t.add(&e);
+        }
+        assert_eq!((t.completed, t.refused, t.failed_after, t.tokens, t.total()), (2, 1, 1, 8, 4));
+        assert!(!t.is_clean());
+        assert!(row(64, 16, &t, 2.0).contains("4.0"), "8 tokens in 2 s");
+    }
+
+    #[test]
+    fn the_mix_has_shared_prefixes_unrelated_prompts_and_chats() {
+        let (e0, b0) = storm_request(0, 8, "m");
+        let (e3, b3) = storm_request(3, 8, "m");
+        let (e2, _) = storm_request(2, 8, "m");
+        assert_eq!((e0, e3, e2), (Endpoint::Completions, Endpoint::Completions, Endpoint::Chat));
+        let (p0, p3) = (b0["prompt"].as_str().expect("a prompt"), b3["prompt"].as_str().expect("a prompt"));
+        assert_eq!(p0[..100], p3[..100], "shared system prompt");
+        assert_ne!(p0, p3);
+    }
+}
