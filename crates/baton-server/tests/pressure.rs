@@ -195,3 +195,56 @@ async fn refusals_come_before_the_first_token_never_after() {
     eprintln!("200 requests served; {refusals} refusals before the first token on the way");
     server.assert_no_kv_held().await;
 }
+
+/// A request that waits in the queue sends nothing, so no failed send tells the worker its
+/// client left: before, it stayed queued (and pinned its cached prefix) until its turn came. Now
+/// it leaves the queue at once. An emulated worker (20 ms per decode step) keeps the first
+/// request running for seconds while the others wait behind it (one sequence at a time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_whose_client_left_leaves_the_queue_at_once() {
+    let mut profile = baton_sched::CostProfile::llama2_70b_8xh100();
+    profile.decode.fixed_us = 20_000.0;
+    let config = ServeConfig {
+        prefill: 0,
+        decode: 0,
+        colocated: 1,
+        engine: EngineConfig { max_num_seqs: 1, ..EngineConfig::default() },
+        emulate: Some(profile),
+        ..ServeConfig::new(fixture("tiny-llama"))
+    };
+    let server = start(&config).await;
+    let worker = server.conductor.workers().remove(0);
+    let body = |max_tokens: usize| json!({"prompt": "A prompt that waits its turn", "max_tokens": max_tokens, "ignore_eos": true, "stream": true});
+    let open = |b: Value| {
+        let url = server.url.clone();
+        async move { client().post(format!("{url}/v1/completions")).json(&b).send().await.expect("sends") }
+    };
+    // The first runs for ~1000 × 20 ms; three more wait behind it.
+    let running = open(body(1000)).await;
+    assert_eq!(running.status().as_u16(), 200);
+    let mut waiting = Vec::new();
+    for _ in 0..3 {
+        let r = open(body(10)).await;
+        assert_eq!(r.status().as_u16(), 200);
+        waiting.push(r);
+    }
+    let queued = |n: usize| {
+        let worker = worker.clone();
+        async move {
+            for _ in 0..400 {
+                let s = worker.stats().await.expect("stats");
+                if s.waiting == n {
+                    return s;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("the queue never held {n}: {:?}", worker.stats().await);
+        }
+    };
+    queued(3).await;
+    drop(waiting);
+    let s = queued(0).await;
+    assert_eq!(s.running, 1, "the queue emptied while the first request still ran: {s:?}");
+    drop(running);
+    server.assert_no_kv_held().await;
+}
