@@ -14,4 +14,6 @@ scripts/install-python-deps.sh
 # a no-op when it is already there).
 scripts/fetch-model.sh
 
-cargo test --workspace --locked "$@"
+# --all-features: the optional backends are part of what the tests check; today that is only
+# baton-cluster's `etcd` (the default build leaves it out because it needs protoc).
+cargo test --workspace --locked --all-features "$@"
