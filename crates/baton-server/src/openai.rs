@@ -203,6 +203,18 @@ pub struct ValidRequest {
     pub include_usage: bool,
 }
 
+/// The 400 for `/v1/chat/completions` on a model without a chat template: what the client can
+/// do instead, and what the operator can serve.
+fn no_chat_template_message(model_id: &str) -> String {
+    format!(
+        "model `{model_id}` has no chat template, so it cannot answer /v1/chat/completions: send the text to \
+         /v1/completions instead, or serve a chat model (`baton serve --model {}`, the default; `scripts/fetch-model.sh \
+         {}` fetches it)",
+        baton_model::DEFAULT_MODEL,
+        baton_model::DEFAULT_MODEL
+    )
+}
+
 /// What validation needs to know about the served model.
 #[derive(Clone)]
 pub struct Validator {
@@ -267,10 +279,8 @@ impl Validator {
         if req.messages.is_empty() {
             return Err(ApiError::param("messages", "at least one message is required"));
         }
-        let template = self
-            .template
-            .as_ref()
-            .ok_or_else(|| ApiError::invalid("this model has no chat template; use /v1/completions"))?;
+        let template =
+            self.template.as_ref().ok_or_else(|| ApiError::invalid(no_chat_template_message(&self.model_id)))?;
         let mut messages = Vec::with_capacity(req.messages.len());
         for (i, m) in req.messages.iter().enumerate() {
             if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {

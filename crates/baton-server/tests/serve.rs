@@ -329,6 +329,31 @@ async fn bad_input_gets_openai_style_errors() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_on_a_model_without_a_template_is_a_400_that_names_the_options() {
+    // tiny-llama without its chat_template.jinja (its tokenizer_config.json has none).
+    let dir = std::env::temp_dir().join(format!("baton-no-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for entry in std::fs::read_dir(fixture("tiny-llama")).expect("fixture") {
+        let path = entry.expect("entry").path();
+        if path.file_name().is_some_and(|n| n != "chat_template.jinja") {
+            std::fs::copy(&path, dir.join(path.file_name().expect("name"))).expect("copy");
+        }
+    }
+    let server = start_with(&ServeConfig { engine: engine_config(), ..ServeConfig::new(dir.clone()) }).await;
+    let (status, v) =
+        server.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}]})).await;
+    assert_eq!(status, 400, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    for needle in ["no chat template", "/v1/completions", "--model smollm2-135m-instruct", "scripts/fetch-model.sh"] {
+        assert!(message.contains(needle), "`{message}` should mention `{needle}`");
+    }
+    let (status, v) = server.post("/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
+    assert_eq!(status, 200, "{v}");
+    server.assert_no_kv_held().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_api_key_is_required_when_set() {
     let server = start("tiny-llama", 0, 0, 1, Some("sesame")).await;
     let (status, v) = server.post("/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
