@@ -42,6 +42,9 @@ impl Sequence {
             Some(p) => (BlockTable::new(p.blocks), p.tokens),
             None => (BlockTable::default(), 0),
         };
+        let mut sampler = Sampler::new(req.sampling, fallback_seed);
+        sampler.observe_prompt(&req.prompt);
+        req.generated.iter().for_each(|&t| sampler.observe(t));
         let mut tokens = req.prompt;
         tokens.extend_from_slice(&req.generated);
         let mut seq = Self {
@@ -51,7 +54,7 @@ impl Sequence {
             computed,
             table,
             cached_tokens: computed,
-            sampler: Sampler::new(req.sampling, fallback_seed),
+            sampler,
             stop: req.stop,
             retain_kv: req.retain_kv,
             prompt_logits: req.return_prompt_logits.then(Vec::new),
@@ -87,6 +90,7 @@ impl Sequence {
         max_context: usize,
     ) -> Result<Option<FinishReason>, EngineError> {
         self.tokens.push(token);
+        self.sampler.observe(token);
         let reason = if !self.stop.ignore_eos && eos.contains(&token) {
             Some(FinishReason::Eos)
         } else if self.generated().len() >= self.stop.max_tokens || self.tokens.len() >= max_context {

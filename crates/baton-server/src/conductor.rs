@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
@@ -284,7 +284,14 @@ impl Conductor {
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = mpsc::unbounded_channel();
         let stream = valid.stream;
-        let run = Run { conductor: self.clone(), valid: valid.clone(), id, out: tx, streamed: AtomicBool::new(false) };
+        let run = Run {
+            conductor: self.clone(),
+            valid: valid.clone(),
+            id,
+            out: tx,
+            streamed: AtomicBool::new(false),
+            cached_tokens: OnceLock::new(),
+        };
         tokio::spawn(run.run(route));
         if stream { sse_response(valid, id, rx) } else { full_response(valid, id, rx).await }
     }
@@ -340,7 +347,7 @@ async fn metrics(State(c): State<Arc<Conductor>>) -> Response {
 /// What a run sends the response: text as it comes, then the end.
 enum Piece {
     Text(String),
-    Done { reason: Finish, prompt_tokens: usize, completion_tokens: usize },
+    Done { reason: Finish, prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize },
     Failed(ApiError),
 }
 
@@ -358,6 +365,9 @@ struct Run {
     out: mpsc::UnboundedSender<Piece>,
     /// Whether any text reached the client (after which a lost worker cannot be hidden).
     streamed: AtomicBool,
+    /// Prompt tokens the prefill (or colocated) worker served from its prefix cache: the first
+    /// worker to finish sets it, so a decode worker's received KV does not count.
+    cached_tokens: OnceLock<usize>,
 }
 
 impl Run {
@@ -420,6 +430,7 @@ impl Run {
             top_k: v.sampling.top_k,
             top_p: v.sampling.top_p,
             seed: v.sampling.seed,
+            adjust: v.sampling.adjust.clone(),
             max_tokens: v.stop.max_tokens,
             ignore_eos: v.stop.ignore_eos,
             stop: v.stop.stop_strings.clone(),
@@ -446,7 +457,10 @@ impl Run {
                         first.push(token);
                         self.send(Piece::Text(text))?;
                     }
-                    RequestEvent::Finished { reason, prompt_tokens, kv, .. } => break Ok((reason, prompt_tokens, kv)),
+                    RequestEvent::Finished { reason, prompt_tokens, kv, cached_tokens, .. } => {
+                        let _ = self.cached_tokens.set(cached_tokens);
+                        break Ok((reason, prompt_tokens, kv));
+                    }
                     RequestEvent::Failed(e) => break Err(RunError::Api(e)),
                     RequestEvent::Lost(reason) => break Err(RunError::Lost { worker: p.name().to_owned(), reason }),
                 }
@@ -517,7 +531,8 @@ impl Run {
                     last = Some(now);
                     self.send(Piece::Text(text))?;
                 }
-                RequestEvent::Finished { reason, prompt_tokens, completion_tokens, .. } => {
+                RequestEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens, .. } => {
+                    let _ = self.cached_tokens.set(cached_tokens);
                     return self.finish(reason, prompt_tokens, completion_tokens);
                 }
                 RequestEvent::Failed(e) => return Err(RunError::Api(e)),
@@ -530,7 +545,8 @@ impl Run {
         let m = &self.conductor.metrics;
         m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         m.generation_tokens.fetch_add(completion_tokens as u64, Ordering::Relaxed);
-        self.send(Piece::Done { reason, prompt_tokens, completion_tokens })
+        let cached_tokens = self.cached_tokens.get().copied().unwrap_or(0);
+        self.send(Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens })
     }
 
     fn send(&self, piece: Piece) -> Result<(), RunError> {
@@ -582,8 +598,9 @@ fn response_id(valid: &ValidRequest, id: RequestId) -> String {
     }
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens}})
 }
 
 async fn full_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedReceiver<Piece>) -> Response {
@@ -592,7 +609,7 @@ async fn full_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::Unbound
         match piece {
             Piece::Text(t) => text.push_str(&t),
             Piece::Failed(e) => return e.into_response(),
-            Piece::Done { reason, prompt_tokens, completion_tokens } => {
+            Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens } => {
                 let choice = match valid.endpoint {
                     Endpoint::Completions => {
                         json!({"index": 0, "text": text, "finish_reason": reason.as_openai(), "logprobs": null})
@@ -603,7 +620,7 @@ async fn full_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::Unbound
                 let object = if valid.endpoint == Endpoint::Chat { "chat.completion" } else { "text_completion" };
                 return Json(json!({
                     "id": response_id(&valid, id), "object": object, "created": created(), "model": valid.model,
-                    "choices": [choice], "usage": usage(prompt_tokens, completion_tokens),
+                    "choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
                 }))
                 .into_response();
             }
@@ -647,7 +664,7 @@ fn sse_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedRecei
                     };
                     tx.send(chunk(choice, Value::Null))
                 }
-                Piece::Done { reason, prompt_tokens, completion_tokens } => {
+                Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens } => {
                     let choice = if chat {
                         json!([{"index": 0, "delta": {}, "finish_reason": reason.as_openai(), "logprobs": null}])
                     } else {
@@ -655,7 +672,7 @@ fn sse_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedRecei
                     };
                     let _ = tx.send(chunk(choice, Value::Null));
                     if valid.include_usage {
-                        let _ = tx.send(chunk(json!([]), usage(prompt_tokens, completion_tokens)));
+                        let _ = tx.send(chunk(json!([]), usage(prompt_tokens, completion_tokens, cached_tokens)));
                     }
                     let _ = tx.send(Ok(Event::default().data("[DONE]")));
                     return;

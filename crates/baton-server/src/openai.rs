@@ -3,12 +3,13 @@
 //! Bodies are parsed by hand from bytes (not by an extractor) so that every malformed body,
 //! unknown field or out-of-range parameter is a 400 with an OpenAI-style error naming the
 //! parameter. Parameters OpenAI defines but Baton does not implement are accepted only at their
-//! neutral value (e.g. `presence_penalty: 0`), and refused otherwise, never silently ignored.
+//! neutral value (e.g. `logprobs: false`, `n: 1`), and refused otherwise, never silently
+//! ignored. Penalties, `logit_bias` and `min_p` become the sampler's [`LogitAdjust`].
 
 use std::sync::Arc;
 
 use baton_engine::StopParams;
-use baton_model::{ChatMessage, ChatTemplate, SamplingParams, Tokenizer};
+use baton_model::{ChatMessage, ChatTemplate, LogitAdjust, SamplingParams, Tokenizer};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -68,6 +69,8 @@ const COMMON_FIELDS: &[&str] = &[
     "user",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
     "logit_bias",
     "logprobs",
     "top_logprobs",
@@ -105,11 +108,16 @@ pub struct Common {
     pub ignore_eos: Option<bool>,
     /// End-user id (accepted, unused).
     pub user: Option<String>,
-    /// Only 0 is supported.
+    /// In [-2, 2]: subtracted once from the logit of each token generated so far.
     pub presence_penalty: Option<f64>,
-    /// Only 0 is supported.
+    /// In [-2, 2]: subtracted from a token's logit once per time it was generated.
     pub frequency_penalty: Option<f64>,
-    /// Only absent or empty is supported.
+    /// Positive (an extension, as vLLM): prompt and generated tokens' logits divided by it
+    /// (multiplied where negative).
+    pub repetition_penalty: Option<f64>,
+    /// In [0, 1] (an extension, as vLLM): drop tokens less likely than `min_p` times the best.
+    pub min_p: Option<f64>,
+    /// Token id (as a string) to a bias in [-100, 100] added to its logit.
     pub logit_bias: Option<Value>,
     /// Only absent, false or 0 is supported.
     pub logprobs: Option<Value>,
@@ -373,6 +381,7 @@ impl Validator {
             None => None,
             Some(s) => Some(u64::try_from(s).map_err(|_| ApiError::param("seed", "must be non-negative"))?),
         };
+        let adjust = self.logit_adjust(&c)?;
         let stop_strings = match c.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s],
@@ -384,12 +393,6 @@ impl Validator {
         if stop_strings.iter().any(String::is_empty) {
             return Err(ApiError::param("stop", "stop strings must not be empty"));
         }
-        neutral("presence_penalty", c.presence_penalty.is_none_or(|v| v == 0.0))?;
-        neutral("frequency_penalty", c.frequency_penalty.is_none_or(|v| v == 0.0))?;
-        neutral(
-            "logit_bias",
-            c.logit_bias.as_ref().is_none_or(|v| v.is_null() || v.as_object().is_some_and(|o| o.is_empty())),
-        )?;
         neutral(
             "logprobs",
             c.logprobs.as_ref().is_none_or(|v| v.is_null() || v == &Value::Bool(false) || v.as_i64() == Some(0)),
@@ -403,11 +406,48 @@ impl Validator {
             endpoint,
             model,
             prompt_ids,
-            sampling: SamplingParams { temperature: temperature as f32, top_k, top_p: top_p as f32, seed },
+            sampling: SamplingParams { temperature: temperature as f32, top_k, top_p: top_p as f32, seed, adjust },
             stop: StopParams { max_tokens, ignore_eos: c.ignore_eos.unwrap_or(false), stop_strings },
             stream,
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
         })
+    }
+}
+
+impl Validator {
+    /// Penalties, `logit_bias` and `min_p` (all absent: no adjustment).
+    fn logit_adjust(&self, c: &Common) -> Result<LogitAdjust, ApiError> {
+        let logit_bias = match &c.logit_bias {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Object(map)) => map
+                .iter()
+                .map(|(k, v)| {
+                    let id = k
+                        .parse::<u32>()
+                        .map_err(|_| ApiError::param("logit_bias", format!("key {k:?} is not a token id")))?;
+                    let bias = v.as_f64().ok_or_else(|| {
+                        ApiError::param("logit_bias", format!("the bias of token {k} is not a number"))
+                    })?;
+                    Ok((id, bias as f32))
+                })
+                .collect::<Result<_, ApiError>>()?,
+            Some(_) => return Err(ApiError::param("logit_bias", "must be an object of token id to bias")),
+        };
+        let adjust = LogitAdjust {
+            presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
+            frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
+            repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
+            logit_bias,
+            min_p: c.min_p.unwrap_or(0.0) as f32,
+        };
+        adjust.validate(self.vocab_size).map_err(|e| {
+            let param = ["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias"]
+                .into_iter()
+                .find(|p| e.starts_with(p))
+                .unwrap_or("logit_bias");
+            ApiError::param(param, e)
+        })?;
+        Ok(adjust)
     }
 }
 

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use baton_engine::{Engine, FinishReason, GenerationRequest, KvPrefix, KvRetention, RequestId, StopParams};
-use baton_model::SamplingParams;
+use baton_model::{LogitAdjust, SamplingParams};
 use baton_transfer::{
     Access, BlockOwner, ClientConfig, Compat, KvServer, PeerId, Region, Release, ServerConfig, TransferId,
     TransferStats,
@@ -76,6 +76,10 @@ pub struct WorkRequest {
     /// Seed of the random stream.
     #[serde(default)]
     pub seed: Option<u64>,
+    /// Penalties, logit bias and min-p (the sampler sees `prompt` and `generated` too, so a
+    /// decode worker continues with the prefill worker's state).
+    #[serde(default)]
+    pub adjust: LogitAdjust,
     /// Most tokens to generate, counting `generated`.
     pub max_tokens: usize,
     /// Keep going past end-of-sequence.
@@ -105,6 +109,7 @@ impl WorkRequest {
                 top_k: self.top_k,
                 top_p: self.top_p,
                 seed: self.seed,
+                adjust: self.adjust,
             },
             stop: StopParams { max_tokens: self.max_tokens, ignore_eos: self.ignore_eos, stop_strings: self.stop },
             retain_kv: if self.retain_kv { KvRetention::All } else { KvRetention::None },

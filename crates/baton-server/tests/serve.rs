@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use baton_engine::{Engine, EngineConfig, GenerationRequest, RequestId, StopParams};
-use baton_model::Checkpoint;
+use baton_model::{Checkpoint, LogitAdjust, SamplingParams};
 use baton_server::{Conductor, KvTransfer, ServeConfig};
 use serde_json::{Value, json};
 
@@ -175,6 +175,96 @@ async fn disaggregated_equals_colocated_equals_the_engine() {
     }
 }
 
+/// The engine alone, greedy with `adjust`: token ids and text.
+fn engine_alone_adjusted(model: &str, prompt: &str, max_tokens: usize, adjust: LogitAdjust) -> (Vec<u32>, String) {
+    let ckpt = Checkpoint::open(&fixture(model)).expect("loads");
+    let ids = ckpt.tokenizer.encode(prompt, true).expect("encodes");
+    let mut e = Engine::new(Arc::new(ckpt.model), Some(Arc::new(ckpt.tokenizer)), engine_config()).expect("engine");
+    e.add_request(GenerationRequest {
+        sampling: SamplingParams { adjust, ..SamplingParams::greedy() },
+        stop: StopParams { max_tokens, ignore_eos: true, stop_strings: vec![] },
+        ..GenerationRequest::new(RequestId(0), ids)
+    })
+    .expect("valid");
+    let done = e.run_to_completion().expect("runs").remove(0);
+    (done.token_ids, done.text)
+}
+
+/// Penalties and biases reach the sampler on both sides of a hand-off: the decode worker
+/// continues with the prefill worker's counts, so disaggregated equals colocated equals the
+/// engine alone — and differs from the same request without them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn penalties_and_logit_bias_survive_the_hand_off() {
+    let model = "tiny-llama";
+    let prompt = PROMPTS[0];
+    let (plain, _) = engine_alone_adjusted(model, prompt, 16, LogitAdjust::default());
+    // Penalties on everything repeated and a bias against the plain run's first token; then
+    // negative penalties, which favour the first token again only where the decode worker
+    // counts the token the prefill worker generated.
+    let penalised = LogitAdjust {
+        presence_penalty: 1.0,
+        frequency_penalty: 1.5,
+        repetition_penalty: 1.3,
+        logit_bias: vec![(plain[0], -100.0)],
+        min_p: 0.0,
+    };
+    let favoured = LogitAdjust { presence_penalty: -2.0, frequency_penalty: -2.0, ..LogitAdjust::default() };
+    let (want_penalised, _) = engine_alone_adjusted(model, prompt, 16, penalised.clone());
+    assert_ne!(want_penalised[0], plain[0], "the bias removes the first token");
+    let (want_favoured, _) = engine_alone_adjusted(model, prompt, 16, favoured.clone());
+    assert!(want_favoured.iter().all(|&t| t == plain[0]), "the first token repeats: {want_favoured:?}");
+    assert_ne!(plain.iter().filter(|&&t| t == plain[0]).count(), 16, "unlike the plain run");
+    let body = |a: &LogitAdjust| {
+        let bias: serde_json::Map<String, Value> =
+            a.logit_bias.iter().map(|(t, b)| (t.to_string(), json!(b))).collect();
+        json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": true,
+            "presence_penalty": a.presence_penalty, "frequency_penalty": a.frequency_penalty,
+            "repetition_penalty": a.repetition_penalty, "logit_bias": bias})
+    };
+    for server in [start(model, 1, 1, 0, None).await, start(model, 0, 0, 1, None).await] {
+        for (adjust, want) in [(&penalised, &want_penalised), (&favoured, &want_favoured)] {
+            let (_, want_text) = engine_alone_adjusted(model, prompt, 16, adjust.clone());
+            let (status, v) = server.post("/v1/completions", body(adjust)).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(v["choices"][0]["text"], want_text.as_str(), "{adjust:?} -> {want:?}");
+        }
+        server.assert_no_kv_held().await;
+    }
+}
+
+/// `usage.prompt_tokens_details.cached_tokens`: none the first time, the prefix cache's whole
+/// blocks the second (on the prefill worker when disaggregated: the decode worker's received KV
+/// does not count), in full and streamed responses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_reports_the_prompt_tokens_served_from_the_prefix_cache() {
+    let prompt = PROMPTS[1];
+    for server in [start("tiny-llama", 1, 1, 0, None).await, start("tiny-llama", 0, 0, 1, None).await] {
+        let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
+        let (status, first) = server.post("/v1/completions", body.clone()).await;
+        assert_eq!(status, 200, "{first}");
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{first}");
+        let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().expect("prompt tokens");
+        let (_, second) = server.post("/v1/completions", body.clone()).await;
+        let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached tokens");
+        // Whole blocks of 4, short of the last prompt token (its logits are needed).
+        assert!(cached > 0 && cached < prompt_tokens && cached % 4 == 0, "{cached} of {prompt_tokens}: {second}");
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        streamed["stream_options"] = json!({"include_usage": true});
+        let r = reqwest::Client::new().post(format!("{}/v1/completions", server.url)).json(&streamed).send().await;
+        let text = r.expect("sends").text().await.expect("body");
+        let usage: Value = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .find(|v| v["usage"].is_object())
+            .expect("a usage chunk")["usage"]
+            .clone();
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], cached, "{usage}");
+        server.assert_no_kv_held().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_streams_and_concurrent_requests_are_each_correct() {
     let server = start("tiny-llama", 1, 1, 0, None).await;
@@ -309,7 +399,13 @@ async fn bad_input_gets_openai_style_errors() {
         ("/v1/completions", r#"{"prompt": "hi", "top_p": 0}"#.into(), 400, "top_p"),
         ("/v1/completions", r#"{"prompt": "hi", "n": 2}"#.into(), 400, "n"),
         ("/v1/completions", r#"{"prompt": "hi", "seed": -1}"#.into(), 400, "seed"),
-        ("/v1/completions", r#"{"prompt": "hi", "presence_penalty": 1.5}"#.into(), 400, "presence_penalty"),
+        ("/v1/completions", r#"{"prompt": "hi", "presence_penalty": 2.5}"#.into(), 400, "presence_penalty"),
+        ("/v1/completions", r#"{"prompt": "hi", "frequency_penalty": -3}"#.into(), 400, "frequency_penalty"),
+        ("/v1/completions", r#"{"prompt": "hi", "repetition_penalty": 0}"#.into(), 400, "repetition_penalty"),
+        ("/v1/completions", r#"{"prompt": "hi", "min_p": 1.5}"#.into(), 400, "min_p"),
+        ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"99999": 1}}"#.into(), 400, "logit_bias"),
+        ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"1": 200}}"#.into(), 400, "logit_bias"),
+        ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"x": 1}}"#.into(), 400, "logit_bias"),
         ("/v1/completions", r#"{"prompt": [1, 2, 99999]}"#.into(), 400, "vocabulary"),
         ("/v1/completions", r#"{"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}"#.into(), 400, "stop"),
         ("/v1/completions", r#"{"prompt": "hi", "model": "gpt-9"}"#.into(), 404, "gpt-9"),

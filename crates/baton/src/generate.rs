@@ -143,6 +143,7 @@ pub(crate) fn run(args: GenerateArgs) -> anyhow::Result<()> {
             top_k: args.top_k,
             top_p: args.top_p,
             seed: args.seed,
+            ..SamplingParams::default()
         },
         stop: StopParams { max_tokens: args.max_tokens, ignore_eos: args.ignore_eos, stop_strings: args.stop },
         ..GenerationRequest::new(RequestId(0), prompt.clone())
