@@ -1,7 +1,7 @@
 //! What a caller hands the engine and what it gets back.
 
 use baton_kv::BlockId;
-use baton_model::SamplingParams;
+use baton_model::{SamplingParams, TokenLogprobs};
 
 use crate::RequestId;
 
@@ -73,6 +73,9 @@ pub struct GenerationRequest {
     pub return_prompt_logits: bool,
     /// KV to keep when finished, handed back in [`Finished::kv`].
     pub retain_kv: KvRetention,
+    /// Report each generated token's log-probability and those of the `n` most likely tokens
+    /// (`Some(n)`), or nothing (`None`).
+    pub logprobs: Option<usize>,
 }
 
 impl GenerationRequest {
@@ -87,6 +90,7 @@ impl GenerationRequest {
             prefix: None,
             return_prompt_logits: false,
             retain_kv: KvRetention::None,
+            logprobs: None,
         }
     }
 }
@@ -125,6 +129,8 @@ pub struct TokenEvent {
     /// Text this token makes visible (may be empty while a character or a possible stop string
     /// is incomplete).
     pub text_delta: String,
+    /// The token's log-probabilities, when the request asked for them.
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// A request that ended.

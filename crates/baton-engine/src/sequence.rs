@@ -27,6 +27,8 @@ pub(crate) struct Sequence {
     pub(crate) text: String,
     /// Bytes of `text` already handed out as deltas.
     pub(crate) emitted: usize,
+    /// Alternatives per token whose log-probabilities are reported (`None`: none reported).
+    pub(crate) logprobs: Option<usize>,
 }
 
 impl Sequence {
@@ -61,6 +63,7 @@ impl Sequence {
             decoder: IncrementalDecoder::default(),
             text: String::new(),
             emitted: 0,
+            logprobs: req.logprobs,
         };
         if let Some(tok) = tokenizer
             && !req.generated.is_empty()

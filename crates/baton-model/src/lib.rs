@@ -43,6 +43,6 @@ pub use checkpoint::{
 pub use config::{Architecture, ModelConfig};
 pub use error::{ModelError, Result};
 pub use model::{LogitsWanted, Model, SeqStep, StepLogits};
-pub use sampling::{LogitAdjust, Sampler, SamplingParams, argmax};
+pub use sampling::{LogitAdjust, Sampler, SamplingParams, TokenLogprobs, argmax, token_logprobs};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 pub use weights::{RandomWeights, SafetensorsWeights, WeightSource};

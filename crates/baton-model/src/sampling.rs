@@ -231,6 +231,37 @@ impl Sampler {
     }
 }
 
+/// A generated token's log-probability under the model (the log-softmax of its raw logits,
+/// before penalties and temperature, as vLLM reports by default) and the most likely tokens'.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// The chosen token's log-probability.
+    pub logprob: f32,
+    /// The `n` most likely tokens and their log-probabilities, most likely first (ties: lower
+    /// id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// [`TokenLogprobs`] of `token` and the `n` most likely tokens, from one row of logits.
+pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = f64::from(max) + sum.ln();
+    let lp = |l: f32| (f64::from(l) - lse) as f32;
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let n = n.min(order.len());
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    if n > 0 && n < order.len() {
+        order.select_nth_unstable_by(n - 1, by_logit);
+    }
+    order.truncate(n);
+    order.sort_unstable_by(by_logit);
+    TokenLogprobs {
+        logprob: lp(logits[token as usize]),
+        top: order.into_iter().map(|t| (t, lp(logits[t as usize]))).collect(),
+    }
+}
+
 /// Index of the largest logit; the first on ties, as `torch.argmax`.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -360,6 +391,21 @@ mod tests {
         ] {
             assert!(bad.validate(10).expect_err("invalid").contains(name), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_with_the_top_tokens_first() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0];
+        let lse = logits.iter().map(|&l| f64::from(l).exp()).sum::<f64>().ln();
+        let lp = token_logprobs(&logits, 2, 3);
+        assert!((f64::from(lp.logprob) - (2.0 - lse)).abs() < 1e-6, "{lp:?}");
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 2], "most likely first, ties by id");
+        assert!(lp.top.iter().all(|&(t, l)| (f64::from(l) - (f64::from(logits[t as usize]) - lse)).abs() < 1e-6));
+        let probs: f64 = (0..4).map(|t| f64::from(token_logprobs(&logits, t, 0).logprob).exp()).sum();
+        assert!((probs - 1.0).abs() < 1e-6, "{probs}");
+        assert!(token_logprobs(&logits, 0, 0).top.is_empty());
+        assert_eq!(token_logprobs(&logits, 0, 10).top.len(), 4);
     }
 
     #[test]

@@ -35,7 +35,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use crate::error::ApiError;
 use crate::handoff::KvTransfer;
 use crate::metrics::{Metrics, Outcome, WorkerGauges};
-use crate::openai::{Endpoint, ValidRequest, Validator};
+use crate::openai::{Endpoint, LogprobEntry, ValidRequest, Validator, logprobs_json};
 use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView};
 use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
 
@@ -347,7 +347,14 @@ async fn metrics(State(c): State<Arc<Conductor>>) -> Response {
 /// What a run sends the response: text as it comes, then the end.
 enum Piece {
     Text(String),
-    Done { reason: Finish, prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize },
+    /// The log-probabilities of the token whose text comes next (when the request asked).
+    Logprobs(LogprobEntry),
+    Done {
+        reason: Finish,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        cached_tokens: usize,
+    },
     Failed(ApiError),
 }
 
@@ -431,6 +438,7 @@ impl Run {
             top_p: v.sampling.top_p,
             seed: v.sampling.seed,
             adjust: v.sampling.adjust.clone(),
+            logprobs: v.logprobs,
             max_tokens: v.stop.max_tokens,
             ignore_eos: v.stop.ignore_eos,
             stop: v.stop.stop_strings.clone(),
@@ -452,9 +460,10 @@ impl Run {
         let prefilled = async {
             loop {
                 match self.next(p, &mut events).await? {
-                    RequestEvent::Token { token, text } => {
+                    RequestEvent::Token { token, text, logprobs } => {
                         c.metrics.ttft.observe(start.elapsed().as_secs_f64());
                         first.push(token);
+                        self.send_logprobs(token, logprobs)?;
                         self.send(Piece::Text(text))?;
                     }
                     RequestEvent::Finished { reason, prompt_tokens, kv, cached_tokens, .. } => {
@@ -518,7 +527,7 @@ impl Run {
                 last = Some(Instant::now());
             }
             match event {
-                RequestEvent::Token { text, .. } => {
+                RequestEvent::Token { token, text, logprobs } => {
                     // A colocated worker's first token ends its prefill.
                     if prefill.take().is_some() {
                         _decode = Some(c.track(worker.as_ref(), self.id, true, self.valid.prompt_ids.len() + 1));
@@ -529,6 +538,7 @@ impl Run {
                         Some(t) => c.metrics.tbt.observe((now - t).as_secs_f64()),
                     }
                     last = Some(now);
+                    self.send_logprobs(token, logprobs)?;
                     self.send(Piece::Text(text))?;
                 }
                 RequestEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens, .. } => {
@@ -547,6 +557,13 @@ impl Run {
         m.generation_tokens.fetch_add(completion_tokens as u64, Ordering::Relaxed);
         let cached_tokens = self.cached_tokens.get().copied().unwrap_or(0);
         self.send(Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens })
+    }
+
+    fn send_logprobs(&self, token: u32, logprobs: Option<baton_model::TokenLogprobs>) -> Result<(), RunError> {
+        match logprobs {
+            Some(lp) => self.send(Piece::Logprobs(self.conductor.validator.logprob_entry(token, &lp))),
+            None => Ok(()),
+        }
     }
 
     fn send(&self, piece: Piece) -> Result<(), RunError> {
@@ -605,17 +622,20 @@ fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -
 
 async fn full_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedReceiver<Piece>) -> Response {
     let mut text = String::new();
+    let mut entries = Vec::new();
     while let Some(piece) = rx.recv().await {
         match piece {
             Piece::Text(t) => text.push_str(&t),
+            Piece::Logprobs(e) => entries.push(e),
             Piece::Failed(e) => return e.into_response(),
             Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens } => {
+                let logprobs = valid.logprobs.map_or(Value::Null, |_| logprobs_json(valid.endpoint, &entries, 0));
                 let choice = match valid.endpoint {
                     Endpoint::Completions => {
-                        json!({"index": 0, "text": text, "finish_reason": reason.as_openai(), "logprobs": null})
+                        json!({"index": 0, "text": text, "finish_reason": reason.as_openai(), "logprobs": logprobs})
                     }
                     Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
-                        "finish_reason": reason.as_openai(), "logprobs": null}),
+                        "finish_reason": reason.as_openai(), "logprobs": logprobs}),
                 };
                 let object = if valid.endpoint == Endpoint::Chat { "chat.completion" } else { "text_completion" };
                 return Json(json!({
@@ -647,6 +667,13 @@ fn sse_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedRecei
                 return;
             }
         }
+        // Log-probabilities of tokens whose text has not been sent yet, and the text sent so far
+        // (completions' `text_offset` counts from it).
+        let mut pending: Vec<LogprobEntry> = Vec::new();
+        let mut sent_text = 0;
+        let take_logprobs = |pending: &mut Vec<LogprobEntry>, sent_text: usize| {
+            valid.logprobs.map_or(Value::Null, |_| logprobs_json(valid.endpoint, &std::mem::take(pending), sent_text))
+        };
         loop {
             // A client that went away is noticed at once: dropping `rx` cancels the run.
             let piece = tokio::select! {
@@ -655,20 +682,29 @@ fn sse_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedRecei
             };
             let Some(piece) = piece else { break };
             let sent = match piece {
+                Piece::Logprobs(e) => {
+                    pending.push(e);
+                    Ok(())
+                }
                 Piece::Text(t) if t.is_empty() => Ok(()),
                 Piece::Text(t) => {
+                    let logprobs = take_logprobs(&mut pending, sent_text);
                     let choice = if chat {
-                        json!([{"index": 0, "delta": {"content": t}, "finish_reason": null, "logprobs": null}])
+                        json!([{"index": 0, "delta": {"content": t}, "finish_reason": null, "logprobs": logprobs}])
                     } else {
-                        json!([{"index": 0, "text": t, "finish_reason": null, "logprobs": null}])
+                        json!([{"index": 0, "text": t, "finish_reason": null, "logprobs": logprobs}])
                     };
+                    sent_text += t.len();
                     tx.send(chunk(choice, Value::Null))
                 }
                 Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens } => {
+                    // Tokens whose text was held back (an end-of-sequence, a stop string) last.
+                    let logprobs =
+                        if pending.is_empty() { Value::Null } else { take_logprobs(&mut pending, sent_text) };
                     let choice = if chat {
-                        json!([{"index": 0, "delta": {}, "finish_reason": reason.as_openai(), "logprobs": null}])
+                        json!([{"index": 0, "delta": {}, "finish_reason": reason.as_openai(), "logprobs": logprobs}])
                     } else {
-                        json!([{"index": 0, "text": "", "finish_reason": reason.as_openai(), "logprobs": null}])
+                        json!([{"index": 0, "text": "", "finish_reason": reason.as_openai(), "logprobs": logprobs}])
                     };
                     let _ = tx.send(chunk(choice, Value::Null));
                     if valid.include_usage {

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use baton_engine::StopParams;
-use baton_model::{ChatMessage, ChatTemplate, LogitAdjust, SamplingParams, Tokenizer};
+use baton_model::{ChatMessage, ChatTemplate, LogitAdjust, SamplingParams, TokenLogprobs, Tokenizer};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -209,6 +209,8 @@ pub struct ValidRequest {
     pub stream: bool,
     /// Send usage in a last streamed chunk.
     pub include_usage: bool,
+    /// Report each token's log-probability and the `n` most likely tokens' (`Some(n)`).
+    pub logprobs: Option<usize>,
 }
 
 /// The 400 for `/v1/chat/completions` on a model without a chat template: what the client can
@@ -382,6 +384,7 @@ impl Validator {
             Some(s) => Some(u64::try_from(s).map_err(|_| ApiError::param("seed", "must be non-negative"))?),
         };
         let adjust = self.logit_adjust(&c)?;
+        let logprobs = logprobs_param(endpoint, &c)?;
         let stop_strings = match c.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s],
@@ -393,11 +396,6 @@ impl Validator {
         if stop_strings.iter().any(String::is_empty) {
             return Err(ApiError::param("stop", "stop strings must not be empty"));
         }
-        neutral(
-            "logprobs",
-            c.logprobs.as_ref().is_none_or(|v| v.is_null() || v == &Value::Bool(false) || v.as_i64() == Some(0)),
-        )?;
-        neutral("top_logprobs", c.top_logprobs.is_none_or(|v| v == 0))?;
         neutral("best_of", c.best_of.is_none_or(|v| v == 1))?;
         neutral("echo", c.echo != Some(true))?;
         neutral("suffix", c.suffix.is_none())?;
@@ -410,6 +408,7 @@ impl Validator {
             stop: StopParams { max_tokens, ignore_eos: c.ignore_eos.unwrap_or(false), stop_strings },
             stream,
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
+            logprobs,
         })
     }
 }
@@ -448,6 +447,103 @@ impl Validator {
             ApiError::param(param, e)
         })?;
         Ok(adjust)
+    }
+}
+
+/// `logprobs` (and chat's `top_logprobs`): completions take `logprobs: N` (0 to 5
+/// alternatives, as OpenAI's legacy API), chat `logprobs: true` with `top_logprobs: N` (0 to 20).
+fn logprobs_param(endpoint: Endpoint, c: &Common) -> Result<Option<usize>, ApiError> {
+    let off = |v: &Option<Value>| v.as_ref().is_none_or(|v| v.is_null() || v == &Value::Bool(false));
+    match endpoint {
+        Endpoint::Completions => {
+            if c.top_logprobs.is_some_and(|n| n != 0) {
+                return Err(ApiError::param("top_logprobs", "is chat's; completions take `logprobs: N`"));
+            }
+            if off(&c.logprobs) {
+                return Ok(None);
+            }
+            match c.logprobs.as_ref().and_then(Value::as_i64) {
+                Some(n @ 0..=5) => Ok(Some(n as usize)),
+                _ => Err(ApiError::param("logprobs", "must be an integer from 0 to 5 (alternatives per token)")),
+            }
+        }
+        Endpoint::Chat => {
+            let on = match &c.logprobs {
+                None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+                Some(Value::Bool(true)) => true,
+                Some(_) => return Err(ApiError::param("logprobs", "must be true or false")),
+            };
+            let top = match c.top_logprobs {
+                None => 0,
+                Some(n @ 0..=20) => n as usize,
+                Some(n) => return Err(ApiError::param("top_logprobs", format!("must be from 0 to 20, got {n}"))),
+            };
+            if !on && top > 0 {
+                return Err(ApiError::param("top_logprobs", "needs `logprobs: true`"));
+            }
+            Ok(on.then_some(top))
+        }
+    }
+}
+
+/// One generated token's log-probabilities, the tokens as text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogprobEntry {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens' texts and log-probabilities.
+    pub top: Vec<(String, f32)>,
+}
+
+impl Validator {
+    /// [`LogprobEntry`] of a generated token.
+    pub fn logprob_entry(&self, token: u32, lp: &TokenLogprobs) -> LogprobEntry {
+        let text = |t: u32| self.tokenizer.decode(&[t], false).unwrap_or_default();
+        LogprobEntry {
+            token: text(token),
+            logprob: lp.logprob,
+            top: lp.top.iter().map(|&(t, l)| (text(t), l)).collect(),
+        }
+    }
+}
+
+/// The `logprobs` object of a choice (or a streamed chunk) for `entries`: the legacy
+/// completions shape (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`, offsets
+/// counted from `text_offset`) or chat's `content` list.
+pub fn logprobs_json(endpoint: Endpoint, entries: &[LogprobEntry], text_offset: usize) -> Value {
+    match endpoint {
+        Endpoint::Completions => {
+            let mut offsets = Vec::with_capacity(entries.len());
+            let mut at = text_offset;
+            for e in entries {
+                offsets.push(at);
+                at += e.token.len();
+            }
+            let top: Vec<Value> = entries
+                .iter()
+                .map(|e| Value::Object(e.top.iter().map(|(t, l)| (t.clone(), serde_json::json!(l))).collect()))
+                .collect();
+            serde_json::json!({
+                "tokens": entries.iter().map(|e| e.token.as_str()).collect::<Vec<_>>(),
+                "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+                "top_logprobs": top,
+                "text_offset": offsets,
+            })
+        }
+        Endpoint::Chat => {
+            let one = |t: &str, l: f32| serde_json::json!({"token": t, "logprob": l, "bytes": t.as_bytes()});
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let mut v = one(&e.token, e.logprob);
+                    v["top_logprobs"] = e.top.iter().map(|(t, l)| one(t, *l)).collect();
+                    v
+                })
+                .collect();
+            serde_json::json!({ "content": content })
+        }
     }
 }
 

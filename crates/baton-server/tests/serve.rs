@@ -232,6 +232,72 @@ async fn penalties_and_logit_bias_survive_the_hand_off() {
     }
 }
 
+/// Streamed chunks' `logprobs` objects, in order.
+async fn streamed_logprobs(url: &str, path: &str, mut body: Value) -> Vec<Value> {
+    body["stream"] = json!(true);
+    let r = reqwest::Client::new().post(format!("{url}{path}")).json(&body).send().await.expect("sends");
+    let text = r.text().await.expect("body");
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| v["choices"][0]["logprobs"].as_object().map(|o| Value::Object(o.clone())))
+        .collect()
+}
+
+/// `logprobs`: one entry per generated token, the greedy token the most likely of its
+/// alternatives, the same disaggregated (first token from the prefill worker) as colocated,
+/// streamed as whole; chat's shape with `top_logprobs` alternatives and bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_report_every_token_alike_disaggregated_colocated_and_streamed() {
+    let mut per_server = Vec::new();
+    for server in [start("tiny-llama", 1, 1, 0, None).await, start("tiny-llama", 0, 0, 1, None).await] {
+        let body = json!({"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": true, "logprobs": 2});
+        let (status, v) = server.post("/v1/completions", body.clone()).await;
+        assert_eq!(status, 200, "{v}");
+        let lp = &v["choices"][0]["logprobs"];
+        let logprobs: Vec<f64> = lp["token_logprobs"]
+            .as_array()
+            .expect("token_logprobs")
+            .iter()
+            .map(|x| x.as_f64().expect("a number"))
+            .collect();
+        assert_eq!(logprobs.len(), 6, "{lp}");
+        assert_eq!(lp["tokens"].as_array().expect("tokens").len(), 6);
+        assert_eq!(lp["text_offset"].as_array().expect("offsets").len(), 6);
+        for (i, top) in lp["top_logprobs"].as_array().expect("top_logprobs").iter().enumerate() {
+            let top = top.as_object().expect("an object");
+            assert!(!top.is_empty() && top.len() <= 2, "{top:?}");
+            let best = top.values().map(|x| x.as_f64().expect("a number")).fold(f64::NEG_INFINITY, f64::max);
+            assert!(logprobs[i] <= 0.0 && (logprobs[i] - best).abs() < 1e-5, "greedy picks the most likely: {lp}");
+        }
+        let streamed = streamed_logprobs(&server.url, "/v1/completions", body).await;
+        let streamed: Vec<f64> = streamed
+            .iter()
+            .flat_map(|o| o["token_logprobs"].as_array().expect("token_logprobs").clone())
+            .map(|x| x.as_f64().expect("a number"))
+            .collect();
+        assert_eq!(streamed, logprobs, "streamed");
+
+        let chat = json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "temperature": 0,
+            "ignore_eos": true, "logprobs": true, "top_logprobs": 3});
+        let (status, v) = server.post("/v1/chat/completions", chat).await;
+        assert_eq!(status, 200, "{v}");
+        let content = v["choices"][0]["logprobs"]["content"].as_array().expect("content").clone();
+        assert_eq!(content.len(), 5, "{v}");
+        for c in &content {
+            assert_eq!(c["top_logprobs"].as_array().expect("alternatives").len(), 3, "{c}");
+            assert_eq!(c["bytes"].as_array().expect("bytes").len(), c["token"].as_str().expect("token").len(), "{c}");
+        }
+        let (_, plain) = server.post("/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
+        assert!(plain["choices"][0]["logprobs"].is_null(), "{plain}");
+        server.assert_no_kv_held().await;
+        per_server.push(logprobs);
+    }
+    for (a, b) in per_server[0].iter().zip(&per_server[1]) {
+        assert!((a - b).abs() < 1e-4, "disaggregated {:?} vs colocated {:?}", per_server[0], per_server[1]);
+    }
+}
+
 /// `usage.prompt_tokens_details.cached_tokens`: none the first time, the prefix cache's whole
 /// blocks the second (on the prefill worker when disaggregated: the decode worker's received KV
 /// does not count), in full and streamed responses.
@@ -406,6 +472,26 @@ async fn bad_input_gets_openai_style_errors() {
         ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"99999": 1}}"#.into(), 400, "logit_bias"),
         ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"1": 200}}"#.into(), 400, "logit_bias"),
         ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"x": 1}}"#.into(), 400, "logit_bias"),
+        ("/v1/completions", r#"{"prompt": "hi", "logprobs": 6}"#.into(), 400, "logprobs"),
+        ("/v1/completions", r#"{"prompt": "hi", "top_logprobs": 2}"#.into(), 400, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}"#.into(),
+            400,
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}"#.into(),
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}"#.into(),
+            400,
+            "top_logprobs",
+        ),
         ("/v1/completions", r#"{"prompt": [1, 2, 99999]}"#.into(), 400, "vocabulary"),
         ("/v1/completions", r#"{"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}"#.into(), 400, "stop"),
         ("/v1/completions", r#"{"prompt": "hi", "model": "gpt-9"}"#.into(), 404, "gpt-9"),
