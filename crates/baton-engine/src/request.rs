@@ -76,6 +76,9 @@ pub struct GenerationRequest {
     /// Report each generated token's log-probability and those of the `n` most likely tokens
     /// (`Some(n)`), or nothing (`None`).
     pub logprobs: Option<usize>,
+    /// Generating one of these ends the request (`FinishReason::Stop`); the token counts, its
+    /// text is left out (as vLLM's `stop_token_ids`).
+    pub stop_token_ids: Vec<u32>,
 }
 
 impl GenerationRequest {
@@ -91,6 +94,7 @@ impl GenerationRequest {
             return_prompt_logits: false,
             retain_kv: KvRetention::None,
             logprobs: None,
+            stop_token_ids: Vec::new(),
         }
     }
 }

@@ -29,6 +29,7 @@ pub(crate) struct Sequence {
     pub(crate) emitted: usize,
     /// Alternatives per token whose log-probabilities are reported (`None`: none reported).
     pub(crate) logprobs: Option<usize>,
+    pub(crate) stop_token_ids: Vec<u32>,
 }
 
 impl Sequence {
@@ -64,6 +65,7 @@ impl Sequence {
             text: String::new(),
             emitted: 0,
             logprobs: req.logprobs,
+            stop_token_ids: req.stop_token_ids,
         };
         if let Some(tok) = tokenizer
             && !req.generated.is_empty()
@@ -94,8 +96,11 @@ impl Sequence {
     ) -> Result<Option<FinishReason>, EngineError> {
         self.tokens.push(token);
         self.sampler.observe(token);
+        let stop_token = self.stop_token_ids.contains(&token);
         let reason = if !self.stop.ignore_eos && eos.contains(&token) {
             Some(FinishReason::Eos)
+        } else if stop_token {
+            Some(FinishReason::Stop)
         } else if self.generated().len() >= self.stop.max_tokens || self.tokens.len() >= max_context {
             Some(FinishReason::Length)
         } else {
@@ -103,6 +108,10 @@ impl Sequence {
         };
         if let Some(tok) = tokenizer {
             let delta = self.decoder.step(tok, &self.tokens[self.prompt_len..])?;
+            if stop_token {
+                // The stop token's own text is left out.
+                return Ok(reason);
+            }
             self.text.push_str(&delta);
             if let Some(cut) = self.find_stop(delta.len()) {
                 self.text.truncate(cut);

@@ -439,6 +439,7 @@ impl Run {
             seed: v.sampling.seed,
             adjust: v.sampling.adjust.clone(),
             logprobs: v.logprobs,
+            stop_token_ids: v.stop_token_ids.clone(),
             max_tokens: v.stop.max_tokens,
             ignore_eos: v.stop.ignore_eos,
             stop: v.stop.stop_strings.clone(),

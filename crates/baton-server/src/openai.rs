@@ -71,6 +71,7 @@ const COMMON_FIELDS: &[&str] = &[
     "frequency_penalty",
     "repetition_penalty",
     "min_p",
+    "stop_token_ids",
     "logit_bias",
     "logprobs",
     "top_logprobs",
@@ -117,6 +118,8 @@ pub struct Common {
     pub repetition_penalty: Option<f64>,
     /// In [0, 1] (an extension, as vLLM): drop tokens less likely than `min_p` times the best.
     pub min_p: Option<f64>,
+    /// Token ids that end generation, their text left out (an extension, as vLLM).
+    pub stop_token_ids: Option<Vec<i64>>,
     /// Token id (as a string) to a bias in [-100, 100] added to its logit.
     pub logit_bias: Option<Value>,
     /// Only absent, false or 0 is supported.
@@ -211,6 +214,8 @@ pub struct ValidRequest {
     pub include_usage: bool,
     /// Report each token's log-probability and the `n` most likely tokens' (`Some(n)`).
     pub logprobs: Option<usize>,
+    /// Tokens that end generation.
+    pub stop_token_ids: Vec<u32>,
 }
 
 /// The 400 for `/v1/chat/completions` on a model without a chat template: what the client can
@@ -385,6 +390,16 @@ impl Validator {
         };
         let adjust = self.logit_adjust(&c)?;
         let logprobs = logprobs_param(endpoint, &c)?;
+        let stop_token_ids =
+            c.stop_token_ids
+                .iter()
+                .flatten()
+                .map(|&t| {
+                    u32::try_from(t).ok().filter(|&t| (t as usize) < self.vocab_size).ok_or_else(|| {
+                        ApiError::param("stop_token_ids", format!("token id {t} is outside the vocabulary"))
+                    })
+                })
+                .collect::<Result<Vec<u32>, _>>()?;
         let stop_strings = match c.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s],
@@ -409,6 +424,7 @@ impl Validator {
             stream,
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
             logprobs,
+            stop_token_ids,
         })
     }
 }

@@ -83,6 +83,9 @@ pub struct WorkRequest {
     /// Report each token's log-probability and the `n` most likely tokens' (`Some(n)`).
     #[serde(default)]
     pub logprobs: Option<usize>,
+    /// Tokens that end the request (their text left out).
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
     /// Most tokens to generate, counting `generated`.
     pub max_tokens: usize,
     /// Keep going past end-of-sequence.
@@ -117,6 +120,7 @@ impl WorkRequest {
             stop: StopParams { max_tokens: self.max_tokens, ignore_eos: self.ignore_eos, stop_strings: self.stop },
             retain_kv: if self.retain_kv { KvRetention::All } else { KvRetention::None },
             logprobs: self.logprobs,
+            stop_token_ids: self.stop_token_ids,
             ..GenerationRequest::new(RequestId(self.id), self.prompt)
         };
         (req, self.kv, self.kv_transfer)

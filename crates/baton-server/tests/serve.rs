@@ -232,6 +232,31 @@ async fn penalties_and_logit_bias_survive_the_hand_off() {
     }
 }
 
+/// `stop_token_ids`: generation ends at the first listed token (counted, its text left out),
+/// whether the prefill worker generates it (the first token) or the decode worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_token_ids_end_generation_without_their_text() {
+    let model = "tiny-llama";
+    let prompt = PROMPTS[0];
+    let (plain, _) = engine_alone_adjusted(model, prompt, 16, LogitAdjust::default());
+    let ckpt = Checkpoint::open(&fixture(model)).expect("loads");
+    for server in [start(model, 1, 1, 0, None).await, start(model, 0, 0, 1, None).await] {
+        for at in [0, 3] {
+            // The first occurrence of the token ends it.
+            let first = plain.iter().position(|&t| t == plain[at]).expect("present");
+            let body = json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": true,
+                "stop_token_ids": [plain[at]]});
+            let (status, v) = server.post("/v1/completions", body).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+            assert_eq!(v["usage"]["completion_tokens"], first + 1, "{v}");
+            let want = ckpt.tokenizer.decode(&plain[..first], true).expect("decodes");
+            assert_eq!(v["choices"][0]["text"], want.as_str(), "{v}");
+        }
+        server.assert_no_kv_held().await;
+    }
+}
+
 /// Streamed chunks' `logprobs` objects, in order.
 async fn streamed_logprobs(url: &str, path: &str, mut body: Value) -> Vec<Value> {
     body["stream"] = json!(true);
@@ -473,6 +498,7 @@ async fn bad_input_gets_openai_style_errors() {
         ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"1": 200}}"#.into(), 400, "logit_bias"),
         ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"x": 1}}"#.into(), 400, "logit_bias"),
         ("/v1/completions", r#"{"prompt": "hi", "logprobs": 6}"#.into(), 400, "logprobs"),
+        ("/v1/completions", r#"{"prompt": "hi", "stop_token_ids": [99999]}"#.into(), 400, "stop_token_ids"),
         ("/v1/completions", r#"{"prompt": "hi", "top_logprobs": 2}"#.into(), 400, "top_logprobs"),
         (
             "/v1/chat/completions",
