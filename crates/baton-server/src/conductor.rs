@@ -622,7 +622,7 @@ fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -
 }
 
 async fn full_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedReceiver<Piece>) -> Response {
-    let mut text = String::new();
+    let mut text = valid.echo.clone().unwrap_or_default();
     let mut entries = Vec::new();
     while let Some(piece) = rx.recv().await {
         match piece {
@@ -672,6 +672,12 @@ fn sse_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedRecei
         // (completions' `text_offset` counts from it).
         let mut pending: Vec<LogprobEntry> = Vec::new();
         let mut sent_text = 0;
+        if let Some(echo) = valid.echo.as_ref().filter(|e| !e.is_empty()) {
+            let choice = json!([{"index": 0, "text": echo, "finish_reason": null, "logprobs": null}]);
+            if tx.send(chunk(choice, Value::Null)).is_err() {
+                return;
+            }
+        }
         let take_logprobs = |pending: &mut Vec<LogprobEntry>, sent_text: usize| {
             valid.logprobs.map_or(Value::Null, |_| logprobs_json(valid.endpoint, &std::mem::take(pending), sent_text))
         };

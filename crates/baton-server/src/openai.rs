@@ -216,6 +216,8 @@ pub struct ValidRequest {
     pub logprobs: Option<usize>,
     /// Tokens that end generation.
     pub stop_token_ids: Vec<u32>,
+    /// Completions' `echo`: the prompt text, sent before the generated text.
+    pub echo: Option<String>,
 }
 
 /// The 400 for `/v1/chat/completions` on a model without a chat template: what the client can
@@ -271,6 +273,13 @@ impl Validator {
     /// Validates a completion body.
     pub fn completion(&self, body: &[u8]) -> Result<ValidRequest, ApiError> {
         let req: CompletionRequest = parse(body, "prompt")?;
+        // The prompt as the client sent it, for `echo`.
+        let text = match &req.prompt {
+            Prompt::Text(t) => Some(t.clone()),
+            Prompt::Texts(ts) => ts.first().cloned(),
+            Prompt::Tokens(_) => None,
+        };
+        let echo = req.common.echo == Some(true);
         let prompt_ids = match req.prompt {
             Prompt::Text(t) => self.encode(&t, true)?,
             Prompt::Texts(ts) if ts.len() == 1 => self.encode(&ts[0], true)?,
@@ -285,7 +294,14 @@ impl Validator {
                 })
                 .collect::<Result<_, _>>()?,
         };
-        self.finish(Endpoint::Completions, prompt_ids, req.common)
+        let mut valid = self.finish(Endpoint::Completions, prompt_ids, req.common)?;
+        if echo {
+            valid.echo = Some(match text {
+                Some(t) => t,
+                None => self.tokenizer.decode(&valid.prompt_ids, true).map_err(|e| ApiError::invalid(e.to_string()))?,
+            });
+        }
+        Ok(valid)
     }
 
     /// Validates a chat completion body: renders the conversation with the chat template.
@@ -412,7 +428,17 @@ impl Validator {
             return Err(ApiError::param("stop", "stop strings must not be empty"));
         }
         neutral("best_of", c.best_of.is_none_or(|v| v == 1))?;
-        neutral("echo", c.echo != Some(true))?;
+        if c.echo == Some(true) {
+            if endpoint == Endpoint::Chat {
+                return Err(ApiError::param("echo", "`echo` is a /v1/completions parameter"));
+            }
+            if logprobs.is_some() {
+                return Err(ApiError::param(
+                    "echo",
+                    "`echo` with `logprobs` (the prompt's log-probabilities) is not supported",
+                ));
+            }
+        }
         neutral("suffix", c.suffix.is_none())?;
         let stream = c.stream.unwrap_or(false);
         Ok(ValidRequest {
@@ -425,6 +451,7 @@ impl Validator {
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
             logprobs,
             stop_token_ids,
+            echo: None,
         })
     }
 }

@@ -257,6 +257,28 @@ async fn stop_token_ids_end_generation_without_their_text() {
     }
 }
 
+/// Completions' `echo`: the prompt (as sent, or decoded from token ids) before the generated
+/// text, in full and streamed responses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_puts_the_prompt_before_the_completion() {
+    let server = start("tiny-llama", 1, 1, 0, None).await;
+    let prompt = PROMPTS[1];
+    let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let (_, plain) = server.post("/v1/completions", body.clone()).await;
+    let generated = plain["choices"][0]["text"].as_str().expect("text").to_owned();
+    let mut echoed = body.clone();
+    echoed["echo"] = json!(true);
+    let (status, v) = server.post("/v1/completions", echoed.clone()).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], format!("{prompt}{generated}"));
+    assert_eq!(v["usage"]["completion_tokens"], 6);
+    echoed["stream"] = json!(true);
+    let (text, finish, _) = server.stream("/v1/completions", echoed, None).await;
+    assert_eq!(text, format!("{prompt}{generated}"), "streamed");
+    assert_eq!(finish.as_deref(), Some("length"));
+    server.assert_no_kv_held().await;
+}
+
 /// Streamed chunks' `logprobs` objects, in order.
 async fn streamed_logprobs(url: &str, path: &str, mut body: Value) -> Vec<Value> {
     body["stream"] = json!(true);
@@ -499,6 +521,13 @@ async fn bad_input_gets_openai_style_errors() {
         ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"x": 1}}"#.into(), 400, "logit_bias"),
         ("/v1/completions", r#"{"prompt": "hi", "logprobs": 6}"#.into(), 400, "logprobs"),
         ("/v1/completions", r#"{"prompt": "hi", "stop_token_ids": [99999]}"#.into(), 400, "stop_token_ids"),
+        ("/v1/completions", r#"{"prompt": "hi", "echo": true, "logprobs": 1}"#.into(), 400, "echo"),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "echo": true}"#.into(),
+            400,
+            "echo",
+        ),
         ("/v1/completions", r#"{"prompt": "hi", "top_logprobs": 2}"#.into(), 400, "top_logprobs"),
         (
             "/v1/chat/completions",
