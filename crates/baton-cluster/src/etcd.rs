@@ -69,6 +69,12 @@ impl std::fmt::Debug for EtcdRegistry {
     }
 }
 
+impl From<etcd_client::Error> for ClusterError {
+    fn from(e: etcd_client::Error) -> Self {
+        ClusterError::Etcd(e.to_string())
+    }
+}
+
 /// The stored value of a registration.
 #[derive(Serialize, Deserialize)]
 struct Record {

@@ -8,7 +8,9 @@
 //!   in). Workers in other processes reach it through the `/cluster/*` routes of [`router`]
 //!   with a [`RemoteRegistryClient`] (`--registry http://conductor:port`).
 //! - **etcd** (`--registry etcd://HOST:PORT`): an [`EtcdRegistry`], with etcd leases for
-//!   liveness and a prefix watch for joins and departures.
+//!   liveness and a prefix watch for joins and departures. Behind the cargo feature `etcd`
+//!   (etcd-client's build needs `protoc`); without it [`EtcdRegistry`] is a stub whose `connect`
+//!   fails with [`ClusterError::EtcdNotBuilt`], so callers never see a `cfg`.
 //!
 //! A registration returns a [`Lease`] that heartbeats in the background; a worker that stops
 //! heartbeating is reported `Left(LeaseExpired)` once its TTL passes. Every registration proves
@@ -46,6 +48,10 @@ pub mod auth;
 mod config;
 mod embedded;
 mod error;
+#[cfg(feature = "etcd")]
+mod etcd;
+#[cfg(not(feature = "etcd"))]
+#[path = "etcd_stub.rs"]
 mod etcd;
 mod http;
 mod registry;

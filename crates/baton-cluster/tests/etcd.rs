@@ -1,5 +1,6 @@
 //! The etcd backend against a real etcd process on loopback ports (see `common::TestEtcd`).
 
+#![cfg(feature = "etcd")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;

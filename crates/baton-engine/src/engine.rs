@@ -599,9 +599,16 @@ impl Engine {
                     EngineError::Internal("the emulated backend produced no token for a finished run".into())
                 })?,
             };
+            let logprobs = match (&computed, seq.logprobs) {
+                (Computed::Logits(logits), Some(n)) => {
+                    let rows = logits.of(i);
+                    Some(baton_model::token_logprobs(&rows[rows.len() - logits.vocab..], token, n))
+                }
+                _ => None,
+            };
             let reason = seq.push_token(token, &eos, self.tokenizer.as_deref(), max_context)?;
             let text_delta = seq.take_delta(reason.is_some());
-            out.tokens.push(TokenEvent { id: s.id, token, text_delta });
+            out.tokens.push(TokenEvent { id: s.id, token, text_delta, logprobs });
             if let Some(reason) = reason {
                 self.running.retain(|&r| r != s.id);
                 out.finished.push(self.finish(s.id, reason)?);

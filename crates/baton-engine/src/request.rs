@@ -1,7 +1,7 @@
 //! What a caller hands the engine and what it gets back.
 
 use baton_kv::BlockId;
-use baton_model::SamplingParams;
+use baton_model::{SamplingParams, TokenLogprobs};
 
 use crate::RequestId;
 
@@ -73,6 +73,12 @@ pub struct GenerationRequest {
     pub return_prompt_logits: bool,
     /// KV to keep when finished, handed back in [`Finished::kv`].
     pub retain_kv: KvRetention,
+    /// Report each generated token's log-probability and those of the `n` most likely tokens
+    /// (`Some(n)`), or nothing (`None`).
+    pub logprobs: Option<usize>,
+    /// Generating one of these ends the request (`FinishReason::Stop`); the token counts, its
+    /// text is left out (as vLLM's `stop_token_ids`).
+    pub stop_token_ids: Vec<u32>,
 }
 
 impl GenerationRequest {
@@ -87,6 +93,8 @@ impl GenerationRequest {
             prefix: None,
             return_prompt_logits: false,
             retain_kv: KvRetention::None,
+            logprobs: None,
+            stop_token_ids: Vec::new(),
         }
     }
 }
@@ -125,6 +133,8 @@ pub struct TokenEvent {
     /// Text this token makes visible (may be empty while a character or a possible stop string
     /// is incomplete).
     pub text_delta: String,
+    /// The token's log-probabilities, when the request asked for them.
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// A request that ended.

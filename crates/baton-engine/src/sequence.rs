@@ -30,6 +30,9 @@ pub(crate) struct Sequence {
     pub(crate) text: String,
     /// Bytes of `text` already handed out as deltas.
     pub(crate) emitted: usize,
+    /// Alternatives per token whose log-probabilities are reported (`None`: none reported).
+    pub(crate) logprobs: Option<usize>,
+    pub(crate) stop_token_ids: Vec<u32>,
 }
 
 impl Sequence {
@@ -45,6 +48,9 @@ impl Sequence {
             Some(p) => (BlockTable::new(p.blocks), p.tokens),
             None => (BlockTable::default(), 0),
         };
+        let mut sampler = Sampler::new(req.sampling, fallback_seed);
+        sampler.observe_prompt(&req.prompt);
+        req.generated.iter().for_each(|&t| sampler.observe(t));
         let mut tokens = req.prompt;
         tokens.extend_from_slice(&req.generated);
         let mut seq = Self {
@@ -55,13 +61,15 @@ impl Sequence {
             table,
             cached_tokens: computed,
             admitted_once: false,
-            sampler: Sampler::new(req.sampling, fallback_seed),
+            sampler,
             stop: req.stop,
             retain_kv: req.retain_kv,
             prompt_logits: req.return_prompt_logits.then(Vec::new),
             decoder: IncrementalDecoder::default(),
             text: String::new(),
             emitted: 0,
+            logprobs: req.logprobs,
+            stop_token_ids: req.stop_token_ids,
         };
         if let Some(tok) = tokenizer
             && !req.generated.is_empty()
@@ -91,8 +99,12 @@ impl Sequence {
         max_context: usize,
     ) -> Result<Option<FinishReason>, EngineError> {
         self.tokens.push(token);
+        self.sampler.observe(token);
+        let stop_token = self.stop_token_ids.contains(&token);
         let reason = if !self.stop.ignore_eos && eos.contains(&token) {
             Some(FinishReason::Eos)
+        } else if stop_token {
+            Some(FinishReason::Stop)
         } else if self.generated().len() >= self.stop.max_tokens || self.tokens.len() >= max_context {
             Some(FinishReason::Length)
         } else {
@@ -100,6 +112,10 @@ impl Sequence {
         };
         if let Some(tok) = tokenizer {
             let delta = self.decoder.step(tok, &self.tokens[self.prompt_len..])?;
+            if stop_token {
+                // The stop token's own text is left out.
+                return Ok(reason);
+            }
             self.text.push_str(&delta);
             if let Some(cut) = self.find_stop(delta.len()) {
                 self.text.truncate(cut);

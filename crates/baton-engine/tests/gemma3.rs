@@ -5,7 +5,7 @@
 //! with chunked prefill, in both KV layouts. A prompt longer than the 512-token sliding window
 //! gives the same result prefilled whole and in chunks.
 //!
-//! Needs the model: run `scripts/fetch-model.sh` (the tests fail, not skip, without it).
+//! Needs the model: run `scripts/fetch-model.sh gemma3-270m` (the tests fail, not skip, without it).
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -40,8 +40,8 @@ fn repo_root() -> PathBuf {
 fn fixture() -> &'static Fixture {
     static F: OnceLock<Fixture> = OnceLock::new();
     F.get_or_init(|| {
-        let path = baton_model::default_model_path(&repo_root());
-        assert!(path.is_file(), "{} is missing: run `scripts/fetch-model.sh` first", path.display());
+        let path = baton_model::known_model_path(&repo_root(), "gemma3-270m").expect("a known model");
+        assert!(path.is_file(), "{} is missing: run `scripts/fetch-model.sh gemma3-270m` first", path.display());
         let ckpt = Checkpoint::open(&path).expect("the GGUF loads");
         let text = std::fs::read_to_string(repo_root().join("fixtures/gemma3-270m/reference.json")).expect("reference");
         let reference: Value = serde_json::from_str(&text).expect("json");

@@ -36,10 +36,13 @@ mod tokenizer;
 pub mod weights;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use checkpoint::{Checkpoint, DEFAULT_MODEL_FILE, default_model_path};
+pub use checkpoint::{
+    Checkpoint, DEFAULT_MODEL, DEFAULT_MODEL_FILE, KNOWN_MODELS, KnownModel, default_model_path, known_model,
+    known_model_names, known_model_path, models_dir,
+};
 pub use config::{Architecture, ModelConfig};
 pub use error::{ModelError, Result};
 pub use model::{LogitsWanted, Model, SeqStep, StepLogits};
-pub use sampling::{Sampler, SamplingParams, argmax};
+pub use sampling::{LogitAdjust, Sampler, SamplingParams, TokenLogprobs, argmax, token_logprobs};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 pub use weights::{RandomWeights, SafetensorsWeights, WeightSource};

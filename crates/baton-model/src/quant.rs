@@ -35,9 +35,14 @@ use q16::Q16Rows;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum BlockFormat {
     Q4_0,
+    Q4_1,
     Q5_0,
+    Q5_1,
     Q8_0,
+    Q2K,
+    Q3K,
     Q4K,
+    Q5K,
     Q6K,
 }
 
@@ -45,9 +50,14 @@ impl BlockFormat {
     pub(crate) fn of(dtype: GgmlDType) -> Option<Self> {
         Some(match dtype {
             GgmlDType::Q4_0 => Self::Q4_0,
+            GgmlDType::Q4_1 => Self::Q4_1,
             GgmlDType::Q5_0 => Self::Q5_0,
+            GgmlDType::Q5_1 => Self::Q5_1,
             GgmlDType::Q8_0 => Self::Q8_0,
+            GgmlDType::Q2K => Self::Q2K,
+            GgmlDType::Q3K => Self::Q3K,
             GgmlDType::Q4K => Self::Q4K,
+            GgmlDType::Q5K => Self::Q5K,
             GgmlDType::Q6K => Self::Q6K,
             _ => return None,
         })
@@ -56,8 +66,8 @@ impl BlockFormat {
     /// Values per block.
     fn block_len(self) -> usize {
         match self {
-            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 => 32,
-            Self::Q4K | Self::Q6K => 256,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
+            Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K => 256,
         }
     }
 
@@ -65,9 +75,14 @@ impl BlockFormat {
     fn block_bytes(self) -> usize {
         match self {
             Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
             Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
             Self::Q8_0 => 34,
+            Self::Q2K => 84,
+            Self::Q3K => 110,
             Self::Q4K => 144,
+            Self::Q5K => 176,
             Self::Q6K => 210,
         }
     }
@@ -101,6 +116,86 @@ impl BlockFormat {
                 for j in 0..16 {
                     lo[j] = d * ((i32::from(qs[j] & 0x0f) | high(j)) - 16) as f32;
                     hi[j] = d * ((i32::from(qs[j] >> 4) | high(j + 16)) - 16) as f32;
+                }
+            }
+            Self::Q4_1 => {
+                let (d, m) = (half(0), half(2));
+                let qs = &b[4..20];
+                for j in 0..16 {
+                    y[j] = d * f32::from(qs[j] & 0x0f) + m;
+                    y[j + 16] = d * f32::from(qs[j] >> 4) + m;
+                }
+            }
+            Self::Q5_1 => {
+                let (d, m) = (half(0), half(2));
+                let qh = &b[4..8];
+                let qs = &b[8..24];
+                let high = |j: usize| ((qh[j / 8] >> (j % 8)) & 1) << 4;
+                let (lo, hi) = y[..32].split_at_mut(16);
+                for j in 0..16 {
+                    lo[j] = d * f32::from((qs[j] & 0x0f) | high(j)) + m;
+                    hi[j] = d * f32::from((qs[j] >> 4) | high(j + 16)) + m;
+                }
+            }
+            Self::Q2K => {
+                // scales[16] (low nibble scale, high nibble min), qs[64] (2 bits), d, dmin.
+                let (d, dmin) = (half(80), half(82));
+                let scales = &b[0..16];
+                for n in 0..2 {
+                    let q = &b[16 + 32 * n..16 + 32 * n + 32];
+                    for j in 0..4 {
+                        let shift = 2 * j;
+                        for h in 0..2 {
+                            let sc = scales[8 * n + 2 * j + h];
+                            let (dl, ml) = (d * f32::from(sc & 0x0f), dmin * f32::from(sc >> 4));
+                            let y = &mut y[128 * n + 32 * j + 16 * h..][..16];
+                            for (l, y) in y.iter_mut().enumerate() {
+                                *y = dl * f32::from((q[16 * h + l] >> shift) & 3) - ml;
+                            }
+                        }
+                    }
+                }
+            }
+            Self::Q3K => {
+                // hmask[32] (the third bit, set: no offset), qs[64] (low 2 bits), 12 bytes of
+                // 6-bit scales offset by 32, d.
+                let d = half(108);
+                let hmask = &b[0..32];
+                let scales = scales_k3(&b[96..108]);
+                for n in 0..2 {
+                    let q = &b[32 + 32 * n..32 + 32 * n + 32];
+                    for j in 0..4 {
+                        let (shift, bit) = (2 * j, 4 * n + j);
+                        for h in 0..2 {
+                            let dl = d * f32::from(scales[8 * n + 2 * j + h]);
+                            let y = &mut y[128 * n + 32 * j + 16 * h..][..16];
+                            for (l, y) in y.iter_mut().enumerate() {
+                                let i = 16 * h + l;
+                                let low = ((q[i] >> shift) & 3) as i8;
+                                let q3 = if (hmask[i] >> bit) & 1 == 1 { low } else { low - 4 };
+                                *y = dl * f32::from(q3);
+                            }
+                        }
+                    }
+                }
+            }
+            Self::Q5K => {
+                let (d, dmin) = (half(0), half(2));
+                let scales = &b[4..16];
+                let qh = &b[16..48];
+                let qs = &b[48..176];
+                for (g, (q, y)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
+                    let (s1, m1) = scale_min_k4(2 * g, scales);
+                    let (s2, m2) = scale_min_k4(2 * g + 1, scales);
+                    let (d1, m1) = (d * f32::from(s1), dmin * f32::from(m1));
+                    let (d2, m2) = (d * f32::from(s2), dmin * f32::from(m2));
+                    let (lo, hi) = y.split_at_mut(32);
+                    for l in 0..32 {
+                        let h1 = ((qh[l] >> (2 * g)) & 1) << 4;
+                        let h2 = ((qh[l] >> (2 * g + 1)) & 1) << 4;
+                        lo[l] = d1 * f32::from((q[l] & 0x0f) | h1) - m1;
+                        hi[l] = d2 * f32::from((q[l] >> 4) | h2) - m2;
+                    }
                 }
             }
             Self::Q4K => {
@@ -142,6 +237,19 @@ impl BlockFormat {
             }
         }
     }
+}
+
+/// The 16 signed scales of a Q3_K block from its 12 bytes of packed 6-bit fields (low 4 bits
+/// in bytes 0-7, high 2 bits in bytes 8-11), offset by 32.
+#[inline]
+fn scales_k3(packed: &[u8]) -> [i8; 16] {
+    let mut out = [0i8; 16];
+    for (j, o) in out.iter_mut().enumerate() {
+        let low = if j < 8 { packed[j] & 0x0f } else { packed[j - 8] >> 4 };
+        let high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
+        *o = ((low | (high << 4)) as i8) - 32;
+    }
+    out
 }
 
 /// Scale and min of sub-block `j` of a Q4_K block's packed 6-bit fields.
@@ -297,7 +405,7 @@ impl QuantMatrix {
         let (n, k) = (self.rows, self.cols);
         // `[n][m]`, transposed at the end when `m > 1`: each task owns whole rows of it.
         let mut yt = vec![0f32; n * m];
-        let kernel = DotKernel::detect();
+        let kernel = DotKernel::detect().for_format(self.format);
         // Rounded once per product, not per task.
         let q16 = kernel.q16(self, x);
         // The row buffer is only the fallback kernels' (one per rayon job, not per task).
@@ -414,10 +522,32 @@ impl DotKernel {
         matches!(self, Self::Avx2 | Self::Portable)
     }
 
+    /// Whether this kernel multiplies blocks of `format` itself. The decode-then-dot kernels
+    /// take every format; the fused AVX-512 ones have a kernel per format.
+    fn supports(self, format: BlockFormat) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512Q16 => avx512_q16::supports(format),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => avx512::supports(format),
+            _ => true,
+        }
+    }
+
+    /// This kernel, or where it has none for `format`, the next slower one this CPU runs that
+    /// has (so a format never meets coarser activations than this kernel's: int16, then
+    /// float32).
+    fn for_format(self, format: BlockFormat) -> Self {
+        if self.supports(format) {
+            return self;
+        }
+        Self::available().into_iter().skip_while(|&k| k != self).find(|k| k.supports(format)).unwrap_or(Self::Portable)
+    }
+
     /// The activations rounded to int16 as this kernel takes them, for [`Self::Avx512Q16`].
     fn q16(self, w: &QuantMatrix, x: &[f32]) -> Option<Q16Rows> {
         #[cfg(target_arch = "x86_64")]
-        if self == Self::Avx512Q16 {
+        if self.for_format(w.format) == Self::Avx512Q16 {
             return Some(Q16Rows::new(x, w.cols, avx512_q16::q16_block(w.format)));
         }
         let _ = (w, x);
@@ -458,6 +588,17 @@ impl DotKernel {
         out: &mut [f32],
         row: &mut [f32],
     ) {
+        let kernel = self.for_format(w.format);
+        if kernel != self {
+            let mut own = Vec::new();
+            let row = if kernel.decodes_rows() && row.len() < w.cols {
+                own.resize(w.cols, 0.0);
+                &mut own[..]
+            } else {
+                row
+            };
+            return kernel.run(w, first, x, q16, m, out, row);
+        }
         match self {
             #[cfg(target_arch = "x86_64")]
             #[allow(unsafe_code)]
@@ -543,7 +684,7 @@ mod tests {
     /// How far `kernel`'s `x · w` may be from the float product beyond float rounding: half a
     /// step of int16 rounding of each activation, times its weight, for [`DotKernel::Avx512Q16`].
     fn rounding_bound(kernel: DotKernel, m: &QuantMatrix, x: &[f32], w: &[f32]) -> f32 {
-        if kernel != DotKernel::Avx512Q16 {
+        if kernel.for_format(m.format) != DotKernel::Avx512Q16 {
             return 0.0;
         }
         let q = kernel.q16(m, x).expect("int16 activations");
@@ -562,10 +703,20 @@ mod tests {
             (GgmlDType::Q8_0, 32),
             (GgmlDType::Q8_0, 160),
             (GgmlDType::Q4_0, 96),
+            (GgmlDType::Q4_1, 32),
+            (GgmlDType::Q4_1, 576),
             (GgmlDType::Q5_0, 224),
             (GgmlDType::Q5_0, 640),
+            (GgmlDType::Q5_1, 96),
+            (GgmlDType::Q5_1, 640),
+            (GgmlDType::Q2K, 256),
+            (GgmlDType::Q2K, 768),
+            (GgmlDType::Q3K, 256),
+            (GgmlDType::Q3K, 768),
             (GgmlDType::Q4K, 256),
             (GgmlDType::Q4K, 768),
+            (GgmlDType::Q5K, 256),
+            (GgmlDType::Q5K, 768),
             (GgmlDType::Q6K, 256),
             (GgmlDType::Q6K, 768),
         ] {
@@ -607,6 +758,61 @@ mod tests {
         }
     }
 
+    /// Real blocks: SmolLM2 135M Instruct's Q4_1 matrices, as llama.cpp quantized them, through
+    /// every kernel and both product paths against candle's dequantization then a float dot.
+    /// Needs the model (`scripts/fetch-model.sh`; fails, not skips, without it).
+    #[test]
+    fn real_q4_1_blocks_of_smollm2_match_dequantize_then_dot() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let path = crate::known_model_path(&root, "smollm2-135m-instruct").expect("a known model");
+        assert!(path.is_file(), "{} is missing: run `scripts/fetch-model.sh smollm2-135m-instruct`", path.display());
+        let file = crate::gguf::GgufFile::open(&path).expect("the GGUF opens");
+        let mut rng = StdRng::seed_from_u64(11);
+        for name in ["blk.0.attn_k.weight", "blk.7.ffn_down.weight", "blk.29.attn_output.weight"] {
+            let (_, dtype, bytes) = file.tensor_data(name).expect("tensor");
+            assert_eq!(dtype, GgmlDType::Q4_1, "{name}");
+            let q = file.qtensor(name, &Device::Cpu).expect("qtensor");
+            let (rows, cols) = q.shape().dims2().expect("a matrix");
+            let w: Vec<f32> =
+                q.dequantize(&Device::Cpu).expect("dequantizes").flatten_all().expect("flat").to_vec1().expect("vec");
+            let mat = QuantMatrix::new(dtype, bytes, rows, cols).expect("decodable");
+            assert_eq!(mat.gather(&(0..rows as u32).collect::<Vec<_>>()), w, "{name}: decoded values");
+            for m in [1, 3, 20] {
+                let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+                // Each product as `[m][rows]`, with the kernel whose int16 rounding it may carry.
+                let mut outs = vec![(None, mat.matmul_xwt(&x, m).expect("product"))];
+                if m <= DOT_ROWS {
+                    for kernel in DotKernel::available() {
+                        let mut out = vec![0f32; rows * m];
+                        kernel.run(&mat, 0, &x, None, m, &mut out, &mut vec![0f32; cols]);
+                        let y = (0..m * rows).map(|i| out[(i % rows) * m + i / rows]).collect();
+                        outs.push((Some(kernel), y));
+                    }
+                }
+                for (kernel, y) in outs {
+                    // `matmul_xwt` takes the detected kernel up to DOT_ROWS rows, float32 GEMM above.
+                    let rounding = kernel.or((m <= DOT_ROWS).then(DotKernel::detect));
+                    for r in 0..m {
+                        let xr = &x[r * cols..(r + 1) * cols];
+                        for j in 0..rows {
+                            let wr = &w[j * cols..(j + 1) * cols];
+                            let want = dot(xr, wr);
+                            let scale: f32 = xr.iter().zip(wr).map(|(a, b)| (a * b).abs()).sum();
+                            let bound = rounding.map_or(0.0, |k| rounding_bound(k, &mat, xr, wr));
+                            let tol = 1e-5 * scale + 1e-5 + bound;
+                            let got = y[r * rows + j];
+                            assert!(
+                                (got - want).abs() <= tol,
+                                "{name} {kernel:?} m={m}: [{r},{j}] {got} vs {want} (tol {tol})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_kernel_named_in_the_environment_is_one_this_cpu_runs() {
         assert!(DotKernel::available().contains(&DotKernel::detect()));
@@ -615,8 +821,39 @@ mod tests {
 
     #[test]
     fn decoding_matches_candle_for_every_format() {
-        for dtype in [GgmlDType::Q4_0, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+        for dtype in CLAIMED {
             check(dtype);
+        }
+    }
+
+    /// Every quantized type Baton claims to run: each must have its own decoder here (so none
+    /// falls to candle's 8-bit-activation kernels).
+    const CLAIMED: [GgmlDType; 10] = [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
+
+    #[test]
+    fn every_claimed_type_has_its_own_kernels_with_activations_at_least_int16_fine() {
+        for dtype in CLAIMED {
+            let format = BlockFormat::of(dtype).unwrap_or_else(|| panic!("{dtype:?} has no decoder here"));
+            for kernel in DotKernel::available() {
+                let used = kernel.for_format(format);
+                assert!(used.supports(format), "{dtype:?}: {kernel:?} -> {used:?}");
+                // Never coarser than the kernel asked for: int16 only where int16 was asked.
+                assert!(used == kernel || used != DotKernel::Avx512Q16, "{dtype:?}: {kernel:?} -> {used:?}");
+            }
+        }
+        for other in [GgmlDType::F32, GgmlDType::F16, GgmlDType::Q8_1, GgmlDType::Q8K] {
+            assert_eq!(BlockFormat::of(other), None, "{other:?}");
         }
     }
 }

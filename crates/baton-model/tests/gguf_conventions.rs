@@ -5,7 +5,7 @@
 //! (halves, no permutation), global layers use the file's RoPE base and local layers 10 000.
 //!
 //! A reference for the lead's paged forward pass, not a replacement for it. Needs the model
-//! (`scripts/fetch-model.sh`).
+//! (`scripts/fetch-model.sh gemma3-270m`).
 
 use std::path::PathBuf;
 
@@ -17,7 +17,7 @@ fn model_path() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let dir = std::env::var_os("BATON_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| root.join(".models"));
     let path = dir.join("gemma-3-270m-q4_k_m.gguf");
-    assert!(path.is_file(), "{} is missing: run `scripts/fetch-model.sh`", path.display());
+    assert!(path.is_file(), "{} is missing: run `scripts/fetch-model.sh gemma3-270m`", path.display());
     path
 }
 

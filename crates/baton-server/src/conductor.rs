@@ -24,7 +24,7 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
@@ -42,7 +42,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use crate::error::ApiError;
 use crate::handoff::KvTransfer;
 use crate::metrics::{Metrics, Outcome, WorkerGauges};
-use crate::openai::{Endpoint, ValidRequest, Validator};
+use crate::openai::{Endpoint, LogprobEntry, ValidRequest, Validator, logprobs_json};
 use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView};
 use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
 
@@ -360,7 +360,14 @@ impl Conductor {
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = mpsc::unbounded_channel();
         let stream = valid.stream;
-        let run = Run { conductor: self.clone(), valid: valid.clone(), id, out: tx, streamed: AtomicBool::new(false) };
+        let run = Run {
+            conductor: self.clone(),
+            valid: valid.clone(),
+            id,
+            out: tx,
+            streamed: AtomicBool::new(false),
+            cached_tokens: OnceLock::new(),
+        };
         tokio::spawn(run.run(route));
         if stream { sse_response(valid, id, rx) } else { full_response(valid, id, rx).await }
     }
@@ -416,7 +423,14 @@ async fn metrics(State(c): State<Arc<Conductor>>) -> Response {
 /// What a run sends the response: text as it comes, then the end.
 enum Piece {
     Text(String),
-    Done { reason: Finish, prompt_tokens: usize, completion_tokens: usize },
+    /// The log-probabilities of the token whose text comes next (when the request asked).
+    Logprobs(LogprobEntry),
+    Done {
+        reason: Finish,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        cached_tokens: usize,
+    },
     Failed(ApiError),
 }
 
@@ -434,6 +448,9 @@ struct Run {
     out: mpsc::UnboundedSender<Piece>,
     /// Whether any text reached the client (after which a lost worker cannot be hidden).
     streamed: AtomicBool,
+    /// Prompt tokens the prefill (or colocated) worker served from its prefix cache: the first
+    /// worker to finish sets it, so a decode worker's received KV does not count.
+    cached_tokens: OnceLock<usize>,
 }
 
 impl Run {
@@ -518,6 +535,9 @@ impl Run {
             top_k: v.sampling.top_k,
             top_p: v.sampling.top_p,
             seed: v.sampling.seed,
+            adjust: v.sampling.adjust.clone(),
+            logprobs: v.logprobs,
+            stop_token_ids: v.stop_token_ids.clone(),
             max_tokens: v.stop.max_tokens,
             ignore_eos: v.stop.ignore_eos,
             stop: v.stop.stop_strings.clone(),
@@ -539,12 +559,16 @@ impl Run {
         let prefilled = async {
             loop {
                 match self.next(p, &mut events).await? {
-                    RequestEvent::Token { token, text } => {
+                    RequestEvent::Token { token, text, logprobs } => {
                         c.metrics.ttft.observe(start.elapsed().as_secs_f64());
                         first.push(token);
+                        self.send_logprobs(token, logprobs)?;
                         self.send(Piece::Text(text))?;
                     }
-                    RequestEvent::Finished { reason, prompt_tokens, kv, .. } => break Ok((reason, prompt_tokens, kv)),
+                    RequestEvent::Finished { reason, prompt_tokens, kv, cached_tokens, .. } => {
+                        let _ = self.cached_tokens.set(cached_tokens);
+                        break Ok((reason, prompt_tokens, kv));
+                    }
                     RequestEvent::Failed(e) => break Err(RunError::Api(e)),
                     RequestEvent::Lost(reason) => break Err(RunError::Lost { worker: p.name().to_owned(), reason }),
                 }
@@ -629,7 +653,7 @@ impl Run {
                 last = Some(Instant::now());
             }
             match event {
-                RequestEvent::Token { text, .. } => {
+                RequestEvent::Token { token, text, logprobs } => {
                     // A colocated worker's first token ends its prefill.
                     if prefill.take().is_some() {
                         _decode = Some(c.track(worker.as_ref(), self.id, true, self.valid.prompt_ids.len() + 1));
@@ -641,9 +665,11 @@ impl Run {
                     }
                     last = Some(now);
                     *relayed += 1;
+                    self.send_logprobs(token, logprobs)?;
                     self.send(Piece::Text(text))?;
                 }
-                RequestEvent::Finished { reason, prompt_tokens, completion_tokens, .. } => {
+                RequestEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens, .. } => {
+                    let _ = self.cached_tokens.set(cached_tokens);
                     return self.finish(reason, prompt_tokens, completion_tokens);
                 }
                 RequestEvent::Failed(e) => return Err(RunError::Api(e)),
@@ -656,7 +682,15 @@ impl Run {
         let m = &self.conductor.metrics;
         m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         m.generation_tokens.fetch_add(completion_tokens as u64, Ordering::Relaxed);
-        self.send(Piece::Done { reason, prompt_tokens, completion_tokens })
+        let cached_tokens = self.cached_tokens.get().copied().unwrap_or(0);
+        self.send(Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens })
+    }
+
+    fn send_logprobs(&self, token: u32, logprobs: Option<baton_model::TokenLogprobs>) -> Result<(), RunError> {
+        match logprobs {
+            Some(lp) => self.send(Piece::Logprobs(self.conductor.validator.logprob_entry(token, &lp))),
+            None => Ok(()),
+        }
     }
 
     fn send(&self, piece: Piece) -> Result<(), RunError> {
@@ -708,28 +742,32 @@ fn response_id(valid: &ValidRequest, id: RequestId) -> String {
     }
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens}})
 }
 
 async fn full_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedReceiver<Piece>) -> Response {
-    let mut text = String::new();
+    let mut text = valid.echo.clone().unwrap_or_default();
+    let mut entries = Vec::new();
     while let Some(piece) = rx.recv().await {
         match piece {
             Piece::Text(t) => text.push_str(&t),
+            Piece::Logprobs(e) => entries.push(e),
             Piece::Failed(e) => return e.into_response(),
-            Piece::Done { reason, prompt_tokens, completion_tokens } => {
+            Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens } => {
+                let logprobs = valid.logprobs.map_or(Value::Null, |_| logprobs_json(valid.endpoint, &entries, 0));
                 let choice = match valid.endpoint {
                     Endpoint::Completions => {
-                        json!({"index": 0, "text": text, "finish_reason": reason.as_openai(), "logprobs": null})
+                        json!({"index": 0, "text": text, "finish_reason": reason.as_openai(), "logprobs": logprobs})
                     }
                     Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
-                        "finish_reason": reason.as_openai(), "logprobs": null}),
+                        "finish_reason": reason.as_openai(), "logprobs": logprobs}),
                 };
                 let object = if valid.endpoint == Endpoint::Chat { "chat.completion" } else { "text_completion" };
                 return Json(json!({
                     "id": response_id(&valid, id), "object": object, "created": created(), "model": valid.model,
-                    "choices": [choice], "usage": usage(prompt_tokens, completion_tokens),
+                    "choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
                 }))
                 .into_response();
             }
@@ -756,6 +794,19 @@ fn sse_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedRecei
                 return;
             }
         }
+        // Log-probabilities of tokens whose text has not been sent yet, and the text sent so far
+        // (completions' `text_offset` counts from it).
+        let mut pending: Vec<LogprobEntry> = Vec::new();
+        let mut sent_text = 0;
+        if let Some(echo) = valid.echo.as_ref().filter(|e| !e.is_empty()) {
+            let choice = json!([{"index": 0, "text": echo, "finish_reason": null, "logprobs": null}]);
+            if tx.send(chunk(choice, Value::Null)).is_err() {
+                return;
+            }
+        }
+        let take_logprobs = |pending: &mut Vec<LogprobEntry>, sent_text: usize| {
+            valid.logprobs.map_or(Value::Null, |_| logprobs_json(valid.endpoint, &std::mem::take(pending), sent_text))
+        };
         loop {
             // A client that went away is noticed at once: dropping `rx` cancels the run.
             let piece = tokio::select! {
@@ -764,24 +815,33 @@ fn sse_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedRecei
             };
             let Some(piece) = piece else { break };
             let sent = match piece {
+                Piece::Logprobs(e) => {
+                    pending.push(e);
+                    Ok(())
+                }
                 Piece::Text(t) if t.is_empty() => Ok(()),
                 Piece::Text(t) => {
+                    let logprobs = take_logprobs(&mut pending, sent_text);
                     let choice = if chat {
-                        json!([{"index": 0, "delta": {"content": t}, "finish_reason": null, "logprobs": null}])
+                        json!([{"index": 0, "delta": {"content": t}, "finish_reason": null, "logprobs": logprobs}])
                     } else {
-                        json!([{"index": 0, "text": t, "finish_reason": null, "logprobs": null}])
+                        json!([{"index": 0, "text": t, "finish_reason": null, "logprobs": logprobs}])
                     };
+                    sent_text += t.len();
                     tx.send(chunk(choice, Value::Null))
                 }
-                Piece::Done { reason, prompt_tokens, completion_tokens } => {
+                Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens } => {
+                    // Tokens whose text was held back (an end-of-sequence, a stop string) last.
+                    let logprobs =
+                        if pending.is_empty() { Value::Null } else { take_logprobs(&mut pending, sent_text) };
                     let choice = if chat {
-                        json!([{"index": 0, "delta": {}, "finish_reason": reason.as_openai(), "logprobs": null}])
+                        json!([{"index": 0, "delta": {}, "finish_reason": reason.as_openai(), "logprobs": logprobs}])
                     } else {
-                        json!([{"index": 0, "text": "", "finish_reason": reason.as_openai(), "logprobs": null}])
+                        json!([{"index": 0, "text": "", "finish_reason": reason.as_openai(), "logprobs": logprobs}])
                     };
                     let _ = tx.send(chunk(choice, Value::Null));
                     if valid.include_usage {
-                        let _ = tx.send(chunk(json!([]), usage(prompt_tokens, completion_tokens)));
+                        let _ = tx.send(chunk(json!([]), usage(prompt_tokens, completion_tokens, cached_tokens)));
                     }
                     let _ = tx.send(Ok(Event::default().data("[DONE]")));
                     return;

@@ -3,12 +3,13 @@
 //! Bodies are parsed by hand from bytes (not by an extractor) so that every malformed body,
 //! unknown field or out-of-range parameter is a 400 with an OpenAI-style error naming the
 //! parameter. Parameters OpenAI defines but Baton does not implement are accepted only at their
-//! neutral value (e.g. `presence_penalty: 0`), and refused otherwise, never silently ignored.
+//! neutral value (e.g. `logprobs: false`, `n: 1`), and refused otherwise, never silently
+//! ignored. Penalties, `logit_bias` and `min_p` become the sampler's [`LogitAdjust`].
 
 use std::sync::Arc;
 
 use baton_engine::StopParams;
-use baton_model::{ChatMessage, ChatTemplate, SamplingParams, Tokenizer};
+use baton_model::{ChatMessage, ChatTemplate, LogitAdjust, SamplingParams, TokenLogprobs, Tokenizer};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -68,6 +69,9 @@ const COMMON_FIELDS: &[&str] = &[
     "user",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "stop_token_ids",
     "logit_bias",
     "logprobs",
     "top_logprobs",
@@ -105,11 +109,18 @@ pub struct Common {
     pub ignore_eos: Option<bool>,
     /// End-user id (accepted, unused).
     pub user: Option<String>,
-    /// Only 0 is supported.
+    /// In [-2, 2]: subtracted once from the logit of each token generated so far.
     pub presence_penalty: Option<f64>,
-    /// Only 0 is supported.
+    /// In [-2, 2]: subtracted from a token's logit once per time it was generated.
     pub frequency_penalty: Option<f64>,
-    /// Only absent or empty is supported.
+    /// Positive (an extension, as vLLM): prompt and generated tokens' logits divided by it
+    /// (multiplied where negative).
+    pub repetition_penalty: Option<f64>,
+    /// In [0, 1] (an extension, as vLLM): drop tokens less likely than `min_p` times the best.
+    pub min_p: Option<f64>,
+    /// Token ids that end generation, their text left out (an extension, as vLLM).
+    pub stop_token_ids: Option<Vec<i64>>,
+    /// Token id (as a string) to a bias in [-100, 100] added to its logit.
     pub logit_bias: Option<Value>,
     /// Only absent, false or 0 is supported.
     pub logprobs: Option<Value>,
@@ -201,6 +212,24 @@ pub struct ValidRequest {
     pub stream: bool,
     /// Send usage in a last streamed chunk.
     pub include_usage: bool,
+    /// Report each token's log-probability and the `n` most likely tokens' (`Some(n)`).
+    pub logprobs: Option<usize>,
+    /// Tokens that end generation.
+    pub stop_token_ids: Vec<u32>,
+    /// Completions' `echo`: the prompt text, sent before the generated text.
+    pub echo: Option<String>,
+}
+
+/// The 400 for `/v1/chat/completions` on a model without a chat template: what the client can
+/// do instead, and what the operator can serve.
+fn no_chat_template_message(model_id: &str) -> String {
+    format!(
+        "model `{model_id}` has no chat template, so it cannot answer /v1/chat/completions: send the text to \
+         /v1/completions instead, or serve a chat model (`baton serve --model {}`, the default; `scripts/fetch-model.sh \
+         {}` fetches it)",
+        baton_model::DEFAULT_MODEL,
+        baton_model::DEFAULT_MODEL
+    )
 }
 
 /// What validation needs to know about the served model.
@@ -244,6 +273,13 @@ impl Validator {
     /// Validates a completion body.
     pub fn completion(&self, body: &[u8]) -> Result<ValidRequest, ApiError> {
         let req: CompletionRequest = parse(body, "prompt")?;
+        // The prompt as the client sent it, for `echo`.
+        let text = match &req.prompt {
+            Prompt::Text(t) => Some(t.clone()),
+            Prompt::Texts(ts) => ts.first().cloned(),
+            Prompt::Tokens(_) => None,
+        };
+        let echo = req.common.echo == Some(true);
         let prompt_ids = match req.prompt {
             Prompt::Text(t) => self.encode(&t, true)?,
             Prompt::Texts(ts) if ts.len() == 1 => self.encode(&ts[0], true)?,
@@ -258,7 +294,14 @@ impl Validator {
                 })
                 .collect::<Result<_, _>>()?,
         };
-        self.finish(Endpoint::Completions, prompt_ids, req.common)
+        let mut valid = self.finish(Endpoint::Completions, prompt_ids, req.common)?;
+        if echo {
+            valid.echo = Some(match text {
+                Some(t) => t,
+                None => self.tokenizer.decode(&valid.prompt_ids, true).map_err(|e| ApiError::invalid(e.to_string()))?,
+            });
+        }
+        Ok(valid)
     }
 
     /// Validates a chat completion body: renders the conversation with the chat template.
@@ -267,10 +310,8 @@ impl Validator {
         if req.messages.is_empty() {
             return Err(ApiError::param("messages", "at least one message is required"));
         }
-        let template = self
-            .template
-            .as_ref()
-            .ok_or_else(|| ApiError::invalid("this model has no chat template; use /v1/completions"))?;
+        let template =
+            self.template.as_ref().ok_or_else(|| ApiError::invalid(no_chat_template_message(&self.model_id)))?;
         let mut messages = Vec::with_capacity(req.messages.len());
         for (i, m) in req.messages.iter().enumerate() {
             if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
@@ -363,6 +404,18 @@ impl Validator {
             None => None,
             Some(s) => Some(u64::try_from(s).map_err(|_| ApiError::param("seed", "must be non-negative"))?),
         };
+        let adjust = self.logit_adjust(&c)?;
+        let logprobs = logprobs_param(endpoint, &c)?;
+        let stop_token_ids =
+            c.stop_token_ids
+                .iter()
+                .flatten()
+                .map(|&t| {
+                    u32::try_from(t).ok().filter(|&t| (t as usize) < self.vocab_size).ok_or_else(|| {
+                        ApiError::param("stop_token_ids", format!("token id {t} is outside the vocabulary"))
+                    })
+                })
+                .collect::<Result<Vec<u32>, _>>()?;
         let stop_strings = match c.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s],
@@ -374,30 +427,166 @@ impl Validator {
         if stop_strings.iter().any(String::is_empty) {
             return Err(ApiError::param("stop", "stop strings must not be empty"));
         }
-        neutral("presence_penalty", c.presence_penalty.is_none_or(|v| v == 0.0))?;
-        neutral("frequency_penalty", c.frequency_penalty.is_none_or(|v| v == 0.0))?;
-        neutral(
-            "logit_bias",
-            c.logit_bias.as_ref().is_none_or(|v| v.is_null() || v.as_object().is_some_and(|o| o.is_empty())),
-        )?;
-        neutral(
-            "logprobs",
-            c.logprobs.as_ref().is_none_or(|v| v.is_null() || v == &Value::Bool(false) || v.as_i64() == Some(0)),
-        )?;
-        neutral("top_logprobs", c.top_logprobs.is_none_or(|v| v == 0))?;
         neutral("best_of", c.best_of.is_none_or(|v| v == 1))?;
-        neutral("echo", c.echo != Some(true))?;
+        if c.echo == Some(true) {
+            if endpoint == Endpoint::Chat {
+                return Err(ApiError::param("echo", "`echo` is a /v1/completions parameter"));
+            }
+            if logprobs.is_some() {
+                return Err(ApiError::param(
+                    "echo",
+                    "`echo` with `logprobs` (the prompt's log-probabilities) is not supported",
+                ));
+            }
+        }
         neutral("suffix", c.suffix.is_none())?;
         let stream = c.stream.unwrap_or(false);
         Ok(ValidRequest {
             endpoint,
             model,
             prompt_ids,
-            sampling: SamplingParams { temperature: temperature as f32, top_k, top_p: top_p as f32, seed },
+            sampling: SamplingParams { temperature: temperature as f32, top_k, top_p: top_p as f32, seed, adjust },
             stop: StopParams { max_tokens, ignore_eos: c.ignore_eos.unwrap_or(false), stop_strings },
             stream,
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
+            logprobs,
+            stop_token_ids,
+            echo: None,
         })
+    }
+}
+
+impl Validator {
+    /// Penalties, `logit_bias` and `min_p` (all absent: no adjustment).
+    fn logit_adjust(&self, c: &Common) -> Result<LogitAdjust, ApiError> {
+        let logit_bias = match &c.logit_bias {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Object(map)) => map
+                .iter()
+                .map(|(k, v)| {
+                    let id = k
+                        .parse::<u32>()
+                        .map_err(|_| ApiError::param("logit_bias", format!("key {k:?} is not a token id")))?;
+                    let bias = v.as_f64().ok_or_else(|| {
+                        ApiError::param("logit_bias", format!("the bias of token {k} is not a number"))
+                    })?;
+                    Ok((id, bias as f32))
+                })
+                .collect::<Result<_, ApiError>>()?,
+            Some(_) => return Err(ApiError::param("logit_bias", "must be an object of token id to bias")),
+        };
+        let adjust = LogitAdjust {
+            presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
+            frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
+            repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
+            logit_bias,
+            min_p: c.min_p.unwrap_or(0.0) as f32,
+        };
+        adjust.validate(self.vocab_size).map_err(|e| {
+            let param = ["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias"]
+                .into_iter()
+                .find(|p| e.starts_with(p))
+                .unwrap_or("logit_bias");
+            ApiError::param(param, e)
+        })?;
+        Ok(adjust)
+    }
+}
+
+/// `logprobs` (and chat's `top_logprobs`): completions take `logprobs: N` (0 to 5
+/// alternatives, as OpenAI's legacy API), chat `logprobs: true` with `top_logprobs: N` (0 to 20).
+fn logprobs_param(endpoint: Endpoint, c: &Common) -> Result<Option<usize>, ApiError> {
+    let off = |v: &Option<Value>| v.as_ref().is_none_or(|v| v.is_null() || v == &Value::Bool(false));
+    match endpoint {
+        Endpoint::Completions => {
+            if c.top_logprobs.is_some_and(|n| n != 0) {
+                return Err(ApiError::param("top_logprobs", "is chat's; completions take `logprobs: N`"));
+            }
+            if off(&c.logprobs) {
+                return Ok(None);
+            }
+            match c.logprobs.as_ref().and_then(Value::as_i64) {
+                Some(n @ 0..=5) => Ok(Some(n as usize)),
+                _ => Err(ApiError::param("logprobs", "must be an integer from 0 to 5 (alternatives per token)")),
+            }
+        }
+        Endpoint::Chat => {
+            let on = match &c.logprobs {
+                None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+                Some(Value::Bool(true)) => true,
+                Some(_) => return Err(ApiError::param("logprobs", "must be true or false")),
+            };
+            let top = match c.top_logprobs {
+                None => 0,
+                Some(n @ 0..=20) => n as usize,
+                Some(n) => return Err(ApiError::param("top_logprobs", format!("must be from 0 to 20, got {n}"))),
+            };
+            if !on && top > 0 {
+                return Err(ApiError::param("top_logprobs", "needs `logprobs: true`"));
+            }
+            Ok(on.then_some(top))
+        }
+    }
+}
+
+/// One generated token's log-probabilities, the tokens as text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogprobEntry {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens' texts and log-probabilities.
+    pub top: Vec<(String, f32)>,
+}
+
+impl Validator {
+    /// [`LogprobEntry`] of a generated token.
+    pub fn logprob_entry(&self, token: u32, lp: &TokenLogprobs) -> LogprobEntry {
+        let text = |t: u32| self.tokenizer.decode(&[t], false).unwrap_or_default();
+        LogprobEntry {
+            token: text(token),
+            logprob: lp.logprob,
+            top: lp.top.iter().map(|&(t, l)| (text(t), l)).collect(),
+        }
+    }
+}
+
+/// The `logprobs` object of a choice (or a streamed chunk) for `entries`: the legacy
+/// completions shape (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`, offsets
+/// counted from `text_offset`) or chat's `content` list.
+pub fn logprobs_json(endpoint: Endpoint, entries: &[LogprobEntry], text_offset: usize) -> Value {
+    match endpoint {
+        Endpoint::Completions => {
+            let mut offsets = Vec::with_capacity(entries.len());
+            let mut at = text_offset;
+            for e in entries {
+                offsets.push(at);
+                at += e.token.len();
+            }
+            let top: Vec<Value> = entries
+                .iter()
+                .map(|e| Value::Object(e.top.iter().map(|(t, l)| (t.clone(), serde_json::json!(l))).collect()))
+                .collect();
+            serde_json::json!({
+                "tokens": entries.iter().map(|e| e.token.as_str()).collect::<Vec<_>>(),
+                "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+                "top_logprobs": top,
+                "text_offset": offsets,
+            })
+        }
+        Endpoint::Chat => {
+            let one = |t: &str, l: f32| serde_json::json!({"token": t, "logprob": l, "bytes": t.as_bytes()});
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let mut v = one(&e.token, e.logprob);
+                    v["top_logprobs"] = e.top.iter().map(|(t, l)| one(t, *l)).collect();
+                    v
+                })
+                .collect();
+            serde_json::json!({ "content": content })
+        }
     }
 }
 

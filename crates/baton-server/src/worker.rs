@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use baton_engine::{Engine, FinishReason, GenerationRequest, KvPrefix, KvRetention, RequestId, StopParams};
-use baton_model::SamplingParams;
+use baton_model::{LogitAdjust, SamplingParams, TokenLogprobs};
 use baton_transfer::{
     Access, BlockOwner, ClientConfig, Compat, KvServer, PeerId, Region, Release, ServerConfig, TransferId,
     TransferStats,
@@ -76,6 +76,16 @@ pub struct WorkRequest {
     /// Seed of the random stream.
     #[serde(default)]
     pub seed: Option<u64>,
+    /// Penalties, logit bias and min-p (the sampler sees `prompt` and `generated` too, so a
+    /// decode worker continues with the prefill worker's state).
+    #[serde(default)]
+    pub adjust: LogitAdjust,
+    /// Report each token's log-probability and the `n` most likely tokens' (`Some(n)`).
+    #[serde(default)]
+    pub logprobs: Option<usize>,
+    /// Tokens that end the request (their text left out).
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
     /// Most tokens to generate, counting `generated`.
     pub max_tokens: usize,
     /// Keep going past end-of-sequence.
@@ -105,9 +115,12 @@ impl WorkRequest {
                 top_k: self.top_k,
                 top_p: self.top_p,
                 seed: self.seed,
+                adjust: self.adjust,
             },
             stop: StopParams { max_tokens: self.max_tokens, ignore_eos: self.ignore_eos, stop_strings: self.stop },
             retain_kv: if self.retain_kv { KvRetention::All } else { KvRetention::None },
+            logprobs: self.logprobs,
+            stop_token_ids: self.stop_token_ids,
             ..GenerationRequest::new(RequestId(self.id), self.prompt)
         };
         (req, self.kv, self.kv_transfer)
@@ -160,6 +173,9 @@ pub enum RequestEvent {
         token: u32,
         /// Text delta.
         text: String,
+        /// Its log-probabilities, when the request asked for them.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        logprobs: Option<TokenLogprobs>,
     },
     /// The request ended.
     Finished {
@@ -790,7 +806,7 @@ impl EngineLoop {
         let mut gone = Vec::new();
         for t in out.tokens {
             if let Some(tx) = self.streams.get(&t.id)
-                && tx.send(RequestEvent::Token { token: t.token, text: t.text_delta }).is_err()
+                && tx.send(RequestEvent::Token { token: t.token, text: t.text_delta, logprobs: t.logprobs }).is_err()
             {
                 gone.push(t.id);
             }

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use baton_engine::{Engine, EngineConfig, GenerationRequest, RequestId, StopParams};
-use baton_model::Checkpoint;
+use baton_model::{Checkpoint, LogitAdjust, SamplingParams};
 use baton_server::{KvTransfer, ServeConfig};
+use serde_json::{Value, json};
 
 mod common;
 use common::{Server, fixture, start_with};
-use serde_json::{Value, json};
 
 fn engine_config() -> EngineConfig {
     // Small blocks so every prompt spans several; a small arena so leaks would show.
@@ -135,6 +135,209 @@ async fn disaggregated_equals_colocated_equals_the_engine() {
         }
         disagg.assert_no_kv_held().await;
         coloc.assert_no_kv_held().await;
+    }
+}
+
+/// The engine alone, greedy with `adjust`: token ids and text.
+fn engine_alone_adjusted(model: &str, prompt: &str, max_tokens: usize, adjust: LogitAdjust) -> (Vec<u32>, String) {
+    let ckpt = Checkpoint::open(&fixture(model)).expect("loads");
+    let ids = ckpt.tokenizer.encode(prompt, true).expect("encodes");
+    let mut e = Engine::new(Arc::new(ckpt.model), Some(Arc::new(ckpt.tokenizer)), engine_config()).expect("engine");
+    e.add_request(GenerationRequest {
+        sampling: SamplingParams { adjust, ..SamplingParams::greedy() },
+        stop: StopParams { max_tokens, ignore_eos: true, stop_strings: vec![] },
+        ..GenerationRequest::new(RequestId(0), ids)
+    })
+    .expect("valid");
+    let done = e.run_to_completion().expect("runs").remove(0);
+    (done.token_ids, done.text)
+}
+
+/// Penalties and biases reach the sampler on both sides of a hand-off: the decode worker
+/// continues with the prefill worker's counts, so disaggregated equals colocated equals the
+/// engine alone — and differs from the same request without them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn penalties_and_logit_bias_survive_the_hand_off() {
+    let model = "tiny-llama";
+    let prompt = PROMPTS[0];
+    let (plain, _) = engine_alone_adjusted(model, prompt, 16, LogitAdjust::default());
+    // Penalties on everything repeated and a bias against the plain run's first token; then
+    // negative penalties, which favour the first token again only where the decode worker
+    // counts the token the prefill worker generated.
+    let penalised = LogitAdjust {
+        presence_penalty: 1.0,
+        frequency_penalty: 1.5,
+        repetition_penalty: 1.3,
+        logit_bias: vec![(plain[0], -100.0)],
+        min_p: 0.0,
+    };
+    let favoured = LogitAdjust { presence_penalty: -2.0, frequency_penalty: -2.0, ..LogitAdjust::default() };
+    let (want_penalised, _) = engine_alone_adjusted(model, prompt, 16, penalised.clone());
+    assert_ne!(want_penalised[0], plain[0], "the bias removes the first token");
+    let (want_favoured, _) = engine_alone_adjusted(model, prompt, 16, favoured.clone());
+    assert!(want_favoured.iter().all(|&t| t == plain[0]), "the first token repeats: {want_favoured:?}");
+    assert_ne!(plain.iter().filter(|&&t| t == plain[0]).count(), 16, "unlike the plain run");
+    let body = |a: &LogitAdjust| {
+        let bias: serde_json::Map<String, Value> =
+            a.logit_bias.iter().map(|(t, b)| (t.to_string(), json!(b))).collect();
+        json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": true,
+            "presence_penalty": a.presence_penalty, "frequency_penalty": a.frequency_penalty,
+            "repetition_penalty": a.repetition_penalty, "logit_bias": bias})
+    };
+    for server in [start(model, 1, 1, 0, None).await, start(model, 0, 0, 1, None).await] {
+        for (adjust, want) in [(&penalised, &want_penalised), (&favoured, &want_favoured)] {
+            let (_, want_text) = engine_alone_adjusted(model, prompt, 16, adjust.clone());
+            let (status, v) = server.post("/v1/completions", body(adjust)).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(v["choices"][0]["text"], want_text.as_str(), "{adjust:?} -> {want:?}");
+        }
+        server.assert_no_kv_held().await;
+    }
+}
+
+/// `stop_token_ids`: generation ends at the first listed token (counted, its text left out),
+/// whether the prefill worker generates it (the first token) or the decode worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_token_ids_end_generation_without_their_text() {
+    let model = "tiny-llama";
+    let prompt = PROMPTS[0];
+    let (plain, _) = engine_alone_adjusted(model, prompt, 16, LogitAdjust::default());
+    let ckpt = Checkpoint::open(&fixture(model)).expect("loads");
+    for server in [start(model, 1, 1, 0, None).await, start(model, 0, 0, 1, None).await] {
+        for at in [0, 3] {
+            // The first occurrence of the token ends it.
+            let first = plain.iter().position(|&t| t == plain[at]).expect("present");
+            let body = json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": true,
+                "stop_token_ids": [plain[at]]});
+            let (status, v) = server.post("/v1/completions", body).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+            assert_eq!(v["usage"]["completion_tokens"], first + 1, "{v}");
+            let want = ckpt.tokenizer.decode(&plain[..first], true).expect("decodes");
+            assert_eq!(v["choices"][0]["text"], want.as_str(), "{v}");
+        }
+        server.assert_no_kv_held().await;
+    }
+}
+
+/// Completions' `echo`: the prompt (as sent, or decoded from token ids) before the generated
+/// text, in full and streamed responses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_puts_the_prompt_before_the_completion() {
+    let server = start("tiny-llama", 1, 1, 0, None).await;
+    let prompt = PROMPTS[1];
+    let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let (_, plain) = server.post("/v1/completions", body.clone()).await;
+    let generated = plain["choices"][0]["text"].as_str().expect("text").to_owned();
+    let mut echoed = body.clone();
+    echoed["echo"] = json!(true);
+    let (status, v) = server.post("/v1/completions", echoed.clone()).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], format!("{prompt}{generated}"));
+    assert_eq!(v["usage"]["completion_tokens"], 6);
+    echoed["stream"] = json!(true);
+    let (text, finish, _) = server.stream("/v1/completions", echoed, None).await;
+    assert_eq!(text, format!("{prompt}{generated}"), "streamed");
+    assert_eq!(finish.as_deref(), Some("length"));
+    server.assert_no_kv_held().await;
+}
+
+/// Streamed chunks' `logprobs` objects, in order.
+async fn streamed_logprobs(url: &str, path: &str, mut body: Value) -> Vec<Value> {
+    body["stream"] = json!(true);
+    let r = reqwest::Client::new().post(format!("{url}{path}")).json(&body).send().await.expect("sends");
+    let text = r.text().await.expect("body");
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| v["choices"][0]["logprobs"].as_object().map(|o| Value::Object(o.clone())))
+        .collect()
+}
+
+/// `logprobs`: one entry per generated token, the greedy token the most likely of its
+/// alternatives, the same disaggregated (first token from the prefill worker) as colocated,
+/// streamed as whole; chat's shape with `top_logprobs` alternatives and bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_report_every_token_alike_disaggregated_colocated_and_streamed() {
+    let mut per_server = Vec::new();
+    for server in [start("tiny-llama", 1, 1, 0, None).await, start("tiny-llama", 0, 0, 1, None).await] {
+        let body = json!({"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": true, "logprobs": 2});
+        let (status, v) = server.post("/v1/completions", body.clone()).await;
+        assert_eq!(status, 200, "{v}");
+        let lp = &v["choices"][0]["logprobs"];
+        let logprobs: Vec<f64> = lp["token_logprobs"]
+            .as_array()
+            .expect("token_logprobs")
+            .iter()
+            .map(|x| x.as_f64().expect("a number"))
+            .collect();
+        assert_eq!(logprobs.len(), 6, "{lp}");
+        assert_eq!(lp["tokens"].as_array().expect("tokens").len(), 6);
+        assert_eq!(lp["text_offset"].as_array().expect("offsets").len(), 6);
+        for (i, top) in lp["top_logprobs"].as_array().expect("top_logprobs").iter().enumerate() {
+            let top = top.as_object().expect("an object");
+            assert!(!top.is_empty() && top.len() <= 2, "{top:?}");
+            let best = top.values().map(|x| x.as_f64().expect("a number")).fold(f64::NEG_INFINITY, f64::max);
+            assert!(logprobs[i] <= 0.0 && (logprobs[i] - best).abs() < 1e-5, "greedy picks the most likely: {lp}");
+        }
+        let streamed = streamed_logprobs(&server.url, "/v1/completions", body).await;
+        let streamed: Vec<f64> = streamed
+            .iter()
+            .flat_map(|o| o["token_logprobs"].as_array().expect("token_logprobs").clone())
+            .map(|x| x.as_f64().expect("a number"))
+            .collect();
+        assert_eq!(streamed, logprobs, "streamed");
+
+        let chat = json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "temperature": 0,
+            "ignore_eos": true, "logprobs": true, "top_logprobs": 3});
+        let (status, v) = server.post("/v1/chat/completions", chat).await;
+        assert_eq!(status, 200, "{v}");
+        let content = v["choices"][0]["logprobs"]["content"].as_array().expect("content").clone();
+        assert_eq!(content.len(), 5, "{v}");
+        for c in &content {
+            assert_eq!(c["top_logprobs"].as_array().expect("alternatives").len(), 3, "{c}");
+            assert_eq!(c["bytes"].as_array().expect("bytes").len(), c["token"].as_str().expect("token").len(), "{c}");
+        }
+        let (_, plain) = server.post("/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
+        assert!(plain["choices"][0]["logprobs"].is_null(), "{plain}");
+        server.assert_no_kv_held().await;
+        per_server.push(logprobs);
+    }
+    for (a, b) in per_server[0].iter().zip(&per_server[1]) {
+        assert!((a - b).abs() < 1e-4, "disaggregated {:?} vs colocated {:?}", per_server[0], per_server[1]);
+    }
+}
+
+/// `usage.prompt_tokens_details.cached_tokens`: none the first time, the prefix cache's whole
+/// blocks the second (on the prefill worker when disaggregated: the decode worker's received KV
+/// does not count), in full and streamed responses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_reports_the_prompt_tokens_served_from_the_prefix_cache() {
+    let prompt = PROMPTS[1];
+    for server in [start("tiny-llama", 1, 1, 0, None).await, start("tiny-llama", 0, 0, 1, None).await] {
+        let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
+        let (status, first) = server.post("/v1/completions", body.clone()).await;
+        assert_eq!(status, 200, "{first}");
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{first}");
+        let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().expect("prompt tokens");
+        let (_, second) = server.post("/v1/completions", body.clone()).await;
+        let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached tokens");
+        // Whole blocks of 4, short of the last prompt token (its logits are needed).
+        assert!(cached > 0 && cached < prompt_tokens && cached % 4 == 0, "{cached} of {prompt_tokens}: {second}");
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        streamed["stream_options"] = json!({"include_usage": true});
+        let r = reqwest::Client::new().post(format!("{}/v1/completions", server.url)).json(&streamed).send().await;
+        let text = r.expect("sends").text().await.expect("body");
+        let usage: Value = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .find(|v| v["usage"].is_object())
+            .expect("a usage chunk")["usage"]
+            .clone();
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], cached, "{usage}");
+        server.assert_no_kv_held().await;
     }
 }
 
@@ -272,7 +475,41 @@ async fn bad_input_gets_openai_style_errors() {
         ("/v1/completions", r#"{"prompt": "hi", "top_p": 0}"#.into(), 400, "top_p"),
         ("/v1/completions", r#"{"prompt": "hi", "n": 2}"#.into(), 400, "n"),
         ("/v1/completions", r#"{"prompt": "hi", "seed": -1}"#.into(), 400, "seed"),
-        ("/v1/completions", r#"{"prompt": "hi", "presence_penalty": 1.5}"#.into(), 400, "presence_penalty"),
+        ("/v1/completions", r#"{"prompt": "hi", "presence_penalty": 2.5}"#.into(), 400, "presence_penalty"),
+        ("/v1/completions", r#"{"prompt": "hi", "frequency_penalty": -3}"#.into(), 400, "frequency_penalty"),
+        ("/v1/completions", r#"{"prompt": "hi", "repetition_penalty": 0}"#.into(), 400, "repetition_penalty"),
+        ("/v1/completions", r#"{"prompt": "hi", "min_p": 1.5}"#.into(), 400, "min_p"),
+        ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"99999": 1}}"#.into(), 400, "logit_bias"),
+        ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"1": 200}}"#.into(), 400, "logit_bias"),
+        ("/v1/completions", r#"{"prompt": "hi", "logit_bias": {"x": 1}}"#.into(), 400, "logit_bias"),
+        ("/v1/completions", r#"{"prompt": "hi", "logprobs": 6}"#.into(), 400, "logprobs"),
+        ("/v1/completions", r#"{"prompt": "hi", "stop_token_ids": [99999]}"#.into(), 400, "stop_token_ids"),
+        ("/v1/completions", r#"{"prompt": "hi", "echo": true, "logprobs": 1}"#.into(), 400, "echo"),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "echo": true}"#.into(),
+            400,
+            "echo",
+        ),
+        ("/v1/completions", r#"{"prompt": "hi", "top_logprobs": 2}"#.into(), 400, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}"#.into(),
+            400,
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}"#.into(),
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}"#.into(),
+            400,
+            "top_logprobs",
+        ),
         ("/v1/completions", r#"{"prompt": [1, 2, 99999]}"#.into(), 400, "vocabulary"),
         ("/v1/completions", r#"{"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}"#.into(), 400, "stop"),
         ("/v1/completions", r#"{"prompt": "hi", "model": "gpt-9"}"#.into(), 404, "gpt-9"),
@@ -289,6 +526,31 @@ async fn bad_input_gets_openai_style_errors() {
         assert!(v["error"]["type"].is_string(), "{v}");
     }
     server.assert_no_kv_held().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_on_a_model_without_a_template_is_a_400_that_names_the_options() {
+    // tiny-llama without its chat_template.jinja (its tokenizer_config.json has none).
+    let dir = std::env::temp_dir().join(format!("baton-no-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for entry in std::fs::read_dir(fixture("tiny-llama")).expect("fixture") {
+        let path = entry.expect("entry").path();
+        if path.file_name().is_some_and(|n| n != "chat_template.jinja") {
+            std::fs::copy(&path, dir.join(path.file_name().expect("name"))).expect("copy");
+        }
+    }
+    let server = start_with(&ServeConfig { engine: engine_config(), ..ServeConfig::new(dir.clone()) }).await;
+    let (status, v) =
+        server.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}]})).await;
+    assert_eq!(status, 400, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    for needle in ["no chat template", "/v1/completions", "--model smollm2-135m-instruct", "scripts/fetch-model.sh"] {
+        assert!(message.contains(needle), "`{message}` should mention `{needle}`");
+    }
+    let (status, v) = server.post("/v1/completions", json!({"prompt": "hi", "max_tokens": 2})).await;
+    assert_eq!(status, 200, "{v}");
+    server.assert_no_kv_held().await;
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

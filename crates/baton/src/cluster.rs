@@ -59,8 +59,9 @@ pub(crate) struct WorkerArgs {
     registry: RegistryConfig,
     #[command(flatten)]
     secret: SecretFlag,
-    /// Model: a Hugging Face checkpoint directory or a GGUF file (default: Gemma 3 270M from
-    /// `./.models`). Must be the conductor's.
+    /// Model: a Hugging Face checkpoint directory, a GGUF file or a short name of
+    /// `scripts/fetch-model.sh` (default: `smollm2-135m-instruct` from `./.models`). Must be the
+    /// conductor's.
     #[arg(long)]
     model: Option<PathBuf>,
     /// The model id (default: the file or directory name); must match the conductor's.
@@ -104,7 +105,8 @@ pub(crate) struct ConductorArgs {
     registry: RegistryConfig,
     #[command(flatten)]
     secret: SecretFlag,
-    /// Model (its tokenizer and chat template validate requests); the workers' model.
+    /// Model (its tokenizer and chat template validate requests); the workers' model. A path or
+    /// a short name, as for `baton worker`.
     #[arg(long)]
     model: Option<PathBuf>,
     /// The model id clients send (default: the file or directory name).

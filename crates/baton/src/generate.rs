@@ -15,8 +15,9 @@ use serde::Serialize;
 #[derive(Debug, clap::Args)]
 pub(crate) struct GenerateArgs {
     /// A checkpoint directory (Hugging Face layout: config.json, model.safetensors,
-    /// tokenizer.json) or a `.gguf` file. Default: Gemma 3 270M from `$BATON_MODELS_DIR` or
-    /// `.models` (fetch it with `scripts/fetch-model.sh`).
+    /// tokenizer.json), a `.gguf` file, or a short name of `scripts/fetch-model.sh`
+    /// (`smollm2-135m-instruct`, the default, or `gemma3-270m`) looked up in `$BATON_MODELS_DIR`
+    /// or `.models`.
     #[arg(long)]
     model: Option<PathBuf>,
     /// The prompt text.
@@ -69,20 +70,45 @@ struct GenerateReport {
     total_s: f64,
 }
 
-/// The model to load: `arg` when given, else the default model where
-/// [`baton_model::default_model_path`] puts it (under the working directory, then under the
-/// source tree this binary was built from). The error is one line saying how to fetch it.
+/// The model to load. `arg` is a path (a GGUF file or a checkpoint directory) or a short name
+/// of `scripts/fetch-model.sh` (`smollm2-135m-instruct`, `gemma3-270m`, ...); without it, the
+/// default model. Names are looked up in [`baton_model::models_dir`] under the working
+/// directory, then under the source tree this binary was built from. The error is one line
+/// saying what to do.
 pub(crate) fn model_path(arg: Option<&Path>) -> anyhow::Result<PathBuf> {
-    if let Some(path) = arg {
-        return Ok(path.to_owned());
-    }
-    let here = baton_model::default_model_path(Path::new("."));
-    let built_from = baton_model::default_model_path(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
-    match [&here, &built_from].into_iter().find(|p| p.is_file()) {
+    let dirs = [
+        baton_model::models_dir(Path::new(".")),
+        baton_model::models_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")),
+    ];
+    resolve_model(arg, &dirs)
+}
+
+/// [`model_path`] over the given models directories.
+fn resolve_model(arg: Option<&Path>, models_dirs: &[PathBuf]) -> anyhow::Result<PathBuf> {
+    let known = match arg {
+        Some(path) if path.exists() => return Ok(path.to_owned()),
+        Some(path) => match path.to_str().and_then(baton_model::known_model) {
+            Some(m) => m,
+            None => anyhow::bail!(
+                "--model {}: no such file or directory, and not a known model name (known: {}; fetch one with \
+                 `scripts/fetch-model.sh NAME`, or pass a GGUF file or a Hugging Face checkpoint directory)",
+                path.display(),
+                baton_model::known_model_names()
+            ),
+        },
+        None => &baton_model::KNOWN_MODELS[0],
+    };
+    let candidates: Vec<PathBuf> = models_dirs.iter().map(|d| d.join(known.file)).collect();
+    match candidates.iter().find(|p| p.is_file()) {
         Some(p) => Ok(p.clone()),
         None => anyhow::bail!(
-            "no model given and the default model ({}) is missing: run `scripts/fetch-model.sh`, or pass --model",
-            here.display()
+            "{} model `{}` ({}) is missing: run `scripts/fetch-model.sh {}`, or pass --model with another name ({}) \
+             or a path",
+            if arg.is_some() { "the" } else { "no --model given and the default" },
+            known.name,
+            candidates.first().map_or_else(|| known.file.into(), |p| p.display().to_string()),
+            known.name,
+            baton_model::known_model_names()
         ),
     }
 }
@@ -117,6 +143,7 @@ pub(crate) fn run(args: GenerateArgs) -> anyhow::Result<()> {
             top_k: args.top_k,
             top_p: args.top_p,
             seed: args.seed,
+            ..SamplingParams::default()
         },
         stop: StopParams { max_tokens: args.max_tokens, ignore_eos: args.ignore_eos, stop_strings: args.stop },
         ..GenerationRequest::new(RequestId(0), prompt.clone())
@@ -159,4 +186,51 @@ pub(crate) fn run(args: GenerateArgs) -> anyhow::Result<()> {
         writeln!(stdout)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("baton-resolve-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    #[test]
+    fn model_names_resolve_in_the_models_dirs_and_paths_pass_through() {
+        let (a, b) = (temp_dir("a"), temp_dir("b"));
+        std::fs::write(b.join("gemma-3-270m-q4_k_m.gguf"), b"x").expect("write");
+        std::fs::write(a.join(baton_model::DEFAULT_MODEL_FILE), b"x").expect("write");
+        let dirs = [a.clone(), b.clone()];
+        let got = |arg: Option<&str>| resolve_model(arg.map(Path::new), &dirs).map_err(|e| e.to_string());
+        assert_eq!(got(Some("gemma3-270m")), Ok(b.join("gemma-3-270m-q4_k_m.gguf")));
+        assert_eq!(got(None), Ok(a.join(baton_model::DEFAULT_MODEL_FILE)));
+        assert_eq!(got(Some("smollm2-135m-instruct")), Ok(a.join(baton_model::DEFAULT_MODEL_FILE)));
+        let path = b.join("gemma-3-270m-q4_k_m.gguf");
+        assert_eq!(got(path.to_str()), Ok(path.clone()));
+        let _ = std::fs::remove_dir_all(&a);
+        let _ = std::fs::remove_dir_all(&b);
+    }
+
+    #[test]
+    fn unknown_names_and_missing_models_say_what_to_do() {
+        let empty = temp_dir("empty");
+        let dirs = [empty.clone()];
+        let err = |arg: Option<&str>| resolve_model(arg.map(Path::new), &dirs).expect_err("fails").to_string();
+        let unknown = err(Some("gpt-9"));
+        for needle in ["gpt-9", "smollm2-135m-instruct", "gemma3-270m", "scripts/fetch-model.sh"] {
+            assert!(unknown.contains(needle), "{unknown}");
+        }
+        let missing = err(Some("gemma3-270m"));
+        assert!(missing.contains("scripts/fetch-model.sh gemma3-270m"), "{missing}");
+        let default = err(None);
+        assert!(
+            default.contains("default") && default.contains("scripts/fetch-model.sh smollm2-135m-instruct"),
+            "{default}"
+        );
+        let _ = std::fs::remove_dir_all(&empty);
+    }
 }

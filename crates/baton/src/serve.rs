@@ -11,8 +11,9 @@ use baton_server::ServeConfig;
 /// Arguments of `baton serve`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct ServeArgs {
-    /// Model: a Hugging Face checkpoint directory or a GGUF file. Default: Gemma 3 270M from
-    /// `$BATON_MODELS_DIR` or `./.models` (fetch it with `scripts/fetch-model.sh`).
+    /// Model: a Hugging Face checkpoint directory, a GGUF file, or a short name of
+    /// `scripts/fetch-model.sh` (`smollm2-135m-instruct`, the default, or `gemma3-270m`) looked up
+    /// in `$BATON_MODELS_DIR` or `./.models`.
     #[arg(long)]
     model: Option<PathBuf>,
     /// The model id clients send (default: the file or directory name).

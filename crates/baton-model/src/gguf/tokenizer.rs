@@ -7,7 +7,8 @@
 //!   as `▁` runs, replaces spaces with `▁` in a normalizer and splits nothing before the BPE;
 //!   other SentencePiece files rank merges by score and use a `Metaspace` pre-tokenizer.
 //! - `gpt2` (byte-level BPE with `tokenizer.ggml.merges`): the split regex named by
-//!   `tokenizer.ggml.pre` (Llama 3, Qwen2, ...) in front of a byte-level pre-tokenizer.
+//!   `tokenizer.ggml.pre` (Llama 3, Qwen2, ...) in front of a byte-level pre-tokenizer; for
+//!   `smollm` (SmolLM2), `starcoder` and `refact`, each digit is split off first.
 //!
 //! Control tokens (`token_type` 3) are special added tokens, so `<start_of_turn>` in a rendered
 //! chat encodes as one id and decoding with `skip_special_tokens` drops them. BOS (and EOS) are
@@ -24,6 +25,7 @@ use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::normalizers::{NormalizerWrapper, replace::Replace};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
@@ -43,6 +45,9 @@ const TOKEN_TYPE_CONTROL: i32 = 3;
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_SPLIT: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// `tokenizer.ggml.pre` names whose splitting is each digit alone, then GPT-2's regex.
+const DIGITS_THEN_GPT2: &[&str] = &["smollm", "starcoder", "refact"];
 
 /// The split regex for a `tokenizer.ggml.pre` name; `None` means GPT-2's, which the byte-level
 /// pre-tokenizer applies itself.
@@ -282,6 +287,12 @@ fn byte_level(m: &GgufMetadata, tokens: &[String]) -> Result<tokenizers::Tokeniz
     let mut tk = bpe(tokens, merges, None, false).map_err(fail)?;
     let pre = m.get_opt::<&str>("tokenizer.ggml.pre")?.unwrap_or("default");
     let pre_tokenizer = match pre_split(pre) {
+        // llama.cpp's `smollm` (and `starcoder`, `refact`): every digit apart (its first regex,
+        // `\p{N}`), then GPT-2's split, as SmolLM2's tokenizer.json (`Digits` then `ByteLevel`).
+        _ if DIGITS_THEN_GPT2.contains(&pre) => PreTokenizerWrapper::Sequence(PreSequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
+        ])),
         Some(regex) => {
             let split = Split::new(SplitPattern::Regex(regex.to_owned()), SplitDelimiterBehavior::Isolated, false)
                 .map_err(|e| fail(format!("split regex for `{pre}`: {e}")))?;

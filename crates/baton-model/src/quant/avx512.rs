@@ -10,6 +10,12 @@ use std::arch::x86_64::*;
 
 use super::BlockFormat;
 
+/// Whether this module has a kernel for `format` (the others go through [`super`]'s
+/// decode-then-dot, or its int16 kernels).
+pub(super) fn supports(format: BlockFormat) -> bool {
+    matches!(format, BlockFormat::Q4_0 | BlockFormat::Q5_0 | BlockFormat::Q8_0 | BlockFormat::Q4K | BlockFormat::Q6K)
+}
+
 /// `out[i·m + r] = w[first + i] · x[r]` for every weight row `i` that `out` has room for,
 /// where weight row `j` is `bytes[j·row_bytes..]` in `format` and `x` is `[m][cols]`.
 ///
@@ -66,6 +72,9 @@ pub(super) unsafe fn band(
         BlockFormat::Q5_0 => by_rows!(q5_0),
         BlockFormat::Q4K => by_rows!(q4k),
         BlockFormat::Q6K => by_rows!(q6k),
+        BlockFormat::Q4_1 | BlockFormat::Q5_1 | BlockFormat::Q2K | BlockFormat::Q3K | BlockFormat::Q5K => {
+            unreachable!("no float32 AVX-512 kernel for {format:?}; `supports` routes it elsewhere")
+        }
     }
 }
 

@@ -1,4 +1,6 @@
-//! AVX-512BW kernels of [`super`] against int16 activations ([`super::q16`]): each weight block
+//! AVX-512BW kernels of [`super`] against int16 activations ([`super::q16`]) for Q4_0, Q4_1,
+//! Q5_0, Q5_1, Q8_0, Q4_K and Q6_K (Q2_K, Q3_K and Q5_K take float32 activations through
+//! [`super`]'s other kernels; see [`supports`]): each weight block
 //! is decoded into int16 lanes (the K formats' integer sub-block scales multiplied in), and
 //! `vpmaddwd` multiplies it with every activation row, exact in int32. Only a block's sum (32
 //! values; a K super-block's 256) is converted and scaled in float32, where the float32 kernels
@@ -70,17 +72,27 @@ pub(super) unsafe fn band(
     match format {
         BlockFormat::Q8_0 => by_rows!(q8_0),
         BlockFormat::Q4_0 => by_rows!(q4_0),
+        BlockFormat::Q4_1 => by_rows!(q4_1),
         BlockFormat::Q5_0 => by_rows!(q5_0),
+        BlockFormat::Q5_1 => by_rows!(q5_1),
         BlockFormat::Q4K => by_rows!(q4k),
         BlockFormat::Q6K => by_rows!(q6k),
+        BlockFormat::Q2K | BlockFormat::Q3K | BlockFormat::Q5K => {
+            unreachable!("no int16 kernel for {format:?}; `supports` routes it elsewhere")
+        }
     }
+}
+
+/// Whether this module has a kernel for `format` (the others take float32 activations).
+pub(crate) fn supports(format: BlockFormat) -> bool {
+    !matches!(format, BlockFormat::Q2K | BlockFormat::Q3K | BlockFormat::Q5K)
 }
 
 /// Values per activation scale the kernel for `format` expects.
 pub(crate) fn q16_block(format: BlockFormat) -> usize {
     match format {
-        BlockFormat::Q4K | BlockFormat::Q6K => 256,
-        BlockFormat::Q8_0 | BlockFormat::Q4_0 | BlockFormat::Q5_0 => 32,
+        BlockFormat::Q2K | BlockFormat::Q3K | BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q6K => 256,
+        BlockFormat::Q8_0 | BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q5_0 | BlockFormat::Q5_1 => 32,
     }
 }
 
@@ -223,6 +235,73 @@ small_blocks!(
         // Value j is its nibble + 16·(bit j of `qh`) − 16: less 16 where the bit is clear.
         let v = nibble_bytes(b, 6);
         _mm512_cvtepi8_epi16(_mm256_mask_sub_epi8(v, !qh, v, _mm256_set1_epi8(16)))
+    }
+);
+
+/// A kernel for a format of 32-value blocks with a float16 scale `d` and a float16 minimum `m`
+/// first (value = `d·q + m`): `$decode(b)` gives the block's 32 unsigned integers in int16
+/// lanes; `m` multiplies the activations' float sum of the block.
+macro_rules! small_blocks_with_min {
+    ($(#[$doc:meta])* $name:ident, $bytes:literal, $decode:expr) => {
+        $(#[$doc])*
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+        fn $name<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
+            let (k, nb) = (x.k, x.k / 32);
+            assert!(
+                row_bytes == nb * $bytes && x.q.len() == M * k && x.scale.len() == M * nb && x.sum32.len() == M * nb
+            );
+            let (xq, xs, x32) = (x.q.as_ptr(), x.scale.as_ptr(), x.sum32.as_ptr());
+            for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
+                let mut acc = [[_mm512_setzero_ps(); M]; A];
+                // `store` subtracts it: the minimums' part, negated.
+                let mut minus = [0f32; M];
+                let block = |acc: &mut [__m512; M], minus: &mut [f32; M], i: usize, b: &[u8]| {
+                    let wq: __m512i = $decode(b);
+                    let (d, m) = (half_at(b, 0), half_at(b, 2));
+                    for (r, (acc, minus)) in acc.iter_mut().zip(minus.iter_mut()).enumerate() {
+                        // SAFETY: block `i < nb` of row `r < M`, which the assert above bounds.
+                        let (p, sx, sum) =
+                            unsafe { (madd(wq, xq.add(r * k + 32 * i)), *xs.add(r * nb + i), *x32.add(r * nb + i)) };
+                        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d * sx), *acc);
+                        *minus -= m * sum;
+                    }
+                };
+                let groups = row.chunks_exact($bytes * A);
+                let tail = groups.remainder();
+                let mut i = 0;
+                for g in groups {
+                    prefetch_ahead(g);
+                    for (a, acc) in acc.iter_mut().enumerate() {
+                        block(acc, &mut minus, i + a, &g[$bytes * a..$bytes * (a + 1)]);
+                    }
+                    i += A;
+                }
+                for b in tail.chunks_exact($bytes) {
+                    block(&mut acc[0], &mut minus, i, b);
+                    i += 1;
+                }
+                store(&acc, &minus, out);
+            }
+        }
+    };
+}
+
+small_blocks_with_min!(
+    /// Q4_1: 32 4-bit values (low nibbles first, then high), a float16 scale and minimum.
+    q4_1,
+    20,
+    |b: &[u8]| _mm512_cvtepu8_epi16(nibble_bytes(b, 4))
+);
+
+small_blocks_with_min!(
+    /// Q5_1: Q4_1's nibbles with a fifth bit each from a 32-bit mask.
+    q5_1,
+    24,
+    |b: &[u8]| {
+        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        // Value j is its nibble + 16·(bit j of `qh`).
+        let v = nibble_bytes(b, 8);
+        _mm512_cvtepu8_epi16(_mm256_mask_add_epi8(v, qh, v, _mm256_set1_epi8(16)))
     }
 );
 
