@@ -38,6 +38,7 @@ use baton_engine::RequestId;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tracing::Instrument;
 
 use crate::error::ApiError;
 use crate::handoff::KvTransfer;
@@ -275,6 +276,7 @@ impl Conductor {
             .route("/health", get(health))
             .route("/metrics", get(metrics))
             .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
+            .layer(axum::middleware::from_fn(request_id))
             .with_state(self)
     }
 
@@ -342,7 +344,23 @@ impl Conductor {
     }
 
     async fn handle(self: Arc<Self>, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
-        let result = self.authorize(&headers).and_then(|()| match endpoint {
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let request_id = request_id_of(&headers);
+        // The request's span: the conductor's logs, and (through `WorkRequest::request_id`) the
+        // workers' and the KV transfer's, carry both ids.
+        let span = tracing::info_span!("request", request_id = %request_id, request = id.0);
+        self.clone().handle_in(endpoint, &headers, body, id, request_id).instrument(span).await
+    }
+
+    async fn handle_in(
+        self: Arc<Self>,
+        endpoint: Endpoint,
+        headers: &HeaderMap,
+        body: Bytes,
+        id: RequestId,
+        request_id: String,
+    ) -> Response {
+        let result = self.authorize(headers).and_then(|()| match endpoint {
             Endpoint::Completions => self.validator.completion(&body),
             Endpoint::Chat => self.validator.chat(&body),
         });
@@ -350,27 +368,79 @@ impl Conductor {
             Ok(v) => v,
             Err(e) => {
                 self.metrics.outcome(Outcome::Invalid);
+                tracing::info!(status = e.status().as_u16(), error = %e.body(), "request refused");
                 return e.into_response();
             }
         };
         let route = match self.route(&valid, &[]) {
             Ok(r) => r,
-            Err(e) => return e.into_response(),
+            Err(e) => {
+                tracing::info!(status = e.status().as_u16(), "request not routed");
+                return e.into_response();
+            }
         };
-        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        tracing::info!(
+            endpoint = ?endpoint,
+            prompt_tokens = valid.prompt_ids.len(),
+            max_tokens = valid.stop.max_tokens,
+            stream = valid.stream,
+            "request accepted"
+        );
         let (tx, rx) = mpsc::unbounded_channel();
         let stream = valid.stream;
         let run = Run {
             conductor: self.clone(),
             valid: valid.clone(),
             id,
+            request_id,
             out: tx,
             streamed: AtomicBool::new(false),
             cached_tokens: OnceLock::new(),
         };
-        tokio::spawn(run.run(route));
+        tokio::spawn(run.run(route).in_current_span());
         if stream { sse_response(valid, id, rx) } else { full_response(valid, id, rx).await }
     }
+}
+
+/// The header naming a request across the client's, the conductor's and the workers' logs.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+/// Longest `x-request-id` taken from a client (a longer or non-printable one is replaced).
+const MAX_REQUEST_ID: usize = 128;
+
+/// Gives every API request an `x-request-id`: the client's when it sent a usable one (1 to 128
+/// printable ASCII characters), else a new one; handlers read it from the request's headers,
+/// and every response carries it back.
+async fn request_id(mut req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let given = req
+        .headers()
+        .get(REQUEST_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= MAX_REQUEST_ID && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned);
+    let id = given.unwrap_or_else(new_request_id);
+    let value = header::HeaderValue::from_str(&id).unwrap_or_else(|_| header::HeaderValue::from_static("invalid"));
+    req.headers_mut().insert(REQUEST_ID_HEADER, value.clone());
+    let mut response = next.run(req).await;
+    response.headers_mut().insert(REQUEST_ID_HEADER, value);
+    response
+}
+
+/// A new request id: 32 hex digits, unique in practice (time, process and a counter hashed).
+fn new_request_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(nanos);
+    h.write_u64(n);
+    h.write_u32(std::process::id());
+    format!("{:016x}{:016x}", h.finish(), (nanos as u64) ^ n.rotate_left(32))
+}
+
+/// The request's `x-request-id` (set by [`request_id`] on every API request).
+fn request_id_of(headers: &HeaderMap) -> String {
+    headers.get(REQUEST_ID_HEADER).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned()
 }
 
 /// Compares secrets without an early exit that would leak their common prefix's length.
@@ -445,6 +515,8 @@ struct Run {
     conductor: Arc<Conductor>,
     valid: ValidRequest,
     id: RequestId,
+    /// The client's (or a generated) `x-request-id`, passed to the workers for their logs.
+    request_id: String,
     out: mpsc::UnboundedSender<Piece>,
     /// Whether any text reached the client (after which a lost worker cannot be hidden).
     streamed: AtomicBool,
@@ -504,6 +576,7 @@ impl Run {
                 o
             }
         };
+        tracing::info!(outcome = ?outcome, "request finished");
         c.metrics.outcome(outcome);
         c.metrics.e2e.observe(start.elapsed().as_secs_f64());
     }
@@ -529,6 +602,7 @@ impl Run {
         let v = &self.valid;
         WorkRequest {
             id: self.id.0,
+            request_id: Some(self.request_id.clone()),
             prompt: v.prompt_ids.clone(),
             generated: Vec::new(),
             temperature: v.sampling.temperature,

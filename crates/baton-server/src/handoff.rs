@@ -100,6 +100,8 @@ pub(crate) struct KvJob {
     pub(crate) source: KvSource,
     pub(crate) mode: KvTransfer,
     pub(crate) events: mpsc::UnboundedSender<RequestEvent>,
+    /// The request's span, entered while the transfer thread works on it.
+    pub(crate) span: tracing::Span,
 }
 
 impl KvJob {
@@ -176,6 +178,9 @@ impl TransferThread {
     }
 
     fn start(&mut self, job: KvJob) -> bool {
+        let span = job.span.clone();
+        let _entered = span.enter();
+        tracing::info!(mode = job.mode.as_str(), peer = %job.source.addr, tokens = job.source.tokens, "KV transfer starting");
         if job.events.is_closed() {
             return self.report(job, Err("the request was cancelled".into()));
         }

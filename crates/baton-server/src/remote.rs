@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+use tracing::Instrument;
 
 use baton_cluster::{AUTH_HEADER, ClusterSecret, WorkerInfo, unix_millis};
 use tokio::sync::{mpsc, watch};
@@ -120,22 +121,25 @@ impl Worker for RemoteWorker {
         let request = self.signed(reqwest::Method::POST, GENERATE_PATH, body);
         let name = self.info.id.to_string();
         let gone_rx = self.gone.subscribe();
-        tokio::spawn(async move {
-            let _counted = counted;
-            tokio::select! {
-                lost = stream(request, &tx) => {
-                    if let Some(reason) = lost {
-                        let _ = tx.send(RequestEvent::Lost(format!("worker {name}: {reason}")));
+        tokio::spawn(
+            async move {
+                let _counted = counted;
+                tokio::select! {
+                    lost = stream(request, &tx) => {
+                        if let Some(reason) = lost {
+                            let _ = tx.send(RequestEvent::Lost(format!("worker {name}: {reason}")));
+                        }
                     }
+                    () = gone(gone_rx) => {
+                        let _ = tx.send(RequestEvent::Lost(format!("worker {name} left the cluster")));
+                    }
+                    // The client went away: returning drops the response, closing the connection,
+                    // which aborts the request on the worker.
+                    () = tx.closed() => {}
                 }
-                () = gone(gone_rx) => {
-                    let _ = tx.send(RequestEvent::Lost(format!("worker {name} left the cluster")));
-                }
-                // The client went away: returning drops the response, closing the connection,
-                // which aborts the request on the worker.
-                () = tx.closed() => {}
             }
-        });
+            .instrument(tracing::Span::current()),
+        );
         rx
     }
 

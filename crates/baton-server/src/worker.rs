@@ -36,6 +36,7 @@ use baton_transfer::{
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
 
 use crate::error::ApiError;
 pub use crate::handoff::KvTransfer;
@@ -61,6 +62,9 @@ pub struct KvSource {
 pub struct WorkRequest {
     /// Unique among the conductor's requests; also the KV transfer's id.
     pub id: u64,
+    /// The client's `x-request-id` (or the conductor's own), for the worker's logs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
     /// Prompt token ids.
     pub prompt: Vec<u32>,
     /// Tokens already generated elsewhere (the prefill worker's first token).
@@ -107,6 +111,12 @@ pub struct WorkRequest {
 }
 
 impl WorkRequest {
+    /// The span of this request's work on a worker and in its KV transfer.
+    fn span(&self, worker: &str, role: Role) -> tracing::Span {
+        let request_id = self.request_id.as_deref().unwrap_or_default();
+        tracing::info_span!("work", request_id, request = self.id, worker, role = role.as_str())
+    }
+
     fn into_parts(self) -> (GenerationRequest, Option<KvSource>, KvTransfer) {
         let req = GenerationRequest {
             generated: self.generated,
@@ -327,6 +337,8 @@ pub(crate) enum Command {
         kv: Option<KvSource>,
         mode: KvTransfer,
         events: mpsc::UnboundedSender<RequestEvent>,
+        /// The request's span (its ids), entered wherever the worker logs about it.
+        span: tracing::Span,
     },
     Abort(RequestId),
     /// The conductor gives up a hand-off: end its lease now.
@@ -482,6 +494,9 @@ impl Worker for WorkerHandle {
 
     fn submit(&self, req: WorkRequest) -> mpsc::UnboundedReceiver<RequestEvent> {
         let (tx, rx) = mpsc::unbounded_channel();
+        let span = req.span(&self.inner.name, self.inner.role);
+        let _entered = span.enter();
+        tracing::info!(prompt_tokens = req.prompt.len(), receives_kv = req.kv.is_some(), "work submitted");
         let (req, kv, mode) = req.into_parts();
         if kv.is_some() && self.inner.role == Role::Prefill {
             let _ = tx.send(RequestEvent::Failed(ApiError::Internal("a prefill worker does not receive KV".into())));
@@ -490,12 +505,17 @@ impl Worker for WorkerHandle {
         self.inner.in_flight.fetch_add(1, Ordering::Relaxed);
         let guard = InFlight(self.inner.clone());
         let (ftx, frx) = mpsc::unbounded_channel();
-        if self.inner.commands.send(Command::Submit { req: Box::new(req), kv, mode, events: ftx }).is_err() {
+        if self
+            .inner
+            .commands
+            .send(Command::Submit { req: Box::new(req), kv, mode, events: ftx, span: span.clone() })
+            .is_err()
+        {
             let _ = tx.send(RequestEvent::Lost(format!("worker {} has stopped", self.inner.name)));
             return rx;
         }
         // Forward events, counting the request out when it ends however it ends.
-        tokio::spawn(forward(frx, tx, guard));
+        tokio::spawn(forward(frx, tx, guard).instrument(span.clone()));
         rx
     }
 
@@ -579,6 +599,7 @@ struct EngineLoop {
 
 /// A hand-off waiting for room to receive its KV.
 struct Incoming {
+    span: tracing::Span,
     req: GenerationRequest,
     source: KvSource,
     mode: KvTransfer,
@@ -635,8 +656,10 @@ impl EngineLoop {
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::Shutdown => return false,
-            Command::Submit { req, kv: Some(source), mode, events } => self.start_transfer(*req, source, mode, events),
-            Command::Submit { req, kv: None, mode, events } => {
+            Command::Submit { req, kv: Some(source), mode, events, span } => {
+                self.start_transfer(*req, source, mode, events, span);
+            }
+            Command::Submit { req, kv: None, mode, events, span: _ } => {
                 if mode == KvTransfer::Push && req.retain_kv == KvRetention::All {
                     self.push_on_finish.insert(req.id);
                 }
@@ -686,6 +709,7 @@ impl EngineLoop {
         source: KvSource,
         mode: KvTransfer,
         events: mpsc::UnboundedSender<RequestEvent>,
+        span: tracing::Span,
     ) {
         if self.transfers.is_none() {
             let _ = events.send(RequestEvent::Failed(ApiError::Internal("this worker cannot receive KV".into())));
@@ -700,7 +724,7 @@ impl EngineLoop {
             return;
         }
         let deadline = Instant::now() + self.incoming_wait;
-        self.incoming.push_back(Incoming { req, source, mode, events, deadline });
+        self.incoming.push_back(Incoming { span, req, source, mode, events, deadline });
         self.start_incoming();
     }
 
@@ -717,8 +741,9 @@ impl EngineLoop {
             let (running, _) = self.engine.queue_lengths();
             if self.engine.available_blocks() >= blocks + running {
                 let Some(h) = self.incoming.pop_front() else { break };
+                let _entered = h.span.clone().entered();
                 match self.engine.reserve_kv(h.source.tokens) {
-                    Ok(prefix) => self.send_job(h.req, prefix, h.source, h.mode, h.events),
+                    Ok(prefix) => self.send_job(h.req, prefix, h.source, h.mode, h.events, h.span),
                     Err(e) => {
                         tracing::warn!(request = h.req.id.0, error = %e, "no room for KV after all; recomputing");
                         self.admit(h.req, h.events);
@@ -726,6 +751,7 @@ impl EngineLoop {
                 }
             } else if Instant::now() >= head.deadline {
                 let Some(h) = self.incoming.pop_front() else { break };
+                let _entered = h.span.clone().entered();
                 tracing::warn!(request = h.req.id.0, "no room for the KV in time; recomputing the prompt here");
                 self.admit(h.req, h.events);
             } else {
@@ -741,13 +767,15 @@ impl EngineLoop {
         source: KvSource,
         mode: KvTransfer,
         events: mpsc::UnboundedSender<RequestEvent>,
+        span: tracing::Span,
     ) {
         let Some(transfers) = &self.transfers else {
             self.release(prefix);
             return;
         };
         let id = req.id;
-        if let Err(std::sync::mpsc::SendError(job)) = transfers.send(KvJob { req, prefix, source, mode, events }) {
+        if let Err(std::sync::mpsc::SendError(job)) = transfers.send(KvJob { req, prefix, source, mode, events, span })
+        {
             let _ = job.events.send(RequestEvent::Failed(ApiError::Internal("the transfer thread stopped".into())));
             self.release(job.prefix);
             return;
@@ -756,12 +784,13 @@ impl EngineLoop {
     }
 
     fn finish_transfer(&mut self, job: KvJob, result: Result<TransferStats, String>) {
-        let KvJob { mut req, prefix, events, mode, .. } = job;
+        let KvJob { mut req, prefix, events, mode, span, .. } = job;
+        let _entered = span.entered();
         let aborted = self.pulling.remove(&req.id).unwrap_or(true) || events.is_closed();
         match result {
             Ok(stats) if !aborted => {
                 let mode = mode.as_str();
-                tracing::debug!(request = req.id.0, mode, bytes = stats.bytes, calls = stats.calls, "received KV");
+                tracing::info!(mode, bytes = stats.bytes, calls = stats.calls, "received KV");
                 req.prefix = Some(prefix);
                 self.admit(req, events);
             }

@@ -18,8 +18,21 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "baton", version, about, long_about = None)]
 struct Cli {
+    /// Log lines as text, or as one JSON object per line (with the request's span: its
+    /// `x-request-id` and Baton id) for log collectors. Filter with `RUST_LOG` (default `warn`).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -49,11 +62,15 @@ fn main() -> anyhow::Result<()> {
     if baton_transfer::bench::serve_if_child() {
         return Ok(());
     }
-    tracing_subscriber::fmt()
+    let cli = Cli::parse();
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().with_current_span(true).with_span_list(true).init(),
+    }
+    match cli.command {
         Command::Serve(args) => serve::run(args),
         Command::Worker(args) => cluster::worker(args),
         Command::Conductor(args) => cluster::conductor(args),
