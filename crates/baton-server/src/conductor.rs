@@ -22,7 +22,6 @@
 //! when it answers. A worker that rejoins the cluster starts with a closed breaker.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -31,19 +30,18 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use baton_engine::RequestId;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tracing::Instrument;
 
 use crate::error::ApiError;
 use crate::handoff::KvTransfer;
 use crate::metrics::{Metrics, Outcome, WorkerGauges};
-use crate::openai::{Endpoint, LogprobEntry, ValidRequest, Validator, logprobs_json};
+use crate::openai::{Endpoint, ValidRequest, Validator};
+use crate::response::{Piece, full_response, sse_response};
 use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView};
 use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
 
@@ -344,8 +342,10 @@ impl Conductor {
     }
 
     async fn handle(self: Arc<Self>, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
-        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let request_id = request_id_of(&headers);
+        // One id per choice (workers and transfers need distinct ones); the first names the
+        // response. Refused requests use up ids too: harmless.
+        let id = RequestId(self.next_id.fetch_add(n_of(&body), Ordering::Relaxed));
         // The request's span: the conductor's logs, and (through `WorkRequest::request_id`) the
         // workers' and the KV transfer's, carry both ids.
         let span = tracing::info_span!("request", request_id = %request_id, request = id.0);
@@ -388,16 +388,41 @@ impl Conductor {
         );
         let (tx, rx) = mpsc::unbounded_channel();
         let stream = valid.stream;
-        let run = Run {
+        let (prefilled, first_prefilled) = tokio::sync::oneshot::channel();
+        let run = |index: usize, prefilled: Option<tokio::sync::oneshot::Sender<()>>| Run {
             conductor: self.clone(),
             valid: valid.clone(),
-            id,
-            request_id,
-            out: tx,
+            id: RequestId(id.0 + index as u64),
+            index,
+            request_id: request_id.clone(),
+            out: tx.clone(),
             streamed: AtomicBool::new(false),
             cached_tokens: OnceLock::new(),
+            prefilled: Mutex::new(prefilled),
         };
-        tokio::spawn(run.run(route).in_current_span());
+        let first = run(0, (valid.n > 1).then_some(prefilled));
+        if valid.n > 1 {
+            // The other choices start once the first one's prompt KV is in its prefill (or
+            // colocated) worker's prefix cache, on the same route: their prefill finds every
+            // whole block of the prompt cached and computes only the partial last one.
+            let others: Vec<Run> = (1..valid.n).map(|i| run(i, None)).collect();
+            let route = route.clone();
+            let out = tx.clone();
+            tokio::spawn(
+                async move {
+                    let _ = first_prefilled.await;
+                    if out.is_closed() {
+                        return;
+                    }
+                    for r in others {
+                        tokio::spawn(r.run(route.clone()).in_current_span());
+                    }
+                }
+                .in_current_span(),
+            );
+        }
+        drop(tx);
+        tokio::spawn(first.run(route).in_current_span());
         if stream { sse_response(valid, id, rx) } else { full_response(valid, id, rx).await }
     }
 }
@@ -436,6 +461,11 @@ fn new_request_id() -> String {
     h.write_u64(n);
     h.write_u32(std::process::id());
     format!("{:016x}{:016x}", h.finish(), (nanos as u64) ^ n.rotate_left(32))
+}
+
+/// The `n` of a body that passed validation (1 if absent).
+fn n_of(body: &[u8]) -> u64 {
+    serde_json::from_slice::<Value>(body).ok().and_then(|v| v.get("n").and_then(Value::as_u64)).unwrap_or(1).max(1)
 }
 
 /// The request's `x-request-id` (set by [`request_id`] on every API request).
@@ -490,21 +520,8 @@ async fn metrics(State(c): State<Arc<Conductor>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], c.metrics.render(&gauges)).into_response()
 }
 
-/// What a run sends the response: text as it comes, then the end.
-enum Piece {
-    Text(String),
-    /// The log-probabilities of the token whose text comes next (when the request asked).
-    Logprobs(LogprobEntry),
-    Done {
-        reason: Finish,
-        prompt_tokens: usize,
-        completion_tokens: usize,
-        cached_tokens: usize,
-    },
-    Failed(ApiError),
-}
-
 /// Where a request runs.
+#[derive(Clone)]
 enum Route {
     Colocated(Arc<dyn Worker>),
     Disaggregated { prefill: Arc<dyn Worker>, decode: Arc<dyn Worker> },
@@ -515,17 +532,33 @@ struct Run {
     conductor: Arc<Conductor>,
     valid: ValidRequest,
     id: RequestId,
+    /// Which of the request's `n` choices this run generates.
+    index: usize,
     /// The client's (or a generated) `x-request-id`, passed to the workers for their logs.
     request_id: String,
-    out: mpsc::UnboundedSender<Piece>,
+    out: mpsc::UnboundedSender<(usize, Piece)>,
     /// Whether any text reached the client (after which a lost worker cannot be hidden).
     streamed: AtomicBool,
     /// Prompt tokens the prefill (or colocated) worker served from its prefix cache: the first
     /// worker to finish sets it, so a decode worker's received KV does not count.
     cached_tokens: OnceLock<usize>,
+    /// Told when this choice's prompt KV is in the prefix cache (the first of `n` choices).
+    prefilled: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
 }
 
 impl Run {
+    /// The prompt's KV is cached now: the other choices may start. Also counts the prompt
+    /// tokens the prefill computed.
+    fn prefill_done(&self, prompt_tokens: usize, cached_tokens: usize) {
+        self.conductor
+            .metrics
+            .prefill_tokens
+            .fetch_add(prompt_tokens.saturating_sub(cached_tokens) as u64, Ordering::Relaxed);
+        if let Some(tx) = self.prefilled.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+            let _ = tx.send(());
+        }
+    }
+
     async fn run(self, mut route: Route) {
         let c = self.conductor.clone();
         let start = Instant::now();
@@ -565,18 +598,19 @@ impl Run {
             Err(RunError::Lost { worker, reason }) => {
                 self.trip_named(&worker, &reason);
                 tracing::warn!(request = self.id.0, worker, reason, "worker lost mid-request");
-                let _ = self.out.send(Piece::Failed(ApiError::Internal(
-                    "a worker was lost while running the request; retry it".into(),
-                )));
+                let _ = self.out.send((
+                    self.index,
+                    Piece::Failed(ApiError::Internal("a worker was lost while running the request; retry it".into())),
+                ));
                 Outcome::Failed
             }
             Err(RunError::Api(e)) => {
                 let o = if e.status().is_client_error() { Outcome::Invalid } else { Outcome::Failed };
-                let _ = self.out.send(Piece::Failed(e));
+                let _ = self.out.send((self.index, Piece::Failed(e)));
                 o
             }
         };
-        tracing::info!(outcome = ?outcome, "request finished");
+        tracing::info!(outcome = ?outcome, choice = self.index, "request finished");
         c.metrics.outcome(outcome);
         c.metrics.e2e.observe(start.elapsed().as_secs_f64());
     }
@@ -608,7 +642,7 @@ impl Run {
             temperature: v.sampling.temperature,
             top_k: v.sampling.top_k,
             top_p: v.sampling.top_p,
-            seed: v.sampling.seed,
+            seed: v.sampling.seed.map(|s| s.wrapping_add(self.index as u64)),
             adjust: v.sampling.adjust.clone(),
             logprobs: v.logprobs,
             stop_token_ids: v.stop_token_ids.clone(),
@@ -641,6 +675,7 @@ impl Run {
                     }
                     RequestEvent::Finished { reason, prompt_tokens, kv, cached_tokens, .. } => {
                         let _ = self.cached_tokens.set(cached_tokens);
+                        self.prefill_done(prompt_tokens, cached_tokens);
                         break Ok((reason, prompt_tokens, kv));
                     }
                     RequestEvent::Failed(e) => break Err(RunError::Api(e)),
@@ -717,6 +752,7 @@ impl Run {
         let c = &self.conductor;
         let mut last = None;
         let mut _decode = None;
+        let colocated = prefill.is_some();
         loop {
             let event = self.next(worker, &mut events).await?;
             if let Some((t, bytes)) = handoff.take()
@@ -744,6 +780,9 @@ impl Run {
                 }
                 RequestEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens, .. } => {
                     let _ = self.cached_tokens.set(cached_tokens);
+                    if colocated {
+                        self.prefill_done(prompt_tokens, cached_tokens);
+                    }
                     return self.finish(reason, prompt_tokens, completion_tokens);
                 }
                 RequestEvent::Failed(e) => return Err(RunError::Api(e)),
@@ -754,7 +793,9 @@ impl Run {
 
     fn finish(&self, reason: Finish, prompt_tokens: usize, completion_tokens: usize) -> Result<(), RunError> {
         let m = &self.conductor.metrics;
-        m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+        if self.index == 0 {
+            m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+        }
         m.generation_tokens.fetch_add(completion_tokens as u64, Ordering::Relaxed);
         let cached_tokens = self.cached_tokens.get().copied().unwrap_or(0);
         self.send(Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens })
@@ -771,7 +812,7 @@ impl Run {
         if matches!(&piece, Piece::Text(t) if !t.is_empty()) {
             self.streamed.store(true, Ordering::Relaxed);
         }
-        self.out.send(piece).map_err(|_| RunError::Cancelled)
+        self.out.send((self.index, piece)).map_err(|_| RunError::Cancelled)
     }
 }
 
@@ -803,134 +844,4 @@ impl Run {
             Err(_) => Err(lost("it did not answer in time")),
         }
     }
-}
-
-fn created() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
-
-fn response_id(valid: &ValidRequest, id: RequestId) -> String {
-    match valid.endpoint {
-        Endpoint::Completions => format!("cmpl-{}", id.0),
-        Endpoint::Chat => format!("chatcmpl-{}", id.0),
-    }
-}
-
-fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens}})
-}
-
-async fn full_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedReceiver<Piece>) -> Response {
-    let mut text = valid.echo.clone().unwrap_or_default();
-    let mut entries = Vec::new();
-    while let Some(piece) = rx.recv().await {
-        match piece {
-            Piece::Text(t) => text.push_str(&t),
-            Piece::Logprobs(e) => entries.push(e),
-            Piece::Failed(e) => return e.into_response(),
-            Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens } => {
-                let logprobs = valid.logprobs.map_or(Value::Null, |_| logprobs_json(valid.endpoint, &entries, 0));
-                let choice = match valid.endpoint {
-                    Endpoint::Completions => {
-                        json!({"index": 0, "text": text, "finish_reason": reason.as_openai(), "logprobs": logprobs})
-                    }
-                    Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
-                        "finish_reason": reason.as_openai(), "logprobs": logprobs}),
-                };
-                let object = if valid.endpoint == Endpoint::Chat { "chat.completion" } else { "text_completion" };
-                return Json(json!({
-                    "id": response_id(&valid, id), "object": object, "created": created(), "model": valid.model,
-                    "choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-                }))
-                .into_response();
-            }
-        }
-    }
-    ApiError::Internal("the request ended without a result".into()).into_response()
-}
-
-fn sse_response(valid: ValidRequest, id: RequestId, mut rx: mpsc::UnboundedReceiver<Piece>) -> Response {
-    let (tx, out) = mpsc::unbounded_channel::<Result<Event, Infallible>>();
-    tokio::spawn(async move {
-        let rid = response_id(&valid, id);
-        let created = created();
-        let chat = valid.endpoint == Endpoint::Chat;
-        let object = if chat { "chat.completion.chunk" } else { "text_completion" };
-        let chunk = |choice: Value, usage: Value| {
-            let data = json!({"id": rid, "object": object, "created": created, "model": valid.model,
-                "choices": choice, "usage": usage});
-            Ok(Event::default().data(data.to_string()))
-        };
-        if chat {
-            let role = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null, "logprobs": null}]);
-            if tx.send(chunk(role, Value::Null)).is_err() {
-                return;
-            }
-        }
-        // Log-probabilities of tokens whose text has not been sent yet, and the text sent so far
-        // (completions' `text_offset` counts from it).
-        let mut pending: Vec<LogprobEntry> = Vec::new();
-        let mut sent_text = 0;
-        if let Some(echo) = valid.echo.as_ref().filter(|e| !e.is_empty()) {
-            let choice = json!([{"index": 0, "text": echo, "finish_reason": null, "logprobs": null}]);
-            if tx.send(chunk(choice, Value::Null)).is_err() {
-                return;
-            }
-        }
-        let take_logprobs = |pending: &mut Vec<LogprobEntry>, sent_text: usize| {
-            valid.logprobs.map_or(Value::Null, |_| logprobs_json(valid.endpoint, &std::mem::take(pending), sent_text))
-        };
-        loop {
-            // A client that went away is noticed at once: dropping `rx` cancels the run.
-            let piece = tokio::select! {
-                p = rx.recv() => p,
-                () = tx.closed() => return,
-            };
-            let Some(piece) = piece else { break };
-            let sent = match piece {
-                Piece::Logprobs(e) => {
-                    pending.push(e);
-                    Ok(())
-                }
-                Piece::Text(t) if t.is_empty() => Ok(()),
-                Piece::Text(t) => {
-                    let logprobs = take_logprobs(&mut pending, sent_text);
-                    let choice = if chat {
-                        json!([{"index": 0, "delta": {"content": t}, "finish_reason": null, "logprobs": logprobs}])
-                    } else {
-                        json!([{"index": 0, "text": t, "finish_reason": null, "logprobs": logprobs}])
-                    };
-                    sent_text += t.len();
-                    tx.send(chunk(choice, Value::Null))
-                }
-                Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens } => {
-                    // Tokens whose text was held back (an end-of-sequence, a stop string) last.
-                    let logprobs =
-                        if pending.is_empty() { Value::Null } else { take_logprobs(&mut pending, sent_text) };
-                    let choice = if chat {
-                        json!([{"index": 0, "delta": {}, "finish_reason": reason.as_openai(), "logprobs": logprobs}])
-                    } else {
-                        json!([{"index": 0, "text": "", "finish_reason": reason.as_openai(), "logprobs": logprobs}])
-                    };
-                    let _ = tx.send(chunk(choice, Value::Null));
-                    if valid.include_usage {
-                        let _ = tx.send(chunk(json!([]), usage(prompt_tokens, completion_tokens, cached_tokens)));
-                    }
-                    let _ = tx.send(Ok(Event::default().data("[DONE]")));
-                    return;
-                }
-                Piece::Failed(e) => {
-                    // Headers are gone: the error travels as an event, then the stream ends.
-                    let _ = tx.send(Ok(Event::default().data(e.body().to_string())));
-                    return;
-                }
-            };
-            if sent.is_err() {
-                // The client went away: dropping `rx` cancels the run.
-                return;
-            }
-        }
-    });
-    Sse::new(UnboundedReceiverStream::new(out)).keep_alive(KeepAlive::default()).into_response()
 }

@@ -28,6 +28,7 @@ pub mod handoff;
 pub mod metrics;
 pub mod openai;
 pub mod remote;
+mod response;
 pub mod routing;
 pub mod sched;
 pub mod worker;

@@ -90,6 +90,9 @@ pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     /// Generated tokens.
     pub generation_tokens: AtomicU64,
+    /// Prompt tokens prefill computed (not served from a prefix cache): a request with `n`
+    /// choices adds its prompt once, plus the partial last block of each later choice.
+    pub prefill_tokens: AtomicU64,
     /// Requests routed again after their worker was lost.
     pub retries: AtomicU64,
     /// Workers taken out of routing after a failure (circuit breaker trips).
@@ -109,6 +112,7 @@ impl Default for Metrics {
             transfer_bytes: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
+            prefill_tokens: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             breaker_trips: AtomicU64::new(0),
         }
@@ -192,6 +196,11 @@ impl Metrics {
             out,
             "# TYPE baton_generation_tokens_total counter\nbaton_generation_tokens_total {}",
             self.generation_tokens.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP baton_prefill_tokens_total Prompt tokens computed by prefill (not served from a prefix cache).\n# TYPE baton_prefill_tokens_total counter\nbaton_prefill_tokens_total {}",
+            self.prefill_tokens.load(Ordering::Relaxed)
         );
         let _ =
             writeln!(out, "# HELP baton_queue_length Requests per worker and state.\n# TYPE baton_queue_length gauge");

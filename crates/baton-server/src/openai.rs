@@ -3,7 +3,7 @@
 //! Bodies are parsed by hand from bytes (not by an extractor) so that every malformed body,
 //! unknown field or out-of-range parameter is a 400 with an OpenAI-style error naming the
 //! parameter. Parameters OpenAI defines but Baton does not implement are accepted only at their
-//! neutral value (e.g. `logprobs: false`, `n: 1`), and refused otherwise, never silently
+//! neutral value (e.g. `best_of: 1`), and refused otherwise, never silently
 //! ignored. Penalties, `logit_bias` and `min_p` become the sampler's [`LogitAdjust`].
 
 use std::sync::Arc;
@@ -17,6 +17,8 @@ use crate::error::ApiError;
 
 /// Most stop strings per request (as OpenAI).
 const MAX_STOP_STRINGS: usize = 4;
+/// Most choices per request (`n`).
+pub const MAX_N: usize = 16;
 /// Completions' default `max_tokens` (as OpenAI).
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
 
@@ -95,7 +97,7 @@ pub struct Common {
     pub top_p: Option<f64>,
     /// Top-k (an extension, as vLLM).
     pub top_k: Option<i64>,
-    /// Choices per request: only 1.
+    /// Choices per request, 1 to [`MAX_N`].
     pub n: Option<i64>,
     /// Stream server-sent events.
     pub stream: Option<bool>,
@@ -218,6 +220,9 @@ pub struct ValidRequest {
     pub stop_token_ids: Vec<u32>,
     /// Completions' `echo`: the prompt text, sent before the generated text.
     pub echo: Option<String>,
+    /// Choices to generate (`n`): they share the prompt's KV, and choice `i` samples with
+    /// `seed + i` when a seed is given (as vLLM).
+    pub n: usize,
 }
 
 /// The 400 for `/v1/chat/completions` on a model without a chat template: what the client can
@@ -395,11 +400,11 @@ impl Validator {
             Some(k) if k > 0 => k as usize,
             Some(k) => return Err(ApiError::param("top_k", format!("must be positive (or -1 for all), got {k}"))),
         };
-        if let Some(n) = c.n
-            && n != 1
-        {
-            return Err(ApiError::param("n", format!("only n = 1 is supported, got {n}")));
-        }
+        let n = match c.n {
+            None => 1,
+            Some(n) if (1..=MAX_N as i64).contains(&n) => n as usize,
+            Some(n) => return Err(ApiError::param("n", format!("must be from 1 to {MAX_N}, got {n}"))),
+        };
         let seed = match c.seed {
             None => None,
             Some(s) => Some(u64::try_from(s).map_err(|_| ApiError::param("seed", "must be non-negative"))?),
@@ -452,6 +457,7 @@ impl Validator {
             logprobs,
             stop_token_ids,
             echo: None,
+            n,
         })
     }
 }

@@ -341,6 +341,70 @@ async fn usage_reports_the_prompt_tokens_served_from_the_prefix_cache() {
     }
 }
 
+/// `baton_prefill_tokens_total` on the server's `/metrics`.
+async fn prefill_tokens(server: &Server) -> u64 {
+    let text = reqwest::get(format!("{}/metrics", server.url)).await.expect("sends").text().await.expect("text");
+    text.lines()
+        .find_map(|l| l.strip_prefix("baton_prefill_tokens_total "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no baton_prefill_tokens_total in\n{text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_share_one_prefill_and_differ_by_seed() {
+    let prompt = PROMPTS[1];
+    for server in [start("tiny-llama", 1, 1, 0, None).await, start("tiny-llama", 0, 0, 1, None).await] {
+        let body =
+            json!({"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 11, "n": 3, "ignore_eos": true});
+        let (status, v) = server.post("/v1/completions", body.clone()).await;
+        assert_eq!(status, 200, "{v}");
+        let choices = v["choices"].as_array().expect("choices");
+        let indices: Vec<u64> = choices.iter().map(|c| c["index"].as_u64().expect("index")).collect();
+        assert_eq!(indices, [0, 1, 2], "{v}");
+        let texts: Vec<&str> = choices.iter().map(|c| c["text"].as_str().expect("text")).collect();
+        assert!(texts[0] != texts[1] && texts[1] != texts[2] && texts[0] != texts[2], "{texts:?}");
+        let p = v["usage"]["prompt_tokens"].as_u64().expect("prompt tokens");
+        assert_eq!(v["usage"]["completion_tokens"], 18, "{v}");
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{v}");
+        // The prompt was computed once: the later choices found its whole blocks (of 4) cached
+        // and computed only the rest, the last token at least.
+        let tail = p - (p - 1) / 4 * 4;
+        assert!(tail < p);
+        assert_eq!(prefill_tokens(&server).await, p + 2 * tail, "prompt of {p} tokens");
+        // Choice i is choice 0 of a request seeded seed + i.
+        for (i, text) in texts.iter().enumerate() {
+            let one =
+                json!({"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 11 + i, "ignore_eos": true});
+            let (_, v1) = server.post("/v1/completions", one).await;
+            assert_eq!(v1["choices"][0]["text"].as_str(), Some(*text), "choice {i}");
+        }
+        // Streamed: every chunk names its choice, and each choice's text is the same.
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        streamed["stream_options"] = json!({"include_usage": true});
+        let r = reqwest::Client::new().post(format!("{}/v1/completions", server.url)).json(&streamed).send().await;
+        let sse = r.expect("sends").text().await.expect("body");
+        let mut parts = vec![String::new(); 3];
+        let mut finished = 0;
+        let mut usage = Value::Null;
+        for d in
+            sse.lines().filter_map(|l| l.strip_prefix("data: ")).filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        {
+            for c in d["choices"].as_array().expect("choices") {
+                let i = c["index"].as_u64().expect("index") as usize;
+                parts[i].push_str(c["text"].as_str().unwrap_or_default());
+                finished += usize::from(!c["finish_reason"].is_null());
+            }
+            if d["usage"].is_object() {
+                usage = d["usage"].clone();
+            }
+        }
+        assert_eq!(parts, texts, "{sse}");
+        assert_eq!((finished, &usage["completion_tokens"]), (3, &json!(18)), "{sse}");
+        server.assert_no_kv_held().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_streams_and_concurrent_requests_are_each_correct() {
     let server = start("tiny-llama", 1, 1, 0, None).await;
@@ -473,7 +537,7 @@ async fn bad_input_gets_openai_style_errors() {
         ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 100000000000}"#.into(), 400, "max_tokens"),
         ("/v1/completions", r#"{"prompt": "hi", "temperature": 5}"#.into(), 400, "temperature"),
         ("/v1/completions", r#"{"prompt": "hi", "top_p": 0}"#.into(), 400, "top_p"),
-        ("/v1/completions", r#"{"prompt": "hi", "n": 2}"#.into(), 400, "n"),
+        ("/v1/completions", r#"{"prompt": "hi", "n": 17}"#.into(), 400, "n"),
         ("/v1/completions", r#"{"prompt": "hi", "seed": -1}"#.into(), 400, "seed"),
         ("/v1/completions", r#"{"prompt": "hi", "presence_penalty": 2.5}"#.into(), 400, "presence_penalty"),
         ("/v1/completions", r#"{"prompt": "hi", "frequency_penalty": -3}"#.into(), 400, "frequency_penalty"),

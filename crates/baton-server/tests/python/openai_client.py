@@ -59,6 +59,27 @@ streamed = "".join(
 assert done.choices[0].text == streamed, (done.choices[0].text, streamed)
 assert done.usage.completion_tokens == 10, done.usage
 
+# n = 3 with a seed: three different samples (choice i samples with seed + i), reproducible,
+# indexed, usage summed; streamed, each chunk names its choice.
+kwargs = dict(model=model, prompt="Mooncake", max_tokens=8, temperature=1.0, seed=7, n=3, extra_body={"ignore_eos": True})
+many = client.completions.create(**kwargs)
+assert sorted(c.index for c in many.choices) == [0, 1, 2], many
+texts = [c.text for c in sorted(many.choices, key=lambda c: c.index)]
+assert len(set(texts)) == 3, texts
+assert many.usage.completion_tokens == 24, many.usage
+again = client.completions.create(**kwargs)
+assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts, (again, texts)
+parts = {}
+for c in client.completions.create(stream=True, **kwargs):
+    for choice in c.choices:
+        parts[choice.index] = parts.get(choice.index, "") + choice.text
+assert [parts[i] for i in range(3)] == texts, (parts, texts)
+chat_many = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=1.0, seed=3, n=2,
+    extra_body={"ignore_eos": True},
+)
+assert [c.index for c in chat_many.choices] == [0, 1], chat_many
+
 # Errors come back as the client's typed exceptions.
 try:
     client.completions.create(model=model, prompt="hi", max_tokens=-1)
