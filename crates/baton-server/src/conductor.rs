@@ -33,7 +33,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use baton_engine::RequestId;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
@@ -343,13 +343,10 @@ impl Conductor {
 
     async fn handle(self: Arc<Self>, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
         let request_id = request_id_of(&headers);
-        // One id per choice (workers and transfers need distinct ones); the first names the
-        // response. Refused requests use up ids too: harmless.
-        let id = RequestId(self.next_id.fetch_add(n_of(&body), Ordering::Relaxed));
         // The request's span: the conductor's logs, and (through `WorkRequest::request_id`) the
-        // workers' and the KV transfer's, carry both ids.
-        let span = tracing::info_span!("request", request_id = %request_id, request = id.0);
-        self.clone().handle_in(endpoint, &headers, body, id, request_id).instrument(span).await
+        // workers' and the KV transfer's, carry both ids (Baton's once the request is valid).
+        let span = tracing::info_span!("request", request_id = %request_id, request = tracing::field::Empty);
+        self.clone().handle_in(endpoint, &headers, body, request_id).instrument(span).await
     }
 
     async fn handle_in(
@@ -357,7 +354,6 @@ impl Conductor {
         endpoint: Endpoint,
         headers: &HeaderMap,
         body: Bytes,
-        id: RequestId,
         request_id: String,
     ) -> Response {
         let result = self.authorize(headers).and_then(|()| match endpoint {
@@ -379,6 +375,10 @@ impl Conductor {
                 return e.into_response();
             }
         };
+        // One id per choice (workers and transfers need distinct ones); the first names the
+        // response.
+        let id = RequestId(self.next_id.fetch_add(valid.n as u64, Ordering::Relaxed));
+        tracing::Span::current().record("request", id.0);
         tracing::info!(
             endpoint = ?endpoint,
             prompt_tokens = valid.prompt_ids.len(),
@@ -461,11 +461,6 @@ fn new_request_id() -> String {
     h.write_u64(n);
     h.write_u32(std::process::id());
     format!("{:016x}{:016x}", h.finish(), (nanos as u64) ^ n.rotate_left(32))
-}
-
-/// The `n` of a body that passed validation (1 if absent).
-fn n_of(body: &[u8]) -> u64 {
-    serde_json::from_slice::<Value>(body).ok().and_then(|v| v.get("n").and_then(Value::as_u64)).unwrap_or(1).max(1)
 }
 
 /// The request's `x-request-id` (set by [`request_id`] on every API request).

@@ -346,16 +346,17 @@ impl TransferThread {
 /// reserves for it, on a thread of its own: a push waits for that reservation, which must not
 /// hold up the other requests' pushes. It gives up when `wait` passes or the lease ends; a
 /// failed push cancels the lease, so the blocks go back to the engine at once.
-pub(crate) fn spawn_push(server: &Arc<KvServer>, id: RequestId, wait: Duration, delay: Duration) {
+pub(crate) fn spawn_push(server: &Arc<KvServer>, id: RequestId, wait: Duration, delay: Duration, span: tracing::Span) {
     let xfer = TransferId(id.0);
     let layers = server.region().descriptor().extent(Dim::Layer);
     let s = Arc::clone(server);
     let spawned = std::thread::Builder::new().name(format!("baton-push-{}", id.0)).spawn(move || {
+        let _entered = span.entered();
         if !delay.is_zero() {
             std::thread::sleep(delay);
         }
         match s.push_offered(xfer, 0..layers, wait) {
-            Ok(stats) => tracing::debug!(request = id.0, bytes = stats.bytes, calls = stats.calls, "pushed KV"),
+            Ok(stats) => tracing::info!(bytes = stats.bytes, calls = stats.calls, "pushed KV"),
             Err(e) => {
                 tracing::warn!(request = id.0, error = %e, "pushing KV failed");
                 s.cancel(xfer);

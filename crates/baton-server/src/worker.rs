@@ -443,6 +443,7 @@ impl WorkerHandle {
                 kv_addr,
                 engine,
                 streams: HashMap::new(),
+                spans: HashMap::new(),
                 handed_off: HashMap::new(),
                 server,
                 push,
@@ -578,6 +579,8 @@ async fn forward(
 struct EngineLoop {
     engine: Engine,
     streams: HashMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
+    /// Each live request's span, entered where the engine thread logs about it.
+    spans: HashMap<RequestId, tracing::Span>,
     /// KV offered on the KV server, by request, until its lease ends.
     handed_off: HashMap<RequestId, KvPrefix>,
     server: Option<Arc<KvServer>>,
@@ -659,11 +662,11 @@ impl EngineLoop {
             Command::Submit { req, kv: Some(source), mode, events, span } => {
                 self.start_transfer(*req, source, mode, events, span);
             }
-            Command::Submit { req, kv: None, mode, events, span: _ } => {
+            Command::Submit { req, kv: None, mode, events, span } => {
                 if mode == KvTransfer::Push && req.retain_kv == KvRetention::All {
                     self.push_on_finish.insert(req.id);
                 }
-                self.admit(*req, events);
+                self.admit(*req, events, span);
             }
             Command::Transferred { job, result } => self.finish_transfer(*job, result),
             Command::Abort(id) => self.abort(id),
@@ -689,11 +692,12 @@ impl EngineLoop {
         true
     }
 
-    fn admit(&mut self, req: GenerationRequest, events: mpsc::UnboundedSender<RequestEvent>) {
+    fn admit(&mut self, req: GenerationRequest, events: mpsc::UnboundedSender<RequestEvent>, span: tracing::Span) {
         let id = req.id;
         match self.engine.add_request(req) {
             Ok(()) => {
                 self.streams.insert(id, events);
+                self.spans.insert(id, span);
             }
             Err(e) => {
                 self.push_on_finish.remove(&id);
@@ -746,14 +750,14 @@ impl EngineLoop {
                     Ok(prefix) => self.send_job(h.req, prefix, h.source, h.mode, h.events, h.span),
                     Err(e) => {
                         tracing::warn!(request = h.req.id.0, error = %e, "no room for KV after all; recomputing");
-                        self.admit(h.req, h.events);
+                        self.admit(h.req, h.events, h.span.clone());
                     }
                 }
             } else if Instant::now() >= head.deadline {
                 let Some(h) = self.incoming.pop_front() else { break };
                 let _entered = h.span.clone().entered();
                 tracing::warn!(request = h.req.id.0, "no room for the KV in time; recomputing the prompt here");
-                self.admit(h.req, h.events);
+                self.admit(h.req, h.events, h.span.clone());
             } else {
                 break;
             }
@@ -785,14 +789,14 @@ impl EngineLoop {
 
     fn finish_transfer(&mut self, job: KvJob, result: Result<TransferStats, String>) {
         let KvJob { mut req, prefix, events, mode, span, .. } = job;
-        let _entered = span.entered();
+        let _entered = span.clone().entered();
         let aborted = self.pulling.remove(&req.id).unwrap_or(true) || events.is_closed();
         match result {
             Ok(stats) if !aborted => {
                 let mode = mode.as_str();
                 tracing::info!(mode, bytes = stats.bytes, calls = stats.calls, "received KV");
                 req.prefix = Some(prefix);
-                self.admit(req, events);
+                self.admit(req, events, span.clone());
             }
             Ok(_) => self.release(prefix),
             Err(_) if aborted => self.release(prefix),
@@ -801,7 +805,7 @@ impl EngineLoop {
                 // worker has the prompt and the tokens so far, so it recomputes the KV itself.
                 tracing::warn!(request = req.id.0, error = %e, "receiving KV failed; recomputing the prompt here");
                 self.release(prefix);
-                self.admit(req, events);
+                self.admit(req, events, span.clone());
             }
         }
     }
@@ -824,6 +828,7 @@ impl EngineLoop {
             Err(e) => {
                 // A failed step is a bug or a model failure: fail everything in flight.
                 tracing::error!(error = %e, "engine step failed");
+                self.spans.clear();
                 for (id, tx) in self.streams.drain() {
                     let _ = tx.send(RequestEvent::Failed(ApiError::Internal(e.to_string())));
                     let _ = self.engine.abort(id);
@@ -841,13 +846,16 @@ impl EngineLoop {
             }
         }
         for f in out.finished {
+            let span = self.spans.remove(&f.id).unwrap_or_else(tracing::Span::none);
+            let _entered = span.clone().entered();
+            tracing::info!(reason = ?f.reason, generated = f.token_ids.len(), cached = f.cached_tokens, "finished");
             let push = self.push_on_finish.remove(&f.id);
             let kv = f.kv.and_then(|kv| self.offer(f.id, kv));
             if push
                 && kv.is_some()
                 && let Some(server) = &self.server
             {
-                spawn_push(server, f.id, self.push.wait, self.push.delay);
+                spawn_push(server, f.id, self.push.wait, self.push.delay, span.clone());
             }
             if let Some(tx) = self.streams.remove(&f.id) {
                 let _ = tx.send(RequestEvent::Finished {
@@ -874,6 +882,7 @@ impl EngineLoop {
         let source = KvSource { addr, blocks: kv.blocks.iter().map(|b| b.0).collect(), tokens: kv.tokens };
         match server.offer(TransferId(id.0), kv.blocks.clone()) {
             Ok(()) => {
+                tracing::info!(blocks = kv.blocks.len(), tokens = kv.tokens, "KV offered for the hand-off");
                 self.handed_off.insert(id, kv);
                 Some(source)
             }
@@ -894,6 +903,7 @@ impl EngineLoop {
 
     fn abort(&mut self, id: RequestId) {
         self.streams.remove(&id);
+        self.spans.remove(&id);
         self.push_on_finish.remove(&id);
         if let Some(aborted) = self.pulling.get_mut(&id) {
             *aborted = true;

@@ -62,5 +62,8 @@ fn json_logs_carry_the_request_id_through_conductor_workers_and_transfer() {
     let on = |role: &str| ours.iter().any(|l| l["fields"]["message"] == "work submitted" && l["span"]["role"] == role);
     assert!(on("prefill") && on("decode"), "worker lines missing:\n{logs}");
     assert!(message("KV transfer starting") && message("received KV"), "transfer lines missing:\n{logs}");
+    let engine = |m: &str, role: &str| ours.iter().any(|l| l["fields"]["message"] == m && l["span"]["role"] == role);
+    assert!(engine("KV offered for the hand-off", "prefill"), "the prefill engine's lines lack the id:\n{logs}");
+    assert!(engine("finished", "prefill") && engine("finished", "decode"), "engine lines missing:\n{logs}");
     assert!(logs.contains(&generated), "the generated id is not logged:\n{logs}");
 }
