@@ -154,7 +154,10 @@ impl Metrics {
             "From handing a request to its decode worker to that worker's first token \
              (KV hand-off, joining the batch, one decode step).",
         );
-        let _ = writeln!(out, "# HELP baton_requests_total Requests by outcome.\n# TYPE baton_requests_total counter");
+        let _ = writeln!(
+            out,
+            "# HELP baton_requests_total Requests by outcome (each of a request's n choices counts once; refusals once).\n# TYPE baton_requests_total counter"
+        );
         for (name, c) in OUTCOMES.iter().zip(&self.outcomes) {
             let _ = writeln!(out, "baton_requests_total{{outcome=\"{name}\"}} {}", c.load(Ordering::Relaxed));
         }
