@@ -13,8 +13,10 @@
 //! Workers are local ([`crate::WorkerHandle`]) or remote ([`crate::remote::RemoteWorker`]), and
 //! may join and leave at any time ([`Conductor::add_worker`], [`crate::deploy::follow`]). A request
 //! whose worker is lost before anything was streamed to the client is routed again; one whose
-//! decode worker is lost after the prefill's first token but before a token of its own has its
-//! decode half handed to another decode worker.
+//! decode worker is lost after the prefill's first token has its decode half handed to another
+//! decode worker; and one whose worker is lost mid-stream is migrated: another worker continues
+//! from the prompt and the tokens streamed so far (recomputing their KV), and the client's stream
+//! goes on without a gap or a duplicate.
 //!
 //! Failure is seen at once, not at the registry's TTL: a worker that is lost on a request (its
 //! connection refused or broken, its thread gone, no answer in time) trips a circuit breaker
@@ -558,13 +560,22 @@ impl Run {
         let c = self.conductor.clone();
         let start = Instant::now();
         let mut lost_workers = Vec::new();
+        // Tokens a colocated worker streamed: a worker lost mid-stream hands them on.
+        let mut so_far: Vec<u32> = Vec::new();
         let result = loop {
             let result = match &route {
+                Route::Colocated(_) if so_far.len() >= self.valid.stop.max_tokens => {
+                    // Lost after its last token, before saying so: nothing is left to generate.
+                    self.finish(Finish::Length, self.valid.prompt_ids.len(), so_far.len())
+                }
                 Route::Colocated(w) => {
                     c.metrics.routed_colocated.fetch_add(1, Ordering::Relaxed);
-                    let events = w.submit(self.request());
+                    let events = w.submit(WorkRequest { generated: so_far.clone(), ..self.request() });
                     let prefill = c.track(w.as_ref(), self.id, false, self.valid.prompt_ids.len());
-                    self.relay(w, events, start, None, Some(prefill), &mut 0).await
+                    let mut relayed = Vec::new();
+                    let result = self.relay(w, events, start, None, Some(prefill), &mut relayed).await;
+                    so_far.extend(relayed);
+                    result
                 }
                 Route::Disaggregated { prefill, decode } => {
                     c.metrics.routed_disaggregated.fetch_add(1, Ordering::Relaxed);
@@ -572,14 +583,39 @@ impl Run {
                 }
             };
             match result {
+                // Lost before anything was streamed: route the request again. Lost after a
+                // colocated worker streamed tokens: migrate — another worker continues from the
+                // prompt and those tokens (it recomputes their KV), so the client's stream goes
+                // on with no duplicate and, for greedy requests, the same tokens.
                 Err(RunError::Lost { worker, reason })
-                    if !self.streamed.load(Ordering::Relaxed) && lost_workers.len() < MAX_RETRIES =>
+                    if (!so_far.is_empty() || !self.streamed.load(Ordering::Relaxed))
+                        && lost_workers.len() < MAX_RETRIES =>
                 {
                     self.trip_named(&worker, &reason);
-                    tracing::warn!(request = self.id.0, worker, reason, "worker lost before streaming; routing again");
                     c.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                    if so_far.is_empty() {
+                        tracing::warn!(
+                            request = self.id.0,
+                            worker,
+                            reason,
+                            "worker lost before streaming; routing again"
+                        );
+                    } else {
+                        c.metrics.migrations.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(
+                            request = self.id.0,
+                            worker,
+                            reason,
+                            tokens = so_far.len(),
+                            "worker lost mid-stream; migrating"
+                        );
+                    }
                     lost_workers.push(worker);
                     match c.route(&self.valid, &lost_workers) {
+                        // A migrated request has its first tokens: it continues on one worker.
+                        Ok(Route::Disaggregated { decode, .. }) if !so_far.is_empty() => {
+                            route = Route::Colocated(decode);
+                        }
                         Ok(r) => route = r,
                         Err(e) => break Err(RunError::Api(e)),
                     }
@@ -700,22 +736,38 @@ impl Run {
         let bytes = kv.tokens * c.kv_bytes_per_token;
         let mut decode = d.clone();
         let mut tried = Vec::new();
+        // Every token the client has: the prefill's first, then the decode workers'.
+        let mut generated = first.clone();
+        let mut handoff = Some((handoff, bytes));
         let result = loop {
-            let _decode = c.track(decode.as_ref(), self.id, true, self.valid.prompt_ids.len() + first.len());
-            let events =
-                decode.submit(WorkRequest { generated: first.clone(), kv: Some(kv.clone()), ..self.request() });
-            let mut relayed = 0;
-            let result = self.relay(&decode, events, start, Some((handoff, bytes)), None, &mut relayed).await;
-            // A decode worker lost before its first token: hand the decode half to another (it
-            // pulls the KV if the lease still holds it, else recomputes the prompt).
+            if generated.len() >= self.valid.stop.max_tokens {
+                // Lost after its last token, before saying so.
+                break self.finish(Finish::Length, prompt_tokens, generated.len());
+            }
+            let context = self.valid.prompt_ids.len() + generated.len();
+            let _decode = c.track(decode.as_ref(), self.id, true, context);
+            // The prefill worker's lease holds the prompt's KV until a decode worker completes its
+            // transfer; a migrated request recomputes its KV instead.
+            let kv = (generated.len() == first.len()).then(|| kv.clone());
+            let events = decode.submit(WorkRequest { generated: generated.clone(), kv, ..self.request() });
+            let mut relayed = Vec::new();
+            let result = self.relay(&decode, events, start, handoff.take(), None, &mut relayed).await;
+            generated.extend(relayed);
+            // A decode worker lost: hand the decode to another, before its first token (it pulls
+            // the KV if the lease still holds it, else recomputes) or mid-stream (migration: it
+            // recomputes the KV of the prompt and the tokens so far, and continues).
             match result {
-                Err(RunError::Lost { worker, reason }) if relayed == 0 && tried.len() < MAX_RETRIES => {
+                Err(RunError::Lost { worker, reason }) if tried.len() < MAX_RETRIES => {
                     c.trip(&decode, &reason);
                     c.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                    if generated.len() > first.len() {
+                        c.metrics.migrations.fetch_add(1, Ordering::Relaxed);
+                    }
                     tracing::warn!(
                         request = self.id.0,
                         worker,
                         reason,
+                        tokens = generated.len(),
                         "decode worker lost; handing the decode to another"
                     );
                     tried.push(worker.clone());
@@ -742,7 +794,7 @@ impl Run {
         start: Instant,
         mut handoff: Option<(Instant, usize)>,
         mut prefill: Option<Tracked<'_>>,
-        relayed: &mut usize,
+        relayed: &mut Vec<u32>,
     ) -> Result<(), RunError> {
         let c = &self.conductor;
         let mut last = None;
@@ -765,11 +817,15 @@ impl Run {
                     }
                     let now = Instant::now();
                     match last {
-                        None => c.metrics.ttft.observe(start.elapsed().as_secs_f64()),
+                        // (A migrated request's first token here is not its first.)
+                        None if relayed.is_empty() && !self.streamed.load(Ordering::Relaxed) => {
+                            c.metrics.ttft.observe(start.elapsed().as_secs_f64());
+                        }
+                        None => {}
                         Some(t) => c.metrics.tbt.observe((now - t).as_secs_f64()),
                     }
                     last = Some(now);
-                    *relayed += 1;
+                    relayed.push(token);
                     self.send_logprobs(token, logprobs)?;
                     self.send(Piece::Text(text))?;
                 }

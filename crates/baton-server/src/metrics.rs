@@ -97,6 +97,8 @@ pub struct Metrics {
     pub retries: AtomicU64,
     /// Workers taken out of routing after a failure (circuit breaker trips).
     pub breaker_trips: AtomicU64,
+    /// Requests continued on another worker after tokens were streamed.
+    pub migrations: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -115,6 +117,7 @@ impl Default for Metrics {
             prefill_tokens: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             breaker_trips: AtomicU64::new(0),
+            migrations: AtomicU64::new(0),
         }
     }
 }
@@ -184,6 +187,11 @@ impl Metrics {
             out,
             "# HELP baton_worker_breaker_trips_total Workers taken out of routing after a failed connect or request.\n# TYPE baton_worker_breaker_trips_total counter\nbaton_worker_breaker_trips_total {}",
             self.breaker_trips.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP baton_migrations_total Requests continued on another worker after their worker was lost mid-stream.\n# TYPE baton_migrations_total counter\nbaton_migrations_total {}",
+            self.migrations.load(Ordering::Relaxed)
         );
         let _ = writeln!(
             out,

@@ -145,6 +145,47 @@ impl Conn {
         Ok(Frame::decode(&header, &meta)?)
     }
 
+    /// Receives a handshake frame from a peer not yet authenticated: the whole frame must
+    /// arrive by `deadline` (a per-read timeout alone lets a peer trickling a byte at a time hold
+    /// the connection forever), and its metadata may be at most `max_meta` bytes, checked before
+    /// anything is allocated for it.
+    pub(crate) fn recv_handshake(&mut self, deadline: std::time::Instant, max_meta: usize) -> Result<Frame> {
+        let mut h = [0u8; HEADER_LEN];
+        self.read_before(&mut h, deadline)?;
+        let header = Header::decode(&h)?;
+        if header.meta_len > max_meta {
+            return Err(TransferError::Protocol(format!(
+                "a handshake frame of {} bytes of metadata (at most {max_meta} before authentication)",
+                header.meta_len
+            )));
+        }
+        let mut meta = vec![0u8; header.meta_len];
+        self.read_before(&mut meta, deadline)?;
+        let e = self.err("configuring a socket");
+        self.stream.set_read_timeout(Some(self.timeout)).map_err(e)?;
+        Ok(Frame::decode(&header, &meta)?)
+    }
+
+    /// Fills `buf` from the socket, giving up at `deadline` however the bytes trickle in.
+    fn read_before(&mut self, buf: &mut [u8], deadline: std::time::Instant) -> Result<()> {
+        let mut filled = 0;
+        while filled < buf.len() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(TransferError::Protocol("the handshake did not arrive in time".into()));
+            }
+            let e = self.err("configuring a socket");
+            self.stream.set_read_timeout(Some(left)).map_err(e)?;
+            match self.stream.read(&mut buf[filled..]) {
+                Ok(0) => return Err(TransferError::PeerClosed("waiting for the handshake")),
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.err("waiting for the handshake")(e)),
+            }
+        }
+        Ok(())
+    }
+
     /// Reads a payload straight into `ranges` of `region`, in order.
     pub(crate) fn recv_into(&mut self, region: &Region, ranges: &[ByteRange]) -> Result<()> {
         for &r in ranges {

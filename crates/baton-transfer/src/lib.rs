@@ -42,7 +42,7 @@ pub mod transport;
 
 pub use client::{ClientConfig, KvClient, NaiveUnit};
 pub use region::{Access, Region};
-pub use server::{BlockOwner, KvServer, ServerConfig};
+pub use server::{BlockOwner, HANDSHAKE_MAX_META, KvServer, ServerConfig};
 pub use transport::{ShmTransport, TcpLimits, TcpTransport, Transport, TransportKind};
 
 pub use compat::{Compat, LAYOUT_VERSION};

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -59,10 +59,24 @@ pub struct ServerConfig {
     pub io_timeout: Duration,
     /// Offer the region's shared-memory handle to peers on this host.
     pub share_memory: bool,
+    /// Longest a peer may take over its whole handshake (CONNECT and AUTH) before it has proved
+    /// it knows the secret.
+    pub handshake_timeout: Duration,
+    /// Most connections at once, authenticated or not: a connection over the cap is closed at
+    /// once, costing no thread.
+    pub max_connections: usize,
+    /// Most connections at once still in their handshake (a flood of idle or garbage
+    /// connections holds at most this many threads, each for at most `handshake_timeout`).
+    pub max_handshakes: usize,
 }
 
+/// Most metadata a frame may carry before its sender is authenticated (a CONNECT's endpoint
+/// facts take a few hundred bytes).
+pub const HANDSHAKE_MAX_META: usize = 64 << 10;
+
 impl ServerConfig {
-    /// Defaults: loopback, any port, 30 s leases, 10 s I/O timeout, shared memory offered.
+    /// Defaults: loopback, any port, 30 s leases, 10 s I/O timeout, shared memory offered, a 5 s
+    /// handshake, at most 256 connections of which 16 in their handshake.
     pub fn new(peer: PeerId, compat: Compat, secret: impl Into<Vec<u8>>) -> Self {
         Self {
             peer,
@@ -72,6 +86,9 @@ impl ServerConfig {
             lease: Duration::from_secs(30),
             io_timeout: Duration::from_secs(10),
             share_memory: true,
+            handshake_timeout: Duration::from_secs(5),
+            max_connections: 256,
+            max_handshakes: 16,
         }
     }
 }
@@ -97,6 +114,8 @@ struct Shared {
     pushes: Mutex<HashMap<TransferId, PushTarget>>,
     push_ready: Condvar,
     conns: Mutex<HashMap<u64, Conn>>,
+    /// Connections in their handshake.
+    handshaking: AtomicUsize,
     next_conn: AtomicU64,
     next_push: AtomicU64,
 }
@@ -164,6 +183,7 @@ impl KvServer {
             pushes: Mutex::new(HashMap::new()),
             push_ready: Condvar::new(),
             conns: Mutex::new(HashMap::new()),
+            handshaking: AtomicUsize::new(0),
             next_conn: AtomicU64::new(1),
             next_push: AtomicU64::new(1),
         });
@@ -347,7 +367,14 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
             break;
         }
         let Ok(stream) = stream else { continue };
+        let busy = lock(&shared.conns).len() >= shared.config.max_connections
+            || shared.handshaking.load(Ordering::Acquire) >= shared.config.max_handshakes;
+        if busy {
+            // Dropping the stream closes it: a flood costs no thread and no memory.
+            continue;
+        }
         let Ok(conn) = Conn::new(stream, shared.config.io_timeout) else { continue };
+        shared.handshaking.fetch_add(1, Ordering::AcqRel);
         let no = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         if let Ok(c) = conn.try_clone() {
             lock(&shared.conns).insert(no, c);
@@ -361,6 +388,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
         });
         if spawned.is_err() {
             lock(&shared.conns).remove(&no);
+            shared.handshaking.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -371,7 +399,8 @@ fn handshake(shared: &Shared, conn: &mut Conn) -> Result<EndpointInfo> {
         // Best effort: the peer may already be gone.
         let _ = conn.send(&Frame::Error { id: TransferId(0), code, message });
     };
-    let (info, client_nonce) = match conn.recv()? {
+    let deadline = Instant::now() + shared.config.handshake_timeout;
+    let (info, client_nonce) = match conn.recv_handshake(deadline, HANDSHAKE_MAX_META)? {
         Frame::Connect { info, nonce } => (info, nonce),
         other => {
             let m = format!("expected CONNECT, got {}", other.name());
@@ -387,7 +416,7 @@ fn handshake(shared: &Shared, conn: &mut Conn) -> Result<EndpointInfo> {
     let proof = auth::proof(&shared.config.secret, Side::Server, &client_nonce, &server_nonce);
     conn.send(&Frame::Challenge { nonce: server_nonce, proof })?;
     let want = auth::proof(&shared.config.secret, Side::Client, &client_nonce, &server_nonce);
-    match conn.recv()? {
+    match conn.recv_handshake(deadline, HANDSHAKE_MAX_META)? {
         Frame::Auth { proof } if auth::proofs_equal(&proof, &want) => {}
         _ => {
             refuse(conn, ErrorCode::AuthFailed, "the peer does not know the cluster secret".into());
@@ -427,7 +456,9 @@ fn contained(allowed: &[ByteRange], r: &ByteRange) -> bool {
 }
 
 fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64) -> Result<()> {
-    let peer = handshake(shared, &mut conn)?;
+    let peer = handshake(shared, &mut conn);
+    shared.handshaking.fetch_sub(1, Ordering::AcqRel);
+    let peer = peer?;
     let writer = Arc::new(Mutex::new(conn.try_clone()?));
     let send = |f: &Frame| lock(&writer).send(f);
     let mut allowed: HashMap<TransferId, Vec<ByteRange>> = HashMap::new();

@@ -366,9 +366,9 @@ fn etcd_membership_workers_join_leave_and_die_mid_request() {
     let expected = generate(&dir, LONG, 8);
     assert_eq!(text(&complete(&url, LONG, 8)), expected);
 
-    // Kill the decode worker in the middle of a stream it serves: text was already streamed,
-    // so the client gets an error event; the worker is dropped within its TTL; nothing stays
-    // held on the prefill side.
+    // Kill the decode worker in the middle of a stream it serves: text was already streamed and
+    // no other decode worker can continue it, so the client gets an error event; the worker is
+    // dropped within its TTL; nothing stays held on the prefill side.
     let body = stream_and_then(&url, || d1.proc.kill());
     assert!(
         body.contains("\"error\""),
@@ -617,4 +617,55 @@ fn serve_and_conductor_offer_both_kv_transfer_modes() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("teleport"));
+}
+
+/// The text of a 200-token greedy stream of `LONG`, and the body of the same stream during which
+/// `kill` ran after 4 chunks.
+fn undisturbed_and_killed(url: &str, kill: impl FnOnce()) -> (String, String) {
+    let undisturbed = streamed_text(&stream_with_hook(url, 200, 1, || {}));
+    let body = stream_with_hook(url, 200, 4, kill);
+    (undisturbed, body)
+}
+
+fn migrations(url: &str) -> String {
+    let metrics = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
+    metrics.lines().find(|l| l.starts_with("baton_migrations_total")).unwrap_or("none").to_owned()
+}
+
+/// Mid-stream migration: a colocated worker killed with SIGKILL while it streams a request; the
+/// conductor hands the prompt and the tokens streamed so far to the other worker, which
+/// recomputes their KV and continues: the client's stream completes with the undisturbed text
+/// (no gap, no duplicate).
+#[test]
+fn a_colocated_worker_killed_mid_stream_hands_the_stream_on() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    // Joined first, so least-load's tie-break sends the streams to it.
+    let mut first = worker(&dir, "colocated", &url, &["--name", "a-first", "--ttl-s", "60"]);
+    wait_members(&url, 1, Duration::from_secs(10));
+    let second = worker(&dir, "colocated", &url, &["--name", "b-second"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let (undisturbed, body) = undisturbed_and_killed(&url, || first.proc.kill());
+    assert!(body.contains("[DONE]"), "the stream did not complete: ...{}", &body[body.len().saturating_sub(400)..]);
+    assert_eq!(streamed_text(&body), undisturbed);
+    assert_eq!(migrations(&url), "baton_migrations_total 1");
+    assert_no_leak(&[&second]);
+}
+
+/// The same for a decode worker killed mid-stream: the decode goes on on the other decode
+/// worker, from the prompt and every token streamed (the prefill's first and the dead worker's).
+#[test]
+fn a_decode_worker_killed_mid_stream_hands_the_stream_on() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    let p = worker(&dir, "prefill", &url, &["--name", "prefill-1"]);
+    let mut dead = worker(&dir, "decode", &url, &["--name", "decode-a", "--ttl-s", "60"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let live = worker(&dir, "decode", &url, &["--name", "decode-b", "--transport", "tcp"]);
+    wait_members(&url, 3, Duration::from_secs(10));
+    let (undisturbed, body) = undisturbed_and_killed(&url, || dead.proc.kill());
+    assert!(body.contains("[DONE]"), "the stream did not complete: ...{}", &body[body.len().saturating_sub(400)..]);
+    assert_eq!(streamed_text(&body), undisturbed);
+    assert_eq!(migrations(&url), "baton_migrations_total 1");
+    assert_no_leak(&[&p, &live]);
 }
