@@ -7,24 +7,11 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-use baton_kv::{BlockId, KvDtype, KvGeometry, KvLayout, TensorDescriptor};
-use baton_transfer::{ClientConfig, Compat, KvClient, KvServer, PeerId, Region, ServerConfig, TransferId};
+use baton_kv::{BlockId, KvLayout, TensorDescriptor};
+use baton_transfer::{ClientConfig, Compat, KvClient, PeerId, Region, TransferId};
 
-fn geometry() -> KvGeometry {
-    KvGeometry { dtype: KvDtype::F16, ..KvGeometry::new(2, 2, 4, 4) }
-}
-
-fn server() -> (KvServer, std::sync::mpsc::Receiver<baton_transfer::Release>) {
-    let desc = TensorDescriptor::new(&geometry(), KvLayout::LayerMajor, 16);
-    let region = Region::create(desc).expect("region");
-    let (tx, rx) = std::sync::mpsc::channel();
-    let config = ServerConfig {
-        handshake_timeout: Duration::from_millis(300),
-        max_handshakes: 8,
-        ..ServerConfig::new(PeerId(1), Compat::new("m", geometry()), "s3cret")
-    };
-    (KvServer::start(config, region, tx).expect("server"), rx)
-}
+mod common;
+use common::{geometry, guarded_server as server};
 
 /// Threads of this process (Linux).
 fn threads() -> usize {

@@ -7,25 +7,10 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use baton_kv::{KvDtype, KvGeometry, KvLayout, TensorDescriptor};
 use baton_transfer::frame::{HEADER_LEN, MAGIC, VERSION};
-use baton_transfer::{Compat, KvServer, PeerId, Region, ServerConfig};
 
-fn geometry() -> KvGeometry {
-    KvGeometry { dtype: KvDtype::F16, ..KvGeometry::new(2, 2, 4, 4) }
-}
-
-fn server() -> (KvServer, std::sync::mpsc::Receiver<baton_transfer::Release>) {
-    let desc = TensorDescriptor::new(&geometry(), KvLayout::LayerMajor, 16);
-    let region = Region::create(desc).expect("region");
-    let (tx, rx) = std::sync::mpsc::channel();
-    let config = ServerConfig {
-        handshake_timeout: Duration::from_millis(300),
-        max_handshakes: 8,
-        ..ServerConfig::new(PeerId(1), Compat::new("m", geometry()), "s3cret")
-    };
-    (KvServer::start(config, region, tx).expect("server"), rx)
-}
+mod common;
+use common::guarded_server as server;
 
 /// Reads until the server closes the connection; `false` if it still holds it after `limit`
 /// (a bound on a hang, far beyond the server's 300 ms handshake deadline).
