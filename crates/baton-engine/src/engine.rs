@@ -461,10 +461,7 @@ impl Engine {
             seq.computed = tokens;
             took = true;
         }
-        if !seq.admitted_once {
-            seq.admitted_once = true;
-            seq.cached_tokens = seq.computed;
-        }
+        seq.cached_tokens.get_or_insert(seq.computed);
         let num = num.min(seq.tokens.len() - seq.computed);
         let need = (seq.computed + num).div_ceil(bs).saturating_sub(seq.table.len());
         match self.pool.alloc_blocks(need) {
@@ -489,7 +486,9 @@ impl Engine {
     pub fn step(&mut self) -> Result<StepOutput, EngineError> {
         let started = std::time::Instant::now();
         self.clock += 1;
-        let reach = self.config.max_num_seqs;
+        // Only the waiting requests the planner can admit this step are seen with their cache
+        // hit (peeking hashes the prompt): at most as many as free sequence slots.
+        let reach = self.config.max_num_seqs.saturating_sub(self.running.len());
         let running: Vec<SeqView> = self.running.iter().map(|id| self.view(&self.seqs[id], false)).collect();
         let waiting: Vec<SeqView> =
             self.waiting.iter().enumerate().map(|(i, id)| self.view(&self.seqs[id], i < reach)).collect();
@@ -669,7 +668,7 @@ impl Engine {
             id,
             reason,
             prompt_tokens: seq.prompt_len,
-            cached_tokens: seq.cached_tokens,
+            cached_tokens: seq.cached_tokens.unwrap_or(0),
             token_ids: seq.generated().to_vec(),
             text: seq.text,
             prompt_logits,

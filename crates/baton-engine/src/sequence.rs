@@ -16,10 +16,9 @@ pub(crate) struct Sequence {
     /// Tokens whose KV is in `table`'s blocks.
     pub(crate) computed: usize,
     pub(crate) table: BlockTable,
-    /// Prompt tokens whose KV was reused (cached or received) when first admitted.
-    pub(crate) cached_tokens: usize,
-    /// Whether it was ever admitted (`cached_tokens` is final then).
-    pub(crate) admitted_once: bool,
+    /// Prompt tokens whose KV was reused (cached or received), fixed when first admitted
+    /// (`None` until then; a preemption does not change it).
+    pub(crate) cached_tokens: Option<usize>,
     pub(crate) sampler: Sampler,
     pub(crate) stop: StopParams,
     pub(crate) retain_kv: KvRetention,
@@ -59,8 +58,7 @@ impl Sequence {
             prompt_len,
             computed,
             table,
-            cached_tokens: computed,
-            admitted_once: false,
+            cached_tokens: None,
             sampler,
             stop: req.stop,
             retain_kv: req.retain_kv,

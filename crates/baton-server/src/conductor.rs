@@ -591,25 +591,7 @@ impl Run {
                     if (!so_far.is_empty() || !self.streamed.load(Ordering::Relaxed))
                         && lost_workers.len() < MAX_RETRIES =>
                 {
-                    self.trip_named(&worker, &reason);
-                    c.metrics.retries.fetch_add(1, Ordering::Relaxed);
-                    if so_far.is_empty() {
-                        tracing::warn!(
-                            request = self.id.0,
-                            worker,
-                            reason,
-                            "worker lost before streaming; routing again"
-                        );
-                    } else {
-                        c.metrics.migrations.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(
-                            request = self.id.0,
-                            worker,
-                            reason,
-                            tokens = so_far.len(),
-                            "worker lost mid-stream; migrating"
-                        );
-                    }
+                    self.handed_on(&worker, &reason, so_far.len());
                     lost_workers.push(worker);
                     match c.route(&self.valid, &lost_workers) {
                         // A migrated request has its first tokens: it continues on one worker.
@@ -644,6 +626,18 @@ impl Run {
         tracing::info!(outcome = ?outcome, choice = self.index, "request finished");
         c.metrics.outcome(outcome);
         c.metrics.e2e.observe(start.elapsed().as_secs_f64());
+    }
+
+    /// Books a worker lost while running this request, which goes on elsewhere: trips its
+    /// breaker and counts a retry, or a migration when the lost worker had streamed `tokens`.
+    fn handed_on(&self, worker: &str, reason: &str, tokens: usize) {
+        let m = &self.conductor.metrics;
+        self.trip_named(worker, reason);
+        m.retries.fetch_add(1, Ordering::Relaxed);
+        if tokens > 0 {
+            m.migrations.fetch_add(1, Ordering::Relaxed);
+        }
+        tracing::warn!(request = self.id.0, worker, reason, tokens, "worker lost; the request goes on on another");
     }
 
     /// Trips the breaker of the worker named `name`, if the conductor still knows it.
@@ -752,24 +746,14 @@ impl Run {
             let events = decode.submit(WorkRequest { generated: generated.clone(), kv, ..self.request() });
             let mut relayed = Vec::new();
             let result = self.relay(&decode, events, start, handoff.take(), None, &mut relayed).await;
+            let streamed_here = relayed.len();
             generated.extend(relayed);
             // A decode worker lost: hand the decode to another, before its first token (it pulls
             // the KV if the lease still holds it, else recomputes) or mid-stream (migration: it
             // recomputes the KV of the prompt and the tokens so far, and continues).
             match result {
                 Err(RunError::Lost { worker, reason }) if tried.len() < MAX_RETRIES => {
-                    c.trip(&decode, &reason);
-                    c.metrics.retries.fetch_add(1, Ordering::Relaxed);
-                    if generated.len() > first.len() {
-                        c.metrics.migrations.fetch_add(1, Ordering::Relaxed);
-                    }
-                    tracing::warn!(
-                        request = self.id.0,
-                        worker,
-                        reason,
-                        tokens = generated.len(),
-                        "decode worker lost; handing the decode to another"
-                    );
+                    self.handed_on(&worker, &reason, streamed_here);
                     tried.push(worker.clone());
                     match self.reroute_decode(&tried) {
                         Some(next) => decode = next,

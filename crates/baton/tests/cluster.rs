@@ -573,6 +573,17 @@ fn a_worker_killed_mid_push_fails_or_recomputes_and_the_survivor_holds_nothing()
     assert_no_leak(&[&d2]);
 }
 
+/// A prefill worker and two decode workers: `decode-a`, which least-load's tie-break picks (it
+/// joined first) and whose 60 s TTL outlives a test that kills it, and `decode-b`.
+fn prefill_and_two_decoders(dir: &Path, url: &str) -> (WorkerProc, WorkerProc, WorkerProc) {
+    let p = worker(dir, "prefill", url, &["--name", "prefill-1"]);
+    let first = worker(dir, "decode", url, &["--name", "decode-a", "--ttl-s", "60"]);
+    wait_members(url, 2, Duration::from_secs(10));
+    let second = worker(dir, "decode", url, &["--name", "decode-b", "--transport", "tcp"]);
+    wait_members(url, 3, Duration::from_secs(10));
+    (p, first, second)
+}
+
 /// Issue reproduction: a decode worker killed with SIGKILL used to attract every request for
 /// its registry TTL (least-in-flight picked it, since its requests failed at once). Now its
 /// first failure trips the conductor's breaker: that request's decode half goes to the other
@@ -582,12 +593,7 @@ fn a_worker_killed_mid_push_fails_or_recomputes_and_the_survivor_holds_nothing()
 fn a_dead_decode_worker_is_routed_to_at_most_once() {
     let dir = model("tiny-llama");
     let (_c, url) = conductor(&dir, "embedded");
-    let p = worker(&dir, "prefill", &url, &["--name", "prefill-1"]);
-    // Joined before its peer, so least-load's tie-break picks it; its TTL outlives the test.
-    let mut dead = worker(&dir, "decode", &url, &["--name", "decode-a", "--ttl-s", "60"]);
-    wait_members(&url, 2, Duration::from_secs(10));
-    let live = worker(&dir, "decode", &url, &["--name", "decode-b", "--transport", "tcp"]);
-    wait_members(&url, 3, Duration::from_secs(10));
+    let (p, mut dead, live) = prefill_and_two_decoders(&dir, &url);
     let expected = text(&complete(&url, LONG, 8));
     dead.proc.kill();
     let _ = dead.proc.wait_exit(Duration::from_secs(10));
@@ -658,11 +664,7 @@ fn a_colocated_worker_killed_mid_stream_hands_the_stream_on() {
 fn a_decode_worker_killed_mid_stream_hands_the_stream_on() {
     let dir = model("tiny-llama");
     let (_c, url) = conductor(&dir, "embedded");
-    let p = worker(&dir, "prefill", &url, &["--name", "prefill-1"]);
-    let mut dead = worker(&dir, "decode", &url, &["--name", "decode-a", "--ttl-s", "60"]);
-    wait_members(&url, 2, Duration::from_secs(10));
-    let live = worker(&dir, "decode", &url, &["--name", "decode-b", "--transport", "tcp"]);
-    wait_members(&url, 3, Duration::from_secs(10));
+    let (p, mut dead, live) = prefill_and_two_decoders(&dir, &url);
     let (undisturbed, body) = undisturbed_and_killed(&url, || dead.proc.kill());
     assert!(body.contains("[DONE]"), "the stream did not complete: ...{}", &body[body.len().saturating_sub(400)..]);
     assert_eq!(streamed_text(&body), undisturbed);
