@@ -44,7 +44,7 @@ use crate::handoff::KvTransfer;
 use crate::metrics::{Metrics, Outcome, WorkerGauges};
 use crate::openai::{Endpoint, ValidRequest, Validator};
 use crate::response::{Piece, full_response, sse_response};
-use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView};
+use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView, decode_has_room};
 use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
 
 /// How long the conductor waits for a worker's next event before failing the request.
@@ -324,11 +324,25 @@ impl Conductor {
     }
 
     /// Routes a request among the workers not `excluded`.
-    fn route(&self, valid: &ValidRequest, excluded: &[String]) -> Result<Route, ApiError> {
+    ///
+    /// With `admit` (a request not yet started), whatever the policy, a disaggregated decision
+    /// whose decode worker has no room for the request's context is refused (429) before any
+    /// prefill is spent ([`decode_has_room`]); a request that has started (its decode half handed
+    /// on) is not refused: the decode worker queues it, or recomputes.
+    fn route(&self, valid: &ValidRequest, excluded: &[String], admit: bool) -> Result<Route, ApiError> {
         let (workers, snapshot) = self.snapshot(excluded);
         let request = RouteRequest { prompt: &valid.prompt_ids, max_tokens: valid.stop.max_tokens };
         match self.policy.route(&snapshot, &request) {
             Decision::Colocated(w) => Ok(Route::Colocated(workers[w].clone())),
+            Decision::Disaggregated { decode, .. }
+                if admit && !decode_has_room(&snapshot.workers[decode], valid.prompt_ids.len()) =>
+            {
+                self.metrics.outcome(Outcome::Rejected);
+                Err(ApiError::Overloaded {
+                    message: "no decode worker has room for the request's KV now; retry later".into(),
+                    retry_after_s: 1,
+                })
+            }
             Decision::Disaggregated { prefill, decode } => {
                 Ok(Route::Disaggregated { prefill: workers[prefill].clone(), decode: workers[decode].clone() })
             }
@@ -370,7 +384,7 @@ impl Conductor {
                 return e.into_response();
             }
         };
-        let route = match self.route(&valid, &[]) {
+        let route = match self.route(&valid, &[], true) {
             Ok(r) => r,
             Err(e) => {
                 tracing::info!(status = e.status().as_u16(), "request not routed");
@@ -593,7 +607,8 @@ impl Run {
                 {
                     self.handed_on(&worker, &reason, so_far.len());
                     lost_workers.push(worker);
-                    match c.route(&self.valid, &lost_workers) {
+                    // (A request that streamed nothing is refused again if it must be.)
+                    match c.route(&self.valid, &lost_workers, so_far.is_empty()) {
                         // A migrated request has its first tokens: it continues on one worker.
                         Ok(Route::Disaggregated { decode, .. }) if !so_far.is_empty() => {
                             route = Route::Colocated(decode);
@@ -651,7 +666,7 @@ impl Run {
     /// Another worker to decode on, after `tried` failed: the decode worker (or else the
     /// colocated worker) the policy picks among the rest.
     fn reroute_decode(&self, tried: &[String]) -> Option<Arc<dyn Worker>> {
-        match self.conductor.route(&self.valid, tried).ok()? {
+        match self.conductor.route(&self.valid, tried, false).ok()? {
             Route::Disaggregated { decode, .. } => Some(decode),
             Route::Colocated(w) => Some(w),
         }

@@ -263,3 +263,28 @@ async fn a_waiting_request_whose_client_left_leaves_the_queue_at_once() {
     drop(running);
     server.assert_no_kv_held().await;
 }
+
+/// The refusal before the prefill is the conductor's, not one policy's: with the scheduling
+/// crate's `kv-centric` policy on a 16-block decode worker, 40 concurrent requests each complete
+/// with their solo text or are refused before their first token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_policy_refuses_before_the_first_token_never_after() {
+    use baton_sched::{AdmissionConfig, CostProfile, PolicyConfig, PolicyKind};
+    let config = ServeConfig {
+        engine: EngineConfig { num_blocks: 16, ..EngineConfig::default() },
+        policy: baton_server::sched::PolicyChoice::Sched {
+            policy: PolicyKind::KvCentric,
+            config: PolicyConfig::default(),
+            admission: AdmissionConfig::default(),
+            cost: Box::new(CostProfile::llama2_70b_8xa800()),
+            seed: 1,
+        },
+        ..ServeConfig::new(fixture("tiny-llama"))
+    };
+    let server = start(&config).await;
+    let bodies = storm_bodies(60);
+    let reference = alone(&server, &bodies).await;
+    let refusals = storm(&server, &bodies, &reference, 5).await;
+    eprintln!("kv-centric: 40 requests served; {refusals} refusals before the first token on the way");
+    server.assert_no_kv_held().await;
+}
