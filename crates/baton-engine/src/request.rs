@@ -5,8 +5,10 @@ use baton_model::{SamplingParams, TokenLogprobs};
 
 use crate::RequestId;
 
-/// When generation ends.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// When generation ends. Serialisable, so a request crosses processes whole (fields left out
+/// take their defaults).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct StopParams {
     /// Most tokens to generate.
     pub max_tokens: usize,

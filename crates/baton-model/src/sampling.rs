@@ -100,8 +100,10 @@ impl LogitAdjust {
     }
 }
 
-/// How to pick tokens. `temperature == 0` is greedy.
-#[derive(Debug, Clone, PartialEq)]
+/// How to pick tokens. `temperature == 0` is greedy. Serialisable, so a request crosses
+/// processes whole (fields left out take their defaults).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct SamplingParams {
     /// Softmax temperature; 0 picks the most likely token.
     pub temperature: f32,

@@ -34,7 +34,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use baton_engine::RequestId;
+use baton_engine::{RequestId, StopParams};
+use baton_model::SamplingParams;
 use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -679,16 +680,13 @@ impl Run {
             request_id: Some(self.request_id.clone()),
             prompt: v.prompt_ids.clone(),
             generated: Vec::new(),
-            temperature: v.sampling.temperature,
-            top_k: v.sampling.top_k,
-            top_p: v.sampling.top_p,
-            seed: v.sampling.seed.map(|s| s.wrapping_add(self.index as u64)),
-            adjust: v.sampling.adjust.clone(),
+            sampling: SamplingParams {
+                seed: v.sampling.seed.map(|s| s.wrapping_add(self.index as u64)),
+                ..v.sampling.clone()
+            },
+            stop: v.stop.clone(),
             logprobs: v.logprobs,
             stop_token_ids: v.stop_token_ids.clone(),
-            max_tokens: v.stop.max_tokens,
-            ignore_eos: v.stop.ignore_eos,
-            stop: v.stop.stop_strings.clone(),
             retain_kv: false,
             kv_transfer: self.conductor.kv_transfer,
             kv: None,
@@ -701,7 +699,9 @@ impl Run {
         // mode, `p` also waits to write it into `d`'s blocks). (With max_tokens 1 the request
         // ends there: nothing to hand over.)
         let retain_kv = self.valid.stop.max_tokens > 1;
-        let mut events = p.submit(WorkRequest { max_tokens: 1, retain_kv, ..self.request() });
+        let base = self.request();
+        let stop = StopParams { max_tokens: 1, ..base.stop.clone() };
+        let mut events = p.submit(WorkRequest { stop, retain_kv, ..base });
         let prefill = c.track(p.as_ref(), self.id, false, self.valid.prompt_ids.len());
         let mut first = Vec::new();
         let prefilled = async {
@@ -718,8 +718,8 @@ impl Run {
                         self.prefill_done(prompt_tokens, cached_tokens);
                         break Ok((reason, prompt_tokens, kv));
                     }
-                    RequestEvent::Failed(e) => break Err(RunError::Api(e)),
-                    RequestEvent::Lost(reason) => break Err(RunError::Lost { worker: p.name().to_owned(), reason }),
+                    RequestEvent::Failed(e) => break Err(RunError::Api(e.into())),
+                    RequestEvent::Lost { reason } => break Err(RunError::Lost { worker: p.name().to_owned(), reason }),
                 }
             }
         };
@@ -802,7 +802,7 @@ impl Run {
         loop {
             let event = self.next(worker, &mut events).await?;
             if let Some((t, bytes)) = handoff.take()
-                && !matches!(event, RequestEvent::Failed(_) | RequestEvent::Lost(_))
+                && !matches!(event, RequestEvent::Failed(_) | RequestEvent::Lost { .. })
             {
                 c.metrics.transfer.observe(t.elapsed().as_secs_f64());
                 c.metrics.transfer_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
@@ -835,8 +835,10 @@ impl Run {
                     }
                     return self.finish(reason, prompt_tokens, completion_tokens);
                 }
-                RequestEvent::Failed(e) => return Err(RunError::Api(e)),
-                RequestEvent::Lost(reason) => return Err(RunError::Lost { worker: worker.name().to_owned(), reason }),
+                RequestEvent::Failed(e) => return Err(RunError::Api(e.into())),
+                RequestEvent::Lost { reason } => {
+                    return Err(RunError::Lost { worker: worker.name().to_owned(), reason });
+                }
             }
         }
     }

@@ -10,9 +10,10 @@
 //! method, path, timestamp and body, see [`baton_cluster::auth`]); without it the answer is 401.
 //! Closing the generate response's connection aborts the request and frees its KV.
 //!
-//! [`WorkRequest`]: crate::worker::WorkRequest
-//! [`RequestEvent`]: crate::worker::RequestEvent
-//! [`WorkerStats`]: crate::worker::WorkerStats
+//! [`WorkRequest`]: crate::wire::WorkRequest
+//! [`RequestEvent`]: crate::wire::RequestEvent
+//! [`WorkerStats`]: crate::wire::WorkerStats
+//! [`ReleaseBody`]: crate::wire::ReleaseBody
 
 use std::convert::Infallible;
 
@@ -23,7 +24,6 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use baton_cluster::{AUTH_HEADER, ClusterSecret, unix_millis};
-use serde::{Deserialize, Serialize};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
@@ -37,13 +37,7 @@ pub const RELEASE_PATH: &str = "/worker/v1/release";
 /// Path of the stats route.
 pub const STATS_PATH: &str = "/worker/v1/stats";
 
-/// Body of `POST /worker/v1/release`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ReleaseBody {
-    /// The request whose handed-off KV to release.
-    pub id: u64,
-}
+pub use crate::wire::ReleaseBody;
 
 #[derive(Clone)]
 struct ControlState {

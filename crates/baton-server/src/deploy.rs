@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use baton_cluster::{
-    ClusterSecret, EmbeddedRegistry, KvSummary, MembershipEvent, MembershipWatch, Registry, RegistryConfig, WorkerId,
-    WorkerInfo,
+    ClusterSecret, EmbeddedRegistry, KvSummary, LeftReason, MembershipEvent, MembershipWatch, Registry, RegistryConfig,
+    WorkerId, WorkerInfo,
 };
 use baton_engine::EngineConfig;
 
@@ -70,7 +70,13 @@ pub struct WorkerConfig {
     pub ttl: Duration,
     /// Emulate the model with this cost profile (see [`crate::ServeConfig::emulate`]).
     pub emulate: Option<baton_sched::CostProfile>,
+    /// On shutdown, how long to wait for the requests held to finish (and their KV to be
+    /// taken) before exiting anyway.
+    pub drain_timeout: Duration,
 }
+
+/// How long a worker being shut down waits for what it holds (Kubernetes' default grace period).
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A running worker process's addresses, for whoever started it (tests, benchmarks).
 #[derive(Debug, Clone)]
@@ -83,8 +89,11 @@ pub struct WorkerReady {
     pub kv_addr: Option<SocketAddr>,
 }
 
-/// Runs a worker until `shutdown` resolves (then deregisters) or its membership lease is lost.
-/// `on_ready` is called once it is registered and serving.
+/// Runs a worker until `shutdown` resolves, then drains it: it stops taking work, leaves
+/// membership (so the conductor routes elsewhere at once), finishes what it holds within
+/// [`WorkerConfig::drain_timeout`] and returns `Ok`. Returns an error, having left membership,
+/// when its engine thread dies or its membership lease is lost. `on_ready` is called once it is
+/// registered and serving.
 pub async fn run_worker(
     config: WorkerConfig,
     listener: tokio::net::TcpListener,
@@ -115,6 +124,7 @@ pub async fn run_worker(
         compat: compat(&loaded, &engine),
         io_timeout: Duration::from_secs(10),
         push_delay: push_delay_from_env(),
+        panic_at_step: panic_at_step_from_env(),
     };
     let handle = WorkerHandle::spawn(id.to_string(), config.role, engine, options)?;
     let mut app = crate::control::router(handle.clone(), config.secret.clone());
@@ -150,18 +160,37 @@ pub async fn run_worker(
     let registry = baton_cluster::connect(&config.registry, config.secret.clone()).await?;
     let lease = registry.register(info, config.ttl).await?;
     on_ready(WorkerReady { name: id.to_string(), url, kv_addr: handle.kv_addr() });
-    tokio::select! {
-        () = shutdown => {
-            registry.deregister(lease).await?;
-            server.abort();
-            Ok(())
-        }
+    let outcome = tokio::select! {
+        () = shutdown => Ok(()),
+        why = handle.stopped() => Err(format!("the worker stopped: {why}")),
         reason = lease.lost() => {
             server.abort();
-            Err(ServeError::Config(format!("this worker lost its cluster membership: {reason}")))
+            return Err(ServeError::Config(format!("this worker lost its cluster membership: {reason}")));
         }
-        r = &mut server => Err(ServeError::Config(format!("the control API stopped: {r:?}"))),
+        r = &mut server => Err(format!("the control API stopped: {r:?}")),
+    };
+    // Stop taking work before leaving, so a request routed meanwhile is answered `Lost` (and
+    // run elsewhere) rather than started here.
+    handle.drain();
+    if let Err(e) = registry.deregister(lease).await {
+        tracing::error!(error = %e, "deregistering failed; the membership lease will lapse instead");
     }
+    if let Err(why) = outcome {
+        server.abort();
+        tracing::error!(worker = %id, "{why}; left the cluster");
+        return Err(ServeError::Config(why));
+    }
+    tracing::info!(worker = %id, "left the cluster; draining");
+    let left = tokio::time::timeout(config.drain_timeout, handle.idle()).await;
+    match left {
+        Ok(()) => tracing::info!(worker = %id, "drained"),
+        Err(_) => {
+            let stats = handle.stats().await.unwrap_or_default();
+            tracing::warn!(worker = %id, ?stats, "the drain deadline passed; stopping with work in flight");
+        }
+    }
+    server.abort();
+    Ok(())
 }
 
 /// A conductor process.
@@ -183,11 +212,23 @@ pub struct ConductorConfig {
     pub block_tokens: usize,
     /// How KV moves from prefill to decode workers (every worker supports both modes).
     pub kv_transfer: KvTransfer,
+    /// On shutdown, how long the requests in flight may take to finish.
+    pub drain_timeout: Duration,
 }
 
 /// The environment variable that delays a worker process's pushes (fault injection for
 /// tests, see [`WorkerOptions::push_delay`]).
 pub const PUSH_DELAY_ENV: &str = "BATON_FAULT_PUSH_DELAY_MS";
+
+/// The environment variable that makes a worker process's engine thread panic at a given step
+/// (fault injection for tests, see [`WorkerOptions::panic_at_step`]).
+pub const PANIC_AT_STEP_ENV: &str = "BATON_FAULT_PANIC_AT_STEP";
+
+fn panic_at_step_from_env() -> Option<u64> {
+    let n = std::env::var(PANIC_AT_STEP_ENV).ok()?.parse::<u64>().ok()?;
+    tracing::warn!("{PANIC_AT_STEP_ENV} is set: the engine thread panics at step {n} (fault injection)");
+    Some(n)
+}
 
 fn push_delay_from_env() -> Duration {
     let ms = std::env::var(PUSH_DELAY_ENV).ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
@@ -226,7 +267,7 @@ pub async fn run_conductor(
     };
     let watch = registry.watch().await?;
     let follower = tokio::spawn(follow(conductor, watch, config.secret.clone()));
-    let result = axum::serve(crate::no_delay(listener), app).with_graceful_shutdown(shutdown).await;
+    let result = crate::serve_draining(listener, app, shutdown, config.drain_timeout).await;
     follower.abort();
     Ok(result?)
 }
@@ -259,7 +300,11 @@ pub async fn follow(conductor: Arc<Conductor>, mut watch: MembershipWatch, secre
             MembershipEvent::Left(id, reason) => {
                 tracing::warn!(worker = %id, ?reason, "worker left the cluster");
                 conductor.remove_worker(id.as_str());
-                if let Some(w) = remotes.remove(&id) {
+                // A worker that said goodbye is draining: its requests in flight finish over
+                // their own streams. One presumed dead loses them now (they run elsewhere).
+                if let Some(w) = remotes.remove(&id)
+                    && reason != LeftReason::Deregistered
+                {
                     w.mark_gone();
                 }
             }

@@ -111,6 +111,18 @@ impl From<baton_engine::EngineError> for ApiError {
     }
 }
 
+/// The conductor's edge: a worker's error as the client sees it.
+impl From<crate::wire::WorkerError> for ApiError {
+    fn from(e: crate::wire::WorkerError) -> Self {
+        use crate::wire::WorkerError;
+        match e {
+            WorkerError::InvalidRequest(m) => Self::invalid(m),
+            WorkerError::WrongRole(m) | WorkerError::Protocol(m) => Self::Internal(m),
+            e @ WorkerError::Engine(_) => Self::Internal(e.to_string()),
+        }
+    }
+}
+
 impl From<baton_model::ModelError> for ApiError {
     fn from(e: baton_model::ModelError) -> Self {
         match e {

@@ -30,13 +30,19 @@
 //! pass would need the reservation before the prefill, and the first token on another path; the
 //! protocol supports it ([`KvServer::push_offered`] takes a layer range), the workers do not yet.
 //!
-//! Failures, in both modes: a dead or slow peer fails the request (the decode side's wait is
+//! Failures, in both modes: a dead or slow peer ends the transfer (the decode side's wait is
 //! bounded by its I/O timeout; the prefill side's push gives up when its lease ends, which the
-//! conductor's release or the lease's expiry does), and nothing stays held — a failed or
-//! cancelled transfer frees the decode side's reserved blocks, and the prefill side's blocks come
-//! back when the lease ends. A pushed-into block is freed only once the prefill side provably
-//! writes no more into it: after the answer to COMPLETE ([`KvClient::cancel_push`]), or after the
-//! connection closed on both ends ([`KvClient::close`]).
+//! conductor's release or the lease's expiry does), and the decode worker then recomputes the
+//! prompt itself. Nothing stays held: the decode side's reserved blocks travel in the
+//! [`KvJob`] and are freed when the job is dropped (or come back with its [`TransferDone`]),
+//! and the prefill side's blocks come back when the lease ends. A pushed-into block is freed only
+//! once the prefill side provably writes no more into it: after the answer to COMPLETE
+//! ([`KvClient::cancel_push`]), or after the connection closed on both ends
+//! ([`KvClient::close`]); and every write names the reservation's generation, so a late one
+//! for an earlier reservation is refused rather than written.
+//!
+//! This module knows nothing of the worker: it takes jobs from [`crate::session`] and reports
+//! their ends through a callback; [`crate::worker`] wires it to the engine thread.
 //!
 //! Fault injection for tests: [`WorkerOptions::push_delay`](crate::WorkerOptions::push_delay)
 //! (for `baton worker` processes, the `BATON_FAULT_PUSH_DELAY_MS` environment variable) makes a
@@ -48,44 +54,34 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
-use baton_engine::{GenerationRequest, KvPrefix, RequestId};
+use baton_engine::RequestId;
 use baton_kv::{BlockId, Dim};
 use baton_transfer::{ClientConfig, KvClient, KvServer, Region, TransferId, TransferStats, TransportKind};
-use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
 
-use crate::worker::{Command, KvSource, RequestEvent, TransportChoice};
+use crate::session::{KvJob, TransferDone, TransferFailure};
+pub use crate::wire::KvTransfer;
 
-/// How KV moves from the prefill worker to the decode worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum KvTransfer {
-    /// The decode worker reads the prefill worker's leased blocks into blocks it reserved.
+/// How a decode worker reaches prefill workers' KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// Shared memory when the peer's KV server is on a loopback address, else TCP.
     #[default]
-    Pull,
-    /// The decode worker reserves blocks and registers them; the prefill worker writes into
-    /// them.
-    Push,
+    Auto,
+    /// Always shared memory (fails for peers on other hosts).
+    Shm,
+    /// Always TCP.
+    Tcp,
 }
 
-impl KvTransfer {
-    /// The name on the command line and in logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            KvTransfer::Pull => "pull",
-            KvTransfer::Push => "push",
-        }
-    }
-}
-
-impl std::str::FromStr for KvTransfer {
+impl std::str::FromStr for TransportChoice {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
-            "pull" => Ok(Self::Pull),
-            "push" => Ok(Self::Push),
-            other => Err(format!("unknown KV transfer mode `{other}` (expected pull or push)")),
+            "auto" => Ok(Self::Auto),
+            "shm" => Ok(Self::Shm),
+            "tcp" => Ok(Self::Tcp),
+            other => Err(format!("unknown transport `{other}` (expected auto, shm or tcp)")),
         }
     }
 }
@@ -93,22 +89,12 @@ impl std::str::FromStr for KvTransfer {
 /// How often the transfer thread looks at its pushes in flight (and at new jobs meanwhile).
 const POLL: Duration = Duration::from_millis(5);
 
-/// A request whose KV the decode side fetches into blocks it reserved.
-pub(crate) struct KvJob {
-    pub(crate) req: GenerationRequest,
-    pub(crate) prefix: KvPrefix,
-    pub(crate) source: KvSource,
-    pub(crate) mode: KvTransfer,
-    pub(crate) events: mpsc::UnboundedSender<RequestEvent>,
-    /// The request's span, entered while the transfer thread works on it.
-    pub(crate) span: tracing::Span,
+fn transfer_id(job: &KvJob) -> TransferId {
+    TransferId(job.id.0)
 }
 
-impl KvJob {
-    fn id(&self) -> TransferId {
-        TransferId(self.req.id.0)
-    }
-}
+/// Where the transfer thread sends each job's end; `false` when no one listens any more.
+pub(crate) type Report = Box<dyn Fn(TransferDone) -> bool + Send>;
 
 /// A push this side registered and waits for.
 struct Pending {
@@ -120,14 +106,15 @@ struct Pending {
 /// and dropped after an error (the next job reconnects). A pull runs to its end at once; a push
 /// is registered, then watched among the others until its last layer is in, its request is
 /// cancelled or its deadline passes. Results go back to the engine thread as
-/// [`Command::Transferred`], which frees the reserved blocks of a failed job.
+/// [`TransferDone`]s with the reserved blocks, which the engine thread frees for a failed job
+/// (and which free themselves if the engine thread is gone).
 pub(crate) struct TransferThread {
     local: Arc<Region>,
     config: ClientConfig,
     transport: TransportChoice,
     clients: HashMap<SocketAddr, KvClient>,
     pushes: Vec<Pending>,
-    back: Sender<Command>,
+    back: Report,
 }
 
 impl TransferThread {
@@ -137,7 +124,7 @@ impl TransferThread {
         local: Arc<Region>,
         config: ClientConfig,
         transport: TransportChoice,
-        back: Sender<Command>,
+        back: Report,
     ) -> std::io::Result<Sender<KvJob>> {
         let (jobs, job_rx) = std::sync::mpsc::channel();
         let thread = TransferThread { local, config, transport, clients: HashMap::new(), pushes: Vec::new(), back };
@@ -174,14 +161,16 @@ impl TransferThread {
 
     /// Hands a job's result to the engine thread; `false` when it is gone.
     fn report(&self, job: KvJob, result: Result<TransferStats, String>) -> bool {
-        self.back.send(Command::Transferred { job: Box::new(job), result }).is_ok()
+        let result = result
+            .map_err(|e| if job.cancel.is_cancelled() { TransferFailure::Cancelled } else { TransferFailure::Peer(e) });
+        (self.back)(job.done(result))
     }
 
     fn start(&mut self, job: KvJob) -> bool {
         let span = job.span.clone();
         let _entered = span.enter();
         tracing::info!(mode = job.mode.as_str(), peer = %job.source.addr, tokens = job.source.tokens, "KV transfer starting");
-        if job.events.is_closed() {
+        if job.cancel.is_cancelled() {
             return self.report(job, Err("the request was cancelled".into()));
         }
         let addr = job.source.addr;
@@ -194,7 +183,7 @@ impl TransferThread {
         match job.mode {
             KvTransfer::Pull => {
                 let remote: Vec<BlockId> = job.source.blocks.iter().map(|&b| BlockId(b)).collect();
-                match client.pull(job.id(), &remote, &job.prefix.blocks) {
+                match client.pull(transfer_id(&job), &remote, job.kv.blocks()) {
                     Ok(stats) => self.report(job, Ok(stats)),
                     // Pipelined reads may still be answered: the connection is out of step.
                     Err(e) => {
@@ -202,7 +191,7 @@ impl TransferThread {
                     }
                 }
             }
-            KvTransfer::Push => match client.begin_push(job.id(), &job.prefix.blocks) {
+            KvTransfer::Push => match client.begin_push(transfer_id(&job), job.generation.0, job.kv.blocks()) {
                 Ok(()) => {
                     self.pushes.push(Pending { job, deadline: Instant::now() + self.config.io_timeout });
                     true
@@ -285,7 +274,7 @@ impl TransferThread {
                 }
             };
             for id in done {
-                let at = self.pushes.iter().position(|p| p.job.source.addr == addr && p.job.id() == id);
+                let at = self.pushes.iter().position(|p| p.job.source.addr == addr && transfer_id(&p.job) == id);
                 let Some(client) = self.clients.get_mut(&addr) else { break };
                 let Some(at) = at else {
                     // Not ours any more: end it on the prefill side too.
@@ -314,18 +303,19 @@ impl TransferThread {
             .iter()
             .filter_map(|p| {
                 let addr = p.job.source.addr;
-                let why = if p.job.events.is_closed() {
+                let why = if p.job.cancel.is_cancelled() {
                     "the request was cancelled".to_owned()
                 } else if now >= p.deadline {
                     format!("no KV was pushed from {addr} within {:?}", self.config.io_timeout)
                 } else {
                     return None;
                 };
-                Some((addr, p.job.id(), why))
+                Some((addr, transfer_id(&p.job), why))
             })
             .collect();
         for (addr, id, why) in due {
-            let Some(at) = self.pushes.iter().position(|p| p.job.source.addr == addr && p.job.id() == id) else {
+            let Some(at) = self.pushes.iter().position(|p| p.job.source.addr == addr && transfer_id(&p.job) == id)
+            else {
                 continue;
             };
             let job = self.pushes.swap_remove(at).job;

@@ -31,6 +31,8 @@ pub mod remote;
 mod response;
 pub mod routing;
 pub mod sched;
+pub mod session;
+pub mod wire;
 pub mod worker;
 
 use std::path::PathBuf;
@@ -43,6 +45,7 @@ use baton_model::Checkpoint;
 pub use conductor::Conductor;
 pub use error::ApiError;
 pub use handoff::KvTransfer;
+pub use wire::{WorkRequest, WorkerError};
 pub use worker::{Role, TransportChoice, Worker, WorkerHandle, WorkerOptions, WorkerStats};
 
 /// An all-in-one deployment: a conductor and its workers in one process.
@@ -191,6 +194,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
             compat: compat(&loaded, &engine),
             io_timeout: Duration::from_secs(10),
             push_delay: config.push_delay,
+            panic_at_step: None,
         };
         let name = format!("{}-{i}", role.as_str());
         workers.push(Arc::new(WorkerHandle::spawn(name, role, engine, options)?));
@@ -231,4 +235,34 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     axum::serve(no_delay(listener), conductor.router()).with_graceful_shutdown(shutdown).await
+}
+
+/// Serves `app` until `shutdown` resolves; then stops accepting connections and lets the
+/// requests in flight (streams included) finish, for at most `drain`.
+pub async fn serve_draining(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    drain: Duration,
+) -> std::io::Result<()> {
+    let (signalled, on_signal) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        shutdown.await;
+        tracing::info!("shutting down: no new connections; draining the requests in flight");
+        let _ = signalled.send(());
+    };
+    let server = axum::serve(no_delay(listener), app).with_graceful_shutdown(shutdown);
+    let deadline = async move {
+        match on_signal.await {
+            Ok(()) => tokio::time::sleep(drain).await,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        r = server.into_future() => r,
+        () = deadline => {
+            tracing::warn!(?drain, "the drain deadline passed; stopping with requests in flight");
+            Ok(())
+        }
+    }
 }

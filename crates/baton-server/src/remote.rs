@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::control::{GENERATE_PATH, RELEASE_PATH, ReleaseBody, STATS_PATH};
 use crate::error::ApiError;
+use crate::wire::WorkerError;
 use crate::worker::{RequestEvent, Role, WorkRequest, Worker, WorkerStats};
 
 /// How long to wait for a worker to accept a connection.
@@ -112,7 +113,7 @@ impl Worker for RemoteWorker {
         let body = match serde_json::to_vec(&req) {
             Ok(b) => b,
             Err(e) => {
-                let _ = tx.send(RequestEvent::Failed(ApiError::Internal(format!("encoding the request: {e}"))));
+                let _ = tx.send(RequestEvent::Failed(WorkerError::Protocol(format!("encoding the request: {e}"))));
                 return rx;
             }
         };
@@ -127,11 +128,11 @@ impl Worker for RemoteWorker {
                 tokio::select! {
                     lost = stream(request, &tx) => {
                         if let Some(reason) = lost {
-                            let _ = tx.send(RequestEvent::Lost(format!("worker {name}: {reason}")));
+                            let _ = tx.send(RequestEvent::Lost { reason: format!("worker {name}: {reason}") });
                         }
                     }
                     () = gone(gone_rx) => {
-                        let _ = tx.send(RequestEvent::Lost(format!("worker {name} left the cluster")));
+                        let _ = tx.send(RequestEvent::Lost { reason: format!("worker {name} left the cluster") });
                     }
                     // The client went away: returning drops the response, closing the connection,
                     // which aborts the request on the worker.
@@ -187,9 +188,9 @@ async fn stream(request: reqwest::RequestBuilder, tx: &mpsc::UnboundedSender<Req
             Err(_) => "no readable body".to_owned(),
         };
         let e = if status.is_client_error() && status != reqwest::StatusCode::UNAUTHORIZED {
-            ApiError::invalid(error)
+            WorkerError::InvalidRequest(error)
         } else {
-            ApiError::Internal(format!("the worker answered {status}: {error}"))
+            WorkerError::Protocol(format!("the worker answered {status}: {error}"))
         };
         let _ = tx.send(RequestEvent::Failed(e));
         return None;

@@ -3,8 +3,11 @@
 //! The engine is synchronous and CPU-bound, so it runs on a dedicated thread that owns it (one
 //! owner: no lock around the engine). Everything else talks to it through [`WorkerHandle`]:
 //! commands go in over a channel, and each request's events come back over its own channel.
-//! When a request's receiver is dropped (the client went away), the next event fails to send
-//! and the engine aborts the request, freeing its KV.
+//! The thread is a thin driver of [`Sessions`], the per-request state machine
+//! ([`crate::session`]): it turns commands, step outputs and transfer results into the
+//! machine's events, performs the engine calls it asks for through [`Host`], and hands the
+//! other actions to the transfer thread and the KV server. When a request's receiver is dropped
+//! (the client went away), the machine aborts the request and frees its KV.
 //!
 //! KV moves between workers with `baton-transfer`'s protocol, pulled or pushed as each request
 //! says ([`KvTransfer`]; the modes are described in [`crate::handoff`]):
@@ -12,239 +15,37 @@
 //! 1. A prefill worker finishes a prompt with its KV retained and offers the blocks on its
 //!    [`KvServer`] under a lease; the request's `Finished` event names them ([`KvSource`]). In
 //!    push mode it also starts pushing them, which waits for the decode worker's reservation.
-//! 2. The decode worker's engine thread reserves blocks of its own, and its transfer thread
-//!    pulls into them, or registers them for the push and waits for it, with a
-//!    [`baton_transfer::KvClient`] — over shared memory when the peer is on this host, else
-//!    TCP — without stalling the engine's steps; then it COMPLETEs.
+//! 2. The decode worker reserves blocks of its own, and its transfer thread pulls into them, or
+//!    registers them for the push and waits for it, with a [`baton_transfer::KvClient`] — over
+//!    shared memory when the peer is on this host, else TCP — without stalling the engine's
+//!    steps; then it COMPLETEs.
 //! 3. COMPLETE (or the lease running out, or the conductor's [`Worker::release`]) hands the
 //!    blocks back to the prefill engine through its [`BlockOwner`].
 //!
-//! A failed transfer frees the reserved blocks; a prefill worker's blocks come back when their
-//! lease ends whatever the decode side does, so a dead peer leaves nothing held.
+//! Lifecycle: [`WorkerHandle::drain`] stops a worker taking work (new requests are answered
+//! `Lost`, so the conductor runs them elsewhere) while it finishes what it holds;
+//! [`WorkerHandle::idle`] resolves when nothing is left. An engine thread that dies (a panic)
+//! marks the worker stopped: every request it held hears `Lost`, new ones too, its stats stop
+//! answering, and [`WorkerHandle::stopped`] resolves so a `baton worker` process leaves
+//! membership and exits non-zero.
 
-use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use baton_engine::{Engine, FinishReason, GenerationRequest, KvPrefix, KvRetention, RequestId, StopParams};
-use baton_model::{LogitAdjust, SamplingParams, TokenLogprobs};
+use baton_engine::{Engine, GenerationRequest, KvPrefix, RequestId};
+use baton_kv::BlockId;
 use baton_transfer::{
     Access, BlockOwner, ClientConfig, Compat, KvServer, PeerId, Region, Release, ServerConfig, TransferId,
-    TransferStats,
 };
-use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::Instrument;
 
-use crate::error::ApiError;
-pub use crate::handoff::KvTransfer;
-use crate::handoff::{KvJob, TransferThread, spawn_push};
-
-/// A worker's role: the cluster's, so registry, routing and workers share one type.
-pub use baton_cluster::Role;
-
-/// KV a prefill worker holds for a request under a lease, and where its KV server is.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvSource {
-    /// The holder's KV server.
-    pub addr: SocketAddr,
-    /// The holder's blocks, in token order.
-    pub blocks: Vec<u32>,
-    /// Tokens they hold.
-    pub tokens: usize,
-}
-
-/// One request as a worker receives it, locally or over the control API.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WorkRequest {
-    /// Unique among the conductor's requests; also the KV transfer's id.
-    pub id: u64,
-    /// The client's `x-request-id` (or the conductor's own), for the worker's logs.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub request_id: Option<String>,
-    /// Prompt token ids.
-    pub prompt: Vec<u32>,
-    /// Tokens already generated elsewhere (the prefill worker's first token).
-    #[serde(default)]
-    pub generated: Vec<u32>,
-    /// Softmax temperature (0: greedy).
-    pub temperature: f32,
-    /// Top-k (0: all).
-    #[serde(default)]
-    pub top_k: usize,
-    /// Top-p (1: all).
-    pub top_p: f32,
-    /// Seed of the random stream.
-    #[serde(default)]
-    pub seed: Option<u64>,
-    /// Penalties, logit bias and min-p (the sampler sees `prompt` and `generated` too, so a
-    /// decode worker continues with the prefill worker's state).
-    #[serde(default)]
-    pub adjust: LogitAdjust,
-    /// Report each token's log-probability and the `n` most likely tokens' (`Some(n)`).
-    #[serde(default)]
-    pub logprobs: Option<usize>,
-    /// Tokens that end the request (their text left out).
-    #[serde(default)]
-    pub stop_token_ids: Vec<u32>,
-    /// Most tokens to generate, counting `generated`.
-    pub max_tokens: usize,
-    /// Keep going past end-of-sequence.
-    #[serde(default)]
-    pub ignore_eos: bool,
-    /// Stop strings.
-    #[serde(default)]
-    pub stop: Vec<String>,
-    /// Keep the KV for a hand-off when the request ends (prefill role).
-    #[serde(default)]
-    pub retain_kv: bool,
-    /// How the hand-off moves the KV: whether a prefill worker pushes what it retains, and how
-    /// a decode worker receives `kv`.
-    #[serde(default)]
-    pub kv_transfer: KvTransfer,
-    /// KV to receive before starting (decode role).
-    #[serde(default)]
-    pub kv: Option<KvSource>,
-}
-
-impl WorkRequest {
-    /// The span of this request's work on a worker and in its KV transfer.
-    fn span(&self, worker: &str, role: Role) -> tracing::Span {
-        let request_id = self.request_id.as_deref().unwrap_or_default();
-        tracing::info_span!("work", request_id, request = self.id, worker, role = role.as_str())
-    }
-
-    fn into_parts(self) -> (GenerationRequest, Option<KvSource>, KvTransfer) {
-        let req = GenerationRequest {
-            generated: self.generated,
-            sampling: SamplingParams {
-                temperature: self.temperature,
-                top_k: self.top_k,
-                top_p: self.top_p,
-                seed: self.seed,
-                adjust: self.adjust,
-            },
-            stop: StopParams { max_tokens: self.max_tokens, ignore_eos: self.ignore_eos, stop_strings: self.stop },
-            retain_kv: if self.retain_kv { KvRetention::All } else { KvRetention::None },
-            logprobs: self.logprobs,
-            stop_token_ids: self.stop_token_ids,
-            ..GenerationRequest::new(RequestId(self.id), self.prompt)
-        };
-        (req, self.kv, self.kv_transfer)
-    }
-}
-
-/// Why a request ended, as it travels between processes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Finish {
-    /// End-of-sequence token.
-    Eos,
-    /// `max_tokens` or the context length.
-    Length,
-    /// A stop string.
-    Stop,
-    /// Aborted.
-    Aborted,
-}
-
-impl From<FinishReason> for Finish {
-    fn from(r: FinishReason) -> Self {
-        match r {
-            FinishReason::Eos => Finish::Eos,
-            FinishReason::Length => Finish::Length,
-            FinishReason::Stop => Finish::Stop,
-            FinishReason::Aborted => Finish::Aborted,
-        }
-    }
-}
-
-impl Finish {
-    /// The OpenAI API's name for it.
-    pub fn as_openai(self) -> &'static str {
-        match self {
-            Finish::Eos | Finish::Stop => "stop",
-            Finish::Length => "length",
-            Finish::Aborted => "abort",
-        }
-    }
-}
-
-/// What a request produces, in order: tokens, then one `Finished`, `Failed` or `Lost`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "event", rename_all = "snake_case")]
-pub enum RequestEvent {
-    /// A generated token and the text it makes visible.
-    Token {
-        /// The token.
-        token: u32,
-        /// Text delta.
-        text: String,
-        /// Its log-probabilities, when the request asked for them.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        logprobs: Option<TokenLogprobs>,
-    },
-    /// The request ended.
-    Finished {
-        /// Why.
-        reason: Finish,
-        /// Prompt tokens.
-        prompt_tokens: usize,
-        /// Prompt tokens served from cached or transferred KV.
-        cached_tokens: usize,
-        /// Generated tokens (upstream ones included).
-        completion_tokens: usize,
-        /// KV kept for a hand-off (prefill role), leased until pulled or released.
-        kv: Option<KvSource>,
-    },
-    /// The request could not run (a 400 when the engine refused it as invalid).
-    Failed(ApiError),
-    /// The worker went away (crashed, left the cluster, unreachable): the request may be
-    /// retried elsewhere if nothing was streamed yet.
-    Lost(String),
-}
-
-impl RequestEvent {
-    /// Whether this event ends the request.
-    pub fn is_last(&self) -> bool {
-        !matches!(self, RequestEvent::Token { .. })
-    }
-}
-
-/// Load and memory figures of a worker.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WorkerStats {
-    /// Requests running.
-    pub running: usize,
-    /// Requests waiting.
-    pub waiting: usize,
-    /// Requests whose KV is being pulled in or pushed here.
-    pub pulling: usize,
-    /// Blocks allocatable now (free or merely cached).
-    pub available_blocks: usize,
-    /// Blocks in the arena.
-    pub total_blocks: usize,
-    /// KV handed off and not yet released.
-    pub leased: usize,
-    /// Hand-offs waiting for room to receive their KV (decode role).
-    #[serde(default)]
-    pub incoming: usize,
-}
-
-impl WorkerStats {
-    /// Nothing in flight and every block allocatable: what a quiet worker must report.
-    pub fn is_quiet(&self) -> bool {
-        self.running == 0
-            && self.waiting == 0
-            && self.pulling == 0
-            && self.incoming == 0
-            && self.leased == 0
-            && self.available_blocks == self.total_blocks
-    }
-}
+pub use crate::handoff::{KvTransfer, TransportChoice};
+use crate::handoff::{TransferThread, spawn_push};
+use crate::session::{Action, Host, KvJob, SessionConfig, Sessions, Submission, TransferDone};
+pub use crate::wire::{Finish, KvSource, RequestEvent, Role, WorkRequest, WorkerError, WorkerStats};
 
 /// What the conductor needs of a worker, wherever it runs: [`WorkerHandle`] in this process,
 /// [`crate::remote::RemoteWorker`] behind a control API.
@@ -274,31 +75,6 @@ pub trait Worker: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// How a decode worker reaches prefill workers' KV.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TransportChoice {
-    /// Shared memory when the peer's KV server is on a loopback address, else TCP.
-    #[default]
-    Auto,
-    /// Always shared memory (fails for peers on other hosts).
-    Shm,
-    /// Always TCP.
-    Tcp,
-}
-
-impl std::str::FromStr for TransportChoice {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "shm" => Ok(Self::Shm),
-            "tcp" => Ok(Self::Tcp),
-            other => Err(format!("unknown transport `{other}` (expected auto, shm or tcp)")),
-        }
-    }
-}
-
 /// How a worker serves and fetches KV.
 #[derive(Debug, Clone)]
 pub struct WorkerOptions {
@@ -320,6 +96,9 @@ pub struct WorkerOptions {
     /// Fault injection for tests: how long a prefill worker waits before each push (zero
     /// outside tests), so that a test can break a hand-off in the middle.
     pub push_delay: Duration,
+    /// Fault injection for tests: the engine thread panics before step number `n` (`None`
+    /// outside tests), so that a test can watch a worker die.
+    pub panic_at_step: Option<u64>,
 }
 
 /// How long a prefill worker keeps handed-off KV when no one releases it.
@@ -345,11 +124,8 @@ pub(crate) enum Command {
     Release(RequestId),
     /// The KV server ended a lease (COMPLETE, expiry or cancel): the blocks are ours again.
     Released(Release),
-    /// The transfer thread finished fetching a request's KV.
-    Transferred {
-        job: Box<KvJob>,
-        result: Result<TransferStats, String>,
-    },
+    /// The transfer thread finished a job.
+    Transferred(Box<TransferDone>),
     Stats(oneshot::Sender<WorkerStats>),
     /// The last handle is gone: stop the KV server and the thread.
     Shutdown,
@@ -380,6 +156,12 @@ struct Inner {
     block_tokens: usize,
     /// Requests submitted and not finished: the load figure routing reads without a round trip.
     in_flight: AtomicUsize,
+    /// Taking no new work.
+    draining: AtomicBool,
+    /// Why the engine thread stopped, once it has (`None` while it runs).
+    stopped: watch::Receiver<Option<String>>,
+    /// The engine thread, joined when the last handle goes.
+    thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for WorkerHandle {
@@ -390,6 +172,16 @@ impl std::fmt::Debug for WorkerHandle {
 
 fn io_error(context: &str, e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::other(format!("{context}: {e}"))
+}
+
+/// Reports the engine thread's end, however it ends (its `Drop` runs while a panic unwinds).
+struct Lifeline(watch::Sender<Option<String>>);
+
+impl Drop for Lifeline {
+    fn drop(&mut self) {
+        let why = if std::thread::panicking() { "its engine thread panicked" } else { "it stopped" };
+        self.0.send_replace(Some(why.to_owned()));
+    }
 }
 
 impl WorkerHandle {
@@ -424,7 +216,12 @@ impl WorkerHandle {
                 io_timeout: options.io_timeout,
                 ..ClientConfig::new(peer, options.compat.clone(), options.secret.expose())
             };
-            Some(TransferThread::spawn(&name, local, config, options.transport, tx.clone())?)
+            let back = std::sync::Mutex::new(tx.clone());
+            let report = Box::new(move |done: TransferDone| {
+                let back = back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                back.send(Command::Transferred(Box::new(done))).is_ok()
+            });
+            Some(TransferThread::spawn(&name, local, config, options.transport, report)?)
         };
         let capacity_blocks = engine.config().num_blocks;
         let block_tokens = engine.config().block_size;
@@ -438,22 +235,21 @@ impl WorkerHandle {
             addr
         });
         let push = PushOptions { wait: options.lease, delay: options.push_delay };
-        std::thread::Builder::new().name(format!("baton-{name}")).spawn(move || {
+        let sessions =
+            Sessions::new(SessionConfig { incoming_wait: options.lease / 2, can_receive: transfers.is_some() });
+        let (life_tx, life_rx) = watch::channel(None);
+        let panic_at_step = options.panic_at_step;
+        let thread = std::thread::Builder::new().name(format!("baton-{name}")).spawn(move || {
+            let _lifeline = Lifeline(life_tx);
             EngineLoop {
-                kv_addr,
-                engine,
-                streams: HashMap::new(),
-                spans: HashMap::new(),
-                handed_off: HashMap::new(),
-                server,
+                host: EngineHost { engine, server, kv_addr },
+                sessions,
                 push,
-                push_on_finish: HashSet::new(),
                 transfers,
-                pulling: HashMap::new(),
-                incoming: VecDeque::new(),
-                incoming_wait: options.lease / 2,
+                steps: 0,
+                panic_at_step,
             }
-            .run(rx)
+            .run(rx);
         })?;
         Ok(Self {
             inner: Arc::new(Inner {
@@ -464,6 +260,9 @@ impl WorkerHandle {
                 capacity_blocks,
                 block_tokens,
                 in_flight: AtomicUsize::new(0),
+                draining: AtomicBool::new(false),
+                stopped: life_rx,
+                thread: std::sync::Mutex::new(Some(thread)),
             }),
         })
     }
@@ -476,6 +275,55 @@ impl WorkerHandle {
     /// Aborts a request.
     pub fn abort(&self, id: u64) {
         let _ = self.inner.commands.send(Command::Abort(RequestId(id)));
+    }
+
+    /// Stops taking work: new requests are answered `Lost` (the conductor runs them elsewhere)
+    /// while the ones held run to their end. Cannot be undone.
+    pub fn drain(&self) {
+        if !self.inner.draining.swap(true, Ordering::SeqCst) {
+            tracing::info!(worker = self.inner.name, "draining: finishing what this worker holds, taking nothing new");
+        }
+    }
+
+    /// Whether the worker is draining.
+    pub fn is_draining(&self) -> bool {
+        self.inner.draining.load(Ordering::SeqCst)
+    }
+
+    /// Resolves when the worker holds nothing (no request running, waiting, receiving KV or
+    /// leasing it), or at once when its engine thread stopped.
+    pub async fn idle(&self) {
+        let mut stopped = self.inner.stopped.clone();
+        loop {
+            if stopped.borrow().is_some() {
+                return;
+            }
+            if self.stats().await.is_some_and(|s| s.is_idle()) && self.in_flight() == 0 {
+                return;
+            }
+            tokio::select! {
+                _ = stopped.changed() => {}
+                () = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+        }
+    }
+
+    /// Why the engine thread stopped, if it has.
+    pub fn stop_reason(&self) -> Option<String> {
+        self.inner.stopped.borrow().clone()
+    }
+
+    /// Resolves with the reason when the engine thread stops (a panic, or the last handle gone).
+    pub async fn stopped(&self) -> String {
+        let mut rx = self.inner.stopped.clone();
+        loop {
+            if let Some(why) = rx.borrow_and_update().clone() {
+                return why;
+            }
+            if rx.changed().await.is_err() {
+                return "it stopped".to_owned();
+            }
+        }
     }
 }
 
@@ -499,8 +347,17 @@ impl Worker for WorkerHandle {
         let _entered = span.enter();
         tracing::info!(prompt_tokens = req.prompt.len(), receives_kv = req.kv.is_some(), "work submitted");
         let (req, kv, mode) = req.into_parts();
+        if let Some(why) = self.stop_reason() {
+            let _ = tx.send(RequestEvent::Lost { reason: format!("worker {} has stopped: {why}", self.inner.name) });
+            return rx;
+        }
+        if self.is_draining() {
+            let _ = tx.send(RequestEvent::Lost { reason: format!("worker {} is draining", self.inner.name) });
+            return rx;
+        }
         if kv.is_some() && self.inner.role == Role::Prefill {
-            let _ = tx.send(RequestEvent::Failed(ApiError::Internal("a prefill worker does not receive KV".into())));
+            let _ =
+                tx.send(RequestEvent::Failed(WorkerError::WrongRole("a prefill worker does not receive KV".into())));
             return rx;
         }
         self.inner.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -512,7 +369,7 @@ impl Worker for WorkerHandle {
             .send(Command::Submit { req: Box::new(req), kv, mode, events: ftx, span: span.clone() })
             .is_err()
         {
-            let _ = tx.send(RequestEvent::Lost(format!("worker {} has stopped", self.inner.name)));
+            let _ = tx.send(RequestEvent::Lost { reason: format!("worker {} has stopped", self.inner.name) });
             return rx;
         }
         // Forward events, counting the request out when it ends however it ends.
@@ -535,7 +392,8 @@ impl Worker for WorkerHandle {
     async fn stats(&self) -> Option<WorkerStats> {
         let (tx, rx) = oneshot::channel();
         self.inner.commands.send(Command::Stats(tx)).ok()?;
-        tokio::time::timeout(Duration::from_secs(5), rx).await.ok()?.ok()
+        let stats = tokio::time::timeout(Duration::from_secs(5), rx).await.ok()?.ok()?;
+        Some(WorkerStats { draining: self.is_draining(), ..stats })
     }
 }
 
@@ -544,6 +402,16 @@ impl Drop for Inner {
         // The KV server's owner and the transfer thread hold senders too, so the channel
         // would never close on its own.
         let _ = self.commands.send(Command::Shutdown);
+        let thread = self.thread.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        // Joined off the caller's thread: the engine may be mid-step, and the last handle may
+        // be dropped on an async runtime.
+        if let Some(thread) = thread {
+            let _ = std::thread::Builder::new().name("baton-join".into()).spawn(move || {
+                if thread.join().is_err() {
+                    tracing::error!("an engine thread had panicked");
+                }
+            });
+        }
     }
 }
 
@@ -561,13 +429,17 @@ async fn forward(
     _guard: InFlight,
 ) {
     loop {
-        // Dropping `from` makes the engine's next send fail, which aborts the request, and tells
-        // a transfer in flight at once that its request is cancelled.
+        // Dropping `from` tells the engine thread that the client went away, which aborts the
+        // request (and tells a transfer in flight that its request is cancelled).
         let e = tokio::select! {
             e = from.recv() => e,
             () = to.closed() => return,
         };
-        let Some(e) = e else { return };
+        let Some(e) = e else {
+            // The engine thread dropped the sender without a last event: it died.
+            let _ = to.send(RequestEvent::Lost { reason: "the worker's engine thread stopped".into() });
+            return;
+        };
         let last = e.is_last();
         if to.send(e).is_err() || last {
             return;
@@ -575,39 +447,65 @@ async fn forward(
     }
 }
 
-/// The engine thread's state.
-struct EngineLoop {
+/// What the session machine asks of the engine thread: the engine and the KV server's offer.
+struct EngineHost {
     engine: Engine,
-    streams: HashMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
-    /// Each live request's span, entered where the engine thread logs about it.
-    spans: HashMap<RequestId, tracing::Span>,
-    /// KV offered on the KV server, by request, until its lease ends.
-    handed_off: HashMap<RequestId, KvPrefix>,
     server: Option<Arc<KvServer>>,
     /// The KV server's advertised address.
     kv_addr: Option<SocketAddr>,
-    push: PushOptions,
-    /// Requests whose retained KV is pushed when they finish.
-    push_on_finish: HashSet<RequestId>,
-    transfers: Option<std::sync::mpsc::Sender<KvJob>>,
-    /// Requests whose KV is being pulled or pushed in; `true` once aborted.
-    pulling: HashMap<RequestId, bool>,
-    /// Hand-offs that found no room for their KV, first come first served: each waits until
-    /// blocks free up, or until its deadline, when it is run by recomputing its prompt here.
-    incoming: VecDeque<Incoming>,
-    /// How long a hand-off waits for room (half the prefill side's lease, so the KV is still
-    /// there when room comes).
-    incoming_wait: Duration,
 }
 
-/// A hand-off waiting for room to receive its KV.
-struct Incoming {
-    span: tracing::Span,
-    req: GenerationRequest,
-    source: KvSource,
-    mode: KvTransfer,
-    events: mpsc::UnboundedSender<RequestEvent>,
-    deadline: Instant,
+impl Host for EngineHost {
+    fn add_request(&mut self, req: GenerationRequest) -> Result<(), WorkerError> {
+        self.engine.add_request(req).map_err(WorkerError::from)
+    }
+
+    fn abort(&mut self, id: RequestId) -> Option<KvPrefix> {
+        self.engine.abort(id).ok().flatten().and_then(|f| f.kv)
+    }
+
+    fn reserve_kv(&mut self, tokens: usize) -> Option<KvPrefix> {
+        self.engine.reserve_kv(tokens).ok()
+    }
+
+    fn release_kv(&mut self, kv: KvPrefix) {
+        if let Err(e) = self.engine.release_kv(kv) {
+            tracing::error!(error = %e, "releasing KV failed");
+        }
+    }
+
+    fn available_blocks(&self) -> usize {
+        self.engine.available_blocks()
+    }
+
+    fn running(&self) -> usize {
+        self.engine.queue_lengths().0
+    }
+
+    fn block_size(&self) -> usize {
+        self.engine.config().block_size
+    }
+
+    fn offer(&mut self, id: RequestId, blocks: &[BlockId]) -> Option<SocketAddr> {
+        let (server, addr) = (self.server.as_ref()?, self.kv_addr?);
+        match server.offer(TransferId(id.0), blocks.to_vec()) {
+            Ok(()) => Some(addr),
+            Err(e) => {
+                tracing::error!(request = id.0, error = %e, "cannot offer KV for transfer");
+                None
+            }
+        }
+    }
+}
+
+/// The engine thread: a driver of the session machine.
+struct EngineLoop {
+    host: EngineHost,
+    sessions: Sessions<mpsc::UnboundedSender<RequestEvent>>,
+    push: PushOptions,
+    transfers: Option<std::sync::mpsc::Sender<KvJob>>,
+    steps: u64,
+    panic_at_step: Option<u64>,
 }
 
 /// How a prefill worker pushes.
@@ -625,10 +523,11 @@ impl EngineLoop {
         loop {
             // Idle: block for a command; busy: take what is there; stalled (work that waits for
             // blocks a lease or a transfer holds): wait a little for the command that frees them.
-            let first = if self.engine.has_work() && !stalled {
+            let busy = self.host.engine.has_work();
+            let first = if busy && !stalled {
                 rx.try_recv().map_err(|e| matches!(e, std::sync::mpsc::TryRecvError::Disconnected))
             } else {
-                let wait = if stalled || !self.incoming.is_empty() { STALL_WAIT } else { IDLE_WAIT };
+                let wait = if stalled || self.sessions.has_queued() { STALL_WAIT } else { IDLE_WAIT };
                 rx.recv_timeout(wait).map_err(|e| matches!(e, std::sync::mpsc::RecvTimeoutError::Disconnected))
             };
             match first {
@@ -644,281 +543,102 @@ impl EngineLoop {
                 Err(true) => break,
                 Err(false) => {}
             }
-            self.drop_departed();
-            self.start_incoming();
-            stalled = self.engine.has_work() && !self.step();
+            self.sessions.tick(&mut self.host, Instant::now());
+            if !self.perform() {
+                break;
+            }
+            stalled = self.host.engine.has_work() && !self.step();
+            if !self.perform() {
+                break;
+            }
         }
-        // Requests still running learn that the worker stopped when their senders drop.
-        // (A push still running holds the server; it stops when that push ends.)
-        if let Some(server) = self.server.take().and_then(|s| Arc::try_unwrap(s).ok()) {
+        self.sessions.stop(&mut self.host, "the worker stopped");
+        // A push still running holds the server; it stops when that push ends.
+        if let Some(server) = self.host.server.take().and_then(|s| Arc::try_unwrap(s).ok()) {
             server.shutdown();
         }
     }
 
     /// Handles a command; `false` means stop.
     fn handle(&mut self, cmd: Command) -> bool {
+        let host = &mut self.host;
         match cmd {
             Command::Shutdown => return false,
-            Command::Submit { req, kv: Some(source), mode, events, span } => {
-                self.start_transfer(*req, source, mode, events, span);
+            Command::Submit { req, kv, mode, events, span } => {
+                let submission = Submission { req: *req, source: kv, mode, sink: events, span };
+                self.sessions.submit(host, Instant::now(), submission);
             }
-            Command::Submit { req, kv: None, mode, events, span } => {
-                if mode == KvTransfer::Push && req.retain_kv == KvRetention::All {
-                    self.push_on_finish.insert(req.id);
-                }
-                self.admit(*req, events, span);
-            }
-            Command::Transferred { job, result } => self.finish_transfer(*job, result),
-            Command::Abort(id) => self.abort(id),
-            Command::Release(id) => self.cancel_lease(id),
-            Command::Released(release) => {
-                if let Some(kv) = self.handed_off.remove(&RequestId(release.id.0)) {
-                    self.release(kv);
-                }
-            }
+            Command::Transferred(done) => self.sessions.transfer_done(host, *done),
+            Command::Abort(id) => self.sessions.abort(host, id),
+            Command::Release(id) => self.sessions.release(host, id),
+            Command::Released(release) => self.sessions.lease_ended(host, RequestId(release.id.0)),
             Command::Stats(reply) => {
-                let (running, waiting) = self.engine.queue_lengths();
+                let (running, waiting) = host.engine.queue_lengths();
+                let counts = self.sessions.counts();
                 let _ = reply.send(WorkerStats {
                     running,
                     waiting,
-                    pulling: self.pulling.len(),
-                    incoming: self.incoming.len(),
-                    available_blocks: self.engine.available_blocks(),
-                    total_blocks: self.engine.config().num_blocks,
-                    leased: self.handed_off.len(),
+                    pulling: counts.receiving,
+                    incoming: counts.queued,
+                    available_blocks: host.engine.available_blocks(),
+                    total_blocks: host.engine.config().num_blocks,
+                    leased: counts.leased,
+                    draining: false,
                 });
+            }
+        }
+        self.perform()
+    }
+
+    /// Performs the machine's actions; `false` when a thread it needs is gone.
+    fn perform(&mut self) -> bool {
+        for action in self.sessions.ready() {
+            match action {
+                Action::Transfer(job) => {
+                    // Without a transfer thread the job drops here, and its blocks with it.
+                    let Some(transfers) = &self.transfers else { continue };
+                    if let Err(std::sync::mpsc::SendError(job)) = transfers.send(job) {
+                        // The transfer thread died: this worker cannot receive KV any more.
+                        tracing::error!("the transfer thread stopped; stopping the worker");
+                        let failure = crate::session::TransferFailure::Peer("the transfer thread stopped".into());
+                        self.sessions.transfer_done(&mut self.host, job.done(Err(failure)));
+                        return false;
+                    }
+                }
+                Action::Push { id, span } => {
+                    if let Some(server) = &self.host.server {
+                        spawn_push(server, id, self.push.wait, self.push.delay, span);
+                    }
+                }
+                Action::CancelLease(id) => {
+                    // The server hands the blocks back through `Released` when it held a lease.
+                    if let Some(server) = &self.host.server {
+                        server.cancel(TransferId(id.0));
+                    }
+                }
             }
         }
         true
     }
 
-    fn admit(&mut self, req: GenerationRequest, events: mpsc::UnboundedSender<RequestEvent>, span: tracing::Span) {
-        let id = req.id;
-        match self.engine.add_request(req) {
-            Ok(()) => {
-                self.streams.insert(id, events);
-                self.spans.insert(id, span);
-            }
-            Err(e) => {
-                self.push_on_finish.remove(&id);
-                let _ = events.send(RequestEvent::Failed(e.into()));
-            }
-        }
-    }
-
-    /// Reserves blocks for a peer's KV and hands the transfer to the transfer thread.
-    fn start_transfer(
-        &mut self,
-        req: GenerationRequest,
-        source: KvSource,
-        mode: KvTransfer,
-        events: mpsc::UnboundedSender<RequestEvent>,
-        span: tracing::Span,
-    ) {
-        if self.transfers.is_none() {
-            let _ = events.send(RequestEvent::Failed(ApiError::Internal("this worker cannot receive KV".into())));
-            return;
-        }
-        if source.blocks.len() != source.tokens.div_ceil(self.engine.config().block_size) {
-            let _ = events.send(RequestEvent::Failed(ApiError::Internal(format!(
-                "{} blocks cannot hold {} tokens",
-                source.blocks.len(),
-                source.tokens
-            ))));
-            return;
-        }
-        let deadline = Instant::now() + self.incoming_wait;
-        self.incoming.push_back(Incoming { span, req, source, mode, events, deadline });
-        self.start_incoming();
-    }
-
-    /// Starts the waiting hand-offs that have room now, first come first served; one whose
-    /// deadline passed runs by recomputing its prompt (its KV would be gone soon anyway).
-    fn start_incoming(&mut self) {
-        while let Some(head) = self.incoming.front() {
-            if head.events.is_closed() {
-                self.incoming.pop_front();
-                continue;
-            }
-            let blocks = head.source.tokens.div_ceil(self.engine.config().block_size);
-            // Leave a block per running sequence for its next decode step.
-            let (running, _) = self.engine.queue_lengths();
-            if self.engine.available_blocks() >= blocks + running {
-                let Some(h) = self.incoming.pop_front() else { break };
-                let _entered = h.span.clone().entered();
-                match self.engine.reserve_kv(h.source.tokens) {
-                    Ok(prefix) => self.send_job(h.req, prefix, h.source, h.mode, h.events, h.span),
-                    Err(e) => {
-                        tracing::warn!(request = h.req.id.0, error = %e, "no room for KV after all; recomputing");
-                        self.admit(h.req, h.events, h.span.clone());
-                    }
-                }
-            } else if Instant::now() >= head.deadline {
-                let Some(h) = self.incoming.pop_front() else { break };
-                let _entered = h.span.clone().entered();
-                tracing::warn!(request = h.req.id.0, "no room for the KV in time; recomputing the prompt here");
-                self.admit(h.req, h.events, h.span.clone());
-            } else {
-                break;
-            }
-        }
-    }
-
-    fn send_job(
-        &mut self,
-        req: GenerationRequest,
-        prefix: KvPrefix,
-        source: KvSource,
-        mode: KvTransfer,
-        events: mpsc::UnboundedSender<RequestEvent>,
-        span: tracing::Span,
-    ) {
-        let Some(transfers) = &self.transfers else {
-            self.release(prefix);
-            return;
-        };
-        let id = req.id;
-        if let Err(std::sync::mpsc::SendError(job)) = transfers.send(KvJob { req, prefix, source, mode, events, span })
-        {
-            let _ = job.events.send(RequestEvent::Failed(ApiError::Internal("the transfer thread stopped".into())));
-            self.release(job.prefix);
-            return;
-        }
-        self.pulling.insert(id, false);
-    }
-
-    fn finish_transfer(&mut self, job: KvJob, result: Result<TransferStats, String>) {
-        let KvJob { mut req, prefix, events, mode, span, .. } = job;
-        let _entered = span.clone().entered();
-        let aborted = self.pulling.remove(&req.id).unwrap_or(true) || events.is_closed();
-        match result {
-            Ok(stats) if !aborted => {
-                let mode = mode.as_str();
-                tracing::info!(mode, bytes = stats.bytes, calls = stats.calls, "received KV");
-                req.prefix = Some(prefix);
-                self.admit(req, events, span.clone());
-            }
-            Ok(_) => self.release(prefix),
-            Err(_) if aborted => self.release(prefix),
-            Err(e) => {
-                // The KV did not arrive (the peer died, its lease ended, the link broke): this
-                // worker has the prompt and the tokens so far, so it recomputes the KV itself.
-                tracing::warn!(request = req.id.0, error = %e, "receiving KV failed; recomputing the prompt here");
-                self.release(prefix);
-                self.admit(req, events, span.clone());
-            }
-        }
-    }
-
-    /// Aborts the requests whose client went away, wherever they are: waiting, running or
-    /// waiting for room (a request that only waits sends nothing, so no failed send says so).
-    fn drop_departed(&mut self) {
-        let gone: Vec<RequestId> = self.streams.iter().filter(|(_, tx)| tx.is_closed()).map(|(&id, _)| id).collect();
-        for id in gone {
-            tracing::debug!(request = id.0, "client went away; aborting");
-            self.abort(id);
-        }
-        self.incoming.retain(|h| !h.events.is_closed());
-    }
-
     /// Runs one engine step; `false` when it made no progress (everything waits for blocks).
     fn step(&mut self) -> bool {
-        let out = match self.engine.step() {
-            Ok(out) => out,
+        self.steps += 1;
+        if self.panic_at_step.is_some_and(|n| self.steps >= n) {
+            panic!("fault injection: the engine thread panics at step {}", self.steps);
+        }
+        match self.host.engine.step() {
+            Ok(out) => {
+                let progressed = out.computed_tokens > 0 || out.preempted > 0 || !out.finished.is_empty();
+                self.sessions.step_output(&mut self.host, out);
+                progressed
+            }
             Err(e) => {
-                // A failed step is a bug or a model failure: fail everything in flight.
+                // A failed step is a bug or a model failure: fail everything in it.
                 tracing::error!(error = %e, "engine step failed");
-                self.spans.clear();
-                for (id, tx) in self.streams.drain() {
-                    let _ = tx.send(RequestEvent::Failed(ApiError::Internal(e.to_string())));
-                    let _ = self.engine.abort(id);
-                }
-                return true;
+                self.sessions.step_failed(&mut self.host, &e.to_string());
+                true
             }
-        };
-        let progressed = out.computed_tokens > 0 || out.preempted > 0 || !out.finished.is_empty();
-        let mut gone = Vec::new();
-        for t in out.tokens {
-            if let Some(tx) = self.streams.get(&t.id)
-                && tx.send(RequestEvent::Token { token: t.token, text: t.text_delta, logprobs: t.logprobs }).is_err()
-            {
-                gone.push(t.id);
-            }
-        }
-        for f in out.finished {
-            let span = self.spans.remove(&f.id).unwrap_or_else(tracing::Span::none);
-            let _entered = span.clone().entered();
-            tracing::info!(reason = ?f.reason, generated = f.token_ids.len(), cached = f.cached_tokens, "finished");
-            let push = self.push_on_finish.remove(&f.id);
-            let kv = f.kv.and_then(|kv| self.offer(f.id, kv));
-            if push
-                && kv.is_some()
-                && let Some(server) = &self.server
-            {
-                spawn_push(server, f.id, self.push.wait, self.push.delay, span.clone());
-            }
-            if let Some(tx) = self.streams.remove(&f.id) {
-                let _ = tx.send(RequestEvent::Finished {
-                    reason: f.reason.into(),
-                    prompt_tokens: f.prompt_tokens,
-                    cached_tokens: f.cached_tokens,
-                    completion_tokens: f.token_ids.len(),
-                    kv,
-                });
-            }
-        }
-        for id in gone {
-            self.abort(id);
-        }
-        progressed
-    }
-
-    /// Offers a finished request's KV on the KV server; without one, frees it.
-    fn offer(&mut self, id: RequestId, kv: KvPrefix) -> Option<KvSource> {
-        let (Some(server), Some(addr)) = (&self.server, self.kv_addr) else {
-            self.release(kv);
-            return None;
-        };
-        let source = KvSource { addr, blocks: kv.blocks.iter().map(|b| b.0).collect(), tokens: kv.tokens };
-        match server.offer(TransferId(id.0), kv.blocks.clone()) {
-            Ok(()) => {
-                tracing::info!(blocks = kv.blocks.len(), tokens = kv.tokens, "KV offered for the hand-off");
-                self.handed_off.insert(id, kv);
-                Some(source)
-            }
-            Err(e) => {
-                tracing::error!(request = id.0, error = %e, "cannot offer KV for transfer");
-                self.release(kv);
-                None
-            }
-        }
-    }
-
-    fn cancel_lease(&mut self, id: RequestId) {
-        // The server hands the blocks back through `Released` when it held a lease.
-        if let Some(server) = &self.server {
-            server.cancel(TransferId(id.0));
-        }
-    }
-
-    fn abort(&mut self, id: RequestId) {
-        self.streams.remove(&id);
-        self.spans.remove(&id);
-        self.push_on_finish.remove(&id);
-        if let Some(aborted) = self.pulling.get_mut(&id) {
-            *aborted = true;
-        }
-        if let Ok(Some(f)) = self.engine.abort(id)
-            && let Some(kv) = f.kv
-        {
-            self.release(kv);
-        }
-        self.cancel_lease(id);
-    }
-
-    fn release(&mut self, kv: KvPrefix) {
-        if let Err(e) = self.engine.release_kv(kv) {
-            tracing::error!(error = %e, "releasing KV failed");
         }
     }
 }

@@ -75,6 +75,8 @@ pub enum NaiveUnit {
 
 #[derive(Debug, Default, Clone, Copy)]
 struct PushState {
+    /// The reservation this push writes into.
+    generation: u64,
     layers_done: u32,
     done: bool,
     bytes: u64,
@@ -89,6 +91,8 @@ pub struct KvClient {
     local: Arc<Region>,
     transport: Box<dyn Transport>,
     pushes: HashMap<TransferId, PushState>,
+    /// WRITE frames refused because they named no live push or an earlier reservation.
+    stale_writes: u64,
 }
 
 impl std::fmt::Debug for KvClient {
@@ -124,7 +128,7 @@ impl KvClient {
                 Box::new(TcpTransport::new(remote.peer, conns, config.tcp))
             }
         };
-        Ok(KvClient { config, control, remote, local, transport, pushes: HashMap::new() })
+        Ok(KvClient { config, control, remote, local, transport, pushes: HashMap::new(), stale_writes: 0 })
     }
 
     /// The prefill side's facts (descriptor, geometry, peer id).
@@ -150,7 +154,8 @@ impl KvClient {
 
     /// TRANSFER: opens (and renews the lease of) transfer `id`. Many may be open at once.
     pub fn open(&mut self, id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Result<()> {
-        let frame = Frame::Transfer { id, mode: TransferMode::Pull, remote: ids(remote), local: ids(local) };
+        let frame =
+            Frame::Transfer { id, mode: TransferMode::Pull, remote: ids(remote), local: ids(local), generation: 0 };
         self.control.send(&frame)?;
         self.expect(id, "TRANSFER_OK")
     }
@@ -247,10 +252,13 @@ impl KvClient {
         Ok(())
     }
 
-    /// Push mode, first half: sends the ids of the blocks this side reserved for `id`.
-    pub fn begin_push(&mut self, id: TransferId, local: &[BlockId]) -> Result<()> {
-        self.pushes.insert(id, PushState::default());
-        let frame = Frame::Transfer { id, mode: TransferMode::Push, remote: Vec::new(), local: ids(local) };
+    /// Push mode, first half: sends the ids of the blocks this side reserved for `id`, and the
+    /// reservation's `generation` (a number this side never reuses for these blocks): a WRITE
+    /// that names another generation, or a push no longer registered, is refused, its bytes
+    /// read and dropped, so a late frame of an aborted push can never land in blocks reused since.
+    pub fn begin_push(&mut self, id: TransferId, generation: u64, local: &[BlockId]) -> Result<()> {
+        self.pushes.insert(id, PushState { generation, ..PushState::default() });
+        let frame = Frame::Transfer { id, mode: TransferMode::Push, remote: Vec::new(), local: ids(local), generation };
         let registered = self.control.send(&frame).and_then(|()| self.expect(id, "TRANSFER_OK"));
         if registered.is_err() {
             self.pushes.remove(&id);
@@ -324,6 +332,12 @@ impl KvClient {
         self.control.close(wait)
     }
 
+    /// WRITE frames refused so far because their push was over (withdrawn, or replaced by a
+    /// later reservation under the same id).
+    pub fn stale_writes(&self) -> u64 {
+        self.stale_writes
+    }
+
     /// Layers of push transfer `id` in place so far.
     pub fn pushed_layers(&self, id: TransferId) -> Option<u32> {
         self.pushes.get(&id).map(|p| p.layers_done)
@@ -347,20 +361,25 @@ impl KvClient {
     /// Applies a frame the server sends on its own (push mode).
     fn handle_async(&mut self, frame: Frame) -> Result<()> {
         match frame {
-            Frame::Write { id, ranges, payload_len } => {
-                let state = self
-                    .pushes
-                    .get_mut(&id)
-                    .ok_or_else(|| TransferError::Protocol(format!("WRITE for {id}, which is not being pushed")))?;
+            Frame::Write { id, generation, ranges, payload_len } => {
+                let Some(state) = self.pushes.get_mut(&id).filter(|p| p.generation == generation) else {
+                    // A stale write: its blocks may belong to another request by now.
+                    self.stale_writes += 1;
+                    return self.control.skip(payload_len);
+                };
+                if ranges.iter().map(|r| r.len as u64).sum::<u64>() != payload_len {
+                    return Err(TransferError::Protocol(format!(
+                        "WRITE for {id}: ranges and payload differ in length"
+                    )));
+                }
                 state.bytes += payload_len;
                 state.frames += 1;
                 self.control.recv_into(&self.local, &ranges)
             }
-            Frame::Pushed { id, layers_done, done } => {
-                let state = self
-                    .pushes
-                    .get_mut(&id)
-                    .ok_or_else(|| TransferError::Protocol(format!("PUSHED for {id}, which is not being pushed")))?;
+            Frame::Pushed { id, generation, layers_done, done } => {
+                let Some(state) = self.pushes.get_mut(&id).filter(|p| p.generation == generation) else {
+                    return Ok(());
+                };
                 state.layers_done = layers_done;
                 state.done |= done;
                 if self.config.transport == TransportKind::Shm {

@@ -196,6 +196,17 @@ impl Conn {
         Ok(())
     }
 
+    /// Reads a payload of `len` bytes and drops it (a refused WRITE's bytes).
+    pub(crate) fn skip(&mut self, len: u64) -> Result<()> {
+        let e = self.err("skipping KV bytes");
+        let copied = std::io::copy(&mut (&mut self.stream).take(len), &mut std::io::sink()).map_err(e)?;
+        if copied == len {
+            Ok(())
+        } else {
+            Err(TransferError::Protocol(format!("the connection closed {} bytes into a {len}-byte payload", copied)))
+        }
+    }
+
     /// Reads a payload of `len` bytes into `buf` (resized to `len`; its allocation is reused).
     pub(crate) fn recv_buf(&mut self, len: usize, buf: &mut Vec<u8>) -> Result<()> {
         buf.resize(len, 0);

@@ -21,7 +21,7 @@ use crate::{PeerId, TransferId};
 /// First four bytes of every frame: "BTKV".
 pub const MAGIC: u32 = u32::from_le_bytes(*b"BTKV");
 /// Protocol version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 24;
 /// Largest metadata body accepted (range lists of a big READ fit easily).
@@ -133,6 +133,10 @@ pub enum Frame {
         remote: Vec<u32>,
         /// The client's blocks.
         local: Vec<u32>,
+        /// Push: the client's reservation of `local` (a number it never reuses); every WRITE
+        /// and PUSHED of this push names it, so a late frame of an earlier push into the same
+        /// blocks is told apart and refused. 0 in pull mode.
+        generation: u64,
     },
     /// Server → client: the transfer is open.
     TransferOk {
@@ -163,6 +167,8 @@ pub enum Frame {
     Write {
         /// The transfer.
         id: TransferId,
+        /// The reservation written into (the push's TRANSFER named it).
+        generation: u64,
         /// Destination byte ranges, filled in order from the payload.
         ranges: Vec<ByteRange>,
         /// Bytes that follow.
@@ -172,6 +178,8 @@ pub enum Frame {
     Pushed {
         /// The transfer.
         id: TransferId,
+        /// The reservation written into.
+        generation: u64,
         /// Layers written so far.
         layers_done: u32,
         /// Whether the push is finished.
@@ -295,7 +303,7 @@ impl Frame {
             }
             Frame::Auth { proof } => w.bytes(proof),
             Frame::Accept { info } => w.info(info),
-            Frame::Transfer { id, mode, remote, local } => {
+            Frame::Transfer { id, mode, remote, local, generation } => {
                 w.u64(id.0);
                 w.u8(match mode {
                     TransferMode::Pull => 0,
@@ -303,6 +311,7 @@ impl Frame {
                 });
                 w.ids(remote);
                 w.ids(local);
+                w.u64(*generation);
             }
             Frame::TransferOk { id } | Frame::Complete { id } | Frame::CompleteAck { id } => w.u64(id.0),
             Frame::Read { id, seq, ranges, flags: f } => {
@@ -315,12 +324,14 @@ impl Frame {
                 w.u64(id.0);
                 w.u64(*seq);
             }
-            Frame::Write { id, ranges, .. } => {
+            Frame::Write { id, generation, ranges, .. } => {
                 w.u64(id.0);
+                w.u64(*generation);
                 w.ranges(ranges);
             }
-            Frame::Pushed { id, layers_done, done } => {
+            Frame::Pushed { id, generation, layers_done, done } => {
                 w.u64(id.0);
+                w.u64(*generation);
                 w.u32(*layers_done);
                 w.u8(u8::from(*done));
             }
@@ -365,7 +376,7 @@ impl Frame {
                     1 => TransferMode::Push,
                     m => return Err(r.bad(format!("mode {m}"))),
                 };
-                Frame::Transfer { id, mode, remote: r.ids()?, local: r.ids()? }
+                Frame::Transfer { id, mode, remote: r.ids()?, local: r.ids()?, generation: r.u64()? }
             }
             kind::TRANSFER_OK => Frame::TransferOk { id: TransferId(r.u64()?) },
             kind::COMPLETE => Frame::Complete { id: TransferId(r.u64()?) },
@@ -375,9 +386,15 @@ impl Frame {
             }
             kind::DATA => Frame::Data { id: TransferId(r.u64()?), seq: r.u64()?, payload_len: header.payload_len },
             kind::WRITE => {
-                Frame::Write { id: TransferId(r.u64()?), ranges: r.ranges()?, payload_len: header.payload_len }
+                let (id, generation) = (TransferId(r.u64()?), r.u64()?);
+                Frame::Write { id, generation, ranges: r.ranges()?, payload_len: header.payload_len }
             }
-            kind::PUSHED => Frame::Pushed { id: TransferId(r.u64()?), layers_done: r.u32()?, done: r.u8()? != 0 },
+            kind::PUSHED => Frame::Pushed {
+                id: TransferId(r.u64()?),
+                generation: r.u64()?,
+                layers_done: r.u32()?,
+                done: r.u8()? != 0,
+            },
             kind::ERROR => {
                 Frame::Error { id: TransferId(r.u64()?), code: ErrorCode::from_u16(r.u16()?), message: r.string()? }
             }
@@ -636,12 +653,12 @@ mod tests {
             Frame::Challenge { nonce: [1; NONCE_LEN], proof: [2; PROOF_LEN] },
             Frame::Auth { proof: [9; PROOF_LEN] },
             Frame::Accept { info: EndpointInfo { shm: None, ..info() } },
-            Frame::Transfer { id, mode: TransferMode::Push, remote: vec![], local: vec![4, 5, 6] },
+            Frame::Transfer { id, mode: TransferMode::Push, remote: vec![], local: vec![4, 5, 6], generation: 9 },
             Frame::TransferOk { id },
             Frame::Read { id, seq: 3, ranges: vec![ByteRange { offset: 10, len: 20 }], flags: FLAG_GATHER },
             Frame::Data { id, seq: 3, payload_len: 20 },
-            Frame::Write { id, ranges: vec![ByteRange { offset: 1, len: 2 }], payload_len: 2 },
-            Frame::Pushed { id, layers_done: 2, done: false },
+            Frame::Write { id, generation: 9, ranges: vec![ByteRange { offset: 1, len: 2 }], payload_len: 2 },
+            Frame::Pushed { id, generation: 9, layers_done: 2, done: false },
             Frame::Complete { id },
             Frame::CompleteAck { id },
             Frame::Error { id, code: ErrorCode::LeaseExpired, message: "gone".into() },
@@ -655,7 +672,7 @@ mod tests {
     fn header_is_explicit_little_endian() {
         let bytes = Frame::Complete { id: TransferId(0x0102) }.encode();
         assert_eq!(&bytes[..4], b"BTKV");
-        assert_eq!(&bytes[4..6], &[1, 0]);
+        assert_eq!(&bytes[4..6], &VERSION.to_le_bytes());
         assert_eq!(bytes[6], 11);
         assert_eq!(&bytes[8..12], &[8, 0, 0, 0]);
         assert_eq!(&bytes[HEADER_LEN..HEADER_LEN + 2], &[2, 1]);
@@ -666,8 +683,8 @@ mod tests {
         let mut bytes = Frame::Complete { id: TransferId(1) }.encode();
         let mut h = [0u8; HEADER_LEN];
         h.copy_from_slice(&bytes[..HEADER_LEN]);
-        h[4] = 2;
-        assert_eq!(Header::decode(&h), Err(FrameError::Version { ours: 1, theirs: 2 }));
+        h[4] = 1;
+        assert_eq!(Header::decode(&h), Err(FrameError::Version { ours: VERSION, theirs: 1 }));
         bytes[0] = b'G';
         h.copy_from_slice(&bytes[..HEADER_LEN]);
         assert!(matches!(Header::decode(&h), Err(FrameError::BadMagic(_))));

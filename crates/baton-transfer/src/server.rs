@@ -98,6 +98,8 @@ struct PushTarget {
     conn_no: u64,
     /// Tells a reservation from a later one under the same id.
     serial: u64,
+    /// The decode side's number for the reservation, named in every WRITE and PUSHED.
+    generation: u64,
     dst_blocks: Vec<BlockId>,
     peer: EndpointInfo,
     writer: Arc<Mutex<Conn>>,
@@ -276,13 +278,13 @@ impl KvServer {
         let start = Instant::now();
         let s = &self.shared;
         let deadline = Instant::now() + wait;
-        let (src_blocks, serial, dst_blocks, descriptor, writer, shm) = {
+        let (src_blocks, (serial, generation), dst_blocks, descriptor, writer, shm) = {
             let mut pushes = lock(&s.pushes);
             loop {
                 // Lock order: pushes, then leases.
                 let src = lock(&s.leases).blocks(id, s.now()).map(<[BlockId]>::to_vec)?;
                 if let Some(t) = pushes.get(&id) {
-                    let target = (t.serial, t.dst_blocks.clone(), t.peer.descriptor.clone());
+                    let target = ((t.serial, t.generation), t.dst_blocks.clone(), t.peer.descriptor.clone());
                     break (src, target.0, target.1, target.2, Arc::clone(&t.writer), t.shm.clone());
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -325,13 +327,13 @@ impl KvServer {
                     let dst: Vec<ByteRange> = batch.iter().map(|c| c.dst).collect();
                     let src: Vec<ByteRange> = batch.iter().map(|c| c.src).collect();
                     let payload_len = src.iter().map(|r| r.len as u64).sum();
-                    w.send_with_payload(&Frame::Write { id, ranges: dst, payload_len }, &s.region, &src)?;
+                    w.send_with_payload(&Frame::Write { id, generation, ranges: dst, payload_len }, &s.region, &src)?;
                 }
                 n
             }
         };
         let done = layers.end == layers_total;
-        w.send(&Frame::Pushed { id, layers_done: layers.end as u32, done })?;
+        w.send(&Frame::Pushed { id, generation, layers_done: layers.end as u32, done })?;
         Ok(TransferStats { bytes: p.bytes() as u64, copies: p.len(), calls, elapsed: start.elapsed() })
     }
 
@@ -471,7 +473,7 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64) -> Result<()> {
             continue;
         }
         match conn.recv()? {
-            Frame::Transfer { id, mode: TransferMode::Pull, remote, local: _ } => {
+            Frame::Transfer { id, mode: TransferMode::Pull, remote, .. } => {
                 let blocks: Vec<BlockId> = remote.into_iter().map(BlockId).collect();
                 let now = shared.now();
                 let opened = lock(&shared.leases).open(id, &blocks, now);
@@ -483,7 +485,7 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64) -> Result<()> {
                     Err(e) => send(&Frame::Error { id, code: lease_code(&e), message: e.to_string() })?,
                 }
             }
-            Frame::Transfer { id, mode: TransferMode::Push, remote: _, local } => {
+            Frame::Transfer { id, mode: TransferMode::Push, local, generation, .. } => {
                 let shm = match peer.shm {
                     Some(h) => match Region::open(&h, peer.descriptor.clone(), Access::ReadWrite) {
                         Ok(r) => Some(Arc::new(r)),
@@ -498,6 +500,7 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64) -> Result<()> {
                 let target = PushTarget {
                     conn_no,
                     serial: shared.next_push.fetch_add(1, Ordering::Relaxed),
+                    generation,
                     dst_blocks: local.into_iter().map(BlockId).collect(),
                     peer: peer.clone(),
                     writer: Arc::clone(&writer),

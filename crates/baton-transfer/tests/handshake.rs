@@ -140,7 +140,7 @@ fn pushes_of_offered_blocks_are_polled_together_and_completed() {
             .collect();
         std::thread::sleep(Duration::from_millis(50));
         for id in [2, 1] {
-            client.begin_push(TransferId(id), &local_of(id)).expect("register");
+            client.begin_push(TransferId(id), id, &local_of(id)).expect("register");
         }
         let mut done = Vec::new();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -172,7 +172,7 @@ fn a_cancelled_push_writes_nothing_and_ends_the_lease() {
         server.offer(TransferId(7), vec![BlockId(0), BlockId(1)]).expect("offer");
         let dst = local();
         let mut client = push_client(&server, transport, &dst);
-        client.begin_push(TransferId(7), &[BlockId(4), BlockId(5)]).expect("register");
+        client.begin_push(TransferId(7), 1, &[BlockId(4), BlockId(5)]).expect("register");
         client.cancel_push(TransferId(7)).expect("cancel");
         // The reservation is gone: a push now fails and writes nothing.
         let err = server.push_offered(TransferId(7), 0..2, Duration::from_millis(100)).expect_err("no reservation");

@@ -383,7 +383,7 @@ fn push_case(src_layout: &str, dst_layout: KvLayout, transport: TransportKind) {
     let mut client = decode.client(prefill.addr, transport);
     let (req, n) = REQUESTS[0];
     let local = decode.alloc(n);
-    client.begin_push(TransferId(req), &local).expect("reserve");
+    client.begin_push(TransferId(req), req, &local).expect("reserve");
     let pushed = prefill.cmd(&format!("push {req} 1"));
     assert!(pushed.starts_with("PUSHED"), "{pushed}");
     let stats = client.finish_push(TransferId(req), Duration::from_secs(5)).expect("push");

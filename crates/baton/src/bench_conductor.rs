@@ -78,6 +78,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             policy: baton_server::sched::PolicyChoice::default(),
             block_tokens: 16,
             kv_transfer: baton_server::KvTransfer::default(),
+            drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
         };
         tokio::spawn(run_conductor(conductor, conductor_listener, std::future::pending()));
         let worker = WorkerConfig {
@@ -95,6 +96,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             transport: baton_server::TransportChoice::Auto,
             ttl: Duration::from_secs(3),
             emulate: None,
+            drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
         };
         let worker_listener = tokio::net::TcpListener::bind(worker.listen).await?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();

@@ -92,6 +92,10 @@ pub(crate) struct WorkerArgs {
     /// Seconds after its last heartbeat a silent worker is dropped from the cluster.
     #[arg(long, default_value_t = 3.0)]
     ttl_s: f64,
+    /// On SIGTERM or Ctrl-C: seconds to finish the requests in flight (and let their KV be
+    /// taken) after leaving the cluster, before exiting anyway.
+    #[arg(long, default_value_t = 30.0, value_parser = seconds)]
+    drain_timeout_s: f64,
     #[command(flatten)]
     engine: crate::engine_flags::EngineFlags,
 }
@@ -126,9 +130,35 @@ pub(crate) struct ConductorArgs {
     /// Tokens per KV block of the workers (prefix-aware policies hash prompts in blocks).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// On SIGTERM or Ctrl-C: seconds the requests in flight may take to finish.
+    #[arg(long, default_value_t = 30.0, value_parser = seconds)]
+    drain_timeout_s: f64,
 }
 
-async fn shutdown_signal() {
+/// A number of seconds, 0 or more.
+pub(crate) fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v >= 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!("`{s}` is not a number of seconds (0 or more)")),
+    }
+}
+
+/// Resolves on SIGTERM (what Kubernetes and systemd send) or Ctrl-C (SIGINT).
+pub(crate) async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => eprintln!("SIGTERM: shutting down"),
+                    _ = tokio::signal::ctrl_c() => eprintln!("Ctrl-C: shutting down"),
+                }
+                return;
+            }
+            Err(e) => eprintln!("cannot watch SIGTERM ({e}); only Ctrl-C shuts down cleanly"),
+        }
+    }
     let _ = tokio::signal::ctrl_c().await;
 }
 
@@ -160,6 +190,7 @@ pub(crate) fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         },
         ttl: Duration::from_secs_f64(a.ttl_s),
         emulate: a.engine.emulate()?,
+        drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
@@ -197,6 +228,7 @@ pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
         policy: a.routing.choice()?,
         kv_transfer: a.routing.kv_transfer(),
         block_tokens: a.block_size,
+        drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),
     };
     let addr = SocketAddr::new(a.host, a.port);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

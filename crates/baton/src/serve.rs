@@ -45,6 +45,9 @@ pub(crate) struct ServeArgs {
     /// Seconds a prefill worker holds handed-off KV that no decode worker releases.
     #[arg(long, default_value_t = 30)]
     lease_s: u64,
+    /// On SIGTERM or Ctrl-C: seconds the requests in flight may take to finish.
+    #[arg(long, default_value_t = 30.0, value_parser = crate::cluster::seconds)]
+    drain_timeout_s: f64,
 }
 
 impl ServeArgs {
@@ -79,17 +82,15 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
         eprintln!(
-            "baton serving {} on http://{} ({} prefill, {} decode, {} colocated workers); Ctrl-C stops",
+            "baton serving {} on http://{} ({} prefill, {} decode, {} colocated workers); Ctrl-C or SIGTERM stops",
             model.display(),
             listener.local_addr()?,
             prefill,
             decode,
             config.colocated
         );
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-        };
-        baton_server::serve(listener, conductor, shutdown).await?;
+        let drain = Duration::from_secs_f64(a.drain_timeout_s);
+        baton_server::serve_draining(listener, conductor.router(), crate::cluster::shutdown_signal(), drain).await?;
         Ok(())
     })
 }

@@ -1,0 +1,334 @@
+//! What travels between the conductor and its workers, in one place: in process over channels,
+//! between processes as JSON over the control API ([`crate::control`]). Every type here is
+//! serialisable and is the same value on both sides, so a request is never flattened on one side
+//! and rebuilt on the other.
+//!
+//! - [`WorkRequest`]: one request as a worker receives it (prompt, tokens generated upstream,
+//!   [`SamplingParams`], [`StopParams`], the hand-off's KV).
+//! - [`RequestEvent`]: what a request produces, in order: tokens, then exactly one `Finished`,
+//!   `Failed` or `Lost`.
+//! - [`WorkerError`]: why a worker could not run a request, in the worker's terms. The conductor
+//!   maps it to an HTTP status and an OpenAI error body at its edge
+//!   (`impl From<WorkerError> for ApiError` in [`crate::error`]), never the worker.
+//! - [`WorkerStats`], [`KvSource`], [`KvTransfer`], [`ReleaseBody`].
+
+use std::net::SocketAddr;
+
+use baton_engine::{FinishReason, GenerationRequest, KvRetention, RequestId, StopParams};
+use baton_model::{SamplingParams, TokenLogprobs};
+use serde::{Deserialize, Serialize};
+
+/// A worker's role: the cluster's, so registry, routing and workers share one type.
+pub use baton_cluster::Role;
+
+/// KV a prefill worker holds for a request under a lease, and where its KV server is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvSource {
+    /// The holder's KV server.
+    pub addr: SocketAddr,
+    /// The holder's blocks, in token order.
+    pub blocks: Vec<u32>,
+    /// Tokens they hold.
+    pub tokens: usize,
+}
+
+/// How KV moves from the prefill worker to the decode worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvTransfer {
+    /// The decode worker reads the prefill worker's leased blocks into blocks it reserved.
+    #[default]
+    Pull,
+    /// The decode worker reserves blocks and registers them; the prefill worker writes into
+    /// them.
+    Push,
+}
+
+impl KvTransfer {
+    /// The name on the command line and in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvTransfer::Pull => "pull",
+            KvTransfer::Push => "push",
+        }
+    }
+}
+
+impl std::str::FromStr for KvTransfer {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "pull" => Ok(Self::Pull),
+            "push" => Ok(Self::Push),
+            other => Err(format!("unknown KV transfer mode `{other}` (expected pull or push)")),
+        }
+    }
+}
+
+/// One request as a worker receives it, locally or over the control API.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkRequest {
+    /// Unique among the conductor's requests; also the KV transfer's id.
+    pub id: u64,
+    /// The client's `x-request-id` (or the conductor's own), for the worker's logs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens already generated elsewhere (the prefill worker's first token, or what a lost
+    /// worker streamed before a migration).
+    #[serde(default)]
+    pub generated: Vec<u32>,
+    /// How to sample (the sampler sees `prompt` and `generated` too, so a decode worker
+    /// continues with the prefill worker's penalties).
+    #[serde(default)]
+    pub sampling: SamplingParams,
+    /// When to stop; `max_tokens` counts `generated`.
+    #[serde(default)]
+    pub stop: StopParams,
+    /// Report each token's log-probability and the `n` most likely tokens' (`Some(n)`).
+    #[serde(default)]
+    pub logprobs: Option<usize>,
+    /// Tokens that end the request (their text left out).
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
+    /// Keep the KV for a hand-off when the request ends (prefill role).
+    #[serde(default)]
+    pub retain_kv: bool,
+    /// How the hand-off moves the KV: whether a prefill worker pushes what it retains, and how
+    /// a decode worker receives `kv`.
+    #[serde(default)]
+    pub kv_transfer: KvTransfer,
+    /// KV to receive before starting (decode role).
+    #[serde(default)]
+    pub kv: Option<KvSource>,
+}
+
+impl WorkRequest {
+    /// A greedy request for `prompt` with default stop parameters (tests and tools build on it).
+    pub fn new(id: u64, prompt: Vec<u32>) -> Self {
+        Self {
+            id,
+            request_id: None,
+            prompt,
+            generated: Vec::new(),
+            sampling: SamplingParams::default(),
+            stop: StopParams::default(),
+            logprobs: None,
+            stop_token_ids: Vec::new(),
+            retain_kv: false,
+            kv_transfer: KvTransfer::default(),
+            kv: None,
+        }
+    }
+
+    /// The span of this request's work on a worker and in its KV transfer.
+    pub(crate) fn span(&self, worker: &str, role: Role) -> tracing::Span {
+        let request_id = self.request_id.as_deref().unwrap_or_default();
+        tracing::info_span!("work", request_id, request = self.id, worker, role = role.as_str())
+    }
+
+    /// The engine's request, and the hand-off's KV and mode.
+    pub(crate) fn into_parts(self) -> (GenerationRequest, Option<KvSource>, KvTransfer) {
+        let req = GenerationRequest {
+            generated: self.generated,
+            sampling: self.sampling,
+            stop: self.stop,
+            retain_kv: if self.retain_kv { KvRetention::All } else { KvRetention::None },
+            logprobs: self.logprobs,
+            stop_token_ids: self.stop_token_ids,
+            ..GenerationRequest::new(RequestId(self.id), self.prompt)
+        };
+        (req, self.kv, self.kv_transfer)
+    }
+}
+
+/// Why a request ended, as it travels between processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Finish {
+    /// End-of-sequence token.
+    Eos,
+    /// `max_tokens` or the context length.
+    Length,
+    /// A stop string.
+    Stop,
+    /// Aborted.
+    Aborted,
+}
+
+impl From<FinishReason> for Finish {
+    fn from(r: FinishReason) -> Self {
+        match r {
+            FinishReason::Eos => Finish::Eos,
+            FinishReason::Length => Finish::Length,
+            FinishReason::Stop => Finish::Stop,
+            FinishReason::Aborted => Finish::Aborted,
+        }
+    }
+}
+
+impl Finish {
+    /// The OpenAI API's name for it.
+    pub fn as_openai(self) -> &'static str {
+        match self {
+            Finish::Eos | Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::Aborted => "abort",
+        }
+    }
+}
+
+/// Why a worker could not run a request, in the worker's terms (no HTTP here).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "message", rename_all = "snake_case")]
+pub enum WorkerError {
+    /// The engine refused the request as invalid: the client's to fix.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The request asks this worker for what its role cannot do (a prefill worker handed KV,
+    /// a worker without a transfer thread): the conductor's mistake.
+    #[error("{0}")]
+    WrongRole(String),
+    /// The engine failed while running the request (a bug or a model failure).
+    #[error("the engine failed: {0}")]
+    Engine(String),
+    /// The request could not be handed to the worker or its answer could not be read (an
+    /// encoding error, an unexpected answer from a remote worker).
+    #[error("{0}")]
+    Protocol(String),
+}
+
+impl From<baton_engine::EngineError> for WorkerError {
+    fn from(e: baton_engine::EngineError) -> Self {
+        match e {
+            baton_engine::EngineError::InvalidRequest(m) => Self::InvalidRequest(m),
+            other => Self::Engine(other.to_string()),
+        }
+    }
+}
+
+/// What a request produces, in order: tokens, then one `Finished`, `Failed` or `Lost`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum RequestEvent {
+    /// A generated token and the text it makes visible.
+    Token {
+        /// The token.
+        token: u32,
+        /// Text delta.
+        text: String,
+        /// Its log-probabilities, when the request asked for them.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// The request ended.
+    Finished {
+        /// Why.
+        reason: Finish,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Prompt tokens served from cached or transferred KV.
+        cached_tokens: usize,
+        /// Generated tokens (upstream ones included).
+        completion_tokens: usize,
+        /// KV kept for a hand-off (prefill role), leased until pulled or released.
+        kv: Option<KvSource>,
+    },
+    /// The request could not run.
+    Failed(WorkerError),
+    /// The worker went away (crashed, draining, left the cluster, unreachable): the request may
+    /// be run elsewhere.
+    Lost {
+        /// Why, for the logs.
+        reason: String,
+    },
+}
+
+impl RequestEvent {
+    /// Whether this event ends the request.
+    pub fn is_last(&self) -> bool {
+        !matches!(self, RequestEvent::Token { .. })
+    }
+}
+
+/// Load and memory figures of a worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerStats {
+    /// Requests running.
+    pub running: usize,
+    /// Requests waiting.
+    pub waiting: usize,
+    /// Requests whose KV is being pulled in or pushed here.
+    pub pulling: usize,
+    /// Blocks allocatable now (free or merely cached).
+    pub available_blocks: usize,
+    /// Blocks in the arena.
+    pub total_blocks: usize,
+    /// KV handed off and not yet released.
+    pub leased: usize,
+    /// Hand-offs waiting for room to receive their KV (decode role).
+    #[serde(default)]
+    pub incoming: usize,
+    /// The worker is draining: it finishes what it holds and takes nothing new.
+    #[serde(default)]
+    pub draining: bool,
+}
+
+impl WorkerStats {
+    /// Nothing in flight and every block allocatable: what a quiet worker must report.
+    pub fn is_quiet(&self) -> bool {
+        self.is_idle() && self.available_blocks == self.total_blocks
+    }
+
+    /// Nothing in flight: no request running, waiting, receiving or holding a lease.
+    pub fn is_idle(&self) -> bool {
+        self.running == 0 && self.waiting == 0 && self.pulling == 0 && self.incoming == 0 && self.leased == 0
+    }
+}
+
+/// Body of the control API's `POST /worker/v1/release`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseBody {
+    /// The request whose handed-off KV to release.
+    pub id: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_work_request_crosses_processes_whole() {
+        let mut req = WorkRequest::new(7, vec![1, 2, 3]);
+        req.sampling.temperature = 0.7;
+        req.sampling.seed = Some(9);
+        req.sampling.adjust.presence_penalty = 0.5;
+        req.stop.stop_strings = vec!["\n".into()];
+        req.stop.max_tokens = 33;
+        req.kv = Some(KvSource { addr: SocketAddr::from(([127, 0, 0, 1], 9)), blocks: vec![4, 5], tokens: 20 });
+        let json = serde_json::to_string(&req).expect("serialise");
+        let back: WorkRequest = serde_json::from_str(&json).expect("parse");
+        assert_eq!(back, req);
+        // Fields left out take their defaults; unknown ones are refused.
+        let minimal: WorkRequest = serde_json::from_str(r#"{"id":1,"prompt":[5]}"#).expect("parse");
+        assert_eq!(minimal, WorkRequest::new(1, vec![5]));
+        assert!(serde_json::from_str::<WorkRequest>(r#"{"id":1,"prompt":[5],"temprature":1}"#).is_err());
+    }
+
+    #[test]
+    fn worker_errors_and_events_round_trip() {
+        for e in [
+            RequestEvent::Failed(WorkerError::InvalidRequest("too long".into())),
+            RequestEvent::Failed(WorkerError::Engine("boom".into())),
+            RequestEvent::Lost { reason: "draining".into() },
+            RequestEvent::Token { token: 3, text: "a".into(), logprobs: None },
+        ] {
+            let json = serde_json::to_string(&e).expect("serialise");
+            assert_eq!(serde_json::from_str::<RequestEvent>(&json).expect("parse"), e, "{json}");
+        }
+    }
+}
