@@ -62,6 +62,9 @@ type Workers = Vec<Arc<dyn Worker>>;
 /// Shared state of the conductor's handlers.
 pub struct Conductor {
     validator: Validator,
+    /// Tokenizer workers: validation (tokenising, rendering chat templates) runs on blocking
+    /// threads, at most this many at once, never on the async runtime's threads.
+    tokenizers: Arc<tokio::sync::Semaphore>,
     workers: RwLock<Workers>,
     policy: Box<dyn RoutePolicy>,
     metrics: Metrics,
@@ -138,8 +141,10 @@ impl Conductor {
         api_key: Option<String>,
         kv_bytes_per_token: usize,
     ) -> Self {
+        let tokenizers = std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get);
         Self {
             validator,
+            tokenizers: Arc::new(tokio::sync::Semaphore::new(tokenizers)),
             workers: RwLock::new(workers),
             policy,
             metrics: Metrics::default(),
@@ -358,6 +363,27 @@ impl Conductor {
         }
     }
 
+    /// Validates a body into a request on a tokenizer worker (a blocking thread): tokenising a
+    /// long prompt or rendering a chat template must not stall the runtime's other requests.
+    async fn validate(&self, endpoint: Endpoint, body: Bytes) -> Result<ValidRequest, ApiError> {
+        let permit = Arc::clone(&self.tokenizers)
+            .acquire_owned()
+            .await
+            .map_err(|_| ApiError::Unavailable("the conductor is shutting down".into()))?;
+        let validator = self.validator.clone();
+        let span = tracing::Span::current();
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let _entered = span.entered();
+            match endpoint {
+                Endpoint::Completions => validator.completion(&body),
+                Endpoint::Chat => validator.chat(&body),
+            }
+        })
+        .await
+        .unwrap_or_else(|e| Err(ApiError::Internal(format!("validating the request failed: {e}"))))
+    }
+
     async fn handle(self: Arc<Self>, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
         let request_id = request_id_of(&headers);
         // The request's span: the conductor's logs, and (through `WorkRequest::request_id`) the
@@ -373,10 +399,10 @@ impl Conductor {
         body: Bytes,
         request_id: String,
     ) -> Response {
-        let result = self.authorize(headers).and_then(|()| match endpoint {
-            Endpoint::Completions => self.validator.completion(&body),
-            Endpoint::Chat => self.validator.chat(&body),
-        });
+        let result = match self.authorize(headers) {
+            Ok(()) => self.validate(endpoint, body).await,
+            Err(e) => Err(e),
+        };
         let valid = match result {
             Ok(v) => v,
             Err(e) => {

@@ -14,7 +14,9 @@
 //! ```
 //!
 //! Modules: [`openai`] parses and validates request bodies; [`conductor`] runs requests and
-//! serves HTTP; [`worker`] owns an engine thread, its KV server and its transfer thread;
+//! serves HTTP; [`wire`] holds what travels between conductor and workers; [`session`] is the
+//! per-request state machine of a worker; [`worker`] owns an engine thread (the sessions'
+//! driver), its KV server and its transfer thread;
 //! [`handoff`] moves a request's KV from prefill to decode worker, pulled or pushed;
 //! [`control`] is a worker's HTTP control API and [`remote`] the conductor's client of it;
 //! [`deploy`] runs `baton worker` and `baton conductor` processes; [`routing`] is the policy

@@ -98,6 +98,11 @@ impl Proc {
     fn interrupt(&mut self) {
         let _ = Command::new("kill").arg("-INT").arg(self.child.id().to_string()).status();
     }
+
+    /// SIGTERM, what Kubernetes and systemd send.
+    fn terminate(&self) {
+        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+    }
 }
 
 impl Drop for Proc {
@@ -239,9 +244,14 @@ fn assert_no_leak(workers: &[&WorkerProc]) {
 
 /// `baton generate`'s greedy text for a prompt.
 fn generate(model_dir: &Path, prompt: &str, max_tokens: usize) -> String {
+    generate_with(model_dir, prompt, max_tokens, &[])
+}
+
+fn generate_with(model_dir: &Path, prompt: &str, max_tokens: usize, extra: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(["generate", "--model", model_dir.to_str().unwrap(), "--prompt", prompt, "--json"])
         .args(["--max-tokens", &max_tokens.to_string()])
+        .args(extra)
         .output()
         .unwrap();
     assert!(out.status.success(), "baton generate: {}", String::from_utf8_lossy(&out.stderr));
@@ -670,4 +680,85 @@ fn a_decode_worker_killed_mid_stream_hands_the_stream_on() {
     assert_eq!(streamed_text(&body), undisturbed);
     assert_eq!(migrations(&url), "baton_migrations_total 1");
     assert_no_leak(&[&p, &live]);
+}
+
+/// SIGTERM mid-stream, to a colocated worker and to a decode worker: the worker leaves
+/// membership at once (its TTL is a minute, so only its goodbye can do that), finishes the
+/// stream it holds — nothing migrated, nothing failed — and exits 0; requests sent meanwhile
+/// run elsewhere.
+#[test]
+fn a_worker_sent_sigterm_mid_stream_drains_leaves_and_exits_0() {
+    let dir = model("tiny-llama");
+    for kind in ["colocated", "decode"] {
+        let (_c, url) = conductor(&dir, "embedded");
+        let slow = ["--ttl-s", "60"];
+        // Joined first, so least-load's tie-break sends the stream to it.
+        let (mut draining, others) = if kind == "colocated" {
+            let first = worker(&dir, "colocated", &url, &[&["--name", "a-first"][..], &slow].concat());
+            wait_members(&url, 1, Duration::from_secs(10));
+            let second = worker(&dir, "colocated", &url, &slow);
+            wait_members(&url, 2, Duration::from_secs(10));
+            (first, vec![second])
+        } else {
+            let p = worker(&dir, "prefill", &url, &slow);
+            let first = worker(&dir, "decode", &url, &[&["--name", "a-first"][..], &slow].concat());
+            wait_members(&url, 2, Duration::from_secs(10));
+            let second = worker(&dir, "decode", &url, &slow);
+            wait_members(&url, 3, Duration::from_secs(10));
+            (first, vec![p, second])
+        };
+        let undisturbed = streamed_text(&stream_with_hook(&url, 200, 1, || {}));
+        let expected = text(&complete(&url, LONG, 8));
+        let mut meanwhile = None;
+        let body = stream_with_hook(&url, 200, 4, || {
+            draining.proc.terminate();
+            let url = url.clone();
+            meanwhile =
+                Some(std::thread::spawn(move || (0..4).map(|_| text(&complete(&url, LONG, 8))).collect::<Vec<_>>()));
+        });
+        assert!(
+            body.contains("[DONE]"),
+            "{kind}: the stream did not complete: ...{}",
+            &body[body.len().saturating_sub(400)..]
+        );
+        assert_eq!(streamed_text(&body), undisturbed, "{kind}");
+        for t in meanwhile.unwrap().join().unwrap() {
+            assert_eq!(t, expected, "{kind}: a request sent during the drain");
+        }
+        let members = wait_members(&url, others.len(), Duration::from_secs(5));
+        assert!(!members.contains(&"a-first".to_owned()), "{kind}: {members:?}");
+        let status = draining.proc.wait_exit(Duration::from_secs(20));
+        assert!(status.success(), "{kind}: a drained worker exits 0, not {status:?}");
+        assert_eq!(migrations(&url), "baton_migrations_total 0", "{kind}: drained, not migrated");
+        assert_no_leak(&others.iter().collect::<Vec<_>>());
+    }
+}
+
+/// An engine thread that panics mid-stream (fault injection): the worker leaves membership at
+/// once and exits non-zero, the conductor hands the stream to the other worker (same text) and
+/// routes nothing more to the dead one.
+#[test]
+fn an_engine_thread_panic_takes_the_worker_out_and_it_exits_non_zero() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    let env = [("BATON_FAULT_PANIC_AT_STEP", "20")];
+    let args = ["--name", "a-first", "--ttl-s", "60"];
+    let mut dying = worker_env(&dir, "colocated", &url, &args, SECRET, &env);
+    wait_members(&url, 1, Duration::from_secs(10));
+    let second = worker(&dir, "colocated", &url, &["--ttl-s", "60"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let expected = generate_with(&dir, LONG, 48, &["--ignore-eos"]);
+    // Least-load's tie-break sends it to the first worker, whose engine dies at step 20.
+    let body = stream_with_hook(&url, 48, 1, || {});
+    assert!(body.contains("[DONE]"), "the stream did not complete: ...{}", &body[body.len().saturating_sub(400)..]);
+    assert_eq!(streamed_text(&body), expected);
+    let status = dying.proc.wait_exit(Duration::from_secs(20));
+    assert!(!status.success(), "a worker whose engine died must exit non-zero");
+    let members = wait_members(&url, 1, Duration::from_secs(5));
+    assert!(!members.contains(&"a-first".to_owned()), "{members:?}");
+    for _ in 0..4 {
+        assert_eq!(text(&complete(&url, LONG, 8)), generate(&dir, LONG, 8));
+    }
+    assert_eq!(migrations(&url), "baton_migrations_total 1");
+    assert_no_leak(&[&second]);
 }
