@@ -124,6 +124,27 @@ enum Computed {
     Tokens(Vec<Option<u32>>),
 }
 
+/// What an engine is doing, as a load report carries it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EngineLoad {
+    /// Sequences in the running batch.
+    pub running: usize,
+    /// Sequences waiting to be admitted.
+    pub waiting: usize,
+    /// Prompt tokens not computed yet, over all sequences.
+    pub queued_prefill_tokens: usize,
+    /// Context length of each running sequence past its prompt (the decode batch).
+    pub decode_contexts: Vec<usize>,
+    /// Device blocks on the free list.
+    pub free_blocks: usize,
+    /// Device blocks in the prefix index.
+    pub cached_blocks: usize,
+    /// Cached device blocks no one holds (reclaimable).
+    pub evictable_blocks: usize,
+    /// Device blocks in all.
+    pub total_blocks: usize,
+}
+
 /// One instance's inference loop over a paged KV cache.
 pub struct Engine {
     backend: Backend,
@@ -257,6 +278,34 @@ impl Engine {
     /// remote index to apply.
     pub fn drain_kv_events(&mut self) -> Vec<KvEvent> {
         self.pool.drain_events()
+    }
+
+    /// Everything the prefix index caches now, with the sequence number of the next KV event:
+    /// a remote index that holds these entries and applies events from that number on stays
+    /// equal to this engine's (a resynchronisation's starting point).
+    pub fn kv_index_snapshot(&self) -> (u64, std::collections::BTreeMap<baton_kv::BlockHash, baton_kv::IndexEntry>) {
+        (self.pool.next_event_seq(), self.pool.index_entries())
+    }
+
+    /// What this engine is doing, for a load report.
+    pub fn load(&self) -> EngineLoad {
+        let mut load = EngineLoad { running: self.running.len(), waiting: self.waiting.len(), ..EngineLoad::default() };
+        for seq in self.seqs.values() {
+            load.queued_prefill_tokens += seq.prompt_len.saturating_sub(seq.computed);
+        }
+        for id in &self.running {
+            if let Some(seq) = self.seqs.get(id)
+                && seq.computed >= seq.prompt_len
+            {
+                load.decode_contexts.push(seq.tokens.len());
+            }
+        }
+        let device = self.pool.usage(Tier::Device);
+        load.free_blocks = device.free;
+        load.cached_blocks = device.cached;
+        load.evictable_blocks = device.evictable;
+        load.total_blocks = self.config.num_blocks;
+        load
     }
 
     /// Whether any request is waiting or running.

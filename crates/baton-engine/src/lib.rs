@@ -54,7 +54,7 @@ mod request;
 mod sequence;
 
 pub use emulated::{EmulatedClock, EmulatedKv, EmulatedModel, EmulatedStats};
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, EngineLoad};
 pub use request::{
     FinishReason, Finished, GenerationRequest, KvPrefix, KvRetention, StepOutput, StopParams, TokenEvent,
 };

@@ -81,8 +81,8 @@ pub use hash::{BlockHash, HASH_SEED, block_hash, prefix_hashes};
 pub use index::{NodeInfo, PrefixIndex};
 pub use policy::{EvictionPolicy, Lfu, Lru, NodeId, PolicyKind};
 pub use pool::{
-    DevicePrefix, KvTransport, MemPool, PoolConfig, PoolError, PrefixMatch, SwapJob, TierUsage, TransferFlags,
-    TransferRequest,
+    DevicePrefix, KvTransport, MAX_BUFFERED_EVENTS, MemPool, PoolConfig, PoolError, PrefixMatch, SwapJob, TierUsage,
+    TransferFlags, TransferRequest,
 };
 pub use ranges::ByteRange;
 pub use segment::{FragmentationStats, Segment, SegmentAllocator, count_runs, segments_of};

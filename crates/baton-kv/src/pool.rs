@@ -21,6 +21,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::events::{BlockTokens, IndexEntry, KvEvent, KvEventKind};
+
+/// Most KV events a pool buffers undrained; past it the buffer is dropped (the consumer sees a
+/// gap in the sequence numbers and resynchronises).
+pub const MAX_BUFFERED_EVENTS: usize = 1 << 16;
 use crate::index::{HashStream, Lookup, PrefixIndex};
 use crate::{
     AllocatorError, BlockHash, BlockId, DiskStore, EvictionPolicy, InstanceId, KvAddr, KvArena, KvDtype, KvGeometry,
@@ -251,6 +255,9 @@ impl TierState {
 
 /// The KV memory pool of one instance: device, host and disk tiers, the prefix index, eviction
 /// and KV events, behind MemServe's API.
+///
+/// KV events wait in a buffer of at most [`MAX_BUFFERED_EVENTS`] until
+/// [`drain_events`](MemPool::drain_events); beyond it the oldest are dropped.
 pub struct MemPool {
     instance: InstanceId,
     geometry: KvGeometry,
@@ -431,6 +438,12 @@ impl MemPool {
         std::mem::take(&mut self.events)
     }
 
+    /// The sequence number the next event will carry: a consumer that applied every event
+    /// before it holds exactly [`index_entries`](Self::index_entries).
+    pub fn next_event_seq(&self) -> u64 {
+        self.next_seq
+    }
+
     fn addr(&self, loc: Loc) -> KvAddr {
         KvAddr { instance: self.instance, loc }
     }
@@ -440,6 +453,11 @@ impl MemPool {
     }
 
     fn emit(&mut self, kind: KvEventKind) {
+        // Bounded: events no one drains are dropped (the sequence numbers go on, so a consumer
+        // sees the gap and resynchronises from `index_entries`), and memory stays flat.
+        if self.events.len() >= MAX_BUFFERED_EVENTS {
+            self.events.clear();
+        }
         self.events.push(KvEvent { instance: self.instance, seq: self.next_seq, kind });
         self.next_seq += 1;
     }

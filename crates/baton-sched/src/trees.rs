@@ -113,6 +113,50 @@ impl GlobalPromptTrees {
         Ok(())
     }
 
+    /// Replaces what is known of `instance` by a snapshot of its index: exactly `blocks`
+    /// (confirmed, with their tiers), its events continuing from `next_seq`. Predicted entries
+    /// of blocks the snapshot lacks are kept (a routed request's blocks may not be stored yet).
+    pub fn replace_instance(
+        &mut self,
+        instance: InstanceId,
+        role: Role,
+        next_seq: u64,
+        blocks: impl IntoIterator<Item = (BlockHash, Tier)>,
+    ) {
+        let old = self.trees.remove(&instance);
+        let mut tree = Tree { role, next_seq, blocks: HashMap::new() };
+        if let Some(old) = old {
+            tree.blocks.extend(old.blocks.into_iter().filter(|(_, e)| e.expires_at.is_some()));
+        }
+        for (hash, tier) in blocks {
+            tree.blocks.insert(hash, Entry { tier: Some(tier), expires_at: None });
+        }
+        self.trees.insert(instance, tree);
+    }
+
+    /// The confirmed blocks of an instance (those its events or snapshot reported), with tiers,
+    /// ordered by hash.
+    pub fn confirmed(&self, instance: InstanceId) -> Vec<(BlockHash, Tier)> {
+        let mut out: Vec<(BlockHash, Tier)> = self
+            .trees
+            .get(&instance)
+            .map(|t| t.blocks.iter().filter_map(|(h, e)| e.tier.map(|tier| (*h, tier))).collect())
+            .unwrap_or_default();
+        out.sort_unstable();
+        out
+    }
+
+    /// Confirmed blocks of an instance per tier (device, host, disk).
+    pub fn confirmed_by_tier(&self, instance: InstanceId) -> [usize; 3] {
+        let mut n = [0; 3];
+        if let Some(t) = self.trees.get(&instance) {
+            for tier in t.blocks.values().filter_map(|e| e.tier) {
+                n[tier as usize] += 1;
+            }
+        }
+        n
+    }
+
     /// Records that `instance` is expected to cache `hashes` (the scheduler routed a request with
     /// this prompt there). Confirmed entries stay confirmed; predicted ones get a fresh TTL.
     pub fn predict(&mut self, instance: InstanceId, hashes: &[BlockHash], now: Micros) {
@@ -192,6 +236,26 @@ mod tests {
         assert!(matches!(t.apply(&ev(1, 9, stored(1))), Err(EventError::Gap { expected: 4, got: 9, .. })));
         // Confirmed entries never expire.
         assert_eq!(t.len(InstanceId(1), u64::MAX), 1);
+    }
+
+    #[test]
+    fn a_snapshot_replaces_an_instance_and_events_continue_from_it() {
+        let mut t = GlobalPromptTrees::new(1000);
+        t.set_role(InstanceId(1), Role::Prefill);
+        t.apply(&ev(1, 0, stored(10))).expect("apply");
+        t.predict(InstanceId(1), &[BlockHash(77)], 0);
+        t.replace_instance(
+            InstanceId(1),
+            Role::Prefill,
+            40,
+            [(BlockHash(11), Tier::Device), (BlockHash(12), Tier::Host)],
+        );
+        assert_eq!(t.confirmed(InstanceId(1)), vec![(BlockHash(11), Tier::Device), (BlockHash(12), Tier::Host)]);
+        assert_eq!(t.confirmed_by_tier(InstanceId(1)), [1, 1, 0]);
+        assert_eq!(t.prefix_len(InstanceId(1), &[BlockHash(77)], 1), 1, "predictions survive a snapshot");
+        assert!(t.apply(&ev(1, 1, stored(13))).is_err(), "events continue from the snapshot's number");
+        t.apply(&ev(1, 40, stored(13))).expect("apply");
+        assert_eq!(t.confirmed(InstanceId(1)).len(), 3);
     }
 
     #[test]

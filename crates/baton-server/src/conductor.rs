@@ -35,7 +35,9 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use baton_engine::{RequestId, StopParams};
+use baton_kv::InstanceId;
 use baton_model::SamplingParams;
+use baton_sched::GlobalPromptTrees;
 use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -46,6 +48,7 @@ use crate::metrics::{Metrics, Outcome, WorkerGauges};
 use crate::openai::{Endpoint, ValidRequest, Validator};
 use crate::response::{Piece, full_response, sse_response};
 use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView, decode_has_room};
+use crate::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
 use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
 
 /// How long the conductor waits for a worker's next event before failing the request.
@@ -62,6 +65,8 @@ type Workers = Vec<Arc<dyn Worker>>;
 /// Shared state of the conductor's handlers.
 pub struct Conductor {
     validator: Validator,
+    /// The workers' KV index and load reports, fed by their state streams.
+    view: Arc<ClusterView>,
     /// Tokenizer workers: validation (tokenising, rendering chat templates) runs on blocking
     /// threads, at most this many at once, never on the async runtime's threads.
     tokenizers: Arc<tokio::sync::Semaphore>,
@@ -142,7 +147,10 @@ impl Conductor {
         kv_bytes_per_token: usize,
     ) -> Self {
         let tokenizers = std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get);
+        let trees = Arc::new(Mutex::new(GlobalPromptTrees::new(PREDICTED_TTL_US)));
+        policy.attach_index(Arc::clone(&trees));
         Self {
+            view: Arc::new(ClusterView::new(trees, KvIndexMode::Exact)),
             validator,
             tokenizers: Arc::new(tokio::sync::Semaphore::new(tokenizers)),
             workers: RwLock::new(workers),
@@ -156,6 +164,30 @@ impl Conductor {
             kv_transfer: KvTransfer::default(),
             tripped: Mutex::new(HashMap::new()),
             next_trip: AtomicU64::new(0),
+        }
+    }
+
+    /// Feeds the KV index the policies read from the workers' events (`Exact`, the default) or
+    /// from the conductor's predictions only. Call before the first worker is followed.
+    #[must_use]
+    pub fn with_kv_index(mut self, mode: KvIndexMode) -> Self {
+        self.view = Arc::new(ClusterView::new(Arc::clone(self.view.trees()), mode));
+        self
+    }
+
+    /// The workers' KV index and load reports.
+    pub fn view(&self) -> &Arc<ClusterView> {
+        &self.view
+    }
+
+    /// Starts following the state stream of every worker not followed yet (workers handed to
+    /// [`Conductor::new`] are followed once a runtime runs: from [`Conductor::router`]).
+    fn follow_workers(&self) {
+        for w in self.workers() {
+            if !self.view.is_followed(w.name()) {
+                let instance = InstanceId(self.loads().id(w.name()));
+                self.view.follow(w, instance);
+            }
         }
     }
 
@@ -257,7 +289,11 @@ impl Conductor {
         let mut workers = self.workers.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         workers.retain(|w| w.name() != worker.name());
         tracing::info!(worker = worker.name(), role = worker.role().as_str(), "worker joined");
-        workers.push(worker);
+        workers.push(Arc::clone(&worker));
+        drop(workers);
+        // A rejoining worker starts over: its old blocks leave the index, its snapshot refills it.
+        let instance = InstanceId(self.loads().id(worker.name()));
+        self.view.follow(worker, instance);
     }
 
     /// Removes a worker (it left the cluster); requests already on it keep their handle.
@@ -265,6 +301,7 @@ impl Conductor {
         let mut workers = self.workers.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         let i = workers.iter().position(|w| w.name() == name)?;
         tracing::info!(worker = name, "worker left");
+        self.view.forget(name);
         Some(workers.remove(i))
     }
 
@@ -275,12 +312,14 @@ impl Conductor {
 
     /// The HTTP API.
     pub fn router(self: Arc<Self>) -> axum::Router {
+        self.follow_workers();
         axum::Router::new()
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(models))
             .route("/health", get(health))
             .route("/metrics", get(metrics))
+            .route("/debug/kv-index", get(kv_index))
             .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
             .layer(axum::middleware::from_fn(request_id))
             .with_state(self)
@@ -322,6 +361,7 @@ impl Conductor {
                     decoding: loads.decode.get(name).map(|t| t.values().copied().collect()).unwrap_or_default(),
                     capacity_blocks: w.capacity_blocks(),
                     capacity_tokens: w.capacity_blocks() * w.block_tokens(),
+                    report: self.view.report(name),
                 }
             })
             .collect();
@@ -555,7 +595,28 @@ async fn metrics(State(c): State<Arc<Conductor>>) -> Response {
             });
         }
     }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], c.metrics.render(&gauges)).into_response()
+    let index = c.view.gauges();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], c.metrics.render(&gauges, &index)).into_response()
+}
+
+/// `GET /debug/kv-index`: what the conductor's index holds of each worker (confirmed blocks by
+/// chained hash, with tiers) and each worker's last load report. Behind the API key.
+async fn kv_index(State(c): State<Arc<Conductor>>, headers: HeaderMap) -> Response {
+    if let Err(e) = c.authorize(&headers) {
+        return e.into_response();
+    }
+    let mut workers = serde_json::Map::new();
+    for w in c.workers() {
+        let blocks: Vec<serde_json::Value> = c
+            .view
+            .blocks(w.name())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(h, t)| json!([h.0, crate::wire::KvTier::from(t).as_str()]))
+            .collect();
+        workers.insert(w.name().to_owned(), json!({"blocks": blocks, "report": c.view.report(w.name())}));
+    }
+    Json(json!({"mode": format!("{:?}", c.view.mode()).to_lowercase(), "workers": workers})).into_response()
 }
 
 /// Where a request runs.
@@ -587,11 +648,10 @@ struct Run {
 impl Run {
     /// The prompt's KV is cached now: the other choices may start. Also counts the prompt
     /// tokens the prefill computed.
-    fn prefill_done(&self, prompt_tokens: usize, cached_tokens: usize) {
-        self.conductor
-            .metrics
-            .prefill_tokens
-            .fetch_add(prompt_tokens.saturating_sub(cached_tokens) as u64, Ordering::Relaxed);
+    fn prefill_done(&self, worker: &str, prompt_tokens: usize, cached_tokens: usize) {
+        let m = &self.conductor.metrics;
+        m.prefill_tokens.fetch_add(prompt_tokens.saturating_sub(cached_tokens) as u64, Ordering::Relaxed);
+        m.prefix_cache(worker, prompt_tokens, cached_tokens);
         if let Some(tx) = self.prefilled.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
             let _ = tx.send(());
         }
@@ -741,7 +801,7 @@ impl Run {
                     }
                     RequestEvent::Finished { reason, prompt_tokens, kv, cached_tokens, .. } => {
                         let _ = self.cached_tokens.set(cached_tokens);
-                        self.prefill_done(prompt_tokens, cached_tokens);
+                        self.prefill_done(p.name(), prompt_tokens, cached_tokens);
                         break Ok((reason, prompt_tokens, kv));
                     }
                     RequestEvent::Failed(e) => break Err(RunError::Api(e.into())),
@@ -857,7 +917,7 @@ impl Run {
                 RequestEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens, .. } => {
                     let _ = self.cached_tokens.set(cached_tokens);
                     if colocated {
-                        self.prefill_done(prompt_tokens, cached_tokens);
+                        self.prefill_done(worker.name(), prompt_tokens, cached_tokens);
                     }
                     return self.finish(reason, prompt_tokens, completion_tokens);
                 }

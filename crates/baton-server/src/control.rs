@@ -5,6 +5,7 @@
 //! | `POST /worker/v1/generate`   | [`WorkRequest`] | 200, then one [`RequestEvent`] per line (NDJSON) |
 //! | `POST /worker/v1/release`    | [`ReleaseBody`] | 204                                         |
 //! | `GET /worker/v1/stats`       | none            | 200 [`WorkerStats`]                         |
+//! | `GET /worker/v1/state`       | none            | 200, then one [`StateUpdate`] per line (NDJSON), a snapshot first |
 //!
 //! Every request proves the cluster secret with the `x-baton-cluster-auth` header (an HMAC over
 //! method, path, timestamp and body, see [`baton_cluster::auth`]); without it the answer is 401.
@@ -13,6 +14,7 @@
 //! [`WorkRequest`]: crate::wire::WorkRequest
 //! [`RequestEvent`]: crate::wire::RequestEvent
 //! [`WorkerStats`]: crate::wire::WorkerStats
+//! [`StateUpdate`]: crate::wire::StateUpdate
 //! [`ReleaseBody`]: crate::wire::ReleaseBody
 
 use std::convert::Infallible;
@@ -36,6 +38,8 @@ pub const GENERATE_PATH: &str = "/worker/v1/generate";
 pub const RELEASE_PATH: &str = "/worker/v1/release";
 /// Path of the stats route.
 pub const STATS_PATH: &str = "/worker/v1/stats";
+/// Path of the state stream's route.
+pub const STATE_PATH: &str = "/worker/v1/state";
 
 pub use crate::wire::ReleaseBody;
 
@@ -51,6 +55,7 @@ pub fn router(worker: WorkerHandle, secret: ClusterSecret) -> Router {
         .route(GENERATE_PATH, post(generate))
         .route(RELEASE_PATH, post(release))
         .route(STATS_PATH, get(stats))
+        .route(STATE_PATH, get(state_stream))
         .with_state(ControlState { worker, secret })
 }
 
@@ -101,4 +106,20 @@ async fn stats(State(state): State<ControlState>, headers: HeaderMap) -> Respons
         Some(s) => axum::Json(s).into_response(),
         None => ApiError::Unavailable("the engine did not answer in time".into()).into_response(),
     }
+}
+
+/// The worker's state stream, a snapshot first; closing the connection ends the subscription.
+async fn state_stream(State(state): State<ControlState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&state, &headers, "GET", STATE_PATH, b"") {
+        return e.into_response();
+    }
+    let Some(updates) = state.worker.subscribe_state() else {
+        return ApiError::Unavailable("the worker has stopped".into()).into_response();
+    };
+    let lines = tokio_stream::wrappers::ReceiverStream::new(updates).map(|update| {
+        let mut line = serde_json::to_vec(&update).unwrap_or_else(|_| b"{}".to_vec());
+        line.push(b'\n');
+        Ok::<_, Infallible>(Bytes::from(line))
+    });
+    ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(lines)).into_response()
 }

@@ -109,7 +109,10 @@ pub async fn run_worker(
     });
     let name = config.name.clone().unwrap_or_else(|| format!("{}-{}-{}", config.role.as_str(), host, local.port()));
     let id = WorkerId::new(name.replace(['[', ']'], ""))?;
-    let engine = crate::engine(&loaded, config.engine.clone(), config.emulate.as_ref())?;
+    // Instance ids are unique in a cluster: KV addresses, KV events and transfer peers carry
+    // them. Derived from the cluster id (unique already), stable across restarts.
+    let engine_config = baton_engine::EngineConfig { instance: instance_of(id.as_str()), ..config.engine.clone() };
+    let engine = crate::engine(&loaded, engine_config, config.emulate.as_ref())?;
     let geometry = engine.kv_geometry();
     let options = WorkerOptions {
         lease: config.lease,
@@ -125,6 +128,7 @@ pub async fn run_worker(
         io_timeout: Duration::from_secs(10),
         push_delay: push_delay_from_env(),
         panic_at_step: panic_at_step_from_env(),
+        drop_event_seq: drop_event_seq_from_env(),
     };
     let handle = WorkerHandle::spawn(id.to_string(), config.role, engine, options)?;
     let mut app = crate::control::router(handle.clone(), config.secret.clone());
@@ -212,6 +216,8 @@ pub struct ConductorConfig {
     pub block_tokens: usize,
     /// How KV moves from prefill to decode workers (every worker supports both modes).
     pub kv_transfer: KvTransfer,
+    /// What feeds the conductor's KV index.
+    pub kv_index: crate::view::KvIndexMode,
     /// On shutdown, how long the requests in flight may take to finish.
     pub drain_timeout: Duration,
 }
@@ -219,6 +225,16 @@ pub struct ConductorConfig {
 /// The environment variable that delays a worker process's pushes (fault injection for
 /// tests, see [`WorkerOptions::push_delay`]).
 pub const PUSH_DELAY_ENV: &str = "BATON_FAULT_PUSH_DELAY_MS";
+
+/// A worker's instance id from its cluster id: FNV-1a, so the same name gets the same id on
+/// every start and different names differ (a collision needs ~65k workers to be likely).
+pub fn instance_of(name: &str) -> baton_kv::InstanceId {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in name.bytes() {
+        h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+    }
+    baton_kv::InstanceId(h)
+}
 
 /// The environment variable that makes a worker process's engine thread panic at a given step
 /// (fault injection for tests, see [`WorkerOptions::panic_at_step`]).
@@ -228,6 +244,16 @@ fn panic_at_step_from_env() -> Option<u64> {
     let n = std::env::var(PANIC_AT_STEP_ENV).ok()?.parse::<u64>().ok()?;
     tracing::warn!("{PANIC_AT_STEP_ENV} is set: the engine thread panics at step {n} (fault injection)");
     Some(n)
+}
+
+/// The environment variable that makes a worker process leave one KV event out of its state
+/// stream (fault injection for tests, see [`WorkerOptions::drop_event_seq`]).
+pub const DROP_EVENT_ENV: &str = "BATON_FAULT_DROP_EVENT_SEQ";
+
+fn drop_event_seq_from_env() -> Option<u64> {
+    let seq = std::env::var(DROP_EVENT_ENV).ok()?.parse::<u64>().ok()?;
+    tracing::warn!("{DROP_EVENT_ENV} is set: KV event {seq} is left out of the state stream (fault injection)");
+    Some(seq)
 }
 
 fn push_delay_from_env() -> Duration {
@@ -254,7 +280,8 @@ pub async fn run_conductor(
             config.api_key.clone(),
             bytes_per_token,
         )
-        .with_kv_transfer(config.kv_transfer),
+        .with_kv_transfer(config.kv_transfer)
+        .with_kv_index(config.kv_index),
     );
     let mut app = conductor.clone().router();
     let registry: Arc<dyn Registry> = match &config.registry {

@@ -34,6 +34,7 @@ mod response;
 pub mod routing;
 pub mod sched;
 pub mod session;
+pub mod view;
 pub mod wire;
 pub mod worker;
 
@@ -73,6 +74,8 @@ pub struct ServeConfig {
     pub policy: sched::PolicyChoice,
     /// How KV moves from prefill to decode workers.
     pub kv_transfer: KvTransfer,
+    /// What feeds the conductor's KV index.
+    pub kv_index: view::KvIndexMode,
     /// Fault injection for tests (see [`WorkerOptions::push_delay`]).
     pub push_delay: Duration,
     /// Emulate the model with this cost profile instead of computing it (the engine loop, KV
@@ -94,6 +97,7 @@ impl ServeConfig {
             lease: worker::DEFAULT_LEASE,
             policy: sched::PolicyChoice::default(),
             kv_transfer: KvTransfer::default(),
+            kv_index: view::KvIndexMode::default(),
             push_delay: Duration::ZERO,
             emulate: None,
         }
@@ -197,6 +201,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
             io_timeout: Duration::from_secs(10),
             push_delay: config.push_delay,
             panic_at_step: None,
+            drop_event_seq: None,
         };
         let name = format!("{}-{i}", role.as_str());
         workers.push(Arc::new(WorkerHandle::spawn(name, role, engine, options)?));
@@ -213,7 +218,8 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
             config.api_key.clone(),
             bytes_per_token,
         )
-        .with_kv_transfer(config.kv_transfer),
+        .with_kv_transfer(config.kv_transfer)
+        .with_kv_index(config.kv_index),
     ))
 }
 

@@ -99,6 +99,9 @@ pub struct Metrics {
     pub breaker_trips: AtomicU64,
     /// Requests continued on another worker after tokens were streamed.
     pub migrations: AtomicU64,
+    /// Per prefill (or colocated) worker: prompt tokens looked up in its prefix cache, and
+    /// those it found.
+    cache: std::sync::Mutex<std::collections::BTreeMap<String, (u64, u64)>>,
 }
 
 impl Default for Metrics {
@@ -118,6 +121,7 @@ impl Default for Metrics {
             retries: AtomicU64::new(0),
             breaker_trips: AtomicU64::new(0),
             migrations: AtomicU64::new(0),
+            cache: std::sync::Mutex::default(),
         }
     }
 }
@@ -140,13 +144,39 @@ pub struct WorkerGauges {
 }
 
 impl Metrics {
+    /// Counts a prefill's prompt tokens and the cache hits among them on `worker`.
+    pub fn prefix_cache(&self, worker: &str, prompt_tokens: usize, cached_tokens: usize) {
+        let mut cache = self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let e = cache.entry(worker.to_owned()).or_default();
+        e.0 += prompt_tokens as u64;
+        e.1 += cached_tokens as u64;
+    }
+
+    fn render_cache(&self, out: &mut String) {
+        let cache = self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = writeln!(
+            out,
+            "# HELP baton_prefix_cache_queries_tokens_total Prompt tokens looked up in a worker's prefix cache.\n# TYPE baton_prefix_cache_queries_tokens_total counter"
+        );
+        for (w, (q, _)) in cache.iter() {
+            let _ = writeln!(out, "baton_prefix_cache_queries_tokens_total{{worker=\"{w}\"}} {q}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP baton_prefix_cache_hits_tokens_total Prompt tokens a worker's prefix cache served (not prefilled).\n# TYPE baton_prefix_cache_hits_tokens_total counter"
+        );
+        for (w, (_, h)) in cache.iter() {
+            let _ = writeln!(out, "baton_prefix_cache_hits_tokens_total{{worker=\"{w}\"}} {h}");
+        }
+    }
+
     /// Counts a request's outcome.
     pub fn outcome(&self, o: Outcome) {
         self.outcomes[o as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Prometheus text exposition.
-    pub fn render(&self, workers: &[WorkerGauges]) -> String {
+    pub fn render(&self, workers: &[WorkerGauges], index: &[crate::view::IndexGauges]) -> String {
         let mut out = String::new();
         self.ttft.render(&mut out, "baton_time_to_first_token_seconds", "Time to first token.");
         self.tbt.render(&mut out, "baton_time_between_tokens_seconds", "Time between consecutive tokens.");
@@ -241,6 +271,37 @@ impl Metrics {
                 w.name, w.blocks_total
             );
         }
+        let _ = writeln!(
+            out,
+            "# HELP baton_kv_index_blocks KV blocks the conductor's index holds per worker and tier (from the workers' KV events).\n# TYPE baton_kv_index_blocks gauge"
+        );
+        for g in index {
+            for (tier, n) in ["device", "host", "disk"].iter().zip(g.blocks) {
+                let _ = writeln!(out, "baton_kv_index_blocks{{worker=\"{}\",tier=\"{tier}\"}} {n}", g.name);
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP baton_kv_events_total KV events the conductor applied, per worker.\n# TYPE baton_kv_events_total counter"
+        );
+        for g in index {
+            let _ = writeln!(out, "baton_kv_events_total{{worker=\"{}\"}} {}", g.name, g.events);
+        }
+        let _ = writeln!(
+            out,
+            "# HELP baton_kv_index_resyncs_total Snapshots taken to resynchronise a worker's index after lost events.\n# TYPE baton_kv_index_resyncs_total counter"
+        );
+        for g in index {
+            let _ = writeln!(out, "baton_kv_index_resyncs_total{{worker=\"{}\"}} {}", g.name, g.resyncs);
+        }
+        let _ = writeln!(
+            out,
+            "# HELP baton_kv_index_lag_seconds Age of a worker's last state update when the conductor applied it.\n# TYPE baton_kv_index_lag_seconds gauge"
+        );
+        for g in index {
+            let _ = writeln!(out, "baton_kv_index_lag_seconds{{worker=\"{}\"}} {}", g.name, g.lag_s);
+        }
+        self.render_cache(&mut out);
         out
     }
 }

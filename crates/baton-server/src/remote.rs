@@ -14,10 +14,10 @@ use tracing::Instrument;
 use baton_cluster::{AUTH_HEADER, ClusterSecret, WorkerInfo, unix_millis};
 use tokio::sync::{mpsc, watch};
 
-use crate::control::{GENERATE_PATH, RELEASE_PATH, ReleaseBody, STATS_PATH};
+use crate::control::{GENERATE_PATH, RELEASE_PATH, ReleaseBody, STATE_PATH, STATS_PATH};
 use crate::error::ApiError;
 use crate::wire::WorkerError;
-use crate::worker::{RequestEvent, Role, WorkRequest, Worker, WorkerStats};
+use crate::worker::{RequestEvent, Role, StateUpdate, WorkRequest, Worker, WorkerStats};
 
 /// How long to wait for a worker to accept a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -166,6 +166,21 @@ impl Worker for RemoteWorker {
         self.info.kv.block_tokens as usize
     }
 
+    fn subscribe_state(&self) -> Option<mpsc::Receiver<StateUpdate>> {
+        let (tx, rx) = mpsc::channel(64);
+        let request = self.signed(reqwest::Method::GET, STATE_PATH, Vec::new());
+        let name = self.info.id.to_string();
+        let gone_rx = self.gone.subscribe();
+        tokio::spawn(async move {
+            tokio::select! {
+                why = relay_state(request, &tx) => tracing::info!(worker = name, why, "the state stream ended"),
+                () = gone(gone_rx) => {}
+                () = tx.closed() => {}
+            }
+        });
+        Some(rx)
+    }
+
     async fn stats(&self) -> Option<WorkerStats> {
         let r = self.signed(reqwest::Method::GET, STATS_PATH, Vec::new()).timeout(CALL_TIMEOUT).send().await.ok()?;
         if !r.status().is_success() {
@@ -211,6 +226,34 @@ async fn stream(request: reqwest::RequestBuilder, tx: &mpsc::UnboundedSender<Req
             let last = event.is_last();
             if tx.send(event).is_err() || last {
                 return None;
+            }
+        }
+    }
+}
+
+/// Relays a worker's state stream (NDJSON lines) until it ends; says why it ended.
+async fn relay_state(request: reqwest::RequestBuilder, tx: &mpsc::Sender<StateUpdate>) -> String {
+    let mut response = match request.send().await {
+        Ok(r) if r.status().is_success() => r,
+        Ok(r) => return format!("the worker answered {}", r.status()),
+        Err(e) => return format!("unreachable: {e}"),
+    };
+    let mut buf = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(bytes)) => buf.extend_from_slice(&bytes),
+            Ok(None) => return "closed by the worker".into(),
+            Err(e) => return format!("broken: {e}"),
+        }
+        while let Some(end) = buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=end).collect();
+            match serde_json::from_slice::<StateUpdate>(&line) {
+                Ok(update) => {
+                    if tx.send(update).await.is_err() {
+                        return "the reader left".into();
+                    }
+                }
+                Err(e) => return format!("unreadable update: {e}"),
             }
         }
     }

@@ -25,6 +25,8 @@ pub struct WorkerView {
     pub capacity_blocks: usize,
     /// Tokens of KV its pool holds (0: unknown).
     pub capacity_tokens: usize,
+    /// Its last load report (`None` before the first arrives).
+    pub report: Option<crate::wire::LoadReport>,
 }
 
 impl WorkerView {
@@ -39,6 +41,7 @@ impl WorkerView {
             decoding: Vec::new(),
             capacity_blocks: 0,
             capacity_tokens: 0,
+            report: None,
         }
     }
 }
@@ -86,6 +89,9 @@ pub enum Decision {
 pub trait RoutePolicy: Send + Sync {
     /// Decides where a request runs.
     fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision;
+    /// Hands the policy the conductor's global prompt trees (fed by the workers' KV events), for
+    /// a policy that routes by where KV is cached. The default ignores them.
+    fn attach_index(&self, _trees: crate::view::SharedTrees) {}
 }
 
 /// Least-load: fewest requests in flight, ties to the first worker. Disaggregates when there

@@ -6,11 +6,12 @@
 //! worker, pool sizes) into a [`ClusterSnapshot`], hashes the prompt into the chained block
 //! hashes the pool uses, asks the scheduler, and maps the instances it names back to workers.
 //!
-//! Prompt trees: the conductor records each routed prompt's blocks at its prefill instance
-//! ([`GlobalPromptTrees::predict`]) when it routes it — an entry the trees' TTL drops unless a
-//! KV event confirms it. Workers' KV events are not streamed to the conductor yet, so live
-//! trees are predicted only (Dynamo's "approximate" router mode); the simulator feeds real
-//! events.
+//! Prompt trees: the conductor's [`ClusterView`](crate::view::ClusterView) feeds the trees with
+//! every worker's KV events (an exact index); the policy also records each routed prompt's
+//! blocks at its prefill instance ([`GlobalPromptTrees::predict`]) when it routes it — an
+//! entry the trees' TTL drops unless an event confirms it — so the window between routing a
+//! request and its events arriving is covered. Load reports, when a worker has sent one,
+//! replace the ledger's guesses of its decode batch, queue and memory.
 
 use std::sync::Mutex;
 
@@ -25,13 +26,13 @@ use rand::rngs::StdRng;
 use crate::Role;
 use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot};
 
-/// How long a routed prompt's blocks count as cached at its prefill worker without a KV event.
-pub const PREDICTED_TTL_US: Micros = 120_000_000;
+pub use crate::view::PREDICTED_TTL_US;
+use crate::view::SharedTrees;
 
 /// Live state behind the lock.
 struct State {
     scheduler: Scheduler,
-    trees: GlobalPromptTrees,
+    trees: SharedTrees,
     rng: StdRng,
     next_request: u64,
 }
@@ -55,7 +56,7 @@ impl SchedPolicy {
     pub fn new(scheduler: Scheduler, cost: CostProfile, block_tokens: usize, seed: u64) -> Self {
         let state = State {
             scheduler,
-            trees: GlobalPromptTrees::new(PREDICTED_TTL_US),
+            trees: std::sync::Arc::new(Mutex::new(GlobalPromptTrees::new(PREDICTED_TTL_US))),
             rng: StdRng::seed_from_u64(seed),
             next_request: 0,
         };
@@ -83,6 +84,24 @@ impl SchedPolicy {
                     used: tokens.div_ceil(block_tokens) as u64,
                     total: if w.capacity_blocks == 0 { u64::MAX } else { w.capacity_blocks as u64 },
                 };
+                // What the worker measured replaces the ledger's guesses of its decode side
+                // and memory (the ledger still has the prefills it routed, with estimates).
+                if let Some(r) = &w.report {
+                    let started_at = snapshot.now_us;
+                    load.decode_running =
+                        r.decode_contexts.iter().map(|&c| DecodeSeq { started_at, context: c as u64 }).collect();
+                    load.decode_waiting = u32::try_from(r.waiting).unwrap_or(u32::MAX);
+                    load.decode_incoming = (0..r.incoming + r.receiving)
+                        .map(|_| baton_sched::IncomingSeq { ready_at: started_at, context: 0 })
+                        .collect();
+                    if r.total_blocks > 0 {
+                        let reclaimable = r.free_blocks + r.evictable_blocks;
+                        load.kv_device = TierUsage {
+                            used: r.total_blocks.saturating_sub(reclaimable) as u64,
+                            total: r.total_blocks as u64,
+                        };
+                    }
+                }
                 load
             })
             .collect()
@@ -142,6 +161,7 @@ impl RoutePolicy for SchedPolicy {
         let now = snapshot.now_us;
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let State { scheduler, trees, rng, next_request } = &mut *state;
+        let mut trees = trees.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         trees.expire(now);
         for w in &snapshot.workers {
             trees.set_role(InstanceId(w.instance), sched_role(w.role));
@@ -149,13 +169,17 @@ impl RoutePolicy for SchedPolicy {
         *next_request += 1;
         let req = Self::request(*next_request, request.prompt, request.max_tokens, self.block_tokens);
         let decision = {
-            let cluster = Self::cluster_snapshot(snapshot, trees, &self.cost, self.block_tokens, now);
+            let cluster = Self::cluster_snapshot(snapshot, &trees, &self.cost, self.block_tokens, now);
             scheduler.decide(&cluster, &req, rng)
         };
         if let baton_sched::Decision::Route(r) = &decision {
             trees.predict(r.prefill, &req.block_hashes, now);
         }
         Self::to_route(snapshot, &decision)
+    }
+
+    fn attach_index(&self, trees: SharedTrees) {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).trees = trees;
     }
 }
 

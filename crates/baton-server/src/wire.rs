@@ -297,6 +297,184 @@ pub struct ReleaseBody {
     pub id: u64,
 }
 
+/// A KV tier, as the state stream names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvTier {
+    /// The engine's working arena.
+    Device,
+    /// Host memory.
+    Host,
+    /// Local disk.
+    Disk,
+}
+
+impl From<baton_kv::Tier> for KvTier {
+    fn from(t: baton_kv::Tier) -> Self {
+        match t {
+            baton_kv::Tier::Device => KvTier::Device,
+            baton_kv::Tier::Host => KvTier::Host,
+            baton_kv::Tier::Disk => KvTier::Disk,
+        }
+    }
+}
+
+impl From<KvTier> for baton_kv::Tier {
+    fn from(t: KvTier) -> Self {
+        match t {
+            KvTier::Device => baton_kv::Tier::Device,
+            KvTier::Host => baton_kv::Tier::Host,
+            KvTier::Disk => baton_kv::Tier::Disk,
+        }
+    }
+}
+
+impl KvTier {
+    /// The name in metrics labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvTier::Device => "device",
+            KvTier::Host => "host",
+            KvTier::Disk => "disk",
+        }
+    }
+}
+
+/// A block a worker's prefix index holds: its chained hash (the prefix it names), its parent's
+/// and its tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CachedBlock {
+    /// Chained hash of the block (and so of its whole prefix).
+    pub hash: u64,
+    /// The previous block's hash (`None` for a prompt's first block).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<u64>,
+    /// Where it lives.
+    pub tier: KvTier,
+}
+
+/// One change to a worker's prefix index, numbered: a worker's events carry consecutive
+/// numbers from 0, so a gap shows that some were lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockEvent {
+    /// Sequence number.
+    pub seq: u64,
+    /// What changed.
+    #[serde(flatten)]
+    pub change: BlockChange,
+}
+
+/// What changed in a worker's prefix index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum BlockChange {
+    /// A block was cached.
+    Stored(CachedBlock),
+    /// A cached block moved to another tier.
+    Moved {
+        /// The block.
+        hash: u64,
+        /// Its tier now.
+        tier: KvTier,
+    },
+    /// A block left the cache.
+    Removed {
+        /// The block.
+        hash: u64,
+    },
+}
+
+impl From<&baton_kv::KvEvent> for BlockEvent {
+    fn from(e: &baton_kv::KvEvent) -> Self {
+        use baton_kv::KvEventKind;
+        let change = match &e.kind {
+            KvEventKind::Stored { hash, parent, tier, .. } => {
+                BlockChange::Stored(CachedBlock { hash: hash.0, parent: parent.map(|p| p.0), tier: (*tier).into() })
+            }
+            KvEventKind::Moved { hash, tier } => BlockChange::Moved { hash: hash.0, tier: (*tier).into() },
+            KvEventKind::Removed { hash } => BlockChange::Removed { hash: hash.0 },
+        };
+        Self { seq: e.seq, change }
+    }
+}
+
+impl BlockEvent {
+    /// The pool's event, for `instance` (the conductor's id of the worker); tokens are not
+    /// carried (the index keys on hashes).
+    pub fn to_kv(self, instance: baton_kv::InstanceId) -> baton_kv::KvEvent {
+        use baton_kv::{BlockHash, KvEventKind};
+        let kind = match self.change {
+            BlockChange::Stored(b) => KvEventKind::Stored {
+                hash: BlockHash(b.hash),
+                parent: b.parent.map(BlockHash),
+                tokens: baton_kv::BlockTokens::default(),
+                tier: b.tier.into(),
+            },
+            BlockChange::Moved { hash, tier } => KvEventKind::Moved { hash: BlockHash(hash), tier: tier.into() },
+            BlockChange::Removed { hash } => KvEventKind::Removed { hash: BlockHash(hash) },
+        };
+        baton_kv::KvEvent { instance, seq: self.seq, kind }
+    }
+}
+
+/// A worker's load, as measured by the worker (the same fields the simulator fills).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LoadReport {
+    /// Sequences in the running batch.
+    pub running: usize,
+    /// Sequences waiting to be admitted.
+    pub waiting: usize,
+    /// Prompt tokens not computed yet.
+    pub queued_prefill_tokens: usize,
+    /// Context of each sequence in the decode batch.
+    pub decode_contexts: Vec<usize>,
+    /// Hand-offs waiting for room (decode role).
+    pub incoming: usize,
+    /// Hand-offs whose KV is on its way.
+    pub receiving: usize,
+    /// KV handed off and still leased (prefill role).
+    pub leased: usize,
+    /// Device blocks free.
+    pub free_blocks: usize,
+    /// Device blocks in the prefix index.
+    pub cached_blocks: usize,
+    /// Cached device blocks no one holds.
+    pub evictable_blocks: usize,
+    /// Device blocks in all.
+    pub total_blocks: usize,
+    /// Measured time of one engine step (exponential moving average), µs; 0 before the first.
+    pub step_time_us: u64,
+}
+
+/// One message of a worker's state stream (KV events and load reports, in order). A stream
+/// starts with a `Snapshot`; after it, `Delta`s carry the events from `next_seq` on. A new
+/// snapshot comes when the worker dropped events (a slow reader) or a subscriber asked again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "update", rename_all = "snake_case")]
+pub enum StateUpdate {
+    /// Everything the worker's index holds, and the number of the next event.
+    Snapshot {
+        /// The next event's sequence number.
+        next_seq: u64,
+        /// Every cached block.
+        blocks: Vec<CachedBlock>,
+        /// Load now.
+        load: LoadReport,
+        /// When it was taken (Unix ms, the worker's clock).
+        at_ms: u64,
+    },
+    /// Events since the last update (possibly none) and the load now.
+    Delta {
+        /// Events, in order.
+        events: Vec<BlockEvent>,
+        /// Load now.
+        load: LoadReport,
+        /// When it was sent (Unix ms, the worker's clock).
+        at_ms: u64,
+    },
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,6 +507,35 @@ mod tests {
         ] {
             let json = serde_json::to_string(&e).expect("serialise");
             assert_eq!(serde_json::from_str::<RequestEvent>(&json).expect("parse"), e, "{json}");
+        }
+    }
+
+    #[test]
+    fn state_updates_round_trip_and_events_convert_both_ways() {
+        use baton_kv::{BlockHash, BlockTokens, InstanceId, KvEvent, KvEventKind, Tier};
+        let kv = KvEvent {
+            instance: InstanceId(3),
+            seq: 5,
+            kind: KvEventKind::Stored {
+                hash: BlockHash(9),
+                parent: Some(BlockHash(8)),
+                tokens: BlockTokens::default(),
+                tier: Tier::Host,
+            },
+        };
+        let e = BlockEvent::from(&kv);
+        assert_eq!(e.to_kv(InstanceId(3)), kv);
+        for e in [
+            StateUpdate::Delta { events: vec![e], load: LoadReport::default(), at_ms: 1 },
+            StateUpdate::Snapshot {
+                next_seq: 6,
+                blocks: vec![CachedBlock { hash: 1, parent: None, tier: KvTier::Device }],
+                load: LoadReport { decode_contexts: vec![3, 4], ..LoadReport::default() },
+                at_ms: 2,
+            },
+        ] {
+            let json = serde_json::to_string(&e).expect("serialise");
+            assert_eq!(serde_json::from_str::<StateUpdate>(&json).expect("parse"), e, "{json}");
         }
     }
 }

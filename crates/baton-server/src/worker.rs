@@ -45,7 +45,8 @@ use tracing::Instrument;
 pub use crate::handoff::{KvTransfer, TransportChoice};
 use crate::handoff::{TransferThread, spawn_push};
 use crate::session::{Action, Host, KvJob, SessionConfig, Sessions, Submission, TransferDone};
-pub use crate::wire::{Finish, KvSource, RequestEvent, Role, WorkRequest, WorkerError, WorkerStats};
+use crate::wire::{BlockEvent, CachedBlock, LoadReport};
+pub use crate::wire::{Finish, KvSource, RequestEvent, Role, StateUpdate, WorkRequest, WorkerError, WorkerStats};
 
 /// What the conductor needs of a worker, wherever it runs: [`WorkerHandle`] in this process,
 /// [`crate::remote::RemoteWorker`] behind a control API.
@@ -73,6 +74,13 @@ pub trait Worker: Send + Sync + std::fmt::Debug {
     fn block_tokens(&self) -> usize {
         0
     }
+    /// Subscribes to the worker's state stream: its KV events and load reports, in order,
+    /// starting with a snapshot of its whole index. Each subscription is independent (two
+    /// conductors may follow one worker); dropping the receiver ends it, and subscribing again
+    /// is how a reader that saw a gap resynchronises. `None` when the worker has no stream.
+    fn subscribe_state(&self) -> Option<mpsc::Receiver<StateUpdate>> {
+        None
+    }
 }
 
 /// How a worker serves and fetches KV.
@@ -99,6 +107,9 @@ pub struct WorkerOptions {
     /// Fault injection for tests: the engine thread panics before step number `n` (`None`
     /// outside tests), so that a test can watch a worker die.
     pub panic_at_step: Option<u64>,
+    /// Fault injection for tests: the state stream leaves out the KV event with this sequence
+    /// number (`None` outside tests), so that a test can watch the reader resynchronise.
+    pub drop_event_seq: Option<u64>,
 }
 
 /// How long a prefill worker keeps handed-off KV when no one releases it.
@@ -127,6 +138,8 @@ pub(crate) enum Command {
     /// The transfer thread finished a job.
     Transferred(Box<TransferDone>),
     Stats(oneshot::Sender<WorkerStats>),
+    /// A new subscriber to the state stream; it gets a snapshot first.
+    Subscribe(mpsc::Sender<StateUpdate>),
     /// The last handle is gone: stop the KV server and the thread.
     Shutdown,
 }
@@ -238,7 +251,7 @@ impl WorkerHandle {
         let sessions =
             Sessions::new(SessionConfig { incoming_wait: options.lease / 2, can_receive: transfers.is_some() });
         let (life_tx, life_rx) = watch::channel(None);
-        let panic_at_step = options.panic_at_step;
+        let (panic_at_step, drop_event_seq) = (options.panic_at_step, options.drop_event_seq);
         let thread = std::thread::Builder::new().name(format!("baton-{name}")).spawn(move || {
             let _lifeline = Lifeline(life_tx);
             EngineLoop {
@@ -248,6 +261,7 @@ impl WorkerHandle {
                 transfers,
                 steps: 0,
                 panic_at_step,
+                state: StatePublisher::new(drop_event_seq),
             }
             .run(rx);
         })?;
@@ -389,6 +403,12 @@ impl Worker for WorkerHandle {
         self.inner.block_tokens
     }
 
+    fn subscribe_state(&self) -> Option<mpsc::Receiver<StateUpdate>> {
+        let (tx, rx) = mpsc::channel(STATE_BACKLOG);
+        self.inner.commands.send(Command::Subscribe(tx)).ok()?;
+        Some(rx)
+    }
+
     async fn stats(&self) -> Option<WorkerStats> {
         let (tx, rx) = oneshot::channel();
         self.inner.commands.send(Command::Stats(tx)).ok()?;
@@ -506,6 +526,130 @@ struct EngineLoop {
     transfers: Option<std::sync::mpsc::Sender<KvJob>>,
     steps: u64,
     panic_at_step: Option<u64>,
+    state: StatePublisher,
+}
+
+/// Updates of the state stream a slow reader may have queued before the worker stops sending
+/// deltas (and sends a snapshot once there is room again).
+const STATE_BACKLOG: usize = 256;
+/// Events kept for a reader that does not take them before they are dropped for a snapshot.
+const STATE_MAX_PENDING: usize = 1 << 16;
+/// Longest a changed load goes unreported while the engine is busy.
+const LOAD_EVERY: Duration = Duration::from_millis(20);
+
+/// The engine thread's side of the state streams: drains the pool's KV events into deltas for
+/// each subscriber, with the load; a snapshot when a subscriber arrives or fell too far behind.
+struct StatePublisher {
+    subscribers: Vec<Subscriber>,
+    /// Exponential moving average of a step's time, µs.
+    step_us: f64,
+    drop_event_seq: Option<u64>,
+}
+
+/// One reader of the state stream (a conductor, or a conductor's resubscription).
+struct Subscriber {
+    tx: mpsc::Sender<StateUpdate>,
+    snapshot_due: bool,
+    pending: Vec<BlockEvent>,
+    last_load: Option<LoadReport>,
+    last_sent: Instant,
+}
+
+impl StatePublisher {
+    fn new(drop_event_seq: Option<u64>) -> Self {
+        Self { subscribers: Vec::new(), step_us: 0.0, drop_event_seq }
+    }
+
+    fn subscribe(&mut self, tx: mpsc::Sender<StateUpdate>) {
+        self.subscribers.push(Subscriber {
+            tx,
+            snapshot_due: true,
+            pending: Vec::new(),
+            last_load: None,
+            last_sent: Instant::now(),
+        });
+    }
+
+    fn record_step(&mut self, took: Duration) {
+        let us = took.as_secs_f64() * 1e6;
+        self.step_us = if self.step_us == 0.0 { us } else { 0.9 * self.step_us + 0.1 * us };
+    }
+
+    /// Sends each subscriber what changed; `busy` (the engine has work) lets a changed load wait
+    /// a little. Without subscribers the events are dropped (the pool's buffer stays empty).
+    fn publish(&mut self, engine: &mut Engine, counts: crate::session::Counts, busy: bool) {
+        let mut events: Vec<BlockEvent> = engine.drain_kv_events().iter().map(BlockEvent::from).collect();
+        if let Some(drop) = self.drop_event_seq
+            && let Some(at) = events.iter().position(|e| e.seq == drop)
+        {
+            tracing::warn!(seq = drop, "fault injection: a KV event is left out of the state stream");
+            events.remove(at);
+        }
+        self.subscribers.retain(|s| !s.tx.is_closed());
+        if self.subscribers.is_empty() {
+            return;
+        }
+        let load = self.load(engine, counts);
+        let mut snapshot = None;
+        for sub in &mut self.subscribers {
+            if !sub.snapshot_due {
+                sub.pending.extend_from_slice(&events);
+                if sub.pending.len() > STATE_MAX_PENDING {
+                    sub.pending.clear();
+                    sub.snapshot_due = true;
+                }
+            }
+            let load_changed = sub.last_load.as_ref() != Some(&load);
+            let due = sub.snapshot_due
+                || !sub.pending.is_empty()
+                || (load_changed && (!busy || sub.last_sent.elapsed() >= LOAD_EVERY));
+            if !due {
+                continue;
+            }
+            let at_ms = baton_cluster::unix_millis();
+            let update = if sub.snapshot_due {
+                let (next_seq, blocks) = snapshot.get_or_insert_with(|| {
+                    let (next_seq, entries) = engine.kv_index_snapshot();
+                    let blocks: Vec<CachedBlock> = entries
+                        .into_iter()
+                        .map(|(h, e)| CachedBlock { hash: h.0, parent: e.parent.map(|p| p.0), tier: e.tier.into() })
+                        .collect();
+                    (next_seq, blocks)
+                });
+                StateUpdate::Snapshot { next_seq: *next_seq, blocks: blocks.clone(), load: load.clone(), at_ms }
+            } else {
+                StateUpdate::Delta { events: std::mem::take(&mut sub.pending), load: load.clone(), at_ms }
+            };
+            match sub.tx.try_send(update) {
+                Ok(()) => {
+                    sub.snapshot_due = false;
+                    sub.last_load = Some(load.clone());
+                    sub.last_sent = Instant::now();
+                }
+                // A slow reader: keep its events (bounded), or start it over with a snapshot.
+                Err(mpsc::error::TrySendError::Full(StateUpdate::Delta { events, .. })) => sub.pending = events,
+                Err(_) => {}
+            }
+        }
+    }
+
+    fn load(&self, engine: &Engine, counts: crate::session::Counts) -> LoadReport {
+        let l = engine.load();
+        LoadReport {
+            running: l.running,
+            waiting: l.waiting,
+            queued_prefill_tokens: l.queued_prefill_tokens,
+            decode_contexts: l.decode_contexts,
+            incoming: counts.queued,
+            receiving: counts.receiving,
+            leased: counts.leased,
+            free_blocks: l.free_blocks,
+            cached_blocks: l.cached_blocks,
+            evictable_blocks: l.evictable_blocks,
+            total_blocks: l.total_blocks,
+            step_time_us: self.step_us as u64,
+        }
+    }
 }
 
 /// How a prefill worker pushes.
@@ -551,6 +695,8 @@ impl EngineLoop {
             if !self.perform() {
                 break;
             }
+            let busy = self.host.engine.has_work();
+            self.state.publish(&mut self.host.engine, self.sessions.counts(), busy);
         }
         self.sessions.stop(&mut self.host, "the worker stopped");
         // A push still running holds the server; it stops when that push ends.
@@ -572,6 +718,7 @@ impl EngineLoop {
             Command::Abort(id) => self.sessions.abort(host, id),
             Command::Release(id) => self.sessions.release(host, id),
             Command::Released(release) => self.sessions.lease_ended(host, RequestId(release.id.0)),
+            Command::Subscribe(tx) => self.state.subscribe(tx),
             Command::Stats(reply) => {
                 let (running, waiting) = host.engine.queue_lengths();
                 let counts = self.sessions.counts();
@@ -627,7 +774,10 @@ impl EngineLoop {
         if self.panic_at_step.is_some_and(|n| self.steps >= n) {
             panic!("fault injection: the engine thread panics at step {}", self.steps);
         }
-        match self.host.engine.step() {
+        let started = Instant::now();
+        let stepped = self.host.engine.step();
+        self.state.record_step(started.elapsed());
+        match stepped {
             Ok(out) => {
                 let progressed = out.computed_tokens > 0 || out.preempted > 0 || !out.finished.is_empty();
                 self.sessions.step_output(&mut self.host, out);

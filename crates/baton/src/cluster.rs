@@ -227,6 +227,7 @@ pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
         api_key: a.api_key,
         policy: a.routing.choice()?,
         kv_transfer: a.routing.kv_transfer(),
+        kv_index: a.routing.kv_index(),
         block_tokens: a.block_size,
         drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),
     };

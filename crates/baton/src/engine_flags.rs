@@ -101,6 +101,20 @@ pub(crate) struct RoutingFlags {
     /// worker. Every worker supports both modes; the conductor picks one for all requests.
     #[arg(long, value_enum, default_value = "pull")]
     kv_transfer: KvTransferArg,
+    /// What the conductor's KV index (the prompt trees prefix-aware policies read) is fed by:
+    /// `exact`, every worker's KV events (stored, moved, removed; a snapshot after any loss),
+    /// or `predicted`, only the conductor's guess that a routed prompt is cached where it went.
+    #[arg(long, value_enum, default_value = "exact")]
+    kv_index: KvIndexArg,
+}
+
+/// What feeds the conductor's KV index.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub(crate) enum KvIndexArg {
+    /// The workers' KV events.
+    Exact,
+    /// The conductor's predictions only.
+    Predicted,
 }
 
 impl RoutingFlags {
@@ -109,6 +123,14 @@ impl RoutingFlags {
         match self.kv_transfer {
             KvTransferArg::Pull => baton_server::KvTransfer::Pull,
             KvTransferArg::Push => baton_server::KvTransfer::Push,
+        }
+    }
+
+    /// What these flags feed the conductor's KV index with.
+    pub(crate) fn kv_index(&self) -> baton_server::view::KvIndexMode {
+        match self.kv_index {
+            KvIndexArg::Exact => baton_server::view::KvIndexMode::Exact,
+            KvIndexArg::Predicted => baton_server::view::KvIndexMode::Predicted,
         }
     }
 
