@@ -166,9 +166,10 @@ fn worker_env(
         "tiny",
         "--registry",
         registry,
-        "--num-blocks",
-        "256",
     ];
+    if !extra.contains(&"--num-blocks") {
+        args.extend_from_slice(&["--num-blocks", "256"]);
+    }
     if !extra.contains(&"--ttl-s") {
         args.extend_from_slice(&["--ttl-s", "1.5"]);
     }
@@ -761,4 +762,139 @@ fn an_engine_thread_panic_takes_the_worker_out_and_it_exits_non_zero() {
     }
     assert_eq!(migrations(&url), "baton_migrations_total 1");
     assert_no_leak(&[&second]);
+}
+
+/// The conductor's index of one worker: its confirmed blocks (chained hashes), as
+/// `GET /debug/kv-index` shows them, or `None` before the worker's first update.
+fn indexed(url: &str, worker: &str) -> Option<Vec<u64>> {
+    let v: Value = http().get(format!("{url}/debug/kv-index")).send().unwrap().json().unwrap();
+    let w = &v["workers"][worker];
+    if w["report"].is_null() {
+        return None;
+    }
+    let mut blocks: Vec<u64> = w["blocks"].as_array()?.iter().map(|b| b[0].as_u64().unwrap()).collect();
+    blocks.sort_unstable();
+    Some(blocks)
+}
+
+/// The blocks a worker's pool holds: the first update of its own state stream (a snapshot),
+/// read through its control API.
+fn pool_blocks(worker_url: &str) -> Vec<u64> {
+    use std::io::Read;
+    let secret = ClusterSecret::new(SECRET).unwrap();
+    let proof = secret.sign_request("GET", "/worker/v1/state", unix_millis(), b"");
+    let mut r = http().get(format!("{worker_url}/worker/v1/state")).header(AUTH_HEADER, proof).send().unwrap();
+    assert!(r.status().is_success(), "state of {worker_url}: {}", r.status());
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while r.read(&mut byte).unwrap() == 1 && byte[0] != b'\n' {
+        line.push(byte[0]);
+    }
+    let v: Value = serde_json::from_slice(&line).unwrap();
+    assert_eq!(v["update"], "snapshot", "{v}");
+    let mut blocks: Vec<u64> = v["blocks"].as_array().unwrap().iter().map(|b| b["hash"].as_u64().unwrap()).collect();
+    blocks.sort_unstable();
+    blocks
+}
+
+/// Polls until `check` holds of the worker's index entry, or panics after `limit`; returns how
+/// long it took.
+fn wait_index(url: &str, worker: &str, limit: Duration, check: impl Fn(&[u64]) -> bool) -> Duration {
+    let start = Instant::now();
+    loop {
+        if indexed(url, worker).is_some_and(|b| check(&b)) {
+            return start.elapsed();
+        }
+        assert!(start.elapsed() < limit, "the index of {worker} is {:?} after {limit:?}", indexed(url, worker));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn metric(url: &str, prefix: &str) -> f64 {
+    let metrics = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
+    metrics.lines().find_map(|l| l.strip_prefix(prefix)).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)
+}
+
+/// The exact index: a prompt cached on a prefill worker is in the conductor's index as soon as
+/// its events arrive (the time is printed), equal to the worker's pool; the next request that
+/// shares the prompt goes to that worker under `kv-centric` and reports a cache hit; a worker
+/// killed and restarted under the same name and port shows none of its old blocks.
+#[test]
+fn the_conductor_indexes_what_workers_cache_and_forgets_a_restarted_worker() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--policy", "kv-centric"]);
+    let mut p1 = worker(&dir, "prefill", &url, &["--name", "p1", "--port", "0"]);
+    let p1_port = p1.url.rsplit(':').next().unwrap().to_owned();
+    let p2 = worker(&dir, "prefill", &url, &["--name", "p2"]);
+    let d = worker(&dir, "decode", &url, &["--name", "d"]);
+    wait_members(&url, 3, Duration::from_secs(10));
+    let first = complete(&url, LONG, 4);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{first}");
+    let holder = ["p1", "p2"].into_iter().find(|w| indexed(&url, w).is_some_and(|b| !b.is_empty()));
+    let holder = match holder {
+        Some(h) => h,
+        None => {
+            let took = wait_index(&url, "p1", Duration::from_secs(5), |b| !b.is_empty());
+            eprintln!("the prompt's blocks reached the conductor's index {took:?} after the answer");
+            "p1"
+        }
+    };
+    let holder_url = if holder == "p1" { &p1.url } else { &p2.url };
+    wait_index(&url, holder, Duration::from_secs(5), |b| b == pool_blocks(holder_url));
+    // The next request sharing the prompt goes where its KV is, and is served from it.
+    let second = complete(&url, &format!("{LONG} and then the rain"), 4);
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(cached >= 16, "no cache hit: {second}");
+    let hits = metric(&url, &format!("baton_prefix_cache_hits_tokens_total{{worker=\"{holder}\"}}"));
+    assert!(hits >= cached as f64, "hits on {holder}: {hits}");
+    assert_no_leak(&[&p2, &d]);
+
+    // Killed and restarted on the same name and port: none of its old blocks stay indexed.
+    if holder == "p1" {
+        complete(&url, LONG, 4);
+    }
+    let _ = complete(&url, "A different prompt entirely, long enough to fill a block of sixteen tokens.", 4);
+    wait_index(&url, "p1", Duration::from_secs(5), |b| !b.is_empty());
+    p1.proc.kill();
+    // Its membership lease lapses (the registry refuses the name until then).
+    wait_members(&url, 2, Duration::from_secs(10));
+    assert_eq!(indexed(&url, "p1"), None, "a worker that left keeps no blocks in the index");
+    let p1 = worker(&dir, "prefill", &url, &["--name", "p1", "--port", &p1_port]);
+    wait_index(&url, "p1", Duration::from_secs(10), <[u64]>::is_empty);
+    assert!(pool_blocks(&p1.url).is_empty());
+}
+
+/// A lost KV event (injected) is seen as a gap: the conductor resynchronises from a snapshot and
+/// its index ends equal to the worker's pool; eviction on a small pool removes blocks from the
+/// index too.
+#[test]
+fn a_gap_in_kv_events_resyncs_and_eviction_reaches_the_index() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    let env = [("BATON_FAULT_DROP_EVENT_SEQ", "3")];
+    // 24 blocks of 16 tokens: a few prompts fill it and later ones evict earlier ones.
+    let w = worker_env(&dir, "colocated", &url, &["--name", "w", "--num-blocks", "24"], SECRET, &env);
+    wait_members(&url, 1, Duration::from_secs(10));
+    for i in 0..3 {
+        let _ = complete(&url, &format!("Prompt number {i}: {LONG}"), 2);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while metric(&url, "baton_kv_index_resyncs_total{worker=\"w\"}") < 1.0 {
+        assert!(Instant::now() < deadline, "the gap was not noticed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_index(&url, "w", Duration::from_secs(5), |b| b == pool_blocks(&w.url));
+    // More prompts than the pool holds: events (stored and removed) flow as deltas again.
+    for i in 3..15 {
+        let _ = complete(&url, &format!("Prompt number {i}: {LONG}"), 2);
+    }
+    wait_index(&url, "w", Duration::from_secs(5), |b| b == pool_blocks(&w.url));
+    let held = indexed(&url, "w").unwrap();
+    assert!(!held.is_empty() && held.len() <= 24, "{} blocks indexed", held.len());
+    let events = metric(&url, "baton_kv_events_total{worker=\"w\"}");
+    // 12 prompts of 3 or more blocks each went through a 24-block pool: blocks were evicted,
+    // their removals applied.
+    assert!(events >= 36.0 + 12.0, "{events} events for {} blocks", held.len());
+    assert_eq!(metric(&url, "baton_kv_index_resyncs_total{worker=\"w\"}"), 1.0);
+    assert_no_leak(&[&w]);
 }
