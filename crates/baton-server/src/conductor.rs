@@ -377,7 +377,8 @@ impl Conductor {
     /// on) is not refused: the decode worker queues it, or recomputes.
     fn route(&self, valid: &ValidRequest, excluded: &[String], admit: bool) -> Result<Route, ApiError> {
         let (workers, snapshot) = self.snapshot(excluded);
-        let request = RouteRequest { prompt: &valid.prompt_ids, max_tokens: valid.stop.max_tokens };
+        let session = valid.session.as_deref().map(crate::routing::session_id);
+        let request = RouteRequest { prompt: &valid.prompt_ids, max_tokens: valid.stop.max_tokens, session };
         match self.policy.route(&snapshot, &request) {
             Decision::Colocated(w) => Ok(Route::Colocated(workers[w].clone())),
             Decision::Disaggregated { decode, .. }
@@ -444,7 +445,12 @@ impl Conductor {
             Err(e) => Err(e),
         };
         let valid = match result {
-            Ok(v) => v,
+            Ok(mut v) => {
+                if let Some(key) = headers.get("x-session-id").and_then(|h| h.to_str().ok()).filter(|k| !k.is_empty()) {
+                    v.session = Some(key.to_owned());
+                }
+                v
+            }
             Err(e) => {
                 self.metrics.outcome(Outcome::Invalid);
                 tracing::info!(status = e.status().as_u16(), error = %e.body(), "request refused");

@@ -109,7 +109,7 @@ pub struct Common {
     pub seed: Option<i64>,
     /// Keep generating past end-of-sequence (an extension, as vLLM).
     pub ignore_eos: Option<bool>,
-    /// End-user id (accepted, unused).
+    /// End-user id: the session key routing keeps together (unless `x-session-id` names one).
     pub user: Option<String>,
     /// In [-2, 2]: subtracted once from the logit of each token generated so far.
     pub presence_penalty: Option<f64>,
@@ -223,6 +223,9 @@ pub struct ValidRequest {
     /// Choices to generate (`n`): they share the prompt's KV, and choice `i` samples with
     /// `seed + i` when a seed is given (as vLLM).
     pub n: usize,
+    /// The session the request belongs to (the `user` field, or the `x-session-id` header):
+    /// session-affinity routing keeps a session's turns on one worker.
+    pub session: Option<String>,
 }
 
 /// The 400 for `/v1/chat/completions` on a model without a chat template: what the client can
@@ -458,6 +461,7 @@ impl Validator {
             stop_token_ids,
             echo: None,
             n,
+            session: c.user.clone().filter(|u| !u.is_empty()),
         })
     }
 }

@@ -62,6 +62,17 @@ pub struct RouteRequest<'a> {
     pub prompt: &'a [u32],
     /// Tokens to generate at most.
     pub max_tokens: usize,
+    /// The session it belongs to (a hash of its key), if any.
+    pub session: Option<u64>,
+}
+
+/// A session key's id for routing: FNV-1a of the key (stable across conductors and restarts).
+pub fn session_id(key: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }
 
 /// A routing decision.
@@ -171,13 +182,13 @@ mod tests {
                 view(3, Role::Decode, 5),
             ],
         };
-        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10 };
+        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
         assert_eq!(LeastLoad::default().route(&s, &r), Decision::Disaggregated { prefill: 1, decode: 2 });
     }
 
     #[test]
     fn colocated_when_a_role_is_missing_and_nothing_when_empty() {
-        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10 };
+        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
         let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 0), view(1, Role::Colocated, 2)] };
         assert_eq!(LeastLoad::default().route(&s, &r), Decision::Colocated(1));
         assert_eq!(LeastLoad::default().route(&Snapshot::default(), &r), Decision::NoWorkers);
@@ -185,7 +196,7 @@ mod tests {
 
     #[test]
     fn a_decode_worker_without_room_is_not_chosen_and_none_means_429() {
-        let r = RouteRequest { prompt: &[1; 100], max_tokens: 10 };
+        let r = RouteRequest { prompt: &[1; 100], max_tokens: 10, session: None };
         let busy = WorkerView { capacity_tokens: 1000, decoding: vec![(0, 950)], ..view(1, Role::Decode, 0) };
         let idle = WorkerView { capacity_tokens: 1000, decoding: vec![(0, 300)], ..view(2, Role::Decode, 3) };
         let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 0), busy.clone(), idle] };
@@ -196,7 +207,7 @@ mod tests {
 
     #[test]
     fn a_full_cluster_rejects_and_a_free_colocated_worker_still_serves() {
-        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10 };
+        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
         let capped = LeastLoad { max_in_flight: Some(2) };
         let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 2), view(1, Role::Decode, 0)] };
         assert!(matches!(capped.route(&s, &r), Decision::Reject { .. }));

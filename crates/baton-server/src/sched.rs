@@ -120,14 +120,14 @@ impl SchedPolicy {
     }
 
     /// The scheduler's request for a prompt.
-    pub fn request(id: u64, prompt: &[u32], max_tokens: usize, block_tokens: usize) -> Request {
+    pub fn request(id: u64, request: &RouteRequest<'_>, block_tokens: usize) -> Request {
         Request {
             id: RequestId(id),
-            prompt_tokens: prompt.len() as u64,
-            block_hashes: prefix_hashes(prompt, block_tokens),
+            prompt_tokens: request.prompt.len() as u64,
+            block_hashes: prefix_hashes(request.prompt, block_tokens),
             block_tokens: block_tokens as u64,
-            expected_output: max_tokens as u64,
-            session: None,
+            expected_output: request.max_tokens as u64,
+            session: request.session.map(baton_sched::SessionId),
         }
     }
 
@@ -167,7 +167,7 @@ impl RoutePolicy for SchedPolicy {
             trees.set_role(InstanceId(w.instance), sched_role(w.role));
         }
         *next_request += 1;
-        let req = Self::request(*next_request, request.prompt, request.max_tokens, self.block_tokens);
+        let req = Self::request(*next_request, request, self.block_tokens);
         let decision = {
             let cluster = Self::cluster_snapshot(snapshot, &trees, &self.cost, self.block_tokens, now);
             scheduler.decide(&cluster, &req, rng)
@@ -265,7 +265,7 @@ mod tests {
                 16,
                 7,
             );
-            let routed = live.route(&snap, &RouteRequest { prompt: &prompt, max_tokens: 64 });
+            let routed = live.route(&snap, &RouteRequest { prompt: &prompt, max_tokens: 64, session: None });
 
             let mut direct = Scheduler::new(kind.build(&PolicyConfig::default()), AdmissionConfig::default());
             let mut trees = GlobalPromptTrees::new(PREDICTED_TTL_US);
@@ -273,7 +273,7 @@ mod tests {
                 trees.set_role(InstanceId(w.instance), sched_role(w.role));
             }
             let cluster = SchedPolicy::cluster_snapshot(&snap, &trees, &cost, 16, snap.now_us);
-            let req = SchedPolicy::request(1, &prompt, 64, 16);
+            let req = SchedPolicy::request(1, &RouteRequest { prompt: &prompt, max_tokens: 64, session: None }, 16);
             let decision = direct.decide(&cluster, &req, &mut StdRng::seed_from_u64(7));
             assert_eq!(routed, SchedPolicy::to_route(&snap, &decision), "{}", kind.name());
             assert!(matches!(routed, Decision::Disaggregated { .. }), "{}: {routed:?}", kind.name());
@@ -289,7 +289,7 @@ mod tests {
             16,
             0,
         );
-        let d = live.route(&snapshot(), &RouteRequest { prompt: &[1, 2, 3], max_tokens: 8 });
+        let d = live.route(&snapshot(), &RouteRequest { prompt: &[1, 2, 3], max_tokens: 8, session: None });
         assert_eq!(d, Decision::Disaggregated { prefill: 1, decode: 2 });
     }
 
@@ -309,11 +309,46 @@ mod tests {
         };
         let a: Vec<u32> = (0..64).collect();
         let b: Vec<u32> = (100..164).collect();
-        let first_a = live.route(&snap, &RouteRequest { prompt: &a, max_tokens: 4 });
-        let first_b = live.route(&snap, &RouteRequest { prompt: &b, max_tokens: 4 });
+        let first_a = live.route(&snap, &RouteRequest { prompt: &a, max_tokens: 4, session: None });
+        let first_b = live.route(&snap, &RouteRequest { prompt: &b, max_tokens: 4, session: None });
         for _ in 0..3 {
-            assert_eq!(live.route(&snap, &RouteRequest { prompt: &a, max_tokens: 4 }), first_a);
-            assert_eq!(live.route(&snap, &RouteRequest { prompt: &b, max_tokens: 4 }), first_b);
+            assert_eq!(live.route(&snap, &RouteRequest { prompt: &a, max_tokens: 4, session: None }), first_a);
+            assert_eq!(live.route(&snap, &RouteRequest { prompt: &b, max_tokens: 4, session: None }), first_b);
+        }
+    }
+
+    /// Session affinity live: a session's requests (keyed by `user` or `x-session-id`) stay on
+    /// the worker the first one went to (the least loaded then), whatever their prompts and
+    /// however loaded that worker is by the later turns.
+    #[test]
+    fn session_affinity_keeps_a_session_on_one_worker() {
+        let live = SchedPolicy::new(
+            Scheduler::new(PolicyKind::SessionAffinity.build(&PolicyConfig::default()), AdmissionConfig::default()),
+            CostProfile::llama2_70b_8xa800(),
+            16,
+            0,
+        );
+        // All but worker `idle` have prompts queued.
+        let snap = |idle: usize| Snapshot {
+            workers: (0..4)
+                .map(|i| WorkerView {
+                    prefilling: if i == idle { Vec::new() } else { vec![2000; 3] },
+                    ..WorkerView::new(i, Role::Colocated, 0)
+                })
+                .collect(),
+            now_us: 0,
+        };
+        for s in 0..4usize {
+            let session = Some(crate::routing::session_id(&format!("user-{s}")));
+            let prompt: Vec<u32> = (0..40).map(|t| (s * 100 + t) as u32).collect();
+            let first = live.route(&snap(s), &RouteRequest { prompt: &prompt, max_tokens: 4, session });
+            assert_eq!(first, Decision::Colocated(s), "the least loaded worker takes a new session");
+            for turn in 1..4u32 {
+                let other: Vec<u32> = (turn * 7..turn * 7 + 30).collect();
+                let busiest_is_its_own = snap((s + 1) % 4);
+                let d = live.route(&busiest_is_its_own, &RouteRequest { prompt: &other, max_tokens: 4, session });
+                assert_eq!(d, first, "session {s}, turn {turn}");
+            }
         }
     }
 }
