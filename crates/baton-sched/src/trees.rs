@@ -59,12 +59,15 @@ pub struct PrefixMatch {
 pub struct GlobalPromptTrees {
     ttl_us: Micros,
     trees: BTreeMap<InstanceId, Tree>,
+    /// Predictions in the order they lapse (the TTL is fixed, so in the order they were made):
+    /// [`expire`](Self::expire) pops only what lapsed, never walks the confirmed entries.
+    lapses: std::collections::VecDeque<(Micros, InstanceId, BlockHash)>,
 }
 
 impl GlobalPromptTrees {
     /// Empty trees; predicted entries live `ttl_us`.
     pub fn new(ttl_us: Micros) -> Self {
-        Self { ttl_us, trees: BTreeMap::new() }
+        Self { ttl_us, trees: BTreeMap::new(), lapses: std::collections::VecDeque::new() }
     }
 
     /// The TTL of unconfirmed entries.
@@ -163,17 +166,38 @@ impl GlobalPromptTrees {
         let Some(tree) = self.trees.get_mut(&instance) else { return };
         let expires = now.saturating_add(self.ttl_us);
         for h in hashes {
-            let e = tree.blocks.entry(*h).or_insert(Entry { tier: None, expires_at: Some(expires) });
-            if let Some(t) = e.expires_at.as_mut() {
-                *t = (*t).max(expires);
+            match tree.blocks.entry(*h) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(Entry { tier: None, expires_at: Some(expires) });
+                    self.lapses.push_back((expires, instance, *h));
+                }
+                std::collections::hash_map::Entry::Occupied(mut o) => {
+                    if let Some(t) = o.get_mut().expires_at.as_mut() {
+                        *t = (*t).max(expires);
+                    }
+                }
             }
         }
     }
 
-    /// Drops predicted entries whose TTL has passed.
+    /// Drops predicted entries whose TTL has passed. Costs what lapsed, not the index's size:
+    /// each live prediction has one place in a queue ordered by when it was made; one refreshed
+    /// since goes to the back with its new time (lookups check the time anyway, so a late
+    /// removal is never a wrong answer).
     pub fn expire(&mut self, now: Micros) {
-        for tree in self.trees.values_mut() {
-            tree.blocks.retain(|_, e| e.live(now));
+        while let Some(&(at, instance, hash)) = self.lapses.front() {
+            if at > now {
+                break;
+            }
+            self.lapses.pop_front();
+            let Some(tree) = self.trees.get_mut(&instance) else { continue };
+            match tree.blocks.get(&hash).and_then(|e| e.expires_at) {
+                Some(t) if t <= now => {
+                    tree.blocks.remove(&hash);
+                }
+                Some(t) => self.lapses.push_back((t, instance, hash)),
+                None => {}
+            }
         }
     }
 

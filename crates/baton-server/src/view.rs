@@ -147,9 +147,10 @@ impl ClusterView {
         self.trees.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Starts following a worker (replacing any follower of the same name): its old blocks are
-    /// forgotten. Returns the follower's number.
-    fn enroll(&self, name: &str, instance: InstanceId) -> u64 {
+    /// Registers a follower of a worker (replacing any of the same name): its old blocks are
+    /// forgotten. Returns the follower's number, which [`apply`](Self::apply) takes.
+    /// [`follow`](Self::follow) does this; benchmarks and tests call it to apply by hand.
+    pub fn enroll(&self, name: &str, instance: InstanceId) -> u64 {
         let follower = self.next_follower.fetch_add(1, Ordering::Relaxed);
         self.tree_lock().remove_instance(instance);
         self.workers().insert(name.to_owned(), Followed { instance, follower, ..Followed::default() });

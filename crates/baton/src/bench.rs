@@ -5,6 +5,8 @@ use baton_engine::bench::{self, EngineBenchConfig};
 use baton_kv::KvLayout;
 
 // Declared here rather than in main.rs: `baton bench serve` and `compare` are bench commands.
+#[path = "bench_index.rs"]
+mod bench_index;
 #[path = "bench_serve.rs"]
 mod bench_serve;
 #[path = "bench_storm.rs"]
@@ -35,6 +37,10 @@ pub(crate) enum BenchCommand {
     /// (429), failed before it, failed after it or hung (the last two: target 0), and tokens/s.
     /// Exits non-zero when any failed after its first token or hung.
     Storm(bench_storm::StormArgs),
+    /// The conductor's KV index at cluster scale: KV events applied per second (in memory and
+    /// from the control API's NDJSON) into an index of 16 workers and 1M blocks, and the p99 of
+    /// a kv-centric routing decision against it, each beside its target.
+    Index(bench_index::IndexArgs),
 }
 
 /// Arguments of `baton bench engine`.
@@ -86,6 +92,7 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Conductor(a) => crate::bench_conductor::run(a),
         BenchCommand::Serve(a) => bench_serve::serve(*a),
         BenchCommand::Storm(a) => bench_storm::run(a),
+        BenchCommand::Index(a) => bench_index::run(a),
         BenchCommand::Compare(a) => bench_serve::compare(a),
     }
 }
