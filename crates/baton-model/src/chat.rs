@@ -1,4 +1,5 @@
-//! Chat templates, rendered with minijinja the way transformers renders them with jinja2.
+//! Chat templates, rendered with minijinja the way transformers renders them with jinja2
+//! (`tools` and messages' `tool_calls` included, for templates that render tools).
 
 use minijinja::{Environment, ErrorKind, Value, context};
 use serde::{Deserialize, Serialize};
@@ -6,18 +7,28 @@ use serde::{Deserialize, Serialize};
 use crate::error::{ModelError, Result};
 
 /// One message of a chat.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, ...
+    /// `system`, `user`, `assistant`, `tool`, ...
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant's tool calls, in OpenAI's shape (`[{"id", "type": "function",
+    /// "function": {"name", "arguments"}}]`), as templates that render tools read them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The participant's (or, for a `tool` message, the function's) name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     /// A message with a role and content.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into() }
+        Self { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None, name: None }
     }
 }
 
@@ -26,6 +37,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Whether the template renders the `tools` it is given (found by rendering a probe).
+    supports_tools: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -51,23 +64,56 @@ impl ChatTemplate {
             "01 Jan 2026".to_owned()
         });
         env.add_template_owned("chat", source.to_owned()).map_err(|e| ModelError::Template(e.to_string()))?;
-        Ok(Self {
+        let mut template = Self {
             env,
             bos_token: bos_token.unwrap_or_default().to_owned(),
             eos_token: eos_token.unwrap_or_default().to_owned(),
-        })
+            supports_tools: false,
+        };
+        template.supports_tools = template.renders_tools();
+        Ok(template)
+    }
+
+    /// Whether a conversation rendered with a tool mentions the tool's name (as llama.cpp
+    /// probes a template's capabilities).
+    fn renders_tools(&self) -> bool {
+        const PROBE: &str = "baton_probe_tool_name";
+        let tools = serde_json::json!([{"type": "function", "function": {"name": PROBE, "description": "probe",
+            "parameters": {"type": "object", "properties": {}}}}]);
+        let messages = [ChatMessage::new("user", "hello")];
+        self.render_with_tools(&messages, Some(&tools), true).is_ok_and(|text| text.contains(PROBE))
+    }
+
+    /// Whether the template renders `tools` (else a caller describes them in the prompt itself).
+    pub fn supports_tools(&self) -> bool {
+        self.supports_tools
     }
 
     /// Renders a conversation; `add_generation_prompt` appends the assistant's turn header.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders a conversation with the tools the assistant may call (OpenAI's `tools` list;
+    /// `None` leaves `tools` undefined, as transformers does).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self.env.get_template("chat").map_err(|e| ModelError::Template(e.to_string()))?;
-        tmpl.render(context! {
+        let base = context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
-        })
-        .map_err(|e| ModelError::Template(e.to_string()))
+        };
+        let ctx = match tools {
+            Some(t) => context! { tools => Value::from_serialize(t), ..base },
+            None => base,
+        };
+        tmpl.render(ctx).map_err(|e| ModelError::Template(e.to_string()))
     }
 
     /// Whether rendered text already starts with BOS, so encoding must not add another.
@@ -91,6 +137,31 @@ mod tests {
         let out = t.render(&[ChatMessage::new("user", "  hi  ")], false).expect("renders");
         assert_eq!(out, "<s>  USER:hi\n");
         assert!(t.starts_with_bos(&out));
+    }
+
+    #[test]
+    fn a_template_that_renders_tools_is_told_from_one_that_does_not() {
+        let plain = ChatTemplate::new("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", None, None)
+            .expect("compiles");
+        assert!(!plain.supports_tools());
+        let with_tools = ChatTemplate::new(
+            "{% if tools %}{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% endif %}\
+             {% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.tool_calls %}\
+             {% for c in m.tool_calls %}<{{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}\
+             {% endif %}\n{% endfor %}",
+            None,
+            None,
+        )
+        .expect("compiles");
+        assert!(with_tools.supports_tools());
+        let call = ChatMessage {
+            tool_calls: Some(serde_json::json!([{"id": "call_1", "type": "function",
+                "function": {"name": "f", "arguments": {"x": 1}}}])),
+            ..ChatMessage::new("assistant", "")
+        };
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+        let out = with_tools.render_with_tools(&[call], Some(&tools), false).expect("renders");
+        assert_eq!(out, "[f]assistant: <f {\"x\":1}>");
     }
 
     #[test]
