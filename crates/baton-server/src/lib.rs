@@ -13,7 +13,9 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Modules: [`openai`] parses and validates request bodies; [`conductor`] runs requests and
+//! Modules: [`openai`] parses and validates request bodies; [`structured`] turns
+//! `response_format` and `tools` into grammars and prompts and parses tool calls back out of
+//! the generated text; [`conductor`] runs requests and
 //! serves HTTP; [`worker`] owns an engine thread, its KV server and its transfer thread;
 //! [`handoff`] moves a request's KV from prefill to decode worker, pulled or pushed;
 //! [`control`] is a worker's HTTP control API and [`remote`] the conductor's client of it;
@@ -31,6 +33,7 @@ pub mod remote;
 mod response;
 pub mod routing;
 pub mod sched;
+pub mod structured;
 pub mod worker;
 
 use std::path::PathBuf;
