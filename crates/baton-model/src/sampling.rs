@@ -444,6 +444,20 @@ mod tests {
     }
 
     #[test]
+    fn a_constraint_travels_with_the_adjustments_and_none_is_not_written() {
+        // How a worker's control API sends it: `adjust` in a `WorkRequest`.
+        let plain = serde_json::to_value(LogitAdjust::default()).expect("serializes");
+        assert!(plain.get("constraint").is_none(), "{plain}");
+        let schema = serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let adjust = LogitAdjust { constraint: Some(Constraint::JsonSchema(schema)), ..LogitAdjust::default() };
+        let text = serde_json::to_string(&adjust).expect("serializes");
+        assert_eq!(serde_json::from_str::<LogitAdjust>(&text).expect("deserializes"), adjust);
+        let lark = LogitAdjust { constraint: Some(Constraint::Lark("start: \"x\"".into())), ..LogitAdjust::default() };
+        let text = serde_json::to_string(&lark).expect("serializes");
+        assert_eq!(serde_json::from_str::<LogitAdjust>(&text).expect("deserializes"), lark);
+    }
+
+    #[test]
     fn validation_names_the_parameter() {
         let bad = SamplingParams { top_p: 0.0, ..SamplingParams::default() };
         assert!(bad.validate().expect_err("invalid").contains("top_p"));
