@@ -210,7 +210,9 @@ impl Tools {
 
     /// The grammar of one call when the choice forces one (`required` or a named function):
     /// the tags around `{"name": .., "arguments": ..}`, the arguments under the function's
-    /// `parameters` schema.
+    /// `parameters` schema. Parameters that list `properties` and say nothing of others are
+    /// closed (`additionalProperties: false`, as OpenAI's strict mode asks): a small model
+    /// otherwise pads the arguments with keys copied from the schema, which no function takes.
     pub fn constraint(&self) -> Option<Constraint> {
         if !matches!(self.choice, ToolChoice::Required | ToolChoice::Function(_)) {
             return None;
@@ -218,7 +220,14 @@ impl Tools {
         let calls: Vec<Value> = self
             .callable()
             .map(|t| {
-                json!({"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                let mut arguments = t.parameters.clone();
+                if let Value::Object(p) = &mut arguments
+                    && p.contains_key("properties")
+                    && !p.contains_key("additionalProperties")
+                {
+                    p.insert("additionalProperties".to_owned(), Value::Bool(false));
+                }
+                json!({"type": "object", "properties": {"name": {"const": t.name}, "arguments": arguments},
                     "required": ["name", "arguments"], "additionalProperties": false})
             })
             .collect();
@@ -461,5 +470,6 @@ mod tests {
         };
         assert!(lark.starts_with("start: \"<tool_call>\\n\" call"), "{lark}");
         assert!(lark.contains("\"const\":\"get_weather\"") && !lark.contains("\"add\""), "{lark}");
+        assert!(lark.contains("\"required\":[\"city\"],\"additionalProperties\":false"), "closed: {lark}");
     }
 }

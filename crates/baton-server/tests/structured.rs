@@ -161,9 +161,13 @@ fn weather_tools() -> Value {
 fn assert_arguments(name: &str, arguments: &str) {
     let v: Value = serde_json::from_str(arguments).unwrap_or_else(|e| panic!("not JSON ({e}): {arguments}"));
     assert!(v["city"].as_str().is_some_and(|c| c.chars().count() <= 40), "{arguments}");
+    // The parameters' own keys only (a forced call closes an open parameters schema).
     match name {
-        "get_weather" => assert!(["celsius", "fahrenheit"].contains(&v["unit"].as_str().unwrap_or("")), "{arguments}"),
-        "get_time" => {}
+        "get_weather" => {
+            assert!(["celsius", "fahrenheit"].contains(&v["unit"].as_str().unwrap_or("")), "{arguments}");
+            assert_eq!(v.as_object().map(|o| o.len()), Some(2), "{arguments}");
+        }
+        "get_time" => assert_eq!(v.as_object().map(|o| o.len()), Some(1), "{arguments}"),
         other => panic!("unknown function {other}"),
     }
 }
