@@ -1,6 +1,8 @@
 //! Chat templates, rendered with minijinja the way transformers renders them with jinja2
-//! (`tools` and messages' `tool_calls` included, for templates that render tools).
+//! (`tools` and messages' `tool_calls` included, for templates that render tools; `tojson`
+//! writes JSON as Python's `json.dumps` does, keys in their order).
 
+use minijinja::value::Kwargs;
 use minijinja::{Environment, ErrorKind, Value, context};
 use serde::{Deserialize, Serialize};
 
@@ -59,6 +61,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_filter("tojson", python_tojson);
         env.add_function("strftime_now", |_fmt: String| -> String {
             // Templates use it for "today's date" lines; a fixed, valid date keeps rendering pure.
             "01 Jan 2026".to_owned()
@@ -122,6 +125,71 @@ impl ChatTemplate {
     }
 }
 
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent,
+/// sort_keys=sort_keys)` — `", "` and `": "` between items, or one item a line under `indent`;
+/// not HTML-escaped (minijinja's own `tojson` writes compact, escaped JSON). `ensure_ascii` and
+/// `separators` are accepted and ignored.
+fn python_tojson(
+    value: &Value,
+    indent: Option<Value>,
+    kwargs: Kwargs,
+) -> std::result::Result<String, minijinja::Error> {
+    let indent = match indent {
+        Some(i) => Some(i),
+        None => kwargs.get::<Option<Value>>("indent")?,
+    };
+    let indent = indent.filter(|i| !i.is_none()).map(usize::try_from).transpose()?;
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let _: Option<Value> = kwargs.get("ensure_ascii")?;
+    let _: Option<Value> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, "cannot serialize to JSON").with_source(e))?;
+    let mut out = String::new();
+    write_python_json(&json, indent, sort_keys, 0, &mut out);
+    Ok(out)
+}
+
+fn write_python_json(v: &serde_json::Value, indent: Option<usize>, sort_keys: bool, depth: usize, out: &mut String) {
+    use serde_json::Value as J;
+    let items: Vec<(Option<&String>, &J)> = match v {
+        J::Array(a) if !a.is_empty() => a.iter().map(|x| (None, x)).collect(),
+        J::Object(o) if !o.is_empty() => {
+            let mut kv: Vec<_> = o.iter().map(|(k, x)| (Some(k), x)).collect();
+            if sort_keys {
+                kv.sort_by(|a, b| a.0.cmp(&b.0));
+            }
+            kv
+        }
+        scalar => {
+            out.push_str(&scalar.to_string());
+            return;
+        }
+    };
+    let (open, close) = if v.is_array() { ('[', ']') } else { ('{', '}') };
+    out.push(open);
+    for (i, (key, x)) in items.into_iter().enumerate() {
+        match indent {
+            Some(n) => {
+                out.push_str(if i == 0 { "\n" } else { ",\n" });
+                out.push_str(&" ".repeat(n * (depth + 1)));
+            }
+            None if i > 0 => out.push_str(", "),
+            None => {}
+        }
+        if let Some(k) = key {
+            out.push_str(&serde_json::Value::String(k.clone()).to_string());
+            out.push_str(": ");
+        }
+        write_python_json(x, indent, sort_keys, depth + 1, out);
+    }
+    if let Some(n) = indent {
+        out.push('\n');
+        out.push_str(&" ".repeat(n * depth));
+    }
+    out.push(close);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,7 +229,29 @@ mod tests {
         };
         let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
         let out = with_tools.render_with_tools(&[call], Some(&tools), false).expect("renders");
-        assert_eq!(out, "[f]assistant: <f {\"x\":1}>");
+        assert_eq!(out, "[f]assistant: <f {\"x\": 1}>");
+    }
+
+    #[test]
+    fn tojson_writes_as_python_json_dumps() {
+        let t = ChatTemplate::new(
+            "{{ messages[0].tool_calls | tojson }}|{{ messages[0].tool_calls[0] | tojson(indent=2) }}|\
+             {{ messages[0].tool_calls[0] | tojson(sort_keys=true) }}|{{ [] | tojson }}",
+            None,
+            None,
+        )
+        .expect("compiles");
+        let m = ChatMessage {
+            tool_calls: Some(serde_json::json!([{"z": "<é>", "a": [1, 2.5, null, true], "m": {}}])),
+            ..ChatMessage::new("assistant", "")
+        };
+        let out = t.render(&[m], false).expect("renders");
+        assert_eq!(
+            out,
+            "[{\"z\": \"<é>\", \"a\": [1, 2.5, null, true], \"m\": {}}]|\
+             {\n  \"z\": \"<é>\",\n  \"a\": [\n    1,\n    2.5,\n    null,\n    true\n  ],\n  \"m\": {}\n}|\
+             {\"a\": [1, 2.5, null, true], \"m\": {}, \"z\": \"<é>\"}|[]"
+        );
     }
 
     #[test]
