@@ -321,14 +321,17 @@ impl Engine {
     /// Validates and queues a request. The engine takes over the references `req.prefix` holds:
     /// a refused request's prefix is released (unless its blocks were not held to begin with).
     pub fn add_request(&mut self, mut req: GenerationRequest) -> Result<(), EngineError> {
-        if let Err(e) = self.validate(&req) {
-            if let Some(prefix) = req.prefix.take()
-                && prefix.blocks.iter().all(|&b| self.pool.ref_count(Loc { tier: Tier::Device, block: b }) > 0)
-            {
-                self.pool.free_blocks(&prefix.blocks)?;
+        let grammar = match self.validate(&req).and_then(|()| self.grammar(&req)) {
+            Ok(g) => g,
+            Err(e) => {
+                if let Some(prefix) = req.prefix.take()
+                    && prefix.blocks.iter().all(|&b| self.pool.ref_count(Loc { tier: Tier::Device, block: b }) > 0)
+                {
+                    self.pool.free_blocks(&prefix.blocks)?;
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
         let bs = self.config.block_size;
         let known = req.prompt.len() + req.generated.len();
         // A request without a prefix takes its cached prefix when admitted (`admit`), not now:
@@ -342,10 +345,24 @@ impl Engine {
             }
         }
         self.next_seed = self.next_seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let seq = Sequence::new(req, self.next_seed, self.tokenizer.as_deref())?;
+        let seq = Sequence::new(req, self.next_seed, self.tokenizer.as_deref(), grammar)?;
         self.waiting.push_back(seq.id);
         self.seqs.insert(seq.id, seq);
         Ok(())
+    }
+
+    /// The request's grammar, compiled from its constraint (the vocabulary's compiler is built
+    /// on the first request that has one).
+    fn grammar(&self, req: &GenerationRequest) -> Result<Option<baton_model::Grammar>, EngineError> {
+        let Some(constraint) = &req.sampling.adjust.constraint else { return Ok(None) };
+        let invalid = |m: String| EngineError::InvalidRequest(m);
+        if matches!(self.backend, Backend::Emulated(_)) {
+            return Err(invalid("an emulated engine samples no logits, so it cannot follow a grammar".into()));
+        }
+        let tokenizer = self.tokenizer.as_ref().ok_or_else(|| invalid("a grammar needs a tokenizer".into()))?;
+        let compiler = tokenizer.grammar_compiler().map_err(|e| invalid(e.to_string()))?;
+        let grammar = compiler.compile(constraint).map_err(|e| invalid(e.to_string()))?;
+        Ok(Some(grammar))
     }
 
     fn validate(&self, req: &GenerationRequest) -> Result<(), EngineError> {

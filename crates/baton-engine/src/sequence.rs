@@ -1,7 +1,7 @@
 //! One request's state inside the engine.
 
 use baton_kv::BlockTable;
-use baton_model::{IncrementalDecoder, Sampler, Tokenizer};
+use baton_model::{Grammar, IncrementalDecoder, Sampler, Tokenizer};
 
 use crate::request::{FinishReason, GenerationRequest, KvRetention, StopParams};
 use crate::{EngineError, RequestId};
@@ -35,12 +35,15 @@ pub(crate) struct Sequence {
 }
 
 impl Sequence {
-    /// A sequence for a validated request; with a tokenizer, the text of tokens generated
-    /// upstream is taken as already handed out.
+    /// A sequence for a validated request, sampling under `grammar` (compiled from its
+    /// constraint) if it has one; with a tokenizer, the text of tokens generated upstream is
+    /// taken as already handed out. Those tokens advance the sampler's penalties and grammar as
+    /// if they had been sampled here.
     pub(crate) fn new(
         req: GenerationRequest,
         fallback_seed: u64,
         tokenizer: Option<&Tokenizer>,
+        grammar: Option<Grammar>,
     ) -> Result<Self, EngineError> {
         let prompt_len = req.prompt.len();
         let (table, computed) = match req.prefix {
@@ -48,6 +51,9 @@ impl Sequence {
             None => (BlockTable::default(), 0),
         };
         let mut sampler = Sampler::new(req.sampling, fallback_seed);
+        if let Some(g) = grammar {
+            sampler = sampler.with_grammar(g);
+        }
         sampler.observe_prompt(&req.prompt);
         req.generated.iter().for_each(|&t| sampler.observe(t));
         let mut tokens = req.prompt;
@@ -99,7 +105,8 @@ impl Sequence {
         self.tokens.push(token);
         self.sampler.observe(token);
         let stop_token = self.stop_token_ids.contains(&token);
-        let reason = if !self.stop.ignore_eos && eos.contains(&token) {
+        let reason = if (!self.stop.ignore_eos && eos.contains(&token)) || self.sampler.grammar_finished() {
+            // A complete grammar allows nothing but end-of-sequence: the output is done.
             Some(FinishReason::Eos)
         } else if stop_token {
             Some(FinishReason::Stop)

@@ -84,6 +84,9 @@ pub enum ModelError {
     /// The chat template failed to compile or render.
     #[error("chat template: {0}")]
     Template(String),
+    /// A grammar (structured output) failed to compile, or the vocabulary cannot carry one.
+    #[error("grammar: {0}")]
+    Grammar(String),
     /// An input the model cannot take (token id out of vocabulary, empty batch, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),

@@ -18,7 +18,8 @@
 //! Layout: [`config`] parses `config.json`; [`weights`] reads safetensors (or makes random
 //! weights); [`Model`] is the forward pass, with attention in `attention.rs` reading K/V
 //! through block tables; [`Tokenizer`] and [`ChatTemplate`] turn text into ids;
-//! [`Sampler`] picks tokens.
+//! [`Sampler`] picks tokens, under a [`Grammar`] when the request constrains its output
+//! ([`grammar`]: JSON schemas and Lark grammars through llguidance).
 
 mod attention;
 mod chat;
@@ -27,6 +28,7 @@ pub mod config;
 mod error;
 pub mod gemv;
 pub mod gguf;
+pub mod grammar;
 mod kernels;
 mod linear;
 mod model;
@@ -42,6 +44,7 @@ pub use checkpoint::{
 };
 pub use config::{Architecture, ModelConfig};
 pub use error::{ModelError, Result};
+pub use grammar::{Constraint, Grammar, GrammarCompiler};
 pub use model::{LogitsWanted, Model, SeqStep, StepLogits};
 pub use sampling::{LogitAdjust, Sampler, SamplingParams, TokenLogprobs, argmax, token_logprobs};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};

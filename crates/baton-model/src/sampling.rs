@@ -1,12 +1,15 @@
 //! Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, seeded; the
 //! logits first adjusted by a [`LogitAdjust`] (OpenAI's presence and frequency penalties and
 //! `logit_bias`, and the repetition penalty of transformers and vLLM) over the tokens the
-//! sampler has seen.
+//! sampler has seen, and masked by the request's grammar when it has one (structured output,
+//! [`crate::grammar`]).
 
 use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
+
+use crate::grammar::{Constraint, Grammar};
 
 /// Changes to the logits before a token is picked, from the tokens seen so far. The default
 /// changes nothing (and then the logits are not even copied).
@@ -24,6 +27,11 @@ pub struct LogitAdjust {
     pub logit_bias: Vec<(u32, f32)>,
     /// Drop tokens whose probability is below `min_p` times the most likely one's (0 = off).
     pub min_p: f32,
+    /// What the output must match (structured output): tokens the grammar does not allow next
+    /// are never picked. The sampler holds the compiled [`Grammar`] ([`Sampler::with_grammar`]);
+    /// this is what a worker compiles it from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for LogitAdjust {
@@ -34,6 +42,7 @@ impl Default for LogitAdjust {
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
             min_p: 0.0,
+            constraint: None,
         }
     }
 }
@@ -145,8 +154,8 @@ impl SamplingParams {
     }
 }
 
-/// A request's sampler: its parameters, its own random stream, and the tokens it has seen
-/// (for the penalties).
+/// A request's sampler: its parameters, its own random stream, the tokens it has seen (for the
+/// penalties) and its grammar's state.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
@@ -155,13 +164,29 @@ pub struct Sampler {
     prompt: Vec<u32>,
     /// How often each token was generated, kept only when a penalty needs it.
     generated: HashMap<u32, u32>,
+    /// The output's grammar, advanced by every token observed.
+    grammar: Option<Box<Grammar>>,
 }
 
 impl Sampler {
     /// A sampler seeded from `params.seed`, or from `fallback_seed` when the request has none.
     pub fn new(params: SamplingParams, fallback_seed: u64) -> Self {
         let rng = StdRng::seed_from_u64(params.seed.unwrap_or(fallback_seed));
-        Self { params, rng, prompt: Vec::new(), generated: HashMap::new() }
+        Self { params, rng, prompt: Vec::new(), generated: HashMap::new(), grammar: None }
+    }
+
+    /// Samples only what `grammar` allows from now on (compiled from
+    /// `params.adjust.constraint`, with nothing committed yet: tokens observed after this
+    /// advance it).
+    pub fn with_grammar(mut self, grammar: Grammar) -> Self {
+        self.grammar = Some(Box::new(grammar));
+        self
+    }
+
+    /// Whether the grammar allows nothing more (it took end-of-sequence, or failed). `false`
+    /// without a grammar.
+    pub fn grammar_finished(&self) -> bool {
+        self.grammar.as_ref().is_some_and(|g| g.is_finished())
     }
 
     /// Notes the prompt (the repetition penalty counts its tokens).
@@ -171,20 +196,30 @@ impl Sampler {
         }
     }
 
-    /// Notes a generated token (here or upstream, before a hand-off), for the penalties.
+    /// Notes a generated token (here or upstream, before a hand-off), for the penalties, and
+    /// commits it to the grammar. (A token the grammar refuses — possible only for tokens
+    /// generated elsewhere without it — finishes the grammar: the request then ends.)
     pub fn observe(&mut self, token: u32) {
         if self.params.adjust.changes_logits() {
             *self.generated.entry(token).or_insert(0) += 1;
         }
+        if let Some(g) = &mut self.grammar
+            && let Err(e) = g.commit(token)
+        {
+            tracing::warn!(token, error = %e, "the grammar refused a token");
+        }
     }
 
-    /// Picks a token from one row of logits.
+    /// Picks a token from one row of logits (penalised, biased, then masked by the grammar).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if !self.params.adjust.changes_logits() {
+        if !self.params.adjust.changes_logits() && self.grammar.is_none() {
             return self.pick(logits);
         }
         let mut adjusted = logits.to_vec();
         self.params.adjust.apply(&mut adjusted, &self.generated, &self.prompt);
+        if let Some(g) = &mut self.grammar {
+            g.mask(&mut adjusted);
+        }
         self.pick(&adjusted)
     }
 
@@ -408,6 +443,20 @@ mod tests {
         assert!((probs - 1.0).abs() < 1e-6, "{probs}");
         assert!(token_logprobs(&logits, 0, 0).top.is_empty());
         assert_eq!(token_logprobs(&logits, 0, 10).top.len(), 4);
+    }
+
+    #[test]
+    fn a_constraint_travels_with_the_adjustments_and_none_is_not_written() {
+        // How a worker's control API sends it: `adjust` in a `WorkRequest`.
+        let plain = serde_json::to_value(LogitAdjust::default()).expect("serializes");
+        assert!(plain.get("constraint").is_none(), "{plain}");
+        let schema = serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let adjust = LogitAdjust { constraint: Some(Constraint::JsonSchema(schema)), ..LogitAdjust::default() };
+        let text = serde_json::to_string(&adjust).expect("serializes");
+        assert_eq!(serde_json::from_str::<LogitAdjust>(&text).expect("deserializes"), adjust);
+        let lark = LogitAdjust { constraint: Some(Constraint::Lark("start: \"x\"".into())), ..LogitAdjust::default() };
+        let text = serde_json::to_string(&lark).expect("serializes");
+        assert_eq!(serde_json::from_str::<LogitAdjust>(&text).expect("deserializes"), lark);
     }
 
     #[test]

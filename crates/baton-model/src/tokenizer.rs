@@ -1,8 +1,13 @@
-//! Tokenizer: encode, decode, and decode incrementally while tokens stream out.
+//! Tokenizer: encode, decode, and decode incrementally while tokens stream out; each token's
+//! bytes (what a grammar matches against, [`crate::grammar`]).
 
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use tokenizers::DecoderWrapper;
 
 use crate::error::{ModelError, Result};
+use crate::grammar::GrammarCompiler;
 
 /// A tokenizer with the model's special tokens.
 #[derive(Clone)]
@@ -12,6 +17,9 @@ pub struct Tokenizer {
     pub bos_token: Option<String>,
     /// End-of-sequence text, as the chat template sees it.
     pub eos_token: Option<String>,
+    /// The grammar compiler over this vocabulary, built on first use and shared by every clone
+    /// (the conductor's validator and the engines of `baton serve` hold one tokenizer).
+    grammar: Arc<OnceLock<std::result::Result<Arc<GrammarCompiler>, String>>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -30,7 +38,7 @@ impl Tokenizer {
 
     /// Wraps a tokenizer built elsewhere (from a GGUF vocabulary, say).
     pub fn from_tokenizer(inner: tokenizers::Tokenizer) -> Self {
-        Self { inner, bos_token: None, eos_token: None }
+        Self { inner, bos_token: None, eos_token: None, grammar: Arc::default() }
     }
 
     /// Encodes text; `add_special_tokens` applies the post-processor (which adds BOS where the
@@ -54,6 +62,119 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+
+    /// The id of the end-of-sequence token, when the tokenizer knows its text.
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.eos_token.as_deref().and_then(|t| self.token_to_id(t))
+    }
+
+    /// The grammar compiler of this vocabulary: built once (its token trie is the costly part),
+    /// then shared.
+    pub fn grammar_compiler(&self) -> Result<Arc<GrammarCompiler>> {
+        self.grammar.get_or_init(|| GrammarCompiler::new(self).map(Arc::new)).clone().map_err(ModelError::Grammar)
+    }
+
+    /// A clone that does not share this tokenizer's grammar compiler (the compiler's own copy:
+    /// sharing would be a reference cycle).
+    pub(crate) fn without_grammar_cache(&self) -> Self {
+        Self { grammar: Arc::default(), ..self.clone() }
+    }
+
+    /// Every token's bytes, indexed by id: what the token adds to the text, byte for byte.
+    /// A byte-level BPE vocabulary (GPT-2's alphabet) is mapped back to bytes; a SentencePiece
+    /// one has `<0xNN>` byte tokens and `▁` for a space. Special tokens are the marker byte
+    /// `0xFF` and then their text (as llguidance's token trie expects: no text can spell them).
+    /// Ids the vocabulary lacks are empty.
+    pub fn token_bytes(&self) -> Vec<Vec<u8>> {
+        let style = SpellingStyle::of(self.inner.get_decoder());
+        let specials: std::collections::HashMap<u32, bool> =
+            self.inner.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, t.special)).collect();
+        let chars = byte_level_chars();
+        (0..self.vocab_size() as u32)
+            .map(|id| {
+                let Some(piece) = self.inner.id_to_token(id) else { return Vec::new() };
+                match specials.get(&id) {
+                    Some(true) => [&[SPECIAL_TOKEN_MARKER], piece.as_bytes()].concat(),
+                    Some(false) => piece.into_bytes(),
+                    None => style.bytes(&piece, &chars).unwrap_or_else(|| {
+                        // A piece outside the spelling (rare): its decoded text.
+                        self.inner.decode(&[id], false).unwrap_or_default().into_bytes()
+                    }),
+                }
+            })
+            .collect()
+    }
+}
+
+/// The byte that starts a special token's bytes in [`Tokenizer::token_bytes`] (never valid
+/// UTF-8, so no text spells a special token).
+pub(crate) const SPECIAL_TOKEN_MARKER: u8 = 0xFF;
+
+/// How a vocabulary spells bytes in its token strings.
+#[derive(Debug, Clone, Copy)]
+enum SpellingStyle {
+    /// GPT-2's byte-level alphabet: each byte is one printable character.
+    ByteLevel,
+    /// SentencePiece: `<0xNN>` tokens for bytes, this character for a space.
+    ByteFallback(char),
+    /// Neither: decode each token.
+    Decoded,
+}
+
+impl SpellingStyle {
+    fn of(decoder: Option<&DecoderWrapper>) -> Self {
+        fn walk(d: &DecoderWrapper, level: &mut bool, fallback: &mut bool) {
+            match d {
+                DecoderWrapper::ByteLevel(_) => *level = true,
+                DecoderWrapper::ByteFallback(_) => *fallback = true,
+                DecoderWrapper::Sequence(s) => s.get_decoders().iter().for_each(|d| walk(d, level, fallback)),
+                _ => {}
+            }
+        }
+        let (mut level, mut fallback) = (false, false);
+        if let Some(d) = decoder {
+            walk(d, &mut level, &mut fallback);
+        }
+        match (level, fallback) {
+            (true, _) => SpellingStyle::ByteLevel,
+            (false, true) => SpellingStyle::ByteFallback('\u{2581}'),
+            (false, false) => SpellingStyle::Decoded,
+        }
+    }
+
+    /// The bytes a token string stands for; `None` when it is not spelled this way.
+    fn bytes(self, piece: &str, chars: &std::collections::HashMap<char, u8>) -> Option<Vec<u8>> {
+        match self {
+            SpellingStyle::ByteLevel => piece.chars().map(|c| chars.get(&c).copied()).collect(),
+            SpellingStyle::ByteFallback(space) => {
+                if let Some(hex) = piece.strip_prefix("<0x").and_then(|p| p.strip_suffix('>'))
+                    && hex.len() == 2
+                {
+                    return u8::from_str_radix(hex, 16).ok().map(|b| vec![b]);
+                }
+                Some(piece.replace(space, " ").into_bytes())
+            }
+            SpellingStyle::Decoded => None,
+        }
+    }
+}
+
+/// GPT-2's byte-level alphabet, character to byte: printable Latin-1 bytes stand for
+/// themselves, the others for U+0100 onwards in byte order.
+fn byte_level_chars() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 0x100u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (char::from(b), b)
+            } else {
+                let c = char::from_u32(next).expect("U+0100..U+0143 are characters");
+                next += 1;
+                (c, b)
+            }
+        })
+        .collect()
 }
 
 /// Turns a growing list of token ids into text deltas, never splitting a multi-byte character

@@ -13,10 +13,13 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Modules: [`openai`] parses and validates request bodies; [`conductor`] runs requests and
-//! serves HTTP; [`wire`] holds what travels between conductor and workers; [`session`] is the
-//! per-request state machine of a worker; [`worker`] owns an engine thread (the sessions'
-//! driver), its KV server and its transfer thread;
+//! Modules: [`openai`] parses and validates request bodies; [`structured`] turns
+//! `response_format` and `tools` into grammars and prompts and parses tool calls back out of
+//! the generated text; [`conductor`] runs requests and serves HTTP; [`wire`] holds what
+//! travels between conductor and workers; [`session`] is the per-request state machine of a
+//! worker; [`worker`] owns an engine thread (the sessions' driver), its KV server and its
+//! transfer thread; [`view`] is the conductor's view of its workers (the exact KV index fed
+//! by their state streams, and their load reports);
 //! [`handoff`] moves a request's KV from prefill to decode worker, pulled or pushed;
 //! [`control`] is a worker's HTTP control API and [`remote`] the conductor's client of it;
 //! [`deploy`] runs `baton worker` and `baton conductor` processes; [`routing`] is the policy
@@ -34,6 +37,7 @@ mod response;
 pub mod routing;
 pub mod sched;
 pub mod session;
+pub mod structured;
 pub mod view;
 pub mod wire;
 pub mod worker;

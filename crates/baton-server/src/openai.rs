@@ -4,16 +4,19 @@
 //! unknown field or out-of-range parameter is a 400 with an OpenAI-style error naming the
 //! parameter. Parameters OpenAI defines but Baton does not implement are accepted only at their
 //! neutral value (e.g. `best_of: 1`), and refused otherwise, never silently
-//! ignored. Penalties, `logit_bias` and `min_p` become the sampler's [`LogitAdjust`].
+//! ignored. Penalties, `logit_bias` and `min_p` become the sampler's [`LogitAdjust`], and so
+//! does the grammar of `response_format` or of a forced tool call ([`crate::structured`]): it is
+//! compiled here once, so an invalid schema is a 400 naming the parameter.
 
 use std::sync::Arc;
 
 use baton_engine::StopParams;
-use baton_model::{ChatMessage, ChatTemplate, LogitAdjust, SamplingParams, TokenLogprobs, Tokenizer};
+use baton_model::{ChatMessage, ChatTemplate, Constraint, LogitAdjust, SamplingParams, TokenLogprobs, Tokenizer};
 use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::ApiError;
+use crate::structured::{self, CALL_CLOSE, CALL_OPEN, Tools};
 
 /// Most stop strings per request (as OpenAI).
 const MAX_STOP_STRINGS: usize = 4;
@@ -80,7 +83,11 @@ const COMMON_FIELDS: &[&str] = &[
     "best_of",
     "echo",
     "suffix",
+    "response_format",
 ];
+
+/// Fields only chat accepts.
+const CHAT_FIELDS: &[&str] = &["messages", "tools", "tool_choice", "parallel_tool_calls"];
 
 /// Parameters common to both endpoints.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -134,6 +141,8 @@ pub struct Common {
     pub echo: Option<bool>,
     /// Only absent is supported.
     pub suffix: Option<String>,
+    /// `{"type": "text" | "json_object" | "json_schema", ..}` (structured output).
+    pub response_format: Option<Value>,
 }
 
 /// `POST /v1/completions`.
@@ -170,12 +179,37 @@ pub struct ContentPart {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChatMessageIn {
-    /// `system`, `user`, `assistant`, `developer`.
+    /// `system`, `user`, `assistant`, `developer`, `tool`.
     pub role: String,
     /// The content.
     pub content: Option<Content>,
-    /// Participant name (accepted, unused).
+    /// Participant name (passed to templates that render tools).
     pub name: Option<String>,
+    /// An assistant's tool calls.
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+}
+
+/// A past tool call in an assistant message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ToolCallIn {
+    /// The call's id.
+    pub id: Option<String>,
+    /// Must be `function`.
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    /// The function called.
+    pub function: FunctionCallIn,
+}
+
+/// The function of a past tool call.
+#[derive(Debug, Clone, Deserialize)]
+pub struct FunctionCallIn {
+    /// Its name.
+    pub name: String,
+    /// Its arguments, a JSON text.
+    pub arguments: String,
 }
 
 /// `POST /v1/chat/completions`.
@@ -183,6 +217,12 @@ pub struct ChatMessageIn {
 pub struct ChatRequest {
     /// The conversation.
     pub messages: Vec<ChatMessageIn>,
+    /// Functions the model may call.
+    pub tools: Option<Value>,
+    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name": ..}}`.
+    pub tool_choice: Option<Value>,
+    /// Accepted; a grammar-forced call is one call per turn.
+    pub parallel_tool_calls: Option<Value>,
     /// Everything else.
     #[serde(flatten)]
     pub common: Common,
@@ -226,6 +266,8 @@ pub struct ValidRequest {
     /// The session the request belongs to (the `user` field, or the `x-session-id` header):
     /// session-affinity routing keeps a session's turns on one worker.
     pub session: Option<String>,
+    /// The tools the model was shown, when its output is to be parsed for tool calls.
+    pub tools: Option<Arc<Tools>>,
 }
 
 /// The 400 for `/v1/chat/completions` on a model without a chat template: what the client can
@@ -261,14 +303,17 @@ impl std::fmt::Debug for Validator {
     }
 }
 
-/// Parses a JSON object body, refusing fields outside `COMMON_FIELDS` and `own`.
-fn parse<T: for<'de> Deserialize<'de>>(body: &[u8], own: &str) -> Result<T, ApiError> {
+/// Parses a JSON object body, refusing fields outside `COMMON_FIELDS` and `own` (whose first
+/// is required).
+fn parse<T: for<'de> Deserialize<'de>>(body: &[u8], own: &[&str]) -> Result<T, ApiError> {
     let value: Value =
         serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}")))?;
     let Some(obj) = value.as_object() else {
         return Err(ApiError::invalid("the body must be a JSON object"));
     };
-    if let Some(k) = obj.keys().find(|k| k.as_str() != own && !COMMON_FIELDS.contains(&k.as_str())) {
+    let own_field = |k: &str| own.contains(&k) || COMMON_FIELDS.contains(&k);
+    let own = own[0];
+    if let Some(k) = obj.keys().find(|k| !own_field(k)) {
         return Err(ApiError::param(k, format!("Unrecognized request argument supplied: {k}")));
     }
     if !obj.contains_key(own) {
@@ -280,7 +325,7 @@ fn parse<T: for<'de> Deserialize<'de>>(body: &[u8], own: &str) -> Result<T, ApiE
 impl Validator {
     /// Validates a completion body.
     pub fn completion(&self, body: &[u8]) -> Result<ValidRequest, ApiError> {
-        let req: CompletionRequest = parse(body, "prompt")?;
+        let req: CompletionRequest = parse(body, &["prompt"])?;
         // The prompt as the client sent it, for `echo`.
         let text = match &req.prompt {
             Prompt::Text(t) => Some(t.clone()),
@@ -314,41 +359,52 @@ impl Validator {
 
     /// Validates a chat completion body: renders the conversation with the chat template.
     pub fn chat(&self, body: &[u8]) -> Result<ValidRequest, ApiError> {
-        let req: ChatRequest = parse(body, "messages")?;
+        let req: ChatRequest = parse(body, CHAT_FIELDS)?;
         if req.messages.is_empty() {
             return Err(ApiError::param("messages", "at least one message is required"));
         }
         let template =
             self.template.as_ref().ok_or_else(|| ApiError::invalid(no_chat_template_message(&self.model_id)))?;
-        let mut messages = Vec::with_capacity(req.messages.len());
+        let tools = Tools::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls.as_ref())?
+            .filter(Tools::active);
+        // A template that renders tools gets them, and the history's calls, as data; for any
+        // other the tools are described in the system message and past calls written as text.
+        let native = template.supports_tools();
+        let mut messages = Vec::with_capacity(req.messages.len() + 1);
         for (i, m) in req.messages.iter().enumerate() {
-            if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
-                return Err(ApiError::param(&format!("messages[{i}].role"), format!("unknown role `{}`", m.role)));
-            }
-            let content = match &m.content {
-                None => String::new(),
-                Some(Content::Text(t)) => t.clone(),
-                Some(Content::Parts(parts)) => {
-                    let mut text = String::new();
-                    for p in parts {
-                        match (p.kind.as_str(), &p.text) {
-                            ("text", Some(t)) => text.push_str(t),
-                            _ => {
-                                return Err(ApiError::param(
-                                    &format!("messages[{i}].content"),
-                                    "only text content parts are supported",
-                                ));
-                            }
-                        }
-                    }
-                    text
-                }
-            };
-            messages.push(ChatMessage::new(if m.role == "developer" { "system" } else { &m.role }, content));
+            messages.push(chat_message(i, m, native)?);
         }
-        let text = template.render(&messages, true)?;
+        if let Some(t) = tools.as_ref().filter(|_| !native) {
+            let prompt = t.system_prompt();
+            match messages.first_mut() {
+                Some(first) if first.role == "system" => first.content = format!("{}\n\n{prompt}", first.content),
+                _ => messages.insert(0, ChatMessage::new("system", prompt)),
+            }
+        }
+        let text = template.render_with_tools(&messages, tools.as_ref().filter(|_| native).map(|t| &t.raw), true)?;
         let ids = self.encode(&text, !template.starts_with_bos(&text))?;
-        self.finish(Endpoint::Chat, ids, req.common)
+        let mut valid = self.finish(Endpoint::Chat, ids, req.common)?;
+        if let Some(call) = tools.as_ref().and_then(|t| t.constraint()) {
+            if valid.sampling.adjust.constraint.is_some() {
+                return Err(ApiError::param(
+                    "response_format",
+                    "`response_format` cannot be combined with a `tool_choice` that forces a call",
+                ));
+            }
+            self.check_constraint(&call, "tools")?;
+            valid.sampling.adjust.constraint = Some(call);
+        }
+        valid.tools = tools.map(Arc::new);
+        Ok(valid)
+    }
+
+    /// Compiles a constraint as a worker will, so that an invalid one is a 400 naming `param`.
+    fn check_constraint(&self, constraint: &Constraint, param: &str) -> Result<(), ApiError> {
+        self.tokenizer
+            .grammar_compiler()
+            .and_then(|g| g.compile(constraint))
+            .map(drop)
+            .map_err(|e| ApiError::param(param, e.to_string()))
     }
 
     fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
@@ -448,12 +504,22 @@ impl Validator {
             }
         }
         neutral("suffix", c.suffix.is_none())?;
+        let constraint = structured::response_format(c.response_format.as_ref())?;
+        if let Some(constraint) = &constraint {
+            self.check_constraint(constraint, "response_format")?;
+        }
         let stream = c.stream.unwrap_or(false);
         Ok(ValidRequest {
             endpoint,
             model,
             prompt_ids,
-            sampling: SamplingParams { temperature: temperature as f32, top_k, top_p: top_p as f32, seed, adjust },
+            sampling: SamplingParams {
+                temperature: temperature as f32,
+                top_k,
+                top_p: top_p as f32,
+                seed,
+                adjust: LogitAdjust { constraint, ..adjust },
+            },
             stop: StopParams { max_tokens, ignore_eos: c.ignore_eos.unwrap_or(false), stop_strings },
             stream,
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
@@ -462,6 +528,7 @@ impl Validator {
             echo: None,
             n,
             session: c.user.clone().filter(|u| !u.is_empty()),
+            tools: None,
         })
     }
 }
@@ -491,6 +558,7 @@ impl Validator {
             repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
             logit_bias,
             min_p: c.min_p.unwrap_or(0.0) as f32,
+            constraint: None,
         };
         adjust.validate(self.vocab_size).map_err(|e| {
             let param = ["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias"]
@@ -598,6 +666,79 @@ pub fn logprobs_json(endpoint: Endpoint, entries: &[LogprobEntry], text_offset: 
             serde_json::json!({ "content": content })
         }
     }
+}
+
+/// One message for the template: roles checked, content parts joined, tool calls and results
+/// as data for a template that renders tools (`native`), else written into the text.
+fn chat_message(i: usize, m: &ChatMessageIn, native: bool) -> Result<ChatMessage, ApiError> {
+    if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
+        return Err(ApiError::param(&format!("messages[{i}].role"), format!("unknown role `{}`", m.role)));
+    }
+    let mut content = match &m.content {
+        None => String::new(),
+        Some(Content::Text(t)) => t.clone(),
+        Some(Content::Parts(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => text.push_str(t),
+                    _ => {
+                        return Err(ApiError::param(
+                            &format!("messages[{i}].content"),
+                            "only text content parts are supported",
+                        ));
+                    }
+                }
+            }
+            text
+        }
+    };
+    if m.role == "tool" {
+        let Some(id) = &m.tool_call_id else {
+            return Err(ApiError::param(
+                &format!("messages[{i}].tool_call_id"),
+                "a `tool` message needs the id of the call it answers",
+            ));
+        };
+        return Ok(if native {
+            ChatMessage { tool_call_id: Some(id.clone()), name: m.name.clone(), ..ChatMessage::new("tool", content) }
+        } else {
+            ChatMessage::new("user", format!("<tool_response>\n{content}\n</tool_response>"))
+        });
+    }
+    let role = if m.role == "developer" { "system" } else { m.role.as_str() };
+    let calls = match &m.tool_calls {
+        Some(calls) if !calls.is_empty() => calls,
+        _ => return Ok(ChatMessage { name: m.name.clone().filter(|_| native), ..ChatMessage::new(role, content) }),
+    };
+    let param = format!("messages[{i}].tool_calls");
+    if role != "assistant" {
+        return Err(ApiError::param(&param, "only assistant messages have tool calls"));
+    }
+    let mut data = Vec::with_capacity(calls.len());
+    for c in calls {
+        if c.kind.as_deref().is_some_and(|k| k != "function") {
+            return Err(ApiError::param(&param, "only calls of `type: \"function\"` are supported"));
+        }
+        // Templates index into the arguments, so they get an object where the text is one (as
+        // vLLM passes them).
+        let arguments = serde_json::from_str::<Value>(&c.function.arguments)
+            .unwrap_or_else(|_| Value::String(c.function.arguments.clone()));
+        if !native {
+            let call = serde_json::json!({"name": c.function.name, "arguments": arguments});
+            if !content.is_empty() {
+                content.push('\n');
+            }
+            content.push_str(&format!("{CALL_OPEN}\n{call}\n{CALL_CLOSE}"));
+        }
+        data.push(serde_json::json!({"id": c.id, "type": "function",
+            "function": {"name": c.function.name, "arguments": arguments}}));
+    }
+    Ok(if native {
+        ChatMessage { tool_calls: Some(Value::Array(data)), ..ChatMessage::new(role, content) }
+    } else {
+        ChatMessage::new(role, content)
+    })
 }
 
 fn neutral(param: &str, ok: bool) -> Result<(), ApiError> {

@@ -1,5 +1,9 @@
 //! The API's responses: what runs send ([`Piece`]s, tagged with their choice's index), shaped
 //! into one JSON body or a stream of server-sent events, for the `n` choices of a request.
+//! A chat request with tools has its text parsed for tool calls ([`crate::structured`]): an
+//! answer that holds some has `tool_calls` (streamed as one `delta.tool_calls` chunk once the
+//! choice ends; text that may start a call is held back until then) and finish reason
+//! `tool_calls`.
 
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -14,6 +18,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::error::ApiError;
 use crate::openai::{Endpoint, LogprobEntry, ValidRequest, logprobs_json};
+use crate::structured::{CallStream, chat_message, tool_call_deltas};
 use crate::worker::Finish;
 
 /// What a run sends the response: text as it comes, then the end.
@@ -94,8 +99,10 @@ pub(crate) async fn full_response(
                     Endpoint::Completions => {
                         json!({"index": i, "text": text, "finish_reason": reason.as_openai(), "logprobs": logprobs})
                     }
-                    Endpoint::Chat => json!({"index": i, "message": {"role": "assistant", "content": text},
-                        "finish_reason": reason.as_openai(), "logprobs": logprobs}),
+                    Endpoint::Chat => {
+                        let (message, finish) = chat_message(text, valid.tools.as_deref(), reason.as_openai());
+                        json!({"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs})
+                    }
                 });
                 done += 1;
                 if done < n {
@@ -150,6 +157,11 @@ pub(crate) fn sse_response(
         // text sent so far (completions' `text_offset` counts from it).
         let mut pending: Vec<Vec<LogprobEntry>> = vec![Vec::new(); n];
         let mut sent_text = vec![0; n];
+        // With tools: each choice's whole text (parsed for calls at its end), and what may be a
+        // call held back from the stream.
+        let tools = valid.tools.clone();
+        let mut texts = vec![String::new(); n];
+        let mut calls: Vec<CallStream> = (0..n).map(|_| CallStream::default()).collect();
         let mut total = Usage::default();
         let mut done = 0;
         let take_logprobs = |pending: &mut Vec<LogprobEntry>, sent_text: usize| {
@@ -168,6 +180,20 @@ pub(crate) fn sse_response(
                     Ok(())
                 }
                 Piece::Text(t) if t.is_empty() => Ok(()),
+                Piece::Text(t) if tools.is_some() => {
+                    texts[i].push_str(&t);
+                    let out = calls[i].push(&t);
+                    if out.is_empty() {
+                        Ok(())
+                    } else {
+                        let logprobs = take_logprobs(&mut pending[i], sent_text[i]);
+                        sent_text[i] += out.len();
+                        tx.send(chunk(
+                            json!([{"index": i, "delta": {"content": out}, "finish_reason": null, "logprobs": logprobs}]),
+                            Value::Null,
+                        ))
+                    }
+                }
                 Piece::Text(t) => {
                     let logprobs = take_logprobs(&mut pending[i], sent_text[i]);
                     let choice = if chat {
@@ -179,11 +205,29 @@ pub(crate) fn sse_response(
                     tx.send(chunk(choice, Value::Null))
                 }
                 Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens } => {
+                    // With tools: the calls the text holds, or the text held back after all.
+                    let mut delta = json!({});
+                    let mut finish = reason.as_openai();
+                    if let Some(t) = &tools {
+                        match t.parse_calls(&std::mem::take(&mut texts[i])) {
+                            Some((_, found)) => {
+                                delta = json!({"tool_calls": tool_call_deltas(&found)});
+                                finish = "tool_calls";
+                            }
+                            None => {
+                                let held = calls[i].take_held();
+                                if !held.is_empty() {
+                                    sent_text[i] += held.len();
+                                    delta = json!({"content": held});
+                                }
+                            }
+                        }
+                    }
                     // Tokens whose text was held back (an end-of-sequence, a stop string) last.
                     let logprobs =
                         if pending[i].is_empty() { Value::Null } else { take_logprobs(&mut pending[i], sent_text[i]) };
                     let choice = if chat {
-                        json!([{"index": i, "delta": {}, "finish_reason": reason.as_openai(), "logprobs": logprobs}])
+                        json!([{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}])
                     } else {
                         json!([{"index": i, "text": "", "finish_reason": reason.as_openai(), "logprobs": logprobs}])
                     };

@@ -12,7 +12,7 @@ use baton_server::{KvTransfer, ServeConfig};
 use serde_json::{Value, json};
 
 mod common;
-use common::{Server, fixture, start_with};
+use common::{Server, SseReader, fixture, start_with};
 
 fn engine_config() -> EngineConfig {
     // Small blocks so every prompt spans several; a small arena so leaks would show.
@@ -64,31 +64,21 @@ impl Server {
 /// Streams a request and returns the concatenated text, the finish reason and the chunk count;
 /// `stop_after` drops the connection after that many chunks.
 async fn stream(url: &str, path: &str, body: Value, stop_after: Option<usize>) -> (String, Option<String>, usize) {
-    let mut r = reqwest::Client::new().post(format!("{url}{path}")).json(&body).send().await.expect("sends");
-    assert_eq!(r.status().as_u16(), 200);
-    let (mut text, mut finish, mut chunks, mut buf) = (String::new(), None, 0, String::new());
-    while let Some(bytes) = r.chunk().await.expect("reads") {
-        buf.push_str(std::str::from_utf8(&bytes).expect("utf-8"));
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else { continue };
-            if data == "[DONE]" {
-                return (text, finish, chunks);
-            }
-            let v: Value = serde_json::from_str(data).expect("chunk is JSON");
-            assert!(v.get("error").is_none(), "streamed error: {v}");
-            let choice = &v["choices"][0];
-            text.push_str(choice["text"].as_str().or(choice["delta"]["content"].as_str()).unwrap_or(""));
-            if let Some(f) = choice["finish_reason"].as_str() {
-                finish = Some(f.to_owned());
-            }
-            chunks += 1;
-            if stop_after == Some(chunks) {
-                return (text, finish, chunks);
-            }
+    let r = reqwest::Client::new().post(format!("{url}{path}")).json(&body).send().await.expect("sends");
+    let mut reader = SseReader::new(r);
+    let (mut text, mut finish, mut chunks) = (String::new(), None, 0);
+    while let Some(v) = reader.next().await {
+        let choice = &v["choices"][0];
+        text.push_str(choice["text"].as_str().or(choice["delta"]["content"].as_str()).unwrap_or(""));
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish = Some(f.to_owned());
+        }
+        chunks += 1;
+        if stop_after == Some(chunks) {
+            break;
         }
     }
-    panic!("the stream ended without [DONE]");
+    (text, finish, chunks)
 }
 
 /// The engine alone, greedy, for the reference output.
@@ -170,6 +160,7 @@ async fn penalties_and_logit_bias_survive_the_hand_off() {
         repetition_penalty: 1.3,
         logit_bias: vec![(plain[0], -100.0)],
         min_p: 0.0,
+        constraint: None,
     };
     let favoured = LogitAdjust { presence_penalty: -2.0, frequency_penalty: -2.0, ..LogitAdjust::default() };
     let (want_penalised, _) = engine_alone_adjusted(model, prompt, 16, penalised.clone());

@@ -50,3 +50,49 @@ impl Server {
         panic!("a worker still holds KV");
     }
 }
+
+/// Reads a streamed response's server-sent events one chunk at a time.
+#[allow(dead_code)] // Not every test file streams.
+pub(crate) struct SseReader {
+    response: reqwest::Response,
+    buf: String,
+}
+
+#[allow(dead_code)]
+impl SseReader {
+    /// A reader of `response`, which must be a 200.
+    pub(crate) fn new(response: reqwest::Response) -> Self {
+        assert_eq!(response.status().as_u16(), 200);
+        Self { response, buf: String::new() }
+    }
+
+    /// The next chunk (checked not to be an error), or `None` at `[DONE]`; panics if the stream
+    /// ends without it.
+    pub(crate) async fn next(&mut self) -> Option<serde_json::Value> {
+        loop {
+            if let Some(end) = self.buf.find("\n\n") {
+                let event: String = self.buf.drain(..end + 2).collect();
+                let Some(data) = event.trim().strip_prefix("data: ") else { continue };
+                if data == "[DONE]" {
+                    return None;
+                }
+                let v: serde_json::Value = serde_json::from_str(data).expect("chunk is JSON");
+                assert!(v.get("error").is_none(), "streamed error: {v}");
+                return Some(v);
+            }
+            let bytes = self.response.chunk().await.expect("reads").expect("the stream ended without [DONE]");
+            self.buf.push_str(std::str::from_utf8(&bytes).expect("utf-8"));
+        }
+    }
+}
+
+/// Every chunk of a streamed response, up to `[DONE]`.
+#[allow(dead_code)] // Not every test file streams.
+pub(crate) async fn sse_chunks(response: reqwest::Response) -> Vec<serde_json::Value> {
+    let mut reader = SseReader::new(response);
+    let mut chunks = Vec::new();
+    while let Some(v) = reader.next().await {
+        chunks.push(v);
+    }
+    chunks
+}
