@@ -7,6 +7,8 @@ use baton_kv::KvLayout;
 // Declared here rather than in main.rs: `baton bench serve` and `compare` are bench commands.
 #[path = "bench_index.rs"]
 mod bench_index;
+#[path = "bench_memory.rs"]
+mod bench_memory;
 #[path = "bench_serve.rs"]
 mod bench_serve;
 #[path = "bench_storm.rs"]
@@ -41,6 +43,10 @@ pub(crate) enum BenchCommand {
     /// from the control API's NDJSON) into an index of 16 workers and 1M blocks, and the p99 of
     /// a kv-centric routing decision against it, each beside its target.
     Index(bench_index::IndexArgs),
+    /// A worker's resident memory after 2,000 and after 20,000 distinct cached requests (its
+    /// pool full and evicting, its KV events streamed to an in-process conductor), against the
+    /// pool's bookkeeping size.
+    WorkerMemory(bench_memory::MemoryArgs),
 }
 
 /// Arguments of `baton bench engine`.
@@ -93,6 +99,7 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Serve(a) => bench_serve::serve(*a),
         BenchCommand::Storm(a) => bench_storm::run(a),
         BenchCommand::Index(a) => bench_index::run(a),
+        BenchCommand::WorkerMemory(a) => bench_memory::run(a),
         BenchCommand::Compare(a) => bench_serve::compare(a),
     }
 }
