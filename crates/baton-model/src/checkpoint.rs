@@ -29,6 +29,40 @@ impl std::fmt::Debug for Checkpoint {
     }
 }
 
+/// What a router needs of a checkpoint, without its weights: the config, the tokenizer and the
+/// chat template (a conductor validates and routes requests; it never runs the model).
+pub struct Frontend {
+    /// The model's configuration (context length, vocabulary, KV geometry).
+    pub config: ModelConfig,
+    /// The tokenizer, with BOS/EOS texts.
+    pub tokenizer: Tokenizer,
+    /// The chat template, when the checkpoint has one.
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl Frontend {
+    /// Opens a checkpoint's config, tokenizer and chat template, leaving the weights unread.
+    pub fn open(path: &Path) -> Result<Self> {
+        if path.is_file() {
+            let file = GgufFile::open(path)?;
+            let hp = GgufHyperparams::from_gguf(&file)?;
+            let config = ModelConfig::from_gguf(&hp, path)?;
+            let tokenizer = tokenizer_from_gguf(file.metadata())?;
+            let chat_template = chat_template_from_gguf(file.metadata(), &tokenizer)?;
+            Ok(Self { config, tokenizer, chat_template })
+        } else {
+            let config = ModelConfig::from_dir(path)?;
+            let (tokenizer, chat_template) = Checkpoint::dir_tokenizer(path, &config)?;
+            Ok(Self { config, tokenizer, chat_template })
+        }
+    }
+
+    /// The KV geometry of the model with blocks of `block_size` tokens.
+    pub fn kv_geometry(&self, block_size: usize) -> baton_kv::KvGeometry {
+        baton_kv::KvGeometry::new(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, block_size)
+    }
+}
+
 impl Checkpoint {
     /// Opens a Hugging Face directory ([`Checkpoint::open_dir`]) or a GGUF file
     /// ([`Checkpoint::open_gguf`]).
@@ -61,6 +95,13 @@ impl Checkpoint {
         let config = ModelConfig::from_dir(dir)?;
         let weights = SafetensorsWeights::from_dir(dir)?;
         let model = Model::load(&config, &weights)?;
+        let (tokenizer, chat_template) = Self::dir_tokenizer(dir, &config)?;
+        Ok(Self { dir: dir.to_owned(), model, tokenizer, chat_template })
+    }
+
+    /// A directory's tokenizer (BOS/EOS texts from `tokenizer_config.json` or the config's ids)
+    /// and chat template (`chat_template.jinja`, else `tokenizer_config.json`'s field).
+    fn dir_tokenizer(dir: &Path, config: &ModelConfig) -> Result<(Tokenizer, Option<ChatTemplate>)> {
         let mut tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
 
         let tc_path = dir.join("tokenizer_config.json");
@@ -101,7 +142,7 @@ impl Checkpoint {
         let chat_template = source
             .map(|s| ChatTemplate::new(&s, tokenizer.bos_token.as_deref(), tokenizer.eos_token.as_deref()))
             .transpose()?;
-        Ok(Self { dir: dir.to_owned(), model, tokenizer, chat_template })
+        Ok((tokenizer, chat_template))
     }
 
     /// Renders a chat with the template and encodes it, adding BOS only when the rendered text
@@ -199,5 +240,34 @@ mod known_model_tests {
         for m in KNOWN_MODELS {
             assert!(script.contains(m.name) && script.contains(m.file), "fetch-model.sh lacks {m:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod frontend_tests {
+    use super::*;
+
+    /// A router's view of a checkpoint needs no weights: a directory with the config, tokenizer
+    /// and template but no `model.safetensors` opens as a [`Frontend`] (and not as a
+    /// [`Checkpoint`]), with the same tokenizer, template and KV geometry as the whole checkpoint.
+    #[test]
+    fn a_frontend_opens_without_the_weights() {
+        let src = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/models/tiny-llama"));
+        let dir = std::env::temp_dir().join(format!("baton-frontend-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        for f in
+            ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+        {
+            std::fs::copy(src.join(f), dir.join(f)).expect("copy fixture file");
+        }
+        assert!(Checkpoint::open(&dir).is_err(), "a checkpoint without weights must not load");
+        let front = Frontend::open(&dir).expect("frontend without weights");
+        let whole = Checkpoint::open(src).expect("the fixture");
+        assert_eq!(front.config.num_layers, whole.model.config().num_layers);
+        assert_eq!(front.kv_geometry(16), whole.model.kv_geometry(16));
+        let text = "The capital of France is";
+        assert_eq!(front.tokenizer.encode(text, true).ok(), whole.tokenizer.encode(text, true).ok());
+        assert_eq!(front.chat_template.is_some(), whole.chat_template.is_some());
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

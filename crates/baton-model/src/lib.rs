@@ -39,7 +39,7 @@ pub mod weights;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use checkpoint::{
-    Checkpoint, DEFAULT_MODEL, DEFAULT_MODEL_FILE, KNOWN_MODELS, KnownModel, default_model_path, known_model,
+    Checkpoint, DEFAULT_MODEL, DEFAULT_MODEL_FILE, Frontend, KNOWN_MODELS, KnownModel, default_model_path, known_model,
     known_model_names, known_model_path, models_dir,
 };
 pub use config::{Architecture, ModelConfig};

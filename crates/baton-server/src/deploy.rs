@@ -270,11 +270,15 @@ pub async fn run_conductor(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    let loaded = load_off_runtime(&config.model, config.model_id.as_deref()).await?;
-    let bytes_per_token = loaded.model.kv_geometry(16).bytes_per_token();
+    // The tokenizer, chat template and config only: a conductor never runs the model.
+    let (path, model_id) = (config.model.clone(), config.model_id.clone());
+    let (validator, bytes_per_token) =
+        tokio::task::spawn_blocking(move || crate::load_frontend(&path, model_id.as_deref()))
+            .await
+            .map_err(|e| ServeError::Config(format!("loading the model's tokenizer: {e}")))??;
     let conductor = Arc::new(
         Conductor::new(
-            loaded.validator,
+            validator,
             Vec::new(),
             config.policy.build(config.block_tokens),
             config.api_key.clone(),

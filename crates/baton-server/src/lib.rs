@@ -153,6 +153,27 @@ pub(crate) fn load(path: &std::path::Path, model_id: Option<&str>) -> Result<Loa
     Ok(Loaded { validator, model, tokenizer })
 }
 
+/// What a conductor needs of a model, without its weights: the validator (tokenizer, chat
+/// template, limits) and the KV bytes per token (for the transfer counter).
+pub(crate) fn load_frontend(
+    path: &std::path::Path,
+    model_id: Option<&str>,
+) -> Result<(openai::Validator, usize), ServeError> {
+    let front = baton_model::Frontend::open(path)?;
+    let model_id = model_id
+        .map(str::to_owned)
+        .unwrap_or_else(|| path.file_stem().map_or_else(|| "baton".to_owned(), |s| s.to_string_lossy().into_owned()));
+    let bytes_per_token = front.kv_geometry(16).bytes_per_token();
+    let validator = openai::Validator {
+        model_id,
+        max_context: front.config.max_position_embeddings,
+        vocab_size: front.config.vocab_size,
+        tokenizer: Arc::new(front.tokenizer),
+        template: front.chat_template.map(Arc::new),
+    };
+    Ok((validator, bytes_per_token))
+}
+
 /// The compatibility record KV peers compare: model id and the engine's KV geometry.
 pub(crate) fn compat(loaded: &Loaded, engine: &Engine) -> baton_transfer::Compat {
     baton_transfer::Compat::new(loaded.validator.model_id.clone(), engine.kv_geometry())
