@@ -177,6 +177,27 @@ pub enum Synthetic {
         /// Output length.
         output: u64,
     },
+    /// Sessions that each have a long context of their own (a document, a code base, a long
+    /// history) and come back to it turn after turn: session starts are Poisson at `rate`, each
+    /// turn extends the previous one's prompt by `turn_tokens` and arrives `think_s` seconds
+    /// after it (an open loop: a turn does not wait for the previous answer). No block is
+    /// shared between sessions, so only an instance that holds a session's history can reuse it.
+    OwnContext {
+        /// Sessions.
+        sessions: usize,
+        /// Turns per session.
+        turns: usize,
+        /// Session starts per second.
+        rate: f64,
+        /// Tokens of a session's first prompt.
+        context_tokens: u64,
+        /// Tokens each later turn adds (the previous answer and the new question).
+        turn_tokens: u64,
+        /// Output length.
+        output: u64,
+        /// Seconds from one turn of a session to its next.
+        think_s: f64,
+    },
 }
 
 /// Generates a synthetic workload, deterministic for `seed`.
@@ -229,6 +250,44 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
                 });
             }
         }
+        Synthetic::OwnContext { sessions, turns, rate, context_tokens, turn_tokens, output, think_s } => {
+            let mut start = 0.0;
+            for s in 0..sessions {
+                start += exp_sample(&mut rng, rate);
+                for turn in 0..turns {
+                    // Whole milliseconds, so the workload survives a trace file unchanged.
+                    let at_ms = ((start + turn as f64 * think_s) * 1e3).round() as Micros;
+                    let input = context_tokens + turn as u64 * turn_tokens;
+                    out.push(SimRequest {
+                        arrival_us: at_ms * 1000,
+                        input_tokens: input.max(1),
+                        output_tokens: output.max(1),
+                        hashes: session_hashes(1 << 48 | s as u64, input.max(1), block_tokens),
+                        session: Some(SessionId(s as u64)),
+                    });
+                }
+            }
+            out.sort_by_key(|r| r.arrival_us);
+        }
+    }
+    out
+}
+
+/// Writes requests as a Mooncake-format trace (one JSON line each: `timestamp` in whole
+/// milliseconds, `input_length`, `output_length`, `hash_ids`), so the very workload `baton sim`
+/// runs can be replayed against a live server (`baton bench serve --workload mooncake`).
+/// Sessions are not part of the format; arrivals are truncated to the millisecond.
+pub fn to_mooncake(requests: &[SimRequest]) -> String {
+    let mut out = String::new();
+    for r in requests {
+        let line = serde_json::json!({
+            "timestamp": r.arrival_us / 1000,
+            "input_length": r.input_tokens,
+            "output_length": r.output_tokens,
+            "hash_ids": r.hashes.iter().map(|h| h.0).collect::<Vec<u64>>(),
+        });
+        out.push_str(&line.to_string());
+        out.push('\n');
     }
     out
 }
@@ -236,6 +295,42 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn own_context_sessions_extend_their_own_history_and_survive_a_trace_file() {
+        let spec = Synthetic::OwnContext {
+            sessions: 5,
+            turns: 3,
+            rate: 2.0,
+            context_tokens: 2048,
+            turn_tokens: 512,
+            output: 16,
+            think_s: 4.0,
+        };
+        let reqs = synthesize(&spec, 512, 7);
+        assert_eq!(reqs.len(), 15);
+        assert!(reqs.windows(2).all(|w| w[0].arrival_us <= w[1].arrival_us));
+        let mut by_session: std::collections::BTreeMap<_, Vec<&SimRequest>> = Default::default();
+        for r in &reqs {
+            by_session.entry(r.session).or_default().push(r);
+        }
+        assert_eq!(by_session.len(), 5);
+        for turns in by_session.values() {
+            for (k, w) in turns.windows(2).enumerate() {
+                // Each turn extends the last: its whole prompt blocks are the previous prompt's.
+                assert_eq!(w[1].input_tokens, 2048 + (k as u64 + 1) * 512);
+                assert_eq!(&w[1].hashes[..w[0].hashes.len()], &w[0].hashes[..]);
+                assert_eq!(w[1].arrival_us - w[0].arrival_us, 4_000_000);
+            }
+        }
+        // No block is shared between sessions.
+        let firsts: std::collections::BTreeSet<_> = by_session.values().map(|t| t[0].hashes[0]).collect();
+        assert_eq!(firsts.len(), 5);
+        // Written as a trace and read back, the workload is the same (sessions aside).
+        let back = parse_mooncake(&to_mooncake(&reqs), 1.0).expect("parse");
+        let strip = |r: &SimRequest| SimRequest { session: None, ..r.clone() };
+        assert_eq!(back, reqs.iter().map(strip).collect::<Vec<_>>());
+    }
 
     #[test]
     fn mooncake_lines_parse_and_scale() {

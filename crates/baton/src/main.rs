@@ -49,7 +49,7 @@ enum Command {
     /// Generate text for one prompt with a local engine and print it.
     Generate(generate::GenerateArgs),
     /// Simulate a cluster on virtual time with the conductor's scheduling policies.
-    Sim(sim::SimArgs),
+    Sim(Box<sim::SimArgs>),
     /// Time the CPU backend and fit the cost profile that `sim --profile` and emulated workers use.
     Profile(profile::ProfileArgs),
     /// Benchmarks (not tests): engine throughput and more.
@@ -76,7 +76,7 @@ fn main() -> anyhow::Result<()> {
         Command::Conductor(args) => cluster::conductor(args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(cmd) => bench::run(cmd),
-        Command::Sim(args) => sim::run(args),
+        Command::Sim(args) => sim::run(*args),
         Command::Profile(args) => profile::run(args),
     }
 }

@@ -25,9 +25,20 @@ pub(crate) struct SimArgs {
     /// Synthetic: this many shared-prefix sessions of --turns turns at --rate.
     #[arg(long, group = "workload")]
     sessions: Option<usize>,
+    /// Synthetic: this many sessions, each with a context of its own of --input A tokens that
+    /// every turn extends by B tokens; starts at --rate per second, turns --think-s apart.
+    #[arg(long, group = "workload")]
+    context_sessions: Option<usize>,
     /// Turns per session.
     #[arg(long, default_value_t = 4)]
     turns: usize,
+    /// Seconds between a session's turns (--context-sessions).
+    #[arg(long, default_value_t = 10.0)]
+    think_s: f64,
+    /// Write the workload as a Mooncake-format trace to this file (timestamps in ms) and exit,
+    /// so `baton bench serve --workload mooncake --dataset FILE` replays it against a server.
+    #[arg(long, value_name = "FILE")]
+    write_trace: Option<PathBuf>,
     /// Arrival rate (requests or sessions per second).
     #[arg(long, default_value_t = 1.0)]
     rate: f64,
@@ -170,9 +181,26 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
             turn_tokens: a.input.1,
             output: a.output.1,
         })
+    } else if let Some(sessions) = a.context_sessions {
+        WorkloadSpec::Synthetic(Synthetic::OwnContext {
+            sessions,
+            turns: a.turns,
+            rate: a.rate,
+            context_tokens: a.input.0,
+            turn_tokens: a.input.1,
+            output: a.output.1,
+            think_s: a.think_s,
+        })
     } else {
-        bail!("give a workload: --trace PATH, --sharegpt PATH, --poisson N or --sessions N");
+        bail!("give a workload: --trace PATH, --sharegpt PATH, --poisson N, --sessions N or --context-sessions N");
     };
+    if let Some(path) = &a.write_trace {
+        let requests = baton_sim::load_workload(&cfg)?;
+        std::fs::write(path, baton_sim::workload::to_mooncake(&requests))
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {} requests to {}", requests.len(), path.display());
+        return Ok(());
+    }
     // The load-aware policy watches the same SLOs admission uses.
     cfg.policy_config.load_aware.ttft_slo_us = cfg.admission.slo.ttft_us;
     cfg.policy_config.load_aware.tbt_slo_us = cfg.admission.slo.tbt_us;
