@@ -11,7 +11,7 @@
 //! | [`RandomPolicy`] | uniform | uniform |
 //! | [`LeastLoad`] | least queued prefill time | least predicted TBT |
 //! | [`SessionAffinity`] | the session's instance (least load on first sight) | least predicted TBT |
-//! | [`PromptTree`] | longest cached prefix, then least load (MemServe Table 6), transfer-vs-recompute by eq. 2 | least predicted TBT |
+//! | [`PromptTree`] | least predicted TTFT (queue + eq. 2 fetch + prefill); ties: longest cached prefix (MemServe Table 6), then least load | least predicted TBT |
 //! | [`KvCentric`] | Mooncake Algorithm 1 (cache-aware / cache-balancing, hot-spot migration) | least predicted TBT |
 //! | [`LoadAware`] | argmin queue + exec(x, y) (MemServe eq. 1), role switching under persistent imbalance (FlowKV) | least predicted TBT |
 
