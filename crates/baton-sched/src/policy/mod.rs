@@ -10,7 +10,7 @@
 //! | [`RoundRobin`] | next in turn | next in turn |
 //! | [`RandomPolicy`] | uniform | uniform |
 //! | [`LeastLoad`] | least queued prefill time | least predicted TBT |
-//! | [`SessionAffinity`] | the session's instance (least load on first sight) | least predicted TBT |
+//! | [`SessionAffinity`] | the session's instance (least load on first sight) unless another's predicted TTFT is lower | least predicted TBT |
 //! | [`PromptTree`] | least predicted TTFT (queue + eq. 2 fetch + prefill); ties: longest cached prefix (MemServe Table 6), then least load | least predicted TBT |
 //! | [`KvCentric`] | Mooncake Algorithm 1 (cache-aware / cache-balancing, hot-spot migration) | least predicted TBT |
 //! | [`LoadAware`] | argmin queue + exec(x, y) (MemServe eq. 1), role switching under persistent imbalance (FlowKV) | least predicted TBT |
