@@ -7,7 +7,8 @@
 //! [`KvEvent`](baton_kv::KvEvent)s that feed the trees, as a worker's MemPool would.
 //!
 //! - [`workload`]: Mooncake-format traces (`timestamp`, `input_length`, `output_length`,
-//!   `hash_ids`), ShareGPT-style files, Poisson and shared-prefix generators.
+//!   `hash_ids`), ShareGPT-style files, Poisson, shared-prefix, own-context and hot-prefix
+//!   generators.
 //! - [`Simulator`]: the event loop (queues, continuous batching, KV capacity per tier, transfers).
 //! - [`Report`]: TTFT / TBT / JCT percentiles, SLO attainment, goodput, rejections, wasted
 //!   prefill, as JSON; [`plot`] draws CDFs and summaries of several runs as PNG and SVG.

@@ -198,6 +198,33 @@ pub enum Synthetic {
         /// Seconds from one turn of a session to its next.
         think_s: f64,
     },
+    /// Multi-turn conversations that open with one of a few hot shared prefixes (system prompts,
+    /// few-shot preambles): session starts are Poisson at `rate`, each session picks prefix `k`
+    /// (0-based) with Zipf probability ∝ `1 / (k + 1)^zipf`, and each turn extends the session's
+    /// own history by `turn_tokens`, `think_s` seconds after the previous turn (open loop).
+    ///
+    /// Many concurrent requests then share the hottest prefix: a policy that sends every request
+    /// to the instance holding the longest prefix piles them all onto one instance (issue #18).
+    HotPrefixes {
+        /// Sessions.
+        sessions: usize,
+        /// Turns per session.
+        turns: usize,
+        /// Session starts per second.
+        rate: f64,
+        /// Distinct shared prefixes.
+        prefixes: usize,
+        /// Zipf exponent of the prefixes' popularity (0: uniform).
+        zipf: f64,
+        /// Tokens of each shared prefix.
+        prefix_tokens: u64,
+        /// Tokens each turn adds after the prefix (the question, later the previous answer too).
+        turn_tokens: u64,
+        /// Output length.
+        output: u64,
+        /// Seconds from one turn of a session to its next.
+        think_s: f64,
+    },
 }
 
 /// Generates a synthetic workload, deterministic for `seed`.
@@ -269,6 +296,48 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
             }
             out.sort_by_key(|r| r.arrival_us);
         }
+        Synthetic::HotPrefixes {
+            sessions,
+            turns,
+            rate,
+            prefixes,
+            zipf,
+            prefix_tokens,
+            turn_tokens,
+            output,
+            think_s,
+        } => {
+            let weights: Vec<f64> = (0..prefixes.max(1)).map(|k| (k as f64 + 1.0).powf(-zipf)).collect();
+            let total: f64 = weights.iter().sum();
+            let shared_blocks = (prefix_tokens / block_tokens.max(1)) as usize;
+            let mut start = 0.0;
+            for s in 0..sessions {
+                start += exp_sample(&mut rng, rate);
+                let mut u = rng.random_range(0.0..total);
+                let prefix = weights.iter().position(|&w| {
+                    u -= w;
+                    u < 0.0
+                });
+                let prefix = prefix.unwrap_or(weights.len() - 1) as u64;
+                for turn in 0..turns {
+                    let at_ms = ((start + turn as f64 * think_s) * 1e3).round() as Micros;
+                    let input = (prefix_tokens + (turn as u64 + 1) * turn_tokens).max(1);
+                    let mut hashes = session_hashes(1 << 52 | s as u64, input, block_tokens);
+                    // The prefix's full blocks are the same in every session that opens with it.
+                    for (b, h) in hashes.iter_mut().enumerate().take(shared_blocks) {
+                        *h = BlockHash(splitmix(0xC0FFEE ^ ((prefix + 1) << 40) ^ b as u64));
+                    }
+                    out.push(SimRequest {
+                        arrival_us: at_ms * 1000,
+                        input_tokens: input,
+                        output_tokens: output.max(1),
+                        hashes,
+                        session: Some(SessionId(s as u64)),
+                    });
+                }
+            }
+            out.sort_by_key(|r| r.arrival_us);
+        }
     }
     out
 }
@@ -330,6 +399,51 @@ mod tests {
         let back = parse_mooncake(&to_mooncake(&reqs), 1.0).expect("parse");
         let strip = |r: &SimRequest| SimRequest { session: None, ..r.clone() };
         assert_eq!(back, reqs.iter().map(strip).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn hot_prefix_sessions_share_a_zipf_popular_prefix_and_extend_their_own_history() {
+        let spec = Synthetic::HotPrefixes {
+            sessions: 400,
+            turns: 3,
+            rate: 20.0,
+            prefixes: 3,
+            zipf: 1.5,
+            prefix_tokens: 1024 + 100,
+            turn_tokens: 512,
+            output: 8,
+            think_s: 2.0,
+        };
+        let reqs = synthesize(&spec, 512, 5);
+        assert_eq!(reqs, synthesize(&spec, 512, 5), "deterministic for a seed");
+        assert_eq!(reqs.len(), 1200);
+        assert!(reqs.windows(2).all(|w| w[0].arrival_us <= w[1].arrival_us));
+        let mut by_session: std::collections::BTreeMap<_, Vec<&SimRequest>> = Default::default();
+        for r in &reqs {
+            by_session.entry(r.session).or_default().push(r);
+        }
+        // Sessions per prefix (named by its first block), most popular first: 1 : 2^-1.5 : 3^-1.5.
+        let mut popularity: std::collections::BTreeMap<BlockHash, usize> = Default::default();
+        for turns in by_session.values() {
+            *popularity.entry(turns[0].hashes[0]).or_default() += 1;
+            for (k, w) in turns.windows(2).enumerate() {
+                assert_eq!(w[1].input_tokens, 1124 + (k as u64 + 2) * 512);
+                // Whole blocks of the previous turn reappear; the partial one does not.
+                let whole = (w[0].input_tokens / 512) as usize;
+                assert_eq!(w[1].hashes[..whole], w[0].hashes[..whole]);
+                assert_ne!(w[1].hashes[whole], w[0].hashes[whole]);
+                assert_eq!(w[1].arrival_us - w[0].arrival_us, 2_000_000);
+            }
+        }
+        let mut counts: Vec<usize> = popularity.into_values().collect();
+        counts.sort_unstable_by(|a, b| b.cmp(a));
+        assert_eq!(counts.len(), 3);
+        assert!(counts[0] > 220 && counts[1] > 60 && counts[2] > 25, "{counts:?}");
+        // Only the prefix's two whole blocks are shared between sessions of a prefix; its partial
+        // third block is each session's own.
+        let hot = by_session.values().filter(|t| t[0].hashes[0] == reqs[0].hashes[0]).collect::<Vec<_>>();
+        assert!(hot.iter().all(|t| t[0].hashes[..2] == hot[0][0].hashes[..2]));
+        assert_ne!(hot[0][0].hashes[2], hot[1][0].hashes[2]);
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! End-to-end simulations: determinism, the shared decision seam, and the published trace.
 
+mod common;
+
 use std::path::PathBuf;
 
 use baton_kv::InstanceId;
@@ -200,13 +202,7 @@ fn overload_controls_reject_before_wasting_prefill() {
 /// The published Mooncake trace (not copied into the repo): replay its first 800 requests.
 #[test]
 fn published_trace_replays_and_cache_awareness_pays() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/traces/synthetic_trace.jsonl");
-    assert!(
-        path.exists(),
-        "the Mooncake trace is missing at {} (it lives in the shared fixtures, ../shared/fixtures/traces/ from the repo root)",
-        path.display()
-    );
-    let all = read_mooncake(&path, 1.0).expect("trace parses");
+    let all = read_mooncake(&common::published_trace(), 1.0).expect("trace parses");
     assert_eq!(all.len(), 3993);
     let head: Vec<SimRequest> = all.into_iter().take(800).collect();
     let run = |policy| {

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use baton_kv::InstanceId;
 use rand::{Rng, RngCore};
 
-use super::{Policy, least_loaded_decode, local_route, route_to};
+use super::{Policy, PrefillPlan, least_loaded_decode, local_route, route_to};
 use crate::snapshot::{ClusterSnapshot, Decision, InstanceSnapshot, RejectReason, Request, SessionId};
 
 /// Each pool in turn. The cursors are the policy's only state.
@@ -95,8 +95,14 @@ impl Policy for LeastLoad {
     }
 }
 
-/// A session sticks to the prefill instance it first went to (the least loaded then); requests
-/// without a session go to the least loaded one. Enables intra-session context caching only.
+/// A session sticks to a prefill instance (the least loaded when it was first seen), as long as
+/// no other instance would serve it sooner: if the session's instance's predicted TTFT (its queue
+/// plus the prefill of what it does not cache) exceeds another's, the request goes to the one
+/// with the least and the session follows it. Requests without a session go to the least loaded
+/// instance. Enables intra-session context caching only (no fetching between instances).
+///
+/// The bound is what keeps a session's cache from being worth more than the queue it costs
+/// (issue #18): stickiness alone lets one instance collect busy sessions while others idle.
 #[derive(Debug, Clone, Default)]
 pub struct SessionAffinity {
     sessions: BTreeMap<SessionId, InstanceId>,
@@ -108,19 +114,25 @@ impl Policy for SessionAffinity {
     }
 
     fn route(&mut self, snap: &ClusterSnapshot<'_>, req: &Request, _rng: &mut dyn RngCore) -> Decision {
+        let plan = |i| PrefillPlan::new(snap, req, i, snap.trees.prefix_len(i.id, &req.block_hashes, snap.now), None);
         let sticky =
             req.session.and_then(|s| self.sessions.get(&s)).and_then(|&id| snap.prefill_pool().find(|i| i.id == id));
-        let Some(p) = sticky.or_else(|| least_queued(snap)) else {
-            return Decision::Reject { reason: RejectReason::NoInstance };
+        let p = match sticky {
+            Some(home) => {
+                let home = plan(home);
+                let best = snap.prefill_pool().map(plan).min_by_key(|p| (p.ttft, p.inst.id));
+                best.filter(|b| b.ttft < home.ttft).unwrap_or(home)
+            }
+            None => match least_queued(snap) {
+                Some(i) => plan(i),
+                None => return Decision::Reject { reason: RejectReason::NoInstance },
+            },
         };
         if let Some(s) = req.session {
-            self.sessions.insert(s, p.id);
+            self.sessions.insert(s, p.inst.id);
         }
-        match least_loaded_decode(snap, req, p) {
-            Some(d) => {
-                let local = snap.trees.prefix_len(p.id, &req.block_hashes, snap.now);
-                Decision::Route(local_route(snap, req, p, d, local))
-            }
+        match least_loaded_decode(snap, req, p.inst) {
+            Some(d) => Decision::Route(p.route(d)),
             None => Decision::Reject { reason: RejectReason::NoInstance },
         }
     }
@@ -192,7 +204,42 @@ mod tests {
     }
 
     #[test]
-    fn session_affinity_sticks_until_the_instance_leaves() {
+    fn session_affinity_sticks_while_its_cache_is_worth_its_queue() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        let mut inst = instances(2, 1);
+        inst[0].queued_prefill_us = 10;
+        let mut trees = trees_for(&inst);
+        let mut policy = SessionAffinity::default();
+        let mut rng = StdRng::seed_from_u64(0);
+        let mut req = request(20);
+        req.session = Some(SessionId(9));
+        let s = snap(inst.clone(), &trees, &cost);
+        assert_eq!(ids(&policy.route(&s, &req, &mut rng)).0, 1, "first sight: the least loaded");
+        // Instance 1 now caches 16 blocks of the session's history.
+        trees.predict(InstanceId(1), &req.block_hashes[..16], 0);
+        let saves = cost.prefill_time(req.prompt_tokens, 0.0) - cost.prefill_time_cached(req.prompt_tokens, 16 * 512);
+        // It is the busier one, by no more than its cache saves: the session stays.
+        inst[1].queued_prefill_us = 10 + saves;
+        let s = snap(inst.clone(), &trees, &cost);
+        let d = policy.route(&s, &req, &mut rng);
+        assert_eq!(ids(&d).0, 1);
+        assert_eq!(d.route().map(|r| r.reused_blocks()), Some(16));
+        // A request without a session goes to the least loaded.
+        assert_eq!(ids(&policy.route(&s, &request(1), &mut rng)).0, 0);
+        // One microsecond more queue than the cache saves: the session moves, and stays moved.
+        inst[1].queued_prefill_us = 11 + saves;
+        let s = snap(inst.clone(), &trees, &cost);
+        assert_eq!(ids(&policy.route(&s, &req, &mut rng)).0, 0);
+        // Instance 0 now caches the whole conversation; instance 1 is a little less busy.
+        trees.predict(InstanceId(0), &req.block_hashes, 0);
+        inst[1].queued_prefill_us = 0;
+        inst[0].queued_prefill_us = 20;
+        let s = snap(inst.clone(), &trees, &cost);
+        assert_eq!(ids(&policy.route(&s, &req, &mut rng)).0, 0, "sticks to its new instance");
+    }
+
+    #[test]
+    fn session_affinity_moves_when_the_instance_leaves() {
         let cost = CostProfile::llama2_70b_8xa800();
         let mut inst = instances(2, 1);
         inst[0].queued_prefill_us = 10;
@@ -201,18 +248,8 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(0);
         let mut req = request(1);
         req.session = Some(SessionId(9));
-        let s = snap(inst.clone(), &trees, &cost);
-        assert_eq!(ids(&policy.route(&s, &req, &mut rng)).0, 1);
-        // Instance 1 is now the busier one, but the session stays.
-        inst[1].queued_prefill_us = 1_000_000;
-        let s = snap(inst.clone(), &trees, &cost);
-        assert_eq!(ids(&policy.route(&s, &req, &mut rng)).0, 1);
-        // A request without a session goes to the least loaded.
-        assert_eq!(ids(&policy.route(&s, &request(1), &mut rng)).0, 0);
-        // The instance stops accepting: the session moves.
+        assert_eq!(ids(&policy.route(&snap(inst.clone(), &trees, &cost), &req, &mut rng)).0, 1);
         inst[1].accepting = false;
-        let s = snap(inst, &trees, &cost);
-        assert_eq!(ids(&policy.route(&s, &req, &mut rng)).0, 0);
-        let _ = InstanceId(0);
+        assert_eq!(ids(&policy.route(&snap(inst, &trees, &cost), &req, &mut rng)).0, 0);
     }
 }

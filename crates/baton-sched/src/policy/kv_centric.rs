@@ -16,9 +16,8 @@
 
 use rand::RngCore;
 
-use super::{Policy, least_loaded_decode};
-use crate::Micros;
-use crate::snapshot::{ClusterSnapshot, Decision, Estimate, RejectReason, Request, Reuse, Route};
+use super::{Policy, PrefillPlan, least_loaded_decode};
+use crate::snapshot::{ClusterSnapshot, Decision, RejectReason, Request};
 
 /// Algorithm 1 with its one parameter.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -28,49 +27,30 @@ pub struct KvCentric {
     pub kvcache_balancing_threshold: f64,
 }
 
-/// What Algorithm 1 chose for the prefill side (exposed for tests and tracing).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct PrefillChoice {
-    pub(crate) index: usize,
-    pub(crate) local: usize,
-    pub(crate) fetched_to: Option<usize>,
-    pub(crate) ttft: Micros,
-}
-
 impl KvCentric {
-    pub(crate) fn choose_prefill(&self, snap: &ClusterSnapshot<'_>, req: &Request) -> Option<PrefillChoice> {
+    /// Algorithm 1's prefill side: the plan of least predicted TTFT (the first on ties).
+    pub(crate) fn choose_prefill<'s>(&self, snap: &'s ClusterSnapshot<'_>, req: &Request) -> Option<PrefillPlan<'s>> {
         let pool: Vec<_> = snap.prefill_pool().collect();
         let prefix: Vec<usize> =
             pool.iter().map(|i| snap.trees.prefix_len(i.id, &req.block_hashes, snap.now)).collect();
         // FindBestPrefixMatch(P): longest prefix, lowest id on ties.
         let (best_idx, &best) = prefix.iter().enumerate().max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(&a.0)))?;
-        let best_id = pool[best_idx].id;
-        let mut choice: Option<PrefillChoice> = None;
-        for (i, inst) in pool.iter().enumerate() {
-            let local = prefix[i];
-            let t_queue = inst.queued_prefill_us;
-            let ratio = match (best, local) {
-                (0, _) => 1.0,
-                (_, 0) => f64::INFINITY,
-                (b, l) => b as f64 / l as f64,
-            };
-            let t_local = t_queue + snap.cost.prefill_time_cached(req.prompt_tokens, req.cached_tokens(local));
-            let (ttft, fetched_to) = if ratio < self.kvcache_balancing_threshold {
-                // Cache-aware prefill scheduling.
-                (t_local, None)
-            } else {
-                // Cache-aware and -balancing: transfer best − local blocks, or recompute (eq. 2).
-                let transfer_tokens = req.cached_tokens(best) - req.cached_tokens(local);
-                let t_transfer = snap.cost.kv_transfer_time(transfer_tokens, snap.link(best_id, inst.id));
-                let t_remote =
-                    t_transfer + t_queue + snap.cost.prefill_time_cached(req.prompt_tokens, req.cached_tokens(best));
-                if t_remote <= t_local { (t_remote, Some(best)) } else { (t_local, None) }
-            };
-            if choice.is_none_or(|c| ttft < c.ttft) {
-                choice = Some(PrefillChoice { index: i, local, fetched_to, ttft });
-            }
-        }
-        choice
+        let holder = (pool[best_idx].id, best);
+        pool.iter()
+            .zip(&prefix)
+            .map(|(inst, &local)| {
+                let ratio = match (best, local) {
+                    (0, _) => 1.0,
+                    (_, 0) => f64::INFINITY,
+                    (b, l) => b as f64 / l as f64,
+                };
+                // Cache-aware prefill scheduling below the threshold (the local prefix only);
+                // cache-aware and -balancing above it (fetch best − local blocks, or recompute:
+                // eq. 2).
+                let fetch_from = (ratio >= self.kvcache_balancing_threshold).then_some(holder);
+                PrefillPlan::new(snap, req, inst, local, fetch_from)
+            })
+            .min_by_key(|p| p.ttft)
     }
 }
 
@@ -80,33 +60,13 @@ impl Policy for KvCentric {
     }
 
     fn route(&mut self, snap: &ClusterSnapshot<'_>, req: &Request, _rng: &mut dyn RngCore) -> Decision {
-        let Some(c) = self.choose_prefill(snap, req) else {
+        let Some(plan) = self.choose_prefill(snap, req) else {
             return Decision::Reject { reason: RejectReason::NoInstance };
         };
-        let pool: Vec<_> = snap.prefill_pool().collect();
-        let p = pool[c.index];
-        let Some((decode, tbt)) = least_loaded_decode(snap, req, p) else {
-            return Decision::Reject { reason: RejectReason::NoInstance };
-        };
-        let mut reuse = Vec::new();
-        if c.local > 0 {
-            reuse.push(Reuse { from: p.id, start: 0, end: c.local as u32 });
+        match least_loaded_decode(snap, req, plan.inst) {
+            Some(decode) => Decision::Route(plan.route(decode)),
+            None => Decision::Reject { reason: RejectReason::NoInstance },
         }
-        if let Some(to) = c.fetched_to {
-            // The best instance: the first with that many blocks (same tie rule as above).
-            let from = pool
-                .iter()
-                .find(|i| snap.trees.prefix_len(i.id, &req.block_hashes, snap.now) == to)
-                .map_or(p.id, |i| i.id);
-            reuse.push(Reuse { from, start: c.local as u32, end: to as u32 });
-        }
-        Decision::Route(Route {
-            prefill: p.id,
-            decode,
-            reuse,
-            migrate: c.fetched_to.is_some(),
-            estimate: Estimate { ttft_us: c.ttft, tbt_us: tbt },
-        })
     }
 }
 
@@ -117,8 +77,8 @@ mod tests {
     use rand::rngs::StdRng;
 
     use super::*;
-    use crate::CostProfile;
     use crate::policy::testutil::{instances, request, snap, trees_for};
+    use crate::{CostProfile, Reuse, Route};
 
     fn cache(trees: &mut crate::GlobalPromptTrees, inst: u32, blocks: u64) {
         let hashes: Vec<BlockHash> = (1..=blocks).map(BlockHash).collect();

@@ -11,7 +11,7 @@
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
 
-use super::{Policy, least_loaded_decode, local_route, ttft_on};
+use super::{Policy, PrefillPlan, least_loaded_decode};
 use crate::snapshot::{ClusterSnapshot, Decision, InstanceSnapshot, RejectReason, Request, Role};
 use crate::{Micros, RoleChange};
 
@@ -86,15 +86,16 @@ impl Policy for LoadAware {
     }
 
     fn route(&mut self, snap: &ClusterSnapshot<'_>, req: &Request, _rng: &mut dyn RngCore) -> Decision {
-        let Some((p, local)) = snap
+        // Local prefixes only: FlowKV does not fetch KV between prefill instances.
+        let Some(plan) = snap
             .prefill_pool()
-            .map(|i| (i, snap.trees.prefix_len(i.id, &req.block_hashes, snap.now)))
-            .min_by_key(|(i, n)| (ttft_on(snap, i, req, *n), i.id))
+            .map(|i| PrefillPlan::new(snap, req, i, snap.trees.prefix_len(i.id, &req.block_hashes, snap.now), None))
+            .min_by_key(|p| (p.ttft, p.inst.id))
         else {
             return Decision::Reject { reason: RejectReason::NoInstance };
         };
-        match least_loaded_decode(snap, req, p) {
-            Some(d) => Decision::Route(local_route(snap, req, p, d, local)),
+        match least_loaded_decode(snap, req, plan.inst) {
+            Some(d) => Decision::Route(plan.route(d)),
             None => Decision::Reject { reason: RejectReason::NoInstance },
         }
     }

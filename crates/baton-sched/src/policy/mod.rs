@@ -10,8 +10,8 @@
 //! | [`RoundRobin`] | next in turn | next in turn |
 //! | [`RandomPolicy`] | uniform | uniform |
 //! | [`LeastLoad`] | least queued prefill time | least predicted TBT |
-//! | [`SessionAffinity`] | the session's instance (least load on first sight) | least predicted TBT |
-//! | [`PromptTree`] | longest cached prefix, then least load (MemServe Table 6), transfer-vs-recompute by eq. 2 | least predicted TBT |
+//! | [`SessionAffinity`] | the session's instance (least load on first sight) unless another's predicted TTFT is lower | least predicted TBT |
+//! | [`PromptTree`] | least predicted TTFT (queue + eq. 2 fetch + prefill); ties: longest cached prefix (MemServe Table 6), then least load | least predicted TBT |
 //! | [`KvCentric`] | Mooncake Algorithm 1 (cache-aware / cache-balancing, hot-spot migration) | least predicted TBT |
 //! | [`LoadAware`] | argmin queue + exec(x, y) (MemServe eq. 1), role switching under persistent imbalance (FlowKV) | least predicted TBT |
 
@@ -174,6 +174,68 @@ pub(crate) fn least_loaded_decode(
     snap.decode_pool().map(|d| (d.id, tbt_with(snap, d, req))).min_by_key(|&(id, t)| (t, id))
 }
 
+/// What one prefill instance would do with a request, and the TTFT it would give (Mooncake's
+/// Algorithm 1, lines 7–25): wait for its queue, fetch the blocks its cache lacks and another
+/// instance holds when that beats recomputing them (MemServe eq. 2), prefill the rest.
+///
+/// Every cache-affine policy compares instances by [`PrefillPlan::ttft`], so a cache hit is
+/// worth exactly the prefill time it saves and never more than the queue it costs (issue #18).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PrefillPlan<'s> {
+    /// The prefill instance.
+    pub(crate) inst: &'s InstanceSnapshot,
+    /// Leading blocks it reuses from its own cache.
+    pub(crate) local: usize,
+    /// Blocks `local..end` fetched from another instance, as `(from, end)`.
+    pub(crate) fetch: Option<(InstanceId, usize)>,
+    /// Predicted TTFT: queue + transfer + prefill of what is not cached.
+    pub(crate) ttft: Micros,
+}
+
+impl<'s> PrefillPlan<'s> {
+    /// The plan of `inst`, which caches the first `local` blocks of the prompt, given the
+    /// instance holding the longest prefix (`holder`: its id and blocks), if it may fetch from it.
+    pub(crate) fn new(
+        snap: &ClusterSnapshot<'_>,
+        req: &Request,
+        inst: &'s InstanceSnapshot,
+        local: usize,
+        holder: Option<(InstanceId, usize)>,
+    ) -> Self {
+        let mut plan = Self { inst, local, fetch: None, ttft: ttft_on(snap, inst, req, local) };
+        if let Some((from, end)) = holder.filter(|&(from, end)| end > local && from != inst.id) {
+            let tokens = req.cached_tokens(end) - req.cached_tokens(local);
+            let remote = inst.queued_prefill_us
+                + snap.cost.kv_transfer_time(tokens, snap.link(from, inst.id))
+                + snap.cost.prefill_time_cached(req.prompt_tokens, req.cached_tokens(end));
+            if remote <= plan.ttft {
+                plan.fetch = Some((from, end));
+                plan.ttft = remote;
+            }
+        }
+        plan
+    }
+
+    /// The route carrying out this plan, with `decode` (instance and predicted TBT). Fetched
+    /// blocks are kept at the prefill instance (`migrate`: the hot prefix gets a replica).
+    pub(crate) fn route(&self, decode: (InstanceId, Micros)) -> Route {
+        let mut reuse = Vec::new();
+        if self.local > 0 {
+            reuse.push(Reuse { from: self.inst.id, start: 0, end: self.local as u32 });
+        }
+        if let Some((from, end)) = self.fetch {
+            reuse.push(Reuse { from, start: self.local as u32, end: end as u32 });
+        }
+        Route {
+            prefill: self.inst.id,
+            decode: decode.0,
+            reuse,
+            migrate: self.fetch.is_some(),
+            estimate: Estimate { ttft_us: self.ttft, tbt_us: decode.1 },
+        }
+    }
+}
+
 /// Builds a route that reuses only `prefill`'s own first `local` blocks.
 pub(crate) fn local_route(
     snap: &ClusterSnapshot<'_>,
@@ -182,14 +244,7 @@ pub(crate) fn local_route(
     decode: (InstanceId, Micros),
     local: usize,
 ) -> Route {
-    let reuse = if local > 0 { vec![Reuse { from: prefill.id, start: 0, end: local as u32 }] } else { Vec::new() };
-    Route {
-        prefill: prefill.id,
-        decode: decode.0,
-        reuse,
-        migrate: false,
-        estimate: Estimate { ttft_us: ttft_on(snap, prefill, req, local), tbt_us: decode.1 },
-    }
+    PrefillPlan::new(snap, req, prefill, local, None).route(decode)
 }
 
 /// Routes to `prefill` (local cache only) and the least-loaded decode instance.

@@ -1,17 +1,28 @@
-//! MemServe's prompt-tree-based policy (§6, Table 6).
+//! MemServe's prompt-tree-based policy (§6, Table 6), bounded by load.
 //!
-//! The prefill instance is the one with the longest cached prefix in the global prompt trees
-//! (ties: the least queued work, then the lowest id). If an instance of any type holds more of the
-//! prompt than the chosen one, the extra blocks are fetched when equation 2 says transfer beats
-//! recomputation (`transfer(y_p, y_p') ≤ exec(x, y_p) − exec(x, y_p')`), and kept (MemPool's
-//! `transfer_with_insert`). The policy is best effort: it does not weigh load against locality.
+//! MemServe sends a request to the instance with the longest cached prefix in the global prompt
+//! trees; if an instance of any type (MemServe caches at decode instances too) holds more of the
+//! prompt, the extra blocks are fetched when equation 2 says transfer beats recomputation
+//! (`transfer(y_p, y_p') ≤ exec(x, y_p) − exec(x, y_p')`), and kept (MemPool's
+//! `transfer_with_insert`).
+//!
+//! Taken alone that rule sends every request of a popular prefix to the one instance holding it
+//! and queues them there without bound (issue #18). So every prefill instance is costed as a
+//! [`PrefillPlan`]: its queue, plus the transfer of the blocks it would fetch from the longest
+//! holder (eq. 2), plus the prefill of the rest; the least predicted TTFT wins, ties going to the
+//! longest local prefix, then the shortest queue, then the lowest id. When loads are comparable
+//! the longest prefix still wins, since it needs neither transfer nor recomputation; when its
+//! queue costs more than the hit saves, another instance fetches the prefix (and keeps it, so
+//! the hot prefix spreads) or recomputes it.
+
+use std::cmp::Reverse;
 
 use rand::RngCore;
 
-use super::{Policy, least_loaded_decode, local_route};
-use crate::snapshot::{ClusterSnapshot, Decision, RejectReason, Request, Reuse};
+use super::{Policy, PrefillPlan, least_loaded_decode};
+use crate::snapshot::{ClusterSnapshot, Decision, RejectReason, Request};
 
-/// Longest prefix first.
+/// Longest prefix first, unless its queue costs more than it saves.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PromptTree;
 
@@ -22,31 +33,19 @@ impl Policy for PromptTree {
 
     fn route(&mut self, snap: &ClusterSnapshot<'_>, req: &Request, _rng: &mut dyn RngCore) -> Decision {
         let hashes = &req.block_hashes;
-        let Some((p, local)) = snap
+        // The instance of any type holding the longest prefix (lowest id on ties).
+        let holder = snap.trees.matches(hashes, snap.now, |_| true).first().map(|m| (m.instance, m.blocks));
+        let Some(plan) = snap
             .prefill_pool()
-            .map(|i| (i, snap.trees.prefix_len(i.id, hashes, snap.now)))
-            .min_by_key(|(i, n)| (std::cmp::Reverse(*n), i.queued_prefill_us, i.id))
+            .map(|i| PrefillPlan::new(snap, req, i, snap.trees.prefix_len(i.id, hashes, snap.now), holder))
+            .min_by_key(|p| (p.ttft, Reverse(p.local), p.inst.queued_prefill_us, p.inst.id))
         else {
             return Decision::Reject { reason: RejectReason::NoInstance };
         };
-        let Some(decode) = least_loaded_decode(snap, req, p) else {
-            return Decision::Reject { reason: RejectReason::NoInstance };
-        };
-        let mut route = local_route(snap, req, p, decode, local);
-        // Extra cached blocks elsewhere (any instance type)?
-        if let Some(m) = snap.trees.matches(hashes, snap.now, |_| true).into_iter().find(|m| m.blocks > local) {
-            let have = req.cached_tokens(local);
-            let more = req.cached_tokens(m.blocks);
-            let transfer = snap.cost.kv_transfer_time(more - have, snap.link(m.instance, p.id));
-            let saved = snap.cost.prefill_time_cached(req.prompt_tokens, have)
-                - snap.cost.prefill_time_cached(req.prompt_tokens, more);
-            if transfer <= saved {
-                route.reuse.push(Reuse { from: m.instance, start: local as u32, end: m.blocks as u32 });
-                route.migrate = true;
-                route.estimate.ttft_us = route.estimate.ttft_us - saved + transfer;
-            }
+        match least_loaded_decode(snap, req, plan.inst) {
+            Some(decode) => Decision::Route(plan.route(decode)),
+            None => Decision::Reject { reason: RejectReason::NoInstance },
         }
-        Decision::Route(route)
     }
 }
 
@@ -58,22 +57,71 @@ mod tests {
 
     use super::*;
     use crate::policy::testutil::{instances, request, snap, trees_for};
-    use crate::{CostProfile, Role};
+    use crate::{CostProfile, Reuse, Role};
 
     #[test]
-    fn longest_prefix_wins_even_when_busy() {
+    fn longest_prefix_wins_while_its_queue_costs_less_than_it_saves() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        let mut inst = instances(3, 1);
+        let mut trees = trees_for(&inst);
+        let h: Vec<BlockHash> = (1..=10).map(BlockHash).collect();
+        trees.predict(InstanceId(2), &h[..6], 0);
+        trees.predict(InstanceId(1), &h[..2], 0);
+        let req = request(10);
+        // Instance 2 is busier, but by less than a transfer of its six blocks takes.
+        inst[2].queued_prefill_us = 1_000;
+        let s = snap(inst.clone(), &trees, &cost);
+        let r = PromptTree.route(&s, &req, &mut StdRng::seed_from_u64(0));
+        let r = r.route().expect("routed");
+        assert_eq!(r.prefill, InstanceId(2));
+        assert_eq!(r.reuse, vec![Reuse { from: InstanceId(2), start: 0, end: 6 }]);
+        assert!(!r.migrate);
+        assert_eq!(r.estimate.ttft_us, 1_000 + cost.prefill_time_cached(req.prompt_tokens, 6 * 512));
+    }
+
+    #[test]
+    fn a_hot_prefix_behind_a_long_queue_is_fetched_by_an_idle_instance() {
+        // Issue #18: MemServe's rule alone would queue this request behind instance 2's 100 s.
         let cost = CostProfile::llama2_70b_8xa800();
         let mut inst = instances(3, 1);
         inst[2].queued_prefill_us = 100_000_000;
+        inst[1].queued_prefill_us = 5_000;
         let mut trees = trees_for(&inst);
         let h: Vec<BlockHash> = (1..=10).map(BlockHash).collect();
         trees.predict(InstanceId(2), &h[..6], 0);
         trees.predict(InstanceId(1), &h[..2], 0);
         let s = snap(inst, &trees, &cost);
-        let r = PromptTree.route(&s, &request(10), &mut StdRng::seed_from_u64(0));
+        let req = request(10);
+        let r = PromptTree.route(&s, &req, &mut StdRng::seed_from_u64(0));
         let r = r.route().expect("routed");
-        assert_eq!(r.prefill, InstanceId(2));
+        // Instance 0 fetches all six blocks; instance 1 would fetch only four but waits 5 ms.
+        assert_eq!(r.prefill, InstanceId(0));
         assert_eq!(r.reuse, vec![Reuse { from: InstanceId(2), start: 0, end: 6 }]);
+        assert!(r.migrate, "the idle instance keeps a replica of the hot prefix");
+        let t_transfer = cost.kv_transfer_time(6 * 512, cost.network);
+        assert_eq!(r.estimate.ttft_us, t_transfer + cost.prefill_time_cached(req.prompt_tokens, 6 * 512));
+    }
+
+    #[test]
+    fn a_prefix_not_worth_its_transfer_is_recomputed_where_the_queue_is_shortest() {
+        // Over a 100 MB/s link the 6 blocks (1 GB of KV) take 10 s to move: recompute them.
+        let cost = CostProfile::llama2_70b_8xa800();
+        let mut inst = instances(3, 1);
+        inst[2].queued_prefill_us = 100_000_000;
+        inst[0].queued_prefill_us = 7;
+        for i in &mut inst {
+            i.nic_bytes_per_s = 100_000_000;
+        }
+        let mut trees = trees_for(&inst);
+        let h: Vec<BlockHash> = (1..=10).map(BlockHash).collect();
+        trees.predict(InstanceId(2), &h[..6], 0);
+        let s = snap(inst, &trees, &cost);
+        let req = request(10);
+        let r = PromptTree.route(&s, &req, &mut StdRng::seed_from_u64(0));
+        let r = r.route().expect("routed");
+        assert_eq!(r.prefill, InstanceId(1));
+        assert!(r.reuse.is_empty() && !r.migrate);
+        assert_eq!(r.estimate.ttft_us, cost.prefill_time(req.prompt_tokens, 0.0));
     }
 
     #[test]
