@@ -6,7 +6,7 @@
 //! or of etcd learns nothing that lets it join, and a proof cannot be moved to other content
 //! (a different address, another worker id).
 //!
-//! HTTP requests are signed over `"baton-cluster-v1\n{METHOD} {PATH}\n{timestamp}\n{body}"` and
+//! HTTP requests are signed over `"baton-cluster-v1\n{METHOD} {PATH}\n{timestamp}\n{nonce}\n{body}"` and
 //! the timestamp must be within [`MAX_SKEW_MS`] of the registry's clock; a replay guard
 //! refuses a worker's request whose timestamp is not newer than its last accepted one, so a
 //! captured heartbeat cannot keep a dead worker alive.
@@ -26,7 +26,7 @@ use crate::types::WorkerId;
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// The HTTP header that carries a request's proof: `t=<unix ms>,sig=<hex HMAC>`.
+/// The HTTP header that carries a request's proof: `t=<unix ms>,n=<hex nonce>,sig=<hex HMAC>`.
 pub const AUTH_HEADER: &str = "x-baton-cluster-auth";
 
 /// How far a request's timestamp may be from the registry's clock, in milliseconds.
@@ -94,10 +94,15 @@ impl ClusterSecret {
 
     /// The value of [`AUTH_HEADER`] for an HTTP request (the registry's routes, and the
     /// control API a conductor calls on its workers).
+    /// A fresh random nonce makes every proof unique, even two identical calls in the same
+    /// millisecond from two signers, so a receiver can accept each proof once ([`SeenProofs`]).
     pub fn sign_request(&self, method: &str, path: &str, now_ms: u64, body: &[u8]) -> String {
         let ts = now_ms.to_string();
-        let sig = self.sign(&[method.as_bytes(), path.as_bytes(), ts.as_bytes(), body]);
-        format!("t={ts},sig={sig}")
+        let mut nonce = [0u8; 8];
+        rand::rng().fill_bytes(&mut nonce);
+        let nonce = hex(&nonce);
+        let sig = self.sign(&[method.as_bytes(), path.as_bytes(), ts.as_bytes(), nonce.as_bytes(), body]);
+        format!("t={ts},n={nonce},sig={sig}")
     }
 
     /// Verifies an [`AUTH_HEADER`] value; returns the request's timestamp.
@@ -110,12 +115,12 @@ impl ClusterSecret {
         body: &[u8],
     ) -> Result<u64, AuthFailure> {
         let header = header.ok_or(AuthFailure::Missing)?;
-        let (ts, sig) = parse_header(header).ok_or(AuthFailure::Malformed)?;
+        let (ts, nonce, sig) = parse_header(header).ok_or(AuthFailure::Malformed)?;
         if ts.abs_diff(now_ms) > MAX_SKEW_MS {
             return Err(AuthFailure::Stale);
         }
         let ts_text = ts.to_string();
-        if !self.verify(&[method.as_bytes(), path.as_bytes(), ts_text.as_bytes(), body], sig) {
+        if !self.verify(&[method.as_bytes(), path.as_bytes(), ts_text.as_bytes(), nonce.as_bytes(), body], sig) {
             return Err(AuthFailure::BadSignature);
         }
         Ok(ts)
@@ -148,19 +153,25 @@ impl AuthFailure {
     pub fn message(self) -> &'static str {
         match self {
             AuthFailure::Missing => "missing x-baton-cluster-auth header: the request carries no cluster secret proof",
-            AuthFailure::Malformed => "malformed x-baton-cluster-auth header (expected t=<unix ms>,sig=<hex>)",
+            AuthFailure::Malformed => "malformed x-baton-cluster-auth header (expected t=<unix ms>,n=<hex>,sig=<hex>)",
             AuthFailure::Stale => "request timestamp is more than 30 s from the registry's clock (clock skew?)",
-            AuthFailure::Replayed => "request timestamp is not newer than this worker's last request (replayed?)",
+            AuthFailure::Replayed => {
+                "this signed request was seen before, or its timestamp is not newer than the sender's last (replayed?)"
+            }
             AuthFailure::BadSignature => "cluster secret proof does not match: wrong cluster secret",
         }
     }
 }
 
-fn parse_header(header: &str) -> Option<(u64, &str)> {
-    let (t, sig) = header.trim().split_once(',')?;
-    let ts = t.trim().strip_prefix("t=")?.parse().ok()?;
-    let sig = sig.trim().strip_prefix("sig=")?;
-    Some((ts, sig))
+fn parse_header(header: &str) -> Option<(u64, &str, &str)> {
+    let mut parts = header.trim().split(',').map(str::trim);
+    let ts = parts.next()?.strip_prefix("t=")?.parse().ok()?;
+    let nonce = parts.next()?.strip_prefix("n=")?;
+    let sig = parts.next()?.strip_prefix("sig=")?;
+    if parts.next().is_some() || nonce.is_empty() || nonce.len() > 64 {
+        return None;
+    }
+    Some((ts, nonce, sig))
 }
 
 /// Refuses a worker's signed request whose timestamp is not newer than the last one accepted
@@ -188,6 +199,34 @@ impl ReplayGuard {
                 Ok(())
             }
         }
+    }
+}
+
+/// Refuses a signed request seen before: every proof accepted in the last [`MAX_SKEW_MS`] is
+/// remembered (older ones are refused as stale anyway), so a captured request cannot be played
+/// again. Unlike [`ReplayGuard`] it does not need a caller's requests to arrive in timestamp
+/// order, which concurrent requests from one conductor do not; every proof carries a random
+/// nonce ([`ClusterSecret::sign_request`]), so two identical calls never share one. Thread-safe.
+#[derive(Debug, Default)]
+pub struct SeenProofs {
+    seen: std::sync::Mutex<std::collections::BTreeSet<(u64, String)>>,
+}
+
+impl SeenProofs {
+    /// Most proofs remembered; past it, requests are refused until old ones expire (a flood of
+    /// valid proofs can only come from a holder of the secret).
+    pub const CAPACITY: usize = 1 << 20;
+
+    /// Accepts the verified request with timestamp `ts` and proof header `proof` once.
+    pub fn check(&self, ts: u64, proof: &str, now_ms: u64) -> Result<(), AuthFailure> {
+        let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while seen.first().is_some_and(|(t, _)| t.saturating_add(MAX_SKEW_MS) < now_ms) {
+            seen.pop_first();
+        }
+        if seen.len() >= Self::CAPACITY || !seen.insert((ts, proof.to_owned())) {
+            return Err(AuthFailure::Replayed);
+        }
+        Ok(())
     }
 }
 
@@ -246,7 +285,18 @@ mod tests {
         );
         assert_eq!(a.verify_request(None, "POST", "/x", 0, b""), Err(AuthFailure::Missing));
         assert_eq!(a.verify_request(Some("nonsense"), "POST", "/x", 0, b""), Err(AuthFailure::Malformed));
-        assert_eq!(a.verify_request(Some("t=0,sig=zz"), "POST", "/x", 0, b""), Err(AuthFailure::BadSignature));
+        assert_eq!(a.verify_request(Some("t=0,n=00,sig=zz"), "POST", "/x", 0, b""), Err(AuthFailure::BadSignature));
+        assert_eq!(a.verify_request(Some("t=0,sig=zz"), "POST", "/x", 0, b""), Err(AuthFailure::Malformed));
+        // The nonce is signed: another one does not verify.
+        let (t, rest) = header.split_once(",n=").unwrap_or_default();
+        let sig = rest.split_once(',').map(|(_, s)| s).unwrap_or_default();
+        let forged = format!("{t},n=ffff,{sig}");
+        assert_eq!(
+            a.verify_request(Some(&forged), "POST", "/cluster/register", 1_000_500, b"{}"),
+            Err(AuthFailure::BadSignature)
+        );
+        // Two proofs of the same call in the same millisecond differ.
+        assert_ne!(header, a.sign_request("POST", "/cluster/register", 1_000_000, b"{}"));
     }
 
     #[test]
@@ -254,6 +304,18 @@ mod tests {
         let a = secret("alpha");
         assert_ne!(a.sign(&[b"ab", b"c"]), a.sign(&[b"a", b"bc"]));
         assert!(a.verify(&[b"ab", b"c"], &a.sign(&[b"ab", b"c"])));
+    }
+
+    #[test]
+    fn seen_proofs_accept_each_proof_once_and_forget_expired_ones() {
+        let seen = SeenProofs::default();
+        assert_eq!(seen.check(1_000, "t=1000,sig=aa", 1_000), Ok(()));
+        // Out of order is fine; the same proof twice is not.
+        assert_eq!(seen.check(999, "t=999,sig=bb", 1_001), Ok(()));
+        assert_eq!(seen.check(1_000, "t=1000,sig=aa", 1_002), Err(AuthFailure::Replayed));
+        // Past the skew window it is forgotten (and would be refused as stale by verification).
+        assert_eq!(seen.check(40_000, "t=40000,sig=cc", 40_000), Ok(()));
+        assert_eq!(seen.seen.lock().map(|s| s.len()).ok(), Some(1));
     }
 
     #[test]

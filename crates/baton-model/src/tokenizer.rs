@@ -80,6 +80,20 @@ impl Tokenizer {
         Self { grammar: Arc::default(), ..self.clone() }
     }
 
+    /// The most bytes of text one token can stand for (at least 4, a whole UTF-8 character an
+    /// unknown-token fallback may swallow). A text longer than `n` times this cannot encode into
+    /// `n` tokens or fewer, which lets a server refuse an over-long prompt without tokenising it.
+    pub fn longest_token_bytes(&self) -> usize {
+        let specials: std::collections::HashSet<u32> = self.inner.get_added_tokens_decoder().into_keys().collect();
+        self.token_bytes()
+            .iter()
+            .enumerate()
+            .map(|(id, b)| if specials.contains(&(id as u32)) { b.len().saturating_sub(1) } else { b.len() })
+            .max()
+            .unwrap_or(0)
+            .max(4)
+    }
+
     /// Every token's bytes, indexed by id: what the token adds to the text, byte for byte.
     /// A byte-level BPE vocabulary (GPT-2's alphabet) is mapped back to bytes; a SentencePiece
     /// one has `<0xNN>` byte tokens and `▁` for a space. Special tokens are the marker byte

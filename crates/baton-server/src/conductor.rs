@@ -74,6 +74,8 @@ pub struct Conductor {
     policy: Box<dyn RoutePolicy>,
     metrics: Metrics,
     api_key: Option<String>,
+    /// Whether `/metrics` and `/health` want the API key too (the OpenAI routes always do).
+    protect_metrics: bool,
     next_id: AtomicU64,
     /// KV bytes per token, for the transfer counter.
     kv_bytes_per_token: usize,
@@ -157,6 +159,7 @@ impl Conductor {
             policy,
             metrics: Metrics::default(),
             api_key,
+            protect_metrics: false,
             next_id: AtomicU64::new(1),
             kv_bytes_per_token,
             loads: Mutex::new(Loads::default()),
@@ -189,6 +192,14 @@ impl Conductor {
                 self.view.follow(w, instance);
             }
         }
+    }
+
+    /// Requires the API key (when there is one) on `/metrics` and `/health` too: a choice,
+    /// since Prometheus scrapers and Kubernetes probes must then send it.
+    #[must_use]
+    pub fn with_protect_metrics(mut self, protect: bool) -> Self {
+        self.protect_metrics = protect;
+        self
     }
 
     /// Hands KV from prefill to decode workers in `mode` (pull by default).
@@ -578,7 +589,12 @@ async fn models(State(c): State<Arc<Conductor>>, headers: HeaderMap) -> Response
         .into_response()
 }
 
-async fn health(State(c): State<Arc<Conductor>>) -> Response {
+async fn health(State(c): State<Arc<Conductor>>, headers: HeaderMap) -> Response {
+    if c.protect_metrics
+        && let Err(e) = c.authorize(&headers)
+    {
+        return e.into_response();
+    }
     let workers = c.workers();
     if workers.is_empty() {
         return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "no workers"}))).into_response();
@@ -587,7 +603,12 @@ async fn health(State(c): State<Arc<Conductor>>) -> Response {
     Json(json!({"status": "ok", "workers": names})).into_response()
 }
 
-async fn metrics(State(c): State<Arc<Conductor>>) -> Response {
+async fn metrics(State(c): State<Arc<Conductor>>, headers: HeaderMap) -> Response {
+    if c.protect_metrics
+        && let Err(e) = c.authorize(&headers)
+    {
+        return e.into_response();
+    }
     let mut gauges = Vec::new();
     for w in c.workers() {
         if let Some(s) = w.stats().await {
@@ -723,6 +744,16 @@ impl Run {
                     self.index,
                     Piece::Failed(ApiError::Internal("a worker was lost while running the request; retry it".into())),
                 ));
+                Outcome::Failed
+            }
+            Err(RunError::Api(ApiError::Internal(detail))) => {
+                // The detail names workers' addresses and internals: the log's, not the client's.
+                tracing::error!(request = self.id.0, error = detail, "request failed");
+                let message = format!(
+                    "the request failed inside the cluster; the conductor's log has the details under x-request-id `{}`",
+                    self.request_id
+                );
+                let _ = self.out.send((self.index, Piece::Failed(ApiError::Internal(message))));
                 Outcome::Failed
             }
             Err(RunError::Api(e)) => {

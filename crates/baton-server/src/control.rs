@@ -18,6 +18,7 @@
 //! [`ReleaseBody`]: crate::wire::ReleaseBody
 
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -25,7 +26,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use baton_cluster::{AUTH_HEADER, ClusterSecret, unix_millis};
+use baton_cluster::{AUTH_HEADER, ClusterSecret, SeenProofs, unix_millis};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
@@ -47,6 +48,8 @@ pub use crate::wire::ReleaseBody;
 struct ControlState {
     worker: WorkerHandle,
     secret: ClusterSecret,
+    /// Proofs accepted lately: a captured call cannot be played again.
+    seen: Arc<SeenProofs>,
 }
 
 /// The control routes over a local worker.
@@ -56,15 +59,16 @@ pub fn router(worker: WorkerHandle, secret: ClusterSecret) -> Router {
         .route(RELEASE_PATH, post(release))
         .route(STATS_PATH, get(stats))
         .route(STATE_PATH, get(state_stream))
-        .with_state(ControlState { worker, secret })
+        .with_state(ControlState { worker, secret, seen: Arc::default() })
 }
 
 fn authorize(state: &ControlState, headers: &HeaderMap, method: &str, path: &str, body: &[u8]) -> Result<(), ApiError> {
     let proof = headers.get(AUTH_HEADER).and_then(|v| v.to_str().ok());
+    let now = unix_millis();
     state
         .secret
-        .verify_request(proof, method, path, unix_millis(), body)
-        .map(|_| ())
+        .verify_request(proof, method, path, now, body)
+        .and_then(|ts| state.seen.check(ts, proof.unwrap_or_default(), now))
         .map_err(|f| ApiError::Unauthorized(format!("worker control API: {}", f.message())))
 }
 

@@ -73,6 +73,9 @@ pub struct WorkerConfig {
     /// On shutdown, how long to wait for the requests held to finish (and their KV to be
     /// taken) before exiting anyway.
     pub drain_timeout: Duration,
+    /// A colocated worker serves the OpenAI API on its control port behind this key (none: it
+    /// does not serve it).
+    pub api_key: Option<String>,
 }
 
 /// How long a worker being shut down waits for what it holds (Kubernetes' default grace period).
@@ -132,16 +135,29 @@ pub async fn run_worker(
     };
     let handle = WorkerHandle::spawn(id.to_string(), config.role, engine, options)?;
     let mut app = crate::control::router(handle.clone(), config.secret.clone());
-    if config.role == Role::Colocated {
-        let bytes_per_token = geometry.bytes_per_token();
-        let direct = Conductor::new(
-            loaded.validator.clone(),
-            vec![Arc::new(handle.clone())],
-            Box::new(routing::LeastLoad::default()),
-            None,
-            bytes_per_token,
-        );
-        app = app.merge(Arc::new(direct).router());
+    match &config.api_key {
+        // A colocated worker serves the OpenAI API itself only behind a key: its control port
+        // would otherwise answer anyone with neither a key nor the cluster's signature.
+        Some(key) if config.role == Role::Colocated => {
+            let direct = Conductor::new(
+                loaded.validator.clone(),
+                vec![Arc::new(handle.clone())],
+                Box::new(routing::LeastLoad::default()),
+                Some(key.clone()),
+                geometry.bytes_per_token(),
+            )
+            .with_protect_metrics(true);
+            app = app.merge(Arc::new(direct).router());
+        }
+        _ => {
+            app = app.fallback(|| async {
+                crate::error::ApiError::NotFound(
+                    "not a route of a worker's control API: clients talk to the conductor (a colocated worker \
+                     serves the OpenAI API itself when started with --api-key)"
+                        .into(),
+                )
+            });
+        }
     }
     let url = format!("http://{}", SocketAddr::new(host, local.port()));
     let info = WorkerInfo {
@@ -160,7 +176,7 @@ pub async fn run_worker(
         capacity_blocks: config.engine.num_blocks as u64,
         started_at_ms: baton_cluster::unix_millis(),
     };
-    let mut server = tokio::spawn(async move { axum::serve(crate::no_delay(listener), app).await });
+    let mut server = tokio::spawn(crate::serve_draining(listener, app, std::future::pending(), Duration::ZERO));
     let registry = baton_cluster::connect(&config.registry, config.secret.clone()).await?;
     let lease = registry.register(info, config.ttl).await?;
     on_ready(WorkerReady { name: id.to_string(), url, kv_addr: handle.kv_addr() });
@@ -210,6 +226,8 @@ pub struct ConductorConfig {
     pub secret: ClusterSecret,
     /// Require `Authorization: Bearer <key>` from clients.
     pub api_key: Option<String>,
+    /// Require the key on `/metrics` and `/health` too.
+    pub protect_metrics: bool,
     /// How requests are routed and admitted.
     pub policy: crate::sched::PolicyChoice,
     /// Tokens per KV block of the workers (prompt hashing for prefix-aware policies).
@@ -285,7 +303,8 @@ pub async fn run_conductor(
             bytes_per_token,
         )
         .with_kv_transfer(config.kv_transfer)
-        .with_kv_index(config.kv_index),
+        .with_kv_index(config.kv_index)
+        .with_protect_metrics(config.protect_metrics),
     );
     let mut app = conductor.clone().router();
     let registry: Arc<dyn Registry> = match &config.registry {

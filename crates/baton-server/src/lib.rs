@@ -30,6 +30,7 @@ pub mod control;
 pub mod deploy;
 pub mod error;
 pub mod handoff;
+pub mod http;
 pub mod metrics;
 pub mod openai;
 pub mod remote;
@@ -72,6 +73,8 @@ pub struct ServeConfig {
     pub engine: EngineConfig,
     /// Require `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
+    /// Require the key on `/metrics` and `/health` too.
+    pub protect_metrics: bool,
     /// How long a prefill worker holds handed-off KV that no one releases.
     pub lease: Duration,
     /// How the conductor routes (and admits) requests.
@@ -98,6 +101,7 @@ impl ServeConfig {
             colocated: 0,
             engine: EngineConfig::default(),
             api_key: None,
+            protect_metrics: false,
             lease: worker::DEFAULT_LEASE,
             policy: sched::PolicyChoice::default(),
             kv_transfer: KvTransfer::default(),
@@ -143,12 +147,14 @@ pub(crate) fn load(path: &std::path::Path, model_id: Option<&str>) -> Result<Loa
         .unwrap_or_else(|| path.file_stem().map_or_else(|| "baton".to_owned(), |s| s.to_string_lossy().into_owned()));
     let tokenizer = Arc::new(ckpt.tokenizer);
     let model = Arc::new(ckpt.model);
+    let max_context = model.config().max_position_embeddings;
     let validator = openai::Validator {
         model_id,
         tokenizer: tokenizer.clone(),
         template: ckpt.chat_template.map(Arc::new),
-        max_context: model.config().max_position_embeddings,
+        max_context,
         vocab_size: model.config().vocab_size,
+        max_prompt_bytes: openai::Validator::prompt_bytes_bound(&tokenizer, max_context),
     };
     Ok(Loaded { validator, model, tokenizer })
 }
@@ -164,10 +170,12 @@ pub(crate) fn load_frontend(
         .map(str::to_owned)
         .unwrap_or_else(|| path.file_stem().map_or_else(|| "baton".to_owned(), |s| s.to_string_lossy().into_owned()));
     let bytes_per_token = front.kv_geometry(16).bytes_per_token();
+    let max_context = front.config.max_position_embeddings;
     let validator = openai::Validator {
         model_id,
-        max_context: front.config.max_position_embeddings,
+        max_context,
         vocab_size: front.config.vocab_size,
+        max_prompt_bytes: openai::Validator::prompt_bytes_bound(&front.tokenizer, max_context),
         tokenizer: Arc::new(front.tokenizer),
         template: front.chat_template.map(Arc::new),
     };
@@ -244,58 +252,29 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
             bytes_per_token,
         )
         .with_kv_transfer(config.kv_transfer)
-        .with_kv_index(config.kv_index),
+        .with_kv_index(config.kv_index)
+        .with_protect_metrics(config.protect_metrics),
     ))
 }
 
-/// Sets TCP_NODELAY on every accepted connection: streamed events are small writes, and Nagle's
-/// algorithm against the peer's delayed ACK holds each one back about 40 ms.
-pub(crate) fn no_delay(
-    listener: tokio::net::TcpListener,
-) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
-    use axum::serve::ListenerExt;
-    listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!("cannot set TCP_NODELAY: {e}");
-        }
-    })
-}
-
-/// Serves the conductor's API on `listener` until `shutdown` resolves.
+/// Serves the conductor's API on `listener` until `shutdown` resolves (then waits for the
+/// requests in flight), within the default [`http::HttpLimits`].
 pub async fn serve(
     listener: tokio::net::TcpListener,
     conductor: Arc<Conductor>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(no_delay(listener), conductor.router()).with_graceful_shutdown(shutdown).await
+    http::serve(listener, conductor.router(), http::HttpLimits::default(), shutdown, Duration::MAX).await
 }
 
-/// Serves `app` until `shutdown` resolves; then stops accepting connections and lets the
-/// requests in flight (streams included) finish, for at most `drain`.
+/// Serves `app` within the default [`http::HttpLimits`] until `shutdown` resolves; then stops
+/// accepting connections and lets the requests in flight (streams included) finish, for at most
+/// `drain`.
 pub async fn serve_draining(
     listener: tokio::net::TcpListener,
     app: axum::Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     drain: Duration,
 ) -> std::io::Result<()> {
-    let (signalled, on_signal) = tokio::sync::oneshot::channel::<()>();
-    let shutdown = async move {
-        shutdown.await;
-        tracing::info!("shutting down: no new connections; draining the requests in flight");
-        let _ = signalled.send(());
-    };
-    let server = axum::serve(no_delay(listener), app).with_graceful_shutdown(shutdown);
-    let deadline = async move {
-        match on_signal.await {
-            Ok(()) => tokio::time::sleep(drain).await,
-            Err(_) => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        r = server.into_future() => r,
-        () = deadline => {
-            tracing::warn!(?drain, "the drain deadline passed; stopping with requests in flight");
-            Ok(())
-        }
-    }
+    http::serve(listener, app, http::HttpLimits::default(), shutdown, drain).await
 }

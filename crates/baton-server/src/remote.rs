@@ -194,7 +194,7 @@ impl Worker for RemoteWorker {
 async fn stream(request: reqwest::RequestBuilder, tx: &mpsc::UnboundedSender<RequestEvent>) -> Option<String> {
     let mut response = match request.send().await {
         Ok(r) => r,
-        Err(e) => return Some(format!("unreachable: {e}")),
+        Err(e) => return Some(format!("unreachable: {}", e.without_url())),
     };
     if !response.status().is_success() {
         let status = response.status();
@@ -215,7 +215,7 @@ async fn stream(request: reqwest::RequestBuilder, tx: &mpsc::UnboundedSender<Req
         match response.chunk().await {
             Ok(Some(bytes)) => buf.extend_from_slice(&bytes),
             Ok(None) => return Some("the event stream ended before the request finished".into()),
-            Err(e) => return Some(format!("the event stream broke: {e}")),
+            Err(e) => return Some(format!("the event stream broke: {}", e.without_url())),
         }
         while let Some(end) = buf.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = buf.drain(..=end).collect();

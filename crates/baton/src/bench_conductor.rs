@@ -75,6 +75,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             registry: RegistryConfig::Embedded,
             secret: secret.clone(),
             api_key: None,
+            protect_metrics: false,
             policy: baton_server::sched::PolicyChoice::default(),
             block_tokens: 16,
             kv_transfer: baton_server::KvTransfer::default(),
@@ -98,6 +99,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             ttl: Duration::from_secs(3),
             emulate: None,
             drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
+            api_key: None,
         };
         let worker_listener = tokio::net::TcpListener::bind(worker.listen).await?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();

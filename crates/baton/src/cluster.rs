@@ -96,6 +96,11 @@ pub(crate) struct WorkerArgs {
     /// taken) after leaving the cluster, before exiting anyway.
     #[arg(long, default_value_t = 30.0, value_parser = seconds)]
     drain_timeout_s: f64,
+    /// A colocated worker serves the OpenAI API on its control port, for clients that skip the
+    /// conductor, only with this key (`Authorization: Bearer <KEY>`, also on its `/metrics` and
+    /// `/health`); without it that port answers only the conductor's signed calls.
+    #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     #[command(flatten)]
     engine: crate::engine_flags::EngineFlags,
 }
@@ -125,6 +130,10 @@ pub(crate) struct ConductorArgs {
     /// Require clients to send `Authorization: Bearer <KEY>`.
     #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Require the API key on `/metrics` and `/health` too (scrapers and probes must then send
+    /// it); without this flag they answer anyone.
+    #[arg(long)]
+    protect_metrics: bool,
     #[command(flatten)]
     routing: crate::engine_flags::RoutingFlags,
     /// Tokens per KV block of the workers (prefix-aware policies hash prompts in blocks).
@@ -191,6 +200,7 @@ pub(crate) fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         ttl: Duration::from_secs_f64(a.ttl_s),
         emulate: a.engine.emulate()?,
         drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),
+        api_key: a.api_key,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
@@ -225,6 +235,7 @@ pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
         registry: a.registry,
         secret: a.secret.secret()?,
         api_key: a.api_key,
+        protect_metrics: a.protect_metrics,
         policy: a.routing.choice()?,
         kv_transfer: a.routing.kv_transfer(),
         kv_index: a.routing.kv_index(),

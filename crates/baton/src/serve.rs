@@ -36,8 +36,12 @@ pub(crate) struct ServeArgs {
     #[arg(long)]
     colocated: Option<usize>,
     /// Require clients to send `Authorization: Bearer <KEY>`.
-    #[arg(long, env = "BATON_API_KEY")]
+    #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Require the API key on `/metrics` and `/health` too (scrapers and probes must then send
+    /// it); without this flag they answer anyone.
+    #[arg(long)]
+    protect_metrics: bool,
     #[command(flatten)]
     engine: crate::engine_flags::EngineFlags,
     #[command(flatten)]
@@ -69,6 +73,7 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
         colocated,
         engine: a.engine.config(),
         api_key: a.api_key,
+        protect_metrics: a.protect_metrics,
         lease: Duration::from_secs(a.lease_s),
         policy: a.routing.choice()?,
         kv_transfer: a.routing.kv_transfer(),

@@ -15,6 +15,7 @@ pub(crate) fn fixture(name: &str) -> PathBuf {
 /// A conductor and its workers serving on a loopback port until dropped.
 pub(crate) struct Server {
     pub(crate) url: String,
+    #[allow(dead_code)] // Not every test file looks into the conductor.
     pub(crate) conductor: Arc<Conductor>,
     pub(crate) _shutdown: tokio::sync::oneshot::Sender<()>,
 }
@@ -31,6 +32,7 @@ pub(crate) async fn start_with(config: &ServeConfig) -> Server {
     Server { url, conductor, _shutdown: tx }
 }
 
+#[allow(dead_code)] // Not every test file checks the workers' KV.
 impl Server {
     /// Waits (up to 5 s) until no worker runs anything or holds any KV; panics otherwise.
     pub(crate) async fn assert_no_kv_held(&self) {

@@ -1,0 +1,229 @@
+//! The HTTP shell every Baton server runs in: the conductor's OpenAI API, a worker's control
+//! API and the embedded registry.
+//!
+//! `axum::serve` has no deadlines: a client that sends its headers or its body one byte every
+//! few seconds, or opens a connection and sends nothing, holds a task and a socket for ever.
+//! [`serve`] runs each connection with hyper's HTTP/1.1 server directly, bounded by
+//! [`HttpLimits`]:
+//!
+//! - **headers** must arrive within [`HttpLimits::header_timeout`]; hyper restarts that timer
+//!   whenever it waits for a request, so it is also how long a kept-alive connection may sit idle;
+//! - **bodies** are read whole (every endpoint takes a JSON body) within
+//!   [`HttpLimits::body_timeout`] and up to [`HttpLimits::max_body_bytes`] (else 408 / 413);
+//! - **header size** and **count** are capped (431), and at most [`HttpLimits::max_connections`]
+//!   connections are served at once (the rest wait in the kernel's accept queue).
+//!
+//! Every error a client can get is an OpenAI-style JSON body, the framework's own (405, 413,
+//! 415, 422, a broken chunked body) included: [`json_errors`] rewrites any error response that is
+//! not JSON. (Two remain hyper's bare status lines, sent before any handler runs: a request line
+//! or header block hyper cannot parse, and a header block over four times
+//! [`HttpLimits::max_header_bytes`].)
+//!
+//! Streams (server-sent events) have no deadline here: a generation ends on its own, and a client
+//! that goes away closes it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+/// The bounds [`serve`] holds every connection to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpLimits {
+    /// Time a client has to send a request's headers, which is also the longest a kept-alive
+    /// connection may sit idle between two requests.
+    pub header_timeout: Duration,
+    /// Time a client has to send a request's body, from the end of its headers.
+    pub body_timeout: Duration,
+    /// Largest request body (413 beyond).
+    pub max_body_bytes: usize,
+    /// Largest header block, names and values summed (431 beyond).
+    pub max_header_bytes: usize,
+    /// Most headers in one request (431 beyond).
+    pub max_headers: usize,
+    /// Connections served at once.
+    pub max_connections: usize,
+}
+
+impl Default for HttpLimits {
+    /// Generous for any real client: 30 s for headers (and idle keep-alive), 60 s for a body of
+    /// at most 8 MiB, 64 KiB and 100 headers, 4,096 connections.
+    fn default() -> Self {
+        Self {
+            header_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(60),
+            max_body_bytes: 8 << 20,
+            max_header_bytes: 64 << 10,
+            max_headers: 100,
+            max_connections: 4096,
+        }
+    }
+}
+
+/// Serves `app` on `listener` within `limits` until `shutdown` resolves; then stops accepting
+/// connections and lets the requests in flight (streams included) finish, for at most `drain`.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    drain: Duration,
+) -> std::io::Result<()> {
+    let app = bounded(app, limits);
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        // hyper answers a bare 431 past its buffer; below it, `bounded` answers in JSON.
+        .max_buf_size(limits.max_header_bytes.saturating_mul(4).max(16 << 10))
+        .max_headers(limits.max_headers.saturating_mul(4).max(16));
+    tokio::pin!(shutdown);
+    loop {
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+            () = &mut shutdown => break,
+        };
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // Out of descriptors or a connection reset while queued: not fatal.
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        if let Err(e) = tcp.set_nodelay(true) {
+            // Streamed events are small writes; without it Nagle holds each one ~40 ms.
+            tracing::warn!("cannot set TCP_NODELAY: {e}");
+        }
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let connection = graceful.watch(http1.serve_connection(TokioIo::new(tcp), service));
+        tokio::spawn(async move {
+            let _slot = slot;
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    tracing::info!("shutting down: no new connections; draining the requests in flight");
+    drop(listener);
+    tokio::select! {
+        () = graceful.shutdown() => {}
+        () = tokio::time::sleep(drain) => {
+            tracing::warn!(?drain, "the drain deadline passed; stopping with requests in flight");
+        }
+    }
+    Ok(())
+}
+
+/// `app` with the request bounds of `limits` and JSON error bodies.
+pub fn bounded(app: Router, limits: HttpLimits) -> Router {
+    app.layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(axum::middleware::from_fn(move |request: Request, next: Next| read_bounded(request, next, limits)))
+        .layer(axum::middleware::from_fn(json_errors))
+}
+
+/// Checks the headers and reads the whole body within the limits, then passes the request on.
+async fn read_bounded(request: Request, next: Next, limits: HttpLimits) -> Response {
+    let headers = request.headers();
+    let header_bytes: usize = headers.iter().map(|(k, v)| k.as_str().len() + v.len()).sum();
+    if headers.len() > limits.max_headers || header_bytes > limits.max_header_bytes {
+        return error(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!(
+                "the request's headers are too large ({} headers, {header_bytes} bytes; at most {} and {} bytes)",
+                headers.len(),
+                limits.max_headers,
+                limits.max_header_bytes
+            ),
+        );
+    }
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
+        return too_large(limits);
+    }
+    let (parts, body) = request.into_parts();
+    let bytes = match tokio::time::timeout(limits.body_timeout, axum::body::to_bytes(body, limits.max_body_bytes)).await
+    {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(e)) if is_length_limit(&e) => return too_large(limits),
+        Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, format!("reading the request body failed: {e}")),
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the request body did not arrive within {} s", limits.body_timeout.as_secs()),
+            );
+        }
+    };
+    next.run(Request::from_parts(parts, Body::from(bytes))).await
+}
+
+fn is_length_limit(e: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+fn too_large(limits: HttpLimits) -> Response {
+    error(StatusCode::PAYLOAD_TOO_LARGE, format!("the request body is larger than {} bytes", limits.max_body_bytes))
+}
+
+/// Rewrites an error response whose body is not JSON (the framework's 405, 413, 415, 422 and
+/// the like, plain text or empty) into an OpenAI-style error, keeping its status and headers.
+pub async fn json_errors(request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let text = match axum::body::to_bytes(body, 4096).await {
+        Ok(b) => String::from_utf8_lossy(&b).trim().to_owned(),
+        Err(_) => String::new(),
+    };
+    let message = if text.is_empty() { status.canonical_reason().unwrap_or("error").to_owned() } else { text };
+    let fresh = error(status, message);
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    Response::from_parts(parts, fresh.into_body())
+}
+
+/// An OpenAI-style error response for any status: `{"error": {"message", "type", "param",
+/// "code"}}`.
+pub fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let kind = match status {
+        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => "authentication_error",
+        StatusCode::NOT_FOUND => "not_found_error",
+        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+        StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
+        s if s.is_server_error() => "server_error",
+        _ => "invalid_request_error",
+    };
+    let body = json!({"error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}

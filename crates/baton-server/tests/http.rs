@@ -1,0 +1,183 @@
+//! The HTTP shell under hostile clients, on real sockets: slow or idle clients are cut off at
+//! their deadline, oversized requests are refused, and every error a client can get is an
+//! OpenAI-style JSON body; the conductor refuses an over-long prompt before tokenising it and,
+//! when asked, keeps `/metrics` and `/health` behind the API key.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use axum::routing::post;
+use baton_server::ServeConfig;
+use baton_server::http::{HttpLimits, serve};
+use common::{fixture, start_with};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Short deadlines, so that a test waits a fraction of a second for them.
+fn limits() -> HttpLimits {
+    HttpLimits {
+        header_timeout: Duration::from_millis(300),
+        body_timeout: Duration::from_millis(300),
+        max_body_bytes: 1024,
+        max_header_bytes: 2048,
+        max_headers: 20,
+        max_connections: 64,
+    }
+}
+
+/// An echo route behind [`serve`] with [`limits`]; returns its address.
+async fn echo_server() -> std::net::SocketAddr {
+    let app = axum::Router::new().route("/echo", post(|body: axum::body::Bytes| async move { body }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(serve(listener, app, limits(), std::future::pending(), Duration::ZERO));
+    addr
+}
+
+/// Sends `raw` and reads until the server closes the connection (or 5 s pass, a failure).
+async fn exchange(addr: std::net::SocketAddr, raw: &[u8]) -> String {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(raw).await.unwrap();
+    read_to_close(&mut tcp).await
+}
+
+async fn read_to_close(tcp: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut out)).await;
+    assert!(read.is_ok(), "the server kept the connection open: {}", String::from_utf8_lossy(&out));
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The status and JSON body of a raw HTTP/1.1 response; panics if the body is not an
+/// OpenAI-style error.
+fn error_of(response: &str) -> (u16, Value) {
+    let status: u16 = response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("{response:?}"));
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("{response:?}"));
+    assert!(head.to_ascii_lowercase().contains("content-type: application/json"), "{response}");
+    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body:?}"));
+    assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert_eq!(v["error"]["code"], status, "{v}");
+    (status, v)
+}
+
+#[tokio::test]
+async fn slow_headers_and_idle_connections_are_cut_at_the_deadline() {
+    let addr = echo_server().await;
+    // Half a request line, then nothing: hyper closes it after the header deadline.
+    let mut slow = TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    read_to_close(&mut slow).await;
+    // A connection that never sends a byte.
+    let mut idle = TcpStream::connect(addr).await.unwrap();
+    read_to_close(&mut idle).await;
+    // A kept-alive connection, idle after its first request.
+    let mut kept = TcpStream::connect(addr).await.unwrap();
+    kept.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi").await.unwrap();
+    let answer = read_to_close(&mut kept).await;
+    assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("hi"), "{answer}");
+}
+
+#[tokio::test]
+async fn a_trickled_body_gets_a_408_and_an_oversized_one_a_413() {
+    let addr = echo_server().await;
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 100\r\n\r\nonly ten..")
+        .await
+        .unwrap();
+    let (status, v) = error_of(&read_to_close(&mut tcp).await);
+    assert_eq!(status, 408, "{v}");
+
+    // Declared too large: refused without reading it.
+    let raw = b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 5000\r\n\r\n";
+    let (status, v) = error_of(&exchange(addr, raw).await);
+    assert_eq!(status, 413, "{v}");
+    // Chunked, growing past the limit.
+    let mut raw = b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+    for _ in 0..3 {
+        raw.extend_from_slice(format!("{:x}\r\n{}\r\n", 600, "a".repeat(600)).as_bytes());
+    }
+    raw.extend_from_slice(b"0\r\n\r\n");
+    let (status, v) = error_of(&exchange(addr, &raw).await);
+    assert_eq!(status, 413, "{v}");
+}
+
+#[tokio::test]
+async fn framework_errors_are_openai_json() {
+    let addr = echo_server().await;
+    // Wrong method (axum's 405).
+    let (status, v) = error_of(&exchange(addr, b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await);
+    assert_eq!(status, 405, "{v}");
+    // No such route (axum's empty 404).
+    let (status, _) = error_of(&exchange(addr, b"GET /nothing HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await);
+    assert_eq!(status, 404);
+    // A broken chunked body.
+    let raw = b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n";
+    let (status, v) = error_of(&exchange(addr, raw).await);
+    assert_eq!(status, 400, "{v}");
+    // Too many headers, or too many bytes of them (431).
+    let mut raw = b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n".to_vec();
+    for i in 0..30 {
+        raw.extend_from_slice(format!("x-h{i}: v\r\n").as_bytes());
+    }
+    raw.extend_from_slice(b"\r\n");
+    let (status, v) = error_of(&exchange(addr, &raw).await);
+    assert_eq!(status, 431, "{v}");
+    let raw = format!(
+        "POST /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\nx-big: {}\r\n\r\n",
+        "b".repeat(3000)
+    );
+    let (status, v) = error_of(&exchange(addr, raw.as_bytes()).await);
+    assert_eq!(status, 431, "{v}");
+}
+
+#[tokio::test]
+async fn the_conductor_refuses_an_over_long_prompt_by_its_length_and_405s_in_json() {
+    let server = start_with(&ServeConfig::new(fixture("tiny-llama"))).await;
+    let http = reqwest::Client::new();
+    // The bound is the context times the longest token: a prompt one byte over it cannot fit.
+    let ckpt = baton_model::Checkpoint::open(&fixture("tiny-llama")).unwrap();
+    let context = ckpt.model.config().max_position_embeddings;
+    let bound = baton_server::openai::Validator::prompt_bytes_bound(&ckpt.tokenizer, context);
+    assert!(bound >= context * 4, "{bound}");
+    let r = http
+        .post(format!("{}/v1/completions", server.url))
+        .json(&json!({"prompt": "a".repeat(bound + 1), "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["param"], "prompt", "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("bytes"), "{body}");
+    let r = http.get(format!("{}/v1/completions", server.url)).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], 405, "{body}");
+}
+
+#[tokio::test]
+async fn metrics_and_health_want_the_key_only_when_protected() {
+    for protect in [false, true] {
+        let config = ServeConfig {
+            api_key: Some("sesame".into()),
+            protect_metrics: protect,
+            ..ServeConfig::new(fixture("tiny-llama"))
+        };
+        let server = start_with(&config).await;
+        let http = reqwest::Client::new();
+        for path in ["/metrics", "/health"] {
+            let open = http.get(format!("{}{path}", server.url)).send().await.unwrap();
+            let keyed = http.get(format!("{}{path}", server.url)).bearer_auth("sesame").send().await.unwrap();
+            assert_eq!(keyed.status(), 200, "{path}");
+            if protect {
+                assert_eq!(open.status(), 401, "{path} answered without the key");
+            } else {
+                assert_eq!(open.status(), 200, "{path}");
+            }
+        }
+    }
+}
