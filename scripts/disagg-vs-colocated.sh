@@ -45,39 +45,9 @@ die() { echo "disagg-vs-colocated: error: $*" >&2; exit 1; }
 case "$which" in emulated | cpu | all) ;; *) die "unknown backend '$which' (emulated, cpu or all)" ;; esac
 [[ -f "$model" ]] || die "$model is missing: run scripts/fetch-model.sh gemma3-270m"
 
-baton="${BATON_BIN:-}"
-if [[ -z "$baton" ]]; then
-  info "building baton (release)"
-  (cd "$repo_root" && cargo build --release -q -p baton)
-  target_dir="${CARGO_TARGET_DIR:-target}"
-  [[ "$target_dir" == /* ]] || target_dir="$repo_root/$target_dir"
-  baton="$target_dir/release/baton"
-fi
-[[ -x "$baton" ]] || die "$baton is not an executable"
-
-server_pid=""
-stop_server() {
-  if [[ -n "$server_pid" ]]; then
-    kill "$server_pid" 2>/dev/null || true
-    wait "$server_pid" 2>/dev/null || true
-    server_pid=""
-  fi
-}
-trap stop_server EXIT
-
-# start_server LOG ARGS...: `baton serve` on $port, waiting for /health.
-start_server() {
-  local log="$1"
-  shift
-  "$baton" serve --port "$port" "$@" >"$log" 2>&1 &
-  server_pid=$!
-  for _ in $(seq 1 300); do
-    curl -sf "$url/health" >/dev/null 2>&1 && return 0
-    kill -0 "$server_pid" 2>/dev/null || die "the server exited: $(tail -5 "$log")"
-    sleep 0.5
-  done
-  die "the server did not come up in 150 s (see $log)"
-}
+# shellcheck source=lib/serve-common.sh
+source "$repo_root/scripts/lib/serve-common.sh"
+find_baton
 
 # experiment BACKEND WORKLOAD "SERVE ARGS" ISL OSL RATES SLO_TTFT_MS SLO_TBT_MS DURATION_S
 experiment() {

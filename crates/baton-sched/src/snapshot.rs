@@ -225,6 +225,9 @@ pub struct ClusterSnapshot<'a> {
     pub cost: &'a CostProfile,
     /// Links that differ from the default (`min` of the two NICs): `(from, to, link)`.
     pub links: Vec<(InstanceId, InstanceId, Link)>,
+    /// Whether an instance can fetch a prefix cached on another (over `links`). Off, a policy
+    /// costs each instance with the blocks it holds and never routes a fetch.
+    pub kv_fetch: bool,
 }
 
 impl<'a> ClusterSnapshot<'a> {
@@ -280,7 +283,14 @@ impl<'a> ClusterSnapshot<'a> {
     ) -> Self {
         let mut instances: Vec<InstanceSnapshot> = workers.iter().map(|w| w.snapshot(now)).collect();
         instances.sort_by_key(|i| i.id);
-        Self { now, instances, trees, cost, links: Vec::new() }
+        Self { now, instances, trees, cost, links: Vec::new(), kv_fetch: true }
+    }
+
+    /// This snapshot with fetching between instances allowed or not ([`ClusterSnapshot::kv_fetch`]).
+    #[must_use]
+    pub fn with_kv_fetch(mut self, on: bool) -> Self {
+        self.kv_fetch = on;
+        self
     }
 
     /// The instance with this id.

@@ -116,7 +116,10 @@ impl SchedPolicy {
         block_tokens: usize,
         now: Micros,
     ) -> ClusterSnapshot<'a> {
+        // Live workers cannot fetch a prefix from another worker yet: a route counting on a
+        // fetch the conductor would drop predicts a TTFT no one gets, so none is planned.
         ClusterSnapshot::from_workers(now, &Self::worker_loads(snapshot, cost, block_tokens), trees, cost)
+            .with_kv_fetch(false)
     }
 
     /// The scheduler's request for a prompt.
@@ -318,8 +321,8 @@ mod tests {
     }
 
     /// Session affinity live: a session's requests (keyed by `user` or `x-session-id`) stay on
-    /// the worker the first one went to (the least loaded then), whatever their prompts and
-    /// however loaded that worker is by the later turns.
+    /// the worker the first one went to (the least loaded then), whatever their prompts, until
+    /// another worker would start them sooner.
     #[test]
     fn session_affinity_keeps_a_session_on_one_worker() {
         let live = SchedPolicy::new(
@@ -343,12 +346,24 @@ mod tests {
             let prompt: Vec<u32> = (0..40).map(|t| (s * 100 + t) as u32).collect();
             let first = live.route(&snap(s), &RouteRequest { prompt: &prompt, max_tokens: 4, session });
             assert_eq!(first, Decision::Colocated(s), "the least loaded worker takes a new session");
+            // Every worker equally busy: the session stays on its own.
+            let even = Snapshot {
+                workers: (0..4)
+                    .map(|i| WorkerView { prefilling: vec![2000; 3], ..WorkerView::new(i, Role::Colocated, 0) })
+                    .collect(),
+                now_us: 0,
+            };
             for turn in 1..4u32 {
-                let other: Vec<u32> = (turn * 7..turn * 7 + 30).collect();
-                let busiest_is_its_own = snap((s + 1) % 4);
-                let d = live.route(&busiest_is_its_own, &RouteRequest { prompt: &other, max_tokens: 4, session });
+                let start = s as u32 * 1000 + turn * 7;
+                let other: Vec<u32> = (start..start + 30).collect();
+                let d = live.route(&even, &RouteRequest { prompt: &other, max_tokens: 4, session });
                 assert_eq!(d, first, "session {s}, turn {turn}");
             }
+            // Its own worker queued and another idle: the session moves rather than pile up
+            // (issue #18: affinity is never worth more than the queue it costs).
+            let other: Vec<u32> = (s as u32 * 1000 + 500..s as u32 * 1000 + 530).collect();
+            let d = live.route(&snap((s + 1) % 4), &RouteRequest { prompt: &other, max_tokens: 4, session });
+            assert_eq!(d, Decision::Colocated((s + 1) % 4), "session {s} stayed behind a queue");
         }
     }
 }

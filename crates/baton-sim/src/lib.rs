@@ -89,6 +89,9 @@ pub struct ClusterConfig {
     pub host_blocks: u64,
     /// Largest decode batch.
     pub max_batch: usize,
+    /// Whether an instance may fetch a prefix cached on another (`baton sim --kv-fetch`); off is
+    /// what the live server does until it moves KV between prefill workers.
+    pub kv_fetch: bool,
 }
 
 impl Default for ClusterConfig {
@@ -105,6 +108,7 @@ impl Default for ClusterConfig {
             device_cache_blocks: 2_690,
             host_blocks: 6_000,
             max_batch: 256,
+            kv_fetch: true,
         }
     }
 }

@@ -228,6 +228,7 @@ impl Simulator {
     /// [`ClusterSnapshot::from_workers`], the same call a conductor makes with live figures.
     pub fn snapshot(&self) -> ClusterSnapshot<'_> {
         ClusterSnapshot::from_workers(self.now, &self.worker_loads(), &self.trees, &self.cfg.cost)
+            .with_kv_fetch(self.cfg.cluster.kv_fetch)
     }
 
     /// Starts (or stops) keeping every KV event the instances emit, for
@@ -246,7 +247,8 @@ impl Simulator {
     pub fn decide(&mut self, i: usize) -> Decision {
         let req = self.request_view(i);
         let loads = self.worker_loads();
-        let snap = ClusterSnapshot::from_workers(self.now, &loads, &self.trees, &self.cfg.cost);
+        let snap = ClusterSnapshot::from_workers(self.now, &loads, &self.trees, &self.cfg.cost)
+            .with_kv_fetch(self.cfg.cluster.kv_fetch);
         self.scheduler.decide(&snap, &req, &mut self.rng)
     }
 
@@ -492,7 +494,8 @@ impl Simulator {
 
     fn on_rebalance(&mut self) {
         let loads = self.worker_loads();
-        let snap = ClusterSnapshot::from_workers(self.now, &loads, &self.trees, &self.cfg.cost);
+        let snap = ClusterSnapshot::from_workers(self.now, &loads, &self.trees, &self.cfg.cost)
+            .with_kv_fetch(self.cfg.cluster.kv_fetch);
         let change = self.scheduler.rebalance(&snap);
         if let Some(c) = change {
             let i = self.index_of(c.instance);

@@ -108,6 +108,15 @@ pub(crate) struct RoutingFlags {
     kv_index: KvIndexArg,
 }
 
+/// A switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum OnOff {
+    /// Enabled.
+    On,
+    /// Disabled.
+    Off,
+}
+
 /// What feeds the conductor's KV index.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub(crate) enum KvIndexArg {

@@ -91,6 +91,10 @@ pub(crate) struct SimArgs {
     /// Largest decode batch.
     #[arg(long)]
     max_batch: Option<usize>,
+    /// Whether an instance may fetch a prefix cached on another (off: what the live server does
+    /// until it moves KV between prefill workers).
+    #[arg(long, value_enum, default_value = "on")]
+    kv_fetch: crate::engine_flags::OnOff,
     /// Load-aware: how long an imbalance must last before a role changes, in milliseconds.
     #[arg(long)]
     persist_ms: Option<u64>,
@@ -152,6 +156,7 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
     if let Some(ms) = a.decode_time_ms {
         cfg.admission.decode_time_us = ms * 1000;
     }
+    cfg.cluster.kv_fetch = matches!(a.kv_fetch, crate::engine_flags::OnOff::On);
     if let Some(t) = a.threshold {
         cfg.policy_config.kvcache_balancing_threshold = t;
     }

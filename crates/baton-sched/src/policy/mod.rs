@@ -203,7 +203,8 @@ impl<'s> PrefillPlan<'s> {
         holder: Option<(InstanceId, usize)>,
     ) -> Self {
         let mut plan = Self { inst, local, fetch: None, ttft: ttft_on(snap, inst, req, local) };
-        if let Some((from, end)) = holder.filter(|&(from, end)| end > local && from != inst.id) {
+        let holder = holder.filter(|&(from, end)| snap.kv_fetch && end > local && from != inst.id);
+        if let Some((from, end)) = holder {
             let tokens = req.cached_tokens(end) - req.cached_tokens(local);
             let remote = inst.queued_prefill_us
                 + snap.cost.kv_transfer_time(tokens, snap.link(from, inst.id))
@@ -287,7 +288,7 @@ pub(crate) mod testutil {
         trees: &'a GlobalPromptTrees,
         cost: &'a CostProfile,
     ) -> ClusterSnapshot<'a> {
-        ClusterSnapshot { now: 0, instances, trees, cost, links: Vec::new() }
+        ClusterSnapshot { now: 0, instances, trees, cost, links: Vec::new(), kv_fetch: true }
     }
 
     /// A request of `blocks` full 512-token blocks with hashes 1..=blocks.
