@@ -24,6 +24,18 @@ pub(crate) struct EngineFlags {
     /// KV layout: block-major or layer-major.
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
+    /// Blocks of host memory each worker's prefix cache spills to (0: none). A block evicted
+    /// from the device arena moves here instead of being dropped, and a prompt that finds its
+    /// prefix here has it copied back.
+    #[arg(long, default_value_t = 0)]
+    host_kv_blocks: usize,
+    /// Directory of the disk tier, below host (each worker makes its own block file there and
+    /// removes it on exit).
+    #[arg(long, value_name = "DIR")]
+    disk_kv_dir: Option<std::path::PathBuf>,
+    /// Blocks of the disk tier (0: none; needs --disk-kv-dir).
+    #[arg(long, default_value_t = 0, requires = "disk_kv_dir")]
+    disk_kv_blocks: usize,
     /// Emulate the model instead of computing it: step times from this cost profile (a JSON
     /// file from `baton profile`, or `a800` / `h100` for LLaMA-2-70B on 8×A800 / 8×H100), deterministic
     /// tokens; the engine loop, KV pool and transfers stay real.
@@ -52,6 +64,9 @@ impl EngineFlags {
             max_num_seqs: self.max_num_seqs,
             max_batch_tokens: self.max_batch_tokens,
             prefill_chunk: self.prefill_chunk,
+            host_blocks: self.host_kv_blocks,
+            disk_blocks: self.disk_kv_blocks,
+            disk_dir: self.disk_kv_dir.clone(),
             ..EngineConfig::default()
         }
     }
