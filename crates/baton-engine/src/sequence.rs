@@ -75,10 +75,14 @@ impl Sequence {
             logprobs: req.logprobs,
             stop_token_ids: req.stop_token_ids,
         };
-        if let Some(tok) = tokenizer
-            && !req.generated.is_empty()
-        {
-            seq.text = seq.decoder.step(tok, &seq.tokens[prompt_len..])?;
+        if let Some(tok) = tokenizer {
+            // One token at a time, as the worker that streamed them did: decoded all at once,
+            // tokens ending inside a multi-byte character would hold back the whole text, and
+            // the next token would stream it all again.
+            for n in 1..=seq.generated().len() {
+                let delta = seq.decoder.step(tok, &seq.tokens[prompt_len..prompt_len + n])?;
+                seq.text.push_str(&delta);
+            }
             seq.emitted = seq.text.len();
         }
         Ok(seq)
