@@ -848,6 +848,13 @@ impl Run {
         };
         let (reason, prompt_tokens, kv) = match prefilled.await {
             Ok(done) => done,
+            // Lost after its first token (the client has it) but before it said it finished:
+            // the decode side goes on from the prompt and that token, recomputing their KV as a
+            // migrated request does.
+            Err(RunError::Lost { worker, reason }) if !first.is_empty() => {
+                self.handed_on(&worker, &reason, first.len());
+                (Finish::Length, self.valid.prompt_ids.len(), None)
+            }
             Err(e) => {
                 // The client may have gone just as the prefill finished: end any lease at once.
                 if !matches!(e, RunError::Lost { .. }) {
@@ -858,19 +865,21 @@ impl Run {
         };
         drop(prefill);
         let done_at_prefill = reason != Finish::Length || self.valid.stop.max_tokens == 1;
-        let Some(kv) = kv.filter(|_| !done_at_prefill) else {
+        let prefill_lost = kv.is_none() && !done_at_prefill;
+        let kv = kv.filter(|_| !done_at_prefill);
+        if kv.is_none() && !prefill_lost {
             p.release(self.id.0);
             return self.finish(reason, prompt_tokens, first.len());
-        };
+        }
         // Decode: reserve blocks and pull the KV into them, or have `p` push it (COMPLETE
         // releases it on the prefill side), then stream the rest.
         let handoff = Instant::now();
-        let bytes = kv.tokens * c.kv_bytes_per_token;
+        let bytes = kv.as_ref().map_or(0, |kv| kv.tokens) * c.kv_bytes_per_token;
         let mut decode = d.clone();
         let mut tried = Vec::new();
         // Every token the client has: the prefill's first, then the decode workers'.
         let mut generated = first.clone();
-        let mut handoff = Some((handoff, bytes));
+        let mut handoff = kv.is_some().then_some((handoff, bytes));
         let result = loop {
             if generated.len() >= self.valid.stop.max_tokens {
                 // Lost after its last token, before saying so.
@@ -880,7 +889,7 @@ impl Run {
             let _decode = c.track(decode.as_ref(), self.id, true, context);
             // The prefill worker's lease holds the prompt's KV until a decode worker completes its
             // transfer; a migrated request recomputes its KV instead.
-            let kv = (generated.len() == first.len()).then(|| kv.clone());
+            let kv = kv.clone().filter(|_| generated.len() == first.len());
             let events = decode.submit(WorkRequest { generated: generated.clone(), kv, ..self.request() });
             let mut relayed = Vec::new();
             let result = self.relay(&decode, events, start, handoff.take(), None, &mut relayed).await;

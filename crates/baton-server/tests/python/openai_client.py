@@ -61,16 +61,20 @@ streamed = "".join(
 assert done.choices[0].text == streamed, (done.choices[0].text, streamed)
 assert done.usage.completion_tokens == 10, done.usage
 
-# n = 3 with a seed: three different samples (choice i samples with seed + i), reproducible,
-# indexed, usage summed; streamed, each chunk names its choice.
+# n = 3 with a seed: three different samples (choice i samples with seed + i), indexed, usage
+# summed; streamed, each chunk names its choice.
 kwargs = dict(model=model, prompt="Mooncake", max_tokens=8, temperature=1.0, seed=7, n=3, extra_body={"ignore_eos": True})
 many = client.completions.create(**kwargs)
 assert sorted(c.index for c in many.choices) == [0, 1, 2], many
 texts = [c.text for c in sorted(many.choices, key=lambda c: c.index)]
 assert len(set(texts)) == 3, texts
 assert many.usage.completion_tokens == 24, many.usage
-again = client.completions.create(**kwargs)
-assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts, (again, texts)
+# Reproducible: a seeded request alone gets the same sample twice. (The n = 3 choices above
+# run beside each other, batched in ways that vary with timing, and a seeded sample depends on
+# the batching: ARCHITECTURE.md, "batch variance".)
+alone = dict(kwargs, n=1)
+first = client.completions.create(**alone).choices[0].text
+assert client.completions.create(**alone).choices[0].text == first, first
 parts = {}
 for c in client.completions.create(stream=True, **kwargs):
     for choice in c.choices:
