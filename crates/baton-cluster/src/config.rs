@@ -23,8 +23,9 @@ pub const DEFAULT_CLUSTER: &str = "default";
 pub enum RegistryConfig {
     /// `embedded`: the registry lives inside the conductor (no external service).
     Embedded,
-    /// `http://HOST:PORT`: a worker in another process, talking to the conductor's embedded
-    /// registry over its `/cluster/*` routes.
+    /// `http://HOST:PORT` or `https://HOST:PORT` (a conductor started with `--tls-cert`): a
+    /// worker in another process, talking to the conductor's embedded registry over its
+    /// `/cluster/*` routes.
     Remote {
         /// The conductor's base URL, without a trailing slash.
         base_url: String,
@@ -85,17 +86,14 @@ impl FromStr for RegistryConfig {
             return Err(err("no scheme"));
         };
         match scheme.to_ascii_lowercase().as_str() {
-            "http" => {
+            scheme @ ("http" | "https") => {
                 let rest = rest.trim_end_matches('/');
                 if rest.contains('/') {
                     return Err(err("the conductor URL must not have a path"));
                 }
                 check_host_port(rest, true).map_err(|r| err(&r))?;
-                Ok(RegistryConfig::Remote { base_url: format!("http://{rest}") })
+                Ok(RegistryConfig::Remote { base_url: format!("{scheme}://{rest}") })
             }
-            "https" => Err(err(
-                "https is not supported (the registry client is built without TLS); use http:// on a trusted network, requests are signed with the cluster secret",
-            )),
             "etcd" => {
                 let (authority, path) = match rest.split_once('/') {
                     Some((a, p)) => (a, p.trim_matches('/')),
@@ -196,7 +194,6 @@ mod tests {
         for (value, needle) in [
             ("", "no scheme"),
             ("conductor:8000", "no scheme"),
-            ("https://c:1", "https is not supported"),
             ("ftp://c:1", "unknown scheme"),
             ("etcd://host", "missing port"),
             ("etcd://host:0", "bad port"),

@@ -68,7 +68,7 @@ pub use http::{
     DEREGISTER_PATH, ErrorBody, HEARTBEAT_PATH, LeaseRequest, MEMBERS_PATH, REGISTER_PATH, RegisterRequest,
     RegisterResponse, router,
 };
-pub use registry::{Lease, LeaseStatus, MembershipWatch, Registry, connect};
+pub use registry::{Lease, LeaseStatus, MembershipWatch, Registry, connect, connect_with_ca};
 pub use remote::{RemoteOptions, RemoteRegistryClient};
 pub use table::{LeaseId, MembershipTable};
 pub use types::{KvSummary, LeftReason, MAX_WORKER_ID_LEN, MembershipEvent, Role, WorkerId, WorkerInfo, unix_millis};

@@ -13,7 +13,7 @@ use crate::config::RegistryConfig;
 use crate::embedded::EmbeddedRegistry;
 use crate::error::ClusterError;
 use crate::etcd::EtcdRegistry;
-use crate::remote::RemoteRegistryClient;
+use crate::remote::{RemoteOptions, RemoteRegistryClient};
 use crate::table::LeaseId;
 use crate::types::{MembershipEvent, WorkerId, WorkerInfo};
 
@@ -44,9 +44,20 @@ pub trait Registry: Send + Sync {
 /// conductor that also serves the `/cluster/*` routes should call [`EmbeddedRegistry::start`]
 /// itself so it keeps the concrete handle for [`crate::router`].
 pub async fn connect(config: &RegistryConfig, secret: ClusterSecret) -> Result<Arc<dyn Registry>, ClusterError> {
+    connect_with_ca(config, secret, None).await
+}
+
+/// [`connect`], trusting the certificates of `ca_pem` (PEM) for an `https://` conductor.
+pub async fn connect_with_ca(
+    config: &RegistryConfig,
+    secret: ClusterSecret,
+    ca_pem: Option<&[u8]>,
+) -> Result<Arc<dyn Registry>, ClusterError> {
     Ok(match config {
         RegistryConfig::Embedded => Arc::new(EmbeddedRegistry::start(secret)),
-        RegistryConfig::Remote { base_url } => Arc::new(RemoteRegistryClient::new(base_url, secret)?),
+        RegistryConfig::Remote { base_url } => {
+            Arc::new(RemoteRegistryClient::with_tls(base_url, secret, RemoteOptions::default(), ca_pem)?)
+        }
         RegistryConfig::Etcd(etcd) => Arc::new(EtcdRegistry::connect(etcd, secret).await?),
     })
 }

@@ -68,11 +68,28 @@ impl RemoteRegistryClient {
 
     /// A client with explicit timeouts and polling period.
     pub fn with_options(base_url: &str, secret: ClusterSecret, options: RemoteOptions) -> Result<Self, ClusterError> {
-        let http = reqwest::Client::builder()
-            .timeout(options.request_timeout)
-            .connect_timeout(options.connect_timeout)
-            .build()
-            .map_err(|e| ClusterError::Transport(format!("cannot build the HTTP client: {e}")))?;
+        Self::with_tls(base_url, secret, options, None)
+    }
+
+    /// A client that, for an `https://` conductor, trusts the certificates of `ca_pem` (PEM)
+    /// besides none other: a cluster's conductor has a certificate of the cluster's own.
+    pub fn with_tls(
+        base_url: &str,
+        secret: ClusterSecret,
+        options: RemoteOptions,
+        ca_pem: Option<&[u8]>,
+    ) -> Result<Self, ClusterError> {
+        let mut builder =
+            reqwest::Client::builder().timeout(options.request_timeout).connect_timeout(options.connect_timeout);
+        if let Some(pem) = ca_pem {
+            for cert in reqwest::Certificate::from_pem_bundle(pem)
+                .map_err(|e| ClusterError::Transport(format!("the CA file is not PEM certificates: {e}")))?
+            {
+                builder = builder.add_root_certificate(cert);
+            }
+        }
+        let http =
+            builder.build().map_err(|e| ClusterError::Transport(format!("cannot build the HTTP client: {e}")))?;
         let base_url = base_url.trim_end_matches('/').to_owned();
         Ok(Self { inner: Arc::new(Inner { http, base_url, secret, options, last_ts: AtomicU64::new(0) }) })
     }

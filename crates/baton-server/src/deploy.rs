@@ -76,6 +76,8 @@ pub struct WorkerConfig {
     /// A colocated worker serves the OpenAI API on its control port behind this key (none: it
     /// does not serve it).
     pub api_key: Option<String>,
+    /// Certificates (PEM) to trust for an `https://` registry (a conductor serving TLS).
+    pub tls_ca: Option<PathBuf>,
 }
 
 /// How long a worker being shut down waits for what it holds (Kubernetes' default grace period).
@@ -176,8 +178,14 @@ pub async fn run_worker(
         capacity_blocks: config.engine.num_blocks as u64,
         started_at_ms: baton_cluster::unix_millis(),
     };
-    let mut server = tokio::spawn(crate::serve_draining(listener, app, std::future::pending(), Duration::ZERO));
-    let registry = baton_cluster::connect(&config.registry, config.secret.clone()).await?;
+    let mut server = tokio::spawn(crate::serve_draining(listener, app, None, std::future::pending(), Duration::ZERO));
+    let ca = match &config.tls_ca {
+        Some(path) => Some(
+            std::fs::read(path).map_err(|e| ServeError::Config(format!("reading --tls-ca {}: {e}", path.display())))?,
+        ),
+        None => None,
+    };
+    let registry = baton_cluster::connect_with_ca(&config.registry, config.secret.clone(), ca.as_deref()).await?;
     let lease = registry.register(info, config.ttl).await?;
     on_ready(WorkerReady { name: id.to_string(), url, kv_addr: handle.kv_addr() });
     let outcome = tokio::select! {
@@ -238,6 +246,8 @@ pub struct ConductorConfig {
     pub kv_index: crate::view::KvIndexMode,
     /// On shutdown, how long the requests in flight may take to finish.
     pub drain_timeout: Duration,
+    /// Serve the API over TLS with this certificate chain and private key (PEM files).
+    pub tls: Option<(PathBuf, PathBuf)>,
 }
 
 /// The environment variable that delays a worker process's pushes (fault injection for
@@ -317,7 +327,11 @@ pub async fn run_conductor(
     };
     let watch = registry.watch().await?;
     let follower = tokio::spawn(follow(conductor, watch, config.secret.clone()));
-    let result = crate::serve_draining(listener, app, shutdown, config.drain_timeout).await;
+    let tls = match &config.tls {
+        Some((cert, key)) => Some(crate::http::tls_acceptor(cert, key).map_err(ServeError::Config)?),
+        None => None,
+    };
+    let result = crate::serve_draining(listener, app, tls, shutdown, config.drain_timeout).await;
     follower.abort();
     Ok(result?)
 }

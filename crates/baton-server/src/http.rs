@@ -22,6 +22,7 @@
 //! Streams (server-sent events) have no deadline here: a generation ends on its own, and a client
 //! that goes away closes it.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,6 +36,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+pub use tokio_rustls::TlsAcceptor;
 
 /// The bounds [`serve`] holds every connection to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,12 +71,34 @@ impl Default for HttpLimits {
     }
 }
 
-/// Serves `app` on `listener` within `limits` until `shutdown` resolves; then stops accepting
-/// connections and lets the requests in flight (streams included) finish, for at most `drain`.
+/// TLS for a server: a certificate chain and its private key, PEM files (`--tls-cert`,
+/// `--tls-key`). TLS 1.2 and 1.3, rustls with *ring*; no client certificates.
+pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_file_iter(cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("reading the certificate chain {}: {e}", cert.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{} holds no PEM certificate", cert.display()));
+    }
+    let key =
+        PrivateKeyDer::from_pem_file(key).map_err(|e| format!("reading the private key {}: {e}", key.display()))?;
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .and_then(|b| b.with_no_client_auth().with_single_cert(certs, key))
+        .map_err(|e| format!("the certificate and key do not make a TLS configuration: {e}"))?;
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Serves `app` on `listener` within `limits` (over TLS with `tls`) until `shutdown` resolves;
+/// then stops accepting connections and lets the requests in flight (streams included) finish,
+/// for at most `drain`. A TLS handshake must end within the header deadline.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: HttpLimits,
+    tls: Option<TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     drain: Duration,
 ) -> std::io::Result<()> {
@@ -111,10 +135,21 @@ pub async fn serve(
             tracing::warn!("cannot set TCP_NODELAY: {e}");
         }
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let connection = graceful.watch(http1.serve_connection(TokioIo::new(tcp), service));
+        let (http1, watcher, tls) = (http1.clone(), graceful.watcher(), tls.clone());
         tokio::spawn(async move {
             let _slot = slot;
-            if let Err(e) = connection.await {
+            let ended = match tls {
+                None => watcher.watch(http1.serve_connection(TokioIo::new(tcp), service)).await,
+                Some(tls) => match tokio::time::timeout(limits.header_timeout, tls.accept(tcp)).await {
+                    Ok(Ok(stream)) => watcher.watch(http1.serve_connection(TokioIo::new(stream), service)).await,
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => return,
+                },
+            };
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });

@@ -34,7 +34,7 @@ async fn echo_server() -> std::net::SocketAddr {
     let app = axum::Router::new().route("/echo", post(|body: axum::body::Bytes| async move { body }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(serve(listener, app, limits(), std::future::pending(), Duration::ZERO));
+    tokio::spawn(serve(listener, app, limits(), None, std::future::pending(), Duration::ZERO));
     addr
 }
 

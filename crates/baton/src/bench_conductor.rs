@@ -81,6 +81,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             kv_transfer: baton_server::KvTransfer::default(),
             kv_index: baton_server::view::KvIndexMode::default(),
             drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
+            tls: None,
         };
         tokio::spawn(run_conductor(conductor, conductor_listener, std::future::pending()));
         let worker = WorkerConfig {
@@ -100,6 +101,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             emulate: None,
             drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
             api_key: None,
+            tls_ca: None,
         };
         let worker_listener = tokio::net::TcpListener::bind(worker.listen).await?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();

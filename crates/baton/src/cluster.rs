@@ -101,8 +101,37 @@ pub(crate) struct WorkerArgs {
     /// `/health`); without it that port answers only the conductor's signed calls.
     #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Certificates (PEM) to trust when --registry is `https://` (a conductor started with
+    /// --tls-cert, e.g. its own self-signed certificate).
+    #[arg(long, value_name = "PEM")]
+    tls_ca: Option<PathBuf>,
     #[command(flatten)]
     engine: crate::engine_flags::EngineFlags,
+}
+
+/// TLS on the OpenAI API (`baton serve`, `baton conductor`).
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct TlsFlags {
+    /// Serve the API over HTTPS with this certificate chain (PEM); needs --tls-key.
+    #[arg(long, value_name = "PEM", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM: PKCS#8, PKCS#1 or SEC1); needs --tls-cert.
+    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+}
+
+impl TlsFlags {
+    /// The two files, when TLS is on.
+    pub(crate) fn files(&self) -> Option<(PathBuf, PathBuf)> {
+        self.tls_cert.clone().zip(self.tls_key.clone())
+    }
+
+    /// The TLS acceptor these flags describe (checked now, so a bad file fails at start).
+    pub(crate) fn acceptor(&self) -> anyhow::Result<Option<baton_server::http::TlsAcceptor>> {
+        self.files()
+            .map(|(cert, key)| baton_server::http::tls_acceptor(&cert, &key).map_err(anyhow::Error::msg))
+            .transpose()
+    }
 }
 
 /// Arguments of `baton conductor`.
@@ -142,6 +171,8 @@ pub(crate) struct ConductorArgs {
     /// On SIGTERM or Ctrl-C: seconds the requests in flight may take to finish.
     #[arg(long, default_value_t = 30.0, value_parser = seconds)]
     drain_timeout_s: f64,
+    #[command(flatten)]
+    tls: TlsFlags,
 }
 
 /// A number of seconds, 0 or more.
@@ -201,6 +232,7 @@ pub(crate) fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         emulate: a.engine.emulate()?,
         drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),
         api_key: a.api_key,
+        tls_ca: a.tls_ca,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
@@ -229,6 +261,8 @@ pub(crate) fn worker(a: WorkerArgs) -> anyhow::Result<()> {
 
 pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
     let model = crate::generate::model_path(a.model.as_deref())?;
+    // Checked now, so a bad certificate or key fails before anything starts.
+    let tls_on = a.tls.acceptor()?.is_some();
     let config = ConductorConfig {
         model: model.clone(),
         model_id: a.model_id,
@@ -241,12 +275,14 @@ pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
         kv_index: a.routing.kv_index(),
         block_tokens: a.block_size,
         drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),
+        tls: a.tls.files(),
     };
     let addr = SocketAddr::new(a.host, a.port);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
-        println!("baton conductor listening on http://{}", listener.local_addr()?);
+        let scheme = if tls_on { "https" } else { "http" };
+        println!("baton conductor listening on {scheme}://{}", listener.local_addr()?);
         run_conductor(config, listener, shutdown_signal()).await.context("conductor")
     })
 }

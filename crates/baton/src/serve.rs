@@ -52,6 +52,8 @@ pub(crate) struct ServeArgs {
     /// On SIGTERM or Ctrl-C: seconds the requests in flight may take to finish.
     #[arg(long, default_value_t = 30.0, value_parser = crate::cluster::seconds)]
     drain_timeout_s: f64,
+    #[command(flatten)]
+    tls: crate::cluster::TlsFlags,
 }
 
 impl ServeArgs {
@@ -82,13 +84,15 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
         ..ServeConfig::new(model.clone())
     };
     eprintln!("loading {} ...", model.display());
+    let tls = a.tls.acceptor()?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let conductor = baton_server::build(&config).with_context(|| format!("starting on {}", model.display()))?;
     let addr = SocketAddr::new(a.host, a.port);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
         eprintln!(
-            "baton serving {} on http://{} ({} prefill, {} decode, {} colocated workers); Ctrl-C or SIGTERM stops",
+            "baton serving {} on {scheme}://{} ({} prefill, {} decode, {} colocated workers); Ctrl-C or SIGTERM stops",
             model.display(),
             listener.local_addr()?,
             prefill,
@@ -96,7 +100,8 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
             config.colocated
         );
         let drain = Duration::from_secs_f64(a.drain_timeout_s);
-        baton_server::serve_draining(listener, conductor.router(), crate::cluster::shutdown_signal(), drain).await?;
+        baton_server::serve_draining(listener, conductor.router(), tls, crate::cluster::shutdown_signal(), drain)
+            .await?;
         Ok(())
     })
 }

@@ -924,3 +924,45 @@ fn a_gap_in_kv_events_resyncs_and_eviction_reaches_the_index() {
     assert_eq!(metric(&url, "baton_kv_index_resyncs_total{worker=\"w\"}"), 1.0);
     assert_no_leak(&[&w]);
 }
+
+/// TLS on the API: a conductor started with `--tls-cert/--tls-key` (a self-signed certificate
+/// made here) serves HTTPS; a worker that trusts it (`--tls-ca`) registers over
+/// `https://`, a client that trusts it gets the same answer as `baton generate`, and neither a
+/// client without the certificate nor plain HTTP gets an answer.
+#[test]
+fn a_conductor_serving_tls_takes_workers_and_clients_that_trust_its_certificate() {
+    let dir = model("tiny-llama");
+    let tmp = std::env::temp_dir().join(format!("baton-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let made = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+    let (cert, key) = (tmp.join("cert.pem"), tmp.join("key.pem"));
+    std::fs::write(&cert, made.cert.pem()).unwrap();
+    std::fs::write(&key, made.key_pair.serialize_pem()).unwrap();
+    let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
+
+    let (_c, url) = conductor_with(&dir, "embedded", &["--tls-cert", cert_s, "--tls-key", key_s]);
+    assert!(url.starts_with("https://"), "{url}");
+    let _w = worker(&dir, "colocated", &url, &["--tls-ca", cert_s]);
+    let trusting = reqwest::blocking::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(made.cert.pem().as_bytes()).unwrap())
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let health: Value = trusting.get(format!("{url}/health")).send().unwrap().json().unwrap_or(Value::Null);
+        if health["workers"].as_array().is_some_and(|w| w.len() == 1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the worker did not join over https: {health}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let body = json!({"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0});
+    let v: Value = trusting.post(format!("{url}/v1/completions")).json(&body).send().unwrap().json().unwrap();
+    assert_eq!(text(&v), generate(&dir, "Hello", 8));
+
+    assert!(http().get(format!("{url}/health")).send().is_err(), "a client without the certificate got an answer");
+    let plain = url.replace("https://", "http://");
+    assert!(http().get(format!("{plain}/health")).send().is_err(), "plain HTTP got an answer from the TLS port");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
