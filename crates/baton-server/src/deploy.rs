@@ -78,6 +78,9 @@ pub struct WorkerConfig {
     pub api_key: Option<String>,
     /// Certificates (PEM) to trust for an `https://` registry (a conductor serving TLS).
     pub tls_ca: Option<PathBuf>,
+    /// Serve the control API (and a colocated worker's OpenAI API) over TLS with this
+    /// certificate chain and private key (PEM files); it registers an `https://` URL.
+    pub tls: Option<(PathBuf, PathBuf)>,
 }
 
 /// How long a worker being shut down waits for what it holds (Kubernetes' default grace period).
@@ -161,7 +164,12 @@ pub async fn run_worker(
             });
         }
     }
-    let url = format!("http://{}", SocketAddr::new(host, local.port()));
+    let tls = match &config.tls {
+        Some((cert, key)) => Some(crate::http::tls_acceptor(cert, key).map_err(ServeError::Config)?),
+        None => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let url = format!("{scheme}://{}", SocketAddr::new(host, local.port()));
     let info = WorkerInfo {
         id: id.clone(),
         role: config.role,
@@ -178,7 +186,7 @@ pub async fn run_worker(
         capacity_blocks: config.engine.num_blocks as u64,
         started_at_ms: baton_cluster::unix_millis(),
     };
-    let mut server = tokio::spawn(crate::serve_draining(listener, app, None, std::future::pending(), Duration::ZERO));
+    let mut server = tokio::spawn(crate::serve_draining(listener, app, tls, std::future::pending(), Duration::ZERO));
     let ca = match &config.tls_ca {
         Some(path) => Some(
             std::fs::read(path).map_err(|e| ServeError::Config(format!("reading --tls-ca {}: {e}", path.display())))?,
@@ -248,6 +256,9 @@ pub struct ConductorConfig {
     pub drain_timeout: Duration,
     /// Serve the API over TLS with this certificate chain and private key (PEM files).
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// Certificates (PEM) to trust for workers whose control API is `https://`, and for an
+    /// `https://` etcd-less registry.
+    pub tls_ca: Option<PathBuf>,
 }
 
 /// The environment variable that delays a worker process's pushes (fault injection for
@@ -326,7 +337,13 @@ pub async fn run_conductor(
         other => baton_cluster::connect(other, config.secret.clone()).await?,
     };
     let watch = registry.watch().await?;
-    let follower = tokio::spawn(follow(conductor, watch, config.secret.clone()));
+    let ca = match &config.tls_ca {
+        Some(path) => Some(
+            std::fs::read(path).map_err(|e| ServeError::Config(format!("reading --tls-ca {}: {e}", path.display())))?,
+        ),
+        None => None,
+    };
+    let follower = tokio::spawn(follow(conductor, watch, config.secret.clone(), ca));
     let tls = match &config.tls {
         Some((cert, key)) => Some(crate::http::tls_acceptor(cert, key).map_err(ServeError::Config)?),
         None => None,
@@ -337,7 +354,13 @@ pub async fn run_conductor(
 }
 
 /// Keeps the conductor's workers in step with membership.
-pub async fn follow(conductor: Arc<Conductor>, mut watch: MembershipWatch, secret: ClusterSecret) {
+/// Workers whose control API is `https://` are trusted by the certificates of `ca_pem`.
+pub async fn follow(
+    conductor: Arc<Conductor>,
+    mut watch: MembershipWatch,
+    secret: ClusterSecret,
+    ca_pem: Option<Vec<u8>>,
+) {
     let mut remotes: HashMap<WorkerId, Arc<RemoteWorker>> = HashMap::new();
     while let Some(event) = watch.recv().await {
         match event {
@@ -350,7 +373,7 @@ pub async fn follow(conductor: Arc<Conductor>, mut watch: MembershipWatch, secre
                     );
                     continue;
                 }
-                match RemoteWorker::new(info.clone(), secret.clone()) {
+                match RemoteWorker::with_ca(info.clone(), secret.clone(), ca_pem.as_deref()) {
                     Ok(w) => {
                         let w = Arc::new(w);
                         if let Some(old) = remotes.insert(info.id.clone(), w.clone()) {

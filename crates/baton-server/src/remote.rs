@@ -44,11 +44,21 @@ impl std::fmt::Debug for RemoteWorker {
 impl RemoteWorker {
     /// A client for the worker `info` describes.
     pub fn new(info: WorkerInfo, secret: ClusterSecret) -> Result<Self, ApiError> {
-        let client = reqwest::Client::builder()
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true)
-            .build()
-            .map_err(|e| ApiError::Internal(format!("HTTP client: {e}")))?;
+        Self::with_ca(info, secret, None)
+    }
+
+    /// A client that, for a worker whose control API is `https://`, trusts the certificates
+    /// of `ca_pem` (PEM) and none other.
+    pub fn with_ca(info: WorkerInfo, secret: ClusterSecret, ca_pem: Option<&[u8]>) -> Result<Self, ApiError> {
+        let mut builder = reqwest::Client::builder().connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true);
+        if let Some(pem) = ca_pem {
+            let certs = reqwest::Certificate::from_pem_bundle(pem)
+                .map_err(|e| ApiError::Internal(format!("the CA file is not PEM certificates: {e}")))?;
+            for cert in certs {
+                builder = builder.add_root_certificate(cert);
+            }
+        }
+        let client = builder.build().map_err(|e| ApiError::Internal(format!("HTTP client: {e}")))?;
         Ok(Self {
             role: info.role,
             base: info.control_url.trim_end_matches('/').to_owned(),

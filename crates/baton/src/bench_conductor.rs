@@ -82,6 +82,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             kv_index: baton_server::view::KvIndexMode::default(),
             drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
             tls: None,
+            tls_ca: None,
         };
         tokio::spawn(run_conductor(conductor, conductor_listener, std::future::pending()));
         let worker = WorkerConfig {
@@ -102,6 +103,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
             api_key: None,
             tls_ca: None,
+            tls: None,
         };
         let worker_listener = tokio::net::TcpListener::bind(worker.listen).await?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();

@@ -105,6 +105,9 @@ pub(crate) struct WorkerArgs {
     /// --tls-cert, e.g. its own self-signed certificate).
     #[arg(long, value_name = "PEM")]
     tls_ca: Option<PathBuf>,
+    /// Serve the control API over HTTPS (the conductor then needs --tls-ca to trust it).
+    #[command(flatten)]
+    tls: TlsFlags,
     #[command(flatten)]
     engine: crate::engine_flags::EngineFlags,
 }
@@ -173,6 +176,9 @@ pub(crate) struct ConductorArgs {
     drain_timeout_s: f64,
     #[command(flatten)]
     tls: TlsFlags,
+    /// Certificates (PEM) to trust for workers that serve their control API over HTTPS.
+    #[arg(long, value_name = "PEM")]
+    tls_ca: Option<PathBuf>,
 }
 
 /// A number of seconds, 0 or more.
@@ -233,6 +239,7 @@ pub(crate) fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),
         api_key: a.api_key,
         tls_ca: a.tls_ca,
+        tls: a.tls.files(),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
@@ -276,6 +283,7 @@ pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
         block_tokens: a.block_size,
         drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),
         tls: a.tls.files(),
+        tls_ca: a.tls_ca,
     };
     let addr = SocketAddr::new(a.host, a.port);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -925,10 +925,11 @@ fn a_gap_in_kv_events_resyncs_and_eviction_reaches_the_index() {
     assert_no_leak(&[&w]);
 }
 
-/// TLS on the API: a conductor started with `--tls-cert/--tls-key` (a self-signed certificate
-/// made here) serves HTTPS; a worker that trusts it (`--tls-ca`) registers over
-/// `https://`, a client that trusts it gets the same answer as `baton generate`, and neither a
-/// client without the certificate nor plain HTTP gets an answer.
+/// TLS on the API and the control API: a conductor started with `--tls-cert/--tls-key` (a
+/// self-signed certificate made here) serves HTTPS; a worker that trusts it (`--tls-ca`)
+/// registers over `https://` and serves its own control API over HTTPS, which the conductor
+/// trusts with its `--tls-ca`; a client that trusts the conductor gets the same answer as
+/// `baton generate`, and neither a client without the certificate nor plain HTTP gets one.
 #[test]
 fn a_conductor_serving_tls_takes_workers_and_clients_that_trust_its_certificate() {
     let dir = model("tiny-llama");
@@ -940,9 +941,12 @@ fn a_conductor_serving_tls_takes_workers_and_clients_that_trust_its_certificate(
     std::fs::write(&key, made.key_pair.serialize_pem()).unwrap();
     let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
 
-    let (_c, url) = conductor_with(&dir, "embedded", &["--tls-cert", cert_s, "--tls-key", key_s]);
+    let tls = ["--tls-cert", cert_s, "--tls-key", key_s, "--tls-ca", cert_s];
+    let (_c, url) = conductor_with(&dir, "embedded", &tls);
     assert!(url.starts_with("https://"), "{url}");
-    let _w = worker(&dir, "colocated", &url, &["--tls-ca", cert_s]);
+    // The worker's control API is HTTPS too: the conductor reaches it only by trusting it.
+    let w = worker(&dir, "colocated", &url, &tls);
+    assert!(w.url.starts_with("https://"), "{}", w.url);
     let trusting = reqwest::blocking::Client::builder()
         .add_root_certificate(reqwest::Certificate::from_pem(made.cert.pem().as_bytes()).unwrap())
         .timeout(Duration::from_secs(60))
