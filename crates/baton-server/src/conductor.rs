@@ -76,6 +76,7 @@ pub struct Conductor {
     api_key: Option<String>,
     /// Whether `/metrics` and `/health` want the API key too (the OpenAI routes always do).
     protect_metrics: bool,
+    /// The next request id (from a random start: `first_request_id`).
     next_id: AtomicU64,
     /// KV bytes per token, for the transfer counter.
     kv_bytes_per_token: usize,
@@ -160,7 +161,7 @@ impl Conductor {
             metrics: Metrics::default(),
             api_key,
             protect_metrics: false,
-            next_id: AtomicU64::new(1),
+            next_id: AtomicU64::new(first_request_id()),
             kv_bytes_per_token,
             loads: Mutex::new(Loads::default()),
             epoch: Instant::now(),
@@ -587,6 +588,14 @@ async fn models(State(c): State<Arc<Conductor>>, headers: HeaderMap) -> Response
     }
     Json(json!({"object": "list", "data": [{"id": c.validator.model_id, "object": "model", "created": 0, "owned_by": "baton"}]}))
         .into_response()
+}
+
+/// Where a conductor's request ids start: a random point of [1, 2^62], so that conductor replicas
+/// routing to the same workers hand them distinct ids (a worker refuses a second request under
+/// an id it runs). Two replicas that each number n requests overlap with probability about
+/// 2n / 2^62; counting from 1, as every conductor once did, they collide at once.
+fn first_request_id() -> u64 {
+    (rand::random::<u64>() >> 2) | 1
 }
 
 async fn health(State(c): State<Arc<Conductor>>, headers: HeaderMap) -> Response {

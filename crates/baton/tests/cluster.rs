@@ -550,6 +550,33 @@ fn push_mode_over_tcp_matches_pull_mode_and_generate() {
     }
 }
 
+/// Two conductor replicas behind one load balancer route to the same workers at once: each
+/// request keeps its own id on the worker. (Every conductor used to number requests from 1, so
+/// the replicas' first requests met on the worker as one id and one of them failed with "already
+/// running on this worker"; `scripts/live-vs-sim.sh` with CONDUCTORS=2 found it.)
+#[test]
+fn conductor_replicas_sharing_workers_never_mix_requests() {
+    let dir = model("tiny-llama");
+    let (_a, a_url) = conductor(&dir, "embedded");
+    let p = worker(&dir, "prefill", &a_url, &[]);
+    let d = worker(&dir, "decode", &a_url, &[]);
+    let (_b, b_url) = conductor(&dir, &a_url);
+    wait_members(&a_url, 2, Duration::from_secs(10));
+    wait_members(&b_url, 2, Duration::from_secs(10));
+    let expected = generate(&dir, LONG, 24);
+    // Rounds of one request to each replica at once, so the replicas' n-th requests overlap.
+    for round in 0..3 {
+        let answers: Vec<Value> = std::thread::scope(|s| {
+            let calls: Vec<_> = [&a_url, &b_url].map(|url| s.spawn(move || complete(url, LONG, 24))).into();
+            calls.into_iter().map(|c| c.join().expect("request thread")).collect()
+        });
+        for (answer, url) in answers.iter().zip([&a_url, &b_url]) {
+            assert_eq!(text(answer), expected, "round {round}, via {url}: {answer}");
+        }
+    }
+    assert_no_leak(&[&p, &d]);
+}
+
 #[test]
 fn concurrent_streams_in_push_mode_over_shared_memory() {
     let dir = model("tiny-llama");
