@@ -1,6 +1,8 @@
 //! The HTTP shell: one streaming request to an OpenAI-compatible server, timed. Every wait
 //! (connect, headers, each chunk) is bounded by the request's deadline.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -138,11 +140,16 @@ pub struct Exchange {
     pub error: Option<String>,
 }
 
-/// An HTTP client for one server.
+/// An HTTP client for one server, or for replicas of one server (conductors routing to the same
+/// workers) that it sends requests to in turn, as a round-robin load balancer in front of them
+/// would.
 #[derive(Debug, Clone)]
 pub struct Client {
     http: reqwest::Client,
-    base: String,
+    /// The replicas' roots; never empty.
+    bases: Arc<[String]>,
+    /// Which replica the next request goes to (modulo `bases.len()`).
+    next: Arc<AtomicUsize>,
     api_key: Option<String>,
 }
 
@@ -156,11 +163,28 @@ impl Client {
             .map_err(|e| BenchError::Http(format!("cannot build an HTTP client: {e}")))?;
         let base = url.trim_end_matches('/');
         let base = base.strip_suffix("/v1").unwrap_or(base).to_owned();
-        Ok(Client { http, base, api_key })
+        Ok(Client { http, bases: Arc::from([base]), next: Arc::new(AtomicUsize::new(0)), api_key })
+    }
+
+    /// The same client sending its requests in turn to `url` and each of `replicas` (roots, with
+    /// or without a trailing `/v1`).
+    pub fn with_replicas(mut self, replicas: &[String]) -> Client {
+        let mut bases = self.bases.to_vec();
+        for url in replicas {
+            let base = url.trim_end_matches('/');
+            bases.push(base.strip_suffix("/v1").unwrap_or(base).to_owned());
+        }
+        self.bases = bases.into();
+        self
+    }
+
+    /// The replica the next request goes to.
+    fn base(&self) -> &str {
+        &self.bases[self.next.fetch_add(1, Ordering::Relaxed) % self.bases.len()]
     }
 
     fn post(&self, path: &str) -> reqwest::RequestBuilder {
-        let b = self.http.post(format!("{}{path}", self.base));
+        let b = self.http.post(format!("{}{path}", self.base()));
         match &self.api_key {
             Some(k) => b.bearer_auth(k),
             None => b,
@@ -169,7 +193,7 @@ impl Client {
 
     /// The first model the server lists at `/v1/models`.
     pub async fn first_model(&self, timeout: Duration) -> Result<String, BenchError> {
-        let url = format!("{}/v1/models", self.base);
+        let url = format!("{}/v1/models", self.bases[0]);
         let mut req = self.http.get(&url).timeout(timeout);
         if let Some(k) = &self.api_key {
             req = req.bearer_auth(k);

@@ -94,6 +94,10 @@ pub enum BenchError {
 pub struct BenchConfig {
     /// The server's root URL (`http://127.0.0.1:8000`).
     pub url: String,
+    /// Replicas of the server (conductors routing to the same workers): requests go to `url` and
+    /// these in turn, one each, as a round-robin load balancer would send them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<String>,
     /// Completions or chat.
     pub endpoint: Endpoint,
     /// Model id to send; the server's first listed model when absent.
@@ -135,6 +139,7 @@ impl BenchConfig {
     pub fn new(url: &str) -> Self {
         BenchConfig {
             url: url.to_owned(),
+            replicas: Vec::new(),
             endpoint: Endpoint::Completions,
             model: None,
             api_key: None,
@@ -161,11 +166,12 @@ impl BenchConfig {
     /// Checks the configuration: positive limits, valid arrivals, and a loopback server unless
     /// remote ones are allowed.
     pub fn validate(&self) -> Result<(), BenchError> {
-        if !self.allow_remote && !is_loopback_url(&self.url)? {
-            return Err(BenchError::Config(format!(
-                "{} is not on this machine (loopback); pass --allow-remote to benchmark it",
-                self.url
-            )));
+        for url in std::iter::once(&self.url).chain(&self.replicas) {
+            if !self.allow_remote && !is_loopback_url(url)? {
+                return Err(BenchError::Config(format!(
+                    "{url} is not on this machine (loopback); pass --allow-remote to benchmark it"
+                )));
+            }
         }
         if self.arrivals.is_empty() {
             return Err(BenchError::Config("no arrival process given".into()));
@@ -226,8 +232,10 @@ pub async fn run(config: &BenchConfig, observer: Arc<dyn Observer>) -> Result<Re
         return Err(BenchError::Config("the workload has no requests".into()));
     }
     let request_timeout = Duration::from_secs_f64(config.request_timeout_s);
-    let client =
-        Arc::new(Client::new(&config.url, config.api_key.clone(), Duration::from_secs_f64(config.connect_timeout_s))?);
+    let client = Arc::new(
+        Client::new(&config.url, config.api_key.clone(), Duration::from_secs_f64(config.connect_timeout_s))?
+            .with_replicas(&config.replicas),
+    );
     let model = match &config.model {
         Some(m) => m.clone(),
         None => client.first_model(request_timeout.min(Duration::from_secs(30))).await?,

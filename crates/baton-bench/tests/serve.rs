@@ -201,3 +201,31 @@ async fn a_duration_bound_ends_the_run_without_waiting_out_the_schedule() {
     assert_eq!(s.completed, s.sent);
     assert!(report.runs[0].records.iter().all(|r| r.scheduled_us < 1_000_000));
 }
+
+/// Requests sent to `url` and its replicas alternate between them (round-robin), whatever the
+/// arrival process: what a load balancer in front of two conductors does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_take_requests_in_turn() {
+    let (a, b) = (start().await, start().await);
+    let config = BenchConfig {
+        replicas: vec![format!("{}/v1", b.url)],
+        workload: WorkloadSpec::Synthetic { requests: 6, input: LengthDist::Fixed(8), output: LengthDist::Fixed(2) },
+        arrivals: vec![Arrival::Closed { concurrency: 1 }],
+        ignore_eos: true,
+        request_timeout_s: 60.0,
+        ..BenchConfig::new(&a.url)
+    };
+    let report = baton_bench::run(&config, Arc::new(Quiet)).await.expect("runs");
+    assert_eq!(report.runs[0].summary.completed, 6);
+    for server in [&a, &b] {
+        let metrics =
+            reqwest::get(format!("{}/metrics", server.url)).await.expect("metrics").text().await.expect("body");
+        let answered = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("baton_time_to_first_token_seconds_count "))
+            .unwrap_or_else(|| panic!("no TTFT count on {}", server.url));
+        assert_eq!(answered, "3", "{} answered {answered} of the 6 requests", server.url);
+    }
+    let remote = BenchConfig { replicas: vec!["http://10.1.2.3:8000".into()], ..config };
+    assert!(matches!(remote.validate(), Err(BenchError::Config(_))), "a remote replica needs --allow-remote");
+}

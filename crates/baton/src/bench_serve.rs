@@ -41,6 +41,11 @@ pub(crate) struct ServeBenchArgs {
     /// The server's root URL (a trailing /v1 is accepted).
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     url: String,
+    /// Another replica of the server (a second conductor routing to the same workers); repeat
+    /// for more. Requests go to --url and each replica in turn, as a round-robin load balancer
+    /// in front of them would send them.
+    #[arg(long = "replica", value_name = "URL")]
+    replicas: Vec<String>,
     /// API: completions (/v1/completions) or chat (/v1/chat/completions).
     #[arg(long, default_value = "completions")]
     endpoint: Endpoint,
@@ -218,6 +223,7 @@ impl ServeBenchArgs {
         }
         Ok(BenchConfig {
             url: self.url.clone(),
+            replicas: self.replicas.clone(),
             endpoint: self.endpoint,
             model: self.model.clone(),
             api_key: self.api_key.clone(),
