@@ -61,6 +61,21 @@ pub enum ClusterError {
     EtcdNotBuilt,
 }
 
+impl ClusterError {
+    /// Whether the same call may succeed later without anything changing on this side: the
+    /// registry could not be reached or did not answer in time, or a member under this id has
+    /// not lapsed yet. A worker joining again retries these and gives up on the others.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            ClusterError::Timeout(_)
+                | ClusterError::Transport(_)
+                | ClusterError::Etcd(_)
+                | ClusterError::DuplicateWorker(_)
+        )
+    }
+}
+
 impl From<reqwest::Error> for ClusterError {
     fn from(e: reqwest::Error) -> Self {
         if e.is_timeout() { ClusterError::Timeout(e.to_string()) } else { ClusterError::Transport(e.to_string()) }

@@ -28,13 +28,15 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use baton_cluster::{AUTH_HEADER, ClusterSecret, SeenProofs, unix_millis};
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::error::ApiError;
 use crate::worker::{Worker, WorkerHandle};
 
 /// Path of the generate route.
 pub const GENERATE_PATH: &str = "/worker/v1/generate";
+/// The longest a generate stream stays silent: a blank line comes after this long without an
+/// event (the conductor's idle deadline on a worker's stream is several of these).
+pub const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(2);
 /// Path of the release route.
 pub const RELEASE_PATH: &str = "/worker/v1/release";
 /// Path of the stats route.
@@ -80,12 +82,29 @@ async fn generate(State(state): State<ControlState>, headers: HeaderMap, body: B
         Ok(r) => r,
         Err(e) => return ApiError::invalid(format!("invalid work request: {e}")).into_response(),
     };
-    let events = state.worker.submit(req);
-    let lines = UnboundedReceiverStream::new(events).map(|event| {
-        let mut line = serde_json::to_vec(&event).unwrap_or_else(|_| b"{}".to_vec());
-        line.push(b'\n');
-        Ok::<_, Infallible>(Bytes::from(line))
+    let mut events = state.worker.submit(req);
+    // One line per event, and a blank line after each KEEPALIVE without one: a request may wait
+    // or prefill for long without an event, and the conductor must tell that from a connection
+    // that hangs (a frozen or half-open worker). The client leaving drops `lines`, which ends this
+    // task and drops `events`: the request is aborted.
+    let (tx, lines) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(16);
+    tokio::spawn(async move {
+        loop {
+            let line = match tokio::time::timeout(KEEPALIVE, events.recv()).await {
+                Ok(Some(event)) => {
+                    let mut line = serde_json::to_vec(&event).unwrap_or_else(|_| b"{}".to_vec());
+                    line.push(b'\n');
+                    Bytes::from(line)
+                }
+                Ok(None) => return,
+                Err(_) => Bytes::from_static(b"\n"),
+            };
+            if tx.send(Ok(line)).await.is_err() {
+                return;
+            }
+        }
     });
+    let lines = tokio_stream::wrappers::ReceiverStream::new(lines);
     ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(lines)).into_response()
 }
 

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use baton_cluster::{
-    ClusterSecret, EmbeddedRegistry, KvSummary, LeftReason, MembershipEvent, MembershipWatch, Registry, RegistryConfig,
-    WorkerId, WorkerInfo,
+    ClusterError, ClusterSecret, EmbeddedRegistry, KvSummary, LeftReason, MembershipEvent, MembershipWatch, Registry,
+    RegistryConfig, WorkerId, WorkerInfo,
 };
 use baton_engine::EngineConfig;
 
@@ -194,16 +194,33 @@ pub async fn run_worker(
         None => None,
     };
     let registry = baton_cluster::connect_with_ca(&config.registry, config.secret.clone(), ca.as_deref()).await?;
-    let lease = registry.register(info, config.ttl).await?;
+    let mut lease = registry.register(info.clone(), config.ttl).await?;
     on_ready(WorkerReady { name: id.to_string(), url, kv_addr: handle.kv_addr() });
-    let outcome = tokio::select! {
-        () = shutdown => Ok(()),
-        why = handle.stopped() => Err(format!("the worker stopped: {why}")),
-        reason = lease.lost() => {
-            server.abort();
-            return Err(ServeError::Config(format!("this worker lost its cluster membership: {reason}")));
+    let mut shutdown = std::pin::pin!(shutdown);
+    let outcome = loop {
+        tokio::select! {
+            () = &mut shutdown => break Ok(()),
+            why = handle.stopped() => break Err(format!("the worker stopped: {why}")),
+            reason = lease.lost() => {
+                // The registry dropped this worker (it was frozen or cut off past its TTL); the
+                // conductor has already run its requests elsewhere and forgotten its blocks.
+                // Join again as soon as the registry answers: the conductor takes a rejoining
+                // worker clean and reads its cache from a fresh snapshot of its state stream.
+                tracing::warn!(worker = %id, "lost cluster membership ({reason}); joining again");
+                match rejoin(registry.as_ref(), &info, config.ttl, &mut shutdown).await {
+                    Some(Ok(l)) => {
+                        tracing::info!(worker = %id, "joined the cluster again");
+                        lease = l;
+                    }
+                    Some(Err(e)) => break Err(format!("joining the cluster again: {e}")),
+                    None => {
+                        server.abort();
+                        return Ok(());
+                    }
+                }
+            }
+            r = &mut server => break Err(format!("the control API stopped: {r:?}")),
         }
-        r = &mut server => Err(format!("the control API stopped: {r:?}")),
     };
     // Stop taking work before leaving, so a request routed meanwhile is answered `Lost` (and
     // run elsewhere) rather than started here.
@@ -227,6 +244,33 @@ pub async fn run_worker(
     }
     server.abort();
     Ok(())
+}
+
+/// Registers `info` again after its lease was lost, retrying with back-off (250 ms doubling
+/// to 5 s) while the registry cannot be reached; `None` when `shutdown` came first. An error the
+/// registry gives (a refused proof, a conflicting member) ends the retries.
+async fn rejoin(
+    registry: &dyn baton_cluster::Registry,
+    info: &WorkerInfo,
+    ttl: Duration,
+    shutdown: &mut (impl Future<Output = ()> + Unpin),
+) -> Option<Result<baton_cluster::Lease, ClusterError>> {
+    let mut backoff = Duration::from_millis(250);
+    loop {
+        tokio::select! {
+            () = &mut *shutdown => return None,
+            r = registry.register(info.clone(), ttl) => match r {
+                Ok(lease) => return Some(Ok(lease)),
+                Err(e) if e.is_transient() => tracing::warn!(error = %e, "the registry is unreachable; retrying"),
+                Err(e) => return Some(Err(e)),
+            },
+        }
+        tokio::select! {
+            () = &mut *shutdown => return None,
+            () = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
 }
 
 /// A conductor process.
@@ -259,6 +303,9 @@ pub struct ConductorConfig {
     /// Certificates (PEM) to trust for workers whose control API is `https://`, and for an
     /// `https://` etcd-less registry.
     pub tls_ca: Option<PathBuf>,
+    /// How long a worker's generate stream may stay silent (workers send a keep-alive every
+    /// [`crate::control::KEEPALIVE`]) before the request is taken from it.
+    pub worker_timeout: Duration,
 }
 
 /// The environment variable that delays a worker process's pushes (fault injection for
@@ -343,7 +390,7 @@ pub async fn run_conductor(
         ),
         None => None,
     };
-    let follower = tokio::spawn(follow(conductor, watch, config.secret.clone(), ca));
+    let follower = tokio::spawn(follow(conductor, watch, config.secret.clone(), ca, config.worker_timeout));
     let tls = match &config.tls {
         Some((cert, key)) => Some(crate::http::tls_acceptor(cert, key).map_err(ServeError::Config)?),
         None => None,
@@ -354,12 +401,14 @@ pub async fn run_conductor(
 }
 
 /// Keeps the conductor's workers in step with membership.
-/// Workers whose control API is `https://` are trusted by the certificates of `ca_pem`.
+/// Workers whose control API is `https://` are trusted by the certificates of `ca_pem`; a
+/// worker's generate stream silent for `worker_timeout` is given up on.
 pub async fn follow(
     conductor: Arc<Conductor>,
     mut watch: MembershipWatch,
     secret: ClusterSecret,
     ca_pem: Option<Vec<u8>>,
+    worker_timeout: Duration,
 ) {
     let mut remotes: HashMap<WorkerId, Arc<RemoteWorker>> = HashMap::new();
     while let Some(event) = watch.recv().await {
@@ -375,7 +424,7 @@ pub async fn follow(
                 }
                 match RemoteWorker::with_ca(info.clone(), secret.clone(), ca_pem.as_deref()) {
                     Ok(w) => {
-                        let w = Arc::new(w);
+                        let w = Arc::new(w.with_idle_timeout(worker_timeout));
                         if let Some(old) = remotes.insert(info.id.clone(), w.clone()) {
                             old.mark_gone();
                         }

@@ -23,6 +23,10 @@ use crate::worker::{RequestEvent, Role, StateUpdate, WorkRequest, Worker, Worker
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bound on the small control calls (release, stats).
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a worker's generate stream may stay silent before the conductor gives up on it, by
+/// default: the worker sends a keep-alive line every [`crate::control::KEEPALIVE`], so only a
+/// frozen worker or a half-open connection stays silent this long.
+pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A worker behind its control API.
 pub struct RemoteWorker {
@@ -33,6 +37,8 @@ pub struct RemoteWorker {
     secret: ClusterSecret,
     in_flight: Arc<AtomicUsize>,
     gone: watch::Sender<bool>,
+    /// The longest silence on a generate stream (its response headers included).
+    idle_timeout: Duration,
 }
 
 impl std::fmt::Debug for RemoteWorker {
@@ -67,7 +73,15 @@ impl RemoteWorker {
             secret,
             in_flight: Arc::new(AtomicUsize::new(0)),
             gone: watch::channel(false).0,
+            idle_timeout: STREAM_IDLE_TIMEOUT,
         })
+    }
+
+    /// The same client, giving up on a generate stream silent for `timeout` (the worker is
+    /// then lost for that request, which runs elsewhere if nothing was streamed yet).
+    pub fn with_idle_timeout(mut self, timeout: Duration) -> Self {
+        self.idle_timeout = timeout;
+        self
     }
 
     /// Its registration.
@@ -132,11 +146,12 @@ impl Worker for RemoteWorker {
         let request = self.signed(reqwest::Method::POST, GENERATE_PATH, body);
         let name = self.info.id.to_string();
         let gone_rx = self.gone.subscribe();
+        let idle = self.idle_timeout;
         tokio::spawn(
             async move {
                 let _counted = counted;
                 tokio::select! {
-                    lost = stream(request, &tx) => {
+                    lost = stream(request, &tx, idle) => {
                         if let Some(reason) = lost {
                             let _ = tx.send(RequestEvent::Lost { reason: format!("worker {name}: {reason}") });
                         }
@@ -201,10 +216,16 @@ impl Worker for RemoteWorker {
 }
 
 /// Posts a request and relays its event lines; returns why the worker was lost, if it was.
-async fn stream(request: reqwest::RequestBuilder, tx: &mpsc::UnboundedSender<RequestEvent>) -> Option<String> {
-    let mut response = match request.send().await {
-        Ok(r) => r,
-        Err(e) => return Some(format!("unreachable: {}", e.without_url())),
+async fn stream(
+    request: reqwest::RequestBuilder,
+    tx: &mpsc::UnboundedSender<RequestEvent>,
+    idle: Duration,
+) -> Option<String> {
+    let silent = || format!("silent for {:.1} s (frozen, or a half-open connection)", idle.as_secs_f64());
+    let mut response = match tokio::time::timeout(idle, request.send()).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return Some(format!("unreachable: {}", e.without_url())),
+        Err(_) => return Some(silent()),
     };
     if !response.status().is_success() {
         let status = response.status();
@@ -222,13 +243,17 @@ async fn stream(request: reqwest::RequestBuilder, tx: &mpsc::UnboundedSender<Req
     }
     let mut buf = Vec::new();
     loop {
-        match response.chunk().await {
-            Ok(Some(bytes)) => buf.extend_from_slice(&bytes),
-            Ok(None) => return Some("the event stream ended before the request finished".into()),
-            Err(e) => return Some(format!("the event stream broke: {}", e.without_url())),
+        match tokio::time::timeout(idle, response.chunk()).await {
+            Ok(Ok(Some(bytes))) => buf.extend_from_slice(&bytes),
+            Ok(Ok(None)) => return Some("the event stream ended before the request finished".into()),
+            Ok(Err(e)) => return Some(format!("the event stream broke: {}", e.without_url())),
+            Err(_) => return Some(silent()),
         }
         while let Some(end) = buf.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = buf.drain(..=end).collect();
+            if line.len() == 1 {
+                continue; // a keep-alive
+            }
             let event: RequestEvent = match serde_json::from_slice(&line) {
                 Ok(e) => e,
                 Err(e) => return Some(format!("unreadable event: {e}")),

@@ -83,6 +83,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
             tls: None,
             tls_ca: None,
+            worker_timeout: baton_server::remote::STREAM_IDLE_TIMEOUT,
         };
         tokio::spawn(run_conductor(conductor, conductor_listener, std::future::pending()));
         let worker = WorkerConfig {

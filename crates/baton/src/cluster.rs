@@ -179,6 +179,11 @@ pub(crate) struct ConductorArgs {
     /// Certificates (PEM) to trust for workers that serve their control API over HTTPS.
     #[arg(long, value_name = "PEM")]
     tls_ca: Option<PathBuf>,
+    /// Seconds a worker's stream may stay silent before its request is taken from it (and run
+    /// elsewhere when nothing was streamed yet). Workers send a keep-alive every 2 s, so only a
+    /// frozen worker or a half-open connection stays silent this long.
+    #[arg(long, default_value_t = 10.0, value_parser = seconds)]
+    worker_timeout_s: f64,
 }
 
 /// A number of seconds, 0 or more.
@@ -284,6 +289,7 @@ pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
         drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),
         tls: a.tls.files(),
         tls_ca: a.tls_ca,
+        worker_timeout: Duration::from_secs_f64(a.worker_timeout_s),
     };
     let addr = SocketAddr::new(a.host, a.port);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

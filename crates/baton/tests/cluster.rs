@@ -99,6 +99,12 @@ impl Proc {
         let _ = Command::new("kill").arg("-INT").arg(self.child.id().to_string()).status();
     }
 
+    /// Sends `signal` (a name `kill` takes: STOP, CONT, ...).
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill").arg(format!("-{signal}")).arg(self.child.id().to_string()).status();
+        assert!(status.is_ok_and(|s| s.success()), "kill -{signal} {}", self.what);
+    }
+
     /// SIGTERM, what Kubernetes and systemd send.
     fn terminate(&self) {
         let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
@@ -548,6 +554,58 @@ fn push_mode_over_tcp_matches_pull_mode_and_generate() {
         }
         assert_no_leak(&[&p, &d]);
     }
+}
+
+/// A worker frozen past its TTL (SIGSTOP: a long pause, or a partition as the registry sees it)
+/// is dropped from the cluster; once it runs again its heartbeat finds its lease gone and it joins
+/// again and serves, instead of exiting.
+#[test]
+fn a_worker_dropped_for_silence_joins_again_when_it_wakes() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    let p = worker(&dir, "prefill", &url, &[]);
+    let mut d = worker(&dir, "decode", &url, &[]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let expected = generate(&dir, LONG, 12);
+    assert_eq!(text(&complete(&url, LONG, 12)), expected);
+    d.proc.signal("STOP");
+    wait_members(&url, 1, Duration::from_secs(10));
+    d.proc.signal("CONT");
+    wait_members(&url, 2, Duration::from_secs(10));
+    assert!(d.proc.child.try_wait().unwrap().is_none(), "the woken worker exited instead of joining again");
+    assert_eq!(text(&complete(&url, LONG, 12)), expected, "served after joining again");
+    assert_no_leak(&[&p, &d]);
+}
+
+/// A worker that stays a member but answers nothing (frozen, with a lease longer than the test:
+/// a half-open connection as the conductor sees it) holds no request past the conductor's
+/// `--worker-timeout-s`: what was sent to it runs on the other prefill worker, with the same
+/// text. (Without a deadline on the worker's stream those requests waited forever.)
+#[test]
+fn a_silent_worker_that_is_still_a_member_holds_no_request() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--worker-timeout-s", "1"]);
+    // Once woken, the frozen worker prefills what it was sent and holds the KV for a hand-off
+    // no one will take (the conductor gave up on it): its lease bounds that (`--lease-s`).
+    let p1 = worker(&dir, "prefill", &url, &["--ttl-s", "600", "--lease-s", "2"]);
+    let p2 = worker(&dir, "prefill", &url, &[]);
+    let d = worker(&dir, "decode", &url, &[]);
+    wait_members(&url, 3, Duration::from_secs(10));
+    let expected = generate(&dir, LONG, 8);
+    p1.proc.signal("STOP");
+    // Two at once, so that the fewest-in-flight policy sends one of them to the frozen worker.
+    for round in 0..2 {
+        std::thread::scope(|s| {
+            let calls: Vec<_> = (0..2).map(|_| s.spawn(|| complete(&url, LONG, 8))).collect();
+            for c in calls {
+                assert_eq!(text(&c.join().expect("request thread")), expected, "round {round}");
+            }
+        });
+    }
+    assert!(metric(&url, "baton_worker_breaker_trips_total") >= 1.0, "no request went to the frozen worker");
+    p1.proc.signal("CONT");
+    assert_eq!(members(&url).len(), 3, "the silent worker kept its membership");
+    assert_no_leak(&[&p1, &p2, &d]);
 }
 
 /// Two conductor replicas behind one load balancer route to the same workers at once: each
