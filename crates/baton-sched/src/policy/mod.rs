@@ -163,6 +163,19 @@ pub(crate) fn tbt_with(snap: &ClusterSnapshot<'_>, inst: &InstanceSnapshot, req:
 
 /// The decode instance with the least predicted TBT (ties by id), with that TBT. A colocated
 /// prefill instance decodes its own requests.
+/// A tie-breaker that spreads requests over instances: a hash of the request and the instance,
+/// so each request prefers its own order of instances, the same in every run. Breaking ties by
+/// the lowest id instead sends every request that finds the cluster idle and its prompt cached
+/// nowhere (a new conversation) to one instance, whose cache then evicts the others'
+/// conversations while the other instances' caches stay empty.
+pub(crate) fn spread(req: &Request, inst: InstanceId) -> u64 {
+    // splitmix64's finaliser over the pair.
+    let mut z = req.id.0 ^ u64::from(inst.0).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 pub(crate) fn least_loaded_decode(
     snap: &ClusterSnapshot<'_>,
     req: &Request,
