@@ -21,6 +21,8 @@ use crate::worker::{RequestEvent, Role, StateUpdate, WorkRequest, Worker, Worker
 
 /// How long to wait for a worker to accept a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long an idle connection to a worker stays pooled: under the worker's keep-alive limit.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(15);
 /// Bound on the small control calls (release, stats).
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a worker's generate stream may stay silent before the conductor gives up on it, by
@@ -56,7 +58,13 @@ impl RemoteWorker {
     /// A client that, for a worker whose control API is `https://`, trusts the certificates
     /// of `ca_pem` (PEM) and none other.
     pub fn with_ca(info: WorkerInfo, secret: ClusterSecret, ca_pem: Option<&[u8]>) -> Result<Self, ApiError> {
-        let mut builder = reqwest::Client::builder().connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true);
+        // Idle pooled connections are dropped before the worker's HTTP server closes them
+        // (`HttpLimits::header_timeout`, 30 s): a call sent on a connection the server is
+        // closing fails with "error sending request" and trips the worker's breaker.
+        let mut builder = reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .tcp_nodelay(true);
         if let Some(pem) = ca_pem {
             let certs = reqwest::Certificate::from_pem_bundle(pem)
                 .map_err(|e| ApiError::Internal(format!("the CA file is not PEM certificates: {e}")))?;
@@ -216,6 +224,20 @@ impl Worker for RemoteWorker {
 }
 
 /// Posts a request and relays its event lines; returns why the worker was lost, if it was.
+/// A reqwest error with its causes ("error sending request: connection refused"), without the
+/// URL (500s must not show worker addresses; the worker's name is in the message).
+fn chain(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut out = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
+}
+
 async fn stream(
     request: reqwest::RequestBuilder,
     tx: &mpsc::UnboundedSender<RequestEvent>,
@@ -224,7 +246,7 @@ async fn stream(
     let silent = || format!("silent for {:.1} s (frozen, or a half-open connection)", idle.as_secs_f64());
     let mut response = match tokio::time::timeout(idle, request.send()).await {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) => return Some(format!("unreachable: {}", e.without_url())),
+        Ok(Err(e)) => return Some(format!("unreachable: {}", chain(e))),
         Err(_) => return Some(silent()),
     };
     if !response.status().is_success() {
@@ -246,7 +268,7 @@ async fn stream(
         match tokio::time::timeout(idle, response.chunk()).await {
             Ok(Ok(Some(bytes))) => buf.extend_from_slice(&bytes),
             Ok(Ok(None)) => return Some("the event stream ended before the request finished".into()),
-            Ok(Err(e)) => return Some(format!("the event stream broke: {}", e.without_url())),
+            Ok(Err(e)) => return Some(format!("the event stream broke: {}", chain(e))),
             Err(_) => return Some(silent()),
         }
         while let Some(end) = buf.iter().position(|&b| b == b'\n') {
