@@ -28,6 +28,11 @@
 #               sessions' histories)
 #   POLICIES    live runs (default "kv-centric kv-centric-predicted least-load random")
 #   MODEL       tokenizer and context length of the emulated model (default Gemma 3 270M)
+#   CONDUCTORS  1 (default): one `baton serve` with in-process workers. 2 or more: a cluster of
+#               processes, that many `baton conductor` replicas over the same 4 + 4 `baton worker`s,
+#               the requests sent to the replicas in turn (round-robin, as a load balancer in front
+#               of them would). A replica that predicts its index sees only its own routing: the
+#               case of stale indexes (a new router replica blind) that the exact index is for.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,6 +47,7 @@ context="${CONTEXT:-4096}"
 turn_tokens="${TURN_TOKENS:-1024}"
 output="${OUTPUT:-32}"
 num_blocks="${NUM_BLOCKS:-2048}"
+conductors="${CONDUCTORS:-1}"
 policies="${POLICIES:-kv-centric kv-centric-predicted least-load random}"
 model="${MODEL:-${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf}"
 prefill=4
@@ -77,15 +83,25 @@ for name in $policies; do
     policy="${name%-predicted}"
     index=predicted
   fi
-  log="$out/$name.server.log"
-  info "live: $name (policy $policy, index $index)"
-  start_server "$log" --model "$model" --emulate h100 --prefill "$prefill" --decode "$decode" \
-    --policy "$policy" --kv-index "$index" --num-blocks "$num_blocks" --block-size "$block_size" \
-    --max-batch-tokens 8192 --prefill-chunk 8192
-  "$baton" bench serve --url "$url" --workload mooncake --dataset "$trace" --ignore-eos \
+  engine=(--emulate h100 --num-blocks "$num_blocks" --block-size "$block_size" --max-batch-tokens 8192
+    --prefill-chunk 8192)
+  replicas=()
+  info "live: $name (policy $policy, index $index, $conductors conductor(s))"
+  if [[ "$conductors" -eq 1 ]]; then
+    start_server "$out/$name.server.log" --model "$model" --prefill "$prefill" --decode "$decode" \
+      --policy "$policy" --kv-index "$index" "${engine[@]}"
+    urls=("$url")
+  else
+    start_cluster "$out/$name" "$conductors" "$prefill" "$decode" --model "$model" --policy "$policy" \
+      --kv-index "$index" --block-size "$block_size" -- --model "$model" "${engine[@]}"
+    urls=("${conductor_urls[@]}")
+    for u in "${urls[@]:1}"; do replicas+=(--replica "$u"); done
+  fi
+  "$baton" bench serve --url "${urls[0]}" "${replicas[@]}" --workload mooncake --dataset "$trace" --ignore-eos \
     --num-requests $((sessions * turns)) --no-plots --no-progress --out-dir "$out/$name" >"$out/$name.bench.txt" 2>&1 \
     || die "bench serve failed: $(tail -5 "$out/$name.bench.txt")"
-  curl -sf "$url/metrics" >"$out/$name.metrics.txt"
+  # Each conductor counts the cache hits of the requests it routed; the table sums them.
+  for u in "${urls[@]}"; do curl -sf "$u/metrics"; done >"$out/$name.metrics.txt"
   stop_server
 done
 
