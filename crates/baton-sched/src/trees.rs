@@ -208,6 +208,14 @@ impl GlobalPromptTrees {
             .map_or(0, |t| hashes.iter().take_while(|h| t.blocks.get(h).is_some_and(|e| e.live(now))).count())
     }
 
+    /// Leading blocks of `hashes` that `instance`'s own events say it holds (predictions not
+    /// counted): what a request sent there now reuses.
+    pub fn confirmed_prefix_len(&self, instance: InstanceId, hashes: &[BlockHash]) -> usize {
+        self.trees.get(&instance).map_or(0, |t| {
+            hashes.iter().take_while(|h| t.blocks.get(h).is_some_and(|e| e.expires_at.is_none())).count()
+        })
+    }
+
     /// Tier of a confirmed block on an instance.
     pub fn tier_of(&self, instance: InstanceId, hash: BlockHash) -> Option<Tier> {
         self.trees.get(&instance).and_then(|t| t.blocks.get(&hash)).and_then(|e| e.tier)
@@ -277,6 +285,8 @@ mod tests {
         assert_eq!(t.confirmed(InstanceId(1)), vec![(BlockHash(11), Tier::Device), (BlockHash(12), Tier::Host)]);
         assert_eq!(t.confirmed_by_tier(InstanceId(1)), [1, 1, 0]);
         assert_eq!(t.prefix_len(InstanceId(1), &[BlockHash(77)], 1), 1, "predictions survive a snapshot");
+        assert_eq!(t.confirmed_prefix_len(InstanceId(1), &[BlockHash(77)]), 0, "a prediction is not confirmed");
+        assert_eq!(t.confirmed_prefix_len(InstanceId(1), &[BlockHash(11), BlockHash(12), BlockHash(77)]), 2);
         assert!(t.apply(&ev(1, 1, stored(13))).is_err(), "events continue from the snapshot's number");
         t.apply(&ev(1, 40, stored(13))).expect("apply");
         assert_eq!(t.confirmed(InstanceId(1)).len(), 3);

@@ -97,7 +97,7 @@ pub struct Conductor {
 struct Loads {
     ids: HashMap<String, u32>,
     next_id: u32,
-    /// Worker → request → prompt tokens.
+    /// Worker → request → prompt tokens it computes (not cached there).
     prefill: HashMap<String, HashMap<u64, usize>>,
     /// Worker → request → (decode start, µs; context tokens).
     decode: HashMap<String, HashMap<u64, (u64, usize)>>,
@@ -219,7 +219,26 @@ impl Conductor {
         self.loads.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Records that request `id` prefills (`decode: false`, `tokens` = prompt) or decodes
+    /// Records that request `id` prefills `prompt` on `worker` until the guard drops. The ledger
+    /// counts the tokens the worker will compute: the prompt less the prefix its KV events say
+    /// its cache holds (none with `--kv-index predicted`, which applies no events). (Counting the whole prompt made a worker holding a conversation's cache look
+    /// busiest exactly when that cache made its queued work light, and cache-affine policies
+    /// sent the next turn elsewhere; the simulator's queues were always net of the cache.)
+    fn track_prefill(&self, worker: &dyn Worker, id: RequestId, prompt: &[u32]) -> Tracked<'_> {
+        let instance = InstanceId(self.loads().id(worker.name()));
+        let block_tokens = worker.block_tokens().max(1);
+        let hashes = baton_kv::prefix_hashes(prompt, block_tokens);
+        let cached = self
+            .view
+            .trees()
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .confirmed_prefix_len(instance, &hashes)
+            * block_tokens;
+        self.track(worker, id, false, prompt.len().saturating_sub(cached))
+    }
+
+    /// Records that request `id` prefills (`decode: false`, `tokens` to compute) or decodes
     /// (`tokens` = context) on `worker` until the guard drops.
     fn track(&self, worker: &dyn Worker, id: RequestId, decode: bool, tokens: usize) -> Tracked<'_> {
         let now = self.now_us();
@@ -708,7 +727,7 @@ impl Run {
                 Route::Colocated(w) => {
                     c.metrics.routed_colocated.fetch_add(1, Ordering::Relaxed);
                     let events = w.submit(WorkRequest { generated: so_far.clone(), ..self.request() });
-                    let prefill = c.track(w.as_ref(), self.id, false, self.valid.prompt_ids.len());
+                    let prefill = c.track_prefill(w.as_ref(), self.id, &self.valid.prompt_ids);
                     let mut relayed = Vec::new();
                     let result = self.relay(w, events, start, None, Some(prefill), &mut relayed).await;
                     so_far.extend(relayed);
@@ -834,7 +853,7 @@ impl Run {
         let base = self.request();
         let stop = StopParams { max_tokens: 1, ..base.stop.clone() };
         let mut events = p.submit(WorkRequest { stop, retain_kv, ..base });
-        let prefill = c.track(p.as_ref(), self.id, false, self.valid.prompt_ids.len());
+        let prefill = c.track_prefill(p.as_ref(), self.id, &self.valid.prompt_ids);
         let mut first = Vec::new();
         let prefilled = async {
             loop {
