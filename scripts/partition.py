@@ -31,6 +31,9 @@ allocatable). Scenarios:
     half-open-mid    the same just after the requests are sent (KV pulls stall)
     delay            the proxy holds every chunk 100 ms
     resets           the proxy aborts connections (RST) at 30% of chunks
+    kill-decode      kill -9 a decode worker mid-stream; it is started again
+    kill-prefill-mid kill -9 a prefill worker just after the requests are sent (mid-prefill,
+                     mid-transfer; mid-push with KV_TRANSFER=push); it is started again
 
 Printed per scenario: requests with the undisturbed text, clean errors, wrong texts, hung
 streams, the slowest request's seconds, the conductor's counters (retries: routed again before
@@ -42,7 +45,8 @@ Usage: sudo scripts/partition.py [SCENARIO ...]   (default: all)
 Environment: BATON_BIN (default: target/release/baton, built if missing), TTL_S (workers'
 membership TTL, default 2), WORKER_TIMEOUT_S (conductor's --worker-timeout-s, default 3), LEASE_S
 (workers' --lease-s, how long handed-off KV no one takes is held, default 5; the quiet check waits
-3 times that), REQUESTS (per scenario, default 6), MAX_TOKENS (default 300).
+3 times that), REQUESTS (per scenario, default 6), MAX_TOKENS (default 300), ROUNDS (each
+scenario this many times: the long version, default 1), KV_TRANSFER (pull or push, default pull).
 """
 
 import atexit
@@ -66,6 +70,8 @@ TTL_S = float(os.environ.get("TTL_S", "2"))
 WORKER_TIMEOUT_S = float(os.environ.get("WORKER_TIMEOUT_S", "3"))
 LEASE_S = int(os.environ.get("LEASE_S", "5"))
 REQUESTS = int(os.environ.get("REQUESTS", "6"))
+ROUNDS = int(os.environ.get("ROUNDS", "1"))
+KV_TRANSFER = os.environ.get("KV_TRANSFER", "pull")
 MAX_TOKENS = int(os.environ.get("MAX_TOKENS", "300"))
 PROMPT = ("The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill, "
           "and the farmer counts his sheep one by one before the evening rain begins")
@@ -131,17 +137,36 @@ def enter(node):
 
 
 # ---------------------------------------------------------------- processes
+worker_procs, worker_args = {}, {}
+
+
 def spawn(node, name, args, env=None):
-    log = open(os.path.join(OUT, f"{name}.log"), "w")
+    log = open(os.path.join(OUT, f"{name}.log"), "a")
     p = subprocess.Popen(["ip", "netns", "exec", ns(node)] + args, stdout=log, stderr=subprocess.STDOUT,
                          env={**os.environ, "BATON_CLUSTER_SECRET": SECRET, **(env or {})})
     procs.append(p)
     return p
 
 
+def spawn_worker(node, args):
+    worker_args[node] = args
+    worker_procs[node] = spawn(node, node, args)
+
+
+def kill(node):
+    """kill -9 a worker (`ip netns exec` runs it in place, so this is the baton process)."""
+    worker_procs[node].kill()
+    worker_procs[node].wait()
+
+
+def restart(node):
+    spawn_worker(node, worker_args[node])
+
+
 def start_cluster(baton):
     spawn("c", "conductor", [baton, "conductor", "--model", MODEL, "--host", f"{NET}.1", "--port", "8000",
-                             "--registry", "embedded", "--worker-timeout-s", str(WORKER_TIMEOUT_S)])
+                             "--registry", "embedded", "--worker-timeout-s", str(WORKER_TIMEOUT_S),
+                             "--kv-transfer", KV_TRANSFER])
     wait_for(lambda: get("/health")[0] in (200, 503), 60, "the conductor to listen")
     registry = f"http://{CONDUCTOR}"
     # A hand-off whose conductor gave up on it (the worker was cut off or silent) is held until
@@ -152,12 +177,12 @@ def start_cluster(baton):
     spawn("p1", "proxy", [sys.executable, os.path.join(ROOT, "scripts/lib/faultproxy.py"), "--mode-file", MODE_FILE,
                           f"{NET}.11:{CONTROL_PORT}=127.0.0.1:{CONTROL_PORT}", f"{NET}.11:{KV_PORT}=127.0.0.1:{KV_PORT}"])
     wait_for(lambda: "ready" in open(os.path.join(OUT, "proxy.log")).read(), 30, "the proxy to listen")
-    spawn("p1", "p1", [baton, "worker", "--role", "prefill", "--host", "127.0.0.1", "--advertise", f"{NET}.11",
-                       "--port", str(CONTROL_PORT), "--kv-port", str(KV_PORT)] + common)
+    spawn_worker("p1", [baton, "worker", "--role", "prefill", "--host", "127.0.0.1", "--advertise", f"{NET}.11",
+                        "--port", str(CONTROL_PORT), "--kv-port", str(KV_PORT)] + common)
     for node, role in [("p2", "prefill"), ("d1", "decode"), ("d2", "decode")]:
         host = f"{NET}.{NODES[node]}"
-        spawn(node, node, [baton, "worker", "--role", role, "--host", host, "--port", str(CONTROL_PORT),
-                           "--kv-port", str(KV_PORT), "--transport", "tcp"] + common)
+        spawn_worker(node, [baton, "worker", "--role", role, "--host", host, "--port", str(CONTROL_PORT),
+                            "--kv-port", str(KV_PORT), "--transport", "tcp"] + common)
     wait_for(lambda: len(members()) == 4, 120, "four workers to join")
 
 
@@ -372,6 +397,8 @@ SCENARIOS = {
     "half-open-mid": dict(fault=lambda: proxy("stall"), heal=lambda: proxy("pass"), when="now"),
     "delay": dict(fault=lambda: proxy("delay 100"), heal=lambda: proxy("pass"), when="before"),
     "resets": dict(fault=lambda: proxy("reset 0.3"), heal=lambda: proxy("pass"), when="before"),
+    "kill-decode": dict(fault=lambda: kill("d1"), heal=lambda: restart("d1"), gone="d1"),
+    "kill-prefill-mid": dict(fault=lambda: kill("p2"), heal=lambda: restart("p2"), gone="p2", when="now"),
 }
 
 
@@ -387,6 +414,9 @@ def main():
         info("building baton (release)")
         subprocess.run(["cargo", "build", "--release", "-q", "-p", "baton"], cwd=ROOT, check=True)
     os.makedirs(OUT, exist_ok=True)
+    for name in os.listdir(OUT):
+        if name.endswith(".log"):
+            os.remove(os.path.join(OUT, name))  # logs are appended to (a restarted worker's too)
     proxy("pass")
     expected = json.loads(sh(baton, "generate", "--model", MODEL, "--prompt", PROMPT, "--max-tokens",
                              str(MAX_TOKENS), "--json").stdout)["text"]
@@ -396,7 +426,7 @@ def main():
     info(f"cluster in namespaces bpt-*, logs in {OUT}")
     start_cluster(baton)
     rows, failed = [], False
-    for name in ["baseline"] + chosen:
+    for name in ["baseline"] + chosen * ROUNDS:
         info(name)
         row = run_streams(expected, **SCENARIOS.get(name, {}))
         if row["breaker_trips"]:
@@ -410,7 +440,8 @@ def main():
         rows.append((name, row))
     cols = ["requests", "same_text", "clean_errors", "wrong", "hung", "slowest_s", "retries", "migrations",
             "breaker_trips", "left_s", "rejoined_s", "quiet_after"]
-    print(f"TTL {TTL_S} s, conductor --worker-timeout-s {WORKER_TIMEOUT_S}, {MAX_TOKENS} tokens a request")
+    print(f"TTL {TTL_S} s, conductor --worker-timeout-s {WORKER_TIMEOUT_S} --kv-transfer {KV_TRANSFER}, "
+          f"{MAX_TOKENS} tokens a request, {ROUNDS} round(s)")
     print("| scenario | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, row in rows:
