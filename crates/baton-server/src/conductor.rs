@@ -97,8 +97,8 @@ pub struct Conductor {
 struct Loads {
     ids: HashMap<String, u32>,
     next_id: u32,
-    /// Worker → request → prompt tokens it computes (not cached there).
-    prefill: HashMap<String, HashMap<u64, usize>>,
+    /// Worker → request → (sent, µs; prompt tokens it computes, not cached there).
+    prefill: HashMap<String, HashMap<u64, (u64, usize)>>,
     /// Worker → request → (decode start, µs; context tokens).
     decode: HashMap<String, HashMap<u64, (u64, usize)>>,
 }
@@ -247,7 +247,7 @@ impl Conductor {
         if decode {
             loads.decode.entry(name.clone()).or_default().insert(id.0, (now, tokens));
         } else {
-            loads.prefill.entry(name.clone()).or_default().insert(id.0, tokens);
+            loads.prefill.entry(name.clone()).or_default().insert(id.0, (now, tokens));
         }
         Tracked { conductor: self, worker: name, id: id.0, decode }
     }

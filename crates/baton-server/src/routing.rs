@@ -16,8 +16,9 @@ pub struct WorkerView {
     pub role: crate::Role,
     /// Requests in flight on it.
     pub in_flight: usize,
-    /// Prompt tokens of each request waiting for or in prefill on it.
-    pub prefilling: Vec<usize>,
+    /// Each request waiting for or in prefill on it: (when it was sent there, µs since the
+    /// conductor started; prompt tokens it computes, net of its cached prefix).
+    pub prefilling: Vec<(u64, usize)>,
     /// Each request decoding on it: (when decoding started, µs since the conductor started;
     /// context tokens).
     pub decoding: Vec<(u64, usize)>,

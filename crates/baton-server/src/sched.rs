@@ -72,14 +72,11 @@ impl SchedPolicy {
             .iter()
             .map(|w| {
                 let mut load = WorkerLoad::idle(InstanceId(w.instance), sched_role(w.role));
-                load.prefills = w
-                    .prefilling
-                    .iter()
-                    .map(|&t| PendingPrefill { est_us: cost.prefill_time(t as u64, 0.0), started_at: None })
-                    .collect();
+                load.prefills = prefill_queue(&w.prefilling, cost, snapshot.now_us);
                 load.decode_running =
                     w.decoding.iter().map(|&(started_at, ctx)| DecodeSeq { started_at, context: ctx as u64 }).collect();
-                let tokens: usize = w.prefilling.iter().sum::<usize>() + w.decoding.iter().map(|d| d.1).sum::<usize>();
+                let tokens: usize =
+                    w.prefilling.iter().map(|p| p.1).sum::<usize>() + w.decoding.iter().map(|d| d.1).sum::<usize>();
                 load.kv_device = TierUsage {
                     used: tokens.div_ceil(block_tokens) as u64,
                     total: if w.capacity_blocks == 0 { u64::MAX } else { w.capacity_blocks as u64 },
@@ -146,6 +143,26 @@ impl SchedPolicy {
             baton_sched::Decision::Reject { reason } => Decision::Reject { reason: reason.to_string() },
         }
     }
+}
+
+/// A worker's queued prefills as the policies see them: each costs its estimate, and the worker
+/// runs them one after another in the order they were sent, so the oldest started when it was
+/// sent (or when the one before it ended) and only its remainder is still to wait for. Without
+/// start times every prefill counted whole, and a worker about to finish one looked as busy as
+/// one that had just begun it: cache-affine policies sent the next turn of a conversation away
+/// from the worker holding its cache (the simulator always knew how far a prefill had got).
+fn prefill_queue(prefilling: &[(u64, usize)], cost: &CostProfile, now: Micros) -> Vec<PendingPrefill> {
+    let mut sent: Vec<(u64, usize)> = prefilling.to_vec();
+    sent.sort_unstable();
+    let mut free_at = 0;
+    sent.into_iter()
+        .map(|(at, tokens)| {
+            let est_us = cost.prefill_time(tokens as u64, 0.0);
+            let start = free_at.max(at);
+            free_at = start + est_us;
+            PendingPrefill { est_us, started_at: (start <= now).then_some(start) }
+        })
+        .collect()
 }
 
 fn sched_role(role: Role) -> SchedRole {
@@ -244,7 +261,7 @@ mod tests {
             WorkerView::new(2, Role::Decode, 1),
             WorkerView::new(3, Role::Decode, 4),
         ];
-        workers[0].prefilling = vec![4000, 2000, 900];
+        workers[0].prefilling = vec![(0, 4000), (0, 2000), (0, 900)];
         workers[2].decoding = vec![(10, 700)];
         workers[3].decoding = vec![(10, 4000), (20, 3000), (30, 5000), (40, 100)];
         for (i, w) in workers.iter_mut().enumerate() {
@@ -252,6 +269,28 @@ mod tests {
             w.capacity_blocks = 4096;
         }
         Snapshot { workers, now_us: 1_000_000 }
+    }
+
+    /// A worker runs its prefills in the order they were sent: the oldest has been running since
+    /// it was sent and only its remainder is left; the others wait whole, each after the one
+    /// before it.
+    #[test]
+    fn a_prefill_sent_long_ago_counts_only_what_is_left_of_it() {
+        let cost = CostProfile::llama2_70b_8xh100();
+        let full = cost.prefill_time(4000, 0.0);
+        let now = 10 * full;
+        let queue = |prefilling: &[(u64, usize)]| {
+            WorkerLoad {
+                prefills: prefill_queue(prefilling, &cost, now),
+                ..WorkerLoad::idle(InstanceId(0), SchedRole::Prefill)
+            }
+            .queued_prefill_us(now)
+        };
+        assert_eq!(queue(&[(now, 4000)]), full, "sent just now: all of it");
+        assert_eq!(queue(&[(now - full / 2, 4000)]), full - full / 2, "half done");
+        assert_eq!(queue(&[(now - 2 * full, 4000)]), 0, "overdue: nothing left to wait for");
+        // Sent one after the other half a prefill ago: the first is half done, the second waits.
+        assert_eq!(queue(&[(now - full / 2, 4000), (now - full / 2, 4000)]), full - full / 2 + full);
     }
 
     /// The conductor's seam and a direct call of the scheduler on the snapshot it builds (what
@@ -335,7 +374,7 @@ mod tests {
         let snap = |idle: usize| Snapshot {
             workers: (0..4)
                 .map(|i| WorkerView {
-                    prefilling: if i == idle { Vec::new() } else { vec![2000; 3] },
+                    prefilling: if i == idle { Vec::new() } else { vec![(0, 2000); 3] },
                     ..WorkerView::new(i, Role::Colocated, 0)
                 })
                 .collect(),
@@ -349,7 +388,7 @@ mod tests {
             // Every worker equally busy: the session stays on its own.
             let even = Snapshot {
                 workers: (0..4)
-                    .map(|i| WorkerView { prefilling: vec![2000; 3], ..WorkerView::new(i, Role::Colocated, 0) })
+                    .map(|i| WorkerView { prefilling: vec![(0, 2000); 3], ..WorkerView::new(i, Role::Colocated, 0) })
                     .collect(),
                 now_us: 0,
             };
