@@ -4,7 +4,8 @@
 //! ([`crate::control`]) and — for a colocated worker — the OpenAI API directly (a conductor over
 //! just this worker, handy for measuring what routing adds). It registers with the cluster's
 //! registry under a lease and deregisters on shutdown; if it dies, the lease lapses within its
-//! TTL and the conductor forgets it.
+//! TTL and the conductor forgets it. If it lives but its lease lapsed (it was frozen or cut off
+//! past the TTL), it joins again.
 //!
 //! A conductor process serves the OpenAI API and follows membership: each worker that joins
 //! becomes a [`RemoteWorker`], each that leaves is dropped and its streaming requests are lost
@@ -100,8 +101,9 @@ pub struct WorkerReady {
 /// Runs a worker until `shutdown` resolves, then drains it: it stops taking work, leaves
 /// membership (so the conductor routes elsewhere at once), finishes what it holds within
 /// [`WorkerConfig::drain_timeout`] and returns `Ok`. Returns an error, having left membership,
-/// when its engine thread dies or its membership lease is lost. `on_ready` is called once it is
-/// registered and serving.
+/// when its engine thread dies, or when the registry refuses it on joining again after its lease
+/// was lost (a lost lease is otherwise joined again). `on_ready` is called once it is registered
+/// and serving.
 pub async fn run_worker(
     config: WorkerConfig,
     listener: tokio::net::TcpListener,
