@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use baton_kv::InstanceId;
 use rand::{Rng, RngCore};
 
-use super::{Policy, PrefillPlan, least_loaded_decode, local_route, route_to};
+use super::{Policy, PrefillPlan, least_loaded_decode, least_ttft, local_route, route_to, spread};
 use crate::snapshot::{ClusterSnapshot, Decision, InstanceSnapshot, RejectReason, Request, SessionId};
 
 /// Each pool in turn. The cursors are the policy's only state.
@@ -78,8 +78,9 @@ impl Policy for RandomPolicy {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LeastLoad;
 
-pub(crate) fn least_queued<'s>(snap: &'s ClusterSnapshot<'_>) -> Option<&'s InstanceSnapshot> {
-    snap.prefill_pool().min_by_key(|i| (i.queued_prefill_us, i.prefill_queue_len, i.id))
+/// The prefill instance with the shortest queue; ties spread by [`spread`].
+pub(crate) fn least_queued<'s>(snap: &'s ClusterSnapshot<'_>, req: &Request) -> Option<&'s InstanceSnapshot> {
+    snap.prefill_pool().min_by_key(|i| (i.queued_prefill_us, i.prefill_queue_len, spread(req, i.id)))
 }
 
 impl Policy for LeastLoad {
@@ -88,7 +89,7 @@ impl Policy for LeastLoad {
     }
 
     fn route(&mut self, snap: &ClusterSnapshot<'_>, req: &Request, _rng: &mut dyn RngCore) -> Decision {
-        match least_queued(snap) {
+        match least_queued(snap, req) {
             Some(p) => route_to(snap, req, p),
             None => Decision::Reject { reason: RejectReason::NoInstance },
         }
@@ -120,10 +121,10 @@ impl Policy for SessionAffinity {
         let p = match sticky {
             Some(home) => {
                 let home = plan(home);
-                let best = snap.prefill_pool().map(plan).min_by_key(|p| (p.ttft, p.inst.id));
+                let best = least_ttft(snap.prefill_pool().map(plan), req);
                 best.filter(|b| b.ttft < home.ttft).unwrap_or(home)
             }
-            None => match least_queued(snap) {
+            None => match least_queued(snap, req) {
                 Some(i) => plan(i),
                 None => return Decision::Reject { reason: RejectReason::NoInstance },
             },

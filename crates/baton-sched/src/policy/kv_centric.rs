@@ -16,7 +16,7 @@
 
 use rand::RngCore;
 
-use super::{Policy, PrefillPlan, least_loaded_decode, spread};
+use super::{Policy, PrefillPlan, least_loaded_decode, least_ttft};
 use crate::snapshot::{ClusterSnapshot, Decision, RejectReason, Request};
 
 /// Algorithm 1 with its one parameter.
@@ -29,7 +29,7 @@ pub struct KvCentric {
 
 impl KvCentric {
     /// Algorithm 1's prefill side: the plan of least predicted TTFT; ties (an idle cluster, a
-    /// prompt cached nowhere) are spread over the instances by [`spread`].
+    /// prompt cached nowhere) are spread over the instances ([`least_ttft`]).
     pub(crate) fn choose_prefill<'s>(&self, snap: &'s ClusterSnapshot<'_>, req: &Request) -> Option<PrefillPlan<'s>> {
         let pool: Vec<_> = snap.prefill_pool().collect();
         let prefix: Vec<usize> =
@@ -37,21 +37,19 @@ impl KvCentric {
         // FindBestPrefixMatch(P): longest prefix, lowest id on ties.
         let (best_idx, &best) = prefix.iter().enumerate().max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(&a.0)))?;
         let holder = (pool[best_idx].id, best);
-        pool.iter()
-            .zip(&prefix)
-            .map(|(inst, &local)| {
-                let ratio = match (best, local) {
-                    (0, _) => 1.0,
-                    (_, 0) => f64::INFINITY,
-                    (b, l) => b as f64 / l as f64,
-                };
-                // Cache-aware prefill scheduling below the threshold (the local prefix only);
-                // cache-aware and -balancing above it (fetch best − local blocks, or recompute:
-                // eq. 2).
-                let fetch_from = (ratio >= self.kvcache_balancing_threshold).then_some(holder);
-                PrefillPlan::new(snap, req, inst, local, fetch_from)
-            })
-            .min_by_key(|p| (p.ttft, spread(req, p.inst.id)))
+        let plans = pool.iter().zip(&prefix).map(|(inst, &local)| {
+            let ratio = match (best, local) {
+                (0, _) => 1.0,
+                (_, 0) => f64::INFINITY,
+                (b, l) => b as f64 / l as f64,
+            };
+            // Cache-aware prefill scheduling below the threshold (the local prefix only);
+            // cache-aware and -balancing above it (fetch best − local blocks, or recompute:
+            // eq. 2).
+            let fetch_from = (ratio >= self.kvcache_balancing_threshold).then_some(holder);
+            PrefillPlan::new(snap, req, inst, local, fetch_from)
+        });
+        least_ttft(plans, req)
     }
 }
 
@@ -167,24 +165,6 @@ mod tests {
         assert_ne!(r.prefill, InstanceId(0), "one of the idle instances");
         assert!(r.reuse.is_empty() && !r.migrate);
         assert_eq!(r.estimate.ttft_us, cost.prefill_time(req.prompt_tokens, 0.0));
-    }
-
-    #[test]
-    fn new_conversations_on_an_idle_cluster_spread_over_every_instance() {
-        // Nothing cached, no queues: every instance ties. Lowest-id-first sent them all to
-        // instance 0, whose cache then thrashed while the others stayed empty.
-        let cost = CostProfile::llama2_70b_8xa800();
-        let inst = instances(4, 2);
-        let trees = trees_for(&inst);
-        let s = snap(inst, &trees, &cost);
-        let mut per_instance = [0usize; 4];
-        for id in 0..400 {
-            let req = Request { id: crate::RequestId(id), ..request(8) };
-            per_instance[route(&s, &req).prefill.0 as usize] += 1;
-        }
-        for (i, &n) in per_instance.iter().enumerate() {
-            assert!((60..=140).contains(&n), "instance {i} took {n} of 400: {per_instance:?}");
-        }
     }
 
     #[test]

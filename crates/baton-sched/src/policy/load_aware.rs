@@ -11,7 +11,7 @@
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
 
-use super::{Policy, PrefillPlan, least_loaded_decode};
+use super::{Policy, PrefillPlan, least_loaded_decode, least_ttft};
 use crate::snapshot::{ClusterSnapshot, Decision, InstanceSnapshot, RejectReason, Request, Role};
 use crate::{Micros, RoleChange};
 
@@ -87,11 +87,10 @@ impl Policy for LoadAware {
 
     fn route(&mut self, snap: &ClusterSnapshot<'_>, req: &Request, _rng: &mut dyn RngCore) -> Decision {
         // Local prefixes only: FlowKV does not fetch KV between prefill instances.
-        let Some(plan) = snap
+        let plans = snap
             .prefill_pool()
-            .map(|i| PrefillPlan::new(snap, req, i, snap.trees.prefix_len(i.id, &req.block_hashes, snap.now), None))
-            .min_by_key(|p| (p.ttft, p.inst.id))
-        else {
+            .map(|i| PrefillPlan::new(snap, req, i, snap.trees.prefix_len(i.id, &req.block_hashes, snap.now), None));
+        let Some(plan) = least_ttft(plans, req) else {
             return Decision::Reject { reason: RejectReason::NoInstance };
         };
         match least_loaded_decode(snap, req, plan.inst) {

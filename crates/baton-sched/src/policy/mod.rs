@@ -163,6 +163,12 @@ pub(crate) fn tbt_with(snap: &ClusterSnapshot<'_>, inst: &InstanceSnapshot, req:
 
 /// The decode instance with the least predicted TBT (ties by id), with that TBT. A colocated
 /// prefill instance decodes its own requests.
+/// The plan of least predicted TTFT, ties spread by [`spread`]: how every cache-affine policy
+/// picks its prefill instance among plans it weighs alike.
+pub(crate) fn least_ttft<'s>(plans: impl Iterator<Item = PrefillPlan<'s>>, req: &Request) -> Option<PrefillPlan<'s>> {
+    plans.min_by_key(|p| (p.ttft, spread(req, p.inst.id)))
+}
+
 /// A tie-breaker that spreads requests over instances: a hash of the request and the instance,
 /// so each request prefers its own order of instances, the same in every run. Breaking ties by
 /// the lowest id instead sends every request that finds the cluster idle and its prompt cached
@@ -313,6 +319,40 @@ pub(crate) mod testutil {
             block_tokens: 512,
             expected_output: 100,
             session: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    use super::testutil::{instances, request, snap, trees_for};
+    use super::*;
+    use crate::{CostProfile, PolicyConfig, RequestId};
+
+    /// Nothing cached, no queues: every instance ties, for every policy. Lowest-id-first sent
+    /// every new conversation to instance 0, whose cache then thrashed while the others' stayed
+    /// empty (live: one of four prefill workers took 64% of the prompt tokens).
+    #[test]
+    fn new_conversations_on_an_idle_cluster_spread_over_every_instance() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        let inst = instances(4, 2);
+        let trees = trees_for(&inst);
+        let s = snap(inst, &trees, &cost);
+        for kind in PolicyKind::ALL {
+            let mut policy = kind.build(&PolicyConfig::default());
+            let mut rng = StdRng::seed_from_u64(0);
+            let mut per_instance = [0usize; 4];
+            for id in 0..400 {
+                let req = Request { id: RequestId(id), ..request(8) };
+                let decision = policy.route(&s, &req, &mut rng);
+                per_instance[decision.route().expect("routed").prefill.0 as usize] += 1;
+            }
+            for (i, &n) in per_instance.iter().enumerate() {
+                assert!((60..=140).contains(&n), "{}: instance {i} took {n} of 400: {per_instance:?}", kind.name());
+            }
         }
     }
 }

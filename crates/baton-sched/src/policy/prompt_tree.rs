@@ -19,7 +19,7 @@ use std::cmp::Reverse;
 
 use rand::RngCore;
 
-use super::{Policy, PrefillPlan, least_loaded_decode};
+use super::{Policy, PrefillPlan, least_loaded_decode, spread};
 use crate::snapshot::{ClusterSnapshot, Decision, RejectReason, Request};
 
 /// Longest prefix first, unless its queue costs more than it saves.
@@ -38,7 +38,7 @@ impl Policy for PromptTree {
         let Some(plan) = snap
             .prefill_pool()
             .map(|i| PrefillPlan::new(snap, req, i, snap.trees.prefix_len(i.id, hashes, snap.now), holder))
-            .min_by_key(|p| (p.ttft, Reverse(p.local), p.inst.queued_prefill_us, p.inst.id))
+            .min_by_key(|p| (p.ttft, Reverse(p.local), p.inst.queued_prefill_us, spread(req, p.inst.id)))
         else {
             return Decision::Reject { reason: RejectReason::NoInstance };
         };
