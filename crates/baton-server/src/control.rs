@@ -86,11 +86,15 @@ async fn generate(State(state): State<ControlState>, headers: HeaderMap, body: B
     // One line per event, and a blank line after each KEEPALIVE without one: a request may wait
     // or prefill for long without an event, and the conductor must tell that from a connection
     // that hangs (a frozen or half-open worker). The client leaving drops `lines`, which ends this
-    // task and drops `events`: the request is aborted.
+    // task at once (not at its next line) and drops `events`: the request is aborted.
     let (tx, lines) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(16);
     tokio::spawn(async move {
         loop {
-            let line = match tokio::time::timeout(KEEPALIVE, events.recv()).await {
+            let next = tokio::select! {
+                () = tx.closed() => return,
+                next = tokio::time::timeout(KEEPALIVE, events.recv()) => next,
+            };
+            let line = match next {
                 Ok(Some(event)) => {
                     let mut line = serde_json::to_vec(&event).unwrap_or_else(|_| b"{}".to_vec());
                     line.push(b'\n');

@@ -556,6 +556,27 @@ fn push_mode_over_tcp_matches_pull_mode_and_generate() {
     }
 }
 
+/// A client that leaves mid-stream frees what its request held on remote workers: the
+/// conductor drops its streams from them, and each worker's stream task (which also sends the
+/// keep-alives) ends at once and aborts the request.
+#[test]
+fn a_client_that_leaves_mid_stream_frees_its_kv_on_remote_workers() {
+    use std::io::Read;
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    let p = worker(&dir, "prefill", &url, &[]);
+    let d = worker(&dir, "decode", &url, &[]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let body = json!({"model": "tiny", "prompt": LONG, "max_tokens": 900, "ignore_eos": true, "stream": true});
+    let mut r = http().post(format!("{url}/v1/completions")).json(&body).send().unwrap();
+    assert!(r.status().is_success());
+    let mut first = [0u8; 256];
+    let n = r.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).contains("data:"), "streaming");
+    drop(r);
+    assert_no_leak(&[&p, &d]);
+}
+
 /// A worker frozen past its TTL (SIGSTOP: a long pause, or a partition as the registry sees it)
 /// is dropped from the cluster; once it runs again its heartbeat finds its lease gone and it joins
 /// again and serves, instead of exiting.
