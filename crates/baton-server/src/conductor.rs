@@ -221,9 +221,9 @@ impl Conductor {
 
     /// Records that request `id` prefills `prompt` on `worker` until the guard drops. The ledger
     /// counts the tokens the worker will compute: the prompt less the prefix its KV events say
-    /// its cache holds (none with `--kv-index predicted`, which applies no events). (Counting the whole prompt made a worker holding a conversation's cache look
-    /// busiest exactly when that cache made its queued work light, and cache-affine policies
-    /// sent the next turn elsewhere; the simulator's queues were always net of the cache.)
+    /// its cache holds (none with `--kv-index predicted`, which applies no events), as the
+    /// simulator's queues do. The prompt is hashed here a second time (the policy hashed it in
+    /// blocks of its own size); next to tokenising it, that is small.
     fn track_prefill(&self, worker: &dyn Worker, id: RequestId, prompt: &[u32]) -> Tracked<'_> {
         let instance = InstanceId(self.loads().id(worker.name()));
         let block_tokens = worker.block_tokens().max(1);
