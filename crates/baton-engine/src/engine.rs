@@ -465,6 +465,24 @@ impl Engine {
         Ok(KvPrefix { blocks, tokens })
     }
 
+    /// Takes the longest cached prefix of `tokens` (whole blocks; blocks on a slower tier are
+    /// brought onto the device first), one reference per block held by the caller, for a peer
+    /// to read (a prefix fetched from this instance's cache). `None` when nothing is cached (or
+    /// prefix caching is off); give the blocks back with [`Self::release_kv`].
+    pub fn export_prefix(&mut self, tokens: &[u32]) -> Option<KvPrefix> {
+        if !self.config.prefix_caching {
+            return None;
+        }
+        match self.pool.acquire_prefix(tokens, self.clock) {
+            Ok((blocks, tokens)) if !blocks.is_empty() => Some(KvPrefix { blocks, tokens }),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot export a cached prefix");
+                None
+            }
+        }
+    }
+
     /// The KV arena, for a transfer to write reserved blocks into.
     pub fn kv_mut(&mut self) -> &mut KvArena {
         self.pool.arena_mut()

@@ -44,11 +44,12 @@ use tracing::Instrument;
 
 use crate::error::ApiError;
 use crate::handoff::KvTransfer;
-use crate::metrics::{Metrics, Outcome, WorkerGauges};
+use crate::metrics::{FetchOutcome, Metrics, Outcome, WorkerGauges};
 use crate::openai::{Endpoint, ValidRequest, Validator};
 use crate::response::{Piece, full_response, sse_response};
 use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView, decode_has_room};
 use crate::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
+use crate::wire::{KvSource, Received, fetch_lease};
 use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
 
 /// How long the conductor waits for a worker's next event before failing the request.
@@ -224,7 +225,7 @@ impl Conductor {
     /// its cache holds (none with `--kv-index predicted`, which applies no events), as the
     /// simulator's queues do. The prompt is hashed here a second time (the policy hashed it in
     /// blocks of its own size); next to tokenising it, that is small.
-    fn track_prefill(&self, worker: &dyn Worker, id: RequestId, prompt: &[u32]) -> Tracked<'_> {
+    fn track_prefill(&self, worker: &dyn Worker, id: RequestId, prompt: &[u32], fetched: usize) -> Tracked<'_> {
         let instance = InstanceId(self.loads().id(worker.name()));
         let block_tokens = worker.block_tokens().max(1);
         let hashes = baton_kv::prefix_hashes(prompt, block_tokens);
@@ -235,7 +236,7 @@ impl Conductor {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .confirmed_prefix_len(instance, &hashes)
             * block_tokens;
-        self.track(worker, id, false, prompt.len().saturating_sub(cached))
+        self.track(worker, id, false, prompt.len().saturating_sub(cached.max(fetched)))
     }
 
     /// Records that request `id` prefills (`decode: false`, `tokens` to compute) or decodes
@@ -407,10 +408,25 @@ impl Conductor {
     /// prefill is spent ([`decode_has_room`]); a request that has started (its decode half handed
     /// on) is not refused: the decode worker queues it, or recomputes.
     fn route(&self, valid: &ValidRequest, excluded: &[String], admit: bool) -> Result<Route, ApiError> {
+        self.plan(valid, excluded, admit).map(|(route, _)| route)
+    }
+
+    /// [`Self::route`], with the fetch of a cached prefix from another worker that the policy
+    /// planned for the prompt's worker, if any.
+    fn plan(
+        &self,
+        valid: &ValidRequest,
+        excluded: &[String],
+        admit: bool,
+    ) -> Result<(Route, Option<PlannedFetch>), ApiError> {
         let (workers, snapshot) = self.snapshot(excluded);
         let session = valid.session.as_deref().map(crate::routing::session_id);
         let request = RouteRequest { prompt: &valid.prompt_ids, max_tokens: valid.stop.max_tokens, session };
-        match self.policy.route(&snapshot, &request) {
+        let plan = self.policy.plan(&snapshot, &request);
+        let fetch = plan
+            .fetch
+            .map(|f| PlannedFetch { from: workers[f.from].clone(), tokens: f.tokens.min(valid.prompt_ids.len()) });
+        let route = match plan.decision {
             Decision::Colocated(w) => Ok(Route::Colocated(workers[w].clone())),
             Decision::Disaggregated { decode, .. }
                 if admit && !decode_has_room(&snapshot.workers[decode], valid.prompt_ids.len()) =>
@@ -432,7 +448,8 @@ impl Conductor {
                 self.metrics.outcome(Outcome::Failed);
                 Err(ApiError::Unavailable("no worker is available".into()))
             }
-        }
+        };
+        route.map(|r| (r, fetch))
     }
 
     /// Validates a body into a request on a tokenizer worker (a blocking thread): tokenising a
@@ -488,7 +505,7 @@ impl Conductor {
                 return e.into_response();
             }
         };
-        let route = match self.route(&valid, &[], true) {
+        let (route, fetch) = match self.plan(&valid, &[], true) {
             Ok(r) => r,
             Err(e) => {
                 tracing::info!(status = e.status().as_u16(), "request not routed");
@@ -519,8 +536,11 @@ impl Conductor {
             streamed: AtomicBool::new(false),
             cached_tokens: OnceLock::new(),
             prefilled: Mutex::new(prefilled),
+            fetch: Mutex::new(None),
         };
         let first = run(0, (valid.n > 1).then_some(prefilled));
+        // Only the first choice fetches: the others start once its prompt is cached on its worker.
+        *first.fetch.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = fetch;
         if valid.n > 1 {
             // The other choices start once the first one's prompt KV is in its prefill (or
             // colocated) worker's prefix cache, on the same route: their prefill finds every
@@ -674,6 +694,32 @@ async fn kv_index(State(c): State<Arc<Conductor>>, headers: HeaderMap) -> Respon
     Json(json!({"mode": format!("{:?}", c.view.mode()).to_lowercase(), "workers": workers})).into_response()
 }
 
+/// A fetch the policy planned: the prompt's first `tokens` tokens, cached on `from`.
+struct PlannedFetch {
+    from: Arc<dyn Worker>,
+    tokens: usize,
+}
+
+/// A cached prefix a worker offers for one request's fetch. Dropping it ends the offer's lease
+/// on the holder (a no-op once the fetching worker COMPLETEd its pull): whatever becomes of the
+/// request, the holder's blocks are not kept for it.
+struct FetchLease {
+    from: Arc<dyn Worker>,
+    lease: u64,
+}
+
+impl Drop for FetchLease {
+    fn drop(&mut self) {
+        self.from.release(self.lease);
+    }
+}
+
+/// A fetch under way for a request's prompt worker: what was offered, and the lease on it.
+struct Fetching {
+    source: KvSource,
+    _lease: FetchLease,
+}
+
 /// Where a request runs.
 #[derive(Clone)]
 enum Route {
@@ -698,9 +744,53 @@ struct Run {
     cached_tokens: OnceLock<usize>,
     /// Told when this choice's prompt KV is in the prefix cache (the first of `n` choices).
     prefilled: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    /// The fetch of a cached prefix the policy planned; the first attempt takes it (a request
+    /// routed again computes its prompt where it lands).
+    fetch: Mutex<Option<PlannedFetch>>,
 }
 
 impl Run {
+    /// Starts the planned fetch for the worker about to compute the prompt, `to`: asks the
+    /// holder to offer its cached prefix under a lease (within [`crate::control::EXPORT_DEADLINE`]).
+    /// `None` when none was planned, `to` holds it itself, or the holder offers nothing in time:
+    /// the prompt is then computed whole, as without a fetch.
+    async fn start_fetch(&self, to: &dyn Worker) -> Option<Fetching> {
+        let planned = self.fetch.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()?;
+        if planned.from.name() == to.name() || planned.tokens == 0 {
+            return None;
+        }
+        let lease = FetchLease { from: planned.from.clone(), lease: fetch_lease(self.id.0) };
+        let tokens = &self.valid.prompt_ids[..planned.tokens];
+        match planned.from.export_prefix(lease.lease, tokens, crate::control::EXPORT_DEADLINE).await {
+            Some(source) => {
+                tracing::info!(
+                    from = planned.from.name(),
+                    to = to.name(),
+                    tokens = source.tokens,
+                    "fetching a cached prefix"
+                );
+                Some(Fetching { source, _lease: lease })
+            }
+            None => {
+                tracing::info!(
+                    from = planned.from.name(),
+                    "the planned prefix is not offered; computing the prompt whole"
+                );
+                self.conductor.metrics.fetch(FetchOutcome::Unavailable, None);
+                None
+            }
+        }
+    }
+
+    /// Counts how a fetch sent with the prompt's work ended: `received` is what the worker
+    /// says it received before computing.
+    fn fetch_ended(&self, fetching: Option<&Fetching>, received: Option<Received>) {
+        if fetching.is_some() {
+            let outcome = if received.is_some() { FetchOutcome::Fetched } else { FetchOutcome::Recomputed };
+            self.conductor.metrics.fetch(outcome, received);
+        }
+    }
+
     /// The prompt's KV is cached now: the other choices may start. Also counts the prompt
     /// tokens the prefill computed.
     fn prefill_done(&self, worker: &str, prompt_tokens: usize, cached_tokens: usize) {
@@ -726,10 +816,13 @@ impl Run {
                 }
                 Route::Colocated(w) => {
                     c.metrics.routed_colocated.fetch_add(1, Ordering::Relaxed);
-                    let events = w.submit(WorkRequest { generated: so_far.clone(), ..self.request() });
-                    let prefill = c.track_prefill(w.as_ref(), self.id, &self.valid.prompt_ids);
+                    let fetching = self.start_fetch(w.as_ref()).await;
+                    let fetch = fetching.as_ref().map(|f| f.source.clone());
+                    let fetched = fetch.as_ref().map_or(0, |f| f.tokens);
+                    let events = w.submit(WorkRequest { generated: so_far.clone(), fetch, ..self.request() });
+                    let prefill = c.track_prefill(w.as_ref(), self.id, &self.valid.prompt_ids, fetched);
                     let mut relayed = Vec::new();
-                    let result = self.relay(w, events, start, None, Some(prefill), &mut relayed).await;
+                    let result = self.relay(w, events, start, None, Some((prefill, fetching)), &mut relayed).await;
                     so_far.extend(relayed);
                     result
                 }
@@ -841,6 +934,7 @@ impl Run {
             retain_kv: false,
             kv_transfer: self.conductor.kv_transfer,
             kv: None,
+            fetch: None,
         }
     }
 
@@ -852,8 +946,11 @@ impl Run {
         let retain_kv = self.valid.stop.max_tokens > 1;
         let base = self.request();
         let stop = StopParams { max_tokens: 1, ..base.stop.clone() };
-        let mut events = p.submit(WorkRequest { stop, retain_kv, ..base });
-        let prefill = c.track_prefill(p.as_ref(), self.id, &self.valid.prompt_ids);
+        let fetching = self.start_fetch(p.as_ref()).await;
+        let fetch = fetching.as_ref().map(|f| f.source.clone());
+        let fetched = fetch.as_ref().map_or(0, |f| f.tokens);
+        let mut events = p.submit(WorkRequest { stop, retain_kv, fetch, ..base });
+        let prefill = c.track_prefill(p.as_ref(), self.id, &self.valid.prompt_ids, fetched);
         let mut first = Vec::new();
         let prefilled = async {
             loop {
@@ -864,8 +961,9 @@ impl Run {
                         self.send_logprobs(token, logprobs)?;
                         self.send(Piece::Text(text))?;
                     }
-                    RequestEvent::Finished { reason, prompt_tokens, kv, cached_tokens, .. } => {
+                    RequestEvent::Finished { reason, prompt_tokens, kv, cached_tokens, received, .. } => {
                         let _ = self.cached_tokens.set(cached_tokens);
+                        self.fetch_ended(fetching.as_ref(), received);
                         self.prefill_done(p.name(), prompt_tokens, cached_tokens);
                         break Ok((reason, prompt_tokens, kv));
                     }
@@ -892,6 +990,7 @@ impl Run {
             }
         };
         drop(prefill);
+        drop(fetching);
         let done_at_prefill = reason != Finish::Length || self.valid.stop.max_tokens == 1;
         let prefill_lost = kv.is_none() && !done_at_prefill;
         let kv = kv.filter(|_| !done_at_prefill);
@@ -952,13 +1051,14 @@ impl Run {
         mut events: mpsc::UnboundedReceiver<RequestEvent>,
         start: Instant,
         mut handoff: Option<(Instant, usize)>,
-        mut prefill: Option<Tracked<'_>>,
+        mut prefill: Option<(Tracked<'_>, Option<Fetching>)>,
         relayed: &mut Vec<u32>,
     ) -> Result<(), RunError> {
         let c = &self.conductor;
         let mut last = None;
         let mut _decode = None;
         let colocated = prefill.is_some();
+        let mut fetching = None;
         loop {
             let event = self.next(worker, &mut events).await?;
             if let Some((t, bytes)) = handoff.take()
@@ -971,7 +1071,8 @@ impl Run {
             match event {
                 RequestEvent::Token { token, text, logprobs } => {
                     // A colocated worker's first token ends its prefill.
-                    if prefill.take().is_some() {
+                    if let Some((_, f)) = prefill.take() {
+                        fetching = f;
                         _decode = Some(c.track(worker.as_ref(), self.id, true, self.valid.prompt_ids.len() + 1));
                     }
                     let now = Instant::now();
@@ -988,9 +1089,13 @@ impl Run {
                     self.send_logprobs(token, logprobs)?;
                     self.send(Piece::Text(text))?;
                 }
-                RequestEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens, .. } => {
+                RequestEvent::Finished {
+                    reason, prompt_tokens, completion_tokens, cached_tokens, received, ..
+                } => {
                     let _ = self.cached_tokens.set(cached_tokens);
                     if colocated {
+                        let fetching = fetching.take().or_else(|| prefill.take().and_then(|(_, f)| f));
+                        self.fetch_ended(fetching.as_ref(), received);
                         self.prefill_done(worker.name(), prompt_tokens, cached_tokens);
                     }
                     return self.finish(reason, prompt_tokens, completion_tokens);

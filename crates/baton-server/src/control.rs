@@ -4,6 +4,7 @@
 //! |------------------------------|-----------------|---------------------------------------------|
 //! | `POST /worker/v1/generate`   | [`WorkRequest`] | 200, then one [`RequestEvent`] per line (NDJSON) |
 //! | `POST /worker/v1/release`    | [`ReleaseBody`] | 204                                         |
+//! | `POST /worker/v1/export`     | [`ExportBody`]  | 200 [`KvSource`] (a cached prefix offered under a lease), 404 when none is cached |
 //! | `GET /worker/v1/stats`       | none            | 200 [`WorkerStats`]                         |
 //! | `GET /worker/v1/state`       | none            | 200, then one [`StateUpdate`] per line (NDJSON), a snapshot first |
 //!
@@ -16,6 +17,8 @@
 //! [`WorkerStats`]: crate::wire::WorkerStats
 //! [`StateUpdate`]: crate::wire::StateUpdate
 //! [`ReleaseBody`]: crate::wire::ReleaseBody
+//! [`ExportBody`]: crate::wire::ExportBody
+//! [`KvSource`]: crate::wire::KvSource
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -39,12 +42,16 @@ pub const GENERATE_PATH: &str = "/worker/v1/generate";
 pub const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(2);
 /// Path of the release route.
 pub const RELEASE_PATH: &str = "/worker/v1/release";
+/// Path of the export route (a cached prefix offered to a peer that fetches it).
+pub const EXPORT_PATH: &str = "/worker/v1/export";
+/// How long the worker's engine thread may take to answer an export (it answers between steps).
+pub const EXPORT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
 /// Path of the stats route.
 pub const STATS_PATH: &str = "/worker/v1/stats";
 /// Path of the state stream's route.
 pub const STATE_PATH: &str = "/worker/v1/state";
 
-pub use crate::wire::ReleaseBody;
+pub use crate::wire::{ExportBody, ReleaseBody};
 
 #[derive(Clone)]
 struct ControlState {
@@ -59,6 +66,7 @@ pub fn router(worker: WorkerHandle, secret: ClusterSecret) -> Router {
     Router::new()
         .route(GENERATE_PATH, post(generate))
         .route(RELEASE_PATH, post(release))
+        .route(EXPORT_PATH, post(export))
         .route(STATS_PATH, get(stats))
         .route(STATE_PATH, get(state_stream))
         .with_state(ControlState { worker, secret, seen: Arc::default() })
@@ -122,6 +130,19 @@ async fn release(State(state): State<ControlState>, headers: HeaderMap, body: By
             StatusCode::NO_CONTENT.into_response()
         }
         Err(e) => ApiError::invalid(format!("invalid release request: {e}")).into_response(),
+    }
+}
+
+async fn export(State(state): State<ControlState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(e) = authorize(&state, &headers, "POST", EXPORT_PATH, &body) {
+        return e.into_response();
+    }
+    match serde_json::from_slice::<ExportBody>(&body) {
+        Ok(b) => match state.worker.export_prefix(b.lease, &b.tokens, EXPORT_DEADLINE).await {
+            Some(source) => axum::Json(source).into_response(),
+            None => ApiError::NotFound("no prefix of these tokens is cached here".into()).into_response(),
+        },
+        Err(e) => ApiError::invalid(format!("invalid export request: {e}")).into_response(),
     }
 }
 

@@ -89,8 +89,10 @@ impl std::str::FromStr for TransportChoice {
 /// How often the transfer thread looks at its pushes in flight (and at new jobs meanwhile).
 const POLL: Duration = Duration::from_millis(5);
 
+/// The id the KV's holder offers it under: the request's own for a hand-off, the export's lease
+/// for a fetched prefix.
 fn transfer_id(job: &KvJob) -> TransferId {
-    TransferId(job.id.0)
+    TransferId(job.source.lease.unwrap_or(job.id.0))
 }
 
 /// Where the transfer thread sends each job's end; `false` when no one listens any more.

@@ -67,6 +67,21 @@ pub enum Outcome {
 
 const OUTCOMES: [&str; 5] = ["ok", "invalid", "rejected", "failed", "cancelled"];
 
+/// How a planned fetch of a cached prefix from another worker ended.
+#[derive(Debug, Clone, Copy)]
+pub enum FetchOutcome {
+    /// The prefix arrived; the worker computed only the rest of the prompt.
+    Fetched,
+    /// The holder offered it, but it did not arrive (a dead peer, an ended lease, no room in
+    /// time): the worker recomputed it.
+    Recomputed,
+    /// The holder offered nothing in time (it evicted the prefix, left, or did not answer): the
+    /// prompt ran as if no fetch was planned.
+    Unavailable,
+}
+
+const FETCH_OUTCOMES: [&str; 3] = ["fetched", "recomputed", "unavailable"];
+
 /// All of the conductor's metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -99,6 +114,11 @@ pub struct Metrics {
     pub breaker_trips: AtomicU64,
     /// Requests continued on another worker after tokens were streamed.
     pub migrations: AtomicU64,
+    /// Cached prefixes fetched from another worker: how long each pull took.
+    pub kv_fetch: Histogram,
+    /// Bytes of cached prefixes fetched from another worker.
+    pub kv_fetch_bytes: AtomicU64,
+    kv_fetches: [AtomicU64; 3],
     /// Per prefill (or colocated) worker: prompt tokens looked up in its prefix cache, and
     /// those it found.
     cache: std::sync::Mutex<std::collections::BTreeMap<String, (u64, u64)>>,
@@ -121,6 +141,9 @@ impl Default for Metrics {
             retries: AtomicU64::new(0),
             breaker_trips: AtomicU64::new(0),
             migrations: AtomicU64::new(0),
+            kv_fetch: Histogram::latency(),
+            kv_fetch_bytes: AtomicU64::new(0),
+            kv_fetches: Default::default(),
             cache: std::sync::Mutex::default(),
         }
     }
@@ -167,6 +190,15 @@ impl Metrics {
         );
         for (w, (_, h)) in cache.iter() {
             let _ = writeln!(out, "baton_prefix_cache_hits_tokens_total{{worker=\"{w}\"}} {h}");
+        }
+    }
+
+    /// Counts a planned fetch's end (with what arrived, for `Fetched`).
+    pub fn fetch(&self, outcome: FetchOutcome, received: Option<crate::wire::Received>) {
+        self.kv_fetches[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        if let Some(r) = received {
+            self.kv_fetch_bytes.fetch_add(r.bytes, Ordering::Relaxed);
+            self.kv_fetch.observe(r.micros as f64 / 1e6);
         }
     }
 
@@ -228,6 +260,23 @@ impl Metrics {
             "# HELP baton_kv_transfer_bytes_total KV bytes handed between workers.\n# TYPE baton_kv_transfer_bytes_total counter"
         );
         let _ = writeln!(out, "baton_kv_transfer_bytes_total {}", self.transfer_bytes.load(Ordering::Relaxed));
+        self.kv_fetch.render(
+            &mut out,
+            "baton_kv_fetch_seconds",
+            "Time to pull a cached prefix from another worker's pool before computing the rest of a prompt.",
+        );
+        let _ = writeln!(
+            out,
+            "# HELP baton_kv_fetch_bytes_total KV bytes of cached prefixes fetched from another worker.\n# TYPE baton_kv_fetch_bytes_total counter\nbaton_kv_fetch_bytes_total {}",
+            self.kv_fetch_bytes.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP baton_kv_fetches_total Planned fetches of a cached prefix from another worker, by how they ended.\n# TYPE baton_kv_fetches_total counter"
+        );
+        for (name, c) in FETCH_OUTCOMES.iter().zip(&self.kv_fetches) {
+            let _ = writeln!(out, "baton_kv_fetches_total{{outcome=\"{name}\"}} {}", c.load(Ordering::Relaxed));
+        }
         let _ = writeln!(
             out,
             "# TYPE baton_prompt_tokens_total counter\nbaton_prompt_tokens_total {}",

@@ -14,10 +14,10 @@ use tracing::Instrument;
 use baton_cluster::{AUTH_HEADER, ClusterSecret, WorkerInfo, unix_millis};
 use tokio::sync::{mpsc, watch};
 
-use crate::control::{GENERATE_PATH, RELEASE_PATH, ReleaseBody, STATE_PATH, STATS_PATH};
+use crate::control::{EXPORT_PATH, ExportBody, GENERATE_PATH, RELEASE_PATH, ReleaseBody, STATE_PATH, STATS_PATH};
 use crate::error::ApiError;
 use crate::wire::WorkerError;
-use crate::worker::{RequestEvent, Role, StateUpdate, WorkRequest, Worker, WorkerStats};
+use crate::worker::{KvSource, RequestEvent, Role, StateUpdate, WorkRequest, Worker, WorkerStats};
 
 /// How long to wait for a worker to accept a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -189,6 +189,24 @@ impl Worker for RemoteWorker {
                 Err(e) => tracing::warn!(worker = name, error = %e, "release failed"),
             }
         });
+    }
+
+    async fn export_prefix(&self, lease: u64, tokens: &[u32], deadline: Duration) -> Option<KvSource> {
+        let body = serde_json::to_vec(&ExportBody { lease, tokens: tokens.to_vec() }).ok()?;
+        let request = self.signed(reqwest::Method::POST, EXPORT_PATH, body).timeout(deadline);
+        let name = self.info.id.to_string();
+        match request.send().await {
+            Ok(r) if r.status().is_success() => r.json().await.ok(),
+            Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => None,
+            Ok(r) => {
+                tracing::warn!(worker = name, status = %r.status(), "export refused");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(worker = name, error = chain(e), "export failed");
+                None
+            }
+        }
     }
 
     fn capacity_blocks(&self) -> usize {

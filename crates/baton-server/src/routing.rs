@@ -97,10 +97,35 @@ pub enum Decision {
     NoWorkers,
 }
 
+/// A cached prefix the prefill (or colocated) worker fetches from another worker before it
+/// computes the rest of the prompt (Mooncake's Algorithm 1, MemServe's eq. 2: when moving the
+/// KV beats recomputing it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fetch {
+    /// The worker holding it (index into the snapshot's worker list).
+    pub from: usize,
+    /// The prompt's first `tokens` tokens (whole blocks).
+    pub tokens: usize,
+}
+
+/// A routing decision with the fetch it counts on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// Where the request runs.
+    pub decision: Decision,
+    /// A prefix to fetch first, if the policy planned one.
+    pub fetch: Option<Fetch>,
+}
+
 /// A routing policy: pure, a function of the snapshot and the request.
 pub trait RoutePolicy: Send + Sync {
     /// Decides where a request runs.
     fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision;
+    /// Decides where a request runs and whether its prompt's worker fetches a cached prefix
+    /// from another worker first. The default plans no fetch.
+    fn plan(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Plan {
+        Plan { decision: self.route(snapshot, request), fetch: None }
+    }
     /// Hands the policy the conductor's global prompt trees (fed by the workers' KV events), for
     /// a policy that routes by where KV is cached. The default ignores them.
     fn attach_index(&self, _trees: crate::view::SharedTrees) {}

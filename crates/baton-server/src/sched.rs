@@ -24,7 +24,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 use crate::Role;
-use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot};
+use crate::routing::{Decision, Fetch, Plan, RoutePolicy, RouteRequest, Snapshot};
 
 pub use crate::view::PREDICTED_TTL_US;
 use crate::view::SharedTrees;
@@ -42,6 +42,8 @@ pub struct SchedPolicy {
     state: Mutex<State>,
     cost: CostProfile,
     block_tokens: usize,
+    /// Whether routes may fetch a prefix cached on another worker.
+    kv_fetch: bool,
 }
 
 impl std::fmt::Debug for SchedPolicy {
@@ -60,7 +62,15 @@ impl SchedPolicy {
             rng: StdRng::seed_from_u64(seed),
             next_request: 0,
         };
-        Self { state: Mutex::new(state), cost, block_tokens: block_tokens.max(1) }
+        Self { state: Mutex::new(state), cost, block_tokens: block_tokens.max(1), kv_fetch: false }
+    }
+
+    /// Lets routes fetch a prefix cached on another worker when that beats recomputing it
+    /// (off by default: the conductor must carry the fetch out).
+    #[must_use]
+    pub fn with_kv_fetch(mut self, on: bool) -> Self {
+        self.kv_fetch = on;
+        self
     }
 
     /// The per-worker figures baton-sched's snapshot builder takes, from the conductor's
@@ -105,18 +115,18 @@ impl SchedPolicy {
     }
 
     /// The scheduler's view of the conductor's snapshot at `now`: [`Self::worker_loads`]
-    /// through [`ClusterSnapshot::from_workers`], the builder the simulator uses too.
+    /// through [`ClusterSnapshot::from_workers`], the builder the simulator uses too. With
+    /// `kv_fetch` off no route counts on fetching a prefix from another worker.
     pub fn cluster_snapshot<'a>(
         snapshot: &Snapshot,
         trees: &'a GlobalPromptTrees,
         cost: &'a CostProfile,
         block_tokens: usize,
         now: Micros,
+        kv_fetch: bool,
     ) -> ClusterSnapshot<'a> {
-        // Live workers cannot fetch a prefix from another worker yet: a route counting on a
-        // fetch the conductor would drop predicts a TTFT no one gets, so none is planned.
         ClusterSnapshot::from_workers(now, &Self::worker_loads(snapshot, cost, block_tokens), trees, cost)
-            .with_kv_fetch(false)
+            .with_kv_fetch(kv_fetch)
     }
 
     /// The scheduler's request for a prompt.
@@ -133,15 +143,32 @@ impl SchedPolicy {
 
     /// Maps a scheduler decision back onto the snapshot's workers.
     pub fn to_route(snapshot: &Snapshot, decision: &baton_sched::Decision) -> Decision {
+        Self::to_plan(snapshot, decision, 1).decision
+    }
+
+    /// Maps a scheduler decision back onto the snapshot's workers, with the blocks its route
+    /// reuses from another worker's cache as a [`Fetch`] of the prompt's first blocks (the
+    /// holder has all of them: a cached block's ancestors are cached with it).
+    pub fn to_plan(snapshot: &Snapshot, decision: &baton_sched::Decision, block_tokens: usize) -> Plan {
         let index = |id: InstanceId| snapshot.workers.iter().find(|w| w.instance == id.0).map(|w| w.index);
-        match decision {
-            baton_sched::Decision::Route(r) => match (index(r.prefill), index(r.decode)) {
-                (Some(p), Some(d)) if p == d => Decision::Colocated(p),
-                (Some(prefill), Some(decode)) => Decision::Disaggregated { prefill, decode },
-                _ => Decision::NoWorkers,
-            },
-            baton_sched::Decision::Reject { reason } => Decision::Reject { reason: reason.to_string() },
-        }
+        let route = match decision {
+            baton_sched::Decision::Route(r) => r,
+            baton_sched::Decision::Reject { reason } => {
+                return Plan { decision: Decision::Reject { reason: reason.to_string() }, fetch: None };
+            }
+        };
+        let decision = match (index(route.prefill), index(route.decode)) {
+            (Some(p), Some(d)) if p == d => Decision::Colocated(p),
+            (Some(prefill), Some(decode)) => Decision::Disaggregated { prefill, decode },
+            _ => Decision::NoWorkers,
+        };
+        let fetch = route
+            .reuse
+            .iter()
+            .filter(|r| r.from != route.prefill && r.end > r.start)
+            .max_by_key(|r| r.end)
+            .and_then(|r| Some(Fetch { from: index(r.from)?, tokens: r.end as usize * block_tokens }));
+        Plan { decision, fetch }
     }
 }
 
@@ -175,8 +202,12 @@ fn sched_role(role: Role) -> SchedRole {
 
 impl RoutePolicy for SchedPolicy {
     fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision {
+        self.plan(snapshot, request).decision
+    }
+
+    fn plan(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Plan {
         if snapshot.workers.is_empty() {
-            return Decision::NoWorkers;
+            return Plan { decision: Decision::NoWorkers, fetch: None };
         }
         let now = snapshot.now_us;
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -189,13 +220,13 @@ impl RoutePolicy for SchedPolicy {
         *next_request += 1;
         let req = Self::request(*next_request, request, self.block_tokens);
         let decision = {
-            let cluster = Self::cluster_snapshot(snapshot, &trees, &self.cost, self.block_tokens, now);
+            let cluster = Self::cluster_snapshot(snapshot, &trees, &self.cost, self.block_tokens, now, self.kv_fetch);
             scheduler.decide(&cluster, &req, rng)
         };
         if let baton_sched::Decision::Route(r) = &decision {
             trees.predict(r.prefill, &req.block_hashes, now);
         }
-        Self::to_route(snapshot, &decision)
+        Self::to_plan(snapshot, &decision, self.block_tokens)
     }
 
     fn attach_index(&self, trees: SharedTrees) {
@@ -223,7 +254,36 @@ pub enum PolicyChoice {
         cost: Box<CostProfile>,
         /// Seed of random choices.
         seed: u64,
+        /// Whether a prompt's worker may fetch a prefix cached on another worker
+        /// (`--kv-fetch`).
+        kv_fetch: bool,
     },
+    /// A policy of the caller's own (a library user's, or a test's that scripts decisions).
+    Custom(CustomPolicy),
+}
+
+/// A caller's [`RoutePolicy`], shared by every conductor built with it.
+#[derive(Clone)]
+pub struct CustomPolicy(pub std::sync::Arc<dyn RoutePolicy>);
+
+impl std::fmt::Debug for CustomPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CustomPolicy")
+    }
+}
+
+impl RoutePolicy for CustomPolicy {
+    fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision {
+        self.0.route(snapshot, request)
+    }
+
+    fn plan(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Plan {
+        self.0.plan(snapshot, request)
+    }
+
+    fn attach_index(&self, trees: SharedTrees) {
+        self.0.attach_index(trees);
+    }
 }
 
 impl Default for PolicyChoice {
@@ -239,10 +299,11 @@ impl PolicyChoice {
             PolicyChoice::Simple { max_in_flight } => {
                 Box::new(crate::routing::LeastLoad { max_in_flight: *max_in_flight })
             }
-            PolicyChoice::Sched { policy, config, admission, cost, seed } => {
+            PolicyChoice::Sched { policy, config, admission, cost, seed, kv_fetch } => {
                 let scheduler = Scheduler::new(policy.build(config), *admission);
-                Box::new(SchedPolicy::new(scheduler, (**cost).clone(), block_tokens, *seed))
+                Box::new(SchedPolicy::new(scheduler, (**cost).clone(), block_tokens, *seed).with_kv_fetch(*kv_fetch))
             }
+            PolicyChoice::Custom(p) => Box::new(p.clone()),
         }
     }
 }
@@ -314,7 +375,7 @@ mod tests {
             for w in &snap.workers {
                 trees.set_role(InstanceId(w.instance), sched_role(w.role));
             }
-            let cluster = SchedPolicy::cluster_snapshot(&snap, &trees, &cost, 16, snap.now_us);
+            let cluster = SchedPolicy::cluster_snapshot(&snap, &trees, &cost, 16, snap.now_us, false);
             let req = SchedPolicy::request(1, &RouteRequest { prompt: &prompt, max_tokens: 64, session: None }, 16);
             let decision = direct.decide(&cluster, &req, &mut StdRng::seed_from_u64(7));
             assert_eq!(routed, SchedPolicy::to_route(&snap, &decision), "{}", kind.name());

@@ -41,7 +41,7 @@ use baton_kv::BlockId;
 use baton_transfer::TransferStats;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::wire::{KvSource, KvTransfer, RequestEvent, WorkerError};
+use crate::wire::{KvSource, KvTransfer, Received, RequestEvent, WorkerError};
 
 /// Where a request's events go (its client's channel). Sending never blocks.
 pub trait Sink {
@@ -225,6 +225,8 @@ pub enum State {
         source: KvSource,
         /// How it travels.
         mode: KvTransfer,
+        /// Push the retained KV when it finishes (a prefill worker that fetched a prefix).
+        push: bool,
         /// When it stops waiting and recomputes the prompt here.
         deadline: Instant,
     },
@@ -236,11 +238,15 @@ pub enum State {
         generation: Generation,
         /// Set on abort.
         cancel: CancelToken,
+        /// Push the retained KV when it finishes.
+        push: bool,
     },
     /// In the engine (waiting for a batch slot, prefilling or decoding).
     Running {
         /// Push the retained KV when it finishes (prefill role, push mode).
         push: bool,
+        /// The KV it received before running, reported when it finishes.
+        received: Option<Received>,
     },
     /// Finished, its KV offered on the KV server until the lease ends (prefill role); being
     /// pushed when `pushing`.
@@ -278,10 +284,12 @@ pub struct Session<S> {
 pub struct Submission<S> {
     /// The engine's request.
     pub req: GenerationRequest,
-    /// KV to receive first (decode role).
+    /// KV to receive first: a hand-off (decode role), or a prefix fetched from a peer's cache.
     pub source: Option<KvSource>,
-    /// How the hand-off moves KV.
+    /// How `source` arrives.
     pub mode: KvTransfer,
+    /// Push the KV the request retains when it finishes (prefill side, push mode).
+    pub push: bool,
     /// Where its events go.
     pub sink: S,
     /// Its span.
@@ -377,11 +385,11 @@ impl<S: Sink> Sessions<S> {
         HeldKv { kv: Some(kv), back: self.back.clone() }
     }
 
-    /// A new request. With a `source`, its KV is received from a peer first (decode role);
-    /// without, it runs from its prompt (and, retaining its KV in push mode, pushes it when it
+    /// A new request. With a `source`, its KV (or a prefix of it) is received from a peer
+    /// first; then it runs from its prompt (and, with `push`, pushes the KV it retains when it
     /// finishes).
     pub fn submit(&mut self, host: &mut impl Host, now: Instant, submission: Submission<S>) {
-        let Submission { req, source, mode, sink, span } = submission;
+        let Submission { req, source, mode, push, sink, span } = submission;
         let id = req.id;
         if self.sessions.contains_key(&id) {
             sink.send(RequestEvent::Failed(WorkerError::InvalidRequest(format!(
@@ -392,7 +400,7 @@ impl<S: Sink> Sessions<S> {
         }
         match source {
             None => {
-                let push = mode == KvTransfer::Push && req.retain_kv == KvRetention::All;
+                let push = push && req.retain_kv == KvRetention::All;
                 self.start(host, req, push, sink, span);
             }
             Some(_) if !self.config.can_receive => {
@@ -407,7 +415,8 @@ impl<S: Sink> Sessions<S> {
             }
             Some(source) => {
                 let deadline = now + self.config.incoming_wait;
-                let state = State::Queued { req: Box::new(req), source, mode, deadline };
+                let push = push && req.retain_kv == KvRetention::All;
+                let state = State::Queued { req: Box::new(req), source, mode, push, deadline };
                 self.sessions.insert(id, Session { state, sink, span });
                 self.queue.push_back(id);
                 self.start_queued(host, now);
@@ -454,7 +463,10 @@ impl<S: Sink> Sessions<S> {
             };
             let _entered = s.span.clone().entered();
             tracing::info!(reason = ?f.reason, generated = f.token_ids.len(), cached = f.cached_tokens, "finished");
-            let push = matches!(s.state, State::Running { push: true });
+            let (push, received) = match s.state {
+                State::Running { push, received } => (push, received),
+                _ => (false, None),
+            };
             let mut leased = None;
             if let Some(kv) = f.kv {
                 let held = self.hold(kv);
@@ -462,7 +474,7 @@ impl<S: Sink> Sessions<S> {
                 if let Some(addr) = host.offer(f.id, held.blocks()) {
                     tracing::info!(blocks = held.blocks().len(), tokens = held.tokens(), "KV offered for the hand-off");
                     let blocks = held.blocks().iter().map(|b| b.0).collect();
-                    leased = Some((KvSource { addr, blocks, tokens: held.tokens() }, held));
+                    leased = Some((KvSource { addr, blocks, tokens: held.tokens(), lease: None }, held));
                 }
             }
             s.sink.send(RequestEvent::Finished {
@@ -471,6 +483,7 @@ impl<S: Sink> Sessions<S> {
                 cached_tokens: f.cached_tokens,
                 completion_tokens: f.token_ids.len(),
                 kv: leased.as_ref().map(|(source, _)| source.clone()),
+                received,
             });
             if let Some((_, kv)) = leased {
                 if push {
@@ -516,11 +529,17 @@ impl<S: Sink> Sessions<S> {
             return;
         }
         let Some(s) = self.sessions.remove(&id) else { return };
-        let State::Receiving { mut req, .. } = s.state else { return };
+        let State::Receiving { mut req, push, .. } = s.state else { return };
         let _entered = span.entered();
+        let mut received = None;
         match result {
             Ok(stats) => {
                 tracing::info!(bytes = stats.bytes, calls = stats.calls, "received KV");
+                received = Some(Received {
+                    tokens: kv.tokens(),
+                    bytes: stats.bytes,
+                    micros: u64::try_from(stats.elapsed.as_micros()).unwrap_or(u64::MAX),
+                });
                 req.prefix = kv.into_prefix();
             }
             Err(e) => {
@@ -530,8 +549,35 @@ impl<S: Sink> Sessions<S> {
                 drop(kv);
             }
         }
-        self.start(host, *req, false, s.sink, s.span);
+        self.start_received(host, *req, push, received, s.sink, s.span);
         self.settle(host);
+    }
+
+    /// Offers blocks of this worker's prefix cache (`kv`, one reference each, taken by the
+    /// caller) to a peer that fetches them, under lease `lease` on the KV server: the session is
+    /// leased from the start, and ends as a hand-off's lease ends (COMPLETE, expiry, the
+    /// conductor's release). `None` when the lease id is taken or the KV server refuses; the
+    /// blocks are released then.
+    pub fn export(&mut self, host: &mut impl Host, lease: RequestId, kv: KvPrefix, sink: S) -> Option<KvSource> {
+        let held = self.hold(kv);
+        let source = if self.sessions.contains_key(&lease) {
+            None
+        } else {
+            host.offer(lease, held.blocks()).map(|addr| KvSource {
+                addr,
+                blocks: held.blocks().iter().map(|b| b.0).collect(),
+                tokens: held.tokens(),
+                lease: Some(lease.0),
+            })
+        };
+        if source.is_some() {
+            let span = tracing::info_span!("export", lease = lease.0);
+            self.sessions.insert(lease, Session { state: State::Leased { kv: held, pushing: false }, sink, span });
+        } else {
+            drop(held);
+        }
+        self.settle(host);
+        source
     }
 
     /// The KV server ended a request's lease (COMPLETE, expiry or cancel): its blocks are the
@@ -594,10 +640,23 @@ impl<S: Sink> Sessions<S> {
 
     /// Queues the engine's work: admits `req`, or fails it.
     fn start(&mut self, host: &mut impl Host, req: GenerationRequest, push: bool, sink: S, span: tracing::Span) {
+        self.start_received(host, req, push, None, sink, span);
+    }
+
+    /// [`Self::start`] for a request that received KV first.
+    fn start_received(
+        &mut self,
+        host: &mut impl Host,
+        req: GenerationRequest,
+        push: bool,
+        received: Option<Received>,
+        sink: S,
+        span: tracing::Span,
+    ) {
         let id = req.id;
         match host.add_request(req) {
             Ok(()) => {
-                self.sessions.insert(id, Session { state: State::Running { push }, sink, span });
+                self.sessions.insert(id, Session { state: State::Running { push, received }, sink, span });
             }
             Err(e) => {
                 sink.send(RequestEvent::Failed(e));
@@ -622,7 +681,7 @@ impl<S: Sink> Sessions<S> {
             }
             self.queue.pop_front();
             let Some(s) = self.sessions.remove(&id) else { continue };
-            let State::Queued { req, source, mode, .. } = s.state else { continue };
+            let State::Queued { req, source, mode, push, .. } = s.state else { continue };
             let _entered = s.span.clone().entered();
             let reserved = if room { host.reserve_kv(source.tokens) } else { None };
             match reserved {
@@ -640,7 +699,7 @@ impl<S: Sink> Sessions<S> {
                         span: s.span.clone(),
                     };
                     self.actions.push(Action::Transfer(job));
-                    let state = State::Receiving { req, generation, cancel };
+                    let state = State::Receiving { req, generation, cancel, push };
                     self.sessions.insert(id, Session { state, sink: s.sink, span: s.span });
                 }
                 None => {
@@ -649,7 +708,7 @@ impl<S: Sink> Sessions<S> {
                     } else {
                         tracing::warn!("no room for the KV in time; recomputing the prompt here");
                     }
-                    self.start(host, *req, false, s.sink, s.span);
+                    self.start(host, *req, push, s.sink, s.span);
                 }
             }
         }
@@ -851,7 +910,7 @@ mod tests {
     }
 
     fn source(tokens: usize) -> KvSource {
-        KvSource { addr: addr(), blocks: (0..tokens.div_ceil(BS) as u32).collect(), tokens }
+        KvSource { addr: addr(), blocks: (0..tokens.div_ceil(BS) as u32).collect(), tokens, lease: None }
     }
 
     fn state(s: &Sessions<TestSink>, id: u64) -> Option<&'static str> {
@@ -863,14 +922,19 @@ mod tests {
         let sink = TestSink::default();
         let req = request(id, false);
         let source = Some(source(tokens));
-        s.submit(h, now, Submission { req, source, mode: KvTransfer::Pull, sink: sink.clone(), span: span() });
+        s.submit(
+            h,
+            now,
+            Submission { req, source, mode: KvTransfer::Pull, push: false, sink: sink.clone(), span: span() },
+        );
         sink
     }
 
     fn submit(s: &mut Sessions<TestSink>, h: &mut FakeHost, id: u64, retain: bool, mode: KvTransfer) -> TestSink {
         let sink = TestSink::default();
         let req = request(id, retain);
-        s.submit(h, Instant::now(), Submission { req, source: None, mode, sink: sink.clone(), span: span() });
+        let push = mode == KvTransfer::Push;
+        s.submit(h, Instant::now(), Submission { req, source: None, mode, push, sink: sink.clone(), span: span() });
         sink
     }
 
@@ -918,6 +982,58 @@ mod tests {
         // COMPLETE, expiry and cancel all arrive as the lease's end.
         s.lease_ended(&mut h, RequestId(1));
         assert_eq!(state(&s, 1), None);
+        assert_eq!(h.leaked(), 0);
+    }
+
+    #[test]
+    fn a_fetched_prefix_is_received_then_the_rest_computed_and_pushed() {
+        let (mut s, mut h) = (sessions(), FakeHost::new(16));
+        let sink = TestSink::default();
+        // A prefill worker fetching 2 blocks of a peer's cache, in push mode for its hand-off.
+        let submission = Submission {
+            req: request(1, true),
+            source: Some(KvSource { lease: Some(7), ..source(2 * BS) }),
+            mode: KvTransfer::Pull,
+            push: true,
+            sink: sink.clone(),
+            span: span(),
+        };
+        s.submit(&mut h, Instant::now(), submission);
+        let job = take_job(&mut s);
+        assert_eq!((job.mode, job.source.lease), (KvTransfer::Pull, Some(7)), "a fetch is always pulled");
+        let stats = TransferStats { bytes: 640, ..TransferStats::default() };
+        s.transfer_done(&mut h, job.done(Ok(stats)));
+        assert_eq!(state(&s, 1), Some("running"));
+        let out = h.finish(RequestId(1), true);
+        s.step_output(&mut h, out);
+        assert!(matches!(
+            &sink.events.borrow()[1],
+            RequestEvent::Finished { received: Some(Received { tokens: 8, bytes: 640, .. }), .. }
+        ));
+        assert_eq!(state(&s, 1), Some("pushing"), "the fetched request still pushes its hand-off");
+        s.lease_ended(&mut h, RequestId(1));
+        assert_eq!(h.leaked(), 0);
+    }
+
+    #[test]
+    fn an_exported_prefix_is_leased_until_the_lease_ends() {
+        let (mut s, mut h) = (sessions(), FakeHost::new(16));
+        let kv = h.reserve_kv(2 * BS).expect("room");
+        let source = s.export(&mut h, RequestId(9), kv, TestSink::default()).expect("offered");
+        assert_eq!((source.blocks.len(), source.tokens, source.lease), (2, 2 * BS, Some(9)));
+        assert_eq!(state(&s, 9), Some("leased"));
+        // A second export under the same lease id is refused, and its blocks freed.
+        let again = h.reserve_kv(BS).expect("room");
+        assert!(s.export(&mut h, RequestId(9), again, TestSink::default()).is_none());
+        assert_eq!(h.leaked(), 2, "the first export's blocks stay held");
+        s.release(&mut h, RequestId(9));
+        assert!(matches!(s.ready()[..], [Action::CancelLease(RequestId(9))]));
+        s.lease_ended(&mut h, RequestId(9));
+        assert_eq!((state(&s, 9), h.leaked()), (None, 0));
+        // Without a KV server nothing is offered, and nothing kept.
+        h.offer = false;
+        let kv = h.reserve_kv(BS).expect("room");
+        assert!(s.export(&mut h, RequestId(10), kv, TestSink::default()).is_none());
         assert_eq!(h.leaked(), 0);
     }
 
@@ -1147,6 +1263,7 @@ mod tests {
             req: request(1, false),
             source: bad,
             mode: KvTransfer::Pull,
+            push: false,
             sink: sink.clone(),
             span: span(),
         };

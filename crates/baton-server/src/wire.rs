@@ -10,7 +10,7 @@
 //! - [`WorkerError`]: why a worker could not run a request, in the worker's terms. The conductor
 //!   maps it to an HTTP status and an OpenAI error body at its edge
 //!   (`impl From<WorkerError> for ApiError` in [`crate::error`]), never the worker.
-//! - [`WorkerStats`], [`KvSource`], [`KvTransfer`], [`ReleaseBody`].
+//! - [`WorkerStats`], [`KvSource`], [`KvTransfer`], [`ReleaseBody`], [`ExportBody`].
 
 use std::net::SocketAddr;
 
@@ -30,6 +30,16 @@ pub struct KvSource {
     pub blocks: Vec<u32>,
     /// Tokens they hold.
     pub tokens: usize,
+    /// The transfer id the holder offers them under, when it is not the request's own (a
+    /// cached prefix exported for a fetch: [`Worker::export_prefix`](crate::Worker::export_prefix)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<u64>,
+}
+
+/// The transfer id of a prefix exported for request `id` (a fetch): request ids stay below
+/// 2^63, so a fetch's lease never shares a holder's id space with a request it runs.
+pub fn fetch_lease(id: u64) -> u64 {
+    id | 1 << 63
 }
 
 /// How KV moves from the prefill worker to the decode worker.
@@ -104,6 +114,11 @@ pub struct WorkRequest {
     /// KV to receive before starting (decode role).
     #[serde(default)]
     pub kv: Option<KvSource>,
+    /// A cached prefix of the prompt that a peer holds, pulled before the prompt's remainder is
+    /// computed here (any role; always pulled, whatever `kv_transfer` says of the hand-off). A
+    /// fetch that fails recomputes the prefix: it never fails the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fetch: Option<KvSource>,
 }
 
 impl WorkRequest {
@@ -121,6 +136,7 @@ impl WorkRequest {
             retain_kv: false,
             kv_transfer: KvTransfer::default(),
             kv: None,
+            fetch: None,
         }
     }
 
@@ -131,7 +147,14 @@ impl WorkRequest {
     }
 
     /// The engine's request, and the hand-off's KV and mode.
-    pub(crate) fn into_parts(self) -> (GenerationRequest, Option<KvSource>, KvTransfer) {
+    pub(crate) fn into_parts(self) -> (GenerationRequest, Incoming) {
+        let push = self.kv_transfer == KvTransfer::Push && self.retain_kv;
+        let incoming = match (self.kv, self.fetch) {
+            // A decode-side hand-off: received as the request says, never pushed on.
+            (Some(source), _) => Incoming { source: Some(source), mode: self.kv_transfer, push: false },
+            (None, Some(source)) => Incoming { source: Some(source), mode: KvTransfer::Pull, push },
+            (None, None) => Incoming { source: None, mode: self.kv_transfer, push },
+        };
         let req = GenerationRequest {
             generated: self.generated,
             sampling: self.sampling,
@@ -141,8 +164,30 @@ impl WorkRequest {
             stop_token_ids: self.stop_token_ids,
             ..GenerationRequest::new(RequestId(self.id), self.prompt)
         };
-        (req, self.kv, self.kv_transfer)
+        (req, incoming)
     }
+}
+
+/// KV a worker received for a request from a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Received {
+    /// Tokens of KV.
+    pub tokens: usize,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// How long the transfer took, µs.
+    pub micros: u64,
+}
+
+/// The KV a request brings to a worker, as the worker's session machine takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Incoming {
+    /// KV to receive before computing (a hand-off, or a fetched prefix).
+    pub source: Option<KvSource>,
+    /// How it arrives.
+    pub mode: KvTransfer,
+    /// Push the KV the request retains when it finishes (prefill side, push mode).
+    pub push: bool,
 }
 
 /// Why a request ended, as it travels between processes.
@@ -236,6 +281,10 @@ pub enum RequestEvent {
         completion_tokens: usize,
         /// KV kept for a hand-off (prefill role), leased until pulled or released.
         kv: Option<KvSource>,
+        /// The KV this worker received for the request before computing (a hand-off or a
+        /// fetched prefix); `None` when it received none, or recomputed what did not arrive.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        received: Option<Received>,
     },
     /// The request could not run.
     Failed(WorkerError),
@@ -295,6 +344,17 @@ impl WorkerStats {
 pub struct ReleaseBody {
     /// The request whose handed-off KV to release.
     pub id: u64,
+}
+
+/// Body of the control API's `POST /worker/v1/export`: offer the longest cached prefix of
+/// `tokens` to a peer under lease `lease` ([`fetch_lease`] of the request that fetches it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportBody {
+    /// The lease's transfer id.
+    pub lease: u64,
+    /// The prompt's first tokens (whole blocks).
+    pub tokens: Vec<u32>,
 }
 
 /// A KV tier, as the state stream names it.
@@ -487,7 +547,8 @@ mod tests {
         req.sampling.adjust.presence_penalty = 0.5;
         req.stop.stop_strings = vec!["\n".into()];
         req.stop.max_tokens = 33;
-        req.kv = Some(KvSource { addr: SocketAddr::from(([127, 0, 0, 1], 9)), blocks: vec![4, 5], tokens: 20 });
+        req.kv =
+            Some(KvSource { addr: SocketAddr::from(([127, 0, 0, 1], 9)), blocks: vec![4, 5], tokens: 20, lease: None });
         let json = serde_json::to_string(&req).expect("serialise");
         let back: WorkRequest = serde_json::from_str(&json).expect("parse");
         assert_eq!(back, req);

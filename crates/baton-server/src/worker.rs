@@ -22,6 +22,13 @@
 //! 3. COMPLETE (or the lease running out, or the conductor's [`Worker::release`]) hands the
 //!    blocks back to the prefill engine through its [`BlockOwner`].
 //!
+//! The same three steps move a cached prefix between any two workers (MemServe's and
+//! Mooncake's global KV pool): [`Worker::export_prefix`] takes the longest cached prefix of a
+//! prompt from the holder's index (from any tier) and offers it under a lease of its own
+//! ([`crate::wire::fetch_lease`]), and the request sent to the worker that computes the prompt
+//! names it in [`crate::wire::WorkRequest::fetch`]: that worker pulls it, computes the rest, and
+//! keeps the whole prefix in its own index afterwards. Every role has a transfer thread for it.
+//!
 //! Lifecycle: [`WorkerHandle::drain`] stops a worker taking work (new requests are answered
 //! `Lost`, so the conductor runs them elsewhere) while it finishes what it holds;
 //! [`WorkerHandle::idle`] resolves when nothing is left. An engine thread that dies (a panic)
@@ -74,6 +81,13 @@ pub trait Worker: Send + Sync + std::fmt::Debug {
     fn block_tokens(&self) -> usize {
         0
     }
+    /// Offers the longest prefix of `tokens` this worker caches (whole blocks, from any tier) to
+    /// a peer, under lease `lease` on its KV server: the peer pulls the blocks named in the answer
+    /// and COMPLETEs, or the lease ends when [`Worker::release`]d or when it expires. `None` when
+    /// it caches none of it, has no KV server, or does not answer within `deadline`.
+    async fn export_prefix(&self, _lease: u64, _tokens: &[u32], _deadline: Duration) -> Option<KvSource> {
+        None
+    }
     /// Subscribes to the worker's state stream: its KV events and load reports, in order,
     /// starting with a snapshot of its whole index. Each subscription is independent (two
     /// conductors may follow one worker); dropping the receiver ends it, and subscribing again
@@ -124,8 +138,7 @@ const STALL_WAIT: Duration = Duration::from_millis(5);
 pub(crate) enum Command {
     Submit {
         req: Box<GenerationRequest>,
-        kv: Option<KvSource>,
-        mode: KvTransfer,
+        incoming: crate::wire::Incoming,
         events: mpsc::UnboundedSender<RequestEvent>,
         /// The request's span (its ids), entered wherever the worker logs about it.
         span: tracing::Span,
@@ -137,6 +150,12 @@ pub(crate) enum Command {
     Released(Release),
     /// The transfer thread finished a job.
     Transferred(Box<TransferDone>),
+    /// Offer the longest cached prefix of `tokens` (whole blocks) to a peer under lease `lease`.
+    Export {
+        lease: RequestId,
+        tokens: Vec<u32>,
+        reply: oneshot::Sender<Option<KvSource>>,
+    },
     Stats(oneshot::Sender<WorkerStats>),
     /// A new subscriber to the state stream; it gets a snapshot first.
     Subscribe(mpsc::Sender<StateUpdate>),
@@ -220,9 +239,8 @@ impl WorkerHandle {
             let server = KvServer::start(config, region, owner).map_err(|e| io_error("starting the KV server", e))?;
             Some(Arc::new(server))
         };
-        let transfers = if role == Role::Prefill {
-            None
-        } else {
+        // Every role receives KV: decode workers their hand-offs, any worker a fetched prefix.
+        let transfers = {
             let arena = arena.as_ref().ok_or_else(|| io_error("KV client", "the engine's arena cannot be shared"))?;
             let local = Arc::new(Region::from_arena(arena, Access::ReadWrite)?);
             let config = ClientConfig {
@@ -359,8 +377,14 @@ impl Worker for WorkerHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let span = req.span(&self.inner.name, self.inner.role);
         let _entered = span.enter();
-        tracing::info!(prompt_tokens = req.prompt.len(), receives_kv = req.kv.is_some(), "work submitted");
-        let (req, kv, mode) = req.into_parts();
+        tracing::info!(
+            prompt_tokens = req.prompt.len(),
+            receives_kv = req.kv.is_some(),
+            fetches_tokens = req.fetch.as_ref().map(|f| f.tokens),
+            "work submitted"
+        );
+        let receives_hand_off = req.kv.is_some();
+        let (req, incoming) = req.into_parts();
         if let Some(why) = self.stop_reason() {
             let _ = tx.send(RequestEvent::Lost { reason: format!("worker {} has stopped: {why}", self.inner.name) });
             return rx;
@@ -369,7 +393,7 @@ impl Worker for WorkerHandle {
             let _ = tx.send(RequestEvent::Lost { reason: format!("worker {} is draining", self.inner.name) });
             return rx;
         }
-        if kv.is_some() && self.inner.role == Role::Prefill {
+        if receives_hand_off && self.inner.role == Role::Prefill {
             let _ =
                 tx.send(RequestEvent::Failed(WorkerError::WrongRole("a prefill worker does not receive KV".into())));
             return rx;
@@ -380,7 +404,7 @@ impl Worker for WorkerHandle {
         if self
             .inner
             .commands
-            .send(Command::Submit { req: Box::new(req), kv, mode, events: ftx, span: span.clone() })
+            .send(Command::Submit { req: Box::new(req), incoming, events: ftx, span: span.clone() })
             .is_err()
         {
             let _ = tx.send(RequestEvent::Lost { reason: format!("worker {} has stopped", self.inner.name) });
@@ -393,6 +417,16 @@ impl Worker for WorkerHandle {
 
     fn release(&self, id: u64) {
         let _ = self.inner.commands.send(Command::Release(RequestId(id)));
+    }
+
+    async fn export_prefix(&self, lease: u64, tokens: &[u32], deadline: Duration) -> Option<KvSource> {
+        if self.stop_reason().is_some() || self.is_draining() {
+            return None;
+        }
+        let (reply, rx) = oneshot::channel();
+        let export = Command::Export { lease: RequestId(lease), tokens: tokens.to_vec(), reply };
+        self.inner.commands.send(export).ok()?;
+        tokio::time::timeout(deadline, rx).await.ok()?.ok()?
     }
 
     fn capacity_blocks(&self) -> usize {
@@ -710,9 +744,26 @@ impl EngineLoop {
         let host = &mut self.host;
         match cmd {
             Command::Shutdown => return false,
-            Command::Submit { req, kv, mode, events, span } => {
-                let submission = Submission { req: *req, source: kv, mode, sink: events, span };
+            Command::Submit { req, incoming, events, span } => {
+                let crate::wire::Incoming { source, mode, push } = incoming;
+                let submission = Submission { req: *req, source, mode, push, sink: events, span };
                 self.sessions.submit(host, Instant::now(), submission);
+            }
+            Command::Export { lease, tokens, reply } => {
+                let source = host.engine.export_prefix(&tokens).and_then(|kv| {
+                    // No one listens to an export: it has no events, only a lease.
+                    let (sink, _) = mpsc::unbounded_channel();
+                    self.sessions.export(host, lease, kv, sink)
+                });
+                if let Some(s) = &source {
+                    tracing::info!(
+                        lease = lease.0,
+                        blocks = s.blocks.len(),
+                        tokens = s.tokens,
+                        "cached prefix offered to a peer"
+                    );
+                }
+                let _ = reply.send(source);
             }
             Command::Transferred(done) => self.sessions.transfer_done(host, *done),
             Command::Abort(id) => self.sessions.abort(host, id),

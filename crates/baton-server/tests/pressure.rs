@@ -278,6 +278,7 @@ async fn every_policy_refuses_before_the_first_token_never_after() {
             admission: AdmissionConfig::default(),
             cost: Box::new(CostProfile::llama2_70b_8xa800()),
             seed: 1,
+            kv_fetch: true,
         },
         ..ServeConfig::new(fixture("tiny-llama"))
     };

@@ -83,16 +83,7 @@ async fn stream(url: &str, path: &str, body: Value, stop_after: Option<usize>) -
 
 /// The engine alone, greedy, for the reference output.
 fn engine_alone(model: &str, prompt: &str, max_tokens: usize) -> (Vec<u32>, String) {
-    let ckpt = Checkpoint::open(&fixture(model)).expect("loads");
-    let ids = ckpt.tokenizer.encode(prompt, true).expect("encodes");
-    let mut e = Engine::new(Arc::new(ckpt.model), Some(Arc::new(ckpt.tokenizer)), engine_config()).expect("engine");
-    e.add_request(GenerationRequest {
-        stop: StopParams { max_tokens, ignore_eos: true, stop_strings: vec![] },
-        ..GenerationRequest::new(RequestId(0), ids.clone())
-    })
-    .expect("valid");
-    let done = e.run_to_completion().expect("runs").remove(0);
-    (ids, done.text)
+    common::engine_alone(model, engine_config(), prompt, max_tokens)
 }
 
 const PROMPTS: [&str; 3] = [
@@ -718,6 +709,7 @@ async fn the_scheduling_crates_policies_route_live_requests() {
                 admission: AdmissionConfig::default(),
                 cost: Box::new(CostProfile::llama2_70b_8xa800()),
                 seed: 1,
+                kv_fetch: true,
             },
             ..ServeConfig::new(fixture("tiny-llama"))
         };

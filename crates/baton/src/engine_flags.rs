@@ -121,6 +121,12 @@ pub(crate) struct RoutingFlags {
     /// or `predicted`, only the conductor's guess that a routed prompt is cached where it went.
     #[arg(long, value_enum, default_value = "exact")]
     kv_index: KvIndexArg,
+    /// Whether a prompt's worker may fetch a prefix cached on another worker (over the KV
+    /// transfer protocol) before computing the rest, when the policy finds that moving the KV
+    /// beats recomputing it (Mooncake's Algorithm 1, MemServe's eq. 2; kv-centric and
+    /// prompt-tree plan fetches). A fetch that fails is recomputed.
+    #[arg(long, value_enum, default_value = "on")]
+    kv_fetch: OnOff,
 }
 
 /// A switch.
@@ -181,6 +187,7 @@ impl RoutingFlags {
             admission,
             cost: Box::new(cost),
             seed: self.seed,
+            kv_fetch: self.kv_fetch == OnOff::On,
         })
     }
 }

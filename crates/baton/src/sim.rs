@@ -91,8 +91,8 @@ pub(crate) struct SimArgs {
     /// Largest decode batch.
     #[arg(long)]
     max_batch: Option<usize>,
-    /// Whether an instance may fetch a prefix cached on another (off: what the live server does
-    /// until it moves KV between prefill workers).
+    /// Whether an instance may fetch a prefix cached on another (the live conductor's
+    /// `--kv-fetch`).
     #[arg(long, value_enum, default_value = "on")]
     kv_fetch: crate::engine_flags::OnOff,
     /// Load-aware: how long an imbalance must last before a role changes, in milliseconds.

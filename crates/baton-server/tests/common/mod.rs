@@ -53,6 +53,28 @@ impl Server {
     }
 }
 
+/// `prompt` run alone on one engine with `config`, greedy, ignoring EOS: the reference output
+/// (prompt ids, text).
+#[allow(dead_code)] // Not every test file compares with the engine alone.
+pub(crate) fn engine_alone(
+    model: &str,
+    config: baton_engine::EngineConfig,
+    prompt: &str,
+    max_tokens: usize,
+) -> (Vec<u32>, String) {
+    use baton_engine::{Engine, GenerationRequest, RequestId, StopParams};
+    let ckpt = baton_model::Checkpoint::open(&fixture(model)).expect("loads");
+    let ids = ckpt.tokenizer.encode(prompt, true).expect("encodes");
+    let mut e = Engine::new(Arc::new(ckpt.model), Some(Arc::new(ckpt.tokenizer)), config).expect("engine");
+    e.add_request(GenerationRequest {
+        stop: StopParams { max_tokens, ignore_eos: true, stop_strings: vec![] },
+        ..GenerationRequest::new(RequestId(0), ids.clone())
+    })
+    .expect("valid");
+    let done = e.run_to_completion().expect("runs").remove(0);
+    (ids, done.text)
+}
+
 /// Reads a streamed response's server-sent events one chunk at a time.
 #[allow(dead_code)] // Not every test file streams.
 pub(crate) struct SseReader {

@@ -1,0 +1,259 @@
+//! One KV pool across the cluster: a prompt's worker fetches a prefix cached on another worker
+//! before computing the rest (issue #16). A scripted policy plans each fetch, so every test
+//! knows where the prefix is and who fetches it; the conductor, the workers, the export and
+//! the pull are the real ones. Greedy output with a fetch equals the engine alone; the fetching
+//! worker computes only what it did not receive and keeps the prefix in its own cache; a fetch
+//! that cannot be carried out is recomputed; no worker holds KV afterwards.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use baton_engine::EngineConfig;
+use baton_server::routing::{Decision, Fetch, Plan, RoutePolicy, RouteRequest, Snapshot};
+use baton_server::sched::{CustomPolicy, PolicyChoice};
+use baton_server::wire::{KvSource, RequestEvent, StateUpdate, WorkRequest, WorkerStats};
+use baton_server::{KvTransfer, ServeConfig, Worker};
+use serde_json::{Value, json};
+
+mod common;
+use common::{Server, engine_alone, fixture, start_with};
+
+fn engine_config() -> EngineConfig {
+    EngineConfig { block_size: 4, num_blocks: 256, max_batch_tokens: 64, prefill_chunk: 32, ..EngineConfig::default() }
+}
+
+/// Where the next request goes: its prefill worker, and the worker to fetch its prompt's
+/// cached prefix from, by the conductor's instance ids (prefill-0, prefill-1, ..., then the
+/// decode worker: the order it met them in, kept when a worker leaves and joins again).
+#[derive(Debug, Default)]
+struct Script {
+    prefill: usize,
+    fetch_from: Option<usize>,
+}
+
+#[derive(Debug, Default)]
+struct Scripted {
+    script: Mutex<Script>,
+    /// The decode worker's instance id (the number of prefill workers).
+    decode: usize,
+}
+
+impl Scripted {
+    fn new(prefill_workers: usize) -> Arc<Self> {
+        Arc::new(Self { script: Mutex::default(), decode: prefill_workers })
+    }
+
+    fn set(&self, prefill: usize, fetch_from: Option<usize>) {
+        *self.script.lock().expect("not poisoned") = Script { prefill, fetch_from };
+    }
+}
+
+impl RoutePolicy for Scripted {
+    fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision {
+        self.plan(snapshot, request).decision
+    }
+
+    fn plan(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Plan {
+        let s = self.script.lock().expect("not poisoned");
+        let index = |instance: usize| {
+            snapshot.workers.iter().find(|w| w.instance as usize == instance).expect("a known worker").index
+        };
+        Plan {
+            decision: Decision::Disaggregated { prefill: index(s.prefill), decode: index(self.decode) },
+            // The whole prompt: the holder offers the longest prefix of it that it caches.
+            fetch: s.fetch_from.map(|from| Fetch { from: index(from), tokens: request.prompt.len() }),
+        }
+    }
+}
+
+async fn start(model: &str, mode: KvTransfer, script: &Arc<Scripted>) -> Server {
+    let config = ServeConfig {
+        prefill: script.decode,
+        decode: 1,
+        engine: engine_config(),
+        kv_transfer: mode,
+        policy: PolicyChoice::Custom(CustomPolicy(script.clone())),
+        ..ServeConfig::new(fixture(model))
+    };
+    start_with(&config).await
+}
+
+impl Server {
+    /// A greedy completion of `prompt`: its text and its cached prompt tokens.
+    async fn complete(&self, prompt: &str, max_tokens: usize) -> (String, usize) {
+        let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+        let r = reqwest::Client::new().post(format!("{}/v1/completions", self.url)).json(&body).send().await;
+        let r = r.expect("sends");
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.expect("JSON");
+        assert_eq!(status, 200, "{v}");
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached tokens");
+        (v["choices"][0]["text"].as_str().expect("text").to_owned(), cached as usize)
+    }
+
+    /// A counter's value on `/metrics` (the line that starts with `series`).
+    async fn metric(&self, series: &str) -> f64 {
+        let text = reqwest::get(format!("{}/metrics", self.url)).await.expect("scrapes").text().await.expect("text");
+        text.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("no {series} in /metrics"))
+    }
+
+    /// Waits (up to 5 s) until the conductor's index shows `worker` caching at least `blocks`.
+    async fn wait_index(&self, worker: &str, blocks: usize) -> usize {
+        let mut seen = 0;
+        for _ in 0..200 {
+            seen = self.conductor.view().blocks(worker).map_or(0, |b| b.len());
+            if seen >= blocks {
+                return seen;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        seen
+    }
+}
+
+const TURN_1: &str = "The prefill worker computes the prompt and keeps its KV cache in a pool that \
+                      spans the cluster, so that the next turn of the conversation";
+
+/// The length of the longest common prefix of two token sequences.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_cached_on_one_worker_is_fetched_by_another_and_the_output_is_unchanged() {
+    for (model, mode) in [("tiny-llama", KvTransfer::Pull), ("tiny-qwen2", KvTransfer::Push)] {
+        let script = Scripted::new(2);
+        let server = start(model, mode, &script).await;
+        // Turn 1 on prefill-0: its prompt's whole blocks stay in prefill-0's cache.
+        script.set(0, None);
+        let (ids_1, want_1) = engine_alone(model, engine_config(), TURN_1, 6);
+        let (text_1, cached_1) = server.complete(TURN_1, 6).await;
+        assert_eq!((text_1.as_str(), cached_1), (want_1.as_str(), 0), "{model}");
+        let held = ids_1.len() / 4;
+        assert_eq!(server.wait_index("prefill-0", held).await, held, "{model}: prefill-0 caches turn 1");
+
+        // Turn 2 on prefill-1, which caches nothing of it: it fetches turn 1's blocks from
+        // prefill-0 and computes only the rest.
+        let turn_2 = format!("{TURN_1}{text_1} goes on where it left off.");
+        let (ids_2, want_2) = engine_alone(model, engine_config(), &turn_2, 6);
+        let fetched = common_prefix(&ids_1, &ids_2).min(held * 4) / 4 * 4;
+        assert!(fetched >= 16, "{model}: the turns share {fetched} tokens of whole blocks");
+        let computed_before = server.metric("baton_prefill_tokens_total").await;
+        script.set(1, Some(0));
+        let (text_2, cached_2) = server.complete(&turn_2, 6).await;
+        assert_eq!(text_2, want_2, "{model} ({mode:?}): a fetched prefix changes nothing");
+        assert_eq!(cached_2, fetched, "{model}: the fetched prefix counts as cached");
+        let computed = server.metric("baton_prefill_tokens_total").await - computed_before;
+        assert_eq!(computed as usize, ids_2.len() - fetched, "{model}: prefill-1 computed only the rest");
+        assert_eq!(server.metric("baton_kv_fetches_total{outcome=\"fetched\"}").await, 1.0);
+        assert!(server.metric("baton_kv_fetch_bytes_total").await > 0.0);
+        assert_eq!(server.metric("baton_kv_fetch_seconds_count").await, 1.0);
+
+        // The fetched prefix is prefill-1's now: turn 2 again there finds it in its own cache.
+        let whole_2 = ids_2.len() / 4;
+        assert_eq!(server.wait_index("prefill-1", whole_2).await, whole_2, "{model}: prefill-1 caches turn 2");
+        script.set(1, None);
+        let (again, cached) = server.complete(&turn_2, 6).await;
+        assert_eq!((again, cached), (want_2, whole_2 * 4), "{model}");
+        server.assert_no_kv_held().await;
+    }
+}
+
+/// A worker that offers its cached prefix, and then fails the peer that fetches it the way
+/// `fault` says.
+#[derive(Debug)]
+struct Faulty {
+    inner: Arc<dyn Worker>,
+    fault: Fault,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// The lease ends before the peer pulls (the holder released or restarted).
+    LeaseEnded,
+    /// The holder's KV server is unreachable (it died after answering).
+    Unreachable,
+}
+
+#[async_trait::async_trait]
+impl Worker for Faulty {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn role(&self) -> baton_server::Role {
+        self.inner.role()
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+    fn submit(&self, req: WorkRequest) -> tokio::sync::mpsc::UnboundedReceiver<RequestEvent> {
+        self.inner.submit(req)
+    }
+    fn release(&self, id: u64) {
+        self.inner.release(id);
+    }
+    async fn stats(&self) -> Option<WorkerStats> {
+        self.inner.stats().await
+    }
+    fn capacity_blocks(&self) -> usize {
+        self.inner.capacity_blocks()
+    }
+    fn block_tokens(&self) -> usize {
+        self.inner.block_tokens()
+    }
+    fn subscribe_state(&self) -> Option<tokio::sync::mpsc::Receiver<StateUpdate>> {
+        self.inner.subscribe_state()
+    }
+    async fn export_prefix(&self, lease: u64, tokens: &[u32], deadline: Duration) -> Option<KvSource> {
+        let mut source = self.inner.export_prefix(lease, tokens, deadline).await?;
+        match self.fault {
+            Fault::LeaseEnded => {
+                self.inner.release(lease);
+                // The release is a command to the holder's engine thread: let it land first.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Fault::Unreachable => {
+                let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+                source.addr = closed.local_addr().expect("addr");
+            }
+        }
+        Some(source)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetch_that_cannot_be_carried_out_is_recomputed() {
+    let model = "tiny-llama";
+    // Each fault fetches into a worker of its own, whose cache holds none of the prompt.
+    let script = Scripted::new(4);
+    let server = start(model, KvTransfer::Pull, &script).await;
+    script.set(0, None);
+    let (ids_1, _) = engine_alone(model, engine_config(), TURN_1, 6);
+    let (text_1, _) = server.complete(TURN_1, 6).await;
+    server.wait_index("prefill-0", ids_1.len() / 4).await;
+    let holder = server.conductor.remove_worker("prefill-0").expect("prefill-0");
+    let mut recomputed = 0.0;
+    for (i, fault) in [Fault::LeaseEnded, Fault::Unreachable].into_iter().enumerate() {
+        server.conductor.add_worker(Arc::new(Faulty { inner: holder.clone(), fault }));
+        // A prompt prefill-1 has not seen, so nothing of it is cached there.
+        let turn_2 = format!("{TURN_1}{text_1} goes on, take {i}.");
+        let (_, want) = engine_alone(model, engine_config(), &turn_2, 6);
+        script.set(i + 1, Some(0));
+        let (text, cached) = server.complete(&turn_2, 6).await;
+        assert_eq!(text, want, "{fault:?}: the request completes by recomputing");
+        assert_eq!(cached, 0, "{fault:?}: nothing arrived");
+        recomputed += 1.0;
+        assert_eq!(server.metric("baton_kv_fetches_total{outcome=\"recomputed\"}").await, recomputed, "{fault:?}");
+        server.conductor.remove_worker("prefill-0");
+    }
+    // A holder that caches none of the prompt offers nothing: the prompt runs whole.
+    server.conductor.add_worker(holder);
+    script.set(3, Some(0));
+    let (text, cached) = server.complete("Nothing of this prompt is cached anywhere at all.", 6).await;
+    let (_, want) = engine_alone(model, engine_config(), "Nothing of this prompt is cached anywhere at all.", 6);
+    assert_eq!((text, cached), (want, 0));
+    assert_eq!(server.metric("baton_kv_fetches_total{outcome=\"unavailable\"}").await, 1.0);
+    server.assert_no_kv_held().await;
+}
