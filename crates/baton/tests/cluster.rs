@@ -1076,3 +1076,42 @@ fn a_conductor_serving_tls_takes_workers_and_clients_that_trust_its_certificate(
     assert!(http().get(format!("{plain}/health")).send().is_err(), "plain HTTP got an answer from the TLS port");
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// One KV pool across processes (#16): under kv-centric with fetching on (the default),
+/// requests sharing a cached prefix that arrive together do not all queue on the worker caching
+/// it: the other prefill worker takes some, fetching the prefix from the first one's pool over
+/// the KV protocol and computing only the rest. Every output equals `baton generate`'s, no fetch
+/// is recomputed, and no worker holds KV afterwards. (Requests sent to a worker while it still
+/// computes the prefix do not share it: a sequence's blocks enter the cache when it finishes.)
+#[test]
+fn requests_sharing_a_hot_prefix_fetch_it_into_an_idle_prefill_worker() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--policy", "kv-centric"]);
+    let p1 = worker(&dir, "prefill", &url, &["--name", "p1"]);
+    let p2 = worker(&dir, "prefill", &url, &["--name", "p2"]);
+    let d = worker(&dir, "decode", &url, &["--name", "d"]);
+    wait_members(&url, 3, Duration::from_secs(10));
+    complete(&url, LONG, 4);
+    let cached_on = |w: &str| indexed(&url, w).is_some_and(|b| !b.is_empty());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cached_on("p1") && !cached_on("p2") {
+        assert!(Instant::now() < deadline, "the prompt's blocks never reached the index");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let prompts: Vec<String> = (0..6).map(|i| format!("{LONG} and then, in turn {i}, the story goes on")).collect();
+    let want: Vec<String> = prompts.iter().map(|p| generate(&dir, p, 8)).collect();
+    let got: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| complete(&url, p, 8))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (v, want) in got.iter().zip(&want) {
+        assert_eq!(&text(v), want, "a fetched prefix changes no output");
+    }
+    let fetched = metric(&url, "baton_kv_fetches_total{outcome=\"fetched\"}");
+    eprintln!("{fetched} of 6 requests fetched the prefix from the other prefill worker");
+    assert!(fetched >= 1.0, "no request was moved off the worker holding the prefix");
+    assert_eq!(metric(&url, "baton_kv_fetches_total{outcome=\"recomputed\"}"), 0.0);
+    assert!(metric(&url, "baton_kv_fetch_bytes_total") > 0.0);
+    assert!(cached_on("p1") && cached_on("p2"), "the fetched prefix is cached on both workers now");
+    assert_no_leak(&[&p1, &p2, &d]);
+}
