@@ -28,6 +28,8 @@
 #               sessions' histories)
 #   POLICIES    live runs (default "kv-centric kv-centric-predicted least-load random")
 #   MODEL       tokenizer and context length of the emulated model (default Gemma 3 270M)
+#   KV_FETCH    on (default) / off: whether a prefill instance may fetch a prefix cached on
+#               another (`--kv-fetch`, live and simulated alike)
 #   CONDUCTORS  1 (default): one `baton serve` with in-process workers. 2 or more: a cluster of
 #               processes, that many `baton conductor` replicas over the same 4 + 4 `baton worker`s,
 #               the requests sent to the replicas in turn (round-robin, as a load balancer in front
@@ -49,6 +51,7 @@ output="${OUTPUT:-32}"
 num_blocks="${NUM_BLOCKS:-2048}"
 conductors="${CONDUCTORS:-1}"
 policies="${POLICIES:-kv-centric kv-centric-predicted least-load random}"
+kv_fetch="${KV_FETCH:-on}"
 model="${MODEL:-${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf}"
 prefill=4
 decode=4
@@ -69,12 +72,12 @@ trace="$out/trace.jsonl"
 "$baton" sim --context-sessions "$sessions" --turns "$turns" --rate "$rate" --think-s "$think_s" \
   --input "$context:$turn_tokens" --output "$output:$output" --write-trace "$trace"
 
-# The simulator, on the same trace: every policy it has a counterpart for. Without fetching a
-# prefix between instances, which live workers cannot do yet (the live conductor plans none).
+# The simulator, on the same trace: every policy it has a counterpart for, fetching prefixes
+# between instances as the live runs do (or not).
 sim_json="$out/sim.json"
 "$baton" sim --trace "$trace" --prefill "$prefill" --decode "$decode" --profile h100 \
   --policy kv-centric,least-load,random --device-blocks "$sim_blocks" --cache-blocks "$sim_blocks" \
-  --host-blocks 0 --kv-fetch off --json >"$sim_json" 2>"$out/sim.log"
+  --host-blocks 0 --kv-fetch "$kv_fetch" --json >"$sim_json" 2>"$out/sim.log"
 
 for name in $policies; do
   policy="$name"
@@ -83,17 +86,18 @@ for name in $policies; do
     policy="${name%-predicted}"
     index=predicted
   fi
+  # PD-Caching-1 live: the simulator does not model decode workers keeping sessions' KV.
   engine=(--emulate h100 --num-blocks "$num_blocks" --block-size "$block_size" --max-batch-tokens 8192
     --prefill-chunk 8192)
   replicas=()
   info "live: $name (policy $policy, index $index, $conductors conductor(s))"
   if [[ "$conductors" -eq 1 ]]; then
     start_server "$out/$name.server.log" --model "$model" --prefill "$prefill" --decode "$decode" \
-      --policy "$policy" --kv-index "$index" "${engine[@]}"
+      --policy "$policy" --kv-index "$index" --kv-fetch "$kv_fetch" --pd-caching 1 "${engine[@]}"
     urls=("$url")
   else
     start_cluster "$out/$name" "$conductors" "$prefill" "$decode" --model "$model" --policy "$policy" \
-      --kv-index "$index" --block-size "$block_size" -- --model "$model" "${engine[@]}"
+      --kv-index "$index" --kv-fetch "$kv_fetch" --pd-caching 1 --block-size "$block_size" -- --model "$model" "${engine[@]}"
     urls=("${conductor_urls[@]}")
     for u in "${urls[@]:1}"; do replicas+=(--replica "$u"); done
   fi

@@ -465,6 +465,33 @@ impl Engine {
         Ok(KvPrefix { blocks, tokens })
     }
 
+    /// [`Self::reserve_kv`] for KV that may be partly cached here already: `known` are the
+    /// tokens the KV to receive holds (`tokens` of them). The longest cached prefix of `known` in
+    /// whole blocks is taken from the prefix cache (one reference per block; never the last
+    /// block, so something is always received), the rest allocated. Returns the blocks and how
+    /// many leading ones came from the cache: those need not travel (MemServe's incremental
+    /// hand-off: a decode worker holding a session's history receives only the new blocks).
+    pub fn reserve_kv_reusing(&mut self, known: &[u32], tokens: usize) -> Result<(KvPrefix, usize), EngineError> {
+        let bs = self.config.block_size;
+        let n = tokens.div_ceil(bs);
+        let mut blocks = Vec::new();
+        if self.config.prefix_caching && n > 1 {
+            let whole = ((n - 1) * bs).min(known.len()) / bs * bs;
+            blocks = self.pool.acquire_prefix(&known[..whole], self.clock)?.0;
+        }
+        let cached = blocks.len();
+        match self.pool.alloc_blocks(n - cached) {
+            Ok(rest) => {
+                blocks.extend(rest);
+                Ok((KvPrefix { blocks, tokens }, cached))
+            }
+            Err(e) => {
+                self.pool.free_blocks(&blocks)?;
+                Err(e.into())
+            }
+        }
+    }
+
     /// Takes the longest cached prefix of `tokens` (whole blocks; blocks on a slower tier are
     /// brought onto the device first), one reference per block held by the caller, for a peer
     /// to read (a prefix fetched from this instance's cache). `None` when nothing is cached (or
@@ -497,7 +524,9 @@ impl Engine {
     /// Whether a sequence may take (and give) KV through the prefix cache now: a request for
     /// prompt logits computes every prompt position, so it skips the cache until it has them.
     fn uses_cache(&self, seq: &Sequence) -> bool {
-        self.config.prefix_caching && !seq.collecting_prompt_logits(self.backend.config().vocab_size)
+        self.config.prefix_caching
+            && seq.prefix_cache
+            && !seq.collecting_prompt_logits(self.backend.config().vocab_size)
     }
 
     /// What the planner sees of a sequence. A waiting sequence that holds nothing and may use
@@ -725,7 +754,7 @@ impl Engine {
     fn finish(&mut self, id: RequestId, reason: FinishReason) -> Result<Finished, EngineError> {
         let mut seq = self.seqs.remove(&id).expect("finished sequences exist");
         let mut blocks = seq.table.take();
-        if self.config.prefix_caching && reason != FinishReason::Aborted {
+        if self.config.prefix_caching && seq.prefix_cache && reason != FinishReason::Aborted {
             // Every whole block with computed KV goes into the index (which takes its own hold).
             self.pool.insert(&seq.tokens[..seq.computed], &blocks, self.clock)?;
         }

@@ -75,6 +75,10 @@ pub struct GenerationRequest {
     pub return_prompt_logits: bool,
     /// KV to keep when finished, handed back in [`Finished::kv`].
     pub retain_kv: KvRetention,
+    /// Whether the request takes its prompt's cached prefix and leaves its KV in the prefix
+    /// cache when it ends (with the engine's `prefix_caching` on). `false` runs it as though
+    /// nothing were cached (MemServe's PD-Basic, for comparisons).
+    pub prefix_cache: bool,
     /// Report each generated token's log-probability and those of the `n` most likely tokens
     /// (`Some(n)`), or nothing (`None`).
     pub logprobs: Option<usize>,
@@ -95,6 +99,7 @@ impl GenerationRequest {
             prefix: None,
             return_prompt_logits: false,
             retain_kv: KvRetention::None,
+            prefix_cache: true,
             logprobs: None,
             stop_token_ids: Vec::new(),
         }

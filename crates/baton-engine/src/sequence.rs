@@ -22,6 +22,8 @@ pub(crate) struct Sequence {
     pub(crate) sampler: Sampler,
     pub(crate) stop: StopParams,
     pub(crate) retain_kv: KvRetention,
+    /// Whether it uses the prefix cache ([`GenerationRequest::prefix_cache`]).
+    pub(crate) prefix_cache: bool,
     /// `Some` while prompt logits are wanted and being collected.
     pub(crate) prompt_logits: Option<Vec<f32>>,
     pub(crate) decoder: IncrementalDecoder,
@@ -68,6 +70,7 @@ impl Sequence {
             sampler,
             stop: req.stop,
             retain_kv: req.retain_kv,
+            prefix_cache: req.prefix_cache,
             prompt_logits: req.return_prompt_logits.then(Vec::new),
             decoder: IncrementalDecoder::default(),
             text: String::new(),

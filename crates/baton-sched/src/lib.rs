@@ -40,7 +40,7 @@
 //! let hashes = vec![BlockHash(7), BlockHash(8), BlockHash(9)];
 //! trees.predict(InstanceId(1), &hashes[..2], 0);
 //!
-//! let snap = ClusterSnapshot { now: 0, instances, trees: &trees, cost: &cost, links: vec![], kv_fetch: true };
+//! let snap = ClusterSnapshot { now: 0, instances, trees: &trees, cost: &cost, links: vec![], kv_fetch: true, decode_affinity: false };
 //! let req = Request {
 //!     id: RequestId(1),
 //!     prompt_tokens: 1400,

@@ -228,6 +228,10 @@ pub struct ClusterSnapshot<'a> {
     /// Whether an instance can fetch a prefix cached on another (over `links`). Off, a policy
     /// costs each instance with the blocks it holds and never routes a fetch.
     pub kv_fetch: bool,
+    /// Whether decode instances keep finished requests' KV in their caches and receive only
+    /// what they lack (MemServe's PD-Caching-2): the decode instance caching the longest prefix
+    /// of the prompt (a session's history) is preferred among those about as fast.
+    pub decode_affinity: bool,
 }
 
 impl<'a> ClusterSnapshot<'a> {
@@ -283,7 +287,14 @@ impl<'a> ClusterSnapshot<'a> {
     ) -> Self {
         let mut instances: Vec<InstanceSnapshot> = workers.iter().map(|w| w.snapshot(now)).collect();
         instances.sort_by_key(|i| i.id);
-        Self { now, instances, trees, cost, links: Vec::new(), kv_fetch: true }
+        Self { now, instances, trees, cost, links: Vec::new(), kv_fetch: true, decode_affinity: false }
+    }
+
+    /// This snapshot with decode affinity on or off ([`ClusterSnapshot::decode_affinity`]).
+    #[must_use]
+    pub fn with_decode_affinity(mut self, on: bool) -> Self {
+        self.decode_affinity = on;
+        self
     }
 
     /// This snapshot with fetching between instances allowed or not ([`ClusterSnapshot::kv_fetch`]).

@@ -49,7 +49,7 @@ use crate::openai::{Endpoint, ValidRequest, Validator};
 use crate::response::{Piece, full_response, sse_response};
 use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView, decode_has_room};
 use crate::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
-use crate::wire::{KvSource, Received, fetch_lease};
+use crate::wire::{KvSource, PdCaching, Received, fetch_lease};
 use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
 
 /// How long the conductor waits for a worker's next event before failing the request.
@@ -87,6 +87,8 @@ pub struct Conductor {
     epoch: Instant,
     /// How KV moves from prefill to decode workers.
     kv_transfer: KvTransfer,
+    /// Where past requests' KV is kept.
+    pd_caching: PdCaching,
     /// Workers out of routing after a failure, by name, with the generation of their breaker.
     tripped: Mutex<HashMap<String, u64>>,
     next_trip: AtomicU64,
@@ -167,6 +169,7 @@ impl Conductor {
             loads: Mutex::new(Loads::default()),
             epoch: Instant::now(),
             kv_transfer: KvTransfer::default(),
+            pd_caching: PdCaching::default(),
             tripped: Mutex::new(HashMap::new()),
             next_trip: AtomicU64::new(0),
         }
@@ -208,6 +211,14 @@ impl Conductor {
     #[must_use]
     pub fn with_kv_transfer(mut self, mode: KvTransfer) -> Self {
         self.kv_transfer = mode;
+        self
+    }
+
+    /// Keeps past requests' KV as `mode` says (the routing policy's decode affinity is set
+    /// where the policy is built, from the same flag).
+    #[must_use]
+    pub fn with_pd_caching(mut self, mode: PdCaching) -> Self {
+        self.pd_caching = mode;
         self
     }
 
@@ -935,6 +946,7 @@ impl Run {
             kv_transfer: self.conductor.kv_transfer,
             kv: None,
             fetch: None,
+            prefix_cache: self.conductor.pd_caching != PdCaching::Basic,
         }
     }
 
@@ -1001,12 +1013,11 @@ impl Run {
         // Decode: reserve blocks and pull the KV into them, or have `p` push it (COMPLETE
         // releases it on the prefill side), then stream the rest.
         let handoff = Instant::now();
-        let bytes = kv.as_ref().map_or(0, |kv| kv.tokens) * c.kv_bytes_per_token;
         let mut decode = d.clone();
         let mut tried = Vec::new();
         // Every token the client has: the prefill's first, then the decode workers'.
         let mut generated = first.clone();
-        let mut handoff = kv.is_some().then_some((handoff, bytes));
+        let mut handoff = kv.is_some().then_some(handoff);
         let result = loop {
             if generated.len() >= self.valid.stop.max_tokens {
                 // Lost after its last token, before saying so.
@@ -1017,7 +1028,10 @@ impl Run {
             // The prefill worker's lease holds the prompt's KV until a decode worker completes its
             // transfer; a migrated request recomputes its KV instead.
             let kv = kv.clone().filter(|_| generated.len() == first.len());
-            let events = decode.submit(WorkRequest { generated: generated.clone(), kv, ..self.request() });
+            // Decode workers keep (and reuse) requests' KV only in PD-Caching-2.
+            let prefix_cache = c.pd_caching == PdCaching::Decode;
+            let events =
+                decode.submit(WorkRequest { generated: generated.clone(), kv, prefix_cache, ..self.request() });
             let mut relayed = Vec::new();
             let result = self.relay(&decode, events, start, handoff.take(), None, &mut relayed).await;
             let streamed_here = relayed.len();
@@ -1044,13 +1058,14 @@ impl Run {
     }
 
     /// Streams a worker's events to the response. With `handoff`, the first event means the
-    /// KV was pulled: record the hand-off.
+    /// KV was pulled: record the hand-off (and, when the request ends, the KV the worker says it
+    /// received: tokens it cached already did not travel).
     async fn relay(
         &self,
         worker: &Arc<dyn Worker>,
         mut events: mpsc::UnboundedReceiver<RequestEvent>,
         start: Instant,
-        mut handoff: Option<(Instant, usize)>,
+        mut handoff: Option<Instant>,
         mut prefill: Option<(Tracked<'_>, Option<Fetching>)>,
         relayed: &mut Vec<u32>,
     ) -> Result<(), RunError> {
@@ -1061,11 +1076,10 @@ impl Run {
         let mut fetching = None;
         loop {
             let event = self.next(worker, &mut events).await?;
-            if let Some((t, bytes)) = handoff.take()
+            if let Some(t) = handoff.take()
                 && !matches!(event, RequestEvent::Failed(_) | RequestEvent::Lost { .. })
             {
                 c.metrics.transfer.observe(t.elapsed().as_secs_f64());
-                c.metrics.transfer_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
                 last = Some(Instant::now());
             }
             match event {
@@ -1093,6 +1107,11 @@ impl Run {
                     reason, prompt_tokens, completion_tokens, cached_tokens, received, ..
                 } => {
                     let _ = self.cached_tokens.set(cached_tokens);
+                    if let Some(r) = received.filter(|_| !colocated) {
+                        c.metrics.transfer_tokens.fetch_add(r.tokens as u64, Ordering::Relaxed);
+                        let bytes = r.tokens * c.kv_bytes_per_token;
+                        c.metrics.transfer_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+                    }
                     if colocated {
                         let fetching = fetching.take().or_else(|| prefill.take().and_then(|(_, f)| f));
                         self.fetch_ended(fetching.as_ref(), received);

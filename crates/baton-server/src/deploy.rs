@@ -296,6 +296,8 @@ pub struct ConductorConfig {
     pub block_tokens: usize,
     /// How KV moves from prefill to decode workers (every worker supports both modes).
     pub kv_transfer: KvTransfer,
+    /// Where past requests' KV is kept (`--pd-caching`).
+    pub pd_caching: crate::wire::PdCaching,
     /// What feeds the conductor's KV index.
     pub kv_index: crate::view::KvIndexMode,
     /// On shutdown, how long the requests in flight may take to finish.
@@ -373,6 +375,7 @@ pub async fn run_conductor(
             bytes_per_token,
         )
         .with_kv_transfer(config.kv_transfer)
+        .with_pd_caching(config.pd_caching)
         .with_kv_index(config.kv_index)
         .with_protect_metrics(config.protect_metrics),
     );

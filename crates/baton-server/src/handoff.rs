@@ -184,8 +184,10 @@ impl TransferThread {
         };
         match job.mode {
             KvTransfer::Pull => {
-                let remote: Vec<BlockId> = job.source.blocks.iter().map(|&b| BlockId(b)).collect();
-                match client.pull(transfer_id(&job), &remote, job.kv.blocks()) {
+                // Blocks cached here already (`skip`) stay out of the transfer.
+                let remote: Vec<BlockId> = job.source.blocks.iter().skip(job.skip).map(|&b| BlockId(b)).collect();
+                let local = job.kv.blocks().get(job.skip..).unwrap_or_default();
+                match client.pull(transfer_id(&job), &remote, local) {
                     Ok(stats) => self.report(job, Ok(stats)),
                     // Pipelined reads may still be answered: the connection is out of step.
                     Err(e) => {

@@ -81,6 +81,8 @@ pub struct ServeConfig {
     pub policy: sched::PolicyChoice,
     /// How KV moves from prefill to decode workers.
     pub kv_transfer: KvTransfer,
+    /// Where past requests' KV is kept (`--pd-caching`).
+    pub pd_caching: wire::PdCaching,
     /// What feeds the conductor's KV index.
     pub kv_index: view::KvIndexMode,
     /// Fault injection for tests (see [`WorkerOptions::push_delay`]).
@@ -105,6 +107,7 @@ impl ServeConfig {
             lease: worker::DEFAULT_LEASE,
             policy: sched::PolicyChoice::default(),
             kv_transfer: KvTransfer::default(),
+            pd_caching: wire::PdCaching::default(),
             kv_index: view::KvIndexMode::default(),
             push_delay: Duration::ZERO,
             emulate: None,
@@ -252,6 +255,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
             bytes_per_token,
         )
         .with_kv_transfer(config.kv_transfer)
+        .with_pd_caching(config.pd_caching)
         .with_kv_index(config.kv_index)
         .with_protect_metrics(config.protect_metrics),
     ))

@@ -99,8 +99,10 @@ pub struct Metrics {
     pub routed_colocated: AtomicU64,
     /// Requests routed prefill → decode.
     pub routed_disaggregated: AtomicU64,
-    /// KV bytes handed between workers.
+    /// KV bytes handed between workers (the model's bytes per token times the tokens moved).
     pub transfer_bytes: AtomicU64,
+    /// KV tokens handed between workers (a decode worker's cached prefix is not moved).
+    pub transfer_tokens: AtomicU64,
     /// Prompt tokens.
     pub prompt_tokens: AtomicU64,
     /// Generated tokens.
@@ -135,6 +137,7 @@ impl Default for Metrics {
             routed_colocated: AtomicU64::new(0),
             routed_disaggregated: AtomicU64::new(0),
             transfer_bytes: AtomicU64::new(0),
+            transfer_tokens: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             prefill_tokens: AtomicU64::new(0),
@@ -260,6 +263,11 @@ impl Metrics {
             "# HELP baton_kv_transfer_bytes_total KV bytes handed between workers.\n# TYPE baton_kv_transfer_bytes_total counter"
         );
         let _ = writeln!(out, "baton_kv_transfer_bytes_total {}", self.transfer_bytes.load(Ordering::Relaxed));
+        let _ = writeln!(
+            out,
+            "# HELP baton_kv_transfer_tokens_total KV tokens handed from prefill to decode workers (those a decode worker cached already are not moved).\n# TYPE baton_kv_transfer_tokens_total counter\nbaton_kv_transfer_tokens_total {}",
+            self.transfer_tokens.load(Ordering::Relaxed)
+        );
         self.kv_fetch.render(
             &mut out,
             "baton_kv_fetch_seconds",

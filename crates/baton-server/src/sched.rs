@@ -44,6 +44,8 @@ pub struct SchedPolicy {
     block_tokens: usize,
     /// Whether routes may fetch a prefix cached on another worker.
     kv_fetch: bool,
+    /// Whether a request prefers the decode worker caching its history.
+    decode_affinity: bool,
 }
 
 impl std::fmt::Debug for SchedPolicy {
@@ -62,7 +64,13 @@ impl SchedPolicy {
             rng: StdRng::seed_from_u64(seed),
             next_request: 0,
         };
-        Self { state: Mutex::new(state), cost, block_tokens: block_tokens.max(1), kv_fetch: false }
+        Self {
+            state: Mutex::new(state),
+            cost,
+            block_tokens: block_tokens.max(1),
+            kv_fetch: false,
+            decode_affinity: false,
+        }
     }
 
     /// Lets routes fetch a prefix cached on another worker when that beats recomputing it
@@ -139,6 +147,14 @@ impl SchedPolicy {
             expected_output: request.max_tokens as u64,
             session: request.session.map(baton_sched::SessionId),
         }
+    }
+
+    /// Prefers the decode worker caching the longest prefix of the prompt among those about as
+    /// fast as the fastest (MemServe's PD-Caching-2; off by default).
+    #[must_use]
+    pub fn with_decode_affinity(mut self, on: bool) -> Self {
+        self.decode_affinity = on;
+        self
     }
 
     /// Maps a scheduler decision back onto the snapshot's workers.
@@ -220,7 +236,8 @@ impl RoutePolicy for SchedPolicy {
         *next_request += 1;
         let req = Self::request(*next_request, request, self.block_tokens);
         let decision = {
-            let cluster = Self::cluster_snapshot(snapshot, &trees, &self.cost, self.block_tokens, now, self.kv_fetch);
+            let cluster = Self::cluster_snapshot(snapshot, &trees, &self.cost, self.block_tokens, now, self.kv_fetch)
+                .with_decode_affinity(self.decode_affinity);
             scheduler.decide(&cluster, &req, rng)
         };
         if let baton_sched::Decision::Route(r) = &decision {
@@ -257,6 +274,9 @@ pub enum PolicyChoice {
         /// Whether a prompt's worker may fetch a prefix cached on another worker
         /// (`--kv-fetch`).
         kv_fetch: bool,
+        /// Whether a request prefers the decode worker caching its prompt's history
+        /// (`--pd-caching 2`).
+        decode_affinity: bool,
     },
     /// A policy of the caller's own (a library user's, or a test's that scripts decisions).
     Custom(CustomPolicy),
@@ -299,9 +319,10 @@ impl PolicyChoice {
             PolicyChoice::Simple { max_in_flight } => {
                 Box::new(crate::routing::LeastLoad { max_in_flight: *max_in_flight })
             }
-            PolicyChoice::Sched { policy, config, admission, cost, seed, kv_fetch } => {
+            PolicyChoice::Sched { policy, config, admission, cost, seed, kv_fetch, decode_affinity } => {
                 let scheduler = Scheduler::new(policy.build(config), *admission);
-                Box::new(SchedPolicy::new(scheduler, (**cost).clone(), block_tokens, *seed).with_kv_fetch(*kv_fetch))
+                let policy = SchedPolicy::new(scheduler, (**cost).clone(), block_tokens, *seed);
+                Box::new(policy.with_kv_fetch(*kv_fetch).with_decode_affinity(*decode_affinity))
             }
             PolicyChoice::Custom(p) => Box::new(p.clone()),
         }

@@ -68,8 +68,11 @@ pub trait Host {
     fn add_request(&mut self, req: GenerationRequest) -> Result<(), WorkerError>;
     /// Aborts a request in the engine; the KV it retained, if any.
     fn abort(&mut self, id: RequestId) -> Option<KvPrefix>;
-    /// Reserves blocks for `tokens` tokens of KV to receive; `None` when there is no room.
-    fn reserve_kv(&mut self, tokens: usize) -> Option<KvPrefix>;
+    /// Reserves blocks for `tokens` tokens of KV to receive, the KV of `known` (its tokens; empty
+    /// when nothing may come from the cache); with the number of leading blocks that hold it
+    /// already (taken from this worker's prefix cache: they need not travel). `None` when there
+    /// is no room.
+    fn reserve_kv(&mut self, known: &[u32], tokens: usize) -> Option<(KvPrefix, usize)>;
     /// Gives blocks back to the engine.
     fn release_kv(&mut self, kv: KvPrefix);
     /// Blocks allocatable now.
@@ -171,6 +174,8 @@ pub struct KvJob {
     pub generation: Generation,
     /// The reserved blocks: freed if the job is dropped.
     pub kv: HeldKv,
+    /// Leading blocks this worker had cached already: not transferred (pull mode only).
+    pub skip: usize,
     /// Where the KV is.
     pub source: KvSource,
     /// Pulled or pushed.
@@ -184,7 +189,7 @@ pub struct KvJob {
 impl KvJob {
     /// The job's result, handing the reserved blocks back with it.
     pub fn done(self, result: Result<TransferStats, TransferFailure>) -> TransferDone {
-        TransferDone { id: self.id, generation: self.generation, kv: self.kv, result, span: self.span }
+        TransferDone { id: self.id, generation: self.generation, kv: self.kv, skip: self.skip, result, span: self.span }
     }
 }
 
@@ -208,6 +213,8 @@ pub struct TransferDone {
     pub generation: Generation,
     /// The reserved blocks.
     pub kv: HeldKv,
+    /// Leading blocks that were cached here and not transferred.
+    pub skip: usize,
     /// What the transfer moved, or why it did not.
     pub result: Result<TransferStats, TransferFailure>,
     /// The request's span.
@@ -518,7 +525,7 @@ impl<S: Sink> Sessions<S> {
     /// when the transfer failed. A result for a request gone, or for an earlier reservation,
     /// only frees its blocks.
     pub fn transfer_done(&mut self, host: &mut impl Host, done: TransferDone) {
-        let TransferDone { id, generation, kv, result, span } = done;
+        let TransferDone { id, generation, kv, skip, result, span } = done;
         let current = matches!(
             self.sessions.get(&id).map(|s| &s.state),
             Some(State::Receiving { generation: g, .. }) if *g == generation
@@ -536,7 +543,7 @@ impl<S: Sink> Sessions<S> {
             Ok(stats) => {
                 tracing::info!(bytes = stats.bytes, calls = stats.calls, "received KV");
                 received = Some(Received {
-                    tokens: kv.tokens(),
+                    tokens: kv.tokens().saturating_sub(skip * host.block_size()),
                     bytes: stats.bytes,
                     micros: u64::try_from(stats.elapsed.as_micros()).unwrap_or(u64::MAX),
                 });
@@ -683,9 +690,20 @@ impl<S: Sink> Sessions<S> {
             let Some(s) = self.sessions.remove(&id) else { continue };
             let State::Queued { req, source, mode, push, .. } = s.state else { continue };
             let _entered = s.span.clone().entered();
-            let reserved = if room { host.reserve_kv(source.tokens) } else { None };
+            // What this worker caches of the KV already need not travel. (A push writes every
+            // block the prefill side holds, so push mode reserves them all.)
+            let known: Vec<u32> = match mode {
+                KvTransfer::Pull if req.prefix_cache => {
+                    req.prompt.iter().chain(&req.generated).copied().take(source.tokens).collect()
+                }
+                _ => Vec::new(),
+            };
+            let reserved = if room { host.reserve_kv(&known, source.tokens) } else { None };
             match reserved {
-                Some(kv) => {
+                Some((kv, skip)) => {
+                    if skip > 0 {
+                        tracing::info!(cached_blocks = skip, "part of the KV is cached here: receiving the rest");
+                    }
                     let generation = Generation(self.next_generation);
                     self.next_generation += 1;
                     let cancel = CancelToken::default();
@@ -693,6 +711,7 @@ impl<S: Sink> Sessions<S> {
                         id,
                         generation,
                         kv: self.hold(kv),
+                        skip,
                         source,
                         mode,
                         cancel: cancel.clone(),
@@ -788,11 +807,21 @@ mod tests {
         engine: HashMap<RequestId, Vec<BlockId>>,
         refuse: bool,
         offer: bool,
+        /// Leading blocks of any KV to receive that "are cached" here.
+        cached_blocks: usize,
     }
 
     impl FakeHost {
         fn new(total: usize) -> Self {
-            Self { total, next: 0, taken: HashSet::new(), engine: HashMap::new(), refuse: false, offer: true }
+            Self {
+                total,
+                next: 0,
+                taken: HashSet::new(),
+                engine: HashMap::new(),
+                refuse: false,
+                offer: true,
+                cached_blocks: 0,
+            }
         }
 
         fn alloc(&mut self, n: usize) -> Vec<BlockId> {
@@ -861,9 +890,10 @@ mod tests {
             None
         }
 
-        fn reserve_kv(&mut self, tokens: usize) -> Option<KvPrefix> {
+        fn reserve_kv(&mut self, known: &[u32], tokens: usize) -> Option<(KvPrefix, usize)> {
             let n = tokens.div_ceil(BS);
-            (self.available_blocks() >= n).then(|| KvPrefix { blocks: self.alloc(n), tokens })
+            let cached = self.cached_blocks.min(known.len() / BS).min(n.saturating_sub(1));
+            (self.available_blocks() >= n).then(|| (KvPrefix { blocks: self.alloc(n), tokens }, cached))
         }
 
         fn release_kv(&mut self, kv: KvPrefix) {
@@ -1016,14 +1046,42 @@ mod tests {
     }
 
     #[test]
+    fn kv_cached_here_already_is_left_out_of_a_pull_not_of_a_push() {
+        let (mut s, mut h) = (sessions(), FakeHost::new(16));
+        h.cached_blocks = 2;
+        let sink = submit_kv(&mut s, &mut h, Instant::now(), 1, 3 * BS);
+        let job = take_job(&mut s);
+        assert_eq!(job.skip, 2, "two of three blocks are cached: one travels");
+        s.transfer_done(&mut h, job.done(ok()));
+        let out = h.finish(RequestId(1), false);
+        s.step_output(&mut h, out);
+        assert!(matches!(
+            &sink.events.borrow()[1],
+            RequestEvent::Finished { received: Some(Received { tokens: BS, .. }), .. }
+        ));
+        // A push writes every block the prefill side holds: nothing is skipped.
+        let req = request(2, false);
+        let submission = Submission {
+            req,
+            source: Some(source(3 * BS)),
+            mode: KvTransfer::Push,
+            push: false,
+            sink: TestSink::default(),
+            span: span(),
+        };
+        s.submit(&mut h, Instant::now(), submission);
+        assert_eq!(take_job(&mut s).skip, 0);
+    }
+
+    #[test]
     fn an_exported_prefix_is_leased_until_the_lease_ends() {
         let (mut s, mut h) = (sessions(), FakeHost::new(16));
-        let kv = h.reserve_kv(2 * BS).expect("room");
+        let kv = h.reserve_kv(&[], 2 * BS).expect("room").0;
         let source = s.export(&mut h, RequestId(9), kv, TestSink::default()).expect("offered");
         assert_eq!((source.blocks.len(), source.tokens, source.lease), (2, 2 * BS, Some(9)));
         assert_eq!(state(&s, 9), Some("leased"));
         // A second export under the same lease id is refused, and its blocks freed.
-        let again = h.reserve_kv(BS).expect("room");
+        let again = h.reserve_kv(&[], BS).expect("room").0;
         assert!(s.export(&mut h, RequestId(9), again, TestSink::default()).is_none());
         assert_eq!(h.leaked(), 2, "the first export's blocks stay held");
         s.release(&mut h, RequestId(9));
@@ -1032,7 +1090,7 @@ mod tests {
         assert_eq!((state(&s, 9), h.leaked()), (None, 0));
         // Without a KV server nothing is offered, and nothing kept.
         h.offer = false;
-        let kv = h.reserve_kv(BS).expect("room");
+        let kv = h.reserve_kv(&[], BS).expect("room").0;
         assert!(s.export(&mut h, RequestId(10), kv, TestSink::default()).is_none());
         assert_eq!(h.leaked(), 0);
     }

@@ -119,6 +119,42 @@ pub struct WorkRequest {
     /// fetch that fails recomputes the prefix: it never fails the request.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fetch: Option<KvSource>,
+    /// Whether the worker takes the prompt's cached prefix and caches the request's KV when it
+    /// ends (`false`: MemServe's PD-Basic, [`PdCaching::Basic`]).
+    #[serde(default = "yes", skip_serializing_if = "is_yes")]
+    pub prefix_cache: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference.
+fn is_yes(b: &bool) -> bool {
+    *b
+}
+
+/// Where a disaggregated cluster keeps past requests' KV (MemServe's §5 modes; `--pd-caching`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub enum PdCaching {
+    /// PD-Basic: nowhere; every prompt is computed whole.
+    Basic,
+    /// PD-Caching-1: prefill workers cache prompts; a later prompt computes only what its
+    /// prefill worker lacks.
+    Prefill,
+    /// PD-Caching-2: decode workers also keep finished requests' KV (a session's history, the
+    /// answers included); a session's next turn is routed to the decode worker holding it when
+    /// that worker is about as fast as the fastest, and the hand-off moves only the blocks the
+    /// decode side lacks.
+    #[default]
+    Decode,
+}
+
+impl PdCaching {
+    /// The mode's number, as on the command line and in MemServe.
+    pub fn number(self) -> u8 {
+        self as u8
+    }
 }
 
 impl WorkRequest {
@@ -137,6 +173,7 @@ impl WorkRequest {
             kv_transfer: KvTransfer::default(),
             kv: None,
             fetch: None,
+            prefix_cache: true,
         }
     }
 
@@ -162,6 +199,7 @@ impl WorkRequest {
             retain_kv: if self.retain_kv { KvRetention::All } else { KvRetention::None },
             logprobs: self.logprobs,
             stop_token_ids: self.stop_token_ids,
+            prefix_cache: self.prefix_cache,
             ..GenerationRequest::new(RequestId(self.id), self.prompt)
         };
         (req, incoming)

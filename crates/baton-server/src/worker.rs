@@ -518,8 +518,8 @@ impl Host for EngineHost {
         self.engine.abort(id).ok().flatten().and_then(|f| f.kv)
     }
 
-    fn reserve_kv(&mut self, tokens: usize) -> Option<KvPrefix> {
-        self.engine.reserve_kv(tokens).ok()
+    fn reserve_kv(&mut self, known: &[u32], tokens: usize) -> Option<(KvPrefix, usize)> {
+        self.engine.reserve_kv_reusing(known, tokens).ok()
     }
 
     fn release_kv(&mut self, kv: KvPrefix) {

@@ -279,6 +279,7 @@ async fn every_policy_refuses_before_the_first_token_never_after() {
             cost: Box::new(CostProfile::llama2_70b_8xa800()),
             seed: 1,
             kv_fetch: true,
+            decode_affinity: true,
         },
         ..ServeConfig::new(fixture("tiny-llama"))
     };

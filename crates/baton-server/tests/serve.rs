@@ -710,6 +710,7 @@ async fn the_scheduling_crates_policies_route_live_requests() {
                 cost: Box::new(CostProfile::llama2_70b_8xa800()),
                 seed: 1,
                 kv_fetch: true,
+                decode_affinity: true,
             },
             ..ServeConfig::new(fixture("tiny-llama"))
         };

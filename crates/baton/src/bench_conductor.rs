@@ -79,6 +79,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             policy: baton_server::sched::PolicyChoice::default(),
             block_tokens: 16,
             kv_transfer: baton_server::KvTransfer::default(),
+            pd_caching: baton_server::wire::PdCaching::default(),
             kv_index: baton_server::view::KvIndexMode::default(),
             drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
             tls: None,

@@ -109,6 +109,7 @@ pub(crate) fn run(a: IndexArgs) -> anyhow::Result<()> {
         cost: Box::new(baton_sched::CostProfile::llama2_70b_8xh100()),
         seed: 1,
         kv_fetch: true,
+        decode_affinity: true,
     };
     let policy = choice.build(a.block_tokens);
     policy.attach_index(Arc::clone(&trees));

@@ -284,6 +284,7 @@ pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
         protect_metrics: a.protect_metrics,
         policy: a.routing.choice()?,
         kv_transfer: a.routing.kv_transfer(),
+        pd_caching: a.routing.pd_caching(),
         kv_index: a.routing.kv_index(),
         block_tokens: a.block_size,
         drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),

@@ -127,6 +127,15 @@ pub(crate) struct RoutingFlags {
     /// prompt-tree plan fetches). A fetch that fails is recomputed.
     #[arg(long, value_enum, default_value = "on")]
     kv_fetch: OnOff,
+    /// Where past requests' KV is kept, as MemServe's modes: 0 (PD-Basic) nowhere, every
+    /// prompt computed whole; 1 (PD-Caching-1) prefill workers cache prompts; 2 (PD-Caching-2)
+    /// decode workers also keep finished requests' KV, a session's next turn goes to the decode
+    /// worker holding its history when that worker is about as fast as the fastest (policies of
+    /// baton-sched), and a hand-off moves only the blocks the decode worker lacks (pull mode).
+    /// (MemServe's mode 3, the decode side's answer sent back to a prefill worker's cache, is
+    /// not built.)
+    #[arg(long, default_value = "2", value_parser = clap::value_parser!(u8).range(0..=2))]
+    pd_caching: u8,
 }
 
 /// A switch.
@@ -153,6 +162,15 @@ impl RoutingFlags {
         match self.kv_transfer {
             KvTransferArg::Pull => baton_server::KvTransfer::Pull,
             KvTransferArg::Push => baton_server::KvTransfer::Push,
+        }
+    }
+
+    /// Where these flags keep past requests' KV.
+    pub(crate) fn pd_caching(&self) -> baton_server::wire::PdCaching {
+        match self.pd_caching {
+            0 => baton_server::wire::PdCaching::Basic,
+            1 => baton_server::wire::PdCaching::Prefill,
+            _ => baton_server::wire::PdCaching::Decode,
         }
     }
 
@@ -188,6 +206,7 @@ impl RoutingFlags {
             cost: Box::new(cost),
             seed: self.seed,
             kv_fetch: self.kv_fetch == OnOff::On,
+            decode_affinity: self.pd_caching() == baton_server::wire::PdCaching::Decode,
         })
     }
 }

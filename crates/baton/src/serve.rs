@@ -79,6 +79,7 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
         lease: Duration::from_secs(a.lease_s),
         policy: a.routing.choice()?,
         kv_transfer: a.routing.kv_transfer(),
+        pd_caching: a.routing.pd_caching(),
         kv_index: a.routing.kv_index(),
         emulate: a.engine.emulate()?,
         ..ServeConfig::new(model.clone())

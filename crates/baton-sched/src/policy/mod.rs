@@ -161,8 +161,6 @@ pub(crate) fn tbt_with(snap: &ClusterSnapshot<'_>, inst: &InstanceSnapshot, req:
     snap.cost.decode_step(batch, inst.decode_context() + incoming + req.prompt_tokens)
 }
 
-/// The decode instance with the least predicted TBT (ties by id), with that TBT. A colocated
-/// prefill instance decodes its own requests.
 /// The plan of least predicted TTFT, ties spread by [`spread`]: how every cache-affine policy
 /// picks its prefill instance among plans it weighs alike.
 pub(crate) fn least_ttft<'s>(plans: impl Iterator<Item = PrefillPlan<'s>>, req: &Request) -> Option<PrefillPlan<'s>> {
@@ -182,6 +180,14 @@ pub(crate) fn spread(req: &Request, inst: InstanceId) -> u64 {
     z ^ (z >> 31)
 }
 
+/// How much slower than the fastest a decode instance may be predicted to be and still be
+/// chosen for the prompt's prefix it caches ([`ClusterSnapshot::decode_affinity`]): a quarter.
+const AFFINITY_SLACK_DIV: u64 = 4;
+
+/// The decode instance with the least predicted TBT (ties by id), with that TBT. A colocated
+/// prefill instance decodes its own requests. With decode affinity, the instance caching the
+/// longest prefix of the prompt among those within a quarter of the least TBT: a session's next
+/// turn goes where its history is, so the hand-off moves only the blocks it lacks.
 pub(crate) fn least_loaded_decode(
     snap: &ClusterSnapshot<'_>,
     req: &Request,
@@ -190,7 +196,14 @@ pub(crate) fn least_loaded_decode(
     if prefill.role == crate::Role::Colocated {
         return Some((prefill.id, tbt_with(snap, prefill, req)));
     }
-    snap.decode_pool().map(|d| (d.id, tbt_with(snap, d, req))).min_by_key(|&(id, t)| (t, id))
+    let pool: Vec<(InstanceId, Micros)> = snap.decode_pool().map(|d| (d.id, tbt_with(snap, d, req))).collect();
+    let fastest = pool.iter().map(|&(_, t)| t).min()?;
+    let cached = |id: InstanceId| {
+        if snap.decode_affinity { snap.trees.prefix_len(id, &req.block_hashes, snap.now) } else { 0 }
+    };
+    pool.into_iter()
+        .filter(|&(_, t)| t <= fastest + fastest / AFFINITY_SLACK_DIV)
+        .max_by_key(|&(id, t)| (cached(id), std::cmp::Reverse(t), std::cmp::Reverse(id)))
 }
 
 /// What one prefill instance would do with a request, and the TTFT it would give (Mooncake's
@@ -307,7 +320,7 @@ pub(crate) mod testutil {
         trees: &'a GlobalPromptTrees,
         cost: &'a CostProfile,
     ) -> ClusterSnapshot<'a> {
-        ClusterSnapshot { now: 0, instances, trees, cost, links: Vec::new(), kv_fetch: true }
+        ClusterSnapshot { now: 0, instances, trees, cost, links: Vec::new(), kv_fetch: true, decode_affinity: false }
     }
 
     /// A request of `blocks` full 512-token blocks with hashes 1..=blocks.
@@ -331,6 +344,31 @@ mod tests {
     use super::testutil::{instances, request, snap, trees_for};
     use super::*;
     use crate::{CostProfile, PolicyConfig, RequestId};
+
+    /// PD-Caching-2: with decode affinity, the decode instance caching the prompt's history
+    /// takes the request when it is about as fast as the fastest; a much busier one does not, and
+    /// without affinity the fastest (lowest id on ties) always does.
+    #[test]
+    fn decode_affinity_prefers_the_history_while_it_is_about_as_fast() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        let mut inst = instances(1, 2);
+        let mut trees = trees_for(&inst);
+        let req = request(8);
+        trees.predict(InstanceId(2), &req.block_hashes[..6], 0);
+        let prefill = |s: &ClusterSnapshot<'_>| s.instances[0].clone();
+        let s = snap(inst.clone(), &trees, &cost);
+        assert_eq!(least_loaded_decode(&s, &req, &prefill(&s)).map(|d| d.0), Some(InstanceId(1)), "affinity off");
+        let s = s.with_decode_affinity(true);
+        assert_eq!(
+            least_loaded_decode(&s, &req, &prefill(&s)).map(|d| d.0),
+            Some(InstanceId(2)),
+            "the history's holder"
+        );
+        // The holder decodes a large batch: far slower than the idle one, so the idle one decodes.
+        inst[2].decode_running = (0..64).map(|_| crate::DecodeSeq { started_at: 0, context: 8192 }).collect();
+        let s = snap(inst, &trees, &cost).with_decode_affinity(true);
+        assert_eq!(least_loaded_decode(&s, &req, &prefill(&s)).map(|d| d.0), Some(InstanceId(1)), "too busy");
+    }
 
     /// Nothing cached, no queues: every instance ties, for every policy. Lowest-id-first sent
     /// every new conversation to instance 0, whose cache then thrashed while the others' stayed

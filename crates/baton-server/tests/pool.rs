@@ -1,9 +1,10 @@
-//! One KV pool across the cluster: a prompt's worker fetches a prefix cached on another worker
-//! before computing the rest (issue #16). A scripted policy plans each fetch, so every test
-//! knows where the prefix is and who fetches it; the conductor, the workers, the export and
-//! the pull are the real ones. Greedy output with a fetch equals the engine alone; the fetching
+//! One KV pool across the cluster (issue #16). A prompt's worker fetches a prefix cached on
+//! another worker before computing the rest: a scripted policy plans each fetch, so every test
+//! knows where the prefix is and who fetches it; the conductor, the workers, the export and the
+//! pull are the real ones. Greedy output with a fetch equals the engine alone; the fetching
 //! worker computes only what it did not receive and keeps the prefix in its own cache; a fetch
-//! that cannot be carried out is recomputed; no worker holds KV afterwards.
+//! that cannot be carried out is recomputed. MemServe's modes (`--pd-caching 0|1|2`) keep the
+//! output and change only what is computed and moved. No worker holds KV afterwards.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -11,7 +12,7 @@ use std::time::Duration;
 use baton_engine::EngineConfig;
 use baton_server::routing::{Decision, Fetch, Plan, RoutePolicy, RouteRequest, Snapshot};
 use baton_server::sched::{CustomPolicy, PolicyChoice};
-use baton_server::wire::{KvSource, RequestEvent, StateUpdate, WorkRequest, WorkerStats};
+use baton_server::wire::{KvSource, PdCaching, RequestEvent, StateUpdate, WorkRequest, WorkerStats};
 use baton_server::{KvTransfer, ServeConfig, Worker};
 use serde_json::{Value, json};
 
@@ -256,4 +257,40 @@ async fn a_fetch_that_cannot_be_carried_out_is_recomputed() {
     assert_eq!((text, cached), (want, 0));
     assert_eq!(server.metric("baton_kv_fetches_total{outcome=\"unavailable\"}").await, 1.0);
     server.assert_no_kv_held().await;
+}
+
+/// MemServe's modes on one prefill and one decode worker, over a two-turn session: the output
+/// never changes; PD-Basic computes every prompt whole; PD-Caching-1 computes only what the
+/// prefill worker lacks and hands the whole prompt over; PD-Caching-2 also keeps the first
+/// turn (its answer included) on the decode worker, so the second hand-off moves only the
+/// blocks the decode worker lacks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_caching_modes_keep_the_output_and_change_what_is_computed_and_moved() {
+    let model = "tiny-llama";
+    let (ids_1, want_1) = engine_alone(model, engine_config(), TURN_1, 6);
+    let turn_2 = format!("{TURN_1}{want_1} goes on where it left off.");
+    let (ids_2, want_2) = engine_alone(model, engine_config(), &turn_2, 6);
+    let shared = common_prefix(&ids_1, &ids_2).min(ids_1.len() / 4 * 4) / 4 * 4;
+    for mode in [PdCaching::Basic, PdCaching::Prefill, PdCaching::Decode] {
+        let config = ServeConfig { engine: engine_config(), pd_caching: mode, ..ServeConfig::new(fixture(model)) };
+        let server = start_with(&config).await;
+        let (text_1, _) = server.complete(TURN_1, 6).await;
+        assert_eq!(text_1, want_1, "{mode:?}");
+        let computed_before = server.metric("baton_prefill_tokens_total").await;
+        let moved_before = server.metric("baton_kv_transfer_tokens_total").await;
+        let (text_2, cached_2) = server.complete(&turn_2, 6).await;
+        assert_eq!(text_2, want_2, "{mode:?}: the mode changes no output");
+        let computed = (server.metric("baton_prefill_tokens_total").await - computed_before) as usize;
+        let moved = (server.metric("baton_kv_transfer_tokens_total").await - moved_before) as usize;
+        let expect_cached = if mode == PdCaching::Basic { 0 } else { shared };
+        assert_eq!((cached_2, computed), (expect_cached, ids_2.len() - expect_cached), "{mode:?}");
+        match mode {
+            PdCaching::Basic | PdCaching::Prefill => assert_eq!(moved, ids_2.len(), "{mode:?}: the whole prompt"),
+            PdCaching::Decode => {
+                assert!(moved > 0 && moved + 16 <= ids_2.len(), "{mode:?}: moved {moved} of {}", ids_2.len());
+            }
+        }
+        eprintln!("{mode:?}: turn 2 computed {computed} of {} prompt tokens, moved {moved}", ids_2.len());
+        server.assert_no_kv_held().await;
+    }
 }
