@@ -492,6 +492,20 @@ impl Engine {
         }
     }
 
+    /// Puts KV received from a peer into the prefix cache without running anything (MemServe's
+    /// `transfer_with_insert`): `kv` holds the KV of `tokens` (one reference per block, given
+    /// up here); its whole blocks are cached under those tokens. Returns the blocks cached.
+    pub fn import_kv(&mut self, tokens: &[u32], kv: KvPrefix) -> Result<usize, EngineError> {
+        let cached = if self.config.prefix_caching {
+            let whole = kv.tokens.min(tokens.len());
+            self.pool.insert(&tokens[..whole], &kv.blocks, self.clock)?
+        } else {
+            0
+        };
+        self.pool.free_blocks(&kv.blocks)?;
+        Ok(cached)
+    }
+
     /// Takes the longest cached prefix of `tokens` (whole blocks; blocks on a slower tier are
     /// brought onto the device first), one reference per block held by the caller, for a peer
     /// to read (a prefix fetched from this instance's cache). `None` when nothing is cached (or

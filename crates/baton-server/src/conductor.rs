@@ -705,6 +705,29 @@ async fn kv_index(State(c): State<Arc<Conductor>>, headers: HeaderMap) -> Respon
     Json(json!({"mode": format!("{:?}", c.view.mode()).to_lowercase(), "workers": workers})).into_response()
 }
 
+/// PD-Caching-3: after request `id` ended on `decode`, the prompt and answer's blocks that
+/// `prefill` lacks go from `decode`'s cache into `prefill`'s (an export there, an import here),
+/// so the session's next prompt is computed after its whole history. Off the request's path;
+/// every wait has a deadline and a failure only leaves the cache as it was.
+async fn return_kv(
+    c: Arc<Conductor>,
+    decode: Arc<dyn Worker>,
+    prefill: Arc<dyn Worker>,
+    id: RequestId,
+    tokens: Vec<u32>,
+) {
+    let lease = crate::wire::return_lease(id.0);
+    let Some(source) = decode.export_prefix(lease, &tokens, crate::control::EXPORT_DEADLINE).await else {
+        return;
+    };
+    let _lease = FetchLease { from: decode, lease };
+    let received = prefill.import_prefix(lease, tokens, source, crate::control::IMPORT_DEADLINE).await;
+    if let Some(r) = received {
+        tracing::debug!(tokens = r.tokens, "the answer's KV went back to the prefill worker");
+        c.metrics.return_tokens.fetch_add(r.tokens as u64, Ordering::Relaxed);
+    }
+}
+
 /// A fetch the policy planned: the prompt's first `tokens` tokens, cached on `from`.
 struct PlannedFetch {
     from: Arc<dyn Worker>,
@@ -1029,7 +1052,7 @@ impl Run {
             // transfer; a migrated request recomputes its KV instead.
             let kv = kv.clone().filter(|_| generated.len() == first.len());
             // Decode workers keep (and reuse) requests' KV only in PD-Caching-2.
-            let prefix_cache = c.pd_caching == PdCaching::Decode;
+            let prefix_cache = c.pd_caching >= PdCaching::Decode;
             let events =
                 decode.submit(WorkRequest { generated: generated.clone(), kv, prefix_cache, ..self.request() });
             let mut relayed = Vec::new();
@@ -1054,6 +1077,10 @@ impl Run {
         // Whatever happened on the decode side, the prefill side's blocks are not needed any
         // more (a no-op when the pull completed).
         p.release(self.id.0);
+        if result.is_ok() && c.pd_caching == PdCaching::Return {
+            let tokens: Vec<u32> = self.valid.prompt_ids.iter().chain(&generated).copied().collect();
+            tokio::spawn(return_kv(c.clone(), decode, p.clone(), self.id, tokens).in_current_span());
+        }
         result
     }
 

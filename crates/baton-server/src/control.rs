@@ -5,6 +5,7 @@
 //! | `POST /worker/v1/generate`   | [`WorkRequest`] | 200, then one [`RequestEvent`] per line (NDJSON) |
 //! | `POST /worker/v1/release`    | [`ReleaseBody`] | 204                                         |
 //! | `POST /worker/v1/export`     | [`ExportBody`]  | 200 [`KvSource`] (a cached prefix offered under a lease), 404 when none is cached |
+//! | `POST /worker/v1/import`     | [`ImportBody`]  | 200 [`Received`] once a peer's KV is in the prefix cache, 404 when none arrived |
 //! | `GET /worker/v1/stats`       | none            | 200 [`WorkerStats`]                         |
 //! | `GET /worker/v1/state`       | none            | 200, then one [`StateUpdate`] per line (NDJSON), a snapshot first |
 //!
@@ -18,6 +19,8 @@
 //! [`StateUpdate`]: crate::wire::StateUpdate
 //! [`ReleaseBody`]: crate::wire::ReleaseBody
 //! [`ExportBody`]: crate::wire::ExportBody
+//! [`ImportBody`]: crate::wire::ImportBody
+//! [`Received`]: crate::wire::Received
 //! [`KvSource`]: crate::wire::KvSource
 
 use std::convert::Infallible;
@@ -46,12 +49,16 @@ pub const RELEASE_PATH: &str = "/worker/v1/release";
 pub const EXPORT_PATH: &str = "/worker/v1/export";
 /// How long the worker's engine thread may take to answer an export (it answers between steps).
 pub const EXPORT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+/// Path of the import route (a peer's KV pulled into the prefix cache).
+pub const IMPORT_PATH: &str = "/worker/v1/import";
+/// How long an import may take, waiting for room and pulling.
+pub const IMPORT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 /// Path of the stats route.
 pub const STATS_PATH: &str = "/worker/v1/stats";
 /// Path of the state stream's route.
 pub const STATE_PATH: &str = "/worker/v1/state";
 
-pub use crate::wire::{ExportBody, ReleaseBody};
+pub use crate::wire::{ExportBody, ImportBody, ReleaseBody};
 
 #[derive(Clone)]
 struct ControlState {
@@ -67,6 +74,7 @@ pub fn router(worker: WorkerHandle, secret: ClusterSecret) -> Router {
         .route(GENERATE_PATH, post(generate))
         .route(RELEASE_PATH, post(release))
         .route(EXPORT_PATH, post(export))
+        .route(IMPORT_PATH, post(import))
         .route(STATS_PATH, get(stats))
         .route(STATE_PATH, get(state_stream))
         .with_state(ControlState { worker, secret, seen: Arc::default() })
@@ -143,6 +151,19 @@ async fn export(State(state): State<ControlState>, headers: HeaderMap, body: Byt
             None => ApiError::NotFound("no prefix of these tokens is cached here".into()).into_response(),
         },
         Err(e) => ApiError::invalid(format!("invalid export request: {e}")).into_response(),
+    }
+}
+
+async fn import(State(state): State<ControlState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(e) = authorize(&state, &headers, "POST", IMPORT_PATH, &body) {
+        return e.into_response();
+    }
+    match serde_json::from_slice::<ImportBody>(&body) {
+        Ok(b) => match state.worker.import_prefix(b.id, b.tokens, b.source, IMPORT_DEADLINE).await {
+            Some(received) => axum::Json(received).into_response(),
+            None => ApiError::NotFound("no KV arrived".into()).into_response(),
+        },
+        Err(e) => ApiError::invalid(format!("invalid import request: {e}")).into_response(),
     }
 }
 

@@ -103,6 +103,8 @@ pub struct Metrics {
     pub transfer_bytes: AtomicU64,
     /// KV tokens handed between workers (a decode worker's cached prefix is not moved).
     pub transfer_tokens: AtomicU64,
+    /// KV tokens decode workers sent back into prefill workers' caches (PD-Caching-3).
+    pub return_tokens: AtomicU64,
     /// Prompt tokens.
     pub prompt_tokens: AtomicU64,
     /// Generated tokens.
@@ -138,6 +140,7 @@ impl Default for Metrics {
             routed_disaggregated: AtomicU64::new(0),
             transfer_bytes: AtomicU64::new(0),
             transfer_tokens: AtomicU64::new(0),
+            return_tokens: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             prefill_tokens: AtomicU64::new(0),
@@ -267,6 +270,11 @@ impl Metrics {
             out,
             "# HELP baton_kv_transfer_tokens_total KV tokens handed from prefill to decode workers (those a decode worker cached already are not moved).\n# TYPE baton_kv_transfer_tokens_total counter\nbaton_kv_transfer_tokens_total {}",
             self.transfer_tokens.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP baton_kv_return_tokens_total KV tokens decode workers sent back into prefill workers' caches after a request (PD-Caching-3).\n# TYPE baton_kv_return_tokens_total counter\nbaton_kv_return_tokens_total {}",
+            self.return_tokens.load(Ordering::Relaxed)
         );
         self.kv_fetch.render(
             &mut out,

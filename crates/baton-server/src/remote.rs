@@ -14,9 +14,11 @@ use tracing::Instrument;
 use baton_cluster::{AUTH_HEADER, ClusterSecret, WorkerInfo, unix_millis};
 use tokio::sync::{mpsc, watch};
 
-use crate::control::{EXPORT_PATH, ExportBody, GENERATE_PATH, RELEASE_PATH, ReleaseBody, STATE_PATH, STATS_PATH};
+use crate::control::{
+    EXPORT_PATH, ExportBody, GENERATE_PATH, IMPORT_PATH, ImportBody, RELEASE_PATH, ReleaseBody, STATE_PATH, STATS_PATH,
+};
 use crate::error::ApiError;
-use crate::wire::WorkerError;
+use crate::wire::{Received, WorkerError};
 use crate::worker::{KvSource, RequestEvent, Role, StateUpdate, WorkRequest, Worker, WorkerStats};
 
 /// How long to wait for a worker to accept a connection.
@@ -204,6 +206,19 @@ impl Worker for RemoteWorker {
             }
             Err(e) => {
                 tracing::warn!(worker = name, error = chain(e), "export failed");
+                None
+            }
+        }
+    }
+
+    async fn import_prefix(&self, id: u64, tokens: Vec<u32>, source: KvSource, deadline: Duration) -> Option<Received> {
+        let body = serde_json::to_vec(&ImportBody { id, tokens, source }).ok()?;
+        let request = self.signed(reqwest::Method::POST, IMPORT_PATH, body).timeout(deadline);
+        match request.send().await {
+            Ok(r) if r.status().is_success() => r.json().await.ok(),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(worker = %self.info.id, error = chain(e), "import failed");
                 None
             }
         }

@@ -75,6 +75,9 @@ pub trait Host {
     fn reserve_kv(&mut self, known: &[u32], tokens: usize) -> Option<(KvPrefix, usize)>;
     /// Gives blocks back to the engine.
     fn release_kv(&mut self, kv: KvPrefix);
+    /// Caches received KV of `tokens` in the prefix index, running nothing; gives the blocks
+    /// back.
+    fn import_kv(&mut self, tokens: &[u32], kv: KvPrefix);
     /// Blocks allocatable now.
     fn available_blocks(&self) -> usize;
     /// Sequences running in the engine.
@@ -234,7 +237,9 @@ pub enum State {
         mode: KvTransfer,
         /// Push the retained KV when it finishes (a prefill worker that fetched a prefix).
         push: bool,
-        /// When it stops waiting and recomputes the prompt here.
+        /// Only cache the KV when it arrives (`req.prompt` are its tokens): nothing runs.
+        import: bool,
+        /// When it stops waiting and recomputes the prompt here (an import gives up).
         deadline: Instant,
     },
     /// Its KV is on its way into reserved blocks (the transfer thread holds them).
@@ -247,6 +252,8 @@ pub enum State {
         cancel: CancelToken,
         /// Push the retained KV when it finishes.
         push: bool,
+        /// Only cache the KV when it arrives.
+        import: bool,
     },
     /// In the engine (waiting for a batch slot, prefilling or decoding).
     Running {
@@ -423,13 +430,53 @@ impl<S: Sink> Sessions<S> {
             Some(source) => {
                 let deadline = now + self.config.incoming_wait;
                 let push = push && req.retain_kv == KvRetention::All;
-                let state = State::Queued { req: Box::new(req), source, mode, push, deadline };
+                let state = State::Queued { req: Box::new(req), source, mode, push, import: false, deadline };
                 self.sessions.insert(id, Session { state, sink, span });
                 self.queue.push_back(id);
                 self.start_queued(host, now);
             }
         }
         self.settle(host);
+    }
+
+    /// Receives a peer's KV of `tokens` into this worker's prefix cache, running nothing
+    /// (MemServe's PD-Caching-3: a decode worker's answer sent back to a prefill worker). What
+    /// is cached here already does not travel. The sink hears one `Finished` (with what was
+    /// received, `None` when nothing arrived), or `Failed` when this worker cannot receive.
+    pub fn import(
+        &mut self,
+        host: &mut impl Host,
+        now: Instant,
+        id: RequestId,
+        tokens: Vec<u32>,
+        source: KvSource,
+        sink: S,
+    ) {
+        if self.sessions.contains_key(&id) || !self.config.can_receive {
+            sink.send(RequestEvent::Failed(WorkerError::WrongRole(format!("cannot import KV as {}", id.0))));
+            return;
+        }
+        let req = GenerationRequest::new(id, tokens);
+        let deadline = now + self.config.incoming_wait;
+        let state =
+            State::Queued { req: Box::new(req), source, mode: KvTransfer::Pull, push: false, import: true, deadline };
+        let span = tracing::info_span!("import", id = id.0);
+        self.sessions.insert(id, Session { state, sink, span });
+        self.queue.push_back(id);
+        self.start_queued(host, now);
+        self.settle(host);
+    }
+
+    /// An import's end: `received` is what arrived and is cached now.
+    fn imported(sink: &S, tokens: usize, cached: usize, received: Option<Received>) {
+        sink.send(RequestEvent::Finished {
+            reason: crate::wire::Finish::Length,
+            prompt_tokens: tokens,
+            cached_tokens: cached,
+            completion_tokens: 0,
+            kv: None,
+            received,
+        });
     }
 
     /// Time passes: requests whose client left are aborted, queued hand-offs that have room
@@ -536,7 +583,7 @@ impl<S: Sink> Sessions<S> {
             return;
         }
         let Some(s) = self.sessions.remove(&id) else { return };
-        let State::Receiving { mut req, push, .. } = s.state else { return };
+        let State::Receiving { mut req, push, import, .. } = s.state else { return };
         let _entered = span.entered();
         let mut received = None;
         match result {
@@ -556,7 +603,15 @@ impl<S: Sink> Sessions<S> {
                 drop(kv);
             }
         }
-        self.start_received(host, *req, push, received, s.sink, s.span);
+        if import {
+            let cached = skip * host.block_size();
+            if let Some(kv) = req.prefix.take() {
+                host.import_kv(&req.prompt, kv);
+            }
+            Self::imported(&s.sink, req.prompt.len(), cached, received);
+        } else {
+            self.start_received(host, *req, push, received, s.sink, s.span);
+        }
         self.settle(host);
     }
 
@@ -688,7 +743,7 @@ impl<S: Sink> Sessions<S> {
             }
             self.queue.pop_front();
             let Some(s) = self.sessions.remove(&id) else { continue };
-            let State::Queued { req, source, mode, push, .. } = s.state else { continue };
+            let State::Queued { req, source, mode, push, import, .. } = s.state else { continue };
             let _entered = s.span.clone().entered();
             // What this worker caches of the KV already need not travel. (A push writes every
             // block the prefill side holds, so push mode reserves them all.)
@@ -718,8 +773,12 @@ impl<S: Sink> Sessions<S> {
                         span: s.span.clone(),
                     };
                     self.actions.push(Action::Transfer(job));
-                    let state = State::Receiving { req, generation, cancel, push };
+                    let state = State::Receiving { req, generation, cancel, push, import };
                     self.sessions.insert(id, Session { state, sink: s.sink, span: s.span });
+                }
+                None if import => {
+                    tracing::info!("no room for KV to import in time; not importing it");
+                    Self::imported(&s.sink, req.prompt.len(), 0, None);
                 }
                 None => {
                     if room {
@@ -809,6 +868,8 @@ mod tests {
         offer: bool,
         /// Leading blocks of any KV to receive that "are cached" here.
         cached_blocks: usize,
+        /// Blocks imported into the "cache".
+        imported: usize,
     }
 
     impl FakeHost {
@@ -821,6 +882,7 @@ mod tests {
                 refuse: false,
                 offer: true,
                 cached_blocks: 0,
+                imported: 0,
             }
         }
 
@@ -897,6 +959,12 @@ mod tests {
         }
 
         fn release_kv(&mut self, kv: KvPrefix) {
+            self.free(&kv.blocks);
+        }
+
+        fn import_kv(&mut self, tokens: &[u32], kv: KvPrefix) {
+            assert!(kv.tokens <= tokens.len(), "KV of the tokens named");
+            self.imported += kv.blocks.len();
             self.free(&kv.blocks);
         }
 
@@ -1071,6 +1139,30 @@ mod tests {
         };
         s.submit(&mut h, Instant::now(), submission);
         assert_eq!(take_job(&mut s).skip, 0);
+    }
+
+    #[test]
+    fn an_import_caches_what_arrives_and_runs_nothing() {
+        let (mut s, mut h) = (sessions(), FakeHost::new(16));
+        h.cached_blocks = 1;
+        let sink = TestSink::default();
+        s.import(&mut h, Instant::now(), RequestId(3), vec![1; 12], source(12), sink.clone());
+        let job = take_job(&mut s);
+        assert_eq!((job.skip, job.mode), (1, KvTransfer::Pull), "what is cached here does not travel");
+        s.transfer_done(&mut h, job.done(ok()));
+        assert!(matches!(
+            &sink.events.borrow()[..],
+            [RequestEvent::Finished { cached_tokens: 4, received: Some(Received { tokens: 8, .. }), .. }]
+        ));
+        assert_eq!((h.imported, h.engine.len(), h.leaked()), (3, 0, 0), "cached, nothing run, nothing held");
+        assert!(s.is_empty());
+        // A failed pull imports nothing, and says so.
+        let sink = TestSink::default();
+        s.import(&mut h, Instant::now(), RequestId(4), vec![1; 12], source(12), sink.clone());
+        let job = take_job(&mut s);
+        s.transfer_done(&mut h, job.done(Err(TransferFailure::Peer("gone".into()))));
+        assert!(matches!(&sink.events.borrow()[..], [RequestEvent::Finished { received: None, .. }]));
+        assert_eq!((h.imported, h.leaked()), (3, 0));
     }
 
     #[test]

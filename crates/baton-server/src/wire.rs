@@ -42,6 +42,13 @@ pub fn fetch_lease(id: u64) -> u64 {
     id | 1 << 63
 }
 
+/// The transfer id under which a decode worker offers request `id`'s KV back to a prefill
+/// worker (PD-Caching-3), and the id of the import there: distinct from the request's own and
+/// from its fetch's.
+pub fn return_lease(id: u64) -> u64 {
+    id | 3 << 62
+}
+
 /// How KV moves from the prefill worker to the decode worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -148,6 +155,10 @@ pub enum PdCaching {
     /// decode side lacks.
     #[default]
     Decode,
+    /// PD-Caching-3: PD-Caching-2, and after each request its decode worker sends the blocks
+    /// the prefill worker lacks (the answer) back into that worker's cache, so the session's
+    /// next prompt is computed after its whole history.
+    Return,
 }
 
 impl PdCaching {
@@ -393,6 +404,19 @@ pub struct ExportBody {
     pub lease: u64,
     /// The prompt's first tokens (whole blocks).
     pub tokens: Vec<u32>,
+}
+
+/// Body of the control API's `POST /worker/v1/import`: pull the KV of `tokens` a peer offers
+/// (`source`) into the prefix cache, running nothing, as import `id`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImportBody {
+    /// The import's id on the worker (and the lease's on the peer).
+    pub id: u64,
+    /// The tokens the KV holds.
+    pub tokens: Vec<u32>,
+    /// Where it is.
+    pub source: KvSource,
 }
 
 /// A KV tier, as the state stream names it.

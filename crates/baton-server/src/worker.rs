@@ -52,7 +52,7 @@ use tracing::Instrument;
 pub use crate::handoff::{KvTransfer, TransportChoice};
 use crate::handoff::{TransferThread, spawn_push};
 use crate::session::{Action, Host, KvJob, SessionConfig, Sessions, Submission, TransferDone};
-use crate::wire::{BlockEvent, CachedBlock, LoadReport};
+use crate::wire::{BlockEvent, CachedBlock, LoadReport, Received};
 pub use crate::wire::{Finish, KvSource, RequestEvent, Role, StateUpdate, WorkRequest, WorkerError, WorkerStats};
 
 /// What the conductor needs of a worker, wherever it runs: [`WorkerHandle`] in this process,
@@ -86,6 +86,18 @@ pub trait Worker: Send + Sync + std::fmt::Debug {
     /// and COMPLETEs, or the lease ends when [`Worker::release`]d or when it expires. `None` when
     /// it caches none of it, has no KV server, or does not answer within `deadline`.
     async fn export_prefix(&self, _lease: u64, _tokens: &[u32], _deadline: Duration) -> Option<KvSource> {
+        None
+    }
+    /// Pulls KV of `tokens` that a peer offers (`source`) into this worker's prefix cache,
+    /// running nothing (what it caches already does not travel), as import `id`. What arrived,
+    /// or `None` when nothing did within `deadline` (the peer's lease then ends on its own).
+    async fn import_prefix(
+        &self,
+        _id: u64,
+        _tokens: Vec<u32>,
+        _source: KvSource,
+        _deadline: Duration,
+    ) -> Option<Received> {
         None
     }
     /// Subscribes to the worker's state stream: its KV events and load reports, in order,
@@ -156,6 +168,13 @@ pub(crate) enum Command {
         tokens: Vec<u32>,
         reply: oneshot::Sender<Option<KvSource>>,
     },
+    /// Pull a peer's KV of `tokens` into the prefix cache (session `id`); its end on `events`.
+    Import {
+        id: RequestId,
+        tokens: Vec<u32>,
+        source: KvSource,
+        events: mpsc::UnboundedSender<RequestEvent>,
+    },
     Stats(oneshot::Sender<WorkerStats>),
     /// A new subscriber to the state stream; it gets a snapshot first.
     Subscribe(mpsc::Sender<StateUpdate>),
@@ -224,9 +243,9 @@ impl WorkerHandle {
         let (tx, rx) = std::sync::mpsc::channel();
         let arena = engine.kv().handle();
         let peer = PeerId(u64::from(engine.config().instance.0));
-        let server = if role == Role::Decode {
-            None
-        } else {
+        // Every role serves KV: prefill workers their hand-offs, any worker its cache to a peer
+        // that fetches from it.
+        let server = {
             let arena = arena.as_ref().ok_or_else(|| io_error("KV server", "the engine's arena cannot be shared"))?;
             let region = Region::from_arena(arena, Access::ReadOnly)?;
             let config = ServerConfig {
@@ -419,6 +438,18 @@ impl Worker for WorkerHandle {
         let _ = self.inner.commands.send(Command::Release(RequestId(id)));
     }
 
+    async fn import_prefix(&self, id: u64, tokens: Vec<u32>, source: KvSource, deadline: Duration) -> Option<Received> {
+        if self.stop_reason().is_some() || self.is_draining() {
+            return None;
+        }
+        let (events, mut rx) = mpsc::unbounded_channel();
+        self.inner.commands.send(Command::Import { id: RequestId(id), tokens, source, events }).ok()?;
+        match tokio::time::timeout(deadline, rx.recv()).await.ok()?? {
+            RequestEvent::Finished { received, .. } => received,
+            _ => None,
+        }
+    }
+
     async fn export_prefix(&self, lease: u64, tokens: &[u32], deadline: Duration) -> Option<KvSource> {
         if self.stop_reason().is_some() || self.is_draining() {
             return None;
@@ -525,6 +556,13 @@ impl Host for EngineHost {
     fn release_kv(&mut self, kv: KvPrefix) {
         if let Err(e) = self.engine.release_kv(kv) {
             tracing::error!(error = %e, "releasing KV failed");
+        }
+    }
+
+    fn import_kv(&mut self, tokens: &[u32], kv: KvPrefix) {
+        match self.engine.import_kv(tokens, kv) {
+            Ok(blocks) => tracing::info!(blocks, "imported KV into the prefix cache"),
+            Err(e) => tracing::error!(error = %e, "importing KV failed"),
         }
     }
 
@@ -748,6 +786,9 @@ impl EngineLoop {
                 let crate::wire::Incoming { source, mode, push } = incoming;
                 let submission = Submission { req: *req, source, mode, push, sink: events, span };
                 self.sessions.submit(host, Instant::now(), submission);
+            }
+            Command::Import { id, tokens, source, events } => {
+                self.sessions.import(host, Instant::now(), id, tokens, source, events);
             }
             Command::Export { lease, tokens, reply } => {
                 let source = host.engine.export_prefix(&tokens).and_then(|kv| {

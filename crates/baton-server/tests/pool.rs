@@ -83,6 +83,10 @@ impl Server {
     /// A greedy completion of `prompt`: its text and its cached prompt tokens.
     async fn complete(&self, prompt: &str, max_tokens: usize) -> (String, usize) {
         let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+        self.complete_body(body).await
+    }
+
+    async fn complete_body(&self, body: Value) -> (String, usize) {
         let r = reqwest::Client::new().post(format!("{}/v1/completions", self.url)).json(&body).send().await;
         let r = r.expect("sends");
         let status = r.status().as_u16();
@@ -90,6 +94,12 @@ impl Server {
         assert_eq!(status, 200, "{v}");
         let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached tokens");
         (v["choices"][0]["text"].as_str().expect("text").to_owned(), cached as usize)
+    }
+
+    /// A greedy completion of prompt token ids: its text and its cached prompt tokens.
+    async fn complete_ids(&self, ids: &[u32], max_tokens: usize) -> (String, usize) {
+        let body = json!({"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+        self.complete_body(body).await
     }
 
     /// A counter's value on `/metrics` (the line that starts with `series`).
@@ -263,34 +273,77 @@ async fn a_fetch_that_cannot_be_carried_out_is_recomputed() {
 /// never changes; PD-Basic computes every prompt whole; PD-Caching-1 computes only what the
 /// prefill worker lacks and hands the whole prompt over; PD-Caching-2 also keeps the first
 /// turn (its answer included) on the decode worker, so the second hand-off moves only the
-/// blocks the decode worker lacks.
+/// blocks the decode worker lacks; PD-Caching-3 also sends the first turn's answer back into the
+/// prefill worker's cache, so the second turn computes only what follows the whole history.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_caching_modes_keep_the_output_and_change_what_is_computed_and_moved() {
     let model = "tiny-llama";
-    let (ids_1, want_1) = engine_alone(model, engine_config(), TURN_1, 6);
-    let turn_2 = format!("{TURN_1}{want_1} goes on where it left off.");
-    let (ids_2, want_2) = engine_alone(model, engine_config(), &turn_2, 6);
-    let shared = common_prefix(&ids_1, &ids_2).min(ids_1.len() / 4 * 4) / 4 * 4;
-    for mode in [PdCaching::Basic, PdCaching::Prefill, PdCaching::Decode] {
+    // Turn 2 in token ids: turn 1's prompt, its answer as generated, then more. (Text would be
+    // tokenised anew, and the tokens where turn 1 ends may merge with the answer's.)
+    let (ids_1, answer_1, want_1) = engine_tokens(model, TURN_1, 6);
+    let more = tokenizer(model).encode(" It goes on where it left off.", false).expect("encodes");
+    let ids_2: Vec<u32> = ids_1.iter().chain(&answer_1).chain(&more).copied().collect();
+    let want_2 = engine_ids(model, &ids_2, 6).1;
+    // What a prefill worker caches of turn 1 (its prompt's whole blocks), and what the decode
+    // worker caches (every token it computed KV for: all but the last one it generated).
+    let prompt_blocks = ids_1.len() / 4 * 4;
+    let history_blocks = (ids_1.len() + answer_1.len() - 1) / 4 * 4;
+    for mode in [PdCaching::Basic, PdCaching::Prefill, PdCaching::Decode, PdCaching::Return] {
         let config = ServeConfig { engine: engine_config(), pd_caching: mode, ..ServeConfig::new(fixture(model)) };
         let server = start_with(&config).await;
         let (text_1, _) = server.complete(TURN_1, 6).await;
         assert_eq!(text_1, want_1, "{mode:?}");
+        if mode == PdCaching::Return {
+            // The answer goes back after the response, off the request's path.
+            let mut returned = 0.0;
+            for _ in 0..200 {
+                returned = server.metric("baton_kv_return_tokens_total").await;
+                if returned > 0.0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            assert_eq!(returned as usize, history_blocks - prompt_blocks, "the answer's blocks went back");
+        }
         let computed_before = server.metric("baton_prefill_tokens_total").await;
         let moved_before = server.metric("baton_kv_transfer_tokens_total").await;
-        let (text_2, cached_2) = server.complete(&turn_2, 6).await;
+        let (text_2, cached_2) = server.complete_ids(&ids_2, 6).await;
         assert_eq!(text_2, want_2, "{mode:?}: the mode changes no output");
         let computed = (server.metric("baton_prefill_tokens_total").await - computed_before) as usize;
         let moved = (server.metric("baton_kv_transfer_tokens_total").await - moved_before) as usize;
-        let expect_cached = if mode == PdCaching::Basic { 0 } else { shared };
-        assert_eq!((cached_2, computed), (expect_cached, ids_2.len() - expect_cached), "{mode:?}");
-        match mode {
-            PdCaching::Basic | PdCaching::Prefill => assert_eq!(moved, ids_2.len(), "{mode:?}: the whole prompt"),
-            PdCaching::Decode => {
-                assert!(moved > 0 && moved + 16 <= ids_2.len(), "{mode:?}: moved {moved} of {}", ids_2.len());
-            }
-        }
+        let (want_cached, want_moved) = match mode {
+            PdCaching::Basic => (0, ids_2.len()),
+            PdCaching::Prefill => (prompt_blocks, ids_2.len()),
+            PdCaching::Decode => (prompt_blocks, ids_2.len() - history_blocks),
+            PdCaching::Return => (history_blocks, ids_2.len() - history_blocks),
+        };
+        assert_eq!((cached_2, computed, moved), (want_cached, ids_2.len() - want_cached, want_moved), "{mode:?}");
         eprintln!("{mode:?}: turn 2 computed {computed} of {} prompt tokens, moved {moved}", ids_2.len());
         server.assert_no_kv_held().await;
     }
+}
+
+fn tokenizer(model: &str) -> baton_model::Tokenizer {
+    baton_model::Checkpoint::open(&fixture(model)).expect("loads").tokenizer
+}
+
+/// The engine alone on `prompt`: its ids, the generated ids, the text.
+fn engine_tokens(model: &str, prompt: &str, max_tokens: usize) -> (Vec<u32>, Vec<u32>, String) {
+    let ids = tokenizer(model).encode(prompt, true).expect("encodes");
+    let (generated, text) = engine_ids(model, &ids, max_tokens);
+    (ids, generated, text)
+}
+
+/// The engine alone on prompt ids, greedy, ignoring EOS: the generated ids and text.
+fn engine_ids(model: &str, ids: &[u32], max_tokens: usize) -> (Vec<u32>, String) {
+    use baton_engine::{Engine, GenerationRequest, RequestId, StopParams};
+    let ckpt = baton_model::Checkpoint::open(&fixture(model)).expect("loads");
+    let mut e = Engine::new(Arc::new(ckpt.model), Some(Arc::new(ckpt.tokenizer)), engine_config()).expect("engine");
+    e.add_request(GenerationRequest {
+        stop: StopParams { max_tokens, ignore_eos: true, stop_strings: vec![] },
+        ..GenerationRequest::new(RequestId(0), ids.to_vec())
+    })
+    .expect("valid");
+    let done = e.run_to_completion().expect("runs").remove(0);
+    (done.token_ids, done.text)
 }

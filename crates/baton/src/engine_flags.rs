@@ -131,10 +131,11 @@ pub(crate) struct RoutingFlags {
     /// prompt computed whole; 1 (PD-Caching-1) prefill workers cache prompts; 2 (PD-Caching-2)
     /// decode workers also keep finished requests' KV, a session's next turn goes to the decode
     /// worker holding its history when that worker is about as fast as the fastest (policies of
-    /// baton-sched), and a hand-off moves only the blocks the decode worker lacks (pull mode).
-    /// (MemServe's mode 3, the decode side's answer sent back to a prefill worker's cache, is
-    /// not built.)
-    #[arg(long, default_value = "2", value_parser = clap::value_parser!(u8).range(0..=2))]
+    /// baton-sched), and a hand-off moves only the blocks the decode worker lacks (pull mode);
+    /// 3 (PD-Caching-3) also sends each answer's KV back from the decode worker into the cache
+    /// of the prefill worker that computed the prompt, so a session's next prompt starts after
+    /// its whole history.
+    #[arg(long, default_value = "2", value_parser = clap::value_parser!(u8).range(0..=3))]
     pd_caching: u8,
 }
 
@@ -170,7 +171,8 @@ impl RoutingFlags {
         match self.pd_caching {
             0 => baton_server::wire::PdCaching::Basic,
             1 => baton_server::wire::PdCaching::Prefill,
-            _ => baton_server::wire::PdCaching::Decode,
+            2 => baton_server::wire::PdCaching::Decode,
+            _ => baton_server::wire::PdCaching::Return,
         }
     }
 
@@ -206,7 +208,7 @@ impl RoutingFlags {
             cost: Box::new(cost),
             seed: self.seed,
             kv_fetch: self.kv_fetch == OnOff::On,
-            decode_affinity: self.pd_caching() == baton_server::wire::PdCaching::Decode,
+            decode_affinity: self.pd_caching() >= baton_server::wire::PdCaching::Decode,
         })
     }
 }
