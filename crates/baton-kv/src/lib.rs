@@ -80,10 +80,7 @@ pub use geometry::{Dim, KvDtype, KvGeometry, KvLayout, KvPart, TensorDescriptor}
 pub use hash::{BlockHash, HASH_SEED, block_hash, prefix_hashes};
 pub use index::{NodeInfo, PrefixIndex};
 pub use policy::{EvictionPolicy, Lfu, Lru, NodeId, PolicyKind};
-pub use pool::{
-    DevicePrefix, KvTransport, MAX_BUFFERED_EVENTS, MemPool, PoolConfig, PoolError, PrefixMatch, SwapJob, TierUsage,
-    TransferFlags, TransferRequest,
-};
+pub use pool::{DevicePrefix, MAX_BUFFERED_EVENTS, MemPool, PoolConfig, PoolError, PrefixMatch, SwapJob, TierUsage};
 pub use ranges::ByteRange;
 pub use segment::{FragmentationStats, Segment, SegmentAllocator, count_runs, segments_of};
 pub use tier::{DiskStore, InstanceId, KvAddr, Loc, Tier};

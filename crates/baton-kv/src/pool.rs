@@ -101,9 +101,6 @@ pub enum PoolError {
     /// Reading or writing the disk tier failed.
     #[error("disk tier I/O: {0}")]
     Io(#[from] std::io::Error),
-    /// No transport is attached to move KV to another instance.
-    #[error("no KV transport is attached to this pool")]
-    NoTransport,
 }
 
 /// The longest cached prefix of a prompt, with one reference held on each block.
@@ -182,42 +179,6 @@ struct SwapMove {
     generation: u32,
     from: Loc,
     to: Loc,
-}
-
-/// Flags of a transfer (MemServe: they control behaviour at the destination).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TransferFlags {
-    /// Allocate destination blocks on demand (when `dst` is not given).
-    pub allocate: bool,
-    /// Destination tier for on-demand allocation.
-    pub tier: Option<Tier>,
-}
-
-/// MemServe's `transfer(id, srcAddrList, dstAddrList, flags, private)`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TransferRequest {
-    /// The destination instance.
-    pub dst_instance: InstanceId,
-    /// Source blocks (this instance's).
-    pub src: Vec<KvAddr>,
-    /// Destination blocks, when already allocated there.
-    pub dst: Option<Vec<KvAddr>>,
-    /// Behaviour at the destination.
-    pub flags: TransferFlags,
-    /// Opaque user data delivered with the transfer.
-    pub private: Vec<u8>,
-}
-
-/// Moves KV bytes between instances; implemented by the transfer layer (`baton-transfer`).
-pub trait KvTransport {
-    /// Copies the source blocks of `pool` to the destination; returns the destination
-    /// addresses. With `tokens`, the receiver also inserts them into its index.
-    fn transfer(
-        &mut self,
-        pool: &MemPool,
-        request: &TransferRequest,
-        tokens: Option<&[u32]>,
-    ) -> Result<Vec<KvAddr>, PoolError>;
 }
 
 struct TierState {
@@ -1068,41 +1029,6 @@ impl MemPool {
             out.push(d);
         }
         Ok(out)
-    }
-
-    // ---- distributed API (filled in by the transfer layer) ---------------------------------
-
-    /// MemServe `transfer`: hands the request to `transport` after checking the source blocks
-    /// are this instance's and held.
-    pub fn transfer(
-        &self,
-        transport: Option<&mut dyn KvTransport>,
-        request: &TransferRequest,
-    ) -> Result<Vec<KvAddr>, PoolError> {
-        self.check_sources(request)?;
-        transport.ok_or(PoolError::NoTransport)?.transfer(self, request, None)
-    }
-
-    /// MemServe `transfer_with_insert`: like [`transfer`](Self::transfer); the receiver also
-    /// inserts `tokens` over the destination blocks into its index.
-    pub fn transfer_with_insert(
-        &self,
-        transport: Option<&mut dyn KvTransport>,
-        request: &TransferRequest,
-        tokens: &[u32],
-    ) -> Result<Vec<KvAddr>, PoolError> {
-        self.check_sources(request)?;
-        transport.ok_or(PoolError::NoTransport)?.transfer(self, request, Some(tokens))
-    }
-
-    fn check_sources(&self, request: &TransferRequest) -> Result<(), PoolError> {
-        for a in &request.src {
-            self.own(*a)?;
-            if self.ref_count(a.loc) == 0 && self.owner(a.loc) >= SWAP_OWNER {
-                return Err(PoolError::NotHeld(*a));
-            }
-        }
-        Ok(())
     }
 
     // ---- accounting ------------------------------------------------------------------------

@@ -52,7 +52,7 @@ pub struct WorkerConfig {
     pub name: Option<String>,
     /// Where the control API (and, for colocated workers, the OpenAI API) listens.
     pub listen: SocketAddr,
-    /// Where the KV server listens (prefill and colocated roles).
+    /// Where the KV server listens (every role: hand-offs, and its cache to peers that fetch).
     pub kv_listen: SocketAddr,
     /// The host others use to reach this worker (default: the listen address, or loopback
     /// when that is unspecified).

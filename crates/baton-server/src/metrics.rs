@@ -122,6 +122,8 @@ pub struct Metrics {
     pub kv_fetch: Histogram,
     /// Bytes of cached prefixes fetched from another worker.
     pub kv_fetch_bytes: AtomicU64,
+    /// Tokens of cached prefixes fetched from another worker.
+    pub kv_fetch_tokens: AtomicU64,
     kv_fetches: [AtomicU64; 3],
     /// Per prefill (or colocated) worker: prompt tokens looked up in its prefix cache, and
     /// those it found.
@@ -149,6 +151,7 @@ impl Default for Metrics {
             migrations: AtomicU64::new(0),
             kv_fetch: Histogram::latency(),
             kv_fetch_bytes: AtomicU64::new(0),
+            kv_fetch_tokens: AtomicU64::new(0),
             kv_fetches: Default::default(),
             cache: std::sync::Mutex::default(),
         }
@@ -204,6 +207,7 @@ impl Metrics {
         self.kv_fetches[outcome as usize].fetch_add(1, Ordering::Relaxed);
         if let Some(r) = received {
             self.kv_fetch_bytes.fetch_add(r.bytes, Ordering::Relaxed);
+            self.kv_fetch_tokens.fetch_add(r.tokens as u64, Ordering::Relaxed);
             self.kv_fetch.observe(r.micros as f64 / 1e6);
         }
     }
@@ -285,6 +289,11 @@ impl Metrics {
             out,
             "# HELP baton_kv_fetch_bytes_total KV bytes of cached prefixes fetched from another worker.\n# TYPE baton_kv_fetch_bytes_total counter\nbaton_kv_fetch_bytes_total {}",
             self.kv_fetch_bytes.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP baton_kv_fetch_tokens_total KV tokens of cached prefixes fetched from another worker.\n# TYPE baton_kv_fetch_tokens_total counter\nbaton_kv_fetch_tokens_total {}",
+            self.kv_fetch_tokens.load(Ordering::Relaxed)
         );
         let _ = writeln!(
             out,

@@ -227,7 +227,8 @@ pub struct TransferDone {
 /// Where a request is.
 #[derive(Debug)]
 pub enum State {
-    /// Waiting for room to receive its KV (decode role), until `deadline`.
+    /// Waiting for room to receive its KV (a hand-off, a fetched prefix or an import), until
+    /// `deadline`.
     Queued {
         /// The request.
         req: Box<GenerationRequest>,

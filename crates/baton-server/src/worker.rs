@@ -116,7 +116,7 @@ pub struct WorkerOptions {
     pub lease: Duration,
     /// The cluster secret KV peers must prove.
     pub secret: baton_cluster::ClusterSecret,
-    /// Where the KV server listens (prefill and colocated roles).
+    /// Where the KV server listens (every role: hand-offs, and its cache to peers that fetch).
     pub kv_bind: SocketAddr,
     /// The address decode workers dial for this worker's KV, when it differs from `kv_bind`'s
     /// (which, if unspecified like `0.0.0.0`, is advertised as loopback).
@@ -236,8 +236,8 @@ impl Drop for Lifeline {
 }
 
 impl WorkerHandle {
-    /// Starts a worker thread that owns `engine`; prefill and colocated workers also start a
-    /// KV server over the engine's arena, decode workers a transfer thread.
+    /// Starts a worker thread that owns `engine`, with a KV server over the engine's arena (its
+    /// hand-offs and exports) and a transfer thread (what it receives), whatever its role.
     pub fn spawn(name: impl Into<String>, role: Role, engine: Engine, options: WorkerOptions) -> std::io::Result<Self> {
         let name = name.into();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -318,7 +318,7 @@ impl WorkerHandle {
         })
     }
 
-    /// Where this worker's KV server listens (prefill and colocated roles).
+    /// Where this worker's KV server listens (every role has one).
     pub fn kv_addr(&self) -> Option<SocketAddr> {
         self.inner.kv_addr
     }

@@ -277,7 +277,12 @@ async fn a_fetch_that_cannot_be_carried_out_is_recomputed() {
 /// prefill worker's cache, so the second turn computes only what follows the whole history.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_caching_modes_keep_the_output_and_change_what_is_computed_and_moved() {
-    let model = "tiny-llama";
+    for model in ["tiny-llama", "tiny-qwen2"] {
+        pd_caching_modes_on(model).await;
+    }
+}
+
+async fn pd_caching_modes_on(model: &str) {
     // Turn 2 in token ids: turn 1's prompt, its answer as generated, then more. (Text would be
     // tokenised anew, and the tokens where turn 1 ends may merge with the answer's.)
     let (ids_1, answer_1, want_1) = engine_tokens(model, TURN_1, 6);
@@ -292,7 +297,7 @@ async fn pd_caching_modes_keep_the_output_and_change_what_is_computed_and_moved(
         let config = ServeConfig { engine: engine_config(), pd_caching: mode, ..ServeConfig::new(fixture(model)) };
         let server = start_with(&config).await;
         let (text_1, _) = server.complete(TURN_1, 6).await;
-        assert_eq!(text_1, want_1, "{mode:?}");
+        assert_eq!(text_1, want_1, "{model} {mode:?}");
         if mode == PdCaching::Return {
             // The answer goes back after the response, off the request's path.
             let mut returned = 0.0;
@@ -308,7 +313,7 @@ async fn pd_caching_modes_keep_the_output_and_change_what_is_computed_and_moved(
         let computed_before = server.metric("baton_prefill_tokens_total").await;
         let moved_before = server.metric("baton_kv_transfer_tokens_total").await;
         let (text_2, cached_2) = server.complete_ids(&ids_2, 6).await;
-        assert_eq!(text_2, want_2, "{mode:?}: the mode changes no output");
+        assert_eq!(text_2, want_2, "{model} {mode:?}: the mode changes no output");
         let computed = (server.metric("baton_prefill_tokens_total").await - computed_before) as usize;
         let moved = (server.metric("baton_kv_transfer_tokens_total").await - moved_before) as usize;
         let (want_cached, want_moved) = match mode {
@@ -317,8 +322,9 @@ async fn pd_caching_modes_keep_the_output_and_change_what_is_computed_and_moved(
             PdCaching::Decode => (prompt_blocks, ids_2.len() - history_blocks),
             PdCaching::Return => (history_blocks, ids_2.len() - history_blocks),
         };
-        assert_eq!((cached_2, computed, moved), (want_cached, ids_2.len() - want_cached, want_moved), "{mode:?}");
-        eprintln!("{mode:?}: turn 2 computed {computed} of {} prompt tokens, moved {moved}", ids_2.len());
+        let got = (cached_2, computed, moved);
+        assert_eq!(got, (want_cached, ids_2.len() - want_cached, want_moved), "{model} {mode:?}");
+        eprintln!("{model} {mode:?}: turn 2 computed {computed} of {} prompt tokens, moved {moved}", ids_2.len());
         server.assert_no_kv_held().await;
     }
 }
@@ -346,4 +352,55 @@ fn engine_ids(model: &str, ids: &[u32], max_tokens: usize) -> (Vec<u32>, String)
     .expect("valid");
     let done = e.run_to_completion().expect("runs").remove(0);
     (done.token_ids, done.text)
+}
+
+/// PD-Caching-2's routing: with decode affinity, a session's next turn goes to the decode worker
+/// holding its history even while that worker decodes another request (it is about as fast),
+/// and its hand-off moves only the new blocks; without, it goes to the idle decode worker and
+/// moves the whole prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_next_turn_goes_to_the_decode_worker_holding_its_history() {
+    use baton_sched::{AdmissionConfig, CostProfile, PolicyConfig, PolicyKind};
+    let model = "tiny-llama";
+    let (ids_1, answer_1, want_1) = engine_tokens(model, TURN_1, 6);
+    let more = tokenizer(model).encode(" It goes on where it left off.", false).expect("encodes");
+    let ids_2: Vec<u32> = ids_1.iter().chain(&answer_1).chain(&more).copied().collect();
+    let want_2 = engine_ids(model, &ids_2, 6).1;
+    let history_blocks = (ids_1.len() + answer_1.len() - 1) / 4 * 4;
+    for affinity in [true, false] {
+        let config = ServeConfig {
+            prefill: 1,
+            decode: 2,
+            engine: engine_config(),
+            policy: PolicyChoice::Sched {
+                policy: PolicyKind::KvCentric,
+                config: PolicyConfig::default(),
+                admission: AdmissionConfig::default(),
+                cost: Box::new(CostProfile::llama2_70b_8xa800()),
+                seed: 1,
+                kv_fetch: false,
+                decode_affinity: affinity,
+            },
+            ..ServeConfig::new(fixture(model))
+        };
+        let server = start_with(&config).await;
+        // Turn 1 decodes on decode-1 (the decode workers tie; ties go to the lowest id).
+        assert_eq!(server.complete(TURN_1, 6).await.0, want_1);
+        assert!(server.wait_index("decode-1", history_blocks / 4).await >= history_blocks / 4);
+        // Another request keeps decode-1 busy (ties again: it goes there too) ...
+        let body = json!({"prompt": "Something else entirely", "max_tokens": 400, "temperature": 0,
+                          "ignore_eos": true, "stream": true});
+        let r = reqwest::Client::new().post(format!("{}/v1/completions", server.url)).json(&body).send().await;
+        let mut other = common::SseReader::new(r.expect("sends"));
+        other.next().await.expect("a first chunk");
+        // ... while turn 2 arrives.
+        let moved_before = server.metric("baton_kv_transfer_tokens_total").await;
+        let (text_2, _) = server.complete_ids(&ids_2, 6).await;
+        assert_eq!(text_2, want_2);
+        let moved = (server.metric("baton_kv_transfer_tokens_total").await - moved_before) as usize;
+        let want_moved = if affinity { ids_2.len() - history_blocks } else { ids_2.len() };
+        assert_eq!(moved, want_moved, "affinity {affinity}");
+        while other.next().await.is_some() {}
+        server.assert_no_kv_held().await;
+    }
 }

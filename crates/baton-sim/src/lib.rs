@@ -89,8 +89,8 @@ pub struct ClusterConfig {
     pub host_blocks: u64,
     /// Largest decode batch.
     pub max_batch: usize,
-    /// Whether an instance may fetch a prefix cached on another (`baton sim --kv-fetch`); off is
-    /// what the live server does until it moves KV between prefill workers.
+    /// Whether an instance may fetch a prefix cached on another (`baton sim --kv-fetch`, as the
+    /// live conductor's `--kv-fetch`).
     pub kv_fetch: bool,
 }
 
