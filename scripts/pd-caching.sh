@@ -28,6 +28,7 @@
 #              EMULATE= (empty) with MODEL=gemma to run Gemma 3 270M on the CPU instead
 #   MODEL      the model (tokenizer and context; default Gemma 3 270M's GGUF)
 #   SCALE      multiplies the sessions of every workload (default 1; 0.25 for a quick look)
+#   DOC        tokens of the LooGLE-like shared document (default 6000; smaller on the CPU)
 #   PREFILL, DECODE  workers of each role (default 2 and 2)
 set -euo pipefail
 
@@ -40,6 +41,7 @@ modes="${MODES:-0 1 2 3 3+fetch}"
 emulate="${EMULATE-h100}"
 model="${MODEL:-${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf}"
 scale="${SCALE:-1}"
+doc="${DOC:-6000}"
 prefill="${PREFILL:-2}"
 decode="${DECODE:-2}"
 
@@ -61,7 +63,7 @@ workload_args() {
       echo "--sessions $(sessions 24) --turns 4 --system-len 64 --turn-len uniform:32:256" \
         "--output-len uniform:64:256 --rate 2 --think-time-ms 500" ;;
     loogle)
-      echo "--sessions $(sessions 16) --turns 4 --system-len 6000 --turn-len uniform:16:48" \
+      echo "--sessions $(sessions 16) --turns 4 --system-len $doc --turn-len uniform:16:48" \
         "--output-len uniform:16:64 --rate 1 --think-time-ms 500" ;;
     react)
       echo "--sessions $(sessions 8) --turns 8 --system-len 512 --turn-len uniform:128:384" \

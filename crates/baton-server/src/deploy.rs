@@ -137,6 +137,7 @@ pub async fn run_worker(
         compat: compat(&loaded, &engine),
         io_timeout: Duration::from_secs(10),
         push_delay: push_delay_from_env(),
+        fetch_delay: fault_ms_from_env(FETCH_DELAY_ENV, "every pull of a fetched prefix pauses"),
         panic_at_step: panic_at_step_from_env(),
         drop_event_seq: drop_event_seq_from_env(),
     };
@@ -316,6 +317,10 @@ pub struct ConductorConfig {
 /// tests, see [`WorkerOptions::push_delay`]).
 pub const PUSH_DELAY_ENV: &str = "BATON_FAULT_PUSH_DELAY_MS";
 
+/// The environment variable that pauses a worker process's pulls of fetched prefixes midway
+/// (fault injection for tests, see [`WorkerOptions::fetch_delay`]).
+pub const FETCH_DELAY_ENV: &str = "BATON_FAULT_FETCH_DELAY_MS";
+
 /// A worker's instance id from its cluster id: FNV-1a, so the same name gets the same id on
 /// every start and different names differ (a collision needs ~65k workers to be likely).
 pub fn instance_of(name: &str) -> baton_kv::InstanceId {
@@ -347,9 +352,14 @@ fn drop_event_seq_from_env() -> Option<u64> {
 }
 
 fn push_delay_from_env() -> Duration {
-    let ms = std::env::var(PUSH_DELAY_ENV).ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    fault_ms_from_env(PUSH_DELAY_ENV, "every push of this worker waits")
+}
+
+/// A fault injection delay from the environment variable `var` (milliseconds), announced.
+fn fault_ms_from_env(var: &str, what: &str) -> Duration {
+    let ms = std::env::var(var).ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
     if ms > 0 {
-        tracing::warn!("{PUSH_DELAY_ENV} is set: every push of this worker waits {ms} ms (fault injection)");
+        tracing::warn!("{var} is set: {what} {ms} ms (fault injection)");
     }
     Duration::from_millis(ms)
 }

@@ -46,7 +46,10 @@
 //!
 //! Fault injection for tests: [`WorkerOptions::push_delay`](crate::WorkerOptions::push_delay)
 //! (for `baton worker` processes, the `BATON_FAULT_PUSH_DELAY_MS` environment variable) makes a
-//! prefill worker wait before each push, so a test can kill a worker mid-push.
+//! prefill worker wait before each push, so a test can kill a worker mid-push;
+//! [`WorkerOptions::fetch_delay`](crate::WorkerOptions::fetch_delay) (`BATON_FAULT_FETCH_DELAY_MS`)
+//! makes a worker wait in the middle of pulling a fetched prefix, so a test can kill the holder
+//! mid-fetch.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -117,6 +120,8 @@ pub(crate) struct TransferThread {
     clients: HashMap<SocketAddr, KvClient>,
     pushes: Vec<Pending>,
     back: Report,
+    /// Fault injection: the pause between opening a fetch's transfer and reading it.
+    fetch_delay: Duration,
 }
 
 impl TransferThread {
@@ -126,10 +131,12 @@ impl TransferThread {
         local: Arc<Region>,
         config: ClientConfig,
         transport: TransportChoice,
+        fetch_delay: Duration,
         back: Report,
     ) -> std::io::Result<Sender<KvJob>> {
         let (jobs, job_rx) = std::sync::mpsc::channel();
-        let thread = TransferThread { local, config, transport, clients: HashMap::new(), pushes: Vec::new(), back };
+        let clients = HashMap::new();
+        let thread = TransferThread { local, config, transport, clients, pushes: Vec::new(), back, fetch_delay };
         std::thread::Builder::new().name(format!("baton-{name}-kv")).spawn(move || thread.run(job_rx))?;
         Ok(jobs)
     }
@@ -187,7 +194,18 @@ impl TransferThread {
                 // Blocks cached here already (`skip`) stay out of the transfer.
                 let remote: Vec<BlockId> = job.source.blocks.iter().skip(job.skip).map(|&b| BlockId(b)).collect();
                 let local = job.kv.blocks().get(job.skip..).unwrap_or_default();
-                match client.pull(transfer_id(&job), &remote, local) {
+                let id = transfer_id(&job);
+                let pulled = if job.source.lease.is_some() && !self.fetch_delay.is_zero() {
+                    // Fault injection: the holder may be killed while the transfer is open.
+                    client.open(id, &remote, local).and_then(|()| {
+                        std::thread::sleep(self.fetch_delay);
+                        let stats = client.read(id, &remote, local)?;
+                        client.complete(id).map(|()| stats)
+                    })
+                } else {
+                    client.pull(id, &remote, local)
+                };
+                match pulled {
                     Ok(stats) => self.report(job, Ok(stats)),
                     // Pipelined reads may still be answered: the connection is out of step.
                     Err(e) => {

@@ -236,6 +236,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
             compat: compat(&loaded, &engine),
             io_timeout: Duration::from_secs(10),
             push_delay: config.push_delay,
+            fetch_delay: Duration::ZERO,
             panic_at_step: None,
             drop_event_seq: None,
         };

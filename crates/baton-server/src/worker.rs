@@ -130,6 +130,10 @@ pub struct WorkerOptions {
     /// Fault injection for tests: how long a prefill worker waits before each push (zero
     /// outside tests), so that a test can break a hand-off in the middle.
     pub push_delay: Duration,
+    /// Fault injection for tests: how long the transfer thread waits in the middle of pulling a
+    /// fetched prefix, its transfer open on the holder (zero outside tests), so that a test can
+    /// kill the holder mid-fetch.
+    pub fetch_delay: Duration,
     /// Fault injection for tests: the engine thread panics before step number `n` (`None`
     /// outside tests), so that a test can watch a worker die.
     pub panic_at_step: Option<u64>,
@@ -271,7 +275,7 @@ impl WorkerHandle {
                 let back = back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 back.send(Command::Transferred(Box::new(done))).is_ok()
             });
-            Some(TransferThread::spawn(&name, local, config, options.transport, report)?)
+            Some(TransferThread::spawn(&name, local, config, options.transport, options.fetch_delay, report)?)
         };
         let capacity_blocks = engine.config().num_blocks;
         let block_tokens = engine.config().block_size;

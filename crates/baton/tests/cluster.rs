@@ -1115,3 +1115,48 @@ fn requests_sharing_a_hot_prefix_fetch_it_into_an_idle_prefill_worker() {
     assert!(cached_on("p1") && cached_on("p2"), "the fetched prefix is cached on both workers now");
     assert_no_leak(&[&p1, &p2, &d]);
 }
+
+/// A prefill worker killed mid-fetch (kill -9 while another worker's pull of its cached prefix
+/// is open: the fetcher pauses there, by fault injection) costs no request: the fetcher
+/// recomputes the prefix, the killed worker's own requests run again elsewhere, every output
+/// equals `baton generate`'s, and the survivors hold no KV.
+#[test]
+fn a_prefill_worker_killed_mid_fetch_leaves_every_request_complete() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--policy", "kv-centric"]);
+    let pause = [(baton_server::deploy::FETCH_DELAY_ENV, "2000")];
+    let mut p1 = worker_env(&dir, "prefill", &url, &["--name", "p1"], SECRET, &pause);
+    let mut p2 = worker_env(&dir, "prefill", &url, &["--name", "p2"], SECRET, &pause);
+    let d = worker(&dir, "decode", &url, &["--name", "d"]);
+    wait_members(&url, 3, Duration::from_secs(10));
+    complete(&url, LONG, 4);
+    let cached_on = |w: &str| indexed(&url, w).is_some_and(|b| !b.is_empty());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cached_on("p1") && !cached_on("p2") {
+        assert!(Instant::now() < deadline, "the prompt's blocks never reached the index");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let holder_is_p1 = cached_on("p1");
+    let prompts: Vec<String> = (0..6).map(|i| format!("{LONG} and then, in turn {i}, the story goes on")).collect();
+    let want: Vec<String> = prompts.iter().map(|p| generate(&dir, p, 8)).collect();
+    let got: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| complete(&url, p, 8))).collect();
+        // The fetch is planned as the requests arrive; its pull then pauses for 2 s.
+        std::thread::sleep(Duration::from_millis(700));
+        if holder_is_p1 {
+            p1.proc.kill()
+        } else {
+            p2.proc.kill()
+        }
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (v, want) in got.iter().zip(&want) {
+        assert_eq!(&text(v), want);
+    }
+    let recomputed = metric(&url, "baton_kv_fetches_total{outcome=\"recomputed\"}");
+    eprintln!("{recomputed} fetch(es) recomputed after the holder died");
+    assert!(recomputed >= 1.0, "a fetch was under way when the holder died");
+    assert_eq!(metric(&url, "baton_kv_fetches_total{outcome=\"fetched\"}"), 0.0);
+    let survivor = if holder_is_p1 { &p2 } else { &p1 };
+    assert_no_leak(&[survivor, &d]);
+}
