@@ -1077,6 +1077,23 @@ fn a_conductor_serving_tls_takes_workers_and_clients_that_trust_its_certificate(
     let _ = std::fs::remove_dir_all(&tmp);
 }
 
+/// With prefill workers p1 and p2 and a decode worker members of the conductor at `url`: caches
+/// [`LONG`] on one of them (waiting until the index shows it), and returns six prompts that
+/// continue it, with `baton generate`'s text for each.
+fn hot_prefix(dir: &Path, url: &str) -> (Vec<String>, Vec<String>) {
+    wait_members(url, 3, Duration::from_secs(10));
+    complete(url, LONG, 4);
+    let cached_on = |w: &str| indexed(url, w).is_some_and(|b| !b.is_empty());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cached_on("p1") && !cached_on("p2") {
+        assert!(Instant::now() < deadline, "the prompt's blocks never reached the index");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let prompts: Vec<String> = (0..6).map(|i| format!("{LONG} and then, in turn {i}, the story goes on")).collect();
+    let want = prompts.iter().map(|p| generate(dir, p, 8)).collect();
+    (prompts, want)
+}
+
 /// One KV pool across processes (#16): under kv-centric with fetching on (the default),
 /// requests sharing a cached prefix that arrive together do not all queue on the worker caching
 /// it: the other prefill worker takes some, fetching the prefix from the first one's pool over
@@ -1090,16 +1107,8 @@ fn requests_sharing_a_hot_prefix_fetch_it_into_an_idle_prefill_worker() {
     let p1 = worker(&dir, "prefill", &url, &["--name", "p1"]);
     let p2 = worker(&dir, "prefill", &url, &["--name", "p2"]);
     let d = worker(&dir, "decode", &url, &["--name", "d"]);
-    wait_members(&url, 3, Duration::from_secs(10));
-    complete(&url, LONG, 4);
+    let (prompts, want) = hot_prefix(&dir, &url);
     let cached_on = |w: &str| indexed(&url, w).is_some_and(|b| !b.is_empty());
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !cached_on("p1") && !cached_on("p2") {
-        assert!(Instant::now() < deadline, "the prompt's blocks never reached the index");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let prompts: Vec<String> = (0..6).map(|i| format!("{LONG} and then, in turn {i}, the story goes on")).collect();
-    let want: Vec<String> = prompts.iter().map(|p| generate(&dir, p, 8)).collect();
     let got: Vec<Value> = std::thread::scope(|s| {
         let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| complete(&url, p, 8))).collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -1128,17 +1137,8 @@ fn a_prefill_worker_killed_mid_fetch_leaves_every_request_complete() {
     let mut p1 = worker_env(&dir, "prefill", &url, &["--name", "p1"], SECRET, &pause);
     let mut p2 = worker_env(&dir, "prefill", &url, &["--name", "p2"], SECRET, &pause);
     let d = worker(&dir, "decode", &url, &["--name", "d"]);
-    wait_members(&url, 3, Duration::from_secs(10));
-    complete(&url, LONG, 4);
-    let cached_on = |w: &str| indexed(&url, w).is_some_and(|b| !b.is_empty());
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !cached_on("p1") && !cached_on("p2") {
-        assert!(Instant::now() < deadline, "the prompt's blocks never reached the index");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let holder_is_p1 = cached_on("p1");
-    let prompts: Vec<String> = (0..6).map(|i| format!("{LONG} and then, in turn {i}, the story goes on")).collect();
-    let want: Vec<String> = prompts.iter().map(|p| generate(&dir, p, 8)).collect();
+    let (prompts, want) = hot_prefix(&dir, &url);
+    let holder_is_p1 = indexed(&url, "p1").is_some_and(|b| !b.is_empty());
     let got: Vec<Value> = std::thread::scope(|s| {
         let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| complete(&url, p, 8))).collect();
         // The fetch is planned as the requests arrive; its pull then pauses for 2 s.
