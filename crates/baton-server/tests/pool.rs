@@ -73,6 +73,9 @@ async fn start(model: &str, mode: KvTransfer, script: &Arc<Scripted>) -> Server 
         decode: 1,
         engine: engine_config(),
         kv_transfer: mode,
+        // Mode 2, not the default 3: answers returned to the prefill workers would change,
+        // depending on timing, what each caches, which these tests count exactly.
+        pd_caching: PdCaching::Decode,
         policy: PolicyChoice::Custom(CustomPolicy(script.clone())),
         ..ServeConfig::new(fixture(model))
     };

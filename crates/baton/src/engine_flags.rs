@@ -127,7 +127,7 @@ pub(crate) struct RoutingFlags {
     /// prompt-tree plan fetches). A fetch that fails is recomputed.
     #[arg(long, value_enum, default_value = "on")]
     kv_fetch: OnOff,
-    /// Where past requests' KV is kept, as MemServe's modes: 0 (PD-Basic) nowhere, every
+    /// Where past requests' KV is kept, as MemServe's modes (default 3): 0 (PD-Basic) nowhere, every
     /// prompt computed whole; 1 (PD-Caching-1) prefill workers cache prompts; 2 (PD-Caching-2)
     /// decode workers also keep finished requests' KV, a session's next turn goes to the decode
     /// worker holding its history when that worker is about as fast as the fastest (policies of
@@ -135,7 +135,7 @@ pub(crate) struct RoutingFlags {
     /// 3 (PD-Caching-3) also sends each answer's KV back from the decode worker into the cache
     /// of the prefill worker that computed the prompt, so a session's next prompt starts after
     /// its whole history.
-    #[arg(long, default_value = "2", value_parser = clap::value_parser!(u8).range(0..=3))]
+    #[arg(long, default_value = "3", value_parser = clap::value_parser!(u8).range(0..=3))]
     pd_caching: u8,
 }
 
