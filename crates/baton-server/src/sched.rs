@@ -102,6 +102,16 @@ impl SchedPolicy {
                 // What the worker measured replaces the ledger's guesses of its decode side
                 // and memory (the ledger still has the prefills it routed, with estimates).
                 if let Some(r) = &w.report {
+                    // Prompt tokens the worker has still to compute beyond every prefill this
+                    // conductor sent it are someone else's (another conductor replica's): they
+                    // queue ahead of what is sent now. (One conductor alone never sees any: the
+                    // ledger counts its prefills whole until they end.)
+                    let sent: usize = w.prefilling.iter().map(|p| p.1).sum();
+                    let unseen = r.queued_prefill_tokens.saturating_sub(sent);
+                    if unseen > 0 {
+                        let est_us = cost.prefill_time(unseen as u64, 0.0);
+                        load.prefills.push(PendingPrefill { est_us, started_at: None });
+                    }
                     let started_at = snapshot.now_us;
                     load.decode_running =
                         r.decode_contexts.iter().map(|&c| DecodeSeq { started_at, context: c as u64 }).collect();
@@ -373,6 +383,27 @@ mod tests {
         assert_eq!(queue(&[(now - 2 * full, 4000)]), 0, "overdue: nothing left to wait for");
         // Sent one after the other half a prefill ago: the first is half done, the second waits.
         assert_eq!(queue(&[(now - full / 2, 4000), (now - full / 2, 4000)]), full - full / 2 + full);
+    }
+
+    /// A worker's load report shows prompt tokens it has yet to compute beyond the prefills this
+    /// conductor sent it (another replica's): they queue ahead of a new request; what the
+    /// ledger already counts is not counted twice.
+    #[test]
+    fn prefills_another_conductor_sent_queue_too() {
+        let cost = CostProfile::llama2_70b_8xh100();
+        let mut w = WorkerView { instance: 0, ..WorkerView::new(0, Role::Prefill, 0) };
+        let report = |tokens| Some(crate::wire::LoadReport { queued_prefill_tokens: tokens, ..Default::default() });
+        let queued = |w: &WorkerView| {
+            let snap = Snapshot { workers: vec![w.clone()], now_us: 0 };
+            SchedPolicy::worker_loads(&snap, &cost, 16)[0].queued_prefill_us(0)
+        };
+        assert_eq!(queued(&w), 0);
+        w.report = report(3000);
+        assert_eq!(queued(&w), cost.prefill_time(3000, 0.0), "another replica's prefill");
+        w.prefilling = vec![(0, 3000)];
+        assert_eq!(queued(&w), cost.prefill_time(3000, 0.0), "its own: counted once");
+        w.report = report(5000);
+        assert_eq!(queued(&w), cost.prefill_time(3000, 0.0) + cost.prefill_time(2000, 0.0));
     }
 
     /// The conductor's seam and a direct call of the scheduler on the snapshot it builds (what
