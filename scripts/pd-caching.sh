@@ -7,6 +7,8 @@
 #   2        PD-Caching-2: decode workers keep sessions' history; hand-offs move only new blocks
 #   3        PD-Caching-3: each answer's KV goes back into the prefill worker's cache
 #   3+fetch  mode 3 with `--kv-fetch on`: a prefill worker may pull a prefix another one caches
+#   3+cond   mode 3 with conditional disaggregation (`--conditional-disagg-tokens $COND`): a
+#            request with few tokens not cached on its decode worker runs whole there
 # Workloads (`baton bench serve --workload sessions`, causal turns, every turn carrying the whole
 # conversation), shaped like MemServe's §6:
 #   sharegpt  short chat turns and answers over a short system prompt
@@ -30,6 +32,7 @@
 #   SCALE      multiplies the sessions of every workload (default 1; 0.25 for a quick look)
 #   DOC        tokens of the LooGLE-like shared document (default 6000; smaller on the CPU)
 #   PREFILL, DECODE  workers of each role (default 2 and 2)
+#   COND       the token bound of the +cond runs (default 256)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,6 +46,7 @@ model="${MODEL:-${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf
 scale="${SCALE:-1}"
 doc="${DOC:-6000}"
 prefill="${PREFILL:-2}"
+cond="${COND:-256}"
 decode="${DECODE:-2}"
 
 info() { echo "pd-caching: $*" >&2; }
@@ -77,13 +81,15 @@ engine=(--num-blocks 4096 --block-size 16 --max-batch-tokens 8192 --prefill-chun
 
 for w in $workloads; do
   for m in $modes; do
-    mode="${m%+fetch}"
+    mode="${m%%+*}"
     fetch=off
     [[ "$m" == *+fetch ]] && fetch=on
+    extra=()
+    [[ "$m" == *+cond ]] && extra=(--conditional-disagg-tokens "$cond")
     name="$w-$m"
     info "$name"
     start_server "$out/$name.server.log" --model "$model" --prefill "$prefill" --decode "$decode" \
-      --policy kv-centric --pd-caching "$mode" --kv-fetch "$fetch" "${engine[@]}"
+      --policy kv-centric --pd-caching "$mode" --kv-fetch "$fetch" "${extra[@]}" "${engine[@]}"
     # shellcheck disable=SC2046 # the workload's flags are words
     "$baton" bench serve --url "$url" --workload sessions $(workload_args "$w") --ignore-eos --seed 7 \
       --no-plots --no-progress --out-dir "$out/$name" >"$out/$name.bench.txt" 2>&1 \

@@ -20,7 +20,7 @@ use rand::RngCore;
 use serde::{Deserialize, Serialize};
 
 use crate::policy::Policy;
-use crate::snapshot::{ClusterSnapshot, Decision, InstanceSnapshot, RejectReason, Request, Route};
+use crate::snapshot::{ClusterSnapshot, Decision, Estimate, InstanceSnapshot, RejectReason, Request, Reuse, Route};
 use crate::{Micros, RoleChange};
 
 /// Latency targets.
@@ -163,12 +163,44 @@ pub fn admit(
     Ok(())
 }
 
+/// Conditional disaggregation's choice: `route` carried out whole on its decode instance, if at
+/// most `max` of the prompt's tokens are not cached there and that is predicted no slower: the
+/// decode instance computes them in its next step (after what is left of the current one, half
+/// a step on average; none when idle), where the split route waits for its prefill and then
+/// moves the KV the decode instance lacks before decoding starts.
+fn run_on_decode(snap: &ClusterSnapshot<'_>, req: &Request, route: &Route, max: u64) -> Option<Route> {
+    let d = snap.instance(route.decode)?;
+    if route.prefill == route.decode || d.role != crate::Role::Decode {
+        return None;
+    }
+    let cached = snap.trees.prefix_len(d.id, &req.block_hashes, snap.now);
+    let cached_tokens = req.cached_tokens(cached);
+    let uncached = req.prompt_tokens.saturating_sub(cached_tokens);
+    if uncached > max {
+        return None;
+    }
+    let step_left =
+        if d.decode_batch() == 0 { 0 } else { snap.cost.decode_step(d.decode_batch(), d.decode_context()) / 2 };
+    let local = step_left + snap.cost.prefill_time_cached(req.prompt_tokens, cached_tokens);
+    let split = route.estimate.ttft_us + snap.cost.kv_transfer_time(uncached, snap.link(route.prefill, d.id));
+    (local <= split).then(|| Route {
+        prefill: d.id,
+        decode: d.id,
+        reuse: if cached > 0 { vec![Reuse { from: d.id, start: 0, end: cached as u32 }] } else { Vec::new() },
+        migrate: false,
+        estimate: Estimate { ttft_us: local, tbt_us: route.estimate.tbt_us },
+    })
+}
+
 /// A policy and an admission control: what the conductor (and the simulator) call per request.
 pub struct Scheduler {
     /// The routing policy.
     pub policy: Box<dyn Policy>,
     /// The admission control.
     pub admission: AdmissionConfig,
+    /// Conditional disaggregation: the most prompt tokens not cached on a request's decode
+    /// instance that it may compute itself (`None`: never; see [`Scheduler::with_conditional`]).
+    pub conditional: Option<u64>,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -180,12 +212,29 @@ impl std::fmt::Debug for Scheduler {
 impl Scheduler {
     /// A scheduler.
     pub fn new(policy: Box<dyn Policy>, admission: AdmissionConfig) -> Self {
-        Self { policy, admission }
+        Self { policy, admission, conditional: None }
+    }
+
+    /// Conditional disaggregation (DistServe's and Mooncake's): a request whose prompt has at
+    /// most `max_tokens` tokens not cached on the decode instance the policy chose (a short
+    /// prompt, or a session's next turn where its history is) runs whole there, without a
+    /// hand-off, when the cost model predicts that is no slower than prefilling on the chosen
+    /// prefill instance and moving the KV. Bounding the tokens bounds how long the prefill
+    /// stalls the decode instance's batch.
+    #[must_use]
+    pub fn with_conditional(mut self, max_tokens: Option<u64>) -> Self {
+        self.conditional = max_tokens;
+        self
     }
 
     /// The decision for one request: route by the policy, then admit or reject.
     pub fn decide(&mut self, snap: &ClusterSnapshot<'_>, req: &Request, rng: &mut dyn RngCore) -> Decision {
-        let d = self.policy.route(snap, req, rng);
+        let mut d = self.policy.route(snap, req, rng);
+        if let (Some(max), Decision::Route(r)) = (self.conditional, &mut d)
+            && let Some(local) = run_on_decode(snap, req, r, max)
+        {
+            *r = local;
+        }
         match &d {
             Decision::Route(r) => match admit(&self.admission, snap, req, r) {
                 Ok(()) => d,
@@ -215,6 +264,32 @@ mod tests {
     fn sched(kind: AdmissionKind) -> Scheduler {
         let cfg = AdmissionConfig { kind, slo: Slo { ttft_us: 5_000_000, tbt_us: 40_000 }, decode_time_us: 10_000_000 };
         Scheduler::new(Box::new(LeastLoad), cfg)
+    }
+
+    /// Conditional disaggregation: a prompt with few tokens not cached on its decode instance
+    /// runs whole there; a long uncached one, or any with the option off, is split.
+    #[test]
+    fn short_or_mostly_cached_prompts_run_whole_on_their_decode_instance() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        let inst = instances(1, 1);
+        let mut trees = trees_for(&inst);
+        let s = snap(inst, &trees, &cost);
+        let mut rng = StdRng::seed_from_u64(0);
+        let mut route = |sched: &mut Scheduler, s: &ClusterSnapshot<'_>, blocks| {
+            let d = sched.decide(s, &request(blocks), &mut rng);
+            let r = d.route().expect("routed");
+            (r.prefill, r.decode, r.reused_blocks())
+        };
+        let mut split = Scheduler::new(Box::new(LeastLoad), AdmissionConfig::default());
+        assert_eq!(route(&mut split, &s, 1), (InstanceId(0), InstanceId(1), 0), "off: always split");
+        let mut conditional =
+            Scheduler::new(Box::new(LeastLoad), AdmissionConfig::default()).with_conditional(Some(1024));
+        assert_eq!(route(&mut conditional, &s, 1), (InstanceId(1), InstanceId(1), 0), "a short prompt");
+        assert_eq!(route(&mut conditional, &s, 8).0, InstanceId(0), "4,096 tokens: split");
+        // The decode instance caches 7 of the 8 blocks (a session's history): one is left.
+        trees.predict(InstanceId(1), &request(8).block_hashes[..7], 0);
+        let s = snap(instances(1, 1), &trees, &cost);
+        assert_eq!(route(&mut conditional, &s, 8), (InstanceId(1), InstanceId(1), 7), "mostly cached there");
     }
 
     #[test]

@@ -287,6 +287,10 @@ pub enum PolicyChoice {
         /// Whether a request prefers the decode worker caching its prompt's history
         /// (`--pd-caching 2`).
         decode_affinity: bool,
+        /// Conditional disaggregation: the most prompt tokens not cached on its decode worker
+        /// that a request may compute there, whole, without a hand-off
+        /// (`--conditional-disagg-tokens`; `None`: never).
+        conditional_tokens: Option<u64>,
     },
     /// A policy of the caller's own (a library user's, or a test's that scripts decisions).
     Custom(CustomPolicy),
@@ -329,8 +333,17 @@ impl PolicyChoice {
             PolicyChoice::Simple { max_in_flight } => {
                 Box::new(crate::routing::LeastLoad { max_in_flight: *max_in_flight })
             }
-            PolicyChoice::Sched { policy, config, admission, cost, seed, kv_fetch, decode_affinity } => {
-                let scheduler = Scheduler::new(policy.build(config), *admission);
+            PolicyChoice::Sched {
+                policy,
+                config,
+                admission,
+                cost,
+                seed,
+                kv_fetch,
+                decode_affinity,
+                conditional_tokens,
+            } => {
+                let scheduler = Scheduler::new(policy.build(config), *admission).with_conditional(*conditional_tokens);
                 let policy = SchedPolicy::new(scheduler, (**cost).clone(), block_tokens, *seed);
                 Box::new(policy.with_kv_fetch(*kv_fetch).with_decode_affinity(*decode_affinity))
             }

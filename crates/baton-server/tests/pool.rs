@@ -383,6 +383,7 @@ async fn a_sessions_next_turn_goes_to_the_decode_worker_holding_its_history() {
                 seed: 1,
                 kv_fetch: false,
                 decode_affinity: affinity,
+                conditional_tokens: None,
             },
             ..ServeConfig::new(fixture(model))
         };
@@ -406,4 +407,50 @@ async fn a_sessions_next_turn_goes_to_the_decode_worker_holding_its_history() {
         while other.next().await.is_some() {}
         server.assert_no_kv_held().await;
     }
+}
+
+/// Conditional disaggregation, live: a short prompt, and a session's next turn whose history
+/// its decode worker caches, run whole on the decode worker (no hand-off: nothing moves) with
+/// the output of the split route; a long uncached prompt is still split.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_or_mostly_cached_prompts_run_whole_on_the_decode_worker() {
+    use baton_sched::{AdmissionConfig, CostProfile, PolicyConfig, PolicyKind};
+    let model = "tiny-llama";
+    let (ids_1, answer_1, want_1) = engine_tokens(model, TURN_1, 6);
+    let more = tokenizer(model).encode(" It goes on where it left off.", false).expect("encodes");
+    let ids_2: Vec<u32> = ids_1.iter().chain(&answer_1).chain(&more).copied().collect();
+    let want_2 = engine_ids(model, &ids_2, 6).1;
+    let history = (ids_1.len() + answer_1.len() - 1) / 4 * 4;
+    let config = ServeConfig {
+        engine: engine_config(),
+        pd_caching: PdCaching::Decode,
+        policy: PolicyChoice::Sched {
+            policy: PolicyKind::KvCentric,
+            config: PolicyConfig::default(),
+            admission: AdmissionConfig::default(),
+            cost: Box::new(CostProfile::llama2_70b_8xa800()),
+            seed: 1,
+            kv_fetch: true,
+            decode_affinity: true,
+            conditional_tokens: Some(32),
+        },
+        ..ServeConfig::new(fixture(model))
+    };
+    let server = start_with(&config).await;
+    let colocated = || server.metric("baton_routing_decisions_total{route=\"colocated\"}");
+    let moved = || server.metric("baton_kv_transfer_tokens_total");
+    // A short prompt: whole on the decode worker.
+    let (want_short, short) = (engine_alone(model, engine_config(), "A short one.", 6).1, "A short one.");
+    assert_eq!(server.complete(short, 6).await.0, want_short);
+    assert_eq!((colocated().await, moved().await), (1.0, 0.0), "no hand-off");
+    // Turn 1, long and cached nowhere: split.
+    assert_eq!(server.complete(TURN_1, 6).await.0, want_1);
+    assert_eq!(colocated().await, 1.0);
+    assert_eq!(moved().await as usize, ids_1.len());
+    // Turn 2: the decode worker caches its history; the rest is a few tokens.
+    server.wait_index("decode-1", history / 4).await;
+    let (text_2, cached_2) = server.complete_ids(&ids_2, 6).await;
+    assert_eq!(text_2, want_2, "the same output as split");
+    assert_eq!((cached_2, colocated().await, moved().await as usize), (history, 2.0, ids_1.len()));
+    server.assert_no_kv_held().await;
 }

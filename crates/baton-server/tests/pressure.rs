@@ -280,6 +280,7 @@ async fn every_policy_refuses_before_the_first_token_never_after() {
             seed: 1,
             kv_fetch: true,
             decode_affinity: true,
+            conditional_tokens: None,
         },
         ..ServeConfig::new(fixture("tiny-llama"))
     };

@@ -711,6 +711,7 @@ async fn the_scheduling_crates_policies_route_live_requests() {
                 seed: 1,
                 kv_fetch: true,
                 decode_affinity: true,
+                conditional_tokens: None,
             },
             ..ServeConfig::new(fixture("tiny-llama"))
         };

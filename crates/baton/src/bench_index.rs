@@ -110,6 +110,7 @@ pub(crate) fn run(a: IndexArgs) -> anyhow::Result<()> {
         seed: 1,
         kv_fetch: true,
         decode_affinity: true,
+        conditional_tokens: None,
     };
     let policy = choice.build(a.block_tokens);
     policy.attach_index(Arc::clone(&trees));

@@ -137,6 +137,13 @@ pub(crate) struct RoutingFlags {
     /// its whole history.
     #[arg(long, default_value = "3", value_parser = clap::value_parser!(u8).range(0..=3))]
     pd_caching: u8,
+    /// Conditional disaggregation (with a baton-sched policy): a request with at most N prompt
+    /// tokens not cached on the decode worker the policy chose (a short prompt, or a session's
+    /// next turn on the decode worker holding its history) runs whole there, without a hand-off,
+    /// when the cost model predicts that is no slower. Such requests count as
+    /// `baton_routing_decisions_total{route="colocated"}`. 0 (the default) never.
+    #[arg(long, default_value_t = 0)]
+    conditional_disagg_tokens: u64,
 }
 
 /// A switch.
@@ -188,6 +195,10 @@ impl RoutingFlags {
     pub(crate) fn choice(&self) -> anyhow::Result<baton_server::sched::PolicyChoice> {
         use baton_server::sched::PolicyChoice;
         if self.policy == "simple" {
+            anyhow::ensure!(
+                self.conditional_disagg_tokens == 0,
+                "--conditional-disagg-tokens goes with a baton-sched --policy (kv-centric, prompt-tree, ...)"
+            );
             return Ok(PolicyChoice::Simple { max_in_flight: self.max_in_flight });
         }
         anyhow::ensure!(self.max_in_flight.is_none(), "--max-in-flight goes with --policy simple");
@@ -209,6 +220,7 @@ impl RoutingFlags {
             seed: self.seed,
             kv_fetch: self.kv_fetch == OnOff::On,
             decode_affinity: self.pd_caching() >= baton_server::wire::PdCaching::Decode,
+            conditional_tokens: (self.conditional_disagg_tokens > 0).then_some(self.conditional_disagg_tokens),
         })
     }
 }
