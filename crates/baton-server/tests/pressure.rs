@@ -291,3 +291,51 @@ async fn every_policy_refuses_before_the_first_token_never_after() {
     eprintln!("kv-centric: 40 requests served; {refusals} refusals before the first token on the way");
     server.assert_no_kv_held().await;
 }
+
+/// The storm over KV tiers: a 64-block device arena with 64 host and 64 disk blocks under each
+/// worker, disaggregated with the default `--pd-caching 3` (answers returned into the prefill
+/// worker's cache, hand-offs reusing what the decode worker caches). Evicted prefixes move down
+/// the tiers and come back while hand-offs, returns and refusals go on; every text equals its
+/// run alone, and afterwards no worker holds KV and each worker's block file is gone with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_over_kv_tiers_keeps_every_text_and_leaks_nothing() {
+    let dir = std::env::temp_dir().join(format!("baton-storm-tiers-{}", std::process::id()));
+    let config = ServeConfig {
+        engine: EngineConfig {
+            num_blocks: 64,
+            host_blocks: 64,
+            disk_blocks: 64,
+            disk_dir: Some(dir.clone()),
+            ..EngineConfig::default()
+        },
+        ..ServeConfig::new(fixture("tiny-llama"))
+    };
+    let server = start(&config).await;
+    let bodies = storm_bodies(120);
+    let reference = alone(&server, &bodies).await;
+    let refusals = storm(&server, &bodies, &reference, 4).await;
+    eprintln!("32 streams over KV tiers served; {refusals} refusals before the first token");
+    server.assert_no_kv_held().await;
+    // The storm pushed cached blocks below the device arena (the index follows the workers).
+    let mut lower = 0;
+    for _ in 0..200 {
+        lower = ["prefill-0", "decode-1"]
+            .iter()
+            .filter_map(|w| server.conductor.view().blocks(w))
+            .flatten()
+            .filter(|(_, tier)| *tier != baton_kv::Tier::Device)
+            .count();
+        if lower > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    eprintln!("{lower} cached blocks below the device tier after the storm");
+    assert!(lower > 0, "the storm used the host or disk tier");
+    // Again, alone: what the tiers kept gives the same texts.
+    assert_eq!(alone(&server, &bodies).await, reference);
+    server.assert_no_kv_held().await;
+    assert_eq!(std::fs::read_dir(&dir).expect("the disk tier's directory").count(), 2, "a block file per worker");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
