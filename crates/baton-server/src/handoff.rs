@@ -98,8 +98,74 @@ fn transfer_id(job: &KvJob) -> TransferId {
     TransferId(job.source.lease.unwrap_or(job.id.0))
 }
 
-/// Where the transfer thread sends each job's end; `false` when no one listens any more.
-pub(crate) type Report = Box<dyn Fn(TransferDone) -> bool + Send>;
+/// Where the transfer threads send each job's end; `false` when no one listens any more.
+pub(crate) type Report = Arc<dyn Fn(TransferDone) -> bool + Send + Sync>;
+
+/// How long a peer's transfer thread is kept without a job for it: after that its sender is
+/// dropped and the thread ends once its queue is empty (the next job from that peer starts
+/// another), so threads of peers that left do not pile up.
+const PEER_IDLE: Duration = Duration::from_secs(60);
+
+/// A worker's transfer threads: one per peer KV server, started on its first job, so a slow or
+/// silent peer delays only the jobs that read from it. (With one thread for every peer, a
+/// frozen prefill worker held every hand-off to this worker until the I/O timeout.)
+pub(crate) struct Transfers {
+    name: String,
+    local: Arc<Region>,
+    config: ClientConfig,
+    transport: TransportChoice,
+    fetch_delay: Duration,
+    back: Report,
+    /// Per peer: its thread's queue and when it was last given a job.
+    threads: HashMap<SocketAddr, (Sender<KvJob>, Instant)>,
+}
+
+impl Transfers {
+    /// No threads yet; each job's end goes to `back`.
+    pub(crate) fn new(
+        name: &str,
+        local: Arc<Region>,
+        config: ClientConfig,
+        transport: TransportChoice,
+        fetch_delay: Duration,
+        back: Report,
+    ) -> Self {
+        Self { name: name.to_owned(), local, config, transport, fetch_delay, back, threads: HashMap::new() }
+    }
+
+    /// Hands a job to its peer's thread, starting one when there is none (or the last one
+    /// ended); the job comes back when no thread can be started.
+    pub(crate) fn send(&mut self, job: KvJob) -> Result<(), Box<KvJob>> {
+        let now = Instant::now();
+        // Dropping an idle thread's sender ends it after the jobs queued before: none is lost.
+        self.threads.retain(|_, (_, used)| now.duration_since(*used) < PEER_IDLE);
+        let addr = job.source.addr;
+        let job = match self.threads.get_mut(&addr) {
+            Some((tx, used)) => match tx.send(job) {
+                Ok(()) => {
+                    *used = now;
+                    return Ok(());
+                }
+                // The thread is gone (it panicked): start another.
+                Err(std::sync::mpsc::SendError(job)) => job,
+            },
+            None => job,
+        };
+        let name = format!("{}-{}", self.name, addr.port());
+        let (local, config, back) = (Arc::clone(&self.local), self.config.clone(), Arc::clone(&self.back));
+        match TransferThread::spawn(&name, local, config, self.transport, self.fetch_delay, back) {
+            Ok(tx) => {
+                let sent = tx.send(job).map_err(|std::sync::mpsc::SendError(job)| Box::new(job));
+                self.threads.insert(addr, (tx, now));
+                sent
+            }
+            Err(e) => {
+                tracing::error!(peer = %addr, error = %e, "cannot start a transfer thread");
+                Err(Box::new(job))
+            }
+        }
+    }
+}
 
 /// A push this side registered and waits for.
 struct Pending {
@@ -107,8 +173,8 @@ struct Pending {
     deadline: Instant,
 }
 
-/// The decode side's transfer thread: one [`KvClient`] per prefill peer, connected on first use
-/// and dropped after an error (the next job reconnects). A pull runs to its end at once; a push
+/// A transfer thread (one per peer, see [`Transfers`]): a [`KvClient`] per peer it serves,
+/// connected on first use and dropped after an error (the next job reconnects). A pull runs to its end at once; a push
 /// is registered, then watched among the others until its last layer is in, its request is
 /// cancelled or its deadline passes. Results go back to the engine thread as
 /// [`TransferDone`]s with the reserved blocks, which the engine thread frees for a failed job

@@ -27,7 +27,8 @@
 //! prompt from the holder's index (from any tier) and offers it under a lease of its own
 //! ([`crate::wire::fetch_lease`]), and the request sent to the worker that computes the prompt
 //! names it in [`crate::wire::WorkRequest::fetch`]: that worker pulls it, computes the rest, and
-//! keeps the whole prefix in its own index afterwards. Every role has a transfer thread for it.
+//! keeps the whole prefix in its own index afterwards. Every role receives, on a transfer thread
+//! per peer ([`crate::handoff`]'s `Transfers`), so a slow peer holds up only its own jobs.
 //!
 //! Lifecycle: [`WorkerHandle::drain`] stops a worker taking work (new requests are answered
 //! `Lost`, so the conductor runs them elsewhere) while it finishes what it holds;
@@ -50,8 +51,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::Instrument;
 
 pub use crate::handoff::{KvTransfer, TransportChoice};
-use crate::handoff::{TransferThread, spawn_push};
-use crate::session::{Action, Host, KvJob, SessionConfig, Sessions, Submission, TransferDone};
+use crate::handoff::{Transfers, spawn_push};
+use crate::session::{Action, Host, SessionConfig, Sessions, Submission, TransferDone};
 use crate::wire::{BlockEvent, CachedBlock, LoadReport, Received};
 pub use crate::wire::{Finish, KvSource, RequestEvent, Role, StateUpdate, WorkRequest, WorkerError, WorkerStats};
 
@@ -241,7 +242,8 @@ impl Drop for Lifeline {
 
 impl WorkerHandle {
     /// Starts a worker thread that owns `engine`, with a KV server over the engine's arena (its
-    /// hand-offs and exports) and a transfer thread (what it receives), whatever its role.
+    /// hand-offs and exports) and transfer threads, one per peer (what it receives), whatever its
+    /// role.
     pub fn spawn(name: impl Into<String>, role: Role, engine: Engine, options: WorkerOptions) -> std::io::Result<Self> {
         let name = name.into();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -271,11 +273,11 @@ impl WorkerHandle {
                 ..ClientConfig::new(peer, options.compat.clone(), options.secret.expose())
             };
             let back = std::sync::Mutex::new(tx.clone());
-            let report = Box::new(move |done: TransferDone| {
+            let report: crate::handoff::Report = Arc::new(move |done: TransferDone| {
                 let back = back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 back.send(Command::Transferred(Box::new(done))).is_ok()
             });
-            Some(TransferThread::spawn(&name, local, config, options.transport, options.fetch_delay, report)?)
+            Some(Transfers::new(&name, local, config, options.transport, options.fetch_delay, report))
         };
         let capacity_blocks = engine.config().num_blocks;
         let block_tokens = engine.config().block_size;
@@ -599,7 +601,7 @@ struct EngineLoop {
     host: EngineHost,
     sessions: Sessions<mpsc::UnboundedSender<RequestEvent>>,
     push: PushOptions,
-    transfers: Option<std::sync::mpsc::Sender<KvJob>>,
+    transfers: Option<Transfers>,
     steps: u64,
     panic_at_step: Option<u64>,
     state: StatePublisher,
@@ -838,14 +840,12 @@ impl EngineLoop {
         for action in self.sessions.ready() {
             match action {
                 Action::Transfer(job) => {
-                    // Without a transfer thread the job drops here, and its blocks with it.
-                    let Some(transfers) = &self.transfers else { continue };
-                    if let Err(std::sync::mpsc::SendError(job)) = transfers.send(job) {
-                        // The transfer thread died: this worker cannot receive KV any more.
-                        tracing::error!("the transfer thread stopped; stopping the worker");
-                        let failure = crate::session::TransferFailure::Peer("the transfer thread stopped".into());
-                        self.sessions.transfer_done(&mut self.host, job.done(Err(failure)));
-                        return false;
+                    // Without transfer threads the job drops here, and its blocks with it.
+                    let Some(transfers) = &mut self.transfers else { continue };
+                    if let Err(job) = transfers.send(job) {
+                        // No thread for its peer: the request recomputes what it would receive.
+                        let failure = crate::session::TransferFailure::Peer("no transfer thread".into());
+                        self.sessions.transfer_done(&mut self.host, (*job).done(Err(failure)));
                     }
                 }
                 Action::Push { id, span } => {

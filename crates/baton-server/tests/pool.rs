@@ -189,6 +189,9 @@ enum Fault {
     LeaseEnded,
     /// The holder's KV server is unreachable (it died after answering).
     Unreachable,
+    /// The holder offers two blocks on a KV server that never answers (frozen, half-open),
+    /// whether it caches anything or not.
+    Silent(u16),
 }
 
 #[async_trait::async_trait]
@@ -221,6 +224,10 @@ impl Worker for Faulty {
         self.inner.subscribe_state()
     }
     async fn export_prefix(&self, lease: u64, tokens: &[u32], deadline: Duration) -> Option<KvSource> {
+        if let Fault::Silent(port) = self.fault {
+            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            return Some(KvSource { addr, blocks: vec![0, 1], tokens: 8, lease: Some(lease) });
+        }
         let mut source = self.inner.export_prefix(lease, tokens, deadline).await?;
         match self.fault {
             Fault::LeaseEnded => {
@@ -232,6 +239,7 @@ impl Worker for Faulty {
                 let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
                 source.addr = closed.local_addr().expect("addr");
             }
+            Fault::Silent(_) => unreachable!("answered above"),
         }
         Some(source)
     }
@@ -452,5 +460,51 @@ async fn short_or_mostly_cached_prompts_run_whole_on_the_decode_worker() {
     let (text_2, cached_2) = server.complete_ids(&ids_2, 6).await;
     assert_eq!(text_2, want_2, "the same output as split");
     assert_eq!((cached_2, colocated().await, moved().await as usize), (history, 2.0, ids_1.len()));
+    server.assert_no_kv_held().await;
+}
+
+/// A silent peer holds up only what comes from it: a worker whose pull from a KV server that
+/// never answers waits out its I/O timeout (then recomputes) still receives, meanwhile, from
+/// another peer. (With one transfer thread per worker, the second pull queued behind the first.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peer_holds_up_only_the_transfers_from_it() {
+    let model = "tiny-llama";
+    let script = Scripted::new(2);
+    let server = start(model, KvTransfer::Pull, &script).await;
+    // Turn 1 through prefill-0 and decode-2: decode-2 caches it (`--pd-caching 2`).
+    script.set(0, None);
+    let (_, want_1) = engine_alone(model, engine_config(), TURN_1, 6);
+    assert_eq!(server.complete(TURN_1, 6).await.0, want_1);
+    let turn_2 = format!("{TURN_1}{want_1} goes on where it left off.");
+    let (_, want_2) = engine_alone(model, engine_config(), &turn_2, 6);
+    // prefill-0 turns silent: a listener that accepts connections and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+    let port = silent.local_addr().expect("addr").port();
+    let holder = server.conductor.remove_worker("prefill-0").expect("prefill-0");
+    server.conductor.add_worker(Arc::new(Faulty { inner: holder, fault: Fault::Silent(port) }));
+    let order = Arc::new(Mutex::new(Vec::new()));
+    // A: prefill-1 fetches from the silent prefill-0; its pull waits out the I/O timeout.
+    script.set(1, Some(0));
+    let a = {
+        let (server_url, order) = (server.url.clone(), Arc::clone(&order));
+        let prompt = format!("{TURN_1} Something else.");
+        tokio::spawn(async move {
+            let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+            let r = reqwest::Client::new().post(format!("{server_url}/v1/completions")).json(&body).send().await;
+            assert_eq!(r.expect("sends").status().as_u16(), 200);
+            order.lock().expect("not poisoned").push("a");
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // B: prefill-1 fetches turn 1 from decode-2, which answers.
+    script.set(1, Some(2));
+    let (text_2, cached_2) = server.complete(&turn_2, 6).await;
+    order.lock().expect("not poisoned").push("b");
+    assert_eq!(text_2, want_2);
+    assert!(cached_2 >= 16, "B's prefix came from decode-2");
+    a.await.expect("A completes");
+    assert_eq!(*order.lock().expect("not poisoned"), ["b", "a"], "B did not wait behind A's silent peer");
+    assert_eq!(server.metric("baton_kv_fetches_total{outcome=\"recomputed\"}").await, 1.0);
+    drop(silent);
     server.assert_no_kv_held().await;
 }
