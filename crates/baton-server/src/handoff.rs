@@ -111,26 +111,30 @@ const PEER_IDLE: Duration = Duration::from_secs(60);
 /// frozen prefill worker held every hand-off to this worker until the I/O timeout.)
 pub(crate) struct Transfers {
     name: String,
-    local: Arc<Region>,
-    config: ClientConfig,
-    transport: TransportChoice,
-    fetch_delay: Duration,
-    back: Report,
+    setup: ThreadSetup,
     /// Per peer: its thread's queue and when it was last given a job.
     threads: HashMap<SocketAddr, (Sender<KvJob>, Instant)>,
 }
 
+/// What each of a worker's transfer threads is started with.
+#[derive(Clone)]
+pub(crate) struct ThreadSetup {
+    /// The worker's arena, written into.
+    pub(crate) local: Arc<Region>,
+    /// The KV client's settings.
+    pub(crate) config: ClientConfig,
+    /// Shared memory or TCP.
+    pub(crate) transport: TransportChoice,
+    /// Fault injection: the pause between opening a fetch's transfer and reading it.
+    pub(crate) fetch_delay: Duration,
+    /// Where each job's end goes.
+    pub(crate) back: Report,
+}
+
 impl Transfers {
-    /// No threads yet; each job's end goes to `back`.
-    pub(crate) fn new(
-        name: &str,
-        local: Arc<Region>,
-        config: ClientConfig,
-        transport: TransportChoice,
-        fetch_delay: Duration,
-        back: Report,
-    ) -> Self {
-        Self { name: name.to_owned(), local, config, transport, fetch_delay, back, threads: HashMap::new() }
+    /// No threads yet.
+    pub(crate) fn new(name: &str, setup: ThreadSetup) -> Self {
+        Self { name: name.to_owned(), setup, threads: HashMap::new() }
     }
 
     /// Hands a job to its peer's thread, starting one when there is none (or the last one
@@ -152,8 +156,7 @@ impl Transfers {
             None => job,
         };
         let name = format!("{}-{}", self.name, addr.port());
-        let (local, config, back) = (Arc::clone(&self.local), self.config.clone(), Arc::clone(&self.back));
-        match TransferThread::spawn(&name, local, config, self.transport, self.fetch_delay, back) {
+        match TransferThread::spawn(&name, self.setup.clone()) {
             Ok(tx) => {
                 let sent = tx.send(job).map_err(|std::sync::mpsc::SendError(job)| Box::new(job));
                 self.threads.insert(addr, (tx, now));
@@ -192,15 +195,9 @@ pub(crate) struct TransferThread {
 
 impl TransferThread {
     /// Starts the thread; jobs go in over the returned sender.
-    pub(crate) fn spawn(
-        name: &str,
-        local: Arc<Region>,
-        config: ClientConfig,
-        transport: TransportChoice,
-        fetch_delay: Duration,
-        back: Report,
-    ) -> std::io::Result<Sender<KvJob>> {
+    pub(crate) fn spawn(name: &str, setup: ThreadSetup) -> std::io::Result<Sender<KvJob>> {
         let (jobs, job_rx) = std::sync::mpsc::channel();
+        let ThreadSetup { local, config, transport, fetch_delay, back } = setup;
         let clients = HashMap::new();
         let thread = TransferThread { local, config, transport, clients, pushes: Vec::new(), back, fetch_delay };
         std::thread::Builder::new().name(format!("baton-{name}-kv")).spawn(move || thread.run(job_rx))?;

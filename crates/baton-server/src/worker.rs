@@ -51,7 +51,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::Instrument;
 
 pub use crate::handoff::{KvTransfer, TransportChoice};
-use crate::handoff::{Transfers, spawn_push};
+use crate::handoff::{ThreadSetup, Transfers, spawn_push};
 use crate::session::{Action, Host, SessionConfig, Sessions, Submission, TransferDone};
 use crate::wire::{BlockEvent, CachedBlock, LoadReport, Received};
 pub use crate::wire::{Finish, KvSource, RequestEvent, Role, StateUpdate, WorkRequest, WorkerError, WorkerStats};
@@ -272,12 +272,14 @@ impl WorkerHandle {
                 io_timeout: options.io_timeout,
                 ..ClientConfig::new(peer, options.compat.clone(), options.secret.expose())
             };
-            let back = std::sync::Mutex::new(tx.clone());
-            let report: crate::handoff::Report = Arc::new(move |done: TransferDone| {
-                let back = back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let engine_thread = std::sync::Mutex::new(tx.clone());
+            let back: crate::handoff::Report = Arc::new(move |done: TransferDone| {
+                let back = engine_thread.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 back.send(Command::Transferred(Box::new(done))).is_ok()
             });
-            Some(Transfers::new(&name, local, config, options.transport, options.fetch_delay, report))
+            let setup =
+                ThreadSetup { local, config, transport: options.transport, fetch_delay: options.fetch_delay, back };
+            Some(Transfers::new(&name, setup))
         };
         let capacity_blocks = engine.config().num_blocks;
         let block_tokens = engine.config().block_size;
