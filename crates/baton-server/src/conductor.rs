@@ -42,6 +42,7 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
+use crate::elastic::Elastic;
 use crate::error::ApiError;
 use crate::handoff::KvTransfer;
 use crate::metrics::{FetchOutcome, Metrics, Outcome, WorkerGauges};
@@ -58,6 +59,8 @@ const WORKER_EVENT_TIMEOUT: Duration = Duration::from_secs(120);
 const MAX_RETRIES: usize = 2;
 /// First wait before probing a worker whose breaker tripped; it doubles up to `PROBE_MAX`.
 const PROBE_FIRST: Duration = Duration::from_millis(250);
+/// How long a worker may take to answer a role switch.
+const SWITCH_DEADLINE: Duration = Duration::from_secs(5);
 /// Longest wait between probes of a tripped worker.
 const PROBE_MAX: Duration = Duration::from_secs(5);
 
@@ -92,6 +95,10 @@ pub struct Conductor {
     /// Workers out of routing after a failure, by name, with the generation of their breaker.
     tripped: Mutex<HashMap<String, u64>>,
     next_trip: AtomicU64,
+    /// Elastic prefill/decode: the role switching controller, when on.
+    elastic: Option<Mutex<Elastic>>,
+    /// Wakes the elastic loop (a request was routed).
+    elastic_wake: Arc<tokio::sync::Notify>,
 }
 
 /// The conductor's ledger of its workers: a stable instance id per name, and the requests in
@@ -172,6 +179,62 @@ impl Conductor {
             pd_caching: PdCaching::default(),
             tripped: Mutex::new(HashMap::new()),
             next_trip: AtomicU64::new(0),
+            elastic: None,
+            elastic_wake: Arc::new(tokio::sync::Notify::new()),
+        }
+    }
+
+    /// Switches workers' roles as `elastic` decides (`--elastic`; `None`: never), looking every
+    /// [`Elastic::interval`] and after each routed request; starts with [`Self::router`].
+    #[must_use]
+    pub fn with_elastic(mut self, elastic: Option<Elastic>) -> Self {
+        self.elastic = elastic.map(Mutex::new);
+        self
+    }
+
+    /// Runs the elastic loop until the conductor is dropped (nothing when elastic is off).
+    fn run_elastic(self: &Arc<Self>) {
+        let Some(interval) =
+            self.elastic.as_ref().map(|e| e.lock().unwrap_or_else(std::sync::PoisonError::into_inner).interval())
+        else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("no async runtime: elastic role switching is off");
+            return;
+        };
+        let (conductor, wake) = (Arc::downgrade(self), Arc::clone(&self.elastic_wake));
+        runtime.spawn(async move {
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep(interval) => {}
+                    () = wake.notified() => {}
+                }
+                let Some(c) = conductor.upgrade() else { return };
+                c.rebalance().await;
+            }
+        });
+    }
+
+    /// One look of the elastic loop: carries out the switch the controller asks for, if any.
+    async fn rebalance(&self) {
+        let Some(elastic) = &self.elastic else { return };
+        let (workers, snapshot) = self.snapshot(&[]);
+        let Some(switch) = elastic.lock().unwrap_or_else(std::sync::PoisonError::into_inner).decide(&snapshot) else {
+            return;
+        };
+        let worker = &workers[switch.worker];
+        match worker.set_role(switch.to, SWITCH_DEADLINE).await {
+            Ok(()) => {
+                tracing::info!(
+                    worker = worker.name(),
+                    from = switch.from.as_str(),
+                    to = switch.to.as_str(),
+                    "elastic: role switched"
+                );
+                self.metrics.role_switch(switch.from.as_str(), switch.to.as_str());
+            }
+            Err(e) => tracing::warn!(worker = worker.name(), error = e, "elastic: the role switch failed"),
         }
     }
 
@@ -356,6 +419,7 @@ impl Conductor {
     /// The HTTP API.
     pub fn router(self: Arc<Self>) -> axum::Router {
         self.follow_workers();
+        self.run_elastic();
         axum::Router::new()
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
@@ -516,7 +580,11 @@ impl Conductor {
                 return e.into_response();
             }
         };
-        let (route, fetch) = match self.plan(&valid, &[], true) {
+        let planned = self.plan(&valid, &[], true);
+        if self.elastic.is_some() {
+            self.elastic_wake.notify_one();
+        }
+        let (route, fetch) = match planned {
             Ok(r) => r,
             Err(e) => {
                 tracing::info!(status = e.status().as_u16(), "request not routed");

@@ -6,6 +6,7 @@
 //! | `POST /worker/v1/release`    | [`ReleaseBody`] | 204                                         |
 //! | `POST /worker/v1/export`     | [`ExportBody`]  | 200 [`KvSource`] (a cached prefix offered under a lease), 404 when none is cached |
 //! | `POST /worker/v1/import`     | [`ImportBody`]  | 200 [`Received`] once a peer's KV is in the prefix cache, 404 when none arrived |
+//! | `POST /worker/v1/role`       | [`RoleBody`]    | 204 once the worker is routed as the new role (elastic prefill/decode) |
 //! | `GET /worker/v1/stats`       | none            | 200 [`WorkerStats`]                         |
 //! | `GET /worker/v1/state`       | none            | 200, then one [`StateUpdate`] per line (NDJSON), a snapshot first |
 //!
@@ -18,6 +19,7 @@
 //! [`WorkerStats`]: crate::wire::WorkerStats
 //! [`StateUpdate`]: crate::wire::StateUpdate
 //! [`ReleaseBody`]: crate::wire::ReleaseBody
+//! [`RoleBody`]: crate::wire::RoleBody
 //! [`ExportBody`]: crate::wire::ExportBody
 //! [`ImportBody`]: crate::wire::ImportBody
 //! [`Received`]: crate::wire::Received
@@ -53,12 +55,14 @@ pub const EXPORT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(
 pub const IMPORT_PATH: &str = "/worker/v1/import";
 /// How long an import may take, waiting for room and pulling.
 pub const IMPORT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+/// Path of the role route (the conductor switches the worker's role).
+pub const ROLE_PATH: &str = "/worker/v1/role";
 /// Path of the stats route.
 pub const STATS_PATH: &str = "/worker/v1/stats";
 /// Path of the state stream's route.
 pub const STATE_PATH: &str = "/worker/v1/state";
 
-pub use crate::wire::{ExportBody, ImportBody, ReleaseBody};
+pub use crate::wire::{ExportBody, ImportBody, ReleaseBody, RoleBody};
 
 #[derive(Clone)]
 struct ControlState {
@@ -75,6 +79,7 @@ pub fn router(worker: WorkerHandle, secret: ClusterSecret) -> Router {
         .route(RELEASE_PATH, post(release))
         .route(EXPORT_PATH, post(export))
         .route(IMPORT_PATH, post(import))
+        .route(ROLE_PATH, post(role))
         .route(STATS_PATH, get(stats))
         .route(STATE_PATH, get(state_stream))
         .with_state(ControlState { worker, secret, seen: Arc::default() })
@@ -164,6 +169,19 @@ async fn import(State(state): State<ControlState>, headers: HeaderMap, body: Byt
             None => ApiError::NotFound("no KV arrived".into()).into_response(),
         },
         Err(e) => ApiError::invalid(format!("invalid import request: {e}")).into_response(),
+    }
+}
+
+async fn role(State(state): State<ControlState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(e) = authorize(&state, &headers, "POST", ROLE_PATH, &body) {
+        return e.into_response();
+    }
+    match serde_json::from_slice::<RoleBody>(&body) {
+        Ok(b) => {
+            state.worker.set_role(b.role);
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => ApiError::invalid(format!("invalid role request: {e}")).into_response(),
     }
 }
 

@@ -301,6 +301,8 @@ pub struct ConductorConfig {
     pub pd_caching: crate::wire::PdCaching,
     /// What feeds the conductor's KV index.
     pub kv_index: crate::view::KvIndexMode,
+    /// Elastic prefill/decode (`--elastic`): switch workers' roles under imbalance.
+    pub elastic: Option<crate::elastic::ElasticConfig>,
     /// On shutdown, how long the requests in flight may take to finish.
     pub drain_timeout: Duration,
     /// Serve the API over TLS with this certificate chain and private key (PEM files).
@@ -376,6 +378,7 @@ pub async fn run_conductor(
         tokio::task::spawn_blocking(move || crate::load_frontend(&path, model_id.as_deref()))
             .await
             .map_err(|e| ServeError::Config(format!("loading the model's tokenizer: {e}")))??;
+    let elastic = config.elastic.clone().map(|e| crate::elastic::Elastic::new(e, config.block_tokens));
     let conductor = Arc::new(
         Conductor::new(
             validator,
@@ -387,7 +390,8 @@ pub async fn run_conductor(
         .with_kv_transfer(config.kv_transfer)
         .with_pd_caching(config.pd_caching)
         .with_kv_index(config.kv_index)
-        .with_protect_metrics(config.protect_metrics),
+        .with_protect_metrics(config.protect_metrics)
+        .with_elastic(elastic),
     );
     let mut app = conductor.clone().router();
     let registry: Arc<dyn Registry> = match &config.registry {

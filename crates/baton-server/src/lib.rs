@@ -28,6 +28,7 @@
 pub mod conductor;
 pub mod control;
 pub mod deploy;
+pub mod elastic;
 pub mod error;
 pub mod handoff;
 pub mod http;
@@ -85,6 +86,8 @@ pub struct ServeConfig {
     pub pd_caching: wire::PdCaching,
     /// What feeds the conductor's KV index.
     pub kv_index: view::KvIndexMode,
+    /// Elastic prefill/decode (`--elastic`): switch workers' roles under imbalance.
+    pub elastic: Option<elastic::ElasticConfig>,
     /// Fault injection for tests (see [`WorkerOptions::push_delay`]).
     pub push_delay: Duration,
     /// Emulate the model with this cost profile instead of computing it (the engine loop, KV
@@ -109,6 +112,7 @@ impl ServeConfig {
             kv_transfer: KvTransfer::default(),
             pd_caching: wire::PdCaching::default(),
             kv_index: view::KvIndexMode::default(),
+            elastic: None,
             push_delay: Duration::ZERO,
             emulate: None,
         }
@@ -247,6 +251,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
         Some(profile) => usize::try_from(profile.kv_bytes_per_token).unwrap_or(usize::MAX),
         None => loaded.model.kv_geometry(config.engine.block_size).bytes_per_token(),
     };
+    let elastic = config.elastic.clone().map(|e| elastic::Elastic::new(e, config.engine.block_size));
     Ok(Arc::new(
         Conductor::new(
             loaded.validator,
@@ -258,7 +263,8 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
         .with_kv_transfer(config.kv_transfer)
         .with_pd_caching(config.pd_caching)
         .with_kv_index(config.kv_index)
-        .with_protect_metrics(config.protect_metrics),
+        .with_protect_metrics(config.protect_metrics)
+        .with_elastic(elastic),
     ))
 }
 

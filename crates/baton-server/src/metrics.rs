@@ -128,6 +128,8 @@ pub struct Metrics {
     /// Per prefill (or colocated) worker: prompt tokens looked up in its prefix cache, and
     /// those it found.
     cache: std::sync::Mutex<std::collections::BTreeMap<String, (u64, u64)>>,
+    /// Role switches (elastic prefill/decode), by (from, to).
+    role_switches: std::sync::Mutex<std::collections::BTreeMap<(&'static str, &'static str), u64>>,
 }
 
 impl Default for Metrics {
@@ -154,6 +156,7 @@ impl Default for Metrics {
             kv_fetch_tokens: AtomicU64::new(0),
             kv_fetches: Default::default(),
             cache: std::sync::Mutex::default(),
+            role_switches: std::sync::Mutex::default(),
         }
     }
 }
@@ -199,6 +202,23 @@ impl Metrics {
         );
         for (w, (_, h)) in cache.iter() {
             let _ = writeln!(out, "baton_prefix_cache_hits_tokens_total{{worker=\"{w}\"}} {h}");
+        }
+    }
+
+    /// Counts a worker's role switch.
+    pub fn role_switch(&self, from: &'static str, to: &'static str) {
+        let mut switches = self.role_switches.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *switches.entry((from, to)).or_default() += 1;
+    }
+
+    fn render_role_switches(&self, out: &mut String) {
+        let switches = self.role_switches.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = writeln!(
+            out,
+            "# HELP baton_role_switches_total Workers switched from one role to another (--elastic).\n# TYPE baton_role_switches_total counter"
+        );
+        for ((from, to), n) in switches.iter() {
+            let _ = writeln!(out, "baton_role_switches_total{{from=\"{from}\",to=\"{to}\"}} {n}");
         }
     }
 
@@ -280,6 +300,7 @@ impl Metrics {
             "# HELP baton_kv_return_tokens_total KV tokens decode workers sent back into prefill workers' caches after a request (PD-Caching-3).\n# TYPE baton_kv_return_tokens_total counter\nbaton_kv_return_tokens_total {}",
             self.return_tokens.load(Ordering::Relaxed)
         );
+        self.render_role_switches(&mut out);
         self.kv_fetch.render(
             &mut out,
             "baton_kv_fetch_seconds",

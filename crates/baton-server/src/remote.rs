@@ -15,7 +15,8 @@ use baton_cluster::{AUTH_HEADER, ClusterSecret, WorkerInfo, unix_millis};
 use tokio::sync::{mpsc, watch};
 
 use crate::control::{
-    EXPORT_PATH, ExportBody, GENERATE_PATH, IMPORT_PATH, ImportBody, RELEASE_PATH, ReleaseBody, STATE_PATH, STATS_PATH,
+    EXPORT_PATH, ExportBody, GENERATE_PATH, IMPORT_PATH, ImportBody, RELEASE_PATH, ROLE_PATH, ReleaseBody, RoleBody,
+    STATE_PATH, STATS_PATH,
 };
 use crate::error::ApiError;
 use crate::wire::{Received, WorkerError};
@@ -35,7 +36,8 @@ pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A worker behind its control API.
 pub struct RemoteWorker {
     info: WorkerInfo,
-    role: Role,
+    /// Its role now: registered, then as switched (by this conductor, or seen in its reports).
+    role: crate::worker::SharedRole,
     base: String,
     client: reqwest::Client,
     secret: ClusterSecret,
@@ -76,7 +78,7 @@ impl RemoteWorker {
         }
         let client = builder.build().map_err(|e| ApiError::Internal(format!("HTTP client: {e}")))?;
         Ok(Self {
-            role: info.role,
+            role: crate::worker::SharedRole::new(info.role),
             base: info.control_url.trim_end_matches('/').to_owned(),
             info,
             client,
@@ -135,7 +137,24 @@ impl Worker for RemoteWorker {
     }
 
     fn role(&self) -> Role {
-        self.role
+        self.role.get()
+    }
+
+    async fn set_role(&self, role: Role, deadline: Duration) -> Result<(), String> {
+        let body = serde_json::to_vec(&RoleBody { role }).map_err(|e| e.to_string())?;
+        let request = self.signed(reqwest::Method::POST, ROLE_PATH, body).timeout(deadline);
+        match request.send().await {
+            Ok(r) if r.status().is_success() => {
+                self.role.swap(role);
+                Ok(())
+            }
+            Ok(r) => Err(format!("the worker refused: {}", r.status())),
+            Err(e) => Err(chain(e)),
+        }
+    }
+
+    fn note_role(&self, role: Role) {
+        self.role.swap(role);
     }
 
     fn in_flight(&self) -> usize {

@@ -247,6 +247,11 @@ impl ClusterView {
                 let Some(mut updates) = worker.subscribe_state() else { return };
                 while let Some(update) = updates.recv().await {
                     backoff = Duration::from_millis(100);
+                    if let Some(role) = update.load().role
+                        && role != worker.role()
+                    {
+                        worker.note_role(role);
+                    }
                     match view.apply(&name, worker.role(), follower, update) {
                         Ok(()) => {}
                         Err(ViewError::Stale) => return,

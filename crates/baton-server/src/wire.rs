@@ -388,6 +388,14 @@ impl WorkerStats {
     }
 }
 
+/// Body of the control API's `POST /worker/v1/role`: switch the worker's role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoleBody {
+    /// The new role.
+    pub role: Role,
+}
+
 /// Body of the control API's `POST /worker/v1/release`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -568,6 +576,9 @@ pub struct LoadReport {
     pub total_blocks: usize,
     /// Measured time of one engine step (exponential moving average), µs; 0 before the first.
     pub step_time_us: u64,
+    /// The worker's role now (it changes when the conductor switches it; `None` from a worker
+    /// that predates role switching).
+    pub role: Option<Role>,
 }
 
 /// One message of a worker's state stream (KV events and load reports, in order). A stream
@@ -596,6 +607,15 @@ pub enum StateUpdate {
         /// When it was sent (Unix ms, the worker's clock).
         at_ms: u64,
     },
+}
+
+impl StateUpdate {
+    /// The load it reports.
+    pub fn load(&self) -> &LoadReport {
+        match self {
+            StateUpdate::Snapshot { load, .. } | StateUpdate::Delta { load, .. } => load,
+        }
+    }
 }
 
 #[cfg(test)]

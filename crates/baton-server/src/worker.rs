@@ -62,8 +62,17 @@ pub use crate::wire::{Finish, KvSource, RequestEvent, Role, StateUpdate, WorkReq
 pub trait Worker: Send + Sync + std::fmt::Debug {
     /// The worker's name (its cluster id).
     fn name(&self) -> &str;
-    /// Its role.
+    /// Its role: what the conductor routes to it.
     fn role(&self) -> Role;
+    /// Switches its role (elastic prefill/decode): from now on it is sent the new kind of work;
+    /// what it holds runs to its end. An error when it cannot switch or does not answer within
+    /// `deadline`.
+    async fn set_role(&self, _role: Role, _deadline: Duration) -> Result<(), String> {
+        Err("this worker cannot switch roles".into())
+    }
+    /// The worker reported `role` in its state stream (a switch this or another conductor
+    /// made): the handle routes it as that from now on.
+    fn note_role(&self, _role: Role) {}
     /// Requests submitted through this handle and not finished.
     fn in_flight(&self) -> usize;
     /// Submits a request. Events arrive on the returned receiver; dropping it aborts the
@@ -183,6 +192,8 @@ pub(crate) enum Command {
     Stats(oneshot::Sender<WorkerStats>),
     /// A new subscriber to the state stream; it gets a snapshot first.
     Subscribe(mpsc::Sender<StateUpdate>),
+    /// Nothing to do but publish the state (the role changed).
+    Nudge,
     /// The last handle is gone: stop the KV server and the thread.
     Shutdown,
 }
@@ -197,6 +208,30 @@ impl BlockOwner for LoopOwner {
     }
 }
 
+/// A role read and switched from any thread.
+#[derive(Debug)]
+pub(crate) struct SharedRole(std::sync::atomic::AtomicU8);
+
+impl SharedRole {
+    const ROLES: [Role; 3] = [Role::Prefill, Role::Decode, Role::Colocated];
+
+    pub(crate) fn new(role: Role) -> Self {
+        Self(std::sync::atomic::AtomicU8::new(Self::code(role)))
+    }
+
+    fn code(role: Role) -> u8 {
+        Self::ROLES.iter().position(|&r| r == role).unwrap_or(0) as u8
+    }
+
+    pub(crate) fn get(&self) -> Role {
+        Self::ROLES[usize::from(self.0.load(Ordering::SeqCst)) % Self::ROLES.len()]
+    }
+
+    pub(crate) fn swap(&self, role: Role) -> Role {
+        Self::ROLES[usize::from(self.0.swap(Self::code(role), Ordering::SeqCst)) % Self::ROLES.len()]
+    }
+}
+
 /// A handle on a worker's engine thread. Cloning it shares the worker.
 #[derive(Clone)]
 pub struct WorkerHandle {
@@ -205,7 +240,9 @@ pub struct WorkerHandle {
 
 struct Inner {
     name: String,
-    role: Role,
+    /// What the conductor routes to this worker; its engine runs any kind of work, so a switch
+    /// ([`WorkerHandle::set_role`]) changes only what is sent from then on.
+    role: Arc<SharedRole>,
     commands: std::sync::mpsc::Sender<Command>,
     kv_addr: Option<SocketAddr>,
     capacity_blocks: usize,
@@ -222,7 +259,7 @@ struct Inner {
 
 impl std::fmt::Debug for WorkerHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WorkerHandle").field("name", &self.inner.name).field("role", &self.inner.role).finish()
+        f.debug_struct("WorkerHandle").field("name", &self.inner.name).field("role", &self.inner.role.get()).finish()
     }
 }
 
@@ -297,6 +334,8 @@ impl WorkerHandle {
             Sessions::new(SessionConfig { incoming_wait: options.lease / 2, can_receive: transfers.is_some() });
         let (life_tx, life_rx) = watch::channel(None);
         let (panic_at_step, drop_event_seq) = (options.panic_at_step, options.drop_event_seq);
+        let role = Arc::new(SharedRole::new(role));
+        let published_role = Arc::clone(&role);
         let thread = std::thread::Builder::new().name(format!("baton-{name}")).spawn(move || {
             let _lifeline = Lifeline(life_tx);
             EngineLoop {
@@ -306,7 +345,7 @@ impl WorkerHandle {
                 transfers,
                 steps: 0,
                 panic_at_step,
-                state: StatePublisher::new(drop_event_seq),
+                state: StatePublisher::new(drop_event_seq, published_role),
             }
             .run(rx);
         })?;
@@ -334,6 +373,18 @@ impl WorkerHandle {
     /// Aborts a request.
     pub fn abort(&self, id: u64) {
         let _ = self.inner.commands.send(Command::Abort(RequestId(id)));
+    }
+
+    /// Switches the worker's role: what the conductor routes to it from now on. Work it holds
+    /// runs to its end whatever the switch (its engine prefills and decodes alike), hand-offs
+    /// routed to it before the switch included; the state stream reports the new role at once.
+    pub fn set_role(&self, role: Role) {
+        let old = self.inner.role.swap(role);
+        if old != role {
+            tracing::info!(worker = self.inner.name, from = old.as_str(), to = role.as_str(), "role switched");
+            // Wakes the engine thread, which reports the new role in its next load.
+            let _ = self.inner.commands.send(Command::Nudge);
+        }
     }
 
     /// Stops taking work: new requests are answered `Lost` (the conductor runs them elsewhere)
@@ -393,7 +444,12 @@ impl Worker for WorkerHandle {
     }
 
     fn role(&self) -> Role {
-        self.inner.role
+        self.inner.role.get()
+    }
+
+    async fn set_role(&self, role: Role, _deadline: Duration) -> Result<(), String> {
+        WorkerHandle::set_role(self, role);
+        Ok(())
     }
 
     fn in_flight(&self) -> usize {
@@ -402,7 +458,7 @@ impl Worker for WorkerHandle {
 
     fn submit(&self, req: WorkRequest) -> mpsc::UnboundedReceiver<RequestEvent> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let span = req.span(&self.inner.name, self.inner.role);
+        let span = req.span(&self.inner.name, self.inner.role.get());
         let _entered = span.enter();
         tracing::info!(
             prompt_tokens = req.prompt.len(),
@@ -410,7 +466,6 @@ impl Worker for WorkerHandle {
             fetches_tokens = req.fetch.as_ref().map(|f| f.tokens),
             "work submitted"
         );
-        let receives_hand_off = req.kv.is_some();
         let (req, incoming) = req.into_parts();
         if let Some(why) = self.stop_reason() {
             let _ = tx.send(RequestEvent::Lost { reason: format!("worker {} has stopped: {why}", self.inner.name) });
@@ -418,11 +473,6 @@ impl Worker for WorkerHandle {
         }
         if self.is_draining() {
             let _ = tx.send(RequestEvent::Lost { reason: format!("worker {} is draining", self.inner.name) });
-            return rx;
-        }
-        if receives_hand_off && self.inner.role == Role::Prefill {
-            let _ =
-                tx.send(RequestEvent::Failed(WorkerError::WrongRole("a prefill worker does not receive KV".into())));
             return rx;
         }
         self.inner.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -621,6 +671,8 @@ const LOAD_EVERY: Duration = Duration::from_millis(20);
 /// each subscriber, with the load; a snapshot when a subscriber arrives or fell too far behind.
 struct StatePublisher {
     subscribers: Vec<Subscriber>,
+    /// The worker's role, reported with its load.
+    role: Arc<SharedRole>,
     /// Exponential moving average of a step's time, µs.
     step_us: f64,
     drop_event_seq: Option<u64>,
@@ -636,8 +688,8 @@ struct Subscriber {
 }
 
 impl StatePublisher {
-    fn new(drop_event_seq: Option<u64>) -> Self {
-        Self { subscribers: Vec::new(), step_us: 0.0, drop_event_seq }
+    fn new(drop_event_seq: Option<u64>, role: Arc<SharedRole>) -> Self {
+        Self { subscribers: Vec::new(), role, step_us: 0.0, drop_event_seq }
     }
 
     fn subscribe(&mut self, tx: mpsc::Sender<StateUpdate>) {
@@ -728,6 +780,7 @@ impl StatePublisher {
             evictable_blocks: l.evictable_blocks,
             total_blocks: l.total_blocks,
             step_time_us: self.step_us as u64,
+            role: Some(self.role.get()),
         }
     }
 }
@@ -819,6 +872,7 @@ impl EngineLoop {
             Command::Release(id) => self.sessions.release(host, id),
             Command::Released(release) => self.sessions.lease_ended(host, RequestId(release.id.0)),
             Command::Subscribe(tx) => self.state.subscribe(tx),
+            Command::Nudge => {}
             Command::Stats(reply) => {
                 let (running, waiting) = host.engine.queue_lengths();
                 let counts = self.sessions.counts();

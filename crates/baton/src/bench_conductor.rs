@@ -81,6 +81,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             kv_transfer: baton_server::KvTransfer::default(),
             pd_caching: baton_server::wire::PdCaching::default(),
             kv_index: baton_server::view::KvIndexMode::default(),
+            elastic: None,
             drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
             tls: None,
             tls_ca: None,

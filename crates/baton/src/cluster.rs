@@ -286,6 +286,7 @@ pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
         kv_transfer: a.routing.kv_transfer(),
         pd_caching: a.routing.pd_caching(),
         kv_index: a.routing.kv_index(),
+        elastic: a.routing.elastic()?,
         block_tokens: a.block_size,
         drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),
         tls: a.tls.files(),

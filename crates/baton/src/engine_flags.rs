@@ -144,6 +144,24 @@ pub(crate) struct RoutingFlags {
     /// `baton_routing_decisions_total{route="colocated"}`. 0 (the default) never.
     #[arg(long, default_value_t = 0)]
     conditional_disagg_tokens: u64,
+    /// Elastic prefill/decode: the conductor switches a worker between the prefill and decode
+    /// roles when one pool stays overloaded (over 0.7 of its SLO: queued prefill time over
+    /// --slo-ttft-ms, or decode step time over --slo-tbt-ms, KV memory, waiting requests) while
+    /// the other is idle (under 0.3) for --elastic-hold-s (FlowKV §3.3, with the cost profile of
+    /// --cost-profile). The worker finishes what it holds; nothing is dropped. Switches show as
+    /// `baton_role_switches_total` and in the role label of `baton_queue_length`.
+    #[arg(long)]
+    elastic: bool,
+    /// With --elastic: how long an imbalance must last before a switch, and the pause after one
+    /// (the hysteresis), in seconds.
+    #[arg(long, default_value_t = 10.0, requires = "elastic")]
+    elastic_hold_s: f64,
+    /// With --elastic: at most this many switches in any minute.
+    #[arg(long, default_value_t = 2, requires = "elastic")]
+    elastic_max_switches_per_min: usize,
+    /// With --elastic: workers each of the prefill and decode roles keeps at least.
+    #[arg(long, default_value_t = 1, requires = "elastic")]
+    elastic_min_per_role: usize,
 }
 
 /// A switch.
@@ -189,6 +207,30 @@ impl RoutingFlags {
             KvIndexArg::Exact => baton_server::view::KvIndexMode::Exact,
             KvIndexArg::Predicted => baton_server::view::KvIndexMode::Predicted,
         }
+    }
+
+    /// Elastic role switching, when `--elastic` asks for it.
+    pub(crate) fn elastic(&self) -> anyhow::Result<Option<baton_server::elastic::ElasticConfig>> {
+        if !self.elastic {
+            return Ok(None);
+        }
+        anyhow::ensure!(
+            self.elastic_hold_s.is_finite() && self.elastic_hold_s >= 0.0,
+            "--elastic-hold-s must be a number of seconds, 0 or more"
+        );
+        let cost = match &self.cost_profile {
+            Some(name) => cost_profile(name)?,
+            None => baton_sched::CostProfile::llama2_70b_8xa800(),
+        };
+        let mut config = baton_server::elastic::ElasticConfig::new(
+            cost,
+            self.slo_ttft_ms * 1000,
+            self.slo_tbt_ms * 1000,
+            std::time::Duration::from_secs_f64(self.elastic_hold_s),
+        );
+        config.max_per_minute = self.elastic_max_switches_per_min;
+        config.policy.min_per_role = self.elastic_min_per_role;
+        Ok(Some(config))
     }
 
     /// The policy these flags choose.

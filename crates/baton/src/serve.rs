@@ -81,6 +81,7 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
         kv_transfer: a.routing.kv_transfer(),
         pd_caching: a.routing.pd_caching(),
         kv_index: a.routing.kv_index(),
+        elastic: a.routing.elastic()?,
         emulate: a.engine.emulate()?,
         ..ServeConfig::new(model.clone())
     };

@@ -750,6 +750,72 @@ fn a_dead_decode_worker_is_routed_to_at_most_once() {
     assert_no_leak(&[&p, &live]);
 }
 
+/// Each worker's role as a conductor's `/health` lists it.
+fn roles(conductor: &str) -> Vec<(String, String)> {
+    let body: Value = http().get(format!("{conductor}/health")).send().unwrap().json().unwrap_or(Value::Null);
+    let mut roles: Vec<(String, String)> = body["workers"].as_array().map_or_else(Vec::new, |a| {
+        a.iter().map(|w| (w["name"].as_str().unwrap().to_owned(), w["role"].as_str().unwrap().to_owned())).collect()
+    });
+    roles.sort();
+    roles
+}
+
+/// Elastic prefill/decode across processes (issue #18): under prefill load (a 1 ms TTFT target
+/// the 70B cost profile never meets, a 60 s TBT target always met) the conductor switches one
+/// decode worker process to prefill through its control API, mid-traffic. Every request keeps
+/// `baton generate`'s text; a second conductor replica that switched nothing learns the new
+/// role from the worker's state stream; no worker holds KV afterwards.
+#[test]
+fn an_elastic_conductor_switches_a_worker_process_mid_traffic() {
+    let dir = model("tiny-llama");
+    let elastic = [
+        "--elastic",
+        "--elastic-hold-s",
+        "0",
+        "--elastic-max-switches-per-min",
+        "1",
+        "--slo-ttft-ms",
+        "1",
+        "--slo-tbt-ms",
+        "60000",
+    ];
+    let (_c, url) = conductor_with(&dir, "embedded", &elastic);
+    let (p, a, b) = prefill_and_two_decoders(&dir, &url);
+    let (_replica, replica_url) = conductor(&dir, &url);
+    wait_members(&replica_url, 3, Duration::from_secs(10));
+    let prompts = [LONG.to_owned(), format!("Another story. {LONG}")];
+    let expected: Vec<String> = prompts.iter().map(|p| generate(&dir, p, 8)).collect();
+    for round in 0..3 {
+        let answers: Vec<String> = std::thread::scope(|s| {
+            let calls: Vec<_> = (0..4)
+                .map(|i| {
+                    let (url, prompt) = (&url, &prompts[i % 2]);
+                    s.spawn(move || text(&complete(url, prompt, 8)))
+                })
+                .collect();
+            calls.into_iter().map(|c| c.join().expect("request thread")).collect()
+        });
+        for (i, answer) in answers.iter().enumerate() {
+            assert_eq!(answer, &expected[i % 2], "round {round}, request {i}");
+        }
+    }
+    assert_eq!(metric(&url, "baton_role_switches_total{from=\"decode\",to=\"prefill\"}"), 1.0);
+    let now = roles(&url);
+    assert_eq!(now.iter().filter(|(_, r)| r == "prefill").count(), 2, "{now:?}");
+    // The replica switched nothing; the worker's reports told it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while roles(&replica_url) != now {
+        assert!(Instant::now() < deadline, "the replica sees {:?}, not {now:?}", roles(&replica_url));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(metric(&replica_url, "baton_role_switches_total{"), 0.0);
+    // The replica routes prompts to the switched worker too, and the text holds.
+    for prompt in &prompts {
+        assert_eq!(text(&complete(&replica_url, prompt, 8)), expected[usize::from(prompt != LONG)]);
+    }
+    assert_no_leak(&[&p, &a, &b]);
+}
+
 #[test]
 fn serve_and_conductor_offer_both_kv_transfer_modes() {
     for command in ["serve", "conductor"] {

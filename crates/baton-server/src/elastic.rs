@@ -1,0 +1,181 @@
+//! Elastic prefill/decode (`--elastic`): the conductor switches workers' roles as FlowKV's
+//! load-aware policy decides (§3.3), live.
+//!
+//! [`Elastic`] is the pure core: given the conductor's [`Snapshot`] (the workers' load reports
+//! and the conductor's ledger, the same figures the routing policies see) it answers which worker
+//! should switch to which role, if any. baton-sched's [`LoadAware::rebalance`] makes the call —
+//! one pool over its high watermark while the other is under its low one, for the whole
+//! hysteresis (`hold`), with a pause of `hold` after a switch and at least `min_per_role`
+//! workers left in each role — and [`Elastic`] adds a cap on switches per minute, so a
+//! mis-tuned watermark can never make the cluster flap. The conductor's loop
+//! ([`crate::Conductor::with_elastic`]) carries a decision out with [`crate::Worker::set_role`]:
+//! the worker is routed as its new role from then on while what it holds runs to its end (its
+//! engine prefills and decodes alike), so nothing is dropped and no KV is left behind.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use baton_kv::InstanceId;
+use baton_sched::{CostProfile, GlobalPromptTrees, LoadAware, LoadAwareConfig, Micros, Policy};
+
+use crate::routing::Snapshot;
+use crate::sched::SchedPolicy;
+use crate::worker::Role;
+
+/// Settings of elastic role switching.
+#[derive(Debug, Clone)]
+pub struct ElasticConfig {
+    /// Watermarks, SLOs, hysteresis (`persist_us`) and the least workers per role.
+    pub policy: LoadAwareConfig,
+    /// At most this many switches in any minute.
+    pub max_per_minute: usize,
+    /// How often the conductor looks when no request arrives (it also looks after each one).
+    pub interval: Duration,
+    /// The cost model that turns queued work into time.
+    pub cost: CostProfile,
+}
+
+impl ElasticConfig {
+    /// Defaults with these SLOs and this hysteresis.
+    pub fn new(cost: CostProfile, ttft_slo_us: Micros, tbt_slo_us: Micros, hold: Duration) -> Self {
+        let policy = LoadAwareConfig {
+            ttft_slo_us,
+            tbt_slo_us,
+            persist_us: hold.as_micros().try_into().unwrap_or(Micros::MAX),
+            ..LoadAwareConfig::default()
+        };
+        Self { policy, max_per_minute: 2, interval: Duration::from_millis(250), cost }
+    }
+}
+
+/// A switch to carry out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Switch {
+    /// The worker's index in the snapshot.
+    pub worker: usize,
+    /// Its role now.
+    pub from: Role,
+    /// Its role to be.
+    pub to: Role,
+}
+
+/// The decision side of elastic role switching (no I/O).
+#[derive(Debug)]
+pub struct Elastic {
+    policy: LoadAware,
+    config: ElasticConfig,
+    block_tokens: usize,
+    /// When the switches of the last minute were made.
+    recent: VecDeque<Micros>,
+    /// Switches the cap held back.
+    capped: u64,
+}
+
+const MINUTE_US: Micros = 60_000_000;
+
+impl Elastic {
+    /// A controller for workers whose KV blocks hold `block_tokens` tokens.
+    pub fn new(config: ElasticConfig, block_tokens: usize) -> Self {
+        Self { policy: LoadAware::new(config.policy), config, block_tokens, recent: VecDeque::new(), capped: 0 }
+    }
+
+    /// How often to look.
+    pub fn interval(&self) -> Duration {
+        self.config.interval
+    }
+
+    /// Switches the cap held back so far.
+    pub fn capped(&self) -> u64 {
+        self.capped
+    }
+
+    /// Whether a worker should switch now, and which.
+    pub fn decide(&mut self, snapshot: &Snapshot) -> Option<Switch> {
+        let now = snapshot.now_us;
+        while self.recent.front().is_some_and(|&t| t + MINUTE_US <= now) {
+            self.recent.pop_front();
+        }
+        let trees = GlobalPromptTrees::new(0);
+        let snap = SchedPolicy::cluster_snapshot(snapshot, &trees, &self.config.cost, self.block_tokens, now, false);
+        let change = self.policy.rebalance(&snap)?;
+        if self.recent.len() >= self.config.max_per_minute {
+            self.capped += 1;
+            return None;
+        }
+        let view = snapshot.workers.iter().find(|w| InstanceId(w.instance) == change.instance)?;
+        let to = match change.to {
+            baton_sched::Role::Prefill => Role::Prefill,
+            baton_sched::Role::Decode => Role::Decode,
+            baton_sched::Role::Colocated => Role::Colocated,
+        };
+        self.recent.push_back(now);
+        Some(Switch { worker: view.index, from: view.role, to })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::WorkerView;
+
+    fn view(index: usize, role: Role, prefilling: Vec<(u64, usize)>) -> WorkerView {
+        WorkerView {
+            index,
+            instance: index as u32,
+            role,
+            in_flight: 0,
+            prefilling,
+            decoding: Vec::new(),
+            capacity_blocks: 1000,
+            capacity_tokens: 16_000,
+            report: None,
+        }
+    }
+
+    /// One prefill worker with a long queue, two idle decode workers.
+    fn prefill_hot(now_us: u64) -> Snapshot {
+        let queue = (0..8).map(|i| (now_us, 4000 + i)).collect();
+        Snapshot {
+            workers: vec![view(0, Role::Prefill, queue), view(1, Role::Decode, vec![]), view(2, Role::Decode, vec![])],
+            now_us,
+        }
+    }
+
+    fn config(hold: Duration) -> ElasticConfig {
+        ElasticConfig::new(CostProfile::llama2_70b_8xa800(), 1_000_000, 100_000, hold)
+    }
+
+    #[test]
+    fn an_imbalance_shorter_than_the_hold_switches_nothing() {
+        let mut e = Elastic::new(config(Duration::from_secs(10)), 16);
+        for t in 0..20 {
+            assert_eq!(e.decide(&prefill_hot(t * 400_000)), None, "at {t}");
+        }
+        // 10 s after the imbalance began: the idlest decode worker becomes a prefill worker.
+        let s = e.decide(&prefill_hot(10_000_000)).expect("a switch");
+        assert_eq!((s.worker, s.from, s.to), (1, Role::Decode, Role::Prefill));
+    }
+
+    #[test]
+    fn no_more_switches_than_the_cap_in_a_minute() {
+        let mut cfg = config(Duration::ZERO);
+        cfg.max_per_minute = 1;
+        cfg.policy.min_per_role = 0;
+        let mut e = Elastic::new(cfg, 16);
+        assert!(e.decide(&prefill_hot(1)).is_some());
+        // The policy would switch again (no hold), but the cap holds it back for a minute.
+        assert_eq!(e.decide(&prefill_hot(2)), None);
+        assert_eq!(e.capped(), 1);
+        assert!(e.decide(&prefill_hot(MINUTE_US + 2)).is_some());
+    }
+
+    #[test]
+    fn a_balanced_cluster_keeps_its_roles() {
+        let mut e = Elastic::new(config(Duration::ZERO), 16);
+        let idle = Snapshot {
+            workers: vec![view(0, Role::Prefill, vec![]), view(1, Role::Decode, vec![]), view(2, Role::Decode, vec![])],
+            now_us: 1,
+        };
+        assert_eq!(e.decide(&idle), None);
+    }
+}
