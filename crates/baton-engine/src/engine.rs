@@ -139,7 +139,8 @@ pub struct EngineLoad {
     pub free_blocks: usize,
     /// Device blocks in the prefix index.
     pub cached_blocks: usize,
-    /// Cached device blocks no one holds (reclaimable).
+    /// Cached device blocks no request holds: reclaimable, by evicting leaf after leaf (not
+    /// only the leaves evictable this moment).
     pub evictable_blocks: usize,
     /// Device blocks in all.
     pub total_blocks: usize,
@@ -303,7 +304,7 @@ impl Engine {
         let device = self.pool.usage(Tier::Device);
         load.free_blocks = device.free;
         load.cached_blocks = device.cached;
-        load.evictable_blocks = device.evictable;
+        load.evictable_blocks = device.unheld_cached;
         load.total_blocks = self.config.num_blocks;
         load
     }

@@ -149,6 +149,9 @@ pub struct TierUsage {
     pub cached: usize,
     /// Cached and evictable now (no reference, not moving, no child in the tier).
     pub evictable: usize,
+    /// Cached and held by no request: reclaimable, though only leaf by leaf (a chain of them
+    /// counts here whole and in `evictable` by its last block).
+    pub unheld_cached: usize,
     /// Destinations of unfinished swaps.
     pub in_flight: usize,
 }
@@ -1042,7 +1045,10 @@ impl MemPool {
                 NO_OWNER if t.refs[i] > 0 => u.held += 1,
                 NO_OWNER => {}
                 SWAP_OWNER => u.in_flight += 1,
-                _ => u.cached += 1,
+                _ => {
+                    u.cached += 1;
+                    u.unheld_cached += usize::from(t.refs[i] == 0);
+                }
             }
         }
         u

@@ -111,6 +111,26 @@ struct Loads {
     prefill: HashMap<String, HashMap<u64, (u64, usize)>>,
     /// Worker → request → (decode start, µs; context tokens).
     decode: HashMap<String, HashMap<u64, (u64, usize)>>,
+    /// How long requests stay on their decode worker (predictive admission's `t_d`).
+    decode_time: MovingMean,
+}
+
+/// An exponential moving mean of durations, µs (weight 1/16 for each new one).
+#[derive(Debug, Default, Clone, Copy)]
+struct MovingMean(Option<f64>);
+
+impl MovingMean {
+    /// Takes a duration in; the mean now.
+    fn observe(&mut self, us: u64) -> u64 {
+        let us = us as f64;
+        let mean = self.0.map_or(us, |m| m + (us - m) / 16.0);
+        self.0 = Some(mean);
+        mean as u64
+    }
+
+    fn get(self) -> Option<u64> {
+        self.0.map(|m| m as u64)
+    }
 }
 
 impl Loads {
@@ -137,7 +157,12 @@ impl Drop for Tracked<'_> {
     fn drop(&mut self) {
         let mut loads = self.conductor.loads();
         if self.decode {
-            loads.decode.get_mut(&self.worker).map(|r| r.remove(&self.id));
+            let began = loads.decode.get_mut(&self.worker).and_then(|r| r.remove(&self.id));
+            if let Some((began, _)) = began {
+                let mean = loads.decode_time.observe(self.conductor.now_us().saturating_sub(began));
+                drop(loads);
+                self.conductor.policy.decode_time(mean);
+            }
         } else {
             loads.prefill.get_mut(&self.worker).map(|r| r.remove(&self.id));
         }
@@ -750,7 +775,15 @@ async fn metrics(State(c): State<Arc<Conductor>>, headers: HeaderMap) -> Respons
         }
     }
     let index = c.view.gauges();
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], c.metrics.render(&gauges, &index)).into_response()
+    let mut text = c.metrics.render(&gauges, &index);
+    if let Some(us) = c.loads().decode_time.get() {
+        text.push_str(&crate::metrics::render_decode_time(us));
+    }
+    if let Some(elastic) = &c.elastic {
+        let (prefill, decode) = elastic.lock().unwrap_or_else(std::sync::PoisonError::into_inner).loads();
+        text.push_str(&crate::metrics::render_pool_loads(prefill, decode));
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 /// `GET /debug/kv-index`: what the conductor's index holds of each worker (confirmed blocks by

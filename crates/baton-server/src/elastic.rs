@@ -69,6 +69,8 @@ pub struct Elastic {
     recent: VecDeque<Micros>,
     /// Switches the cap held back.
     capped: u64,
+    /// The pools' mean loads at the last look (prefill, decode; 1.0 = at the SLO).
+    loads: (f64, f64),
 }
 
 const MINUTE_US: Micros = 60_000_000;
@@ -76,7 +78,14 @@ const MINUTE_US: Micros = 60_000_000;
 impl Elastic {
     /// A controller for workers whose KV blocks hold `block_tokens` tokens.
     pub fn new(config: ElasticConfig, block_tokens: usize) -> Self {
-        Self { policy: LoadAware::new(config.policy), config, block_tokens, recent: VecDeque::new(), capped: 0 }
+        Self {
+            policy: LoadAware::new(config.policy),
+            config,
+            block_tokens,
+            recent: VecDeque::new(),
+            capped: 0,
+            loads: (0.0, 0.0),
+        }
     }
 
     /// How often to look.
@@ -89,6 +98,13 @@ impl Elastic {
         self.capped
     }
 
+    /// The prefill and decode pools' mean loads at the last look, as the policy weighs them
+    /// against its watermarks (queued prefill time over the TTFT target; decode step time over
+    /// the TBT target, or KV memory in use if higher, plus waiting requests per running one).
+    pub fn loads(&self) -> (f64, f64) {
+        self.loads
+    }
+
     /// Whether a worker should switch now, and which.
     pub fn decide(&mut self, snapshot: &Snapshot) -> Option<Switch> {
         let now = snapshot.now_us;
@@ -96,7 +112,24 @@ impl Elastic {
             self.recent.pop_front();
         }
         let trees = GlobalPromptTrees::new(0);
-        let snap = SchedPolicy::cluster_snapshot(snapshot, &trees, &self.config.cost, self.block_tokens, now, false);
+        let mut snap =
+            SchedPolicy::cluster_snapshot(snapshot, &trees, &self.config.cost, self.block_tokens, now, false);
+        // The ledger's prefill queue is the conductor's estimate of what it sent; a worker's
+        // report says what it has still to compute, whoever sent it. The longer of the two.
+        for w in &snapshot.workers {
+            let Some(r) = &w.report else { continue };
+            let Some(i) = snap.instances.iter_mut().find(|i| i.id == InstanceId(w.instance)) else { continue };
+            i.queued_prefill_us = i.queued_prefill_us.max(reported_prefill_us(&self.config.cost, r));
+        }
+        let snap = snap;
+        let mean = |role: baton_sched::Role, load: &dyn Fn(&baton_sched::InstanceSnapshot) -> f64| {
+            let pool: Vec<f64> = snap.instances.iter().filter(|i| i.accepting && i.role == role).map(load).collect();
+            if pool.is_empty() { 0.0 } else { pool.iter().sum::<f64>() / pool.len() as f64 }
+        };
+        self.loads = (
+            mean(baton_sched::Role::Prefill, &|i| self.policy.prefill_load(i)),
+            mean(baton_sched::Role::Decode, &|i| self.policy.decode_load(&snap, i)),
+        );
         let change = self.policy.rebalance(&snap)?;
         if self.recent.len() >= self.config.max_per_minute {
             self.capped += 1;
@@ -111,6 +144,17 @@ impl Elastic {
         self.recent.push_back(now);
         Some(Switch { worker: view.index, from: view.role, to })
     }
+}
+
+/// The compute time of the prompt tokens a worker reports still to compute, as prefills of their
+/// mean length (the report has their sum and the number of waiting sequences).
+fn reported_prefill_us(cost: &CostProfile, r: &crate::wire::LoadReport) -> Micros {
+    let tokens = r.queued_prefill_tokens as u64;
+    if tokens == 0 {
+        return 0;
+    }
+    let prompts = (r.waiting as u64).clamp(1, tokens);
+    cost.prefill_time(tokens / prompts, 0.0) * prompts
 }
 
 #[cfg(test)]
@@ -167,6 +211,23 @@ mod tests {
         assert_eq!(e.decide(&prefill_hot(2)), None);
         assert_eq!(e.capped(), 1);
         assert!(e.decide(&prefill_hot(MINUTE_US + 2)).is_some());
+    }
+
+    #[test]
+    fn a_prefill_queue_the_worker_reports_counts_though_the_ledger_thinks_it_done() {
+        let mut e = Elastic::new(config(Duration::ZERO), 16);
+        let mut snap = prefill_hot(100_000_000);
+        // The ledger sent these long ago: by its estimates they are done.
+        snap.workers[0].prefilling.iter_mut().for_each(|p| p.0 = 0);
+        assert_eq!(e.decide(&snap), None);
+        assert_eq!(e.loads().0, 0.0);
+        // The worker says 8 prompts of 4,000 tokens wait.
+        snap.workers[0].report = Some(crate::wire::LoadReport {
+            waiting: 8,
+            queued_prefill_tokens: 32_000,
+            ..crate::wire::LoadReport::default()
+        });
+        assert!(e.decide(&snap).is_some(), "loads {:?}", e.loads());
     }
 
     #[test]

@@ -50,6 +50,28 @@ impl Histogram {
     }
 }
 
+/// The elastic controller's view of the prefill and decode pools (`--elastic`): each pool's
+/// mean load, 1.0 being at its SLO; it switches a worker when one pool stays over 0.7 while
+/// the other stays under 0.3.
+pub fn render_pool_loads(prefill: f64, decode: f64) -> String {
+    format!(
+        "# HELP baton_elastic_pool_load Mean load of a role's workers as elastic switching weighs it (1 = at the SLO).\n\
+         # TYPE baton_elastic_pool_load gauge\n\
+         baton_elastic_pool_load{{pool=\"prefill\"}} {prefill}\n\
+         baton_elastic_pool_load{{pool=\"decode\"}} {decode}\n"
+    )
+}
+
+/// How long requests stay on their decode worker, on average (an exponential moving mean the
+/// conductor measures; predictive admission's `t_d`).
+pub fn render_decode_time(us: u64) -> String {
+    format!(
+        "# HELP baton_decode_residency_seconds Mean time a request stays on its decode worker (moving mean; predictive admission's t_d).\n\
+         # TYPE baton_decode_residency_seconds gauge\nbaton_decode_residency_seconds {}\n",
+        us as f64 / 1e6
+    )
+}
+
 /// How a request ended, for the `requests_total` counter.
 #[derive(Debug, Clone, Copy)]
 pub enum Outcome {

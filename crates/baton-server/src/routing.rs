@@ -129,6 +129,9 @@ pub trait RoutePolicy: Send + Sync {
     /// Hands the policy the conductor's global prompt trees (fed by the workers' KV events), for
     /// a policy that routes by where KV is cached. The default ignores them.
     fn attach_index(&self, _trees: crate::view::SharedTrees) {}
+    /// Tells the policy how long a request now stays on its decode worker, on average, as the
+    /// conductor measures it (predictive admission's `t_d`). The default ignores it.
+    fn decode_time(&self, _mean_us: u64) {}
 }
 
 /// Least-load: fewest requests in flight, ties to the first worker. Disaggregates when there

@@ -112,9 +112,22 @@ impl SchedPolicy {
                         let est_us = cost.prefill_time(unseen as u64, 0.0);
                         load.prefills.push(PendingPrefill { est_us, started_at: None });
                     }
-                    let started_at = snapshot.now_us;
-                    load.decode_running =
-                        r.decode_contexts.iter().map(|&c| DecodeSeq { started_at, context: c as u64 }).collect();
+                    // The report has the contexts, the ledger when this conductor's decodes began:
+                    // the oldest sequences get the oldest start times; any more (another
+                    // replica's) began now, as far as this conductor knows.
+                    let now = snapshot.now_us;
+                    let mut starts: Vec<u64> = w.decoding.iter().map(|d| d.0).collect();
+                    starts.sort_unstable();
+                    load.decode_running = r
+                        .decode_contexts
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &c)| DecodeSeq {
+                            started_at: starts.get(i).copied().unwrap_or(now),
+                            context: c as u64,
+                        })
+                        .collect();
+                    let started_at = now;
                     load.decode_waiting = u32::try_from(r.waiting).unwrap_or(u32::MAX);
                     load.decode_incoming = (0..r.incoming + r.receiving)
                         .map(|_| baton_sched::IncomingSeq { ready_at: started_at, context: 0 })
@@ -258,6 +271,15 @@ impl RoutePolicy for SchedPolicy {
 
     fn attach_index(&self, trees: SharedTrees) {
         self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).trees = trees;
+    }
+
+    /// Predictive admission's `t_d` becomes the measured mean (the configured one stands until
+    /// the first request has left its decode worker).
+    fn decode_time(&self, mean_us: u64) {
+        if mean_us > 0 {
+            self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).scheduler.admission.decode_time_us =
+                mean_us;
+        }
     }
 }
 
@@ -417,6 +439,42 @@ mod tests {
         assert_eq!(queued(&w), cost.prefill_time(3000, 0.0), "its own: counted once");
         w.report = report(5000);
         assert_eq!(queued(&w), cost.prefill_time(3000, 0.0) + cost.prefill_time(2000, 0.0));
+    }
+
+    /// Predictive admission on the live snapshot: a decode worker's running requests began when
+    /// the ledger sent them (not when the report came), and each is taken to stay the measured
+    /// `t_d`: requests that began 20 s ago and are expected to take 10 s are gone by the time a
+    /// new prefill ends (admitted); once the conductor measures that they take a minute, they
+    /// are still there (refused: the decode batch would miss the TBT target).
+    #[test]
+    fn predictive_admission_uses_when_decodes_began_and_how_long_they_take() {
+        use baton_sched::{AdmissionKind, PolicyKind, Slo};
+        let cost = CostProfile::llama2_70b_8xa800();
+        let now = 20_000_000;
+        let mut decode = WorkerView { instance: 1, capacity_blocks: 1 << 20, ..WorkerView::new(1, Role::Decode, 64) };
+        decode.decoding = (0..64).map(|_| (0, 2000)).collect();
+        decode.report = Some(crate::wire::LoadReport { decode_contexts: vec![2000; 64], ..Default::default() });
+        let snap = Snapshot {
+            workers: vec![WorkerView { instance: 0, ..WorkerView::new(0, Role::Prefill, 0) }, decode],
+            now_us: now,
+        };
+        let busy = cost.decode_step(65, 64 * 2000 + 100);
+        let admission = AdmissionConfig {
+            kind: AdmissionKind::Predictive,
+            slo: Slo { ttft_us: 60_000_000, tbt_us: busy - 1 },
+            decode_time_us: 10_000_000,
+        };
+        let policy = SchedPolicy::new(
+            Scheduler::new(PolicyKind::LeastLoad.build(&PolicyConfig::default()), admission),
+            cost,
+            16,
+            1,
+        );
+        let prompt: Vec<u32> = (0..100).collect();
+        let request = RouteRequest { prompt: &prompt, max_tokens: 16, session: None };
+        assert!(matches!(policy.route(&snap, &request), Decision::Disaggregated { .. }));
+        policy.decode_time(60_000_000);
+        assert!(matches!(policy.route(&snap, &request), Decision::Reject { .. }));
     }
 
     /// The conductor's seam and a direct call of the scheduler on the snapshot it builds (what

@@ -368,7 +368,7 @@ pub struct WorkerStats {
     pub total_blocks: usize,
     /// KV handed off and not yet released.
     pub leased: usize,
-    /// Hand-offs waiting for room to receive their KV (decode role).
+    /// KV waiting for room to be received: hand-offs, fetched prefixes and imports.
     #[serde(default)]
     pub incoming: usize,
     /// The worker is draining: it finishes what it holds and takes nothing new.
@@ -560,9 +560,9 @@ pub struct LoadReport {
     pub queued_prefill_tokens: usize,
     /// Context of each sequence in the decode batch.
     pub decode_contexts: Vec<usize>,
-    /// Hand-offs waiting for room (decode role).
+    /// KV waiting for room to be received: hand-offs, fetched prefixes and imports.
     pub incoming: usize,
-    /// Hand-offs whose KV is on its way.
+    /// KV on its way in (hand-offs, fetched prefixes, imports).
     pub receiving: usize,
     /// KV handed off and still leased (prefill role).
     pub leased: usize,
@@ -570,7 +570,7 @@ pub struct LoadReport {
     pub free_blocks: usize,
     /// Device blocks in the prefix index.
     pub cached_blocks: usize,
-    /// Cached device blocks no one holds.
+    /// Cached device blocks no request holds (reclaimable, leaf after leaf).
     pub evictable_blocks: usize,
     /// Device blocks in all.
     pub total_blocks: usize,

@@ -640,6 +640,13 @@ async fn models_health_and_metrics_answer() {
     ] {
         assert!(text.contains(needle), "metrics lack `{needle}`:\n{text}");
     }
+    // The request's stay on its decode worker was measured (predictive admission's `t_d`).
+    let residency: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("baton_decode_residency_seconds "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no baton_decode_residency_seconds:\n{text}"));
+    assert!(residency > 0.0, "{residency}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -159,6 +159,12 @@ pub(crate) struct RoutingFlags {
     /// With --elastic: at most this many switches in any minute.
     #[arg(long, default_value_t = 2, requires = "elastic")]
     elastic_max_switches_per_min: usize,
+    /// With --elastic: the low and high watermarks, LOW,HIGH (FlowKV's 0.3,0.7): a pool's load
+    /// over HIGH while the other's is under LOW is an imbalance. A decode step has a floor (the
+    /// weights are read once per step: 5.2 ms for a 70B model on 8×H100), so a lightly loaded
+    /// decode pool can sit above 0.3 of a tight TBT target; raise LOW then.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.3, 0.7], requires = "elastic")]
+    elastic_watermarks: Vec<f64>,
     /// With --elastic: workers each of the prefill and decode roles keeps at least.
     #[arg(long, default_value_t = 1, requires = "elastic")]
     elastic_min_per_role: usize,
@@ -230,6 +236,11 @@ impl RoutingFlags {
         );
         config.max_per_minute = self.elastic_max_switches_per_min;
         config.policy.min_per_role = self.elastic_min_per_role;
+        let &[low, high] = self.elastic_watermarks.as_slice() else {
+            anyhow::bail!("--elastic-watermarks takes two numbers, LOW,HIGH");
+        };
+        anyhow::ensure!(0.0 <= low && low < high, "--elastic-watermarks: expected 0 <= LOW < HIGH, got {low},{high}");
+        (config.policy.low, config.policy.high) = (low, high);
         Ok(Some(config))
     }
 
