@@ -59,10 +59,10 @@ const WORKER_EVENT_TIMEOUT: Duration = Duration::from_secs(120);
 const MAX_RETRIES: usize = 2;
 /// First wait before probing a worker whose breaker tripped; it doubles up to `PROBE_MAX`.
 const PROBE_FIRST: Duration = Duration::from_millis(250);
-/// How long a worker may take to answer a role switch.
-const SWITCH_DEADLINE: Duration = Duration::from_secs(5);
 /// Longest wait between probes of a tripped worker.
 const PROBE_MAX: Duration = Duration::from_secs(5);
+/// How long a worker may take to answer a role switch.
+const SWITCH_DEADLINE: Duration = Duration::from_secs(5);
 
 type Workers = Vec<Arc<dyn Worker>>;
 
@@ -99,6 +99,8 @@ pub struct Conductor {
     elastic: Option<Mutex<Elastic>>,
     /// Wakes the elastic loop (a request was routed).
     elastic_wake: Arc<tokio::sync::Notify>,
+    /// Whether the elastic loop runs (one per conductor, however often `router` is called).
+    elastic_running: AtomicBool,
 }
 
 /// The conductor's ledger of its workers: a stable instance id per name, and the requests in
@@ -206,6 +208,7 @@ impl Conductor {
             next_trip: AtomicU64::new(0),
             elastic: None,
             elastic_wake: Arc::new(tokio::sync::Notify::new()),
+            elastic_running: AtomicBool::new(false),
         }
     }
 
@@ -228,6 +231,9 @@ impl Conductor {
             tracing::warn!("no async runtime: elastic role switching is off");
             return;
         };
+        if self.elastic_running.swap(true, Ordering::SeqCst) {
+            return;
+        }
         let (conductor, wake) = (Arc::downgrade(self), Arc::clone(&self.elastic_wake));
         runtime.spawn(async move {
             loop {

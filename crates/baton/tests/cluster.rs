@@ -1226,3 +1226,53 @@ fn a_prefill_worker_killed_mid_fetch_leaves_every_request_complete() {
     let survivor = if holder_is_p1 { &p2 } else { &p1 };
     assert_no_leak(&[survivor, &d]);
 }
+
+/// MemServe's modes across processes (#16), both fixture models: a two-turn session through a
+/// `baton conductor --pd-caching N` and prefill and decode worker processes. Every text equals
+/// `baton generate`'s; turn 2 computes the whole prompt in PD-Basic (0), only what the prefill
+/// worker lacks from 1 on (3 fewer still: turn 1's answer came back into its cache); from 2 on
+/// its hand-off moves only the blocks the decode worker lacks; no worker holds KV afterwards.
+#[test]
+fn pd_caching_modes_across_processes_keep_the_text_and_cut_what_is_computed_and_moved() {
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        let dir = model(name);
+        let want_1 = generate(&dir, LONG, 8);
+        let turn_2 = format!("{LONG}{want_1} And then the story goes on.");
+        let want_2 = generate(&dir, &turn_2, 8);
+        let mut seen = Vec::new();
+        for mode in ["0", "1", "2", "3"] {
+            // Blocks of 4 tokens, so that turn 1's 8-token answer fills whole blocks.
+            let (_c, url) = conductor_with(&dir, "embedded", &["--pd-caching", mode, "--block-size", "4"]);
+            let p = worker(&dir, "prefill", &url, &["--name", "p", "--block-size", "4"]);
+            let d = worker(&dir, "decode", &url, &["--name", "d", "--block-size", "4"]);
+            wait_members(&url, 2, Duration::from_secs(10));
+            assert_eq!(text(&complete(&url, LONG, 8)), want_1, "{name}, mode {mode}, turn 1");
+            // Wait for what this mode keeps: the decode worker's copy (2, 3), the answer's
+            // return to the prefill worker (3).
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while (mode >= "2" && indexed(&url, "d").is_none_or(|b| b.is_empty()))
+                || (mode == "3" && metric(&url, "baton_kv_return_tokens_total") == 0.0)
+            {
+                assert!(Instant::now() < deadline, "{name}, mode {mode}: turn 1 was not kept");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let computed = metric(&url, "baton_prefill_tokens_total");
+            let moved = metric(&url, "baton_kv_transfer_tokens_total");
+            let answer = complete(&url, &turn_2, 8);
+            assert_eq!(text(&answer), want_2, "{name}, mode {mode}, turn 2");
+            let prompt = answer["usage"]["prompt_tokens"].as_f64().unwrap();
+            let computed = metric(&url, "baton_prefill_tokens_total") - computed;
+            let moved = metric(&url, "baton_kv_transfer_tokens_total") - moved;
+            seen.push((computed, moved));
+            assert_no_leak(&[&p, &d]);
+            if mode == "0" {
+                assert_eq!((computed, moved), (prompt, prompt), "{name}: PD-Basic computes and moves it all");
+            }
+        }
+        eprintln!("{name}: turn 2's (computed, moved) tokens in modes 0..=3: {seen:?}");
+        let [(c0, m0), (c1, m1), (c2, m2), (c3, m3)] = seen[..] else { unreachable!() };
+        assert!(c1 < c0 && m1 == m0, "{name}: mode 1 computes less, moves it all: {seen:?}");
+        assert!(c2 == c1 && m2 < m1, "{name}: mode 2 moves only what the decode worker lacks: {seen:?}");
+        assert!(c3 < c2 && m3 <= m2, "{name}: mode 3 computes only what follows the history: {seen:?}");
+    }
+}
