@@ -1,6 +1,7 @@
 //! KV tiers below the device arena, through `baton serve`'s builder: a prompt's prefix evicted
 //! from a worker's device arena to host memory, or on to disk, is found there by the next
-//! request with the same prefix, copied back and reused, with the same output as computing it.
+//! request with the same prefix, copied back and reused, with the same output as computing it;
+//! a full disk tier evicts, and every request still completes.
 
 #![allow(clippy::unwrap_used)]
 
@@ -80,6 +81,44 @@ async fn a_prefix_evicted_to_disk_is_reused_and_the_block_file_goes_with_the_wor
     assert_eq!(first, again, "output from the disk tier's KV differs");
     assert!(cached >= 24, "prompt 0's prefix should come back from disk, got {cached} tokens");
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "one block file for the one worker");
+    server.assert_no_kv_held().await;
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The conductor's index of `worker`'s blocks in `tier` (from its KV events).
+async fn indexed(server: &Server, worker: &str, tier: &str) -> u64 {
+    let text = reqwest::get(format!("{}/metrics", server.url)).await.unwrap().text().await.unwrap();
+    let series = format!("baton_kv_index_blocks{{worker=\"{worker}\",tier=\"{tier}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&series)).map_or(0, |v| v.trim().parse().unwrap())
+}
+
+/// A full disk tier evicts: ten prompts of about ten blocks each go through a worker whose
+/// tiers hold 24 + 8 + 8 blocks. Every answer equals the tierless worker's, the disk tier fills
+/// (the conductor's index shows it full) and never holds more than its blocks, the first prompt
+/// has left every tier by the end (its prefix is computed again), and no KV is held after.
+#[tokio::test]
+async fn a_full_disk_tier_evicts_and_every_request_still_completes() {
+    let bare = start(0, None).await;
+    let mut want = Vec::new();
+    for i in 0..10 {
+        want.push(complete(&bare, &prompt(i)).await.0);
+    }
+    let dir = std::env::temp_dir().join(format!("baton-full-disk-{}", std::process::id()));
+    let server = start(8, Some((&dir, 8))).await;
+    let mut most_on_disk = 0;
+    for (i, want) in want.iter().enumerate() {
+        assert_eq!(&complete(&server, &prompt(i)).await.0, want, "prompt {i}");
+        // The index follows the worker's events; give them a moment.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let on_disk = indexed(&server, "colocated-0", "disk").await;
+        assert!(on_disk <= 8, "{on_disk} blocks indexed on a disk tier of 8");
+        most_on_disk = most_on_disk.max(on_disk);
+    }
+    assert_eq!(most_on_disk, 8, "the disk tier never filled");
+    let (again, cached) = complete(&server, &prompt(0)).await;
+    assert_eq!(again, want[0]);
+    assert_eq!(cached, 0, "prompt 0 should have been evicted from every tier");
     server.assert_no_kv_held().await;
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
