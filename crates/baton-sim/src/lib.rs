@@ -153,6 +153,10 @@ pub struct SimConfig {
     pub tree_ttl_us: Micros,
     /// How often the policy may change roles (0: never asked).
     pub rebalance_interval_us: Micros,
+    /// Conditional disaggregation: the most prompt tokens not cached on its decode instance
+    /// that a request may compute there whole, without a hand-off (`None`: never; the live
+    /// conductor's `--conditional-disagg-tokens`).
+    pub conditional_tokens: Option<u64>,
     /// The workload.
     pub workload: WorkloadSpec,
     /// Seed of the scheduler's RNG and of generators.
@@ -169,6 +173,7 @@ impl Default for SimConfig {
             admission: AdmissionConfig::default(),
             tree_ttl_us: 120_000_000,
             rebalance_interval_us: 1_000_000,
+            conditional_tokens: None,
             workload: WorkloadSpec::Requests(Vec::new()),
             seed: 0,
         }

@@ -103,6 +103,8 @@ pub struct Report {
     pub cache_hit_ratio: f64,
     /// KV fetched from another instance's cache before a prefill: count.
     pub cache_transfers: usize,
+    /// Requests run whole on a decode instance (conditional disaggregation).
+    pub run_on_decode: usize,
     /// Role changes made (load-aware policy).
     pub role_changes: Vec<RoleChangeAt>,
     /// Virtual time from the first arrival to the last completion.
@@ -197,6 +199,7 @@ pub(crate) fn summarise(
             extra.reused_tokens as f64 / extra.prefilled_tokens as f64
         },
         cache_transfers: extra.cache_transfers,
+        run_on_decode: extra.run_on_decode,
         role_changes: extra.role_changes,
         makespan_us: makespan,
         events: extra.events,
@@ -213,6 +216,7 @@ pub(crate) struct Extra {
     pub(crate) prefilled_tokens: u64,
     pub(crate) reused_tokens: u64,
     pub(crate) cache_transfers: usize,
+    pub(crate) run_on_decode: usize,
     pub(crate) role_changes: Vec<RoleChangeAt>,
     pub(crate) events: u64,
 }

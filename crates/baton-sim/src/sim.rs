@@ -135,7 +135,8 @@ impl Simulator {
                 }
             })
             .collect();
-        let scheduler = Scheduler::new(cfg.policy.build(&cfg.policy_config), cfg.admission);
+        let scheduler = Scheduler::new(cfg.policy.build(&cfg.policy_config), cfg.admission)
+            .with_conditional(cfg.conditional_tokens);
         let mut sim = Self {
             rng: StdRng::seed_from_u64(cfg.seed),
             state: vec![ReqState::default(); requests.len()],
@@ -309,6 +310,9 @@ impl Simulator {
             }
         };
         let (p, d) = (self.index_of(route.prefill), self.index_of(route.decode));
+        if p == d && self.instances[d].role == Role::Decode {
+            self.extra.run_on_decode += 1;
+        }
         let req = &self.requests[i];
         // The scheduler expects the prompt to be cached at p after this prefill.
         self.trees.predict(route.prefill, &req.hashes, self.now);

@@ -266,3 +266,20 @@ fn plots_are_written_as_png_and_svg_with_text() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Conditional disaggregation in the simulator, as the live conductor runs it: with it, some
+/// requests run whole on their decode instance (no transfer) and every request still completes;
+/// without it none does; the run stays a pure function of its configuration.
+#[test]
+fn conditional_disaggregation_runs_some_requests_whole_on_their_decode_instance() {
+    let path = write_temp("conditional.jsonl", &small_trace());
+    let trace = WorkloadSpec::MooncakeTrace { path, time_scale: 1.0 };
+    let off = baton_sim::run(&cfg(PolicyKind::KvCentric, trace.clone())).expect("run");
+    assert_eq!(off.run_on_decode, 0);
+    let on_cfg = SimConfig { conditional_tokens: Some(8192), ..cfg(PolicyKind::KvCentric, trace) };
+    let on = baton_sim::run(&on_cfg).expect("run");
+    assert_eq!(on.completed, 60);
+    assert!(on.run_on_decode > 0, "no request ran on its decode instance");
+    assert_eq!(on, baton_sim::run(&on_cfg).expect("run"), "deterministic");
+    eprintln!("conditional: {} of 60 run on the decode instance", on.run_on_decode);
+}

@@ -95,6 +95,11 @@ pub(crate) struct SimArgs {
     /// `--kv-fetch`).
     #[arg(long, value_enum, default_value = "on")]
     kv_fetch: crate::engine_flags::OnOff,
+    /// Conditional disaggregation, as the live conductor's flag: a request with at most N
+    /// prompt tokens not cached on the decode instance the policy chose runs whole there
+    /// when the cost model predicts that is no slower. 0 (the default) never.
+    #[arg(long, default_value_t = 0)]
+    conditional_disagg_tokens: u64,
     /// Load-aware: how long an imbalance must last before a role changes, in milliseconds.
     #[arg(long)]
     persist_ms: Option<u64>,
@@ -157,6 +162,7 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
         cfg.admission.decode_time_us = ms * 1000;
     }
     cfg.cluster.kv_fetch = matches!(a.kv_fetch, crate::engine_flags::OnOff::On);
+    cfg.conditional_tokens = (a.conditional_disagg_tokens > 0).then_some(a.conditional_disagg_tokens);
     if let Some(t) = a.threshold {
         cfg.policy_config.kvcache_balancing_threshold = t;
     }
@@ -270,7 +276,7 @@ fn print_summary(r: &Report) {
         ms(r.jct.p90)
     );
     println!(
-        "SLO: ttft attainment {:.3}, both {:.3} ({} within SLO), goodput {:.2} req/s | wasted prefill {:.1} s ({} tokens) | cache hit {:.3}, transfers {} | role changes {}",
+        "SLO: ttft attainment {:.3}, both {:.3} ({} within SLO), goodput {:.2} req/s | wasted prefill {:.1} s ({} tokens) | cache hit {:.3}, transfers {} | run on decode {} | role changes {}",
         r.ttft_slo_attainment,
         r.slo_attainment,
         r.completed_within_slo,
@@ -279,6 +285,7 @@ fn print_summary(r: &Report) {
         r.wasted_prefill_tokens,
         r.cache_hit_ratio,
         r.cache_transfers,
+        r.run_on_decode,
         r.role_changes.len()
     );
 }
