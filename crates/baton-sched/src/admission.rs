@@ -108,7 +108,7 @@ impl Default for AdmissionConfig {
 fn tbt_now(snap: &ClusterSnapshot<'_>, d: &InstanceSnapshot, extra: u64, extra_context: u64) -> Micros {
     let batch = d.decode_batch() + u64::from(d.decode_waiting) + extra;
     let ctx = d.decode_context() + extra_context;
-    snap.cost.decode_step(batch, ctx)
+    d.decode_step(snap.cost, batch, ctx)
 }
 
 /// Predicted TBT of a decode instance at time `at` (system-level, uniform decode time `t_d`),
@@ -132,7 +132,7 @@ pub fn predicted_tbt_at(
         batch += 1;
         ctx += s.context;
     }
-    snap.cost.decode_step(batch, ctx)
+    d.decode_step(snap.cost, batch, ctx)
 }
 
 /// The admission check of a routed request.

@@ -93,6 +93,9 @@ pub struct InstanceSnapshot {
     pub kv: [TierUsage; 3],
     /// NIC bandwidth, bytes per second (0: the cost profile's default).
     pub nic_bytes_per_s: u64,
+    /// How much longer (above 1) or shorter its decode steps take than the cost profile
+    /// predicts, as measured (1.0: as predicted; the simulator's instances are exact).
+    pub decode_step_scale: f64,
 }
 
 impl InstanceSnapshot {
@@ -109,7 +112,15 @@ impl InstanceSnapshot {
             decode_incoming: Vec::new(),
             kv: [TierUsage::default(); 3],
             nic_bytes_per_s: 0,
+            decode_step_scale: 1.0,
         }
+    }
+
+    /// Its decode step with `batch` sequences of `context` tokens in all: the cost profile's
+    /// prediction, scaled by what this instance measures.
+    pub fn decode_step(&self, cost: &crate::CostProfile, batch: u64, context: u64) -> Micros {
+        let predicted = cost.decode_step(batch, context);
+        if self.decode_step_scale == 1.0 { predicted } else { (predicted as f64 * self.decode_step_scale) as Micros }
     }
 
     /// Sequences in the running decode batch.
@@ -165,6 +176,8 @@ pub struct WorkerLoad {
     pub kv_device: TierUsage,
     /// KV blocks of the host tier.
     pub kv_host: TierUsage,
+    /// Its measured decode step time over the cost profile's prediction (1.0: as predicted).
+    pub decode_step_scale: f64,
 }
 
 impl WorkerLoad {
@@ -180,6 +193,7 @@ impl WorkerLoad {
             decode_incoming: Vec::new(),
             kv_device: TierUsage::default(),
             kv_host: TierUsage::default(),
+            decode_step_scale: 1.0,
         }
     }
 
@@ -208,6 +222,7 @@ impl WorkerLoad {
             decode_incoming: self.decode_incoming.clone(),
             kv: [self.kv_device, self.kv_host, TierUsage::default()],
             nic_bytes_per_s: 0,
+            decode_step_scale: self.decode_step_scale,
         }
     }
 }

@@ -132,6 +132,15 @@ impl SchedPolicy {
                     load.decode_incoming = (0..r.incoming + r.receiving)
                         .map(|_| baton_sched::IncomingSeq { ready_at: started_at, context: 0 })
                         .collect();
+                    // How the worker's decode steps compare with the cost profile's: its measured
+                    // step (a moving mean) over the prediction for the batch it reports.
+                    if r.step_time_us > 0 && !r.decode_contexts.is_empty() {
+                        let ctx: usize = r.decode_contexts.iter().sum();
+                        let predicted = cost.decode_step(r.decode_contexts.len() as u64, ctx as u64);
+                        if predicted > 0 {
+                            load.decode_step_scale = (r.step_time_us as f64 / predicted as f64).clamp(0.25, 4.0);
+                        }
+                    }
                     if r.total_blocks > 0 {
                         let reclaimable = r.free_blocks + r.evictable_blocks;
                         load.kv_device = TierUsage {
@@ -441,6 +450,15 @@ mod tests {
         assert_eq!(queued(&w), cost.prefill_time(3000, 0.0) + cost.prefill_time(2000, 0.0));
     }
 
+    /// Least-load with `kind` admission, a TBT target of `tbt_us`, a TTFT target of a minute and
+    /// a `t_d` of 10 s.
+    fn admitting(kind: baton_sched::AdmissionKind, tbt_us: u64, cost: CostProfile) -> SchedPolicy {
+        let slo = baton_sched::Slo { ttft_us: 60_000_000, tbt_us };
+        let admission = AdmissionConfig { kind, slo, decode_time_us: 10_000_000 };
+        let policy = PolicyKind::LeastLoad.build(&PolicyConfig::default());
+        SchedPolicy::new(Scheduler::new(policy, admission), cost, 16, 1)
+    }
+
     /// Predictive admission on the live snapshot: a decode worker's running requests began when
     /// the ledger sent them (not when the report came), and each is taken to stay the measured
     /// `t_d`: requests that began 20 s ago and are expected to take 10 s are gone by the time a
@@ -448,7 +466,7 @@ mod tests {
     /// are still there (refused: the decode batch would miss the TBT target).
     #[test]
     fn predictive_admission_uses_when_decodes_began_and_how_long_they_take() {
-        use baton_sched::{AdmissionKind, PolicyKind, Slo};
+        use baton_sched::AdmissionKind;
         let cost = CostProfile::llama2_70b_8xa800();
         let now = 20_000_000;
         let mut decode = WorkerView { instance: 1, capacity_blocks: 1 << 20, ..WorkerView::new(1, Role::Decode, 64) };
@@ -459,22 +477,42 @@ mod tests {
             now_us: now,
         };
         let busy = cost.decode_step(65, 64 * 2000 + 100);
-        let admission = AdmissionConfig {
-            kind: AdmissionKind::Predictive,
-            slo: Slo { ttft_us: 60_000_000, tbt_us: busy - 1 },
-            decode_time_us: 10_000_000,
-        };
-        let policy = SchedPolicy::new(
-            Scheduler::new(PolicyKind::LeastLoad.build(&PolicyConfig::default()), admission),
-            cost,
-            16,
-            1,
-        );
+        let policy = admitting(AdmissionKind::Predictive, busy - 1, cost);
         let prompt: Vec<u32> = (0..100).collect();
         let request = RouteRequest { prompt: &prompt, max_tokens: 16, session: None };
         assert!(matches!(policy.route(&snap, &request), Decision::Disaggregated { .. }));
         policy.decode_time(60_000_000);
         assert!(matches!(policy.route(&snap, &request), Decision::Reject { .. }));
+    }
+
+    /// Early admission checks a decode worker's TBT with its steps as the worker measures them:
+    /// a worker whose steps take twice what the cost profile predicts for its batch is over a TBT
+    /// target the prediction alone would meet.
+    #[test]
+    fn admission_scales_the_predicted_step_by_what_the_worker_measures() {
+        use baton_sched::AdmissionKind;
+        let cost = CostProfile::llama2_70b_8xh100();
+        let mut decode = WorkerView { instance: 1, capacity_blocks: 1 << 20, ..WorkerView::new(1, Role::Decode, 8) };
+        let predicted = cost.decode_step(8, 8 * 500);
+        let report = |step_time_us| crate::wire::LoadReport {
+            decode_contexts: vec![500; 8],
+            step_time_us,
+            ..Default::default()
+        };
+        let policy = admitting(AdmissionKind::EarlyRejection, predicted * 3 / 2, cost);
+        let prompt: Vec<u32> = (0..100).collect();
+        let request = RouteRequest { prompt: &prompt, max_tokens: 16, session: None };
+        let route = |decode: &WorkerView| {
+            let snap = Snapshot {
+                workers: vec![WorkerView { instance: 0, ..WorkerView::new(0, Role::Prefill, 0) }, decode.clone()],
+                now_us: 1,
+            };
+            policy.route(&snap, &request)
+        };
+        decode.report = Some(report(predicted));
+        assert!(matches!(route(&decode), Decision::Disaggregated { .. }), "steps as predicted");
+        decode.report = Some(report(predicted * 2));
+        assert!(matches!(route(&decode), Decision::Reject { .. }), "steps twice as long");
     }
 
     /// The conductor's seam and a direct call of the scheduler on the snapshot it builds (what

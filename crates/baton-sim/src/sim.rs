@@ -222,6 +222,7 @@ impl Simulator {
                 .collect(),
             kv_device: TierUsage { used: inst.decode_blocks_used + dev_cache as u64, total: inst.device_blocks },
             kv_host: TierUsage { used: host_cache as u64, total: inst.host_blocks },
+            decode_step_scale: 1.0,
         }
     }
 
