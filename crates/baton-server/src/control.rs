@@ -95,13 +95,23 @@ fn authorize(state: &ControlState, headers: &HeaderMap, method: &str, path: &str
         .map_err(|f| ApiError::Unauthorized(format!("worker control API: {}", f.message())))
 }
 
+/// Checks a signed `POST` to `path` and reads its JSON body; the error otherwise (401 without
+/// the cluster's proof, 400 naming `what` for a body that does not parse).
+fn signed_body<T: serde::de::DeserializeOwned>(
+    state: &ControlState,
+    headers: &HeaderMap,
+    path: &str,
+    body: &[u8],
+    what: &str,
+) -> Result<T, ApiError> {
+    authorize(state, headers, "POST", path, body)?;
+    serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("invalid {what} request: {e}")))
+}
+
 async fn generate(State(state): State<ControlState>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(e) = authorize(&state, &headers, "POST", GENERATE_PATH, &body) {
-        return e.into_response();
-    }
-    let req = match serde_json::from_slice(&body) {
+    let req = match signed_body(&state, &headers, GENERATE_PATH, &body, "work") {
         Ok(r) => r,
-        Err(e) => return ApiError::invalid(format!("invalid work request: {e}")).into_response(),
+        Err(e) => return e.into_response(),
     };
     let mut events = state.worker.submit(req);
     // One line per event, and a blank line after each KEEPALIVE without one: a request may wait
@@ -134,55 +144,43 @@ async fn generate(State(state): State<ControlState>, headers: HeaderMap, body: B
 }
 
 async fn release(State(state): State<ControlState>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(e) = authorize(&state, &headers, "POST", RELEASE_PATH, &body) {
-        return e.into_response();
-    }
-    match serde_json::from_slice::<ReleaseBody>(&body) {
-        Ok(b) => {
-            state.worker.release(b.id);
-            StatusCode::NO_CONTENT.into_response()
-        }
-        Err(e) => ApiError::invalid(format!("invalid release request: {e}")).into_response(),
-    }
+    let b: ReleaseBody = match signed_body(&state, &headers, RELEASE_PATH, &body, "release") {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    state.worker.release(b.id);
+    StatusCode::NO_CONTENT.into_response()
 }
 
 async fn export(State(state): State<ControlState>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(e) = authorize(&state, &headers, "POST", EXPORT_PATH, &body) {
-        return e.into_response();
-    }
-    match serde_json::from_slice::<ExportBody>(&body) {
-        Ok(b) => match state.worker.export_prefix(b.lease, &b.tokens, EXPORT_DEADLINE).await {
-            Some(source) => axum::Json(source).into_response(),
-            None => ApiError::NotFound("no prefix of these tokens is cached here".into()).into_response(),
-        },
-        Err(e) => ApiError::invalid(format!("invalid export request: {e}")).into_response(),
+    let b: ExportBody = match signed_body(&state, &headers, EXPORT_PATH, &body, "export") {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    match state.worker.export_prefix(b.lease, &b.tokens, EXPORT_DEADLINE).await {
+        Some(source) => axum::Json(source).into_response(),
+        None => ApiError::NotFound("no prefix of these tokens is cached here".into()).into_response(),
     }
 }
 
 async fn import(State(state): State<ControlState>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(e) = authorize(&state, &headers, "POST", IMPORT_PATH, &body) {
-        return e.into_response();
-    }
-    match serde_json::from_slice::<ImportBody>(&body) {
-        Ok(b) => match state.worker.import_prefix(b.id, b.tokens, b.source, IMPORT_DEADLINE).await {
-            Some(received) => axum::Json(received).into_response(),
-            None => ApiError::NotFound("no KV arrived".into()).into_response(),
-        },
-        Err(e) => ApiError::invalid(format!("invalid import request: {e}")).into_response(),
+    let b: ImportBody = match signed_body(&state, &headers, IMPORT_PATH, &body, "import") {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    match state.worker.import_prefix(b.id, b.tokens, b.source, IMPORT_DEADLINE).await {
+        Some(received) => axum::Json(received).into_response(),
+        None => ApiError::NotFound("no KV arrived".into()).into_response(),
     }
 }
 
 async fn role(State(state): State<ControlState>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(e) = authorize(&state, &headers, "POST", ROLE_PATH, &body) {
-        return e.into_response();
-    }
-    match serde_json::from_slice::<RoleBody>(&body) {
-        Ok(b) => {
-            state.worker.set_role(b.role);
-            StatusCode::NO_CONTENT.into_response()
-        }
-        Err(e) => ApiError::invalid(format!("invalid role request: {e}")).into_response(),
-    }
+    let b: RoleBody = match signed_body(&state, &headers, ROLE_PATH, &body, "role") {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    state.worker.set_role(b.role);
+    StatusCode::NO_CONTENT.into_response()
 }
 
 async fn stats(State(state): State<ControlState>, headers: HeaderMap) -> Response {

@@ -19,7 +19,7 @@ use baton_kv::InstanceId;
 use baton_sched::{CostProfile, GlobalPromptTrees, LoadAware, LoadAwareConfig, Micros, Policy};
 
 use crate::routing::Snapshot;
-use crate::sched::SchedPolicy;
+use crate::sched::{SchedPolicy, server_role};
 use crate::worker::Role;
 
 /// Settings of elastic role switching.
@@ -67,8 +67,6 @@ pub struct Elastic {
     block_tokens: usize,
     /// When the switches of the last minute were made.
     recent: VecDeque<Micros>,
-    /// Switches the cap held back.
-    capped: u64,
     /// The pools' mean loads at the last look (prefill, decode; 1.0 = at the SLO).
     loads: (f64, f64),
 }
@@ -78,24 +76,12 @@ const MINUTE_US: Micros = 60_000_000;
 impl Elastic {
     /// A controller for workers whose KV blocks hold `block_tokens` tokens.
     pub fn new(config: ElasticConfig, block_tokens: usize) -> Self {
-        Self {
-            policy: LoadAware::new(config.policy),
-            config,
-            block_tokens,
-            recent: VecDeque::new(),
-            capped: 0,
-            loads: (0.0, 0.0),
-        }
+        Self { policy: LoadAware::new(config.policy), config, block_tokens, recent: VecDeque::new(), loads: (0.0, 0.0) }
     }
 
     /// How often to look.
     pub fn interval(&self) -> Duration {
         self.config.interval
-    }
-
-    /// Switches the cap held back so far.
-    pub fn capped(&self) -> u64 {
-        self.capped
     }
 
     /// The prefill and decode pools' mean loads at the last look, as the policy weighs them
@@ -111,50 +97,19 @@ impl Elastic {
         while self.recent.front().is_some_and(|&t| t + MINUTE_US <= now) {
             self.recent.pop_front();
         }
+        // The snapshot the routing policies see (queues from the ledger and the load reports);
+        // rebalancing reads no prompt tree.
         let trees = GlobalPromptTrees::new(0);
-        let mut snap =
-            SchedPolicy::cluster_snapshot(snapshot, &trees, &self.config.cost, self.block_tokens, now, false);
-        // The ledger's prefill queue is the conductor's estimate of what it sent; a worker's
-        // report says what it has still to compute, whoever sent it. The longer of the two.
-        for w in &snapshot.workers {
-            let Some(r) = &w.report else { continue };
-            let Some(i) = snap.instances.iter_mut().find(|i| i.id == InstanceId(w.instance)) else { continue };
-            i.queued_prefill_us = i.queued_prefill_us.max(reported_prefill_us(&self.config.cost, r));
-        }
-        let snap = snap;
-        let mean = |role: baton_sched::Role, load: &dyn Fn(&baton_sched::InstanceSnapshot) -> f64| {
-            let pool: Vec<f64> = snap.instances.iter().filter(|i| i.accepting && i.role == role).map(load).collect();
-            if pool.is_empty() { 0.0 } else { pool.iter().sum::<f64>() / pool.len() as f64 }
-        };
-        self.loads = (
-            mean(baton_sched::Role::Prefill, &|i| self.policy.prefill_load(i)),
-            mean(baton_sched::Role::Decode, &|i| self.policy.decode_load(&snap, i)),
-        );
+        let snap = SchedPolicy::cluster_snapshot(snapshot, &trees, &self.config.cost, self.block_tokens, now, false);
+        self.loads = self.policy.pool_loads(&snap);
         let change = self.policy.rebalance(&snap)?;
         if self.recent.len() >= self.config.max_per_minute {
-            self.capped += 1;
             return None;
         }
         let view = snapshot.workers.iter().find(|w| InstanceId(w.instance) == change.instance)?;
-        let to = match change.to {
-            baton_sched::Role::Prefill => Role::Prefill,
-            baton_sched::Role::Decode => Role::Decode,
-            baton_sched::Role::Colocated => Role::Colocated,
-        };
         self.recent.push_back(now);
-        Some(Switch { worker: view.index, from: view.role, to })
+        Some(Switch { worker: view.index, from: view.role, to: server_role(change.to) })
     }
-}
-
-/// The compute time of the prompt tokens a worker reports still to compute, as prefills of their
-/// mean length (the report has their sum and the number of waiting sequences).
-fn reported_prefill_us(cost: &CostProfile, r: &crate::wire::LoadReport) -> Micros {
-    let tokens = r.queued_prefill_tokens as u64;
-    if tokens == 0 {
-        return 0;
-    }
-    let prompts = (r.waiting as u64).clamp(1, tokens);
-    cost.prefill_time(tokens / prompts, 0.0) * prompts
 }
 
 #[cfg(test)]
@@ -209,12 +164,12 @@ mod tests {
         assert!(e.decide(&prefill_hot(1)).is_some());
         // The policy would switch again (no hold), but the cap holds it back for a minute.
         assert_eq!(e.decide(&prefill_hot(2)), None);
-        assert_eq!(e.capped(), 1);
         assert!(e.decide(&prefill_hot(MINUTE_US + 2)).is_some());
     }
 
     #[test]
     fn a_prefill_queue_the_worker_reports_counts_though_the_ledger_thinks_it_done() {
+        // (The snapshot's queue is the longer of the ledger's and the report's: sched.rs.)
         let mut e = Elastic::new(config(Duration::ZERO), 16);
         let mut snap = prefill_hot(100_000_000);
         // The ledger sent these long ago: by its estimates they are done.

@@ -46,6 +46,9 @@ pub struct SchedPolicy {
     kv_fetch: bool,
     /// Whether a request prefers the decode worker caching its history.
     decode_affinity: bool,
+    /// The measured mean time requests stay on their decode worker (0: none yet). Kept outside
+    /// the state's lock: every request's end writes it; the next decision reads it.
+    decode_time_us: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for SchedPolicy {
@@ -70,6 +73,7 @@ impl SchedPolicy {
             block_tokens: block_tokens.max(1),
             kv_fetch: false,
             decode_affinity: false,
+            decode_time_us: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -102,15 +106,15 @@ impl SchedPolicy {
                 // What the worker measured replaces the ledger's guesses of its decode side
                 // and memory (the ledger still has the prefills it routed, with estimates).
                 if let Some(r) = &w.report {
-                    // Prompt tokens the worker has still to compute beyond every prefill this
-                    // conductor sent it are someone else's (another conductor replica's): they
-                    // queue ahead of what is sent now. (One conductor alone never sees any: the
-                    // ledger counts its prefills whole until they end.)
-                    let sent: usize = w.prefilling.iter().map(|p| p.1).sum();
-                    let unseen = r.queued_prefill_tokens.saturating_sub(sent);
-                    if unseen > 0 {
-                        let est_us = cost.prefill_time(unseen as u64, 0.0);
-                        load.prefills.push(PendingPrefill { est_us, started_at: None });
+                    // The ledger's queue is this conductor's estimate of the prefills it sent;
+                    // the report says what the worker has still to compute, whoever sent it
+                    // (another conductor replica too) and however long it really takes (the
+                    // cost profile may under-predict the worker). The queue is the longer of the
+                    // two: what the report has beyond the ledger waits as one more prefill.
+                    let ledger_us = load.queued_prefill_us(snapshot.now_us);
+                    let reported_us = reported_prefill_us(cost, r);
+                    if reported_us > ledger_us {
+                        load.prefills.push(PendingPrefill { est_us: reported_us - ledger_us, started_at: None });
                     }
                     // The report has the contexts, the ledger when this conductor's decodes began:
                     // the oldest sequences get the oldest start times; any more (another
@@ -127,10 +131,9 @@ impl SchedPolicy {
                             context: c as u64,
                         })
                         .collect();
-                    let started_at = now;
                     load.decode_waiting = u32::try_from(r.waiting).unwrap_or(u32::MAX);
                     load.decode_incoming = (0..r.incoming + r.receiving)
-                        .map(|_| baton_sched::IncomingSeq { ready_at: started_at, context: 0 })
+                        .map(|_| baton_sched::IncomingSeq { ready_at: now, context: 0 })
                         .collect();
                     // How the worker's decode steps compare with the cost profile's: its measured
                     // step (a moving mean) over the prediction for the batch it reports.
@@ -220,6 +223,17 @@ impl SchedPolicy {
     }
 }
 
+/// The compute time of the prompt tokens a worker reports still to compute, as prefills of
+/// their mean length (the report has their sum and the number of waiting sequences).
+fn reported_prefill_us(cost: &CostProfile, r: &crate::wire::LoadReport) -> Micros {
+    let tokens = r.queued_prefill_tokens as u64;
+    if tokens == 0 {
+        return 0;
+    }
+    let prompts = (r.waiting as u64).clamp(1, tokens);
+    cost.prefill_time(tokens / prompts, 0.0) * prompts
+}
+
 /// A worker's queued prefills as the policies see them: each costs its estimate, and the worker
 /// runs them one after another in the order they were sent, so the oldest started when it was
 /// sent (or when the one before it ended) and only its remainder is still to wait for. Without
@@ -240,7 +254,16 @@ fn prefill_queue(prefilling: &[(u64, usize)], cost: &CostProfile, now: Micros) -
         .collect()
 }
 
-fn sched_role(role: Role) -> SchedRole {
+/// A scheduler role as the server's.
+pub(crate) fn server_role(role: SchedRole) -> Role {
+    match role {
+        SchedRole::Prefill => Role::Prefill,
+        SchedRole::Decode => Role::Decode,
+        SchedRole::Colocated => Role::Colocated,
+    }
+}
+
+pub(crate) fn sched_role(role: Role) -> SchedRole {
     match role {
         Role::Prefill => SchedRole::Prefill,
         Role::Decode => SchedRole::Decode,
@@ -260,6 +283,10 @@ impl RoutePolicy for SchedPolicy {
         let now = snapshot.now_us;
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let State { scheduler, trees, rng, next_request } = &mut *state;
+        match self.decode_time_us.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => {}
+            measured => scheduler.admission.decode_time_us = measured,
+        }
         let mut trees = trees.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         trees.expire(now);
         for w in &snapshot.workers {
@@ -285,10 +312,7 @@ impl RoutePolicy for SchedPolicy {
     /// Predictive admission's `t_d` becomes the measured mean (the configured one stands until
     /// the first request has left its decode worker).
     fn decode_time(&self, mean_us: u64) {
-        if mean_us > 0 {
-            self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).scheduler.admission.decode_time_us =
-                mean_us;
-        }
+        self.decode_time_us.store(mean_us, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -429,9 +453,10 @@ mod tests {
         assert_eq!(queue(&[(now - full / 2, 4000), (now - full / 2, 4000)]), full - full / 2 + full);
     }
 
-    /// A worker's load report shows prompt tokens it has yet to compute beyond the prefills this
-    /// conductor sent it (another replica's): they queue ahead of a new request; what the
-    /// ledger already counts is not counted twice.
+    /// A worker's load report shows prompt tokens it has yet to compute: beyond the prefills
+    /// this conductor sent it (another replica's), or left of prefills the ledger thinks done
+    /// (the worker is slower than the cost profile). The queue is the longer of the ledger's and
+    /// the report's; what the ledger already counts is not counted twice.
     #[test]
     fn prefills_another_conductor_sent_queue_too() {
         let cost = CostProfile::llama2_70b_8xh100();
@@ -447,7 +472,15 @@ mod tests {
         w.prefilling = vec![(0, 3000)];
         assert_eq!(queued(&w), cost.prefill_time(3000, 0.0), "its own: counted once");
         w.report = report(5000);
-        assert_eq!(queued(&w), cost.prefill_time(3000, 0.0) + cost.prefill_time(2000, 0.0));
+        assert_eq!(queued(&w), cost.prefill_time(5000, 0.0), "the report's, the longer");
+        // Sent long ago: the ledger thinks it done, the worker says it is not.
+        w.prefilling = vec![(0, 3000)];
+        w.report = report(3000);
+        let later = Snapshot { workers: vec![w.clone()], now_us: 100_000_000 };
+        assert_eq!(
+            SchedPolicy::worker_loads(&later, &cost, 16)[0].queued_prefill_us(100_000_000),
+            cost.prefill_time(3000, 0.0)
+        );
     }
 
     /// Least-load with `kind` admission, a TBT target of `tbt_us`, a TTFT target of a minute and

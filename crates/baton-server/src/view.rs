@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use baton_kv::{BlockHash, InstanceId};
-use baton_sched::{GlobalPromptTrees, Role as SchedRole};
+use baton_sched::GlobalPromptTrees;
 
 use crate::Role;
 use crate::wire::{LoadReport, StateUpdate};
@@ -115,14 +115,6 @@ impl std::fmt::Debug for ClusterView {
     }
 }
 
-fn sched_role(role: Role) -> SchedRole {
-    match role {
-        Role::Prefill => SchedRole::Prefill,
-        Role::Decode => SchedRole::Decode,
-        Role::Colocated => SchedRole::Colocated,
-    }
-}
-
 impl ClusterView {
     /// An empty view over `trees`.
     pub fn new(trees: SharedTrees, mode: KvIndexMode) -> Self {
@@ -208,7 +200,7 @@ impl ClusterView {
             StateUpdate::Snapshot { next_seq, blocks, load, at_ms } => {
                 if self.mode == KvIndexMode::Exact {
                     let blocks = blocks.iter().map(|b| (BlockHash(b.hash), b.tier.into()));
-                    self.tree_lock().replace_instance(instance, sched_role(role), next_seq, blocks);
+                    self.tree_lock().replace_instance(instance, crate::sched::sched_role(role), next_seq, blocks);
                 }
                 f.report = Some(load);
                 f.lag_s = now_ms.saturating_sub(at_ms) as f64 / 1e3;

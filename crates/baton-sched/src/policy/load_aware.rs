@@ -68,10 +68,20 @@ impl LoadAware {
     /// Load of a decode instance (step time over the TBT SLO, KV occupancy, and the queue).
     pub fn decode_load(&self, snap: &ClusterSnapshot<'_>, i: &InstanceSnapshot) -> f64 {
         let step =
-            snap.cost.decode_step(i.decode_batch(), i.decode_context()) as f64 / self.cfg.tbt_slo_us.max(1) as f64;
+            i.decode_step(snap.cost, i.decode_batch(), i.decode_context()) as f64 / self.cfg.tbt_slo_us.max(1) as f64;
         let dev = i.kv[0];
         let mem = if dev.total > 0 { dev.used as f64 / dev.total as f64 } else { 0.0 };
         step.max(mem) + f64::from(i.decode_waiting) / (i.decode_batch().max(1) as f64)
+    }
+
+    /// The mean load of the accepting prefill instances and of the accepting decode instances
+    /// (0 for a pool with none): what [`Policy::rebalance`] weighs against the watermarks.
+    pub fn pool_loads(&self, snap: &ClusterSnapshot<'_>) -> (f64, f64) {
+        let pool = |role: Role| snap.instances.iter().filter(move |i| i.accepting && i.role == role);
+        (
+            mean(pool(Role::Prefill).map(|i| self.prefill_load(i))),
+            mean(pool(Role::Decode).map(|i| self.decode_load(snap, i))),
+        )
     }
 }
 
@@ -104,8 +114,7 @@ impl Policy for LoadAware {
             snap.instances.iter().filter(|i| i.accepting && i.role == Role::Prefill).collect();
         let decodes: Vec<&InstanceSnapshot> =
             snap.instances.iter().filter(|i| i.accepting && i.role == Role::Decode).collect();
-        let pl = mean(prefills.iter().map(|i| self.prefill_load(i)));
-        let dl = mean(decodes.iter().map(|i| self.decode_load(snap, i)));
+        let (pl, dl) = self.pool_loads(snap);
         let direction = if dl > self.cfg.high && pl < self.cfg.low {
             Some(true)
         } else if pl > self.cfg.high && dl < self.cfg.low {
