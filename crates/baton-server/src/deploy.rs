@@ -80,8 +80,25 @@ pub struct WorkerConfig {
     /// Certificates (PEM) to trust for an `https://` registry (a conductor serving TLS).
     pub tls_ca: Option<PathBuf>,
     /// Serve the control API (and a colocated worker's OpenAI API) over TLS with this
-    /// certificate chain and private key (PEM files); it registers an `https://` URL.
+    /// certificate chain and private key (PEM files); it registers an `https://` URL. The KV
+    /// plane speaks TLS too, with the same certificate, and checks its peers' against
+    /// `tls_ca` (then required): every worker of such a cluster has a certificate.
     pub tls: Option<(PathBuf, PathBuf)>,
+}
+
+/// The TLS of a worker's KV plane, from its `--tls-cert/--tls-key` and `--tls-ca`.
+fn kv_tls(config: &WorkerConfig) -> Result<Option<baton_transfer::KvTls>, ServeError> {
+    match (&config.tls, &config.tls_ca) {
+        (None, _) => Ok(None),
+        (Some((cert, key)), Some(ca)) => {
+            baton_transfer::KvTls::from_pem_files(cert, key, ca).map(Some).map_err(ServeError::Config)
+        }
+        (Some(_), None) => Err(ServeError::Config(
+            "a worker with --tls-cert speaks TLS on its KV plane too and checks its peers' certificates against \
+             --tls-ca: give --tls-ca (the cluster's CA, or the certificate its workers share)"
+                .into(),
+        )),
+    }
 }
 
 /// How long a worker being shut down waits for what it holds (Kubernetes' default grace period).
@@ -110,6 +127,8 @@ pub async fn run_worker(
     on_ready: impl FnOnce(WorkerReady),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    // Checked before the model loads, so a bad certificate fails at once.
+    let kv_tls = kv_tls(&config)?;
     let loaded = load_off_runtime(&config.model, config.model_id.as_deref()).await?;
     let local = listener.local_addr()?;
     let host = config.advertise.unwrap_or(if local.ip().is_unspecified() {
@@ -140,6 +159,7 @@ pub async fn run_worker(
         fetch_delay: fault_ms_from_env(FETCH_DELAY_ENV, "every pull of a fetched prefix pauses"),
         panic_at_step: panic_at_step_from_env(),
         drop_event_seq: drop_event_seq_from_env(),
+        kv_tls,
     };
     let handle = WorkerHandle::spawn(id.to_string(), config.role, engine, options)?;
     let mut app = crate::control::router(handle.clone(), config.secret.clone());

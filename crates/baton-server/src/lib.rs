@@ -243,6 +243,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
             fetch_delay: Duration::ZERO,
             panic_at_step: None,
             drop_event_seq: None,
+            kv_tls: None,
         };
         let name = format!("{}-{i}", role.as_str());
         workers.push(Arc::new(WorkerHandle::spawn(name, role, engine, options)?));

@@ -150,6 +150,9 @@ pub struct WorkerOptions {
     /// Fault injection for tests: the state stream leaves out the KV event with this sequence
     /// number (`None` outside tests), so that a test can watch the reader resynchronise.
     pub drop_event_seq: Option<u64>,
+    /// TLS on the KV plane: the KV server speaks only TLS, and every pull, push and fetch from a
+    /// peer checks the peer's certificate (`None`: plain TCP, authenticated by the secret).
+    pub kv_tls: Option<baton_transfer::KvTls>,
 }
 
 /// How long a prefill worker keeps handed-off KV when no one releases it.
@@ -295,6 +298,7 @@ impl WorkerHandle {
                 bind: options.kv_bind,
                 lease: options.lease,
                 io_timeout: options.io_timeout,
+                tls: options.kv_tls.as_ref().map(|t| Arc::clone(&t.server)),
                 ..ServerConfig::new(peer, options.compat.clone(), options.secret.expose())
             };
             let owner = LoopOwner(std::sync::Mutex::new(tx.clone()));
@@ -307,6 +311,7 @@ impl WorkerHandle {
             let local = Arc::new(Region::from_arena(arena, Access::ReadWrite)?);
             let config = ClientConfig {
                 io_timeout: options.io_timeout,
+                tls: options.kv_tls.as_ref().map(|t| Arc::clone(&t.client)),
                 ..ClientConfig::new(peer, options.compat.clone(), options.secret.expose())
             };
             let engine_thread = std::sync::Mutex::new(tx.clone());

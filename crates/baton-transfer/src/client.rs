@@ -43,10 +43,13 @@ pub struct ClientConfig {
     pub io_timeout: Duration,
     /// READ batching of the TCP transport.
     pub tcp: TcpLimits,
+    /// Speak TLS with this configuration, checking the server's certificate against the
+    /// address dialled (every connection, the control one included).
+    pub tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl ClientConfig {
-    /// Defaults: TCP, one data connection, 10 s I/O timeout.
+    /// Defaults: TCP, one data connection, 10 s I/O timeout, no TLS.
     pub fn new(peer: PeerId, compat: Compat, secret: impl Into<Vec<u8>>) -> Self {
         Self {
             peer,
@@ -56,6 +59,7 @@ impl ClientConfig {
             connections: 1,
             io_timeout: Duration::from_secs(10),
             tcp: TcpLimits::default(),
+            tls: None,
         }
     }
 }
@@ -403,6 +407,10 @@ fn ids(blocks: &[BlockId]) -> Vec<u32> {
 fn dial(addr: SocketAddr, config: &ClientConfig, local: &Region, share: bool) -> Result<(Conn, EndpointInfo)> {
     let stream = TcpStream::connect_timeout(&addr, config.io_timeout).map_err(TransferError::io("connecting"))?;
     let mut conn = Conn::new(stream, config.io_timeout)?;
+    if let Some(tls) = &config.tls {
+        let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+        conn.start_tls_client(Arc::clone(tls), name, Instant::now() + config.io_timeout)?;
+    }
     let info = EndpointInfo {
         peer: config.peer,
         compat: config.compat.clone(),

@@ -1,6 +1,7 @@
 //! One blocking TCP connection: frames in and out, payloads straight between the socket and a
 //! region (vectored writes from the arena, reads into the destination blocks). Every call is
-//! bounded by the socket timeouts set at construction.
+//! bounded by the socket timeouts set at construction. Over TLS ([`Conn::start_tls_client`],
+//! [`Conn::start_tls_server`]) the same calls go through the connection's [`Session`].
 
 use std::io::{IoSlice, Read, Write};
 use std::net::TcpStream;
@@ -10,6 +11,7 @@ use baton_kv::ByteRange;
 
 use crate::frame::{Frame, HEADER_LEN, Header};
 use crate::region::Region;
+use crate::tls::Session;
 use crate::{Result, TransferError};
 
 /// Most slices handed to one `writev` (Linux's IOV_MAX).
@@ -20,6 +22,40 @@ const IOV_MAX: usize = 1024;
 pub(crate) struct Conn {
     stream: TcpStream,
     timeout: Duration,
+    /// The TLS session, once one is started; every handle on the connection shares it.
+    tls: Option<Session>,
+}
+
+/// The connection's byte stream: the socket, or the TLS session over it.
+struct Wire<'a> {
+    sock: &'a TcpStream,
+    tls: Option<&'a Session>,
+}
+
+impl Read for Wire<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self.tls {
+            Some(t) => t.read(self.sock, buf),
+            None => (&mut &*self.sock).read(buf),
+        }
+    }
+}
+
+impl Write for Wire<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.write_vectored(&[IoSlice::new(buf)])
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        match self.tls {
+            Some(t) => t.write_vectored(self.sock, bufs),
+            None => (&mut &*self.sock).write_vectored(bufs),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 impl Conn {
@@ -28,13 +64,45 @@ impl Conn {
         stream.set_nodelay(true).map_err(TransferError::io("configuring a socket"))?;
         stream.set_read_timeout(Some(timeout)).map_err(TransferError::io("configuring a socket"))?;
         stream.set_write_timeout(Some(timeout)).map_err(TransferError::io("configuring a socket"))?;
-        Ok(Self { stream, timeout })
+        Ok(Self { stream, timeout, tls: None })
+    }
+
+    /// Runs the client's side of a TLS handshake with `name` (checking its certificate), done by
+    /// `deadline`; from then on every frame travels inside TLS.
+    pub(crate) fn start_tls_client(
+        &mut self,
+        config: std::sync::Arc<rustls::ClientConfig>,
+        name: rustls::pki_types::ServerName<'static>,
+        deadline: std::time::Instant,
+    ) -> Result<()> {
+        let session = Session::client(config, name, &self.stream, deadline).map_err(TransferError::tls)?;
+        self.tls_started(session)
+    }
+
+    /// Runs the server's side of a TLS handshake, done by `deadline`.
+    pub(crate) fn start_tls_server(
+        &mut self,
+        config: std::sync::Arc<rustls::ServerConfig>,
+        deadline: std::time::Instant,
+    ) -> Result<()> {
+        let session = Session::server(config, &self.stream, deadline).map_err(TransferError::tls)?;
+        self.tls_started(session)
+    }
+
+    fn tls_started(&mut self, session: Session) -> Result<()> {
+        self.tls = Some(session);
+        let e = self.err("configuring a socket");
+        self.stream.set_read_timeout(Some(self.timeout)).map_err(e)
+    }
+
+    fn wire(&self) -> Wire<'_> {
+        Wire { sock: &self.stream, tls: self.tls.as_ref() }
     }
 
     /// A second handle on the same socket (a writer for another thread).
     pub(crate) fn try_clone(&self) -> Result<Self> {
         let stream = self.stream.try_clone().map_err(TransferError::io("cloning a socket"))?;
-        Ok(Self { stream, timeout: self.timeout })
+        Ok(Self { stream, timeout: self.timeout, tls: self.tls.clone() })
     }
 
     /// Shuts the socket down both ways (wakes a thread blocked on it).
@@ -47,6 +115,9 @@ impl Conn {
     /// most `wait`; `true` when it did (end of stream or reset), i.e. every handle the peer had
     /// on the connection is gone.
     pub(crate) fn close(&mut self, wait: Duration) -> bool {
+        if let Some(t) = &self.tls {
+            t.close_notify(&self.stream);
+        }
         let _ = self.stream.shutdown(std::net::Shutdown::Write);
         let deadline = std::time::Instant::now() + wait;
         let mut scratch = vec![0u8; 64 * 1024];
@@ -79,6 +150,12 @@ impl Conn {
     /// itself is then read under the full timeout, so a slow peer cannot desynchronise us.
     /// A zero `poll` only looks.
     pub(crate) fn readable(&mut self, poll: Duration) -> Result<bool> {
+        if let Some(t) = &self.tls {
+            // A frame may already be decrypted, from bytes read with an earlier one.
+            if t.buffered().map_err(TransferError::io("waiting for a frame"))? > 0 {
+                return Ok(true);
+            }
+        }
         let mut b = [0u8; 1];
         let r = if poll.is_zero() {
             let e = self.err("configuring a socket");
@@ -107,20 +184,20 @@ impl Conn {
     pub(crate) fn send(&mut self, frame: &Frame) -> Result<()> {
         let bytes = frame.encode();
         let e = self.err("sending a frame");
-        self.stream.write_all(&bytes).map_err(e)
+        self.wire().write_all(&bytes).map_err(e)
     }
 
     /// Sends a frame followed by the bytes of `ranges` of `region`, in order, vectored.
     pub(crate) fn send_with_payload(&mut self, frame: &Frame, region: &Region, ranges: &[ByteRange]) -> Result<()> {
         let head = frame.encode();
         let e = self.err("sending KV bytes");
-        let stream = &mut self.stream;
+        let mut wire = self.wire();
         region
             .with_many(ranges, |slices| -> std::io::Result<()> {
                 let mut all: Vec<IoSlice<'_>> = Vec::with_capacity(slices.len() + 1);
                 all.push(IoSlice::new(&head));
                 all.extend(slices.iter().map(|s| IoSlice::new(s)));
-                write_all_vectored(stream, &mut all)
+                write_all_vectored(&mut wire, &mut all)
             })?
             .map_err(e)
     }
@@ -130,18 +207,18 @@ impl Conn {
         let head = frame.encode();
         let e = self.err("sending KV bytes");
         let mut all = [IoSlice::new(&head), IoSlice::new(payload)];
-        write_all_vectored(&mut self.stream, &mut all).map_err(e)
+        write_all_vectored(&mut self.wire(), &mut all).map_err(e)
     }
 
     /// Receives the next frame (its payload, if any, is still on the socket).
     pub(crate) fn recv(&mut self) -> Result<Frame> {
         let mut h = [0u8; HEADER_LEN];
         let e = self.err("waiting for a frame");
-        self.stream.read_exact(&mut h).map_err(e)?;
+        self.wire().read_exact(&mut h).map_err(e)?;
         let header = Header::decode(&h)?;
         let mut meta = vec![0u8; header.meta_len];
         let e = self.err("reading a frame");
-        self.stream.read_exact(&mut meta).map_err(e)?;
+        self.wire().read_exact(&mut meta).map_err(e)?;
         Ok(Frame::decode(&header, &meta)?)
     }
 
@@ -176,7 +253,7 @@ impl Conn {
             }
             let e = self.err("configuring a socket");
             self.stream.set_read_timeout(Some(left)).map_err(e)?;
-            match self.stream.read(&mut buf[filled..]) {
+            match self.wire().read(&mut buf[filled..]) {
                 Ok(0) => return Err(TransferError::PeerClosed("waiting for the handshake")),
                 Ok(n) => filled += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -190,8 +267,8 @@ impl Conn {
     pub(crate) fn recv_into(&mut self, region: &Region, ranges: &[ByteRange]) -> Result<()> {
         for &r in ranges {
             let e = self.err("receiving KV bytes");
-            let stream = &mut self.stream;
-            region.with_bytes_mut(r, |b| stream.read_exact(b))?.map_err(e)?;
+            let mut wire = self.wire();
+            region.with_bytes_mut(r, |b| wire.read_exact(b))?.map_err(e)?;
         }
         Ok(())
     }
@@ -199,7 +276,7 @@ impl Conn {
     /// Reads a payload of `len` bytes and drops it (a refused WRITE's bytes).
     pub(crate) fn skip(&mut self, len: u64) -> Result<()> {
         let e = self.err("skipping KV bytes");
-        let copied = std::io::copy(&mut (&mut self.stream).take(len), &mut std::io::sink()).map_err(e)?;
+        let copied = std::io::copy(&mut self.wire().take(len), &mut std::io::sink()).map_err(e)?;
         if copied == len {
             Ok(())
         } else {
@@ -211,7 +288,7 @@ impl Conn {
     pub(crate) fn recv_buf(&mut self, len: usize, buf: &mut Vec<u8>) -> Result<()> {
         buf.resize(len, 0);
         let e = self.err("receiving KV bytes");
-        self.stream.read_exact(buf).map_err(e)
+        self.wire().read_exact(buf).map_err(e)
     }
 
     /// Reads a payload of `len` bytes into a new buffer.
@@ -219,13 +296,13 @@ impl Conn {
         let len = usize::try_from(len).map_err(|_| TransferError::Protocol("payload too large".into()))?;
         let mut buf = vec![0u8; len];
         let e = self.err("receiving KV bytes");
-        self.stream.read_exact(&mut buf).map_err(e)?;
+        self.wire().read_exact(&mut buf).map_err(e)?;
         Ok(buf)
     }
 }
 
 /// `write_all` for vectored writes.
-fn write_all_vectored(stream: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+fn write_all_vectored(stream: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
         let n = bufs.len().min(IOV_MAX);

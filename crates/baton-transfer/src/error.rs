@@ -71,12 +71,21 @@ pub enum TransferError {
         /// Region size.
         region_len: usize,
     },
+    /// The TLS handshake failed: the peer's certificate is not trusted or does not name its
+    /// address, the peer does not speak TLS, or the handshake ran out of time.
+    #[error("TLS with the peer failed: {0}")]
+    Tls(String),
     /// The requested transport needs something this peer or region does not offer.
     #[error("transport unavailable: {0}")]
     Unavailable(&'static str),
 }
 
 impl TransferError {
+    /// A failed TLS handshake.
+    pub(crate) fn tls(e: io::Error) -> Self {
+        TransferError::Tls(e.to_string())
+    }
+
     /// Wraps an I/O error, turning socket timeouts into [`TransferError::Timeout`]-like errors
     /// that still carry their context.
     pub(crate) fn io(context: &'static str) -> impl FnOnce(io::Error) -> TransferError {

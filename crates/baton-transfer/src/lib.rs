@@ -23,6 +23,7 @@
 //! | [`compat`], [`auth`] | compatibility hash, HMAC proofs | none |
 //! | [`region`] | a KV region in a memfd: created, or a second mapping of an arena or a peer's | mmap |
 //! | [`transport`] | the `Transport` trait; shared memory and TCP | copies, sockets |
+//! | [`tls`] | TLS sessions over the blocking sockets, shared by a reader and a writer | sockets |
 //! | `server` | [`KvServer`]: acceptor, connection threads, lease reaper, push | sockets |
 //! | `client` | [`KvClient`]: connect, pull, push receive | sockets |
 //! | [`mod@bench`] | the transfer benchmark between two processes | processes |
@@ -38,11 +39,13 @@ pub mod lease;
 pub mod plan;
 pub mod region;
 mod server;
+pub mod tls;
 pub mod transport;
 
 pub use client::{ClientConfig, KvClient, NaiveUnit};
 pub use region::{Access, Region};
 pub use server::{BlockOwner, HANDSHAKE_MAX_META, KvServer, ServerConfig};
+pub use tls::KvTls;
 pub use transport::{ShmTransport, TcpLimits, TcpTransport, Transport, TransportKind};
 
 pub use compat::{Compat, LAYOUT_VERSION};

@@ -68,6 +68,9 @@ pub struct ServerConfig {
     /// Most connections at once still in their handshake (a flood of idle or garbage
     /// connections holds at most this many threads, each for at most `handshake_timeout`).
     pub max_handshakes: usize,
+    /// Speak TLS with this configuration (a peer must then connect with TLS and trust our
+    /// certificate); the TLS handshake counts against `handshake_timeout`.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// Most metadata a frame may carry before its sender is authenticated (a CONNECT's endpoint
@@ -76,7 +79,7 @@ pub const HANDSHAKE_MAX_META: usize = 64 << 10;
 
 impl ServerConfig {
     /// Defaults: loopback, any port, 30 s leases, 10 s I/O timeout, shared memory offered, a 5 s
-    /// handshake, at most 256 connections of which 16 in their handshake.
+    /// handshake, at most 256 connections of which 16 in their handshake, no TLS.
     pub fn new(peer: PeerId, compat: Compat, secret: impl Into<Vec<u8>>) -> Self {
         Self {
             peer,
@@ -89,6 +92,7 @@ impl ServerConfig {
             handshake_timeout: Duration::from_secs(5),
             max_connections: 256,
             max_handshakes: 16,
+            tls: None,
         }
     }
 }
@@ -402,6 +406,9 @@ fn handshake(shared: &Shared, conn: &mut Conn) -> Result<EndpointInfo> {
         let _ = conn.send(&Frame::Error { id: TransferId(0), code, message });
     };
     let deadline = Instant::now() + shared.config.handshake_timeout;
+    if let Some(tls) = &shared.config.tls {
+        conn.start_tls_server(Arc::clone(tls), deadline)?;
+    }
     let (info, client_nonce) = match conn.recv_handshake(deadline, HANDSHAKE_MAX_META)? {
         Frame::Connect { info, nonce } => (info, nonce),
         other => {

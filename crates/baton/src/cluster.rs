@@ -101,11 +101,14 @@ pub(crate) struct WorkerArgs {
     /// `/health`); without it that port answers only the conductor's signed calls.
     #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Certificates (PEM) to trust when --registry is `https://` (a conductor started with
-    /// --tls-cert, e.g. its own self-signed certificate).
+    /// Certificates (PEM) to trust: an `https://` --registry (a conductor started with
+    /// --tls-cert, e.g. its own self-signed certificate), and, with --tls-cert, the KV peers'
+    /// certificates (required then).
     #[arg(long, value_name = "PEM")]
     tls_ca: Option<PathBuf>,
-    /// Serve the control API over HTTPS (the conductor then needs --tls-ca to trust it).
+    /// --tls-cert/--tls-key: serve the control API over HTTPS (the conductor then needs
+    /// --tls-ca to trust it) and the KV plane over TLS (every worker of the cluster then has a
+    /// certificate naming its advertised address, and trusts its peers' with --tls-ca).
     #[command(flatten)]
     tls: TlsFlags,
     #[command(flatten)]

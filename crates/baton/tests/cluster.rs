@@ -121,6 +121,8 @@ impl Drop for Proc {
 struct WorkerProc {
     proc: Proc,
     url: String,
+    /// Where its KV server listens.
+    kv: String,
 }
 
 fn conductor(model_dir: &Path, registry: &str) -> (Proc, String) {
@@ -183,7 +185,8 @@ fn worker_env(
     let mut proc = Proc::spawn_env(&format!("{role} worker"), &args, secret, env);
     let line = proc.wait_line("ready:", Duration::from_secs(60));
     let url = line.split("control ").nth(1).unwrap().split(' ').next().unwrap().to_owned();
-    WorkerProc { proc, url }
+    let kv = line.split(" kv ").nth(1).unwrap().trim().to_owned();
+    WorkerProc { proc, url, kv }
 }
 
 fn http() -> reqwest::blocking::Client {
@@ -1097,6 +1100,17 @@ fn a_gap_in_kv_events_resyncs_and_eviction_reaches_the_index() {
     assert_no_leak(&[&w]);
 }
 
+/// A self-signed certificate for 127.0.0.1 and localhost, written as `cert.pem` and `key.pem`
+/// into a new directory named after `prefix`; returns the directory and the certificate.
+fn self_signed(prefix: &str) -> (PathBuf, rcgen::CertifiedKey) {
+    let tmp = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let made = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+    std::fs::write(tmp.join("cert.pem"), made.cert.pem()).unwrap();
+    std::fs::write(tmp.join("key.pem"), made.key_pair.serialize_pem()).unwrap();
+    (tmp, made)
+}
+
 /// TLS on the API and the control API: a conductor started with `--tls-cert/--tls-key` (a
 /// self-signed certificate made here) serves HTTPS; a worker that trusts it (`--tls-ca`)
 /// registers over `https://` and serves its own control API over HTTPS, which the conductor
@@ -1105,12 +1119,8 @@ fn a_gap_in_kv_events_resyncs_and_eviction_reaches_the_index() {
 #[test]
 fn a_conductor_serving_tls_takes_workers_and_clients_that_trust_its_certificate() {
     let dir = model("tiny-llama");
-    let tmp = std::env::temp_dir().join(format!("baton-tls-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
-    let made = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+    let (tmp, made) = self_signed("baton-tls");
     let (cert, key) = (tmp.join("cert.pem"), tmp.join("key.pem"));
-    std::fs::write(&cert, made.cert.pem()).unwrap();
-    std::fs::write(&key, made.key_pair.serialize_pem()).unwrap();
     let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
 
     let tls = ["--tls-cert", cert_s, "--tls-key", key_s, "--tls-ca", cert_s];
@@ -1140,6 +1150,40 @@ fn a_conductor_serving_tls_takes_workers_and_clients_that_trust_its_certificate(
     assert!(http().get(format!("{url}/health")).send().is_err(), "a client without the certificate got an answer");
     let plain = url.replace("https://", "http://");
     assert!(http().get(format!("{plain}/health")).send().is_err(), "plain HTTP got an answer from the TLS port");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// TLS on the KV plane (#19): prefill and decode workers started with `--tls-cert/--tls-key`
+/// (one self-signed certificate they share, trusted with `--tls-ca`) hand KV over TCP inside
+/// TLS: the answer equals `baton generate`'s, KV bytes moved, and the prefill worker's KV port
+/// answers a plaintext peer with a TLS alert. (The crate's `tests/tls.rs` shows that no KV byte
+/// crosses the wire in clear.) The conductor speaks plain HTTP and trusts the workers' control
+/// APIs with `--tls-ca`.
+#[test]
+fn workers_with_certificates_hand_kv_over_tls() {
+    use std::io::{Read, Write};
+    let dir = model("tiny-llama");
+    let (tmp, _) = self_signed("baton-kv-tls");
+    let (cert, key) = (tmp.join("cert.pem"), tmp.join("key.pem"));
+    let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
+
+    let (_c, url) = conductor_with(&dir, "embedded", &["--tls-ca", cert_s]);
+    let tls = ["--tls-cert", cert_s, "--tls-key", key_s, "--tls-ca", cert_s];
+    let p = worker(&dir, "prefill", &url, &tls);
+    let mut decode_args = tls.to_vec();
+    decode_args.extend_from_slice(&["--transport", "tcp"]);
+    let _d = worker(&dir, "decode", &url, &decode_args);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let v = complete(&url, LONG, 8);
+    assert_eq!(text(&v), generate(&dir, LONG, 8));
+    assert!(metric(&url, "baton_kv_transfer_bytes_total") > 0.0, "no KV was handed over");
+
+    let mut plain = std::net::TcpStream::connect(&p.kv).unwrap();
+    plain.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    plain.write_all(&[0u8; 64]).unwrap();
+    let mut first = [0u8; 1];
+    plain.read_exact(&mut first).unwrap();
+    assert_eq!(first[0], 0x15, "the KV port does not answer as a TLS server (0x15: an alert record)");
     let _ = std::fs::remove_dir_all(&tmp);
 }
 
