@@ -39,7 +39,8 @@ Printed per scenario: requests with the undisturbed text, clean errors, wrong te
 streams, the slowest request's seconds, the conductor's counters (retries: routed again before
 streaming; migrations: continued on another worker mid-stream; breaker trips), how long the
 cut-off worker took to leave membership and to join again, and whether every worker was quiet
-after. Exits 1 if a stream hung or had a wrong text, or a worker stayed busy.
+after and how long that took (quiet_s: a hand-off the conductor gave up on is released when the
+worker can be reached again, else it waits out the worker's --lease-s). Exits 1 if a stream hung or had a wrong text, or a worker stayed busy.
 
 Usage: sudo scripts/partition.py [SCENARIO ...]   (default: all)
 Environment: BATON_BIN (default: target/release/baton, built if missing), TTL_S (workers'
@@ -359,7 +360,9 @@ def run_streams(expected, fault=None, when="first-token", heal=None, gone=None):
 
 
 def settle():
-    """Waits until every worker is a member and quiet; returns the nodes that stayed busy."""
+    """Waits until every worker is a member and quiet; returns the nodes that stayed busy, and
+    the seconds it took until all were quiet (from the end of the scenario's streams and heal)."""
+    start = time.monotonic()
     wait_for(lambda: len(members()) == 4, 60, "all four workers to be members")
     busy = []
     for node in ["p1", "p2", "d1", "d2"]:
@@ -370,7 +373,7 @@ def settle():
             ok, stats = quiet(node)
         if not ok:
             busy.append(f"{node}: {stats}")
-    return busy
+    return busy, time.monotonic() - start
 
 
 def proxy(mode):
@@ -432,14 +435,15 @@ def main():
         if row["breaker_trips"]:
             # A tripped worker is probed back into routing with back-off (at most 5 s apart).
             time.sleep(6)
-        busy = settle()
+        busy, row["quiet_s"] = settle()
+        row["quiet_s"] = f"{row['quiet_s']:.1f}"
         row["quiet_after"] = "yes" if not busy else "NO"
         for b in busy:
             info(f"  still busy: {b}")
         failed |= bool(row["hung"] or row["wrong"] or busy)
         rows.append((name, row))
     cols = ["requests", "same_text", "clean_errors", "wrong", "hung", "slowest_s", "retries", "migrations",
-            "breaker_trips", "left_s", "rejoined_s", "quiet_after"]
+            "breaker_trips", "left_s", "rejoined_s", "quiet_s", "quiet_after"]
     print(f"TTL {TTL_S} s, conductor --worker-timeout-s {WORKER_TIMEOUT_S} --kv-transfer {KV_TRANSFER}, "
           f"{MAX_TOKENS} tokens a request, {ROUNDS} round(s)")
     print("| scenario | " + " | ".join(cols) + " |")

@@ -1124,10 +1124,11 @@ impl Run {
                 (Finish::Length, self.valid.prompt_ids.len(), None)
             }
             Err(e) => {
-                // The client may have gone just as the prefill finished: end any lease at once.
-                if !matches!(e, RunError::Lost { .. }) {
-                    p.release(self.id.0);
-                }
+                // The client may have gone just as the prefill finished, or the worker's stream
+                // was lost (a half-open connection, a partition) after it offered the KV: the
+                // conductor never heard of the hand-off, but releases it by the request's id, so
+                // a worker still alive does not hold it until its lease ends.
+                p.release(self.id.0);
                 return Err(e);
             }
         };

@@ -28,6 +28,11 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(15);
 /// Bound on the small control calls (release, stats).
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The waits before each try of a release: about as long in all as a worker's default lease
+/// (`worker::DEFAULT_LEASE`, 30 s), after which there is nothing left to release.
+const RELEASE_RETRIES: [Duration; 5] =
+    [Duration::ZERO, Duration::from_secs(1), Duration::from_secs(3), Duration::from_secs(7), Duration::from_secs(15)];
 /// How long a worker's generate stream may stay silent before the conductor gives up on it, by
 /// default: the worker sends a keep-alive line every [`crate::control::KEEPALIVE`], so only a
 /// frozen worker or a half-open connection stays silent this long.
@@ -199,16 +204,33 @@ impl Worker for RemoteWorker {
     }
 
     fn release(&self, id: u64) {
-        let body = serde_json::to_vec(&ReleaseBody { id }).unwrap_or_default();
-        let request = self.signed(reqwest::Method::POST, RELEASE_PATH, body).timeout(CALL_TIMEOUT);
+        // Called from drops and error paths too: without a runtime there is no one to send it,
+        // and the lease runs out on its own.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let (client, url, secret) = (self.client.clone(), format!("{}{RELEASE_PATH}", self.base), self.secret.clone());
         let name = self.info.id.to_string();
-        tokio::spawn(async move {
-            match request.send().await {
-                Ok(r) if r.status().is_success() => {}
-                // The lease runs out on its own; this only frees the blocks sooner.
-                Ok(r) => tracing::warn!(worker = name, status = %r.status(), "release refused"),
-                Err(e) => tracing::warn!(worker = name, error = %e, "release failed"),
+        runtime.spawn(async move {
+            // A worker cut off (a partition, a stalled connection) hears it once it can be
+            // reached again, as long as a lease could still hold the KV.
+            for (attempt, wait) in RELEASE_RETRIES.iter().enumerate() {
+                tokio::time::sleep(*wait).await;
+                // Signed again each time: the worker refuses a replayed signature.
+                let body = serde_json::to_vec(&ReleaseBody { id }).unwrap_or_default();
+                let proof = secret.sign_request("POST", RELEASE_PATH, unix_millis(), &body);
+                let request = client
+                    .post(&url)
+                    .header(AUTH_HEADER, proof)
+                    .header(reqwest::header::CONTENT_TYPE, "application/json")
+                    .body(body)
+                    .timeout(CALL_TIMEOUT);
+                match request.send().await {
+                    Ok(r) if r.status().is_success() => return,
+                    // The lease runs out on its own; this only frees the blocks sooner.
+                    Ok(r) => return tracing::warn!(worker = name, status = %r.status(), "release refused"),
+                    Err(e) => tracing::debug!(worker = name, attempt, error = %e, "release failed"),
+                }
             }
+            tracing::info!(worker = name, "release failed; the worker's lease ends it");
         });
     }
 

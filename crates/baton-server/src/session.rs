@@ -532,7 +532,7 @@ impl<S: Sink> Sessions<S> {
                     leased = Some((KvSource { addr, blocks, tokens: held.tokens(), lease: None }, held));
                 }
             }
-            s.sink.send(RequestEvent::Finished {
+            let delivered = s.sink.send(RequestEvent::Finished {
                 reason: f.reason.into(),
                 prompt_tokens: f.prompt_tokens,
                 cached_tokens: f.cached_tokens,
@@ -541,11 +541,17 @@ impl<S: Sink> Sessions<S> {
                 received,
             });
             if let Some((_, kv)) = leased {
-                if push {
+                let state = State::Leased { kv, pushing: push && delivered };
+                self.sessions.insert(f.id, Session { state, sink: s.sink, span: s.span.clone() });
+                if !delivered {
+                    // The conductor gave up on this request (its stream is closed): no one will
+                    // take the hand-off, so nothing is pushed and the lease ends now.
+                    tracing::info!("no one listens for the hand-off; ending its lease");
+                    gone.retain(|&g| g != f.id);
+                    self.actions.push(Action::CancelLease(f.id));
+                } else if push {
                     self.actions.push(Action::Push { id: f.id, span: s.span.clone() });
                 }
-                let state = State::Leased { kv, pushing: push };
-                self.sessions.insert(f.id, Session { state, sink: s.sink, span: s.span.clone() });
             }
         }
         for id in gone {
@@ -1186,6 +1192,22 @@ mod tests {
         let kv = h.reserve_kv(&[], BS).expect("room").0;
         assert!(s.export(&mut h, RequestId(10), kv, TestSink::default()).is_none());
         assert_eq!(h.leaked(), 0);
+    }
+
+    #[test]
+    fn a_hand_off_no_one_listens_for_is_released_at_once() {
+        for mode in [KvTransfer::Pull, KvTransfer::Push] {
+            let (mut s, mut h) = (sessions(), FakeHost::new(16));
+            let sink = submit(&mut s, &mut h, 1, true, mode);
+            // The conductor gives up (its stream closes) while the prefill is in the step.
+            sink.closed.set(true);
+            let out = h.finish(RequestId(1), true);
+            s.step_output(&mut h, out);
+            assert!(matches!(s.ready()[..], [Action::CancelLease(RequestId(1))]), "{mode:?}: no push, the lease ends");
+            s.lease_ended(&mut h, RequestId(1));
+            assert_eq!(state(&s, 1), None);
+            assert_eq!(h.leaked(), 0, "{mode:?}");
+        }
     }
 
     #[test]

@@ -10,9 +10,11 @@
 mod etcd_common;
 
 use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use baton_cluster::{AUTH_HEADER, ClusterSecret, unix_millis};
@@ -717,6 +719,88 @@ fn a_worker_killed_mid_push_fails_or_recomputes_and_the_survivor_holds_nothing()
     assert_eq!(streamed_text(&body), undisturbed);
     assert_eq!(wait_members(&url, 1, Duration::from_secs(10)), ["decode-2"]);
     assert_no_leak(&[&d2]);
+}
+
+/// A TCP relay from `from` to `to` that forwards everything while `mute` is false, and then
+/// only what goes to `to`: what comes back is read and dropped (a connection half cut).
+fn one_way_relay(from: SocketAddr, to: SocketAddr, mute: Arc<AtomicBool>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind(from).unwrap();
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { return };
+            let Ok(upstream) = std::net::TcpStream::connect(to) else { continue };
+            let (mut c_in, mut u_out) = (client.try_clone().unwrap(), upstream.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c_in, &mut u_out);
+                let _ = u_out.shutdown(std::net::Shutdown::Write);
+            });
+            let mute = Arc::clone(&mute);
+            std::thread::spawn(move || {
+                let (mut u_in, mut c_out) = (upstream, client);
+                let mut buf = [0u8; 16 << 10];
+                while let Ok(n @ 1..) = u_in.read(&mut buf) {
+                    if !mute.load(Ordering::Relaxed) && c_out.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = c_out.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+}
+
+/// A free port on 127.0.0.1 (and so, on Linux, on all of 127/8).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A hand-off the conductor gave up on is released (#19): the prefill worker is reached through
+/// a relay that, mid-request, stops passing its answers back (the conductor's calls still reach
+/// it). It computes the prompt and offers the KV under a 60 s lease, but the conductor never
+/// hears: its stream goes silent past `--worker-timeout-s`. The conductor releases the hand-off
+/// by the request's id anyway, so the worker holds nothing long before its lease would end.
+#[test]
+fn a_hand_off_the_conductor_gave_up_on_is_released_before_its_lease_ends() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--worker-timeout-s", "1.5"]);
+    let (control, kv) = (free_port(), free_port());
+    let mute = Arc::new(AtomicBool::new(false));
+    for port in [control, kv] {
+        let from = SocketAddr::from(([127, 0, 0, 2], port));
+        one_way_relay(from, SocketAddr::from(([127, 0, 0, 1], port)), Arc::clone(&mute));
+    }
+    let (control_s, kv_s) = (control.to_string(), kv.to_string());
+    let args = [
+        "--name",
+        "p",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &control_s,
+        "--kv-port",
+        &kv_s,
+        "--advertise",
+        "127.0.0.2",
+        "--lease-s",
+        "60",
+    ];
+    let mut p = worker(&dir, "prefill", &url, &args);
+    let d = worker(&dir, "decode", &url, &["--name", "d"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    assert_eq!(text(&complete(&url, LONG, 4)), generate(&dir, LONG, 4), "through the relay");
+    // Checked past the relay.
+    p.url = format!("http://127.0.0.1:{control}");
+    assert_no_leak(&[&p, &d]);
+
+    mute.store(true, Ordering::Relaxed);
+    let body = json!({"model": "tiny", "prompt": LONG, "max_tokens": 4, "temperature": 0});
+    // The request runs elsewhere or ends with an error; either way it ends.
+    let r = http().post(format!("{url}/v1/completions")).json(&body).send().unwrap();
+    eprintln!("with the prefill worker's answers cut: {}", r.status());
+    let leased = |w: &WorkerProc| stats(&w.url)["leased"].as_u64().unwrap_or(0);
+    eprintln!("leased on p after the request: {}", leased(&p));
+    assert_no_leak(&[&p, &d]);
 }
 
 /// A prefill worker and two decode workers: `decode-a`, which least-load's tie-break picks (it
