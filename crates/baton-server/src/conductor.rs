@@ -82,8 +82,9 @@ pub struct Conductor {
     protect_metrics: bool,
     /// The next request id (from a random start: `first_request_id`).
     next_id: AtomicU64,
-    /// KV bytes per token, for the transfer counter.
-    kv_bytes_per_token: usize,
+    /// KV bytes a token for the transfer counter: `Some` for emulated workers, whose KV stands
+    /// for a real model's; `None` counts the bytes the workers moved.
+    kv_bytes_per_token: Option<usize>,
     /// What each worker is doing, as far as this conductor routed it.
     loads: Mutex<Loads>,
     /// Time zero of the snapshots' clocks.
@@ -178,13 +179,14 @@ impl std::fmt::Debug for Conductor {
 }
 
 impl Conductor {
-    /// A conductor over `workers`.
+    /// A conductor over `workers`; `kv_bytes_per_token` counts handed-over KV at that many bytes
+    /// a token (emulated workers), else at the bytes the workers report they moved.
     pub fn new(
         validator: Validator,
         workers: Workers,
         policy: Box<dyn RoutePolicy>,
         api_key: Option<String>,
-        kv_bytes_per_token: usize,
+        kv_bytes_per_token: Option<usize>,
     ) -> Self {
         let tokenizers = std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get);
         let trees = Arc::new(Mutex::new(GlobalPromptTrees::new(PREDICTED_TTL_US)));
@@ -1244,8 +1246,8 @@ impl Run {
                     let _ = self.cached_tokens.set(cached_tokens);
                     if let Some(r) = received.filter(|_| !colocated) {
                         c.metrics.transfer_tokens.fetch_add(r.tokens as u64, Ordering::Relaxed);
-                        let bytes = r.tokens * c.kv_bytes_per_token;
-                        c.metrics.transfer_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+                        let bytes = c.kv_bytes_per_token.map_or(r.bytes, |b| (r.tokens * b) as u64);
+                        c.metrics.transfer_bytes.fetch_add(bytes, Ordering::Relaxed);
                     }
                     if colocated {
                         let fetching = fetching.take().or_else(|| prefill.take().and_then(|(_, f)| f));

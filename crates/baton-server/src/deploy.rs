@@ -172,7 +172,7 @@ pub async fn run_worker(
                 vec![Arc::new(handle.clone())],
                 Box::new(routing::LeastLoad::default()),
                 Some(key.clone()),
-                geometry.bytes_per_token(),
+                None,
             )
             .with_protect_metrics(true);
             app = app.merge(Arc::new(direct).router());
@@ -394,24 +394,17 @@ pub async fn run_conductor(
 ) -> Result<(), ServeError> {
     // The tokenizer, chat template and config only: a conductor never runs the model.
     let (path, model_id) = (config.model.clone(), config.model_id.clone());
-    let (validator, bytes_per_token) =
-        tokio::task::spawn_blocking(move || crate::load_frontend(&path, model_id.as_deref()))
-            .await
-            .map_err(|e| ServeError::Config(format!("loading the model's tokenizer: {e}")))??;
+    let validator = tokio::task::spawn_blocking(move || crate::load_frontend(&path, model_id.as_deref()))
+        .await
+        .map_err(|e| ServeError::Config(format!("loading the model's tokenizer: {e}")))??;
     let elastic = config.elastic.clone().map(|e| crate::elastic::Elastic::new(e, config.block_tokens));
     let conductor = Arc::new(
-        Conductor::new(
-            validator,
-            Vec::new(),
-            config.policy.build(config.block_tokens),
-            config.api_key.clone(),
-            bytes_per_token,
-        )
-        .with_kv_transfer(config.kv_transfer)
-        .with_pd_caching(config.pd_caching)
-        .with_kv_index(config.kv_index)
-        .with_protect_metrics(config.protect_metrics)
-        .with_elastic(elastic),
+        Conductor::new(validator, Vec::new(), config.policy.build(config.block_tokens), config.api_key.clone(), None)
+            .with_kv_transfer(config.kv_transfer)
+            .with_pd_caching(config.pd_caching)
+            .with_kv_index(config.kv_index)
+            .with_protect_metrics(config.protect_metrics)
+            .with_elastic(elastic),
     );
     let mut app = conductor.clone().router();
     let registry: Arc<dyn Registry> = match &config.registry {

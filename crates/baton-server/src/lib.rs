@@ -167,16 +167,12 @@ pub(crate) fn load(path: &std::path::Path, model_id: Option<&str>) -> Result<Loa
 }
 
 /// What a conductor needs of a model, without its weights: the validator (tokenizer, chat
-/// template, limits) and the KV bytes per token (for the transfer counter).
-pub(crate) fn load_frontend(
-    path: &std::path::Path,
-    model_id: Option<&str>,
-) -> Result<(openai::Validator, usize), ServeError> {
+/// template, limits).
+pub(crate) fn load_frontend(path: &std::path::Path, model_id: Option<&str>) -> Result<openai::Validator, ServeError> {
     let front = baton_model::Frontend::open(path)?;
     let model_id = model_id
         .map(str::to_owned)
         .unwrap_or_else(|| path.file_stem().map_or_else(|| "baton".to_owned(), |s| s.to_string_lossy().into_owned()));
-    let bytes_per_token = front.kv_geometry(16).bytes_per_token();
     let max_context = front.config.max_position_embeddings;
     let validator = openai::Validator {
         model_id,
@@ -186,7 +182,7 @@ pub(crate) fn load_frontend(
         tokenizer: Arc::new(front.tokenizer),
         template: front.chat_template.map(Arc::new),
     };
-    Ok((validator, bytes_per_token))
+    Ok(validator)
 }
 
 /// The compatibility record KV peers compare: model id and the engine's KV geometry.
@@ -248,10 +244,8 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
         let name = format!("{}-{i}", role.as_str());
         workers.push(Arc::new(WorkerHandle::spawn(name, role, engine, options)?));
     }
-    let bytes_per_token = match &config.emulate {
-        Some(profile) => usize::try_from(profile.kv_bytes_per_token).unwrap_or(usize::MAX),
-        None => loaded.model.kv_geometry(config.engine.block_size).bytes_per_token(),
-    };
+    let bytes_per_token =
+        config.emulate.as_ref().map(|profile| usize::try_from(profile.kv_bytes_per_token).unwrap_or(usize::MAX));
     let elastic = config.elastic.clone().map(|e| elastic::Elastic::new(e, config.engine.block_size));
     Ok(Arc::new(
         Conductor::new(

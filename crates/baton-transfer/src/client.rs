@@ -261,7 +261,13 @@ impl KvClient {
     /// that names another generation, or a push no longer registered, is refused, its bytes
     /// read and dropped, so a late frame of an aborted push can never land in blocks reused since.
     pub fn begin_push(&mut self, id: TransferId, generation: u64, local: &[BlockId]) -> Result<()> {
-        self.pushes.insert(id, PushState { generation, ..PushState::default() });
+        // Over shared memory the writes are one-sided, with no frame to count: the push fills
+        // every layer of the blocks registered.
+        let bytes = match self.config.transport {
+            TransportKind::Shm => self.local.descriptor().byte_ranges(local).iter().map(|r| r.len as u64).sum(),
+            TransportKind::Tcp => 0,
+        };
+        self.pushes.insert(id, PushState { generation, bytes, ..PushState::default() });
         let frame = Frame::Transfer { id, mode: TransferMode::Push, remote: Vec::new(), local: ids(local), generation };
         let registered = self.control.send(&frame).and_then(|()| self.expect(id, "TRANSFER_OK"));
         if registered.is_err() {
