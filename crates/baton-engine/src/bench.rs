@@ -10,12 +10,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use baton_kv::KvLayout;
+use baton_kv::{KvDtype, KvLayout};
 use baton_model::config::{Architecture, ModelConfig, RopeConfig, RopeScaling, WeightDtype};
 use baton_model::{Checkpoint, Model, RandomWeights};
 use serde::Serialize;
 
 use crate::{Engine, EngineConfig, EngineError, GenerationRequest, RequestId, StopParams};
+
+fn dtype_name<S: serde::Serializer>(d: &KvDtype, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format!("{d:?}").to_lowercase())
+}
 
 /// Shape of the benchmark model and workload.
 #[derive(Debug, Clone, Serialize)]
@@ -41,6 +45,9 @@ pub struct EngineBenchConfig {
     /// KV layout.
     #[serde(skip)]
     pub layout: KvLayout,
+    /// Element type of the KV cache.
+    #[serde(serialize_with = "dtype_name")]
+    pub kv_dtype: KvDtype,
     /// A real checkpoint (HF directory or `.gguf` file) to run instead of random weights; the
     /// shape fields above are then ignored.
     pub model: Option<PathBuf>,
@@ -59,6 +66,7 @@ impl Default for EngineBenchConfig {
             decode_steps: 32,
             batches: vec![1, 16],
             layout: KvLayout::BlockMajor,
+            kv_dtype: KvDtype::F32,
             model: None,
         }
     }
@@ -251,6 +259,7 @@ fn run_batch(
         max_batch_tokens: config.prompt_len.max(512),
         prefill_chunk: config.prompt_len.max(512),
         prefix_caching: false,
+        kv_dtype: config.kv_dtype,
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(model.clone(), None, engine_config)?;

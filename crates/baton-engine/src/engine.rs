@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use baton_kv::{
-    InstanceId, KvArena, KvEvent, KvGeometry, KvLayout, Loc, MemPool, PolicyKind, PoolConfig, PoolError, Tier,
+    InstanceId, KvArena, KvDtype, KvEvent, KvGeometry, KvLayout, Loc, MemPool, PolicyKind, PoolConfig, PoolError, Tier,
 };
 use baton_model::{LogitsWanted, Model, ModelConfig, SeqStep, StepLogits, Tokenizer};
 
@@ -54,6 +54,9 @@ pub struct EngineConfig {
     pub disk_dir: Option<PathBuf>,
     /// This instance's id in the cluster (KV addresses and events carry it).
     pub instance: InstanceId,
+    /// Element type of the KV cache: float32, or a 16-bit one (half the memory and transfer
+    /// bytes; keys and values are rounded once, when stored, and attention reads them widened).
+    pub kv_dtype: KvDtype,
 }
 
 impl Default for EngineConfig {
@@ -70,6 +73,7 @@ impl Default for EngineConfig {
             disk_blocks: 0,
             disk_dir: None,
             instance: InstanceId(0),
+            kv_dtype: KvDtype::F32,
         }
     }
 }
@@ -204,6 +208,7 @@ impl Engine {
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
         config.validate()?;
+        let geometry = KvGeometry { dtype: config.kv_dtype, ..geometry };
         let pool = MemPool::new(PoolConfig {
             host_blocks: config.host_blocks,
             disk_blocks: config.disk_blocks,

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use baton_engine::{Engine, EngineConfig, Finished, GenerationRequest, RequestId, StopParams};
-use baton_kv::{BlockAllocator, KvArena, KvLayout};
+use baton_kv::{BlockAllocator, KvArena, KvDtype, KvLayout};
 use baton_model::{Checkpoint, LogitsWanted, Model, SeqStep, Tokenizer};
 use serde_json::Value;
 
@@ -64,7 +64,12 @@ fn fixture() -> &'static Fixture {
 }
 
 fn engine(f: &Fixture, layout: KvLayout, chunk: usize) -> Engine {
+    engine_of(f, layout, chunk, KvDtype::F32)
+}
+
+fn engine_of(f: &Fixture, layout: KvLayout, chunk: usize, kv_dtype: KvDtype) -> Engine {
     let config = EngineConfig {
+        kv_dtype,
         block_size: 16,
         num_blocks: 256,
         layout,
@@ -174,6 +179,27 @@ fn batched_with_chunked_prefill_in_both_layouts_matches_the_reference() {
         assert_eq!(done.len(), f.cases.len());
         for (d, case) in done.iter().zip(&f.cases) {
             check_greedy(f, case, &d.token_ids, &format!("batched {layout:?} chunk {chunk}"));
+        }
+    }
+}
+
+/// A 16-bit KV cache (`--kv-dtype f16|bf16`) on the real model: every prompt, batched with
+/// chunked prefill, keeps the reference's greedy tokens (or diverges only at a near-tie after
+/// the first [`MUST_MATCH`]) and its top-8 next tokens.
+#[test]
+fn sixteen_bit_kv_keeps_the_reference_greedy_tokens() {
+    let f = fixture();
+    for dtype in [KvDtype::F16, KvDtype::Bf16] {
+        let mut e = engine_of(f, KvLayout::BlockMajor, 4, dtype);
+        for (i, case) in f.cases.iter().enumerate() {
+            e.add_request(request(i, case.input_ids.clone(), case.greedy_ids.len(), true)).expect("valid request");
+        }
+        let done = by_id(e.run_to_completion().expect("runs"));
+        let vocab = f.model.config().vocab_size;
+        for (d, case) in done.iter().zip(&f.cases) {
+            let logits = d.prompt_logits.as_ref().expect("prompt logits");
+            check_top8(case, &logits[logits.len() - vocab..], &format!("{dtype:?} KV"));
+            check_greedy(f, case, &d.token_ids, &format!("{dtype:?} KV"));
         }
     }
 }

@@ -12,14 +12,55 @@ use std::path::PathBuf;
 
 use memmap2::{Mmap, MmapMut};
 
-use crate::{BlockId, KvGeometry, KvLayout, KvPart, TensorDescriptor};
+use crate::{BlockId, KvDtype, KvGeometry, KvLayout, KvPart, TensorDescriptor};
 
 #[derive(Debug)]
 enum Backing {
     /// A shared mapping of a memfd.
     Shared { map: MmapMut, file: File },
-    /// Private memory (no handle).
+    /// Private memory (no handle), in `f32` words (4-byte aligned for any element type).
     Heap(Vec<f32>),
+}
+
+/// One block's `[T][H][D]` keys or values of one layer, in the element type the arena stores.
+#[derive(Debug, Clone, Copy)]
+pub enum Slab<'a> {
+    /// float32.
+    F32(&'a [f32]),
+    /// IEEE float16.
+    F16(&'a [half::f16]),
+    /// bfloat16.
+    Bf16(&'a [half::bf16]),
+}
+
+impl Slab<'_> {
+    /// Elements in the slab.
+    pub fn len(&self) -> usize {
+        match self {
+            Slab::F32(s) => s.len(),
+            Slab::F16(s) => s.len(),
+            Slab::Bf16(s) => s.len(),
+        }
+    }
+
+    /// Whether the slab has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies `n` rows of `width` elements, `stride` apart from `start`, into `out` (row after
+    /// row, `n · width` floats), widening 16-bit elements to float32 exactly.
+    pub fn rows_to_f32(&self, start: usize, stride: usize, n: usize, width: usize, out: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        for (t, o) in out[..n * width].chunks_exact_mut(width).enumerate() {
+            let at = start + t * stride;
+            match self {
+                Slab::F32(s) => o.copy_from_slice(&s[at..at + width]),
+                Slab::F16(s) => s[at..at + width].convert_to_f32_slice(o),
+                Slab::Bf16(s) => s[at..at + width].convert_to_f32_slice(o),
+            }
+        }
+    }
 }
 
 /// Creates a memfd of `len` bytes and maps it read-write, shared.
@@ -39,9 +80,9 @@ fn map_shared_mut(file: &File) -> io::Result<MmapMut> {
     unsafe { MmapMut::map_mut(file) }
 }
 
-/// All KV blocks of one instance in one float32 region, laid out as its [`TensorDescriptor`]
-/// says. The arena knows addresses, not owners: which blocks are in use is the allocator's
-/// business.
+/// All KV blocks of one instance in one region of its geometry's element type (float32, or a
+/// 16-bit one: half the bytes), laid out as its [`TensorDescriptor`] says. The arena knows
+/// addresses, not owners: which blocks are in use is the allocator's business.
 #[derive(Debug)]
 pub struct KvArena {
     geometry: KvGeometry,
@@ -59,7 +100,7 @@ impl KvArena {
     /// A zeroed arena of `num_blocks` blocks in a memfd another process can map.
     pub fn new_shared(geometry: KvGeometry, layout: KvLayout, num_blocks: usize) -> io::Result<Self> {
         let descriptor = TensorDescriptor::new(&geometry, layout, num_blocks);
-        let len = descriptor.num_elems() * std::mem::size_of::<f32>();
+        let len = descriptor.num_elems() * geometry.dtype.size();
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "an empty arena cannot be shared"));
         }
@@ -70,7 +111,7 @@ impl KvArena {
     /// A zeroed arena of `num_blocks` blocks in private heap memory (no handle).
     pub fn new_private(geometry: KvGeometry, layout: KvLayout, num_blocks: usize) -> Self {
         let descriptor = TensorDescriptor::new(&geometry, layout, num_blocks);
-        let data = vec![0.0; descriptor.num_elems()];
+        let data = vec![0.0; (descriptor.num_elems() * geometry.dtype.size()).div_ceil(4)];
         Self { geometry, descriptor, backing: Backing::Heap(data) }
     }
 
@@ -102,80 +143,147 @@ impl KvArena {
         }
     }
 
-    /// The `[T][H][D]` slab of keys or values of one block in one layer.
+    /// The `[T][H][D]` slab of keys or values of one block in one layer, in the stored type.
+    pub fn slab(&self, layer: usize, part: KvPart, block: BlockId) -> Slab<'_> {
+        let start = self.descriptor.offset(layer, part, block.index(), 0, 0);
+        let range = start..start + self.geometry.slab_elems();
+        match self.geometry.dtype {
+            KvDtype::F32 => Slab::F32(&self.as_slice()[range]),
+            KvDtype::F16 => Slab::F16(&self.halves()[range]),
+            KvDtype::Bf16 => Slab::Bf16(&self.bhalves()[range]),
+        }
+    }
+
+    /// Stores the `[H][D]` keys or values of one token slot in one layer (rounded to nearest
+    /// in a 16-bit arena).
+    pub fn write_token(&mut self, layer: usize, part: KvPart, block: BlockId, slot: usize, values: &[f32]) {
+        use half::slice::HalfFloatSliceExt;
+        let start = self.descriptor.offset(layer, part, block.index(), slot, 0);
+        let range = start..start + self.geometry.token_elems();
+        match self.geometry.dtype {
+            KvDtype::F32 => self.as_mut_slice()[range].copy_from_slice(values),
+            KvDtype::F16 => self.halves_mut()[range].convert_from_f32_slice(values),
+            KvDtype::Bf16 => self.bhalves_mut()[range].convert_from_f32_slice(values),
+        }
+    }
+
+    /// The `[T][H][D]` slab of keys or values of one block in one layer of a float32 arena.
+    ///
+    /// # Panics
+    /// If the arena holds 16-bit KV (use [`KvArena::slab`]).
     pub fn block(&self, layer: usize, part: KvPart, block: BlockId) -> &[f32] {
         let start = self.descriptor.offset(layer, part, block.index(), 0, 0);
         &self.as_slice()[start..start + self.geometry.slab_elems()]
     }
 
-    /// The `[H][D]` keys or values of one token slot in one layer, for writing.
+    /// The `[H][D]` keys or values of one token slot in one layer of a float32 arena, for
+    /// writing.
+    ///
+    /// # Panics
+    /// If the arena holds 16-bit KV (use [`KvArena::write_token`]).
     pub fn token_mut(&mut self, layer: usize, part: KvPart, block: BlockId, slot: usize) -> &mut [f32] {
         let start = self.descriptor.offset(layer, part, block.index(), slot, 0);
         let n = self.geometry.token_elems();
         &mut self.as_mut_slice()[start..start + n]
     }
 
-    /// The whole region, in descriptor order.
+    /// The whole region of a float32 arena, in descriptor order.
+    ///
+    /// # Panics
+    /// If the arena holds 16-bit KV (its bytes are [`KvArena::as_bytes`]).
     pub fn as_slice(&self) -> &[f32] {
-        match &self.backing {
-            Backing::Shared { map, .. } => bytemuck::cast_slice(map),
-            Backing::Heap(v) => v,
-        }
+        assert_eq!(self.geometry.dtype, KvDtype::F32, "a 16-bit arena has no float32 view");
+        bytemuck::cast_slice(self.as_bytes())
     }
 
-    /// The whole region, mutable, in descriptor order.
+    /// The whole region of a float32 arena, mutable, in descriptor order.
+    ///
+    /// # Panics
+    /// If the arena holds 16-bit KV.
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
-        match &mut self.backing {
-            Backing::Shared { map, .. } => bytemuck::cast_slice_mut(map),
-            Backing::Heap(v) => v,
-        }
+        assert_eq!(self.geometry.dtype, KvDtype::F32, "a 16-bit arena has no float32 view");
+        bytemuck::cast_slice_mut(self.as_bytes_mut())
+    }
+
+    fn halves(&self) -> &[half::f16] {
+        use half::slice::HalfBitsSliceExt;
+        bytemuck::cast_slice::<u8, u16>(self.as_bytes()).reinterpret_cast()
+    }
+
+    fn halves_mut(&mut self) -> &mut [half::f16] {
+        use half::slice::HalfBitsSliceExt;
+        bytemuck::cast_slice_mut::<u8, u16>(self.as_bytes_mut()).reinterpret_cast_mut()
+    }
+
+    fn bhalves(&self) -> &[half::bf16] {
+        use half::slice::HalfBitsSliceExt;
+        bytemuck::cast_slice::<u8, u16>(self.as_bytes()).reinterpret_cast()
+    }
+
+    fn bhalves_mut(&mut self) -> &mut [half::bf16] {
+        use half::slice::HalfBitsSliceExt;
+        bytemuck::cast_slice_mut::<u8, u16>(self.as_bytes_mut()).reinterpret_cast_mut()
+    }
+
+    /// Bytes in the region.
+    fn len_bytes(&self) -> usize {
+        self.descriptor.num_elems() * self.geometry.dtype.size()
     }
 
     /// The whole region as bytes (what [`TensorDescriptor::byte_ranges`] indexes).
     pub fn as_bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(self.as_slice())
+        let len = self.len_bytes();
+        match &self.backing {
+            Backing::Shared { map, .. } => &map[..len],
+            Backing::Heap(v) => &bytemuck::cast_slice(v)[..len],
+        }
     }
 
     /// The whole region as mutable bytes.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        bytemuck::cast_slice_mut(self.as_mut_slice())
+        let len = self.len_bytes();
+        match &mut self.backing {
+            Backing::Shared { map, .. } => &mut map[..len],
+            Backing::Heap(v) => &mut bytemuck::cast_slice_mut(v)[..len],
+        }
     }
 
     /// Copies every element of `src` blocks onto `dst` blocks of `other`, which may have another
     /// layout but must have the same geometry. Used to move a sequence's KV between arenas.
     pub fn copy_blocks_from(&mut self, other: &KvArena, src: &[BlockId], dst: &[BlockId]) {
         assert_eq!(self.geometry, other.geometry, "copy between arenas of different geometry");
-        self.copy_blocks_from_slice(&other.descriptor, other.as_slice(), src, dst);
+        self.copy_blocks_from_bytes(&other.descriptor, other.as_bytes(), src, dst);
     }
 
     /// Copies `src` blocks of a region described by `src_desc` (another arena, possibly mapped
     /// from another process, with this arena's geometry in any layout) onto `dst` blocks here.
-    pub fn copy_blocks_from_slice(
+    pub fn copy_blocks_from_bytes(
         &mut self,
         src_desc: &TensorDescriptor,
-        from_all: &[f32],
+        from_all: &[u8],
         src: &[BlockId],
         dst: &[BlockId],
     ) {
         assert_eq!(src.len(), dst.len(), "copy needs as many destination blocks as sources");
         let same_layout = self.descriptor.dims == src_desc.dims;
         let geometry = self.geometry;
-        let n = geometry.slab_elems();
+        let size = geometry.dtype.size();
+        let n = geometry.slab_elems() * size;
         let descriptor = self.descriptor.clone();
-        let to_all = self.as_mut_slice();
+        let to_all = self.as_bytes_mut();
         for (&s, &d) in src.iter().zip(dst) {
             if same_layout && src_desc.dims[0] == crate::Dim::Block {
                 // Block-major on both sides: one copy per block.
-                let len = geometry.block_elems();
-                let from = src_desc.offset(0, KvPart::Key, s.index(), 0, 0);
-                let to = descriptor.offset(0, KvPart::Key, d.index(), 0, 0);
+                let len = geometry.block_elems() * size;
+                let from = src_desc.offset(0, KvPart::Key, s.index(), 0, 0) * size;
+                let to = descriptor.offset(0, KvPart::Key, d.index(), 0, 0) * size;
                 to_all[to..to + len].copy_from_slice(&from_all[from..from + len]);
                 continue;
             }
             for layer in 0..geometry.layers {
                 for part in [KvPart::Key, KvPart::Value] {
-                    let from = src_desc.offset(layer, part, s.index(), 0, 0);
-                    let to = descriptor.offset(layer, part, d.index(), 0, 0);
+                    let from = src_desc.offset(layer, part, s.index(), 0, 0) * size;
+                    let to = descriptor.offset(layer, part, d.index(), 0, 0) * size;
                     to_all[to..to + n].copy_from_slice(&from_all[from..from + n]);
                 }
             }

@@ -73,7 +73,7 @@ mod segment;
 mod tier;
 
 pub use allocator::{AllocatorError, BlockAllocator};
-pub use arena::{ArenaHandle, KvArena, MappedArena};
+pub use arena::{ArenaHandle, KvArena, MappedArena, Slab};
 pub use block_table::BlockTable;
 pub use events::{BlockTokens, EventError, IndexEntry, KvEvent, KvEventKind, RemoteIndex};
 pub use geometry::{Dim, KvDtype, KvGeometry, KvLayout, KvPart, TensorDescriptor};

@@ -27,8 +27,8 @@ use crate::events::{BlockTokens, IndexEntry, KvEvent, KvEventKind};
 pub const MAX_BUFFERED_EVENTS: usize = 1 << 16;
 use crate::index::{HashStream, Lookup, PrefixIndex};
 use crate::{
-    AllocatorError, BlockHash, BlockId, DiskStore, EvictionPolicy, InstanceId, KvAddr, KvArena, KvDtype, KvGeometry,
-    KvLayout, Loc, NodeId, PolicyKind, SegmentAllocator, Tier, block_hash,
+    AllocatorError, BlockHash, BlockId, DiskStore, EvictionPolicy, InstanceId, KvAddr, KvArena, KvGeometry, KvLayout,
+    Loc, NodeId, PolicyKind, SegmentAllocator, Tier, block_hash,
 };
 
 const NO_OWNER: u32 = u32::MAX;
@@ -251,9 +251,6 @@ impl MemPool {
     /// Builds a pool: a shared-memory device arena, a host arena and a disk block file.
     pub fn new(config: PoolConfig) -> Result<Self, PoolError> {
         let g = config.geometry;
-        if g.dtype != KvDtype::F32 {
-            return Err(PoolError::Config("the arenas hold float32 KV".into()));
-        }
         if g.block_size == 0 || g.layers == 0 {
             return Err(PoolError::Config("block size and layers must be positive".into()));
         }
@@ -262,7 +259,7 @@ impl MemPool {
             static NEXT_FILE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
             let k = NEXT_FILE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let name = format!("baton-kv-{}-{}-{k}.blocks", config.instance.0, std::process::id());
-            Store::Disk(DiskStore::create(dir, &name, config.disk_blocks, g.block_elems() * 4)?)
+            Store::Disk(DiskStore::create(dir, &name, config.disk_blocks, g.block_elems() * g.dtype.size())?)
         } else {
             Store::None
         };

@@ -8,8 +8,8 @@
 use std::collections::HashMap;
 
 use baton_kv::{
-    BlockHash, BlockId, InstanceId, KvAddr, KvGeometry, KvLayout, KvPart, Loc, MemPool, PolicyKind, PoolConfig,
-    PoolError, RemoteIndex, SwapJob, Tier, prefix_hashes,
+    BlockHash, BlockId, InstanceId, KvAddr, KvDtype, KvGeometry, KvLayout, KvPart, Loc, MemPool, PolicyKind,
+    PoolConfig, PoolError, RemoteIndex, SwapJob, Tier, prefix_hashes,
 };
 
 /// splitmix64: a seeded generator, so a failure replays exactly.
@@ -31,9 +31,10 @@ impl Rng {
 
 const BS: usize = 4;
 
-/// The value stored at element `i` of the block whose chained hash is `h`.
+/// The value stored at element `i` of the block whose chained hash is `h` (an integer below
+/// 256: exact in float32, float16 and bfloat16 alike).
 fn pattern(h: BlockHash, i: usize) -> f32 {
-    ((h.0 >> ((i % 4) * 16)) & 0xffff) as f32
+    ((h.0 >> ((i % 8) * 8)) & 0xff) as f32
 }
 
 #[derive(Debug, Default)]
@@ -72,10 +73,9 @@ impl Sim {
         for (i, h) in hashes.iter().enumerate().skip(from) {
             for part in [KvPart::Key, KvPart::Value] {
                 for slot in 0..BS {
-                    let row = self.pool.arena_mut().token_mut(0, part, blocks[i], slot);
-                    for (j, x) in row.iter_mut().enumerate() {
-                        *x = pattern(*h, part as usize * slab + slot * row_len() + j);
-                    }
+                    let row: Vec<f32> =
+                        (0..row_len()).map(|j| pattern(*h, part as usize * slab + slot * row_len() + j)).collect();
+                    self.pool.arena_mut().write_token(0, part, blocks[i], slot, &row);
                 }
             }
         }
@@ -86,7 +86,8 @@ impl Sim {
         let slab = self.pool.geometry().slab_elems();
         for (i, &b) in blocks.iter().enumerate() {
             for part in [KvPart::Key, KvPart::Value] {
-                let data = self.pool.arena().block(0, part, b);
+                let mut data = vec![0f32; slab];
+                self.pool.arena().slab(0, part, b).rows_to_f32(0, slab, 1, slab, &mut data);
                 for (e, &x) in data.iter().enumerate() {
                     assert_eq!(
                         x,
@@ -268,8 +269,12 @@ fn row_len() -> usize {
 }
 
 fn run(seed: u64, policy: PolicyKind, steps: usize) {
+    run_of(seed, policy, steps, KvDtype::F32);
+}
+
+fn run_of(seed: u64, policy: PolicyKind, steps: usize, dtype: KvDtype) {
     let dir = std::env::temp_dir().join(format!("baton-kv-random-{}-{seed}", std::process::id()));
-    let geometry = KvGeometry::new(1, 1, row_len(), BS);
+    let geometry = KvGeometry { dtype, ..KvGeometry::new(1, 1, row_len(), BS) };
     let pool = MemPool::new(PoolConfig {
         host_blocks: 24,
         disk_blocks: 16,
@@ -333,4 +338,12 @@ fn hundred_thousand_random_operations_lru() {
 #[test]
 fn random_operations_lfu() {
     run(0x5eed_0002, PolicyKind::Lfu, 30_000);
+}
+
+/// A 16-bit pool: its blocks take half the bytes in every tier, disk included, and the KV
+/// survives every move between them.
+#[test]
+fn random_operations_on_16_bit_kv() {
+    run_of(0x5eed_0003, PolicyKind::Lru, 30_000, KvDtype::F16);
+    run_of(0x5eed_0004, PolicyKind::Lfu, 10_000, KvDtype::Bf16);
 }

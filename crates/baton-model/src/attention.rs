@@ -2,7 +2,7 @@
 //! block table, one block slab at a time, with an online softmax (no `[tokens × context]`
 //! score matrix is ever built).
 
-use baton_kv::{BlockId, KvArena, KvPart};
+use baton_kv::{BlockId, KvArena, KvDtype, KvPart, Slab};
 use rayon::prelude::*;
 
 use crate::gemv::{weighted_rows_add, xwt_strided};
@@ -66,13 +66,27 @@ fn attend_group(
     let mut denom = vec![0f32; group];
     // `[token][query head]` of one block: scores, then softmax weights.
     let mut scores = vec![0f32; block_size * group];
+    // A 16-bit arena's keys and values of this head, widened to float32 a block at a time.
+    let widen = kv.geometry().dtype != KvDtype::F32;
+    let (mut wide_keys, mut wide_values) = if widen {
+        (vec![0f32; block_size * head_dim], vec![0f32; block_size * head_dim])
+    } else {
+        (Vec::new(), Vec::new())
+    };
     for b in first / block_size..=row.pos / block_size {
         let lo = (b * block_size).max(first) - b * block_size;
         let hi = (row.pos + 1 - b * block_size).min(block_size);
         let n = hi - lo;
         let base = lo * stride + kv_head * head_dim;
-        let keys = &kv.block(layer, KvPart::Key, row.blocks[b])[base..];
-        let values = &kv.block(layer, KvPart::Value, row.blocks[b])[base..];
+        let (keys, values, stride) =
+            match (kv.slab(layer, KvPart::Key, row.blocks[b]), kv.slab(layer, KvPart::Value, row.blocks[b])) {
+                (Slab::F32(k), Slab::F32(v)) => (&k[base..], &v[base..], stride),
+                (k, v) => {
+                    k.rows_to_f32(base, stride, n, head_dim, &mut wide_keys);
+                    v.rows_to_f32(base, stride, n, head_dim, &mut wide_values);
+                    (&wide_keys[..], &wide_values[..], head_dim)
+                }
+            };
         let s = &mut scores[..n * group];
         xwt_strided(q, group, keys, stride, n, head_dim, s);
         for qi in 0..group {

@@ -295,9 +295,9 @@ impl Model {
             apply_rope(&mut k, c.num_kv_heads, head_dim, cos, sin);
             for (r, row) in rows.iter().enumerate() {
                 let (block, slot) = (row.blocks[row.pos / block_size], row.pos % block_size);
-                kv.token_mut(l, KvPart::Key, block, slot).copy_from_slice(&k[r * kv_width..(r + 1) * kv_width]);
+                kv.write_token(l, KvPart::Key, block, slot, &k[r * kv_width..(r + 1) * kv_width]);
                 let v = &qkv[r * width + q_width + kv_width..(r + 1) * width];
-                kv.token_mut(l, KvPart::Value, block, slot).copy_from_slice(v);
+                kv.write_token(l, KvPart::Value, block, slot, v);
             }
             let shape = AttentionShape {
                 num_heads: c.num_heads,

@@ -54,6 +54,11 @@ fn an_incompatible_peer_is_refused_with_the_reason() {
         TransferError::Incompatible(m) => assert!(m.contains("block size 4 vs 8"), "{m}"),
         e => panic!("{e}"),
     }
+    // A float32 peer and a float16 one (`--kv-dtype`) never exchange KV.
+    let wide = Compat::new("m", KvGeometry { dtype: KvDtype::F32, ..geometry() });
+    let local = Arc::new(Region::create(TensorDescriptor::new(&wide.geometry, KvLayout::BlockMajor, 4)).expect("r"));
+    let err = KvClient::connect(server.addr(), config("s3cret", wide), local).expect_err("refused");
+    assert!(matches!(err, TransferError::Incompatible(ref m) if m.contains("dtype F16 vs F32")), "{err}");
     let renamed = Compat::new("another-model", geometry());
     let err = KvClient::connect(server.addr(), config("s3cret", renamed), self::local()).expect_err("refused");
     assert!(matches!(err, TransferError::Incompatible(ref m) if m.contains("model")), "{err}");

@@ -82,6 +82,9 @@ pub(crate) struct EngineArgs {
     /// KV layout.
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
+    /// Element type of the KV cache (16-bit: half the bytes attention reads, widened as read).
+    #[arg(long, value_enum, default_value = "f32")]
+    kv_dtype: crate::engine_flags::KvDtypeArg,
     /// Run a real model (HF directory or `.gguf` file) instead of random weights; the shape
     /// options are then ignored. Batch sizes default to 1.
     #[arg(long)]
@@ -122,6 +125,7 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
         decode_steps: a.decode_steps,
         batches: if a.model.is_some() && a.batches_default() { vec![1] } else { a.batches.clone() },
         layout: a.layout,
+        kv_dtype: a.kv_dtype.dtype(),
         model: a.model.clone(),
     };
     let report = bench::run(config, &mut |msg| eprintln!("[bench engine] {msg}"))?;
@@ -146,6 +150,7 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
         "machine: {} threads, read {:.1} GB/s, memcpy {:.1} GB/s (same run)",
         m.threads, m.read_gb_s, m.memcpy_gb_s
     );
+    println!("KV cache: {:?}, {} prompt tokens a sequence", report.config.kv_dtype, report.config.prompt_len);
     println!(
         "{:>6} {:>14} {:>13} {:>15} {:>18}",
         "batch", "prefill tok/s", "decode tok/s", "weights GB/s", "of read bandwidth"

@@ -1,7 +1,7 @@
 //! Engine options shared by `baton serve` and `baton worker`.
 
 use baton_engine::EngineConfig;
-use baton_kv::KvLayout;
+use baton_kv::{KvDtype, KvLayout};
 
 /// How each worker's engine is sized.
 #[derive(Debug, Clone, clap::Args)]
@@ -24,6 +24,11 @@ pub(crate) struct EngineFlags {
     /// KV layout: block-major or layer-major.
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
+    /// Element type of the KV cache: `f16` or `bf16` take half the memory and half the bytes
+    /// of a hand-off of `f32`. Every worker of a cluster must use the same (peers refuse to
+    /// exchange KV of another type).
+    #[arg(long, value_enum, default_value = "f32")]
+    kv_dtype: KvDtypeArg,
     /// Blocks of host memory each worker's prefix cache spills to (0: none). A block evicted
     /// from the device arena moves here instead of being dropped, and a prompt that finds its
     /// prefix here has it copied back.
@@ -67,7 +72,30 @@ impl EngineFlags {
             host_blocks: self.host_kv_blocks,
             disk_blocks: self.disk_kv_blocks,
             disk_dir: self.disk_kv_dir.clone(),
+            kv_dtype: self.kv_dtype.dtype(),
             ..EngineConfig::default()
+        }
+    }
+}
+
+/// `--kv-dtype`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub(crate) enum KvDtypeArg {
+    /// float32.
+    F32,
+    /// IEEE float16.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl KvDtypeArg {
+    /// The element type.
+    pub(crate) fn dtype(self) -> KvDtype {
+        match self {
+            KvDtypeArg::F32 => KvDtype::F32,
+            KvDtypeArg::F16 => KvDtype::F16,
+            KvDtypeArg::Bf16 => KvDtype::Bf16,
         }
     }
 }

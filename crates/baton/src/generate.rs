@@ -53,6 +53,9 @@ pub(crate) struct GenerateArgs {
     /// KV layout: block-major or layer-major.
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
+    /// Element type of the KV cache (as `baton serve --kv-dtype`).
+    #[arg(long, value_enum, default_value = "f32")]
+    kv_dtype: crate::engine_flags::KvDtypeArg,
     /// Print one JSON object instead of the text.
     #[arg(long)]
     json: bool,
@@ -133,6 +136,7 @@ pub(crate) fn run(args: GenerateArgs) -> anyhow::Result<()> {
         block_size: args.block_size,
         num_blocks: blocks,
         layout: args.layout,
+        kv_dtype: args.kv_dtype.dtype(),
         ..EngineConfig::default()
     };
     let tokenizer = Arc::new(ckpt.tokenizer);

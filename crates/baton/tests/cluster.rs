@@ -803,6 +803,30 @@ fn a_hand_off_the_conductor_gave_up_on_is_released_before_its_lease_ends() {
     assert_no_leak(&[&p, &d]);
 }
 
+/// A 16-bit KV cache across processes (#17): prefill and decode workers started with
+/// `--kv-dtype f16` hand KV over TCP with half the bytes a token of float32, and answer what
+/// `baton generate --kv-dtype f16` does, on both fixture models.
+#[test]
+fn workers_with_16_bit_kv_hand_over_half_the_bytes_and_the_same_text() {
+    for (name, f32_bytes) in [("tiny-llama", 512.0), ("tiny-qwen2", 384.0)] {
+        let dir = model(name);
+        let (_c, url) = conductor(&dir, "embedded");
+        let half = ["--kv-dtype", "f16", "--transport", "tcp"];
+        let p = worker(&dir, "prefill", &url, &half);
+        let d = worker(&dir, "decode", &url, &half);
+        wait_members(&url, 2, Duration::from_secs(10));
+        let v = complete(&url, LONG, 8);
+        assert_eq!(text(&v), generate_with(&dir, LONG, 8, &["--kv-dtype", "f16"]), "{name}");
+        let bytes = metric(&url, "baton_kv_transfer_bytes_total");
+        let tokens = metric(&url, "baton_kv_transfer_tokens_total");
+        eprintln!("{name}: {bytes} bytes for {tokens} tokens handed over with f16 KV");
+        // Whole 16-token blocks move: the prompt's tokens rounded up, at 2 bytes an element.
+        let blocks = (tokens / 16.0).ceil();
+        assert_eq!(bytes, blocks * 16.0 * f32_bytes / 2.0, "{name}: not half of float32's bytes");
+        assert_no_leak(&[&p, &d]);
+    }
+}
+
 /// A prefill worker and two decode workers: `decode-a`, which least-load's tie-break picks (it
 /// joined first) and whose 60 s TTL outlives a test that kills it, and `decode-b`.
 fn prefill_and_two_decoders(dir: &Path, url: &str) -> (WorkerProc, WorkerProc, WorkerProc) {
