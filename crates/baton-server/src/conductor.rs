@@ -267,7 +267,10 @@ impl Conductor {
                 );
                 self.metrics.role_switch(switch.from.as_str(), switch.to.as_str());
             }
-            Err(e) => tracing::warn!(worker = worker.name(), error = e, "elastic: the role switch failed"),
+            Err(e) => {
+                tracing::warn!(worker = worker.name(), error = e, "elastic: the role switch failed");
+                elastic.lock().unwrap_or_else(std::sync::PoisonError::into_inner).switch_failed();
+            }
         }
     }
 

@@ -110,6 +110,12 @@ impl Elastic {
         self.recent.push_back(now);
         Some(Switch { worker: view.index, from: view.role, to: server_role(change.to) })
     }
+
+    /// The last switch [`decide`](Self::decide) asked for did not happen (the worker did not
+    /// answer in time, or refused): it does not count toward the cap per minute.
+    pub fn switch_failed(&mut self) {
+        self.recent.pop_back();
+    }
 }
 
 #[cfg(test)]
@@ -165,6 +171,19 @@ mod tests {
         // The policy would switch again (no hold), but the cap holds it back for a minute.
         assert_eq!(e.decide(&prefill_hot(2)), None);
         assert!(e.decide(&prefill_hot(MINUTE_US + 2)).is_some());
+    }
+
+    #[test]
+    fn a_switch_that_failed_does_not_count_toward_the_cap() {
+        let mut cfg = config(Duration::ZERO);
+        cfg.max_per_minute = 1;
+        cfg.policy.min_per_role = 0;
+        let mut e = Elastic::new(cfg, 16);
+        assert!(e.decide(&prefill_hot(1)).is_some());
+        e.switch_failed();
+        // The worker did not switch: the next look may order it again within the minute.
+        assert!(e.decide(&prefill_hot(2)).is_some());
+        assert_eq!(e.decide(&prefill_hot(3)), None, "the one that succeeded spends the cap");
     }
 
     #[test]
