@@ -1,8 +1,11 @@
 //! Paged attention on the CPU: queries attend to keys and values read through each sequence's
 //! block table, one block slab at a time, with an online softmax (no `[tokens × context]`
-//! score matrix is ever built).
+//! score matrix is ever built). A 16-bit arena's blocks are widened to float32: once a layer
+//! per step when the step's rows share them (prefill), else slice by slice as each is read.
 
-use baton_kv::{BlockId, KvArena, KvDtype, KvPart, Slab};
+use std::collections::HashMap;
+
+use baton_kv::{BlockId, KvArena, KvDtype, KvGeometry, KvLayout, KvPart, Slab};
 use rayon::prelude::*;
 
 use crate::gemv::{weighted_rows_add, xwt_strided};
@@ -35,6 +38,20 @@ pub(crate) fn paged_attention(
     layer: usize,
     shape: AttentionShape,
 ) -> Vec<f32> {
+    if kv.geometry().dtype != KvDtype::F32 {
+        // A 16-bit arena. Where rows share blocks (a prefill chunk's rows read the same
+        // prompt), widen each block once into a float32 copy and attend over that; otherwise
+        // (decode: one row a sequence) each task widens the slices it reads as it goes, in
+        // cache, which costs less than writing and reading a copy.
+        let (order, tables) = local_tables(rows, kv.geometry().block_size);
+        let reads: usize = tables.iter().map(Vec::len).sum();
+        if reads >= 2 * order.len() {
+            let wide = widen_layer(kv, layer, &order);
+            let rows: Vec<RowPos<'_>> =
+                rows.iter().zip(&tables).map(|(r, blocks)| RowPos { blocks, pos: r.pos }).collect();
+            return paged_attention(q, &rows, &wide, 0, shape);
+        }
+    }
     let AttentionShape { num_heads, num_kv_heads, head_dim, .. } = shape;
     let group = num_heads / num_kv_heads;
     let mut out = vec![0.0; q.len()];
@@ -47,6 +64,46 @@ pub(crate) fn paged_attention(
         attend_group(q, out, rows[row], kv, layer, kv_head, shape);
     });
     out
+}
+
+/// The blocks `rows` read (positions `..= pos`), each once, in first-read order; and each
+/// row's block table in that order.
+fn local_tables(rows: &[RowPos<'_>], block_size: usize) -> (Vec<BlockId>, Vec<Vec<BlockId>>) {
+    let mut local: HashMap<BlockId, BlockId> = HashMap::new();
+    let mut order = Vec::new();
+    let tables = rows
+        .iter()
+        .map(|r| {
+            r.blocks[..=r.pos / block_size]
+                .iter()
+                .map(|&b| {
+                    *local.entry(b).or_insert_with(|| {
+                        order.push(b);
+                        BlockId(order.len() as u32 - 1)
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    (order, tables)
+}
+
+/// The keys and values of `layer` of `blocks`, widened into a one-layer float32 arena (its
+/// block `i` is `blocks[i]`).
+fn widen_layer(kv: &KvArena, layer: usize, blocks: &[BlockId]) -> KvArena {
+    let g = *kv.geometry();
+    let one = KvGeometry { layers: 1, dtype: KvDtype::F32, ..g };
+    let mut wide = KvArena::new_private(one, KvLayout::BlockMajor, blocks.len());
+    let n = g.slab_elems();
+    let descriptor = wide.descriptor().clone();
+    let all = wide.as_mut_slice();
+    for (i, &b) in blocks.iter().enumerate() {
+        for part in [KvPart::Key, KvPart::Value] {
+            let at = descriptor.offset(0, part, i, 0, 0);
+            kv.slab(layer, part, b).rows_to_f32(0, n, 1, n, &mut all[at..at + n]);
+        }
+    }
+    wide
 }
 
 fn attend_group(
@@ -113,5 +170,70 @@ fn attend_group(
     for (o, d) in out.chunks_exact_mut(head_dim).zip(denom) {
         let inv = 1.0 / d;
         o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 16-bit arena attends exactly as a float32 arena holding the same (widened) values,
+    /// on both paths: rows sharing blocks (a prefill chunk: widened once into a copy) and rows
+    /// that do not (decode: widened slice by slice).
+    #[test]
+    fn sixteen_bit_attention_equals_float32_over_the_same_values() {
+        let (heads, kv_heads, dim, bs) = (4, 2, 8, 4);
+        let shape =
+            AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim, scale: 0.3, window: None };
+        for dtype in [KvDtype::F16, KvDtype::Bf16] {
+            let g = KvGeometry { dtype, ..KvGeometry::new(2, kv_heads, dim, bs) };
+            let mut half = KvArena::new_private(g, KvLayout::LayerMajor, 8);
+            let mut full = KvArena::new_private(KvGeometry { dtype: KvDtype::F32, ..g }, KvLayout::LayerMajor, 8);
+            let mut x = 0.37f32;
+            for layer in 0..2 {
+                for b in 0..8 {
+                    for slot in 0..bs {
+                        for part in [KvPart::Key, KvPart::Value] {
+                            let row: Vec<f32> = (0..kv_heads * dim)
+                                .map(|_| {
+                                    x = (x * 3.7 + 0.11).fract();
+                                    x - 0.5
+                                })
+                                .collect();
+                            half.write_token(layer, part, BlockId(b), slot, &row);
+                        }
+                    }
+                }
+            }
+            // The float32 arena holds exactly what the 16-bit one stores.
+            for layer in 0..2 {
+                for b in 0..8 {
+                    for part in [KvPart::Key, KvPart::Value] {
+                        let n = g.slab_elems();
+                        let mut wide = vec![0f32; n];
+                        half.slab(layer, part, BlockId(b)).rows_to_f32(0, n, 1, n, &mut wide);
+                        for slot in 0..bs {
+                            let t = slot * g.token_elems();
+                            full.token_mut(layer, part, BlockId(b), slot)
+                                .copy_from_slice(&wide[t..t + g.token_elems()]);
+                        }
+                    }
+                }
+            }
+            let (seq_a, seq_b) = ([BlockId(3), BlockId(0), BlockId(6)], [BlockId(5), BlockId(1)]);
+            let prefill: Vec<RowPos<'_>> = (5..11).map(|pos| RowPos { blocks: &seq_a, pos }).collect();
+            let decode = [RowPos { blocks: &seq_a, pos: 10 }, RowPos { blocks: &seq_b, pos: 6 }];
+            for rows in [&prefill[..], &decode[..]] {
+                let q: Vec<f32> = (0..rows.len() * heads * dim).map(|i| ((i * 7 % 13) as f32 - 6.0) / 6.0).collect();
+                for layer in 0..2 {
+                    assert_eq!(
+                        paged_attention(&q, rows, &half, layer, shape),
+                        paged_attention(&q, rows, &full, layer, shape),
+                        "{dtype:?}, {} rows, layer {layer}",
+                        rows.len()
+                    );
+                }
+            }
+        }
     }
 }
