@@ -74,21 +74,7 @@ impl Default for HttpLimits {
 /// TLS for a server: a certificate chain and its private key, PEM files (`--tls-cert`,
 /// `--tls-key`). TLS 1.2 and 1.3, rustls with *ring*; no client certificates.
 pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, String> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let certs = CertificateDer::pem_file_iter(cert)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| format!("reading the certificate chain {}: {e}", cert.display()))?;
-    if certs.is_empty() {
-        return Err(format!("{} holds no PEM certificate", cert.display()));
-    }
-    let key =
-        PrivateKeyDer::from_pem_file(key).map_err(|e| format!("reading the private key {}: {e}", key.display()))?;
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .and_then(|b| b.with_no_client_auth().with_single_cert(certs, key))
-        .map_err(|e| format!("the certificate and key do not make a TLS configuration: {e}"))?;
-    Ok(TlsAcceptor::from(Arc::new(config)))
+    Ok(TlsAcceptor::from(Arc::new(baton_transfer::tls::server_config(cert, key)?)))
 }
 
 /// Serves `app` on `listener` within `limits` (over TLS with `tls`) until `shutdown` resolves;

@@ -52,13 +52,7 @@ impl KvTls {
     /// From PEM files: a certificate chain and its private key (what this worker presents), and
     /// the certificates to trust in peers (a CA, or a certificate the cluster shares).
     pub fn from_pem_files(cert: &Path, key: &Path, trust: &Path) -> Result<Self, String> {
-        let chain = certificates(cert)?;
-        let key =
-            PrivateKeyDer::from_pem_file(key).map_err(|e| format!("reading the private key {}: {e}", key.display()))?;
-        let mut server = rustls::ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .and_then(|b| b.with_no_client_auth().with_single_cert(chain, key))
-            .map_err(|e| format!("the certificate and key do not make a TLS configuration: {e}"))?;
+        let mut server = server_config(cert, key)?;
         // No resumption: connections are few and long-lived, and a ticket would be a
         // post-handshake message on a connection whose reader waits for frames.
         server.send_tls13_tickets = 0;
@@ -73,6 +67,19 @@ impl KvTls {
             .with_no_client_auth();
         Ok(Self { server: Arc::new(server), client: Arc::new(client) })
     }
+}
+
+/// A TLS server's configuration from PEM files: a certificate chain and its private key
+/// (PKCS#8, PKCS#1 or SEC1). TLS 1.2 and 1.3, rustls with *ring*, no client certificates. Every
+/// Baton server that speaks TLS (the APIs and the KV plane) starts from this.
+pub fn server_config(cert: &Path, key: &Path) -> Result<rustls::ServerConfig, String> {
+    let chain = certificates(cert)?;
+    let key =
+        PrivateKeyDer::from_pem_file(key).map_err(|e| format!("reading the private key {}: {e}", key.display()))?;
+    rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .and_then(|b| b.with_no_client_auth().with_single_cert(chain, key))
+        .map_err(|e| format!("the certificate and key do not make a TLS configuration: {e}"))
 }
 
 fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
