@@ -108,6 +108,19 @@ impl KvLayout {
     }
 }
 
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "f32" | "float32" => Ok(KvDtype::F32),
+            "f16" | "float16" => Ok(KvDtype::F16),
+            "bf16" | "bfloat16" => Ok(KvDtype::Bf16),
+            other => Err(format!("unknown KV dtype `{other}` (expected f32, f16 or bf16)")),
+        }
+    }
+}
+
 impl std::str::FromStr for KvLayout {
     type Err = String;
 

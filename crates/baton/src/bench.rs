@@ -83,8 +83,8 @@ pub(crate) struct EngineArgs {
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
     /// Element type of the KV cache (16-bit: half the bytes attention reads, widened as read).
-    #[arg(long, value_enum, default_value = "f32")]
-    kv_dtype: crate::engine_flags::KvDtypeArg,
+    #[arg(long, default_value = "f32", value_name = "f32|f16|bf16")]
+    kv_dtype: baton_kv::KvDtype,
     /// Run a real model (HF directory or `.gguf` file) instead of random weights; the shape
     /// options are then ignored. Batch sizes default to 1.
     #[arg(long)]
@@ -125,7 +125,7 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
         decode_steps: a.decode_steps,
         batches: if a.model.is_some() && a.batches_default() { vec![1] } else { a.batches.clone() },
         layout: a.layout,
-        kv_dtype: a.kv_dtype.dtype(),
+        kv_dtype: a.kv_dtype,
         model: a.model.clone(),
     };
     let report = bench::run(config, &mut |msg| eprintln!("[bench engine] {msg}"))?;

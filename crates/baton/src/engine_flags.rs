@@ -27,8 +27,8 @@ pub(crate) struct EngineFlags {
     /// Element type of the KV cache: `f16` or `bf16` take half the memory and half the bytes
     /// of a hand-off of `f32`. Every worker of a cluster must use the same (peers refuse to
     /// exchange KV of another type).
-    #[arg(long, value_enum, default_value = "f32")]
-    kv_dtype: KvDtypeArg,
+    #[arg(long, default_value = "f32", value_name = "f32|f16|bf16")]
+    kv_dtype: KvDtype,
     /// Blocks of host memory each worker's prefix cache spills to (0: none). A block evicted
     /// from the device arena moves here instead of being dropped, and a prompt that finds its
     /// prefix here has it copied back.
@@ -72,30 +72,8 @@ impl EngineFlags {
             host_blocks: self.host_kv_blocks,
             disk_blocks: self.disk_kv_blocks,
             disk_dir: self.disk_kv_dir.clone(),
-            kv_dtype: self.kv_dtype.dtype(),
+            kv_dtype: self.kv_dtype,
             ..EngineConfig::default()
-        }
-    }
-}
-
-/// `--kv-dtype`.
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub(crate) enum KvDtypeArg {
-    /// float32.
-    F32,
-    /// IEEE float16.
-    F16,
-    /// bfloat16.
-    Bf16,
-}
-
-impl KvDtypeArg {
-    /// The element type.
-    pub(crate) fn dtype(self) -> KvDtype {
-        match self {
-            KvDtypeArg::F32 => KvDtype::F32,
-            KvDtypeArg::F16 => KvDtype::F16,
-            KvDtypeArg::Bf16 => KvDtype::Bf16,
         }
     }
 }

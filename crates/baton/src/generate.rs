@@ -54,8 +54,8 @@ pub(crate) struct GenerateArgs {
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
     /// Element type of the KV cache (as `baton serve --kv-dtype`).
-    #[arg(long, value_enum, default_value = "f32")]
-    kv_dtype: crate::engine_flags::KvDtypeArg,
+    #[arg(long, default_value = "f32", value_name = "f32|f16|bf16")]
+    kv_dtype: baton_kv::KvDtype,
     /// Print one JSON object instead of the text.
     #[arg(long)]
     json: bool,
@@ -136,7 +136,7 @@ pub(crate) fn run(args: GenerateArgs) -> anyhow::Result<()> {
         block_size: args.block_size,
         num_blocks: blocks,
         layout: args.layout,
-        kv_dtype: args.kv_dtype.dtype(),
+        kv_dtype: args.kv_dtype,
         ..EngineConfig::default()
     };
     let tokenizer = Arc::new(ckpt.tokenizer);
