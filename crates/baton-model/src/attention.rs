@@ -31,26 +31,21 @@ pub(crate) struct RowPos<'a> {
 
 /// Causal attention of every row of `q` (`[rows][num_heads][head_dim]`, RoPE applied) over the
 /// keys and values of positions `..= pos` of its own sequence, which must already be in `kv`.
+/// With `widening` (a 16-bit arena whose blocks the rows share, see [`Widening::plan`]), the
+/// layer's blocks are widened once into a float32 copy first.
 pub(crate) fn paged_attention(
     q: &[f32],
     rows: &[RowPos<'_>],
     kv: &KvArena,
     layer: usize,
     shape: AttentionShape,
+    widening: Option<&Widening>,
 ) -> Vec<f32> {
-    if kv.geometry().dtype != KvDtype::F32 {
-        // A 16-bit arena. Where rows share blocks (a prefill chunk's rows read the same
-        // prompt), widen each block once into a float32 copy and attend over that; otherwise
-        // (decode: one row a sequence) each task widens the slices it reads as it goes, in
-        // cache, which costs less than writing and reading a copy.
-        let (order, tables) = local_tables(rows, kv.geometry().block_size);
-        let reads: usize = tables.iter().map(Vec::len).sum();
-        if reads >= 2 * order.len() {
-            let wide = widen_layer(kv, layer, &order);
-            let rows: Vec<RowPos<'_>> =
-                rows.iter().zip(&tables).map(|(r, blocks)| RowPos { blocks, pos: r.pos }).collect();
-            return paged_attention(q, &rows, &wide, 0, shape);
-        }
+    if let Some(w) = widening {
+        let wide = widen_layer(kv, layer, &w.order);
+        let rows: Vec<RowPos<'_>> =
+            rows.iter().zip(&w.tables).map(|(r, blocks)| RowPos { blocks, pos: r.pos }).collect();
+        return paged_attention(q, &rows, &wide, 0, shape, None);
     }
     let AttentionShape { num_heads, num_kv_heads, head_dim, .. } = shape;
     let group = num_heads / num_kv_heads;
@@ -66,26 +61,44 @@ pub(crate) fn paged_attention(
     out
 }
 
-/// The blocks `rows` read (positions `..= pos`), each once, in first-read order; and each
-/// row's block table in that order.
-fn local_tables(rows: &[RowPos<'_>], block_size: usize) -> (Vec<BlockId>, Vec<Vec<BlockId>>) {
-    let mut local: HashMap<BlockId, BlockId> = HashMap::new();
-    let mut order = Vec::new();
-    let tables = rows
-        .iter()
-        .map(|r| {
-            r.blocks[..=r.pos / block_size]
-                .iter()
-                .map(|&b| {
-                    *local.entry(b).or_insert_with(|| {
-                        order.push(b);
-                        BlockId(order.len() as u32 - 1)
+/// How a step over a 16-bit arena widens the blocks its rows share: each block once a layer,
+/// into a float32 copy. Planned once a step, used by every layer.
+#[derive(Debug)]
+pub(crate) struct Widening {
+    /// The blocks the rows read (positions `..= pos`), each once, in first-read order.
+    order: Vec<BlockId>,
+    /// Each row's block table in that order.
+    tables: Vec<Vec<BlockId>>,
+}
+
+impl Widening {
+    /// The plan for `rows` over `kv`, or `None`: a float32 arena is read in place, and rows
+    /// that share few blocks (decode: one row a sequence) widen the slices they read as they go,
+    /// in cache, which costs less than writing and reading a copy.
+    pub(crate) fn plan(rows: &[RowPos<'_>], kv: &KvArena) -> Option<Self> {
+        if kv.geometry().dtype == KvDtype::F32 {
+            return None;
+        }
+        let block_size = kv.geometry().block_size;
+        let mut local: HashMap<BlockId, BlockId> = HashMap::new();
+        let mut order = Vec::new();
+        let tables: Vec<Vec<BlockId>> = rows
+            .iter()
+            .map(|r| {
+                r.blocks[..=r.pos / block_size]
+                    .iter()
+                    .map(|&b| {
+                        *local.entry(b).or_insert_with(|| {
+                            order.push(b);
+                            BlockId(order.len() as u32 - 1)
+                        })
                     })
-                })
-                .collect()
-        })
-        .collect();
-    (order, tables)
+                    .collect()
+            })
+            .collect();
+        let reads: usize = tables.iter().map(Vec::len).sum();
+        (reads >= 2 * order.len()).then_some(Self { order, tables })
+    }
 }
 
 /// The keys and values of `layer` of `blocks`, widened into a one-layer float32 arena (its
@@ -226,9 +239,11 @@ mod tests {
             for rows in [&prefill[..], &decode[..]] {
                 let q: Vec<f32> = (0..rows.len() * heads * dim).map(|i| ((i * 7 % 13) as f32 - 6.0) / 6.0).collect();
                 for layer in 0..2 {
+                    let plan = Widening::plan(rows, &half);
+                    assert_eq!(plan.is_some(), rows.len() > 2, "prefill rows share blocks, decode rows do not");
                     assert_eq!(
-                        paged_attention(&q, rows, &half, layer, shape),
-                        paged_attention(&q, rows, &full, layer, shape),
+                        paged_attention(&q, rows, &half, layer, shape, plan.as_ref()),
+                        paged_attention(&q, rows, &full, layer, shape, None),
                         "{dtype:?}, {} rows, layer {layer}",
                         rows.len()
                     );

@@ -12,7 +12,7 @@ use std::ops::Range;
 use baton_kv::{BlockId, KvArena, KvGeometry, KvPart};
 use candle_core::{Device, Tensor};
 
-use crate::attention::{AttentionShape, RowPos, paged_attention};
+use crate::attention::{AttentionShape, RowPos, Widening, paged_attention};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kernels::{apply_rope, gated_activation, rms_norm, rope_inv_freq, rope_tables, soft_cap};
@@ -269,6 +269,7 @@ impl Model {
         }
         let positions: Vec<usize> = rows.iter().map(|r| r.pos).collect();
         let tables: Vec<(Vec<f32>, Vec<f32>)> = self.inv_freqs.iter().map(|f| rope_tables(f, &positions)).collect();
+        let widening = Widening::plan(&rows, kv);
         let mut x = self.embed.gather(ids)?;
         if let Some(scale) = c.embedding_scale {
             x.iter_mut().for_each(|v| *v *= scale);
@@ -306,7 +307,7 @@ impl Model {
                 scale: c.attention_scale(),
                 window: layer.window,
             };
-            let attn = paged_attention(&q, &rows, kv, l, shape);
+            let attn = paged_attention(&q, &rows, kv, l, shape, widening.as_ref());
             let mut o = layer.o.forward(&attn, n)?;
             if let Some(w) = &layer.post_attn_norm {
                 o = rms_norm(&o, w, eps, 0.0);
