@@ -102,6 +102,9 @@ struct State {
 #[derive(Clone)]
 pub(crate) struct Session {
     state: Arc<Mutex<State>>,
+    /// What a read takes from the socket, outside `state`'s lock (one reader a connection, so
+    /// never contended), kept between reads.
+    chunk: Arc<Mutex<Vec<u8>>>,
 }
 
 impl std::fmt::Debug for Session {
@@ -160,7 +163,8 @@ impl Session {
                 Err(e) => return Err(e),
             }
         }
-        Ok(Self { state: Arc::new(Mutex::new(State { conn, raw: Vec::new() })) })
+        let state = Arc::new(Mutex::new(State { conn, raw: Vec::new() }));
+        Ok(Self { state, chunk: Arc::new(Mutex::new(vec![0; READ_CHUNK])) })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -179,7 +183,7 @@ impl Session {
         if buf.is_empty() {
             return Ok(0);
         }
-        let mut chunk = Vec::new();
+        let mut chunk = self.chunk.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
             {
                 let mut st = self.lock();
@@ -196,8 +200,7 @@ impl Session {
                 }
             }
             // Outside the lock: a writer on another thread goes on meanwhile.
-            chunk.resize(READ_CHUNK, 0);
-            let n = (&mut &*sock).read(&mut chunk)?;
+            let n = (&mut &*sock).read(&mut chunk[..])?;
             let mut st = self.lock();
             if n == 0 {
                 // End of stream: rustls tells a clean close (close_notify) from a cut one.
