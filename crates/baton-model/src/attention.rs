@@ -31,8 +31,8 @@ pub(crate) struct RowPos<'a> {
 
 /// Causal attention of every row of `q` (`[rows][num_heads][head_dim]`, RoPE applied) over the
 /// keys and values of positions `..= pos` of its own sequence, which must already be in `kv`.
-/// With `widening` (a 16-bit arena whose blocks the rows share, see [`Widening::plan`]), the
-/// layer's blocks are widened once into a float32 copy first.
+/// With `widening` (a 16-bit arena, see [`Widening::plan`]), the blocks rows share are widened
+/// once into a float32 copy first, and the rows that read only those attend over the copy.
 pub(crate) fn paged_attention(
     q: &[f32],
     rows: &[RowPos<'_>],
@@ -41,14 +41,9 @@ pub(crate) fn paged_attention(
     shape: AttentionShape,
     widening: Option<&Widening>,
 ) -> Vec<f32> {
-    if let Some(w) = widening {
-        let wide = widen_layer(kv, layer, &w.order);
-        let rows: Vec<RowPos<'_>> =
-            rows.iter().zip(&w.tables).map(|(r, blocks)| RowPos { blocks, pos: r.pos }).collect();
-        return paged_attention(q, &rows, &wide, 0, shape, None);
-    }
     let AttentionShape { num_heads, num_kv_heads, head_dim, .. } = shape;
     let group = num_heads / num_kv_heads;
+    let wide = widening.map(|w| (widen_layer(kv, layer, &w.order), w));
     let mut out = vec![0.0; q.len()];
     // One task per (row, kv head): the group of query heads sharing that kv head is contiguous
     // in both `q` and `out`, so each key and value is loaded once for the whole group.
@@ -56,48 +51,65 @@ pub(crate) fn paged_attention(
         let (row, kv_head) = (task / num_kv_heads, task % num_kv_heads);
         let q_start = (row * num_heads + kv_head * group) * head_dim;
         let q = &q[q_start..q_start + group * head_dim];
-        attend_group(q, out, rows[row], kv, layer, kv_head, shape);
+        match wide.as_ref().and_then(|(copy, w)| Some((copy, w.tables[row].as_deref()?))) {
+            Some((copy, blocks)) => {
+                attend_group(q, out, RowPos { blocks, pos: rows[row].pos }, copy, 0, kv_head, shape);
+            }
+            None => attend_group(q, out, rows[row], kv, layer, kv_head, shape),
+        }
     });
     out
 }
 
-/// How a step over a 16-bit arena widens the blocks its rows share: each block once a layer,
-/// into a float32 copy. Planned once a step, used by every layer.
+/// How a step over a 16-bit arena widens the blocks its rows share: each such block once a
+/// layer, into a float32 copy. Planned once a step, used by every layer.
 #[derive(Debug)]
 pub(crate) struct Widening {
-    /// The blocks the rows read (positions `..= pos`), each once, in first-read order.
+    /// The blocks to widen, each once, in first-read order: those read by rows whose every
+    /// block (positions `..= pos`) another row reads too.
     order: Vec<BlockId>,
-    /// Each row's block table in that order.
-    tables: Vec<Vec<BlockId>>,
+    /// Per row: its block table in the copy (`order`'s indices) when it reads only shared
+    /// blocks, else `None` (it widens the slices it reads as it goes).
+    tables: Vec<Option<Vec<BlockId>>>,
 }
 
 impl Widening {
-    /// The plan for `rows` over `kv`, or `None`: a float32 arena is read in place, and rows
-    /// that share few blocks (decode: one row a sequence) widen the slices they read as they go,
-    /// in cache, which costs less than writing and reading a copy.
+    /// The plan for `rows` over `kv`, or `None` (a float32 arena is read in place; rows that
+    /// share nothing, as in decode, widen as they read, in cache, which costs less than writing
+    /// and reading a copy). The copy holds only blocks read at least twice this step, so a step
+    /// of many decode rows beside a prefill chunk copies no decode context.
     pub(crate) fn plan(rows: &[RowPos<'_>], kv: &KvArena) -> Option<Self> {
         if kv.geometry().dtype == KvDtype::F32 {
             return None;
         }
         let block_size = kv.geometry().block_size;
+        let read = |r: &RowPos<'_>| r.blocks[..=r.pos / block_size].to_vec();
+        let mut readers: HashMap<BlockId, usize> = HashMap::new();
+        for r in rows {
+            for b in read(r) {
+                *readers.entry(b).or_default() += 1;
+            }
+        }
         let mut local: HashMap<BlockId, BlockId> = HashMap::new();
         let mut order = Vec::new();
-        let tables: Vec<Vec<BlockId>> = rows
+        let tables: Vec<Option<Vec<BlockId>>> = rows
             .iter()
             .map(|r| {
-                r.blocks[..=r.pos / block_size]
-                    .iter()
-                    .map(|&b| {
-                        *local.entry(b).or_insert_with(|| {
-                            order.push(b);
-                            BlockId(order.len() as u32 - 1)
+                let blocks = read(r);
+                blocks.iter().all(|b| readers[b] >= 2).then(|| {
+                    blocks
+                        .iter()
+                        .map(|&b| {
+                            *local.entry(b).or_insert_with(|| {
+                                order.push(b);
+                                BlockId(order.len() as u32 - 1)
+                            })
                         })
-                    })
-                    .collect()
+                        .collect()
+                })
             })
             .collect();
-        let reads: usize = tables.iter().map(Vec::len).sum();
-        (reads >= 2 * order.len()).then_some(Self { order, tables })
+        (!order.is_empty()).then_some(Self { order, tables })
     }
 }
 
@@ -236,11 +248,20 @@ mod tests {
             let (seq_a, seq_b) = ([BlockId(3), BlockId(0), BlockId(6)], [BlockId(5), BlockId(1)]);
             let prefill: Vec<RowPos<'_>> = (5..11).map(|pos| RowPos { blocks: &seq_a, pos }).collect();
             let decode = [RowPos { blocks: &seq_a, pos: 10 }, RowPos { blocks: &seq_b, pos: 6 }];
-            for rows in [&prefill[..], &decode[..]] {
+            let mut mixed = prefill.clone();
+            mixed.push(RowPos { blocks: &seq_b, pos: 6 });
+            for rows in [&prefill[..], &decode[..], &mixed[..]] {
                 let q: Vec<f32> = (0..rows.len() * heads * dim).map(|i| ((i * 7 % 13) as f32 - 6.0) / 6.0).collect();
                 for layer in 0..2 {
                     let plan = Widening::plan(rows, &half);
                     assert_eq!(plan.is_some(), rows.len() > 2, "prefill rows share blocks, decode rows do not");
+                    if let Some(p) = &plan {
+                        // Every block of seq_a is read by several prefill rows; seq_b's decode
+                        // row (in the mixed step) shares nothing and widens as it reads.
+                        let copied: Vec<bool> = p.tables.iter().map(Option::is_some).collect();
+                        let want: Vec<bool> = rows.iter().map(|r| r.blocks == seq_a).collect();
+                        assert_eq!(copied, want);
+                    }
                     assert_eq!(
                         paged_attention(&q, rows, &half, layer, shape, plan.as_ref()),
                         paged_attention(&q, rows, &full, layer, shape, None),
