@@ -54,7 +54,8 @@ pub trait EvictionPolicy: std::fmt::Debug + Send {
     fn remove(&mut self, node: NodeId);
     /// Keeps a tracked `node` from being named a victim until [`unpin`](Self::unpin).
     fn pin(&mut self, node: NodeId);
-    /// Makes a pinned `node` a candidate again.
+    /// Makes a pinned `node` a candidate again, in its place by its last use (unpinning is not
+    /// a use: a caller that let go of a block it used touches it first).
     fn unpin(&mut self, node: NodeId);
     /// The coldest unpinned node, if any.
     fn victim(&self) -> Option<NodeId>;
@@ -64,134 +65,111 @@ pub trait EvictionPolicy: std::fmt::Debug + Send {
     fn contains(&self, node: NodeId) -> bool;
 }
 
-const NIL: u32 = u32::MAX;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Slot {
-    Absent,
-    Pinned,
-    Listed,
+/// Least recently used, over unpinned nodes, in the order of their last *use*.
+///
+/// A use is [`insert`](EvictionPolicy::insert), [`insert_pinned`](EvictionPolicy::insert_pinned)
+/// or [`touch`](EvictionPolicy::touch), numbered by a counter of the policy's own (so two uses
+/// in one call of the pool keep their order); `now` is not read. [`unpin`](EvictionPolicy::unpin)
+/// is not a use: a node that becomes a candidate again takes its place by its last use. This
+/// matters for prefix chains: a parent is used with or before its child, so when the pool
+/// evicts a chain's leaf and the parent becomes the new leaf, the parent is at least as cold and
+/// the same chain goes on leaving, tail first, before a warmer chain loses a block. (Had
+/// unpinning counted as a use, every eviction would send the chain to the back, and a full pool
+/// would trim the tail of every cached prompt in turn instead of dropping the coldest one.)
+/// An ordered set over `(last use, node)`, `O(log n)` per call.
+#[derive(Debug, Default)]
+pub struct Lru {
+    entries: Vec<Option<Recency>>,
+    order: BTreeSet<(u64, u32)>,
+    clock: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Link {
-    prev: u32,
-    next: u32,
-    slot: Slot,
-}
-
-/// Least recently used: an intrusive doubly linked list of unpinned nodes, `O(1)` per call.
-/// Unpinning counts as a use (the request that held the block just let go of it).
-#[derive(Debug)]
-pub struct Lru {
-    links: Vec<Link>,
-    head: u32,
-    tail: u32,
-    listed: usize,
-}
-
-impl Default for Lru {
-    fn default() -> Self {
-        Self { links: Vec::new(), head: NIL, tail: NIL, listed: 0 }
-    }
+struct Recency {
+    last: u64,
+    pinned: bool,
 }
 
 impl Lru {
-    fn link(&mut self, n: u32) -> &mut Link {
-        let i = n as usize;
-        if i >= self.links.len() {
-            self.links.resize(i + 1, Link { prev: NIL, next: NIL, slot: Slot::Absent });
+    fn entry(&mut self, n: NodeId) -> &mut Option<Recency> {
+        if n.index() >= self.entries.len() {
+            self.entries.resize(n.index() + 1, None);
         }
-        &mut self.links[i]
+        &mut self.entries[n.index()]
     }
 
-    fn slot(&self, n: NodeId) -> Slot {
-        self.links.get(n.index()).map_or(Slot::Absent, |l| l.slot)
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
     }
 
-    fn push_back(&mut self, n: u32) {
-        let tail = self.tail;
-        *self.link(n) = Link { prev: tail, next: NIL, slot: Slot::Listed };
-        if tail == NIL {
-            self.head = n;
-        } else {
-            self.links[tail as usize].next = n;
+    fn track(&mut self, node: NodeId, pinned: bool) {
+        self.remove(node);
+        let last = self.tick();
+        *self.entry(node) = Some(Recency { last, pinned });
+        if !pinned {
+            self.order.insert((last, node.0));
         }
-        self.tail = n;
-        self.listed += 1;
-    }
-
-    fn unlink(&mut self, n: u32) {
-        let Link { prev, next, .. } = self.links[n as usize];
-        if prev == NIL {
-            self.head = next;
-        } else {
-            self.links[prev as usize].next = next;
-        }
-        if next == NIL {
-            self.tail = prev;
-        } else {
-            self.links[next as usize].prev = prev;
-        }
-        self.listed -= 1;
     }
 }
 
 impl EvictionPolicy for Lru {
     fn insert(&mut self, node: NodeId, _now: u64) {
-        match self.slot(node) {
-            Slot::Listed => self.unlink(node.0),
-            Slot::Pinned | Slot::Absent => {}
-        }
-        self.push_back(node.0);
+        self.track(node, false);
     }
 
     fn insert_pinned(&mut self, node: NodeId, _now: u64) {
-        if self.slot(node) == Slot::Listed {
-            self.unlink(node.0);
-        }
-        *self.link(node.0) = Link { prev: NIL, next: NIL, slot: Slot::Pinned };
+        self.track(node, true);
     }
 
     fn touch(&mut self, node: NodeId, _now: u64) {
-        if self.slot(node) == Slot::Listed {
-            self.unlink(node.0);
-            self.push_back(node.0);
+        let last = self.tick();
+        let Some(Some(r)) = self.entries.get_mut(node.index()) else { return };
+        let old = (r.last, node.0);
+        r.last = last;
+        if !r.pinned {
+            self.order.remove(&old);
+            self.order.insert((last, node.0));
         }
     }
 
     fn remove(&mut self, node: NodeId) {
-        if self.slot(node) == Slot::Listed {
-            self.unlink(node.0);
-        }
-        if let Some(l) = self.links.get_mut(node.index()) {
-            l.slot = Slot::Absent;
+        if let Some(slot) = self.entries.get_mut(node.index())
+            && let Some(r) = slot.take()
+            && !r.pinned
+        {
+            self.order.remove(&(r.last, node.0));
         }
     }
 
     fn pin(&mut self, node: NodeId) {
-        if self.slot(node) == Slot::Listed {
-            self.unlink(node.0);
-            self.links[node.index()].slot = Slot::Pinned;
+        if let Some(Some(r)) = self.entries.get_mut(node.index())
+            && !r.pinned
+        {
+            r.pinned = true;
+            self.order.remove(&(r.last, node.0));
         }
     }
 
     fn unpin(&mut self, node: NodeId) {
-        if self.slot(node) == Slot::Pinned {
-            self.push_back(node.0);
+        if let Some(Some(r)) = self.entries.get_mut(node.index())
+            && r.pinned
+        {
+            r.pinned = false;
+            self.order.insert((r.last, node.0));
         }
     }
 
     fn victim(&self) -> Option<NodeId> {
-        (self.head != NIL).then_some(NodeId(self.head))
+        self.order.first().map(|&(_, n)| NodeId(n))
     }
 
     fn evictable(&self) -> usize {
-        self.listed
+        self.order.len()
     }
 
     fn contains(&self, node: NodeId) -> bool {
-        self.slot(node) != Slot::Absent
+        self.entries.get(node.index()).is_some_and(Option::is_some)
     }
 }
 
@@ -301,7 +279,30 @@ mod tests {
         p.remove(NodeId(2));
         p.remove(NodeId(3));
         p.unpin(NodeId(1));
-        assert_eq!(p.victim(), Some(NodeId(0)), "unpinning counts as a use");
+        assert_eq!(p.victim(), Some(NodeId(1)), "unpinning is not a use");
+        p.touch(NodeId(1), 11);
+        assert_eq!(p.victim(), Some(NodeId(0)));
+    }
+
+    #[test]
+    fn lru_orders_uses_by_call_not_by_now() {
+        let mut p = Lru::default();
+        p.insert(NodeId(9), 10);
+        // A chain used in one later call: parent 0, then child 1, then grandchild 2, though
+        // the caller's `now` is smaller.
+        for i in 0..3 {
+            p.insert_pinned(NodeId(i), 5);
+        }
+        // The grandchild becomes a candidate: it was used after 9.
+        p.unpin(NodeId(2));
+        assert_eq!(p.victim(), Some(NodeId(9)));
+        p.remove(NodeId(9));
+        assert_eq!(p.victim(), Some(NodeId(2)));
+        // Its parent, unpinned once the grandchild left, is colder than a node used since.
+        p.remove(NodeId(2));
+        p.insert(NodeId(7), 6);
+        p.unpin(NodeId(1));
+        assert_eq!(p.victim(), Some(NodeId(1)));
     }
 
     #[test]

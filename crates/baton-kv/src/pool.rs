@@ -561,6 +561,9 @@ impl MemPool {
                     if !self.index.nodes[node as usize].in_flight {
                         t.reclaimable += 1;
                     }
+                    // The last holder's release is the block's latest use (a request frees its
+                    // blocks in prompt order, so a chain's tail is its most recent block).
+                    t.policy.touch(NodeId(node), self.now);
                     self.refresh(NodeId(node))
                 }
             }
