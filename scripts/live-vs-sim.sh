@@ -77,7 +77,7 @@ trace="$out/trace.jsonl"
 sim_json="$out/sim.json"
 "$baton" sim --trace "$trace" --prefill "$prefill" --decode "$decode" --profile h100 \
   --policy kv-centric,least-load,random --device-blocks "$sim_blocks" --cache-blocks "$sim_blocks" \
-  --host-blocks 0 --kv-fetch "$kv_fetch" --json >"$sim_json" 2>"$out/sim.log"
+  --host-blocks 0 --kv-fetch "$kv_fetch" --json --records >"$sim_json" 2>"$out/sim.log"
 
 for name in $policies; do
   policy="$name"

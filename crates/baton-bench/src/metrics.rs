@@ -79,6 +79,10 @@ pub struct RequestRecord {
     pub input_tokens: u64,
     /// Whether `input_tokens` came from the server.
     pub input_from_usage: bool,
+    /// Of `input_tokens`, those the server served from a prefix cache, when it said
+    /// (`usage.prompt_tokens_details.cached_tokens`).
+    #[serde(default)]
+    pub cached_tokens: Option<u64>,
     /// Output tokens: `usage.completion_tokens` when sent, else chunks with text.
     pub output_tokens: u64,
     /// Chunks with text.

@@ -143,6 +143,7 @@ impl ChainCtx {
                 jct_us: ex.jct_us,
                 input_tokens: ex.usage.map_or(turn.input_tokens, |u| u.prompt_tokens),
                 input_from_usage: ex.usage.is_some(),
+                cached_tokens: ex.usage.and_then(|u| u.cached_tokens),
                 output_tokens: ex.usage.map_or(ex.chunks, |u| u.completion_tokens),
                 chunks: ex.chunks,
                 max_tokens: turn.max_tokens,

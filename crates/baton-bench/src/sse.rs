@@ -70,6 +70,9 @@ pub struct Usage {
     pub prompt_tokens: u64,
     /// Generated tokens.
     pub completion_tokens: u64,
+    /// Prompt tokens served from a prefix cache (`usage.prompt_tokens_details.cached_tokens`, as
+    /// vLLM, SGLang and Baton report it), when the server says.
+    pub cached_tokens: Option<u64>,
 }
 
 /// What one event of an OpenAI stream says.
@@ -111,7 +114,9 @@ pub fn parse_chunk(data: &str) -> Result<Chunk, String> {
     if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
         let n = |k: &str| u.get(k).and_then(Value::as_u64);
         if let (Some(p), Some(c)) = (n("prompt_tokens"), n("completion_tokens")) {
-            chunk.usage = Some(Usage { prompt_tokens: p, completion_tokens: c });
+            let cached_tokens =
+                u.get("prompt_tokens_details").and_then(|d| d.get("cached_tokens")).and_then(Value::as_u64);
+            chunk.usage = Some(Usage { prompt_tokens: p, completion_tokens: c, cached_tokens });
         }
     }
     Ok(chunk)
@@ -147,7 +152,12 @@ mod tests {
         let c = parse_chunk(r#"{"choices":[{"delta":{},"finish_reason":"length"}]}"#).expect("parses");
         assert_eq!(c.finish_reason.as_deref(), Some("length"));
         let c = parse_chunk(r#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}"#).expect("parses");
-        assert_eq!(c.usage, Some(Usage { prompt_tokens: 5, completion_tokens: 7 }));
+        assert_eq!(c.usage, Some(Usage { prompt_tokens: 5, completion_tokens: 7, cached_tokens: None }));
+        let c = parse_chunk(
+            r#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7,"prompt_tokens_details":{"cached_tokens":3}}}"#,
+        )
+        .expect("parses");
+        assert_eq!(c.usage, Some(Usage { prompt_tokens: 5, completion_tokens: 7, cached_tokens: Some(3) }));
         let c = parse_chunk(r#"{"error":{"message":"boom","type":"server_error"}}"#).expect("parses");
         assert_eq!(c.error.as_deref(), Some("boom"));
         assert!(parse_chunk("[DONE]").expect("parses").done);

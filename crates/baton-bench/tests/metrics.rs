@@ -18,6 +18,7 @@ fn done(id: usize, start_ms: u64, ttft_ms: u64, gaps_ms: &[u64]) -> RequestRecor
         jct_us: jct * 1000,
         input_tokens: 100,
         input_from_usage: true,
+        cached_tokens: None,
         output_tokens: gaps_ms.len() as u64 + 1,
         chunks: gaps_ms.len() as u64 + 1,
         max_tokens: gaps_ms.len() as u64 + 1,

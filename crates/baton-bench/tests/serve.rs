@@ -66,6 +66,8 @@ async fn synthetic_closed_loop_against_baton_serve() {
     assert_eq!(s.slo.expect("slo").met, 8);
     for r in &run.records {
         assert!(r.input_from_usage && r.input_tokens > 0);
+        let cached = r.cached_tokens.expect("Baton reports its prefix cache hits");
+        assert!(cached < r.input_tokens, "{cached} of {} prompt tokens cached", r.input_tokens);
         assert_eq!(r.output_tokens, 6);
         let ttft = r.ttft_us.expect("a first token");
         assert!(ttft <= r.jct_us, "TTFT {ttft} > JCT {}", r.jct_us);

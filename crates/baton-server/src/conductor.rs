@@ -560,6 +560,14 @@ impl Conductor {
                 Err(ApiError::Unavailable("no worker is available".into()))
             }
         };
+        if let Ok(r) = &route {
+            let (prefill, decode) = match r {
+                Route::Colocated(w) => (w.name(), w.name()),
+                Route::Disaggregated { prefill, decode } => (prefill.name(), decode.name()),
+            };
+            let fetch_from = fetch.as_ref().map(|f| f.from.name());
+            tracing::debug!(prefill, decode, fetch_from, fetch_tokens = fetch.as_ref().map(|f| f.tokens), "routed");
+        }
         route.map(|r| (r, fetch))
     }
 

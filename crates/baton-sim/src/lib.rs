@@ -42,7 +42,7 @@ use std::path::PathBuf;
 
 use baton_sched::{AdmissionConfig, CostProfile, Micros, PolicyConfig, PolicyKind};
 
-pub use metrics::{Percentiles, Report, RoleChangeAt};
+pub use metrics::{Percentiles, Report, RequestRecord, RoleChangeAt};
 pub use sim::Simulator;
 use workload::{SimRequest, Synthetic};
 
@@ -161,6 +161,8 @@ pub struct SimConfig {
     pub workload: WorkloadSpec,
     /// Seed of the scheduler's RNG and of generators.
     pub seed: u64,
+    /// Keep a [`RequestRecord`] per request in the report (`baton sim --records`).
+    pub records: bool,
 }
 
 impl Default for SimConfig {
@@ -176,6 +178,7 @@ impl Default for SimConfig {
             conditional_tokens: None,
             workload: WorkloadSpec::Requests(Vec::new()),
             seed: 0,
+            records: false,
         }
     }
 }

@@ -111,12 +111,42 @@ pub struct Report {
     pub makespan_us: Micros,
     /// Events processed.
     pub events: u64,
+    /// One record per request, in workload order, when [`SimConfig::records`](crate::SimConfig)
+    /// asks (else empty, and absent from the JSON): where it ran and what it found cached, to
+    /// set beside a live run's per-request records.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub records: Vec<RequestRecord>,
     /// Every completed request's TTFT, sorted (for CDF plots; not in the JSON).
     #[serde(skip)]
     pub ttft_samples_us: Vec<Micros>,
     /// Every completed request's JCT, sorted (not in the JSON).
     #[serde(skip)]
     pub jct_samples_us: Vec<Micros>,
+}
+
+/// What happened to one request of the workload (times in µs of virtual time).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct RequestRecord {
+    /// Index in the workload.
+    pub id: usize,
+    /// Arrival.
+    pub arrival_us: Micros,
+    /// The prefill instance the policy chose (`None`: rejected at arrival).
+    pub prefill: Option<u32>,
+    /// The decode instance it chose.
+    pub decode: Option<u32>,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Prompt tokens found in the prefill instance's own cache when its prefill began.
+    pub cached_tokens: u64,
+    /// Prompt tokens fetched from other instances' caches before the prefill.
+    pub fetched_tokens: u64,
+    /// When its prefill began (after its queue).
+    pub prefill_start_us: Option<Micros>,
+    /// Time to first token (the end of its prefill).
+    pub ttft_us: Option<Micros>,
+    /// Arrival to last token.
+    pub jct_us: Option<Micros>,
 }
 
 /// Per-request outcome the simulator records.
@@ -139,6 +169,7 @@ pub(crate) fn summarise(
     arrivals: &[(Micros, u64)],
     outcomes: &[Outcome],
     extra: Extra,
+    records: Vec<RequestRecord>,
 ) -> Report {
     let (mut ttft, mut tbt, mut jct) = (Vec::new(), Vec::new(), Vec::new());
     let (mut ttft_ok, mut both_ok, mut good_tokens) = (0usize, 0usize, 0u64);
@@ -203,6 +234,7 @@ pub(crate) fn summarise(
         role_changes: extra.role_changes,
         makespan_us: makespan,
         events: extra.events,
+        records,
         ttft_samples_us,
         jct_samples_us,
     }

@@ -27,7 +27,7 @@ use rand::rngs::StdRng;
 
 use crate::SimConfig;
 use crate::cache::BlockCache;
-use crate::metrics::{Extra, Outcome, Report, RoleChangeAt, summarise};
+use crate::metrics::{Extra, Outcome, Report, RequestRecord, RoleChangeAt, summarise};
 use crate::workload::SimRequest;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -78,6 +78,9 @@ struct ReqState {
     generated: u64,
     blocks: u64,
     outcome: Outcome,
+    prefill_start_us: Option<Micros>,
+    cached_tokens: u64,
+    fetched_tokens: u64,
 }
 
 /// A simulation in progress. [`Simulator::worker_loads`], [`Simulator::snapshot`] and
@@ -274,6 +277,7 @@ impl Simulator {
         let c = &self.cfg.cluster;
         let arrivals: Vec<(Micros, u64)> = self.requests.iter().map(|r| (r.arrival_us, r.output_tokens)).collect();
         let outcomes: Vec<Outcome> = self.state.iter().map(|s| s.outcome).collect();
+        let records = if self.cfg.records { self.records() } else { Vec::new() };
         summarise(
             self.scheduler.policy.name(),
             self.cfg.admission.kind.name(),
@@ -283,7 +287,27 @@ impl Simulator {
             &arrivals,
             &outcomes,
             self.extra,
+            records,
         )
+    }
+
+    fn records(&self) -> Vec<RequestRecord> {
+        let since = |at: Option<Micros>, arrival| at.map(|t: Micros| t - arrival);
+        (self.requests.iter().zip(&self.state))
+            .enumerate()
+            .map(|(id, (r, st))| RequestRecord {
+                id,
+                arrival_us: r.arrival_us,
+                prefill: st.route.as_ref().map(|rt| rt.prefill.0),
+                decode: st.route.as_ref().map(|rt| rt.decode.0),
+                prompt_tokens: r.input_tokens,
+                cached_tokens: st.cached_tokens,
+                fetched_tokens: st.fetched_tokens,
+                prefill_start_us: st.prefill_start_us,
+                ttft_us: since(st.outcome.first_token_us, r.arrival_us),
+                jct_us: since(st.outcome.done_us, r.arrival_us),
+            })
+            .collect()
     }
 
     fn handle(&mut self, kind: EventKind) {
@@ -377,11 +401,16 @@ impl Simulator {
             }
         }
         let cached_tokens = view.cached_tokens(cached);
+        let local_tokens = view.cached_tokens(hit.blocks);
         let compute = cost.prefill_time_cached(req.input_tokens, cached_tokens);
         self.extra.prefilled_tokens += req.input_tokens;
         self.extra.reused_tokens += cached_tokens;
         let end = self.now + extra_us + compute;
-        self.state[r].prefill_compute_us = compute;
+        let st = &mut self.state[r];
+        st.prefill_compute_us = compute;
+        st.prefill_start_us = Some(self.now);
+        st.cached_tokens = local_tokens;
+        st.fetched_tokens = cached_tokens - local_tokens;
         self.instances[p].prefill_running = Some((r, self.now, end));
         // Blocks being read are in use: refresh them in the LRU now.
         let used = req.hashes[..hit.blocks].to_vec();

@@ -122,6 +122,10 @@ pub(crate) struct SimArgs {
     /// Print the whole report as JSON.
     #[arg(long)]
     json: bool,
+    /// With --json or --plot: add a record per request (instances chosen, prompt tokens found
+    /// cached and fetched, when its prefill began, TTFT, JCT), to set beside a live run's.
+    #[arg(long)]
+    records: bool,
     /// Print one markdown table row (with SIM_ROW_HEADER set, the header first).
     #[arg(long)]
     row: bool,
@@ -133,7 +137,7 @@ fn range(s: &str) -> Result<(u64, u64), String> {
 }
 
 pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
-    let mut cfg = SimConfig { seed: a.seed, ..SimConfig::default() };
+    let mut cfg = SimConfig { seed: a.seed, records: a.records, ..SimConfig::default() };
     let set = |target: &mut usize, v: Option<usize>| {
         if let Some(v) = v {
             *target = v;
