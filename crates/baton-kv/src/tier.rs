@@ -91,7 +91,12 @@ impl std::fmt::Display for KvAddr {
 }
 
 /// The disk tier: one file of fixed-size block slots, read and written with positioned I/O.
-/// The file is removed when the store is dropped.
+///
+/// The file's name is removed as soon as it is made: the open file keeps its space while the
+/// store lives, and the file system takes it back when the last descriptor closes, however the
+/// process ends (a worker killed with SIGKILL leaves nothing in the directory). The space is
+/// reserved up front (`fallocate`), so a directory without room is an error at start, not a
+/// failed write later.
 #[derive(Debug)]
 pub struct DiskStore {
     file: File,
@@ -100,16 +105,31 @@ pub struct DiskStore {
 }
 
 impl DiskStore {
-    /// Creates (truncating) `dir/name` sized for `blocks` slots of `block_bytes` each.
+    /// Makes a block file in `dir` (created if missing) for `blocks` slots of `block_bytes`
+    /// each, under `name` until it is unlinked a moment later.
     pub fn create(dir: &Path, name: &str, blocks: usize, block_bytes: usize) -> io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let path = dir.join(name);
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path)?;
-        file.set_len((blocks * block_bytes) as u64)?;
+        std::fs::remove_file(&path)?;
+        let len = blocks.checked_mul(block_bytes).map(|n| n as u64);
+        let reserved = match len {
+            None => Err(io::Error::new(io::ErrorKind::InvalidInput, "the size overflows")),
+            Some(len) => match rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len) {
+                Ok(()) => Ok(()),
+                // A file system that cannot reserve (some network ones) gets a sparse file.
+                Err(rustix::io::Errno::OPNOTSUPP) => file.set_len(len),
+                Err(e) => Err(e.into()),
+            },
+        };
+        reserved.map_err(|e| {
+            let what = format!("{blocks} disk blocks of {block_bytes} bytes in {}", dir.display());
+            io::Error::new(e.kind(), format!("reserving {what}: {e}"))
+        })?;
         Ok(Self { file, path, block_bytes })
     }
 
-    /// The block file.
+    /// Where the block file was made (its name is gone: see the type's documentation).
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -140,16 +160,33 @@ impl DiskStore {
     }
 }
 
-impl Drop for DiskStore {
-    fn drop(&mut self) {
-        // Best effort: a leftover file is harmless and is truncated on the next create.
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_disk_store_leaves_no_file_and_keeps_its_blocks() {
+        let dir = std::env::temp_dir().join(format!("baton-disk-store-{}", std::process::id()));
+        let store = DiskStore::create(&dir, "blocks", 4, 8).expect("store");
+        assert_eq!(std::fs::read_dir(&dir).expect("dir").count(), 0, "the name is gone at once");
+        let src: Vec<u8> = (0..16).collect();
+        store.write_block(BlockId(3), &src, &[ByteRange { offset: 8, len: 8 }]).expect("write");
+        let mut dst = vec![0u8; 8];
+        store.read_block(BlockId(3), &mut dst, &[ByteRange { offset: 0, len: 8 }]).expect("read");
+        assert_eq!(dst, src[8..]);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_disk_tier_too_big_for_its_file_system_is_an_error_at_start() {
+        let dir = std::env::temp_dir().join(format!("baton-disk-full-{}", std::process::id()));
+        // 2^62 bytes: more than any file system here has.
+        let e = DiskStore::create(&dir, "blocks", 1 << 32, 1 << 30).expect_err("no room");
+        assert!(e.to_string().contains("reserving"), "{e}");
+        assert_eq!(std::fs::read_dir(&dir).expect("dir").count(), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn address_packs_instance_tier_and_block() {

@@ -34,8 +34,9 @@ pub(crate) struct EngineFlags {
     /// prefix here has it copied back.
     #[arg(long, default_value_t = 0)]
     host_kv_blocks: usize,
-    /// Directory of the disk tier, below host (each worker makes its own block file there and
-    /// removes it on exit).
+    /// Directory of the disk tier, below host. Each worker reserves its own block file there
+    /// at start (an error if the file system lacks the room) and removes its name at once: the
+    /// space returns when the worker exits, however it exits, and nothing is left behind.
     #[arg(long, value_name = "DIR")]
     disk_kv_dir: Option<std::path::PathBuf>,
     /// Blocks of the disk tier (0: none; needs --disk-kv-dir).
