@@ -7,9 +7,12 @@
 //! stop conditions, detokenisation, KV retention and hand-over. What is emulated:
 //!
 //! - **time**: each step costs [`CostProfile::batch_time`] of its work (prefill chunks, decode
-//!   batch and context). With [`EmulatedClock::Sleep`] the step returns that long after it started
-//!   (wall time, for a live cluster of emulated workers); with [`EmulatedClock::Virtual`] it
-//!   returns at once and only [`Engine::emulated_clock`](crate::Engine::emulated_clock) advances.
+//!   batch and context), plus the copy of the KV it brought onto the device from the host and
+//!   disk tiers over the profile's `host_to_device` / `disk_to_device` links (the engine
+//!   swaps a prefix in within the step, so the copy stalls it). With [`EmulatedClock::Sleep`]
+//!   the step returns that long after it started (wall time, for a live cluster of emulated
+//!   workers); with [`EmulatedClock::Virtual`] it returns at once and only
+//!   [`Engine::emulated_clock`](crate::Engine::emulated_clock) advances.
 //! - **tokens**: the next token is a hash of the sequence's last token and its position, within the
 //!   vocabulary and never an end-of-sequence token (unless [`EmulatedModel::eos_after`] asks), so
 //!   a request runs to exactly `max_tokens` and its output does not depend on batching.
@@ -106,6 +109,9 @@ pub(crate) struct StepWork {
     pub(crate) decode_batch: u64,
     /// Their context, tokens in all.
     pub(crate) decode_context: u64,
+    /// Tokens of KV brought onto the device from the (host, disk) tiers for this step: their
+    /// copy, over the profile's links, stalls the step.
+    pub(crate) swapped_in_tokens: [u64; 2],
 }
 
 impl StepWork {
@@ -135,7 +141,12 @@ impl Emulator {
 
     /// Spends the step's predicted time (sleeping from `started`, or on the virtual clock).
     pub(crate) fn run_step(&mut self, work: &StepWork, started: Instant) {
-        let us = self.model.profile.batch_time(&work.prefill, work.decode_batch, work.decode_context);
+        let p = &self.model.profile;
+        let [host, disk] = work.swapped_in_tokens;
+        let swap_us = |tokens, link| if tokens == 0 { 0 } else { p.kv_transfer_time(tokens, link) };
+        let us = p.batch_time(&work.prefill, work.decode_batch, work.decode_context)
+            + swap_us(host, p.host_to_device)
+            + swap_us(disk, p.disk_to_device);
         self.stats.steps += 1;
         self.stats.total_us += us;
         self.stats.last_step_us = us;

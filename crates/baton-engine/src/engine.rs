@@ -18,7 +18,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use baton_kv::{
-    InstanceId, KvArena, KvDtype, KvEvent, KvGeometry, KvLayout, Loc, MemPool, PolicyKind, PoolConfig, PoolError, Tier,
+    BlockId, InstanceId, KvArena, KvDtype, KvEvent, KvGeometry, KvLayout, Loc, MemPool, PolicyKind, PoolConfig,
+    PoolError, Tier,
 };
 use baton_model::{LogitsWanted, Model, ModelConfig, SeqStep, StepLogits, Tokenizer};
 
@@ -158,6 +159,9 @@ pub struct Engine {
     pool: MemPool,
     /// Steps run: the logical time of the pool's eviction policy.
     clock: u64,
+    /// Blocks brought onto the device from (host, disk) since the last step: the emulated
+    /// backend charges their copy to the next step, as the copy stalls the loop.
+    swapped_in: [usize; 2],
     seqs: HashMap<RequestId, Sequence>,
     /// Oldest first.
     running: Vec<RequestId>,
@@ -219,6 +223,7 @@ impl Engine {
         Ok(Self {
             pool,
             clock: 0,
+            swapped_in: [0; 2],
             backend,
             tokenizer,
             config,
@@ -483,7 +488,7 @@ impl Engine {
         let mut blocks = Vec::new();
         if self.config.prefix_caching && n > 1 {
             let whole = ((n - 1) * bs).min(known.len()) / bs * bs;
-            blocks = self.pool.acquire_prefix(&known[..whole], self.clock)?.0;
+            blocks = take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, &known[..whole])?.0;
         }
         let cached = blocks.len();
         match self.pool.alloc_blocks(n - cached) {
@@ -520,7 +525,7 @@ impl Engine {
         if !self.config.prefix_caching {
             return None;
         }
-        match self.pool.acquire_prefix(tokens, self.clock) {
+        match take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, tokens) {
             Ok((blocks, tokens)) if !blocks.is_empty() => Some(KvPrefix { blocks, tokens }),
             Ok(_) => None,
             Err(e) => {
@@ -589,7 +594,7 @@ impl Engine {
         let mut took = false;
         if seq.table.is_empty() && uses_cache {
             let known = seq.tokens.len() - 1;
-            let (blocks, tokens) = self.pool.acquire_prefix(&seq.tokens[..known], self.clock)?;
+            let (blocks, tokens) = take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, &seq.tokens[..known])?;
             seq.table.extend(blocks);
             seq.computed = tokens;
             took = true;
@@ -688,7 +693,9 @@ impl Engine {
                 Computed::Logits(model.forward(&steps, self.pool.arena_mut())?)
             }
             Backend::Emulated(emu) => {
-                let mut work = StepWork::default();
+                let bs = self.config.block_size as u64;
+                let swapped = std::mem::take(&mut self.swapped_in).map(|b| b as u64 * bs);
+                let mut work = StepWork { swapped_in_tokens: swapped, ..StepWork::default() };
                 let tokens = batch
                     .iter()
                     .map(|s| {
@@ -821,4 +828,21 @@ impl Engine {
         }
         Ok(done)
     }
+}
+
+/// [`MemPool::acquire_prefix`], adding to `swapped_in` the blocks it brings onto the device from
+/// the (host, disk) tiers (along a cached prefix the tiers only get slower, so they come last).
+fn take_prefix(
+    pool: &mut MemPool,
+    swapped_in: &mut [usize; 2],
+    clock: u64,
+    tokens: &[u32],
+) -> Result<(Vec<BlockId>, usize), PoolError> {
+    let [device, host, _] = pool.peek_prefix(tokens);
+    let (blocks, covered) = pool.acquire_prefix(tokens, clock)?;
+    let lower = blocks.len().saturating_sub(device);
+    let from_host = lower.min(host);
+    swapped_in[0] += from_host;
+    swapped_in[1] += lower - from_host;
+    Ok((blocks, covered))
 }

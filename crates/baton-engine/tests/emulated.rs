@@ -101,6 +101,33 @@ fn step_times_are_the_profiles() {
     }
 }
 
+/// A prefix found on the host tier is copied back within the step, so the emulated step costs
+/// its prefill plus the copy over the profile's host-to-device link.
+#[test]
+fn a_prefix_swapped_in_from_host_costs_its_copy() {
+    let profile = CostProfile::llama2_70b_8xh100();
+    let config = EngineConfig { block_size: 16, num_blocks: 32, host_blocks: 64, ..EngineConfig::default() };
+    let mut e = Engine::emulated(model(EmulatedClock::Virtual), None, config).expect("engine");
+    let (a, b) = (request(1, 320, 1), request(2, 320, 1));
+    let prompt = a.prompt.clone();
+    for r in [a, b] {
+        e.add_request(r).expect("valid");
+        e.run_to_completion().expect("runs");
+    }
+    // b's 20 blocks pushed the tail of a's 20 to the host tier.
+    let [device, host, disk] = e.pool().peek_prefix(&prompt[..319]);
+    assert!(host > 0 && disk == 0, "a's prefix: {device} blocks on the device, {host} on host");
+    e.add_request(GenerationRequest { id: RequestId(3), ..request(1, 320, 1) }).expect("valid");
+    e.step().expect("step");
+    let cached = ((device + host) * 16) as u64;
+    let copy = profile.kv_transfer_time((host * 16) as u64, profile.host_to_device);
+    assert_eq!(e.emulated_clock().expect("emulated").last_step_us, profile.prefill_time_cached(320, cached) + copy);
+    // The next step copies nothing.
+    e.add_request(request(4, 40, 1)).expect("valid");
+    e.step().expect("step");
+    assert_eq!(e.emulated_clock().expect("emulated").last_step_us, profile.prefill_time_cached(40, 0));
+}
+
 #[test]
 fn outputs_do_not_depend_on_batching_and_hand_over() {
     let run_alone = |r: GenerationRequest| {
