@@ -710,6 +710,14 @@ impl Engine {
             }
         };
         out.computed_tokens = batch.iter().map(|s| s.num_tokens).sum();
+        for s in &batch {
+            let computed = self.seqs[&s.id].computed;
+            // The cost model's rule (`StepWork::add`): one token after some KV is a decode.
+            if s.num_tokens == 1 && computed > 0 {
+                out.decode_batch += 1;
+                out.decode_context += computed + 1;
+            }
+        }
 
         let eos = self.backend.config().eos_token_ids.clone();
         let max_context = self.backend.config().max_position_embeddings;

@@ -178,6 +178,11 @@ pub struct StepOutput {
     pub finished: Vec<Finished>,
     /// Tokens computed in the step (prefill and decode).
     pub computed_tokens: usize,
+    /// Of the step's sequences, those that decoded (one token after some KV)...
+    pub decode_batch: usize,
+    /// ...and their context, tokens in all. A step with `computed_tokens == decode_batch` ran
+    /// no prefill chunk.
+    pub decode_context: usize,
     /// Sequences preempted by this step.
     pub preempted: usize,
 }

@@ -78,11 +78,13 @@ fn step_times_are_the_profiles() {
     let mut e = Engine::emulated(model(EmulatedClock::Virtual), None, config.clone()).expect("engine");
     // One prefill of 500 tokens, alone: exactly prefill_time(500, 0).
     e.add_request(request(1, 500, 3)).expect("valid");
-    e.step().expect("step");
+    let out = e.step().expect("step");
     assert_eq!(e.emulated_clock().expect("emulated").last_step_us, profile.prefill_time(500, 0.0));
+    assert_eq!((out.computed_tokens, out.decode_batch, out.decode_context), (500, 0, 0));
     // Its next step is a decode of one sequence with 501 tokens of context.
-    e.step().expect("step");
+    let out = e.step().expect("step");
     assert_eq!(e.emulated_clock().expect("emulated").last_step_us, profile.decode_step(1, 501));
+    assert_eq!((out.computed_tokens, out.decode_batch, out.decode_context), (1, 1, 501));
 
     // With the sleeping clock, a decode step's wall time is the profile's: never less, and more
     // only by the scheduler's wake-up latency (generous bound: this machine is shared).

@@ -5,7 +5,7 @@
 //! workers (or the colocated worker) with the fewest requests in flight.
 
 /// What a policy sees of one worker.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct WorkerView {
     /// Index into the snapshot's worker list.
     pub index: usize,

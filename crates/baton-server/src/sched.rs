@@ -135,14 +135,8 @@ impl SchedPolicy {
                     load.decode_incoming = (0..r.incoming + r.receiving)
                         .map(|_| baton_sched::IncomingSeq { ready_at: now, context: 0 })
                         .collect();
-                    // How the worker's decode steps compare with the cost profile's: its measured
-                    // step (a moving mean) over the prediction for the batch it reports.
-                    if r.step_time_us > 0 && !r.decode_contexts.is_empty() {
-                        let ctx: usize = r.decode_contexts.iter().sum();
-                        let predicted = cost.decode_step(r.decode_contexts.len() as u64, ctx as u64);
-                        if predicted > 0 {
-                            load.decode_step_scale = (r.step_time_us as f64 / predicted as f64).clamp(0.25, 4.0);
-                        }
+                    if let Some(scale) = decode_step_scale(cost, r) {
+                        load.decode_step_scale = scale;
                     }
                     if r.total_blocks > 0 {
                         let reclaimable = r.free_blocks + r.evictable_blocks;
@@ -221,6 +215,26 @@ impl SchedPolicy {
             .and_then(|r| Some(Fetch { from: index(r.from)?, tokens: r.end as usize * block_tokens }));
         Plan { decision, fetch }
     }
+}
+
+/// How a worker's decode steps compare with the cost profile's, from its load report: its
+/// measured decode-only steps (moving means of time, batch and context: the model is linear in
+/// batch and context, so the prediction for the mean work is the mean prediction), or, from a
+/// worker that predates those, its mean over every step against the batch it reports now (which
+/// a colocated worker's prefill chunks inflate). Clamped to [0.25, 4]; `None` before a measure.
+fn decode_step_scale(cost: &CostProfile, r: &crate::wire::LoadReport) -> Option<f64> {
+    let (measured, predicted) = if r.decode_step_us > 0 && r.decode_step_batch > 0.0 {
+        let d = &cost.decode;
+        let predicted =
+            d.fixed_us + d.per_seq_us * r.decode_step_batch + d.per_context_token_us * r.decode_step_context;
+        (r.decode_step_us as f64, predicted)
+    } else if r.step_time_us > 0 && !r.decode_contexts.is_empty() {
+        let ctx: usize = r.decode_contexts.iter().sum();
+        (r.step_time_us as f64, cost.decode_step(r.decode_contexts.len() as u64, ctx as u64) as f64)
+    } else {
+        return None;
+    };
+    (predicted > 0.0).then(|| (measured / predicted).clamp(0.25, 4.0))
 }
 
 /// The compute time of the prompt tokens a worker reports still to compute, as prefills of
@@ -546,6 +560,19 @@ mod tests {
         assert!(matches!(route(&decode), Decision::Disaggregated { .. }), "steps as predicted");
         decode.report = Some(report(predicted * 2));
         assert!(matches!(route(&decode), Decision::Reject { .. }), "steps twice as long");
+
+        // A worker that measures its decode-only steps: those count, not a mean that prefill
+        // chunks inflated (a colocated worker's, a switched one's).
+        let decode_only = |us| crate::wire::LoadReport {
+            decode_step_us: us,
+            decode_step_batch: 8.0,
+            decode_step_context: 4000.0,
+            ..report(predicted * 10)
+        };
+        decode.report = Some(decode_only(predicted));
+        assert!(matches!(route(&decode), Decision::Disaggregated { .. }), "decode steps as predicted");
+        decode.report = Some(decode_only(predicted * 2));
+        assert!(matches!(route(&decode), Decision::Reject { .. }), "decode steps twice as long");
     }
 
     /// The conductor's seam and a direct call of the scheduler on the snapshot it builds (what

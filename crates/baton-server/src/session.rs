@@ -931,7 +931,7 @@ mod tests {
                 prompt_logits: None,
                 kv,
             };
-            StepOutput { tokens: vec![token(id)], finished: vec![finished], computed_tokens: 1, preempted: 0 }
+            StepOutput { tokens: vec![token(id)], finished: vec![finished], computed_tokens: 1, ..Default::default() }
         }
 
         /// Blocks held by no request in the engine: must be none once the sessions let go.

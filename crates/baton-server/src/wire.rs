@@ -549,7 +549,7 @@ impl BlockEvent {
 }
 
 /// A worker's load, as measured by the worker (the same fields the simulator fills).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct LoadReport {
     /// Sequences in the running batch.
@@ -576,6 +576,13 @@ pub struct LoadReport {
     pub total_blocks: usize,
     /// Measured time of one engine step (exponential moving average), µs; 0 before the first.
     pub step_time_us: u64,
+    /// The same over decode-only steps (no prefill chunk), µs; 0 before the first (or from a
+    /// worker that predates it).
+    pub decode_step_us: u64,
+    /// Moving mean of those steps' batch (sequences decoding)...
+    pub decode_step_batch: f64,
+    /// ...and of their context (tokens of KV in all).
+    pub decode_step_context: f64,
     /// The worker's role now (it changes when the conductor switches it; `None` from a worker
     /// that predates role switching).
     pub role: Option<Role>,

@@ -42,7 +42,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use baton_engine::{Engine, GenerationRequest, KvPrefix, RequestId};
+use baton_engine::{Engine, GenerationRequest, KvPrefix, RequestId, StepOutput};
 use baton_kv::BlockId;
 use baton_transfer::{
     Access, BlockOwner, ClientConfig, Compat, KvServer, PeerId, Region, Release, ServerConfig, TransferId,
@@ -680,7 +680,33 @@ struct StatePublisher {
     role: Arc<SharedRole>,
     /// Exponential moving average of a step's time, µs.
     step_us: f64,
+    /// The same over steps that ran no prefill chunk, with their batch and context.
+    decode_steps: DecodeSteps,
     drop_event_seq: Option<u64>,
+}
+
+/// Moving means over decode-only steps (steps that ran no prefill chunk): time, batch and
+/// context together, so the conductor can set the time beside the cost model's prediction for
+/// the same work (the model is linear in batch and context, so the prediction for the mean
+/// batch and context is the mean prediction).
+#[derive(Debug, Clone, Copy, Default)]
+struct DecodeSteps {
+    us: f64,
+    batch: f64,
+    context: f64,
+}
+
+impl DecodeSteps {
+    fn record(&mut self, us: f64, batch: usize, context: usize) {
+        let (b, c) = (batch as f64, context as f64);
+        if self.us == 0.0 {
+            *self = Self { us, batch: b, context: c };
+        } else {
+            self.us = 0.9 * self.us + 0.1 * us;
+            self.batch = 0.9 * self.batch + 0.1 * b;
+            self.context = 0.9 * self.context + 0.1 * c;
+        }
+    }
 }
 
 /// One reader of the state stream (a conductor, or a conductor's resubscription).
@@ -694,7 +720,7 @@ struct Subscriber {
 
 impl StatePublisher {
     fn new(drop_event_seq: Option<u64>, role: Arc<SharedRole>) -> Self {
-        Self { subscribers: Vec::new(), role, step_us: 0.0, drop_event_seq }
+        Self { subscribers: Vec::new(), role, step_us: 0.0, decode_steps: DecodeSteps::default(), drop_event_seq }
     }
 
     fn subscribe(&mut self, tx: mpsc::Sender<StateUpdate>) {
@@ -707,9 +733,15 @@ impl StatePublisher {
         });
     }
 
-    fn record_step(&mut self, took: Duration) {
+    fn record_step(&mut self, took: Duration, out: Option<&StepOutput>) {
         let us = took.as_secs_f64() * 1e6;
         self.step_us = if self.step_us == 0.0 { us } else { 0.9 * self.step_us + 0.1 * us };
+        if let Some(o) = out
+            && o.decode_batch > 0
+            && o.computed_tokens == o.decode_batch
+        {
+            self.decode_steps.record(us, o.decode_batch, o.decode_context);
+        }
     }
 
     /// Sends each subscriber what changed; `busy` (the engine has work) lets a changed load wait
@@ -785,6 +817,9 @@ impl StatePublisher {
             evictable_blocks: l.evictable_blocks,
             total_blocks: l.total_blocks,
             step_time_us: self.step_us as u64,
+            decode_step_us: self.decode_steps.us as u64,
+            decode_step_batch: self.decode_steps.batch,
+            decode_step_context: self.decode_steps.context,
             role: Some(self.role.get()),
         }
     }
@@ -933,7 +968,7 @@ impl EngineLoop {
         }
         let started = Instant::now();
         let stepped = self.host.engine.step();
-        self.state.record_step(started.elapsed());
+        self.state.record_step(started.elapsed(), stepped.as_ref().ok());
         match stepped {
             Ok(out) => {
                 let progressed = out.computed_tokens > 0 || out.preempted > 0 || !out.finished.is_empty();
