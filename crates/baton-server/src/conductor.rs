@@ -269,6 +269,7 @@ impl Conductor {
             }
             Err(e) => {
                 tracing::warn!(worker = worker.name(), error = e, "elastic: the role switch failed");
+                self.metrics.role_switch_failed();
                 elastic.lock().unwrap_or_else(std::sync::PoisonError::into_inner).switch_failed();
             }
         }

@@ -162,7 +162,8 @@ pub async fn run_worker(
         kv_tls,
     };
     let handle = WorkerHandle::spawn(id.to_string(), config.role, engine, options)?;
-    let mut app = crate::control::router(handle.clone(), config.secret.clone());
+    let refuse = fault_count_from_env(REFUSE_ROLE_SWITCHES_ENV, "role switches are refused");
+    let mut app = crate::control::router(handle.clone(), config.secret.clone(), refuse);
     match &config.api_key {
         // A colocated worker serves the OpenAI API itself only behind a key: its control port
         // would otherwise answer anyone with neither a key nor the cluster's signature.
@@ -351,6 +352,18 @@ pub fn instance_of(name: &str) -> baton_kv::InstanceId {
         h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
     }
     baton_kv::InstanceId(h)
+}
+
+/// The environment variable that makes a worker process refuse its first N role switches with
+/// a 503 (fault injection for tests: a conductor whose switch fails).
+pub const REFUSE_ROLE_SWITCHES_ENV: &str = "BATON_FAULT_REFUSE_ROLE_SWITCHES";
+
+fn fault_count_from_env(var: &str, what: &str) -> u32 {
+    let n = std::env::var(var).ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or(0);
+    if n > 0 {
+        tracing::warn!("{var} is set: the first {n} {what} (fault injection)");
+    }
+    n
 }
 
 /// The environment variable that makes a worker process's engine thread panic at a given step

@@ -152,6 +152,7 @@ pub struct Metrics {
     cache: std::sync::Mutex<std::collections::BTreeMap<String, (u64, u64)>>,
     /// Role switches (elastic prefill/decode), by (from, to).
     role_switches: std::sync::Mutex<std::collections::BTreeMap<(&'static str, &'static str), u64>>,
+    role_switch_failures: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -179,6 +180,7 @@ impl Default for Metrics {
             kv_fetches: Default::default(),
             cache: std::sync::Mutex::default(),
             role_switches: std::sync::Mutex::default(),
+            role_switch_failures: AtomicU64::new(0),
         }
     }
 }
@@ -233,6 +235,11 @@ impl Metrics {
         *switches.entry((from, to)).or_default() += 1;
     }
 
+    /// Counts a role switch the conductor ordered and the worker did not carry out in time.
+    pub fn role_switch_failed(&self) {
+        self.role_switch_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn render_role_switches(&self, out: &mut String) {
         let switches = self.role_switches.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let _ = writeln!(
@@ -242,6 +249,11 @@ impl Metrics {
         for ((from, to), n) in switches.iter() {
             let _ = writeln!(out, "baton_role_switches_total{{from=\"{from}\",to=\"{to}\"}} {n}");
         }
+        let _ = writeln!(
+            out,
+            "# HELP baton_role_switch_failures_total Role switches ordered that the worker did not carry out (--elastic).\n# TYPE baton_role_switch_failures_total counter\nbaton_role_switch_failures_total {}",
+            self.role_switch_failures.load(Ordering::Relaxed)
+        );
     }
 
     /// Counts a planned fetch's end (with what arrived, for `Fetched`).

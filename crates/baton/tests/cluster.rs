@@ -927,6 +927,58 @@ fn an_elastic_conductor_switches_a_worker_process_mid_traffic() {
     assert_no_leak(&[&p, &a, &b]);
 }
 
+/// A role switch the worker refuses (`BATON_FAULT_REFUSE_ROLE_SWITCHES`: its control API answers
+/// the first one 503) fails: the conductor counts the failure, does not spend its one switch a
+/// minute on it, and switches a worker on a later look; every text is the engine's.
+#[test]
+fn a_role_switch_the_worker_refuses_fails_and_the_next_look_switches() {
+    let dir = model("tiny-llama");
+    let elastic = [
+        "--elastic",
+        "--elastic-hold-s",
+        "0",
+        "--elastic-max-switches-per-min",
+        "1",
+        "--slo-ttft-ms",
+        "1",
+        "--slo-tbt-ms",
+        "60000",
+    ];
+    let (_c, url) = conductor_with(&dir, "embedded", &elastic);
+    let p = worker(&dir, "prefill", &url, &["--name", "prefill-1"]);
+    let refuse = [(baton_server::deploy::REFUSE_ROLE_SWITCHES_ENV, "1")];
+    let a = worker_env(&dir, "decode", &url, &["--name", "decode-a"], SECRET, &refuse);
+    let b = worker_env(&dir, "decode", &url, &["--name", "decode-b"], SECRET, &refuse);
+    wait_members(&url, 3, Duration::from_secs(10));
+    let prompts = [LONG.to_owned(), format!("Another story. {LONG}")];
+    let expected: Vec<String> = prompts.iter().map(|p| generate(&dir, p, 8)).collect();
+    let switched = || metric(&url, "baton_role_switches_total{from=\"decode\",to=\"prefill\"}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut round = 0;
+    while switched() < 1.0 {
+        assert!(Instant::now() < deadline, "no switch after {round} rounds of a prefill-heavy burst");
+        let answers: Vec<String> = std::thread::scope(|s| {
+            let calls: Vec<_> = (0..4)
+                .map(|i| {
+                    let (url, prompt) = (&url, &prompts[i % 2]);
+                    s.spawn(move || text(&complete(url, prompt, 8)))
+                })
+                .collect();
+            calls.into_iter().map(|c| c.join().expect("request thread")).collect()
+        });
+        for (i, answer) in answers.iter().enumerate() {
+            assert_eq!(answer, &expected[i % 2], "round {round}, request {i}");
+        }
+        round += 1;
+    }
+    let failed = metric(&url, "baton_role_switch_failures_total");
+    assert!((1.0..=2.0).contains(&failed), "each decode worker refuses one switch: {failed} failed");
+    assert_eq!(switched(), 1.0);
+    let now = roles(&url);
+    assert_eq!(now.iter().filter(|(_, r)| r == "prefill").count(), 2, "{now:?}");
+    assert_no_leak(&[&p, &a, &b]);
+}
+
 #[test]
 fn serve_and_conductor_offer_both_kv_transfer_modes() {
     for command in ["serve", "conductor"] {
