@@ -335,7 +335,9 @@ async fn a_storm_over_kv_tiers_keeps_every_text_and_leaks_nothing() {
     // Again, alone: what the tiers kept gives the same texts.
     assert_eq!(alone(&server, &bodies).await, reference);
     server.assert_no_kv_held().await;
-    assert_eq!(std::fs::read_dir(&dir).expect("the disk tier's directory").count(), 2, "a block file per worker");
+    // Each worker's block file lost its name when it was made: whatever ends the workers,
+    // nothing is left in the directory.
+    assert_eq!(std::fs::read_dir(&dir).expect("the disk tier's directory").count(), 0, "no block file by name");
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }

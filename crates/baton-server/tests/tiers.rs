@@ -73,14 +73,17 @@ async fn a_prefix_evicted_to_host_is_reused_with_the_same_output() {
 }
 
 #[tokio::test]
-async fn a_prefix_evicted_to_disk_is_reused_and_the_block_file_goes_with_the_worker() {
+async fn a_prefix_evicted_to_disk_is_reused_and_no_block_file_is_left_behind() {
     let dir = std::env::temp_dir().join(format!("baton-tiers-{}", std::process::id()));
     let server = start(16, Some((&dir, 64))).await;
     // Eight other prompts push prompt 0 past the device arena and the 16 host blocks, to disk.
     let (first, again, cached) = evict_and_return(&server, 8).await;
     assert_eq!(first, again, "output from the disk tier's KV differs");
     assert!(cached >= 24, "prompt 0's prefix should come back from disk, got {cached} tokens");
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "one block file for the one worker");
+    // The block file lost its name when it was made (its space goes with the worker, however
+    // the worker ends): the directory never shows it.
+    assert!(dir.is_dir(), "the disk tier's directory is made");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "no block file by name");
     server.assert_no_kv_held().await;
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
