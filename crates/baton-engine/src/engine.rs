@@ -160,8 +160,9 @@ pub struct Engine {
     /// Steps run: the logical time of the pool's eviction policy.
     clock: u64,
     /// Blocks brought onto the device from (host, disk) since the last step: the emulated
-    /// backend charges their copy to the next step, as the copy stalls the loop.
-    swapped_in: [usize; 2],
+    /// backend charges their copy to the next step, as the copy stalls the loop. `None` when
+    /// the pool has no slower tier (nothing to count, no prefix to look up twice).
+    swapped_in: Option<[usize; 2]>,
     seqs: HashMap<RequestId, Sequence>,
     /// Oldest first.
     running: Vec<RequestId>,
@@ -223,7 +224,7 @@ impl Engine {
         Ok(Self {
             pool,
             clock: 0,
-            swapped_in: [0; 2],
+            swapped_in: (config.host_blocks > 0 || config.disk_blocks > 0).then_some([0; 2]),
             backend,
             tokenizer,
             config,
@@ -694,7 +695,7 @@ impl Engine {
             }
             Backend::Emulated(emu) => {
                 let bs = self.config.block_size as u64;
-                let swapped = std::mem::take(&mut self.swapped_in).map(|b| b as u64 * bs);
+                let swapped = self.swapped_in.as_mut().map_or([0; 2], std::mem::take).map(|b| b as u64 * bs);
                 let mut work = StepWork { swapped_in_tokens: swapped, ..StepWork::default() };
                 let tokens = batch
                     .iter()
@@ -842,15 +843,16 @@ impl Engine {
 /// the (host, disk) tiers (along a cached prefix the tiers only get slower, so they come last).
 fn take_prefix(
     pool: &mut MemPool,
-    swapped_in: &mut [usize; 2],
+    swapped_in: &mut Option<[usize; 2]>,
     clock: u64,
     tokens: &[u32],
 ) -> Result<(Vec<BlockId>, usize), PoolError> {
+    let Some(swapped) = swapped_in else { return pool.acquire_prefix(tokens, clock) };
     let [device, host, _] = pool.peek_prefix(tokens);
     let (blocks, covered) = pool.acquire_prefix(tokens, clock)?;
     let lower = blocks.len().saturating_sub(device);
     let from_host = lower.min(host);
-    swapped_in[0] += from_host;
-    swapped_in[1] += lower - from_host;
+    swapped[0] += from_host;
+    swapped[1] += lower - from_host;
     Ok((blocks, covered))
 }

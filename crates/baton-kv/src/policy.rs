@@ -50,6 +50,12 @@ pub trait EvictionPolicy: std::fmt::Debug + Send {
     }
     /// Records a use of a tracked `node` at `now`.
     fn touch(&mut self, node: NodeId, now: u64);
+    /// Records that the last request holding `node` let go of it at `now`: for recency a use
+    /// (the default, [`touch`](Self::touch)); LFU does not count the request a second time, as
+    /// it counted it when the request took the block.
+    fn released(&mut self, node: NodeId, now: u64) {
+        self.touch(node, now);
+    }
     /// Stops tracking `node`.
     fn remove(&mut self, node: NodeId);
     /// Keeps a tracked `node` from being named a victim until [`unpin`](Self::unpin).
@@ -221,6 +227,16 @@ impl EvictionPolicy for Lfu {
         }
     }
 
+    fn released(&mut self, node: NodeId, now: u64) {
+        let Some(Some(f)) = self.entries.get_mut(node.index()) else { return };
+        let old = (f.count, f.last, node.0);
+        f.last = now;
+        if !f.pinned {
+            self.order.remove(&old);
+            self.order.insert((f.count, f.last, node.0));
+        }
+    }
+
     fn remove(&mut self, node: NodeId) {
         if let Some(slot) = self.entries.get_mut(node.index())
             && let Some(f) = slot.take()
@@ -331,6 +347,18 @@ mod tests {
             }
             assert_eq!(b.victim(), None);
         }
+    }
+
+    #[test]
+    fn lfu_counts_a_release_as_recency_not_as_another_use() {
+        let mut p = Lfu::default();
+        p.insert(NodeId(0), 1);
+        p.insert_pinned(NodeId(1), 2);
+        p.released(NodeId(1), 3);
+        p.unpin(NodeId(1));
+        assert_eq!(p.victim(), Some(NodeId(0)), "both used once, 0 less recently");
+        p.touch(NodeId(0), 4);
+        assert_eq!(p.victim(), Some(NodeId(1)), "the release was not a second use");
     }
 
     #[test]

@@ -563,7 +563,7 @@ impl MemPool {
                     }
                     // The last holder's release is the block's latest use (a request frees its
                     // blocks in prompt order, so a chain's tail is its most recent block).
-                    t.policy.touch(NodeId(node), self.now);
+                    t.policy.released(NodeId(node), self.now);
                     self.refresh(NodeId(node))
                 }
             }
