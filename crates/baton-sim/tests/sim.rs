@@ -283,3 +283,27 @@ fn conditional_disaggregation_runs_some_requests_whole_on_their_decode_instance(
     assert_eq!(on, baton_sim::run(&on_cfg).expect("run"), "deterministic");
     eprintln!("conditional: {} of 60 run on the decode instance", on.run_on_decode);
 }
+
+/// `--records`: one record per request, in workload order, whose figures add up to the report's
+/// (the same TTFTs, the cache hit ratio from tokens found cached and fetched); absent from the
+/// JSON unless asked for.
+#[test]
+fn per_request_records_add_up_to_the_report() {
+    let path = write_temp("records.jsonl", &small_trace());
+    let workload = WorkloadSpec::MooncakeTrace { path, time_scale: 1.0 };
+    let plain = baton_sim::run(&cfg(PolicyKind::KvCentric, workload.clone())).expect("run");
+    assert!(plain.records.is_empty());
+    assert!(!serde_json::to_string(&plain).expect("json").contains("\"records\""));
+
+    let r = baton_sim::run(&SimConfig { records: true, ..cfg(PolicyKind::KvCentric, workload) }).expect("run");
+    assert_eq!(r.records.len(), r.requests);
+    assert!(r.records.iter().enumerate().all(|(i, x)| x.id == i && x.prefill.is_some() && x.decode.is_some()));
+    let mut ttfts: Vec<u64> = r.records.iter().filter_map(|x| x.ttft_us).collect();
+    ttfts.sort_unstable();
+    assert_eq!(ttfts, r.ttft_samples_us, "the records' TTFTs are the report's");
+    let prompt: u64 = r.records.iter().map(|x| x.prompt_tokens).sum();
+    let reused: u64 = r.records.iter().map(|x| x.cached_tokens + x.fetched_tokens).sum();
+    assert!((reused as f64 / prompt as f64 - r.cache_hit_ratio).abs() < 1e-9);
+    assert!(reused > 0, "requests of a group share a 6-block prefix");
+    assert!(r.records.iter().all(|x| x.prefill_start_us.is_some_and(|s| s >= x.arrival_us)));
+}
