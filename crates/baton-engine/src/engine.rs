@@ -22,6 +22,7 @@ use baton_kv::{
     PoolError, Tier,
 };
 use baton_model::{LogitsWanted, Model, ModelConfig, SeqStep, StepLogits, Tokenizer};
+use baton_sched::{CostProfile, Micros};
 
 use crate::emulated::{EmulatedModel, EmulatedStats, Emulator, StepWork};
 
@@ -595,7 +596,12 @@ impl Engine {
         let mut took = false;
         if seq.table.is_empty() && uses_cache {
             let known = seq.tokens.len() - 1;
-            let (blocks, tokens) = take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, &seq.tokens[..known])?;
+            let profile = match &self.backend {
+                Backend::Emulated(e) => Some(&e.model.profile),
+                Backend::Model(_) => None,
+            };
+            let take = worth_taking(&self.pool, profile, bs, &seq.tokens[..known], seq.tokens.len());
+            let (blocks, tokens) = take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, &seq.tokens[..take])?;
             seq.table.extend(blocks);
             seq.computed = tokens;
             took = true;
@@ -855,4 +861,31 @@ fn take_prefix(
     swapped[0] += from_host;
     swapped[1] += lower - from_host;
     Ok((blocks, covered))
+}
+
+/// How many leading tokens of `known` (a prompt of `prompt_len` tokens, less its last) to take
+/// from the prefix cache: all it holds, unless the cost profile says that copying the blocks
+/// on a slower tier (the engine copies within its step, stalling it) takes longer than
+/// computing them again; then as far as the copy pays (device only, or device and host). A
+/// block left behind is computed again, and the new one takes its place in the index.
+///
+/// Only an engine that knows its costs weighs this: an emulated one, whose profile may put a
+/// 70B model's KV behind a disk slower than its GPUs (4,096 tokens from a 6 GB/s disk take
+/// 224 ms, computing them 155 ms). The CPU backend always loads: recomputing is its slow side.
+fn worth_taking(pool: &MemPool, profile: Option<&CostProfile>, bs: usize, known: &[u32], prompt_len: usize) -> usize {
+    let Some(p) = profile else { return known.len() };
+    let [device, host, disk] = pool.peek_prefix(known);
+    if host + disk == 0 {
+        return known.len();
+    }
+    let tokens = |blocks: usize| (blocks * bs) as u64;
+    let copy = |blocks: usize, link| if blocks == 0 { 0 } else { p.kv_transfer_time(tokens(blocks), link) };
+    let (to_host, to_disk) = (copy(host, p.host_to_device), copy(disk, p.disk_to_device));
+    let options = [(device, 0), (device + host, to_host), (device + host + disk, to_host + to_disk)];
+    let cost =
+        |&(blocks, copy_us): &(usize, Micros)| copy_us + p.prefill_time_cached(prompt_len as u64, tokens(blocks));
+    match options.iter().min_by_key(|o| cost(o)) {
+        Some(&(blocks, _)) if blocks < device + host + disk => blocks * bs,
+        _ => known.len(),
+    }
 }
