@@ -108,6 +108,41 @@ mod tests {
         assert_eq!(r.estimate.ttft_us, cost.prefill_time_cached(req.prompt_tokens, 16 * 512));
     }
 
+    /// A prefix the index places on a slower tier costs its copy back, or its recomputation
+    /// where that is cheaper: on the 70B profile host memory (200 GB/s) pays, a 6 GB/s disk
+    /// does not.
+    #[test]
+    fn a_prefix_on_a_slower_tier_counts_its_copy_or_its_recomputation() {
+        use baton_kv::{KvEvent, KvEventKind, Tier};
+        let cost = CostProfile::llama2_70b_8xh100();
+        let req = request(20);
+        for (tier, expected) in [
+            (
+                Tier::Host,
+                cost.kv_transfer_time(8 * 512, cost.host_to_device)
+                    + cost.prefill_time_cached(req.prompt_tokens, 16 * 512),
+            ),
+            (Tier::Disk, cost.prefill_time_cached(req.prompt_tokens, 8 * 512)),
+        ] {
+            let inst = instances(3, 2);
+            let mut trees = trees_for(&inst);
+            // Instance 1 caches the prompt's first 16 blocks, the last 8 of them on `tier`.
+            for b in 0..16u64 {
+                let kind = KvEventKind::Stored {
+                    hash: BlockHash(b + 1),
+                    parent: (b > 0).then_some(BlockHash(b)),
+                    tokens: Default::default(),
+                    tier: if b < 8 { Tier::Device } else { tier },
+                };
+                trees.apply(&KvEvent { instance: InstanceId(1), seq: b, kind }).expect("in order");
+            }
+            let s = snap(inst, &trees, &cost);
+            let r = route(&s, &req);
+            assert_eq!(r.prefill, InstanceId(1), "{tier:?}");
+            assert_eq!(r.estimate.ttft_us, expected, "{tier:?}");
+        }
+    }
+
     #[test]
     fn cache_aware_branch_trades_prefix_for_queue_time() {
         // Instance 1 holds 16 blocks but is busy; instance 2 holds 12 (ratio 16/12 < 1.5: the

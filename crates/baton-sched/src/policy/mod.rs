@@ -150,7 +150,54 @@ pub(crate) fn ttft_on(
     req: &Request,
     cached_blocks: usize,
 ) -> Micros {
-    inst.queued_prefill_us + snap.cost.prefill_time_cached(req.prompt_tokens, req.cached_tokens(cached_blocks))
+    inst.queued_prefill_us + local_prefill_us(snap, inst, req, cached_blocks)
+}
+
+/// Prefill time on `inst` reusing the first `cached_blocks` blocks of the prompt from its own
+/// cache. Blocks the index places on a slower tier are copied back first, over the profile's
+/// host or disk link, as far as that beats computing them again, which is the engine's own
+/// rule (`worth_taking` in baton-engine). A prefix spilled to a slow disk then counts for what
+/// it saves, not as if it sat on the device.
+pub(crate) fn local_prefill_us(
+    snap: &ClusterSnapshot<'_>,
+    inst: &InstanceSnapshot,
+    req: &Request,
+    cached_blocks: usize,
+) -> Micros {
+    let cost = snap.cost;
+    let prefill = |blocks: usize| cost.prefill_time_cached(req.prompt_tokens, req.cached_tokens(blocks));
+    let (host, disk) = slower_tiers(snap, inst.id, req, cached_blocks);
+    if host + disk == 0 {
+        return prefill(cached_blocks);
+    }
+    let device = cached_blocks - host - disk;
+    let with_host = copy_back_us(snap, req, device + host, (host, 0)) + prefill(device + host);
+    let with_disk = copy_back_us(snap, req, cached_blocks, (host, disk)) + prefill(cached_blocks);
+    prefill(device).min(with_host).min(with_disk)
+}
+
+/// Of the first `blocks` blocks of the prompt that `id` caches, how many the index places on
+/// the host tier and on the disk tier. Along a cached prefix the tiers only get slower, so they
+/// are counted from its end, and a prefix all on the device costs one lookup.
+fn slower_tiers(snap: &ClusterSnapshot<'_>, id: InstanceId, req: &Request, blocks: usize) -> (usize, usize) {
+    let (mut host, mut disk) = (0, 0);
+    for h in req.block_hashes[..blocks.min(req.block_hashes.len())].iter().rev() {
+        match snap.trees.tier_of(id, *h) {
+            Some(baton_kv::Tier::Disk) if host == 0 => disk += 1,
+            Some(baton_kv::Tier::Host) => host += 1,
+            _ => break,
+        }
+    }
+    (host, disk)
+}
+
+/// The copy of the blocks `slower_tiers` counts back to the device, over the profile's links.
+fn copy_back_us(snap: &ClusterSnapshot<'_>, req: &Request, blocks: usize, (host, disk): (usize, usize)) -> Micros {
+    let cost = snap.cost;
+    let tokens = |from: usize, to: usize| req.cached_tokens(to) - req.cached_tokens(from);
+    let device = blocks - host - disk;
+    let link = |n: usize, from: usize, l| if n == 0 { 0 } else { cost.kv_transfer_time(tokens(from, from + n), l) };
+    link(host, device, cost.host_to_device) + link(disk, device + host, cost.disk_to_device)
 }
 
 /// Predicted TBT on a decode instance once this request joins (its running batch, the requests
@@ -238,7 +285,10 @@ impl<'s> PrefillPlan<'s> {
         let holder = holder.filter(|&(from, end)| snap.kv_fetch && end > local && from != inst.id);
         if let Some((from, end)) = holder {
             let tokens = req.cached_tokens(end) - req.cached_tokens(local);
+            // The holder brings the prefix onto its device to export it.
+            let at_holder = copy_back_us(snap, req, end, slower_tiers(snap, from, req, end));
             let remote = inst.queued_prefill_us
+                + at_holder
                 + snap.cost.kv_transfer_time(tokens, snap.link(from, inst.id))
                 + snap.cost.prefill_time_cached(req.prompt_tokens, req.cached_tokens(end));
             if remote <= plan.ttft {
