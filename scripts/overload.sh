@@ -17,6 +17,8 @@
 #   DURATION_S seconds of arrivals per rate (default 20)
 #   T_D_MS     the simulator's uniform decode time (default 2400: 300 tokens at 8 ms)
 #   MODEL      the model file whose tokenizer the emulated workers use
+#   TBT_HEADROOM  fraction of the TBT SLO admission keeps free, live and simulated
+#              (`--admission-tbt-headroom`; default: the flag's default, 0.1)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +30,8 @@ duration="${DURATION_S:-20}"
 t_d_ms="${T_D_MS:-2400}"
 model="${MODEL:-${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf}"
 slo=(--slo-ttft-ms 2000 --slo-tbt-ms 8)
+headroom=()
+[[ -n "${TBT_HEADROOM:-}" ]] && headroom=(--admission-tbt-headroom "$TBT_HEADROOM")
 
 info() { echo "overload: $*" >&2; }
 die() { echo "overload: error: $*" >&2; exit 1; }
@@ -47,12 +51,12 @@ for rate in $rates; do
   info "rate $rate/s, $n requests: simulated"
   "$baton" sim --trace "$trace" --prefill 2 --decode 2 --profile h100 --policy kv-centric \
     --admission none,early,predictive --ttft-slo-ms 2000 --tbt-slo-ms 8 --decode-time-ms "$t_d_ms" \
-    --max-batch 512 --seed 0 --json >"$dir/sim.json" 2>"$dir/sim.log"
+    --max-batch 512 --seed 0 "${headroom[@]}" --json >"$dir/sim.json" 2>"$dir/sim.log"
   for admission in none early predictive; do
     info "rate $rate/s: live, admission $admission"
     start_server "$dir/$admission.serve.log" --model "$model" --emulate h100 --prefill 2 --decode 2 \
       --num-blocks 65536 --max-num-seqs 512 --max-batch-tokens 2048 --prefill-chunk 2048 \
-      --policy kv-centric --admission "$admission" --cost-profile h100 "${slo[@]}"
+      --policy kv-centric --admission "$admission" --cost-profile h100 "${slo[@]}" "${headroom[@]}"
     "$baton" bench serve --url "$url" --workload mooncake --dataset "$trace" --ignore-eos --num-requests "$n" \
       "${slo[@]}" --request-timeout-s 600 --no-plots --no-progress --out-dir "$dir/$admission" \
       >"$dir/$admission.bench.txt" 2>&1 || die "bench serve failed: $(tail -5 "$dir/$admission.bench.txt")"

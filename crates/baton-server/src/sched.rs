@@ -501,7 +501,7 @@ mod tests {
     /// a `t_d` of 10 s.
     fn admitting(kind: baton_sched::AdmissionKind, tbt_us: u64, cost: CostProfile) -> SchedPolicy {
         let slo = baton_sched::Slo { ttft_us: 60_000_000, tbt_us };
-        let admission = AdmissionConfig { kind, slo, decode_time_us: 10_000_000 };
+        let admission = AdmissionConfig { kind, slo, decode_time_us: 10_000_000, tbt_headroom: 0.0 };
         let policy = PolicyKind::LeastLoad.build(&PolicyConfig::default());
         SchedPolicy::new(Scheduler::new(policy, admission), cost, 16, 1)
     }

@@ -112,6 +112,11 @@ pub(crate) struct RoutingFlags {
     /// TBT SLO in milliseconds, for admission control.
     #[arg(long, default_value_t = 1_000)]
     slo_tbt_ms: u64,
+    /// Fraction of the TBT SLO that early and predictive admission keep free: a request is
+    /// admitted while its decode worker's predicted step stays under (1 − this) × the SLO.
+    /// Admitting right up to the SLO leaves about half the admitted requests just over it.
+    #[arg(long, default_value_t = baton_sched::DEFAULT_TBT_HEADROOM)]
+    admission_tbt_headroom: f64,
     /// Cost profile the policies predict with: a JSON file from `baton profile`, or `a800`
     /// (the default; it only matters for admission control) / `h100`.
     #[arg(long)]
@@ -271,6 +276,7 @@ impl RoutingFlags {
             kind: self.admission,
             slo: baton_sched::Slo { ttft_us: self.slo_ttft_ms * 1000, tbt_us: self.slo_tbt_ms * 1000 },
             decode_time_us: 10_000_000,
+            tbt_headroom: self.admission_tbt_headroom,
         };
         Ok(PolicyChoice::Sched {
             policy,

@@ -76,6 +76,10 @@ pub(crate) struct SimArgs {
     /// Uniform decode time t_d of predictive rejection, in milliseconds.
     #[arg(long)]
     decode_time_ms: Option<u64>,
+    /// Fraction of the TBT SLO that early and predictive admission keep free (the live
+    /// conductor's --admission-tbt-headroom).
+    #[arg(long, default_value_t = baton_sched::DEFAULT_TBT_HEADROOM)]
+    admission_tbt_headroom: f64,
     /// Mooncake's kvcache_balancing_threshold.
     #[arg(long)]
     threshold: Option<f64>,
@@ -165,6 +169,7 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
     if let Some(ms) = a.decode_time_ms {
         cfg.admission.decode_time_us = ms * 1000;
     }
+    cfg.admission.tbt_headroom = a.admission_tbt_headroom;
     cfg.cluster.kv_fetch = matches!(a.kv_fetch, crate::engine_flags::OnOff::On);
     cfg.conditional_tokens = (a.conditional_disagg_tokens > 0).then_some(a.conditional_disagg_tokens);
     if let Some(t) = a.threshold {
