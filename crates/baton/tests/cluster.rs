@@ -871,6 +871,38 @@ fn roles(conductor: &str) -> Vec<(String, String)> {
     roles
 }
 
+/// An elastic conductor that switches at the first imbalance (no hold), at most once a minute,
+/// with a TTFT target of 1 ms that every prefill misses (the prefill pool is always over it).
+const ELASTIC_AT_ONCE: [&str; 9] = [
+    "--elastic",
+    "--elastic-hold-s",
+    "0",
+    "--elastic-max-switches-per-min",
+    "1",
+    "--slo-ttft-ms",
+    "1",
+    "--slo-tbt-ms",
+    "60000",
+];
+
+/// The prompts of [`prefill_heavy_round`] and their texts by `baton generate`.
+fn elastic_prompts(dir: &Path) -> ([String; 2], Vec<String>) {
+    let prompts = [LONG.to_owned(), format!("Another story. {LONG}")];
+    let expected = prompts.iter().map(|p| generate(dir, p, 8)).collect();
+    (prompts, expected)
+}
+
+/// Four requests at once, the two prompts in turn, each answer checked against `expected`.
+fn prefill_heavy_round(url: &str, prompts: &[String; 2], expected: &[String], round: usize) {
+    let answers: Vec<String> = std::thread::scope(|s| {
+        let calls: Vec<_> = (0..4).map(|i| s.spawn(move || text(&complete(url, &prompts[i % 2], 8)))).collect();
+        calls.into_iter().map(|c| c.join().expect("request thread")).collect()
+    });
+    for (i, answer) in answers.iter().enumerate() {
+        assert_eq!(answer, &expected[i % 2], "round {round}, request {i}");
+    }
+}
+
 /// Elastic prefill/decode across processes (issue #18): under prefill load (a 1 ms TTFT target
 /// the 70B cost profile never meets, a 60 s TBT target always met) the conductor switches one
 /// decode worker process to prefill through its control API, mid-traffic. Every request keeps
@@ -879,36 +911,13 @@ fn roles(conductor: &str) -> Vec<(String, String)> {
 #[test]
 fn an_elastic_conductor_switches_a_worker_process_mid_traffic() {
     let dir = model("tiny-llama");
-    let elastic = [
-        "--elastic",
-        "--elastic-hold-s",
-        "0",
-        "--elastic-max-switches-per-min",
-        "1",
-        "--slo-ttft-ms",
-        "1",
-        "--slo-tbt-ms",
-        "60000",
-    ];
-    let (_c, url) = conductor_with(&dir, "embedded", &elastic);
+    let (_c, url) = conductor_with(&dir, "embedded", &ELASTIC_AT_ONCE);
     let (p, a, b) = prefill_and_two_decoders(&dir, &url);
     let (_replica, replica_url) = conductor(&dir, &url);
     wait_members(&replica_url, 3, Duration::from_secs(10));
-    let prompts = [LONG.to_owned(), format!("Another story. {LONG}")];
-    let expected: Vec<String> = prompts.iter().map(|p| generate(&dir, p, 8)).collect();
+    let (prompts, expected) = elastic_prompts(&dir);
     for round in 0..3 {
-        let answers: Vec<String> = std::thread::scope(|s| {
-            let calls: Vec<_> = (0..4)
-                .map(|i| {
-                    let (url, prompt) = (&url, &prompts[i % 2]);
-                    s.spawn(move || text(&complete(url, prompt, 8)))
-                })
-                .collect();
-            calls.into_iter().map(|c| c.join().expect("request thread")).collect()
-        });
-        for (i, answer) in answers.iter().enumerate() {
-            assert_eq!(answer, &expected[i % 2], "round {round}, request {i}");
-        }
+        prefill_heavy_round(&url, &prompts, &expected, round);
     }
     assert_eq!(metric(&url, "baton_role_switches_total{from=\"decode\",to=\"prefill\"}"), 1.0);
     let now = roles(&url);
@@ -933,42 +942,19 @@ fn an_elastic_conductor_switches_a_worker_process_mid_traffic() {
 #[test]
 fn a_role_switch_the_worker_refuses_fails_and_the_next_look_switches() {
     let dir = model("tiny-llama");
-    let elastic = [
-        "--elastic",
-        "--elastic-hold-s",
-        "0",
-        "--elastic-max-switches-per-min",
-        "1",
-        "--slo-ttft-ms",
-        "1",
-        "--slo-tbt-ms",
-        "60000",
-    ];
-    let (_c, url) = conductor_with(&dir, "embedded", &elastic);
+    let (_c, url) = conductor_with(&dir, "embedded", &ELASTIC_AT_ONCE);
     let p = worker(&dir, "prefill", &url, &["--name", "prefill-1"]);
     let refuse = [(baton_server::deploy::REFUSE_ROLE_SWITCHES_ENV, "1")];
     let a = worker_env(&dir, "decode", &url, &["--name", "decode-a"], SECRET, &refuse);
     let b = worker_env(&dir, "decode", &url, &["--name", "decode-b"], SECRET, &refuse);
     wait_members(&url, 3, Duration::from_secs(10));
-    let prompts = [LONG.to_owned(), format!("Another story. {LONG}")];
-    let expected: Vec<String> = prompts.iter().map(|p| generate(&dir, p, 8)).collect();
+    let (prompts, expected) = elastic_prompts(&dir);
     let switched = || metric(&url, "baton_role_switches_total{from=\"decode\",to=\"prefill\"}");
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut round = 0;
     while switched() < 1.0 {
         assert!(Instant::now() < deadline, "no switch after {round} rounds of a prefill-heavy burst");
-        let answers: Vec<String> = std::thread::scope(|s| {
-            let calls: Vec<_> = (0..4)
-                .map(|i| {
-                    let (url, prompt) = (&url, &prompts[i % 2]);
-                    s.spawn(move || text(&complete(url, prompt, 8)))
-                })
-                .collect();
-            calls.into_iter().map(|c| c.join().expect("request thread")).collect()
-        });
-        for (i, answer) in answers.iter().enumerate() {
-            assert_eq!(answer, &expected[i % 2], "round {round}, request {i}");
-        }
+        prefill_heavy_round(&url, &prompts, &expected, round);
         round += 1;
     }
     let failed = metric(&url, "baton_role_switch_failures_total");
