@@ -11,7 +11,8 @@
 # from the workers' /metrics counters, simulated from the report), mean and p90 TTFT, live and
 # simulated side by side, and the live/sim ratio of the mean TTFT. Targets (issue #15): exact
 # kv-centric has the highest live hit ratio and the lowest live mean TTFT of the four; live and
-# simulated mean TTFT agree within 20% for each policy.
+# simulated mean TTFT agree within 20% for each policy. A second table sets the two side by side
+# per turn of the sessions (TTFT and prompt tokens found cached), from per-request records.
 #
 # Usage: scripts/live-vs-sim.sh
 # Environment:
@@ -145,4 +146,33 @@ for name in policies:
     else:
         row = f"— | {ttft_mean:.0f} | — | — | {ttft_p90:.0f} | — | {s['completed']} / —"
     print(f"| {name} | {hit:.3f} | {row} |")
+
+# Request by request: each request's turn in its session (a prompt that extends an earlier
+# one's blocks is its next turn), then per policy and turn the mean TTFT and the mean prompt
+# tokens found cached (fetched included), live (the server's usage.prompt_tokens_details) and
+# simulated (`baton sim --records`). Where the two sides part, this says on which turns.
+trace = [json.loads(l)["hash_ids"] for l in open(os.path.join(out, "trace.jsonl"))]
+turn = []
+for i, h in enumerate(trace):
+    turn.append(max([turn[j] + 1 for j in range(i) if h[:len(trace[j])] == trace[j]], default=0))
+print()
+print("| policy | turn | requests | TTFT mean live ms | TTFT mean sim ms | cached tokens live | cached tokens sim |")
+print("|---|---|---|---|---|---|---|")
+for name in policies:
+    sim = sims.get(name)
+    if not sim or not sim.get("records"):
+        continue
+    reports = sorted(glob.glob(os.path.join(out, name, "*.json")), key=os.path.getmtime)
+    live = sorted(json.load(open(reports[-1]))["runs"][0]["records"], key=lambda r: r["start_us"])
+    rows = {}
+    for t, l, r in zip(turn, live, sim["records"]):
+        a = rows.setdefault(t, [0, 0.0, 0.0, 0, 0])
+        a[0] += 1
+        a[1] += (l["ttft_us"] or 0) / 1000
+        a[2] += (r["ttft_us"] or 0) / 1000
+        a[3] += l.get("cached_tokens") or 0
+        a[4] += r["cached_tokens"] + r["fetched_tokens"]
+    for t in sorted(rows):
+        n, lt, st, lc, sc = rows[t]
+        print(f"| {name} | {t + 1} | {n} | {lt / n:.1f} | {st / n:.1f} | {lc // n} | {sc // n} |")
 EOF
