@@ -673,6 +673,14 @@ impl Engine {
             return Ok(out);
         }
 
+        // The step's work in the cost model's terms: what the emulated backend waits for, and
+        // the decode batch the output reports (load reports keep decode-only step times).
+        let bs = self.config.block_size as u64;
+        let swapped = self.swapped_in.as_mut().map_or([0; 2], std::mem::take).map(|b| b as u64 * bs);
+        let mut work = StepWork { swapped_in_tokens: swapped, ..StepWork::default() };
+        for s in &batch {
+            work.add(self.seqs[&s.id].computed, s.num_tokens);
+        }
         let computed = match &mut self.backend {
             Backend::Model(model) => {
                 let vocab = model.config().vocab_size;
@@ -700,14 +708,10 @@ impl Engine {
                 Computed::Logits(model.forward(&steps, self.pool.arena_mut())?)
             }
             Backend::Emulated(emu) => {
-                let bs = self.config.block_size as u64;
-                let swapped = self.swapped_in.as_mut().map_or([0; 2], std::mem::take).map(|b| b as u64 * bs);
-                let mut work = StepWork { swapped_in_tokens: swapped, ..StepWork::default() };
                 let tokens = batch
                     .iter()
                     .map(|s| {
                         let seq = &self.seqs[&s.id];
-                        work.add(seq.computed, s.num_tokens);
                         (seq.computed + s.num_tokens == seq.tokens.len())
                             .then(|| emu.next_token(&seq.tokens, seq.prompt_len))
                     })
@@ -717,14 +721,8 @@ impl Engine {
             }
         };
         out.computed_tokens = batch.iter().map(|s| s.num_tokens).sum();
-        for s in &batch {
-            let computed = self.seqs[&s.id].computed;
-            // The cost model's rule (`StepWork::add`): one token after some KV is a decode.
-            if s.num_tokens == 1 && computed > 0 {
-                out.decode_batch += 1;
-                out.decode_context += computed + 1;
-            }
-        }
+        out.decode_batch = work.decode_batch as usize;
+        out.decode_context = work.decode_context as usize;
 
         let eos = self.backend.config().eos_token_ids.clone();
         let max_context = self.backend.config().max_position_embeddings;
