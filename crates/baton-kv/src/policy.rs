@@ -1,7 +1,9 @@
 //! Eviction policies: LRU and LFU behind one interface, with pinning.
 //!
 //! A policy orders the cached entries of one tier and names the coldest one that is not pinned.
-//! It never reads a clock: the caller passes `now` (any monotone counter, such as a step number).
+//! It never reads a clock: [`Lru`] and [`Lfu`] order uses by a counter of their own, in the order
+//! of the calls (the `now` the caller passes, a step number, is part of the interface for a
+//! policy that wants it; these two do not).
 //! The pool pins an entry while it must not leave its tier: a request holds it, a swap is moving
 //! it, or a child in the same tier depends on it.
 
@@ -73,37 +75,40 @@ pub trait EvictionPolicy: std::fmt::Debug + Send {
 
 /// Least recently used, over unpinned nodes, in the order of their last *use*.
 ///
-/// A use is [`insert`](EvictionPolicy::insert), [`insert_pinned`](EvictionPolicy::insert_pinned)
-/// or [`touch`](EvictionPolicy::touch), numbered by a counter of the policy's own (so two uses
-/// in one call of the pool keep their order); `now` is not read. [`unpin`](EvictionPolicy::unpin)
-/// is not a use: a node that becomes a candidate again takes its place by its last use. This
-/// matters for prefix chains: a parent is used with or before its child, so when the pool
-/// evicts a chain's leaf and the parent becomes the new leaf, the parent is at least as cold and
-/// the same chain goes on leaving, tail first, before a warmer chain loses a block. (Had
-/// unpinning counted as a use, every eviction would send the chain to the back, and a full pool
-/// would trim the tail of every cached prompt in turn instead of dropping the coldest one.)
-/// An ordered set over `(last use, node)`, `O(log n)` per call.
+/// A use is [`insert`](EvictionPolicy::insert), [`insert_pinned`](EvictionPolicy::insert_pinned),
+/// [`touch`](EvictionPolicy::touch) or [`released`](EvictionPolicy::released), numbered by a
+/// counter of the policy's own (so two uses in one call of the pool keep their order); `now` is
+/// not read. [`unpin`](EvictionPolicy::unpin) is not a use: a node that becomes a candidate again
+/// takes its place by its last use. This matters for prefix chains: a parent is used with or
+/// before its child, so when the pool evicts a chain's leaf and the parent becomes the new leaf,
+/// the parent is at least as cold and the same chain goes on leaving, tail first, before a warmer
+/// chain loses a block. (Had unpinning counted as a use, every eviction would send the chain to
+/// the back, and a full pool would trim the tail of every cached prompt in turn instead of
+/// dropping the coldest one.)
+pub type Lru = Ranked<false>;
+
+/// Least frequently used, ties broken by least recent use (as [`Lru`] orders uses). A request
+/// counts once: when it takes a block ([`touch`](EvictionPolicy::touch)), not again when it lets
+/// go ([`released`](EvictionPolicy::released), a use for recency only).
+pub type Lfu = Ranked<true>;
+
+/// [`Lru`] and [`Lfu`]: unpinned nodes in an ordered set over `(uses, last use, node)`, where
+/// `uses` stays 0 unless `FREQUENCY`. `O(log n)` per call.
 #[derive(Debug, Default)]
-pub struct Lru {
-    entries: Vec<Option<Recency>>,
-    order: BTreeSet<(u64, u32)>,
+pub struct Ranked<const FREQUENCY: bool> {
+    entries: Vec<Option<Rank>>,
+    order: BTreeSet<(u64, u64, u32)>,
     clock: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Recency {
+struct Rank {
+    uses: u64,
     last: u64,
     pinned: bool,
 }
 
-impl Lru {
-    fn entry(&mut self, n: NodeId) -> &mut Option<Recency> {
-        if n.index() >= self.entries.len() {
-            self.entries.resize(n.index() + 1, None);
-        }
-        &mut self.entries[n.index()]
-    }
-
+impl<const FREQUENCY: bool> Ranked<FREQUENCY> {
     fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
@@ -111,15 +116,31 @@ impl Lru {
 
     fn track(&mut self, node: NodeId, pinned: bool) {
         self.remove(node);
-        let last = self.tick();
-        *self.entry(node) = Some(Recency { last, pinned });
+        let rank = Rank { uses: u64::from(FREQUENCY), last: self.tick(), pinned };
+        if node.index() >= self.entries.len() {
+            self.entries.resize(node.index() + 1, None);
+        }
+        self.entries[node.index()] = Some(rank);
         if !pinned {
-            self.order.insert((last, node.0));
+            self.order.insert((rank.uses, rank.last, node.0));
+        }
+    }
+
+    /// Records a use of a tracked node, counting it toward its frequency if `counts`.
+    fn used(&mut self, node: NodeId, counts: bool) {
+        let last = self.tick();
+        let Some(Some(r)) = self.entries.get_mut(node.index()) else { return };
+        let old = (r.uses, r.last, node.0);
+        r.uses += u64::from(FREQUENCY && counts);
+        r.last = last;
+        if !r.pinned {
+            self.order.remove(&old);
+            self.order.insert((r.uses, r.last, node.0));
         }
     }
 }
 
-impl EvictionPolicy for Lru {
+impl<const FREQUENCY: bool> EvictionPolicy for Ranked<FREQUENCY> {
     fn insert(&mut self, node: NodeId, _now: u64) {
         self.track(node, false);
     }
@@ -129,14 +150,11 @@ impl EvictionPolicy for Lru {
     }
 
     fn touch(&mut self, node: NodeId, _now: u64) {
-        let last = self.tick();
-        let Some(Some(r)) = self.entries.get_mut(node.index()) else { return };
-        let old = (r.last, node.0);
-        r.last = last;
-        if !r.pinned {
-            self.order.remove(&old);
-            self.order.insert((last, node.0));
-        }
+        self.used(node, true);
+    }
+
+    fn released(&mut self, node: NodeId, _now: u64) {
+        self.used(node, false);
     }
 
     fn remove(&mut self, node: NodeId) {
@@ -144,7 +162,7 @@ impl EvictionPolicy for Lru {
             && let Some(r) = slot.take()
             && !r.pinned
         {
-            self.order.remove(&(r.last, node.0));
+            self.order.remove(&(r.uses, r.last, node.0));
         }
     }
 
@@ -153,7 +171,7 @@ impl EvictionPolicy for Lru {
             && !r.pinned
         {
             r.pinned = true;
-            self.order.remove(&(r.last, node.0));
+            self.order.remove(&(r.uses, r.last, node.0));
         }
     }
 
@@ -162,105 +180,7 @@ impl EvictionPolicy for Lru {
             && r.pinned
         {
             r.pinned = false;
-            self.order.insert((r.last, node.0));
-        }
-    }
-
-    fn victim(&self) -> Option<NodeId> {
-        self.order.first().map(|&(_, n)| NodeId(n))
-    }
-
-    fn evictable(&self) -> usize {
-        self.order.len()
-    }
-
-    fn contains(&self, node: NodeId) -> bool {
-        self.entries.get(node.index()).is_some_and(Option::is_some)
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Freq {
-    count: u64,
-    last: u64,
-    pinned: bool,
-}
-
-/// Least frequently used, ties broken by least recent use: an ordered set over
-/// `(uses, last use, node)`, `O(log n)` per call.
-#[derive(Debug, Default)]
-pub struct Lfu {
-    entries: Vec<Option<Freq>>,
-    order: BTreeSet<(u64, u64, u32)>,
-}
-
-impl Lfu {
-    fn entry(&mut self, n: NodeId) -> &mut Option<Freq> {
-        if n.index() >= self.entries.len() {
-            self.entries.resize(n.index() + 1, None);
-        }
-        &mut self.entries[n.index()]
-    }
-}
-
-impl EvictionPolicy for Lfu {
-    fn insert(&mut self, node: NodeId, now: u64) {
-        self.remove(node);
-        *self.entry(node) = Some(Freq { count: 1, last: now, pinned: false });
-        self.order.insert((1, now, node.0));
-    }
-
-    fn insert_pinned(&mut self, node: NodeId, now: u64) {
-        self.remove(node);
-        *self.entry(node) = Some(Freq { count: 1, last: now, pinned: true });
-    }
-
-    fn touch(&mut self, node: NodeId, now: u64) {
-        let Some(Some(f)) = self.entries.get_mut(node.index()) else { return };
-        let old = (f.count, f.last, node.0);
-        f.count += 1;
-        f.last = now;
-        let new = (f.count, f.last, node.0);
-        if !f.pinned {
-            self.order.remove(&old);
-            self.order.insert(new);
-        }
-    }
-
-    fn released(&mut self, node: NodeId, now: u64) {
-        let Some(Some(f)) = self.entries.get_mut(node.index()) else { return };
-        let old = (f.count, f.last, node.0);
-        f.last = now;
-        if !f.pinned {
-            self.order.remove(&old);
-            self.order.insert((f.count, f.last, node.0));
-        }
-    }
-
-    fn remove(&mut self, node: NodeId) {
-        if let Some(slot) = self.entries.get_mut(node.index())
-            && let Some(f) = slot.take()
-            && !f.pinned
-        {
-            self.order.remove(&(f.count, f.last, node.0));
-        }
-    }
-
-    fn pin(&mut self, node: NodeId) {
-        if let Some(Some(f)) = self.entries.get_mut(node.index())
-            && !f.pinned
-        {
-            f.pinned = true;
-            self.order.remove(&(f.count, f.last, node.0));
-        }
-    }
-
-    fn unpin(&mut self, node: NodeId) {
-        if let Some(Some(f)) = self.entries.get_mut(node.index())
-            && f.pinned
-        {
-            f.pinned = false;
-            self.order.insert((f.count, f.last, node.0));
+            self.order.insert((r.uses, r.last, node.0));
         }
     }
 
