@@ -49,6 +49,17 @@ pub(crate) struct EngineFlags {
     emulate: Option<String>,
 }
 
+/// Parses `--admission-tbt-headroom`: a fraction of the TBT SLO, from 0 (admit up to the SLO)
+/// to 0.9.
+pub(crate) fn tbt_headroom(s: &str) -> Result<f64, String> {
+    let h: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=0.9).contains(&h) {
+        Ok(h)
+    } else {
+        Err(format!("the headroom is a fraction of the TBT SLO from 0 to 0.9, not {h}"))
+    }
+}
+
 /// A cost profile: `a800` / `h100` (LLaMA-2-70B on 8 GPUs, from published figures) or a file
 /// `baton profile` wrote.
 pub(crate) fn cost_profile(spec: &str) -> anyhow::Result<baton_sched::CostProfile> {
@@ -115,7 +126,7 @@ pub(crate) struct RoutingFlags {
     /// Fraction of the TBT SLO that early and predictive admission keep free: a request is
     /// admitted while its decode worker's predicted step stays under (1 − this) × the SLO.
     /// Admitting right up to the SLO leaves about half the admitted requests just over it.
-    #[arg(long, default_value_t = baton_sched::DEFAULT_TBT_HEADROOM)]
+    #[arg(long, default_value_t = baton_sched::DEFAULT_TBT_HEADROOM, value_parser = tbt_headroom)]
     admission_tbt_headroom: f64,
     /// Cost profile the policies predict with: a JSON file from `baton profile`, or `a800`
     /// (the default; it only matters for admission control) / `h100`.

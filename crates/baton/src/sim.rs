@@ -78,7 +78,7 @@ pub(crate) struct SimArgs {
     decode_time_ms: Option<u64>,
     /// Fraction of the TBT SLO that early and predictive admission keep free (the live
     /// conductor's --admission-tbt-headroom).
-    #[arg(long, default_value_t = baton_sched::DEFAULT_TBT_HEADROOM)]
+    #[arg(long, default_value_t = baton_sched::DEFAULT_TBT_HEADROOM, value_parser = crate::engine_flags::tbt_headroom)]
     admission_tbt_headroom: f64,
     /// Mooncake's kvcache_balancing_threshold.
     #[arg(long)]

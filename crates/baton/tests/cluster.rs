@@ -983,6 +983,25 @@ fn serve_and_conductor_offer_both_kv_transfer_modes() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("teleport"));
 }
 
+/// `--admission-tbt-headroom` is a fraction of the TBT SLO: `baton serve`, `baton conductor`
+/// and `baton sim` take it, and refuse one outside 0..=0.9 with a message that says so.
+#[test]
+fn the_admission_headroom_is_a_fraction_every_command_checks() {
+    for command in ["serve", "conductor", "sim"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_baton")).args([command, "--help"]).output().unwrap();
+        assert!(String::from_utf8_lossy(&out.stdout).contains("--admission-tbt-headroom"), "baton {command}");
+        for bad in ["1.5", "-0.1", "much"] {
+            let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+                .args([command, &format!("--admission-tbt-headroom={bad}")])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "baton {command} took headroom {bad}");
+            assert!(err.contains("--admission-tbt-headroom"), "baton {command}, {bad}: {err}");
+        }
+    }
+}
+
 /// The text of a 200-token greedy stream of `LONG`, and the body of the same stream during which
 /// `kill` ran after 4 chunks.
 fn undisturbed_and_killed(url: &str, kill: impl FnOnce()) -> (String, String) {
