@@ -764,3 +764,40 @@ async fn emulated_workers_hand_kv_over_and_run_to_exact_lengths() {
         server.assert_no_kv_held().await;
     }
 }
+
+/// The load reports carry decode-only step figures (what admission scales its predicted steps
+/// by): the decode worker, which ran decode steps, reports their mean time, batch and context;
+/// the prefill worker, which ran none, reports none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_reports_carry_decode_only_step_figures() {
+    let server = start("tiny-llama", 1, 1, 0, None).await;
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": true});
+    let (status, v) = server.post("/v1/completions", body).await;
+    assert_eq!(status, 200, "{v}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let url = format!("{}/debug/kv-index", server.url);
+        let index: Value = reqwest::get(url).await.expect("the index").json().await.expect("JSON");
+        let reports: Vec<(String, Value)> = index["workers"]
+            .as_object()
+            .expect("workers")
+            .iter()
+            .map(|(name, w)| (name.clone(), w["report"].clone()))
+            .collect();
+        let decode = reports.iter().find(|(n, _)| n.starts_with("decode")).map(|(_, r)| r.clone());
+        let prefill = reports.iter().find(|(n, _)| n.starts_with("prefill")).map(|(_, r)| r.clone());
+        if let (Some(d), Some(p)) = (decode, prefill)
+            && d["decode_step_us"].as_u64().is_some_and(|us| us > 0)
+        {
+            let batch = d["decode_step_batch"].as_f64().expect("a batch");
+            assert!((1.0..=1.0001).contains(&batch), "one sequence decoded: {d}");
+            // The prompt and the tokens so far: more than the prompt's few tokens.
+            assert!(d["decode_step_context"].as_f64().expect("a context") > 4.0, "{d}");
+            assert_eq!(p["decode_step_us"].as_u64(), Some(0), "the prefill worker ran no decode step: {p}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no decode step figures: {reports:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.assert_no_kv_held().await;
+}
