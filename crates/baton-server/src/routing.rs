@@ -134,18 +134,20 @@ pub trait RoutePolicy: Send + Sync {
     fn decode_time(&self, _mean_us: u64) {}
 }
 
-/// Least-load: fewest requests in flight, ties to the first worker. Disaggregates when there
-/// is at least one prefill and one decode worker, else uses a colocated worker. With
-/// `max_in_flight`, a request whose least-loaded worker already has that many requests is
-/// rejected (HTTP 429): queueing it would only add latency the client can spend retrying.
+/// Least-load: fewest requests in flight, ties to the first worker. The prompt goes to the
+/// least loaded worker that prefills (a prefill or colocated one). From a prefill worker it is
+/// handed to the least loaded worker that decodes (a decode or colocated one); a colocated
+/// worker keeps it and runs it whole unless a decode worker is less loaded than it, which then
+/// takes the decode. So a cluster of colocated workers runs every request whole, one of
+/// prefill and decode workers disaggregates every request, and a mixed one (an elastic pair
+/// after a switch: a prefill and a colocated worker, or a colocated and a decode worker) uses
+/// both of its workers. With `max_in_flight`, a request whose least-loaded worker already has
+/// that many requests is rejected (HTTP 429): queueing it would only add latency the client
+/// can spend retrying.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LeastLoad {
     /// Most requests in flight per worker before new ones are refused (`None`: no limit).
     pub max_in_flight: Option<usize>,
-}
-
-fn least(snapshot: &Snapshot, role: crate::Role) -> Option<&WorkerView> {
-    snapshot.workers.iter().filter(|w| w.role == role).min_by_key(|w| (w.in_flight, w.index))
 }
 
 /// Whether a decode worker has room to start a request of `prompt` tokens now: the context of
@@ -160,33 +162,44 @@ impl RoutePolicy for LeastLoad {
     fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision {
         use crate::Role;
         let full = |w: &WorkerView| self.max_in_flight.is_some_and(|m| w.in_flight >= m);
-        let decode = snapshot
-            .workers
-            .iter()
-            .filter(|w| w.role == Role::Decode && decode_has_room(w, request.prompt.len()))
-            .min_by_key(|w| (w.in_flight, w.index));
-        let decision = match (least(snapshot, Role::Prefill), decode, least(snapshot, Role::Decode)) {
-            (Some(p), Some(d), _) if !full(p) && !full(d) => {
-                Decision::Disaggregated { prefill: p.index, decode: d.index }
-            }
-            (Some(_), None, Some(_)) => Decision::Reject {
-                reason: "no decode worker has room for the request's KV now; retry later".to_owned(),
-            },
-            (Some(_), _, Some(_)) => Decision::Reject { reason: String::new() },
-            _ => Decision::NoWorkers,
+        let least =
+            |ws: &mut dyn Iterator<Item = &WorkerView>| ws.min_by_key(|w| (w.in_flight, w.index)).map(|w| w.index);
+        // (`index` names a worker; the snapshot may leave some out, so it is not a position.)
+        let busy = || Decision::Reject {
+            reason: format!(
+                "every worker has {} requests in flight; retry later",
+                self.max_in_flight.unwrap_or_default()
+            ),
         };
-        let colocated = least(snapshot, Role::Colocated);
-        match (decision, colocated) {
-            (Decision::Disaggregated { prefill, decode }, _) => Decision::Disaggregated { prefill, decode },
-            (_, Some(c)) if !full(c) => Decision::Colocated(c.index),
-            (Decision::NoWorkers, None) => Decision::NoWorkers,
-            (Decision::Reject { reason }, None) if !reason.is_empty() => Decision::Reject { reason },
-            _ => Decision::Reject {
-                reason: format!(
-                    "every worker has {} requests in flight; retry later",
-                    self.max_in_flight.unwrap_or_default()
-                ),
-            },
+        let workers = &snapshot.workers;
+        let prefills = || workers.iter().filter(|w| w.role != Role::Decode);
+        if prefills().next().is_none() {
+            return Decision::NoWorkers;
+        }
+        let Some(prefill) = least(&mut prefills().filter(|w| !full(w))) else { return busy() };
+        let colocated = workers.iter().any(|w| w.index == prefill && w.role == Role::Colocated);
+        // The decode: any worker that decodes, from a prefill worker; this one or a decode
+        // worker, from a colocated one.
+        let decodes = || {
+            workers.iter().filter(move |w| match w.role {
+                Role::Decode => true,
+                Role::Colocated => !colocated || w.index == prefill,
+                Role::Prefill => false,
+            })
+        };
+        if decodes().next().is_none() {
+            return Decision::NoWorkers;
+        }
+        let room = |w: &&WorkerView| w.index == prefill || decode_has_room(w, request.prompt.len());
+        if !decodes().any(|w| room(&w)) {
+            return Decision::Reject {
+                reason: "no decode worker has room for the request's KV now; retry later".to_owned(),
+            };
+        }
+        match least(&mut decodes().filter(room).filter(|w| w.index == prefill || !full(w))) {
+            Some(decode) if decode == prefill => Decision::Colocated(prefill),
+            Some(decode) => Decision::Disaggregated { prefill, decode },
+            None => busy(),
         }
     }
 }
@@ -216,11 +229,34 @@ mod tests {
     }
 
     #[test]
-    fn colocated_when_a_role_is_missing_and_nothing_when_empty() {
+    fn colocated_workers_run_requests_whole_and_nothing_routes_when_empty() {
         let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
-        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 0), view(1, Role::Colocated, 2)] };
+        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Colocated, 3), view(1, Role::Colocated, 2)] };
         assert_eq!(LeastLoad::default().route(&s, &r), Decision::Colocated(1));
         assert_eq!(LeastLoad::default().route(&Snapshot::default(), &r), Decision::NoWorkers);
+        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 0)] };
+        assert_eq!(LeastLoad::default().route(&s, &r), Decision::NoWorkers, "nothing decodes");
+    }
+
+    /// An elastic pair after its switch uses both workers: with a prefill and a colocated
+    /// worker, prompts go to the less loaded of the two and all decode on the colocated one;
+    /// with a colocated and a decode worker, the colocated one prefills every prompt and keeps
+    /// the decode unless the decode worker is less loaded.
+    #[test]
+    fn a_mixed_pair_uses_both_workers() {
+        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
+        let route =
+            |a: WorkerView, b: WorkerView| LeastLoad::default().route(&Snapshot { now_us: 0, workers: vec![a, b] }, &r);
+        assert_eq!(
+            route(view(0, Role::Prefill, 0), view(1, Role::Colocated, 2)),
+            Decision::Disaggregated { prefill: 0, decode: 1 }
+        );
+        assert_eq!(route(view(0, Role::Prefill, 3), view(1, Role::Colocated, 2)), Decision::Colocated(1));
+        assert_eq!(
+            route(view(0, Role::Colocated, 2), view(1, Role::Decode, 1)),
+            Decision::Disaggregated { prefill: 0, decode: 1 }
+        );
+        assert_eq!(route(view(0, Role::Colocated, 1), view(1, Role::Decode, 2)), Decision::Colocated(0));
     }
 
     #[test]
@@ -235,16 +271,18 @@ mod tests {
     }
 
     #[test]
-    fn a_full_cluster_rejects_and_a_free_colocated_worker_still_serves() {
+    fn a_full_cluster_rejects_and_a_free_colocated_worker_still_prefills() {
         let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
         let capped = LeastLoad { max_in_flight: Some(2) };
         let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 2), view(1, Role::Decode, 0)] };
         assert!(matches!(capped.route(&s, &r), Decision::Reject { .. }));
+        // The prefill worker is full: the colocated one prefills, and the idle decode worker
+        // decodes.
         let s = Snapshot {
             now_us: 0,
             workers: vec![view(0, Role::Prefill, 2), view(1, Role::Decode, 0), view(2, Role::Colocated, 1)],
         };
-        assert_eq!(capped.route(&s, &r), Decision::Colocated(2));
+        assert_eq!(capped.route(&s, &r), Decision::Disaggregated { prefill: 2, decode: 1 });
         let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Colocated, 2)] };
         assert!(matches!(capped.route(&s, &r), Decision::Reject { .. }));
         assert_eq!(LeastLoad::default().route(&s, &r), Decision::Colocated(0));
