@@ -96,6 +96,10 @@ pub struct InstanceSnapshot {
     /// How much longer (above 1) or shorter its decode steps take than the cost profile
     /// predicts, as measured (1.0: as predicted; the simulator's instances are exact).
     pub decode_step_scale: f64,
+    /// Its mean step as measured over every step, prefill chunks included (0: unknown). The
+    /// decodes of a colocated instance wait for its prefill chunks too, so this, not the
+    /// decode-only step, is the gap between their tokens.
+    pub mean_step_us: Micros,
 }
 
 impl InstanceSnapshot {
@@ -113,6 +117,7 @@ impl InstanceSnapshot {
             kv: [TierUsage::default(); 3],
             nic_bytes_per_s: 0,
             decode_step_scale: 1.0,
+            mean_step_us: 0,
         }
     }
 
@@ -178,6 +183,8 @@ pub struct WorkerLoad {
     pub kv_host: TierUsage,
     /// Its measured decode step time over the cost profile's prediction (1.0: as predicted).
     pub decode_step_scale: f64,
+    /// Its measured mean step, every step (0: unknown; see [`InstanceSnapshot::mean_step_us`]).
+    pub mean_step_us: Micros,
 }
 
 impl WorkerLoad {
@@ -194,6 +201,7 @@ impl WorkerLoad {
             kv_device: TierUsage::default(),
             kv_host: TierUsage::default(),
             decode_step_scale: 1.0,
+            mean_step_us: 0,
         }
     }
 
@@ -223,6 +231,7 @@ impl WorkerLoad {
             kv: [self.kv_device, self.kv_host, TierUsage::default()],
             nic_bytes_per_s: 0,
             decode_step_scale: self.decode_step_scale,
+            mean_step_us: self.mean_step_us,
         }
     }
 }

@@ -6,7 +6,9 @@
 //! should switch to which role, if any. baton-sched's [`LoadAware::rebalance`] makes the call —
 //! one pool over its high watermark while the other is under its low one, for the whole
 //! hysteresis (`hold`), with a pause of `hold` after a switch and at least `min_per_role`
-//! workers left in each role — and [`Elastic`] adds a cap on switches per minute, so a
+//! workers left in each role, a worker the idle role cannot spare becoming colocated (so one
+//! prefill and one decode worker can be elastic too), and with none left to spare a worker of
+//! the busy role becoming colocated as well — and [`Elastic`] adds a cap on switches per minute, so a
 //! mis-tuned watermark can never make the cluster flap. The conductor's loop
 //! ([`crate::Conductor::with_elastic`]) carries a decision out with [`crate::Worker::set_role`]:
 //! the worker is routed as its new role from then on while what it holds runs to its end (its

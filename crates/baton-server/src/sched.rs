@@ -138,6 +138,7 @@ impl SchedPolicy {
                     if let Some(scale) = decode_step_scale(cost, r) {
                         load.decode_step_scale = scale;
                     }
+                    load.mean_step_us = r.step_time_us;
                     if r.total_blocks > 0 {
                         let reclaimable = r.free_blocks + r.evictable_blocks;
                         load.kv_device = TierUsage {

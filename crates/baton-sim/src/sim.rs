@@ -66,6 +66,17 @@ struct Instance {
     step_running: bool,
     device_blocks: u64,
     host_blocks: u64,
+    /// Moving mean of its steps' times, prefills and decode steps alike (a worker's
+    /// `step_time_us`: the same weights), µs; 0 before the first.
+    mean_step_us: f64,
+}
+
+impl Instance {
+    /// Counts a step of `us` in the moving mean, as a worker does.
+    fn stepped(&mut self, us: Micros) {
+        let us = us as f64;
+        self.mean_step_us = if self.mean_step_us == 0.0 { us } else { 0.9 * self.mean_step_us + 0.1 * us };
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -135,6 +146,7 @@ impl Simulator {
                     step_running: false,
                     device_blocks: c.device_blocks,
                     host_blocks: c.host_blocks,
+                    mean_step_us: 0.0,
                 }
             })
             .collect();
@@ -226,6 +238,7 @@ impl Simulator {
             kv_device: TierUsage { used: inst.decode_blocks_used + dev_cache as u64, total: inst.device_blocks },
             kv_host: TierUsage { used: host_cache as u64, total: inst.host_blocks },
             decode_step_scale: 1.0,
+            mean_step_us: inst.mean_step_us as Micros,
         }
     }
 
@@ -370,6 +383,7 @@ impl Simulator {
                     it.decode_running.iter().map(|&r| self.requests[r].input_tokens + self.state[r].generated).sum();
                 let step = self.cfg.cost.decode_step(it.decode_running.len() as u64, ctx).max(1);
                 self.instances[inst].step_running = true;
+                self.instances[inst].stepped(step);
                 self.push(self.now + step, EventKind::DecodeStepDone { inst });
             }
         }
@@ -412,6 +426,7 @@ impl Simulator {
         st.cached_tokens = local_tokens;
         st.fetched_tokens = cached_tokens - local_tokens;
         self.instances[p].prefill_running = Some((r, self.now, end));
+        self.instances[p].stepped(end - self.now);
         // Blocks being read are in use: refresh them in the LRU now.
         let used = req.hashes[..hit.blocks].to_vec();
         self.instances[p].cache.insert(&used);

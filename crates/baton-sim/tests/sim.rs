@@ -241,6 +241,32 @@ fn load_aware_role_switching_beats_fixed_roles_on_a_decode_heavy_workload() {
     assert!(flexible.jct.mean < fixed.jct.mean, "{} vs {}", flexible.jct.mean, fixed.jct.mean);
 }
 
+/// Two instances, one of each role, under a decode-heavy load (the headline experiment's
+/// shape): load-aware cannot give the prefill instance away, so it becomes colocated (and the
+/// decode instance too, should the imbalance last); both then decode, and the mean JCT beats
+/// the fixed split's.
+#[test]
+fn an_elastic_pair_colocates_under_decode_heavy_load() {
+    let w = Synthetic::Poisson { requests: 600, rate: 15.0, input: (200, 600), output: (300, 900) };
+    let run = |policy| {
+        let mut c = SimConfig {
+            cluster: ClusterConfig { prefill: 1, decode: 1, ..ClusterConfig::default() },
+            policy,
+            workload: WorkloadSpec::Synthetic(w.clone()),
+            seed: 0,
+            ..SimConfig::default()
+        };
+        c.policy_config.load_aware.persist_us = 2_000_000;
+        baton_sim::run(&c).expect("run")
+    };
+    let fixed = run(PolicyKind::LeastLoad);
+    let elastic = run(PolicyKind::LoadAware);
+    let changes: Vec<(&str, &str)> = elastic.role_changes.iter().map(|c| (c.from.as_str(), c.to.as_str())).collect();
+    assert_eq!(changes.first(), Some(&("Prefill", "Colocated")), "{changes:?}");
+    assert!(changes.iter().all(|&(_, to)| to == "Colocated"), "{changes:?}");
+    assert!(elastic.jct.mean < fixed.jct.mean, "{} vs {}", elastic.jct.mean, fixed.jct.mean);
+}
+
 #[test]
 fn plots_are_written_as_png_and_svg_with_text() {
     let path = write_temp("plot.jsonl", &small_trace());

@@ -171,7 +171,10 @@ pub(crate) struct RoutingFlags {
     /// roles when one pool stays overloaded (over 0.7 of its SLO: queued prefill time over
     /// --slo-ttft-ms, or decode step time over --slo-tbt-ms, KV memory, waiting requests) while
     /// the other is idle (under 0.3) for --elastic-hold-s (FlowKV §3.3, with the cost profile of
-    /// --cost-profile). The worker finishes what it holds; nothing is dropped. Switches show as
+    /// --cost-profile). A worker whose pool cannot spare it (one prefill and one decode worker)
+    /// becomes colocated instead: it keeps its work and takes the busy kind too (and if the
+    /// imbalance lasts, a worker of the busy pool becomes colocated as well). The worker
+    /// finishes what it holds; nothing is dropped. Switches show as
     /// `baton_role_switches_total` and in the role label of `baton_queue_length`.
     #[arg(long)]
     elastic: bool,
@@ -188,7 +191,8 @@ pub(crate) struct RoutingFlags {
     /// decode pool can sit above 0.3 of a tight TBT target; raise LOW then.
     #[arg(long, value_delimiter = ',', default_values_t = [0.3, 0.7], requires = "elastic")]
     elastic_watermarks: Vec<f64>,
-    /// With --elastic: workers each of the prefill and decode roles keeps at least.
+    /// With --elastic: workers each of the prefill and decode roles keeps at least (colocated
+    /// workers count for both); at the least, the idle role's worker becomes colocated.
     #[arg(long, default_value_t = 1, requires = "elastic")]
     elastic_min_per_role: usize,
 }

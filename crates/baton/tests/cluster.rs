@@ -928,12 +928,36 @@ fn an_elastic_conductor_switches_a_worker_process_mid_traffic() {
         assert!(Instant::now() < deadline, "the replica sees {:?}, not {now:?}", roles(&replica_url));
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(metric(&replica_url, "baton_role_switches_total{"), 0.0);
+    assert_eq!(metric_sum(&replica_url, "baton_role_switches_total"), 0.0);
     // The replica routes prompts to the switched worker too, and the text holds.
     for prompt in &prompts {
         assert_eq!(text(&complete(&replica_url, prompt, 8)), expected[usize::from(prompt != LONG)]);
     }
     assert_no_leak(&[&p, &a, &b]);
+}
+
+/// Two workers, one of each role (issue #18's two-worker headline): under prefill load the
+/// decode worker cannot be given away, so the conductor makes it colocated. It prefills and
+/// decodes from then on, prompts still hand off from the prefill worker to it, every text is
+/// `baton generate`'s, and neither worker holds KV afterwards.
+#[test]
+fn an_elastic_pair_colocates_its_decode_worker_under_prefill_load() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &ELASTIC_AT_ONCE);
+    let p = worker(&dir, "prefill", &url, &["--name", "prefill-1"]);
+    let d = worker(&dir, "decode", &url, &["--name", "decode-1"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let (prompts, expected) = elastic_prompts(&dir);
+    for round in 0..3 {
+        prefill_heavy_round(&url, &prompts, &expected, round);
+    }
+    assert_eq!(metric(&url, "baton_role_switches_total{from=\"decode\",to=\"colocated\"}"), 1.0);
+    assert_eq!(metric_sum(&url, "baton_role_switches_total"), 1.0, "one switch, to the middle state");
+    assert_eq!(
+        roles(&url),
+        [("decode-1".to_owned(), "colocated".to_owned()), ("prefill-1".to_owned(), "prefill".to_owned())]
+    );
+    assert_no_leak(&[&p, &d]);
 }
 
 /// A role switch the worker refuses (`BATON_FAULT_REFUSE_ROLE_SWITCHES`: its control API answers
@@ -1179,6 +1203,17 @@ fn wait_index(url: &str, worker: &str, limit: Duration, check: impl Fn(&[u64]) -
 fn metric(url: &str, prefix: &str) -> f64 {
     let metrics = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
     metrics.lines().find_map(|l| l.strip_prefix(prefix)).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)
+}
+
+/// The sum of a metric over all its labels (`name` without the braces).
+fn metric_sum(url: &str, name: &str) -> f64 {
+    let metrics = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
+    let labelled = format!("{name}{{");
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(&labelled))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
 }
 
 /// The exact index: a prompt cached on a prefill worker is in the conductor's index as soon as

@@ -5,8 +5,14 @@
 //! the decode instance has the least predicted TBT. Under *persistent* computational imbalance —
 //! one pool over its high watermark and the other under its low watermark for `persist_us` — it
 //! moves the least-busy instance of the idle pool to the busy role ([`RoleChange`]), keeping at
-//! least `min_per_role` instances in each. The imbalance timer is the policy's state; time comes
-//! from the snapshot.
+//! least `min_per_role` instances in each. Where the idle pool has no instance to spare (two
+//! instances, one of each), that instance becomes colocated instead: it keeps its role's work
+//! and takes the busy kind too, the middle state between a fixed split and two colocated
+//! instances. Where the idle pool has no single-role instance left, a single-role instance of
+//! the busy pool becomes colocated: the idle kind of work then spreads over more instances
+//! instead of stalling one. A pool is every instance that takes its kind of work, colocated
+//! ones included.
+//! The imbalance timer is the policy's state; time comes from the snapshot.
 
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
@@ -65,10 +71,15 @@ impl LoadAware {
         i.queued_prefill_us as f64 / self.cfg.ttft_slo_us.max(1) as f64
     }
 
-    /// Load of a decode instance (step time over the TBT SLO, KV occupancy, and the queue).
+    /// Load of a decode instance (step time over the TBT SLO, KV occupancy, and the queue). A
+    /// colocated instance's decodes wait for its prefill chunks too: its step is the larger of
+    /// the predicted decode step and its measured mean step.
     pub fn decode_load(&self, snap: &ClusterSnapshot<'_>, i: &InstanceSnapshot) -> f64 {
-        let step =
-            i.decode_step(snap.cost, i.decode_batch(), i.decode_context()) as f64 / self.cfg.tbt_slo_us.max(1) as f64;
+        let mut step_us = i.decode_step(snap.cost, i.decode_batch(), i.decode_context());
+        if i.role == Role::Colocated && i.decode_batch() > 0 {
+            step_us = step_us.max(i.mean_step_us);
+        }
+        let step = step_us as f64 / self.cfg.tbt_slo_us.max(1) as f64;
         let dev = i.kv[0];
         let mem = if dev.total > 0 { dev.used as f64 / dev.total as f64 } else { 0.0 };
         step.max(mem) + f64::from(i.decode_waiting) / (i.decode_batch().max(1) as f64)
@@ -76,11 +87,11 @@ impl LoadAware {
 
     /// The mean load of the accepting prefill instances and of the accepting decode instances
     /// (0 for a pool with none): what [`Policy::rebalance`] weighs against the watermarks.
+    /// Colocated instances count in both pools.
     pub fn pool_loads(&self, snap: &ClusterSnapshot<'_>) -> (f64, f64) {
-        let pool = |role: Role| snap.instances.iter().filter(move |i| i.accepting && i.role == role);
         (
-            mean(pool(Role::Prefill).map(|i| self.prefill_load(i))),
-            mean(pool(Role::Decode).map(|i| self.decode_load(snap, i))),
+            mean(snap.prefill_pool().map(|i| self.prefill_load(i))),
+            mean(snap.decode_pool().map(|i| self.decode_load(snap, i))),
         )
     }
 }
@@ -110,10 +121,6 @@ impl Policy for LoadAware {
     }
 
     fn rebalance(&mut self, snap: &ClusterSnapshot<'_>) -> Option<RoleChange> {
-        let prefills: Vec<&InstanceSnapshot> =
-            snap.instances.iter().filter(|i| i.accepting && i.role == Role::Prefill).collect();
-        let decodes: Vec<&InstanceSnapshot> =
-            snap.instances.iter().filter(|i| i.accepting && i.role == Role::Decode).collect();
         let (pl, dl) = self.pool_loads(snap);
         let direction = if dl > self.cfg.high && pl < self.cfg.low {
             Some(true)
@@ -137,18 +144,37 @@ impl Policy for LoadAware {
         if snap.now < since + self.cfg.persist_us || !calm {
             return None;
         }
-        let change = if decode_hot {
-            if prefills.len() <= self.cfg.min_per_role {
-                return None;
-            }
-            let i = prefills.iter().min_by_key(|i| (i.queued_prefill_us, i.id))?;
-            RoleChange { instance: i.id, from: Role::Prefill, to: Role::Decode }
+        // The idle pool gives its least busy single-role instance: it switches to the busy role
+        // when the idle pool keeps `min_per_role` without it, else it becomes colocated. With
+        // no single-role instance left in the idle pool, the idle kind of work all lands on
+        // colocated instances, stalling their share of the busy kind (a lone colocated
+        // instance prefills every prompt between its decode steps): a single-role instance of
+        // the busy pool becomes colocated too, and spreads it.
+        let (idle_role, idle_pool) = if decode_hot {
+            (Role::Prefill, snap.prefill_pool().count())
         } else {
-            if decodes.len() <= self.cfg.min_per_role {
-                return None;
+            (Role::Decode, snap.decode_pool().count())
+        };
+        let busy_role = if decode_hot { Role::Decode } else { Role::Prefill };
+        let single = |role: Role| snap.instances.iter().filter(move |i| i.accepting && i.role == role);
+        let idlest_prefill = |it: &mut dyn Iterator<Item = &InstanceSnapshot>| {
+            it.min_by_key(|i| (i.queued_prefill_us, i.id)).map(|i| i.id)
+        };
+        let idlest_decode = |it: &mut dyn Iterator<Item = &InstanceSnapshot>| {
+            it.min_by_key(|i| (i.decode_batch() + u64::from(i.decode_waiting), i.id)).map(|i| i.id)
+        };
+        let (from_idle, from_busy) = if decode_hot {
+            (idlest_prefill(&mut single(Role::Prefill)), idlest_decode(&mut single(Role::Decode)))
+        } else {
+            (idlest_decode(&mut single(Role::Decode)), idlest_prefill(&mut single(Role::Prefill)))
+        };
+        let change = match (from_idle, from_busy) {
+            (Some(id), _) => {
+                let to = if idle_pool > self.cfg.min_per_role { busy_role } else { Role::Colocated };
+                RoleChange { instance: id, from: idle_role, to }
             }
-            let i = decodes.iter().min_by_key(|i| (i.decode_batch() + u64::from(i.decode_waiting), i.id))?;
-            RoleChange { instance: i.id, from: Role::Decode, to: Role::Prefill }
+            (None, Some(id)) => RoleChange { instance: id, from: busy_role, to: Role::Colocated },
+            (None, None) => return None,
         };
         self.last_change = Some(snap.now);
         self.imbalance = None;
@@ -222,10 +248,78 @@ mod tests {
             p.rebalance(&s),
             Some(RoleChange { instance: InstanceId(2), from: Role::Decode, to: Role::Prefill })
         );
-        // With one decode instance left there is nothing to give.
+        // With one decode instance left it cannot be given: it becomes colocated, and decodes
+        // while it takes prefills too.
         let mut one = inst;
         one.pop();
         let mut p = LoadAware::new(LoadAwareConfig { persist_us: 0, ..LoadAwareConfig::default() });
+        assert_eq!(
+            p.rebalance(&snap(one.clone(), &trees, &cost)),
+            Some(RoleChange { instance: InstanceId(1), from: Role::Decode, to: Role::Colocated })
+        );
+        // Colocated, it prefills too, and no single-role decode instance is left to give: the
+        // prefill instance becomes colocated as well, to share the prompts.
+        one[1].role = Role::Colocated;
+        let mut p = LoadAware::new(LoadAwareConfig { persist_us: 0, ..LoadAwareConfig::default() });
+        assert_eq!(
+            p.rebalance(&snap(one.clone(), &trees, &cost)),
+            Some(RoleChange { instance: InstanceId(0), from: Role::Prefill, to: Role::Colocated })
+        );
+        // Two colocated instances: nothing is left to move.
+        one[0].role = Role::Colocated;
+        let mut p = LoadAware::new(LoadAwareConfig { persist_us: 0, ..LoadAwareConfig::default() });
         assert_eq!(p.rebalance(&snap(one, &trees, &cost)), None);
+    }
+
+    /// A colocated instance's decodes wait for its prefill chunks: its decode load is its
+    /// measured mean step over the TBT target when that is longer than the decode step; a
+    /// decode instance's is its decode step.
+    #[test]
+    fn a_colocated_instance_loads_its_decode_pool_with_its_whole_steps() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        let cfg = LoadAwareConfig { tbt_slo_us: 100_000, ..LoadAwareConfig::default() };
+        let mut inst = instances(0, 1);
+        inst[0].decode_running = vec![DecodeSeq { started_at: 0, context: 1_000 }];
+        inst[0].mean_step_us = 300_000;
+        let trees = trees_for(&inst);
+        let p = LoadAware::new(cfg);
+        let load = |inst: &[InstanceSnapshot]| p.decode_load(&snap(inst.to_vec(), &trees, &cost), &inst[0]);
+        assert!(load(&inst) < 1.0, "a decode instance: its decode step");
+        inst[0].role = Role::Colocated;
+        assert!((load(&inst) - 3.0).abs() < 1e-9, "colocated: its whole steps, {}", load(&inst));
+    }
+
+    /// Two instances, one of each role: the idle one becomes colocated, and from that middle
+    /// state a change of load moves the other single-role instance, never back to 1P+1D's
+    /// shortage.
+    #[test]
+    fn one_prefill_and_one_decode_instance_meet_imbalance_by_colocating() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        let hot_decode = |inst: &mut Vec<InstanceSnapshot>, i: usize| {
+            inst[i].decode_running = vec![DecodeSeq { started_at: 0, context: 8_000 }; 64];
+            inst[i].decode_waiting = 64;
+        };
+        let mut inst = instances(1, 1);
+        hot_decode(&mut inst, 1);
+        let trees = trees_for(&inst);
+        let cfg = LoadAwareConfig { persist_us: 0, ..LoadAwareConfig::default() };
+        let change = LoadAware::new(cfg).rebalance(&snap(inst.clone(), &trees, &cost));
+        assert_eq!(change, Some(RoleChange { instance: InstanceId(0), from: Role::Prefill, to: Role::Colocated }));
+
+        // 1C+1D. The load turns prefill-heavy: the colocated instance prefills, so the decode
+        // instance can be given, to prefill (1C+1P).
+        inst[0].role = Role::Colocated;
+        inst[1].decode_running.clear();
+        inst[1].decode_waiting = 0;
+        inst[0].queued_prefill_us = 100_000_000;
+        let change = LoadAware::new(cfg).rebalance(&snap(inst.clone(), &trees, &cost));
+        assert_eq!(change, Some(RoleChange { instance: InstanceId(1), from: Role::Decode, to: Role::Prefill }));
+
+        // 1C+1P, decode-heavy again: the prefill instance goes to decode (1C+1D).
+        inst[1].role = Role::Prefill;
+        inst[0].queued_prefill_us = 0;
+        hot_decode(&mut inst, 0);
+        let change = LoadAware::new(cfg).rebalance(&snap(inst, &trees, &cost));
+        assert_eq!(change, Some(RoleChange { instance: InstanceId(1), from: Role::Prefill, to: Role::Decode }));
     }
 }
