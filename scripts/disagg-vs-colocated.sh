@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The headline experiment: disaggregated serving (1 prefill + 1 decode worker) against colocated
-# serving (2 colocated workers, prefill and decode in one engine, as vLLM runs), on the same
-# number of instances, at a sweep of Poisson request rates, with two workloads: long prompts with
+# serving (2 colocated workers, prefill and decode in one engine, as vLLM runs) and against an
+# elastic pair (`--elastic`, starting 1 prefill + 1 decode: under a persistent imbalance the idle
+# worker becomes colocated, issue #18), on the same number of instances, at a sweep of Poisson request rates, with two workloads: long prompts with
 # short outputs, and short prompts with long outputs. Per rate: TTFT, TBT (a request's mean gap
 # between tokens) and JCT at p90 and goodput (requests/s that met both SLOs), printed side by side
 # and plotted (versus.png / versus.svg) per backend and workload. KVDirect's Figure 13 is the
@@ -27,6 +28,11 @@
 #   WORKLOADS    which workloads (default: "long-prompt short-prompt")
 #   MODEL        the model (default: Gemma 3 270M from .models/; scripts/fetch-model.sh gemma3-270m fetches it):
 #                computed by the cpu backend; its tokenizer and context length serve the emulated one
+#   MODES        which configurations (default: "colocated disaggregated elastic")
+#   HOLD_S       the elastic pair's hysteresis, --elastic-hold-s (default: 2)
+#
+# The elastic conductor weighs load with a cost profile: the emulated one's, or for the cpu
+# backend one `baton profile` fits on this machine (written once to OUT/cpu/profile.json).
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,6 +44,8 @@ emulate="${EMULATE:-h100}"
 model="${MODEL:-${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf}"
 quick="${QUICK:-0}"
 workloads="${WORKLOADS:-long-prompt short-prompt}"
+modes="${MODES:-colocated disaggregated elastic}"
+hold="${HOLD_S:-2}"
 
 info() { echo "disagg-vs-colocated: $*" >&2; }
 die() { echo "disagg-vs-colocated: error: $*" >&2; exit 1; }
@@ -49,9 +57,10 @@ case "$which" in emulated | cpu | all) ;; *) die "unknown backend '$which' (emul
 source "$repo_root/scripts/lib/serve-common.sh"
 find_baton
 
-# experiment BACKEND WORKLOAD "SERVE ARGS" ISL OSL RATES SLO_TTFT_MS SLO_TBT_MS DURATION_S
+# experiment BACKEND WORKLOAD "SERVE ARGS" ISL OSL RATES SLO_TTFT_MS SLO_TBT_MS DURATION_S COST_PROFILE
 experiment() {
   local backend="$1" workload="$2" serve_args="$3" isl="$4" osl="$5" rates="$6" ttft="$7" tbt="$8" duration="$9"
+  local profile="${10}"
   local dir="$out/$backend/$workload"
   [[ " $workloads " == *" $workload "* ]] || return 0
   mkdir -p "$dir"
@@ -59,21 +68,47 @@ experiment() {
   # up front, so not more).
   local requests
   requests="$(python3 -c 'import sys; print(int(max(map(float, sys.argv[1].split(","))) * float(sys.argv[2]) * 1.25) + 8)' "$rates" "$duration")"
-  for mode in colocated disaggregated; do
+  # The elastic pair weighs its pools on the benchmark's SLOs. A decode step has a floor (the
+  # weights are read once a step), so a lightly loaded decode pool sits well above FlowKV's low
+  # watermark of 0.3 of a tight TBT target: the low watermark is 0.5, as in scripts/elastic.sh.
+  local elastic="--elastic --elastic-hold-s $hold --elastic-watermarks 0.5,0.7 --cost-profile $profile"
+  elastic+=" --slo-ttft-ms $ttft --slo-tbt-ms $tbt"
+  for mode in $modes; do
     local topology
-    if [[ "$mode" == colocated ]]; then topology="--colocated 2"; else topology="--prefill 1 --decode 1"; fi
+    case "$mode" in
+      colocated) topology="--colocated 2" ;;
+      disaggregated) topology="--prefill 1 --decode 1" ;;
+      elastic) topology="--prefill 1 --decode 1 $elastic" ;;
+      *) die "unknown mode '$mode' (colocated, disaggregated or elastic)" ;;
+    esac
     info "$backend / $workload / $mode: ISL $isl, OSL $osl, rates $rates, $duration s each"
     # shellcheck disable=SC2086 # the argument lists are meant to split
     start_server "$dir/$mode.serve.log" $serve_args $topology
     "$baton" bench serve --url "$url" --rates "$rates" --num-requests "$requests" --duration-s "$duration" \
       --input-len "$isl" --output-len "$osl" --ignore-eos --slo-ttft-ms "$ttft" --slo-tbt-ms "$tbt" \
       --request-timeout-s 600 --seed 0 --no-progress --out-dir "$dir/$mode" >"$dir/$mode.txt"
+    if [[ "$mode" == elastic ]]; then
+      curl -sf "$url/metrics" | grep -E '^baton_role_switches_total' >"$dir/$mode.switches" || true
+      curl -sf "$url/health" >"$dir/$mode.roles.json" || true
+    fi
     stop_server
   done
-  "$baton" bench compare "$dir/colocated/report.json" "$dir/disaggregated/report.json" \
-    --names colocated,disaggregated --plot "$dir" >"$dir/compare.txt"
+  # Every configuration with a report here, this run's or an earlier one's (MODES=elastic
+  # re-runs one beside the others).
+  local names=() reports=()
+  for mode in colocated disaggregated elastic; do
+    if [[ -f "$dir/$mode/report.json" ]]; then names+=("$mode") reports+=("$dir/$mode/report.json"); fi
+  done
+  local joined
+  joined="$(IFS=,; echo "${names[*]}")"
+  "$baton" bench compare "${reports[@]}" --names "$joined" --plot "$dir" >"$dir/compare.txt"
   {
     echo "## $backend, $workload: ISL $isl, OSL $osl; SLOs TTFT $ttft ms, TBT $tbt ms; serve $serve_args"
+    if [[ -f "$dir/elastic.switches" ]]; then
+      echo
+      echo "elastic (start 1P+1D, hold $hold s): switches $(tr '\n' ' ' <"$dir/elastic.switches")"
+      echo "elastic's roles at the end: $(cat "$dir/elastic.roles.json")"
+    fi
     echo
     sed -n '/^By rate$/,$p' "$dir/compare.txt" | tail -n +2
   } >"$dir/summary.txt"
@@ -96,13 +131,19 @@ if [[ "$which" == emulated || "$which" == all ]]; then
   # is tiny, so the KV capacity can be a GPU instance's (1M tokens); whole 2048-token prompts in
   # one step (vLLM's default token budget on H100s).
   em_args="--model $model --emulate $emulate --num-blocks 65536 --max-num-seqs 128 --max-batch-tokens 2048 --prefill-chunk 2048"
-  experiment emulated long-prompt "$em_args" 2048 32 "$em_long_rates" 1000 15 "$em_duration"
-  experiment emulated short-prompt "$em_args" 256 256 "$em_short_rates" 1000 15 "$em_duration"
+  experiment emulated long-prompt "$em_args" 2048 32 "$em_long_rates" 1000 15 "$em_duration" "$emulate"
+  experiment emulated short-prompt "$em_args" 256 256 "$em_short_rates" 1000 15 "$em_duration" "$emulate"
 fi
 if [[ "$which" == cpu || "$which" == all ]]; then
   cpu_args="--model $model"
-  experiment cpu long-prompt "$cpu_args" 512 16 "$cpu_long_rates" 3000 100 "$cpu_duration"
-  experiment cpu short-prompt "$cpu_args" 32 128 "$cpu_short_rates" 3000 100 "$cpu_duration"
+  cpu_profile="$out/cpu/profile.json"
+  if [[ " $modes " == *" elastic "* && ! -f "$cpu_profile" ]]; then
+    mkdir -p "$out/cpu"
+    info "fitting the cpu cost profile for the elastic conductor: $cpu_profile"
+    "$baton" profile --model "$model" --out "$cpu_profile" >"$out/cpu/profile.txt"
+  fi
+  experiment cpu long-prompt "$cpu_args" 512 16 "$cpu_long_rates" 3000 100 "$cpu_duration" "$cpu_profile"
+  experiment cpu short-prompt "$cpu_args" 32 128 "$cpu_short_rates" 3000 100 "$cpu_duration" "$cpu_profile"
 fi
 
 cat "$out"/*/*/summary.txt >"$out/summary.txt" 2>/dev/null || true

@@ -32,7 +32,8 @@ pub(crate) enum BenchCommand {
     /// workload at a rate, a trace's timestamps or a concurrency and reports TTFT, TBT, JCT,
     /// throughput, SLO attainment and goodput, with a JSON report and plots.
     Serve(Box<bench_serve::ServeBenchArgs>),
-    /// Side-by-side table of two `baton bench serve` reports.
+    /// Side-by-side tables of `baton bench serve` reports: two run by run, and any number of
+    /// rate sweeps by rate.
     Compare(bench_serve::CompareArgs),
     /// Bursts of concurrent streaming requests (shared-prefix completions, unrelated
     /// completions, chats): per burst, how many completed, were refused before their first token

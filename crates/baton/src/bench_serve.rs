@@ -162,17 +162,18 @@ pub(crate) struct ServeBenchArgs {
 #[derive(Debug, clap::Args)]
 #[command(after_help = "Examples:
   baton bench compare .bench/a/report.json .bench/b/report.json
-  baton bench compare colocated/report.json disaggregated/report.json \\
-      --names colocated,disaggregated --plot .bench/versus")]
+  baton bench compare colocated/report.json disaggregated/report.json elastic/report.json \\
+      --names colocated,disaggregated,elastic --plot .bench/versus")]
 pub(crate) struct CompareArgs {
-    /// The first report (A).
-    a: PathBuf,
-    /// The second report (B).
-    b: PathBuf,
-    /// Names of A and B in the tables and plots, as NAME_A,NAME_B (default: the file paths).
+    /// The reports, two or more. With two, run by run side by side (A, B and B/A); with rate
+    /// sweeps, every report by rate.
+    #[arg(required = true, num_args = 2.., value_name = "REPORT")]
+    reports: Vec<PathBuf>,
+    /// Names of the reports in the tables and plots, comma-separated, one per report (default:
+    /// the file paths).
     #[arg(long, value_delimiter = ',')]
     names: Vec<String>,
-    /// When both reports are rate sweeps: also draw TTFT, TBT and JCT p90 and goodput against
+    /// When the reports are rate sweeps: also draw TTFT, TBT and JCT p90 and goodput against
     /// the rate, one line per report, as versus.png and versus.svg in this directory.
     #[arg(long, value_name = "DIR")]
     plot: Option<PathBuf>,
@@ -268,22 +269,29 @@ pub(crate) fn serve(a: ServeBenchArgs) -> anyhow::Result<()> {
 }
 
 pub(crate) fn compare(a: CompareArgs) -> anyhow::Result<()> {
-    let ra = Report::read(&a.a)?;
-    let rb = Report::read(&a.b)?;
-    let (name_a, name_b) = match a.names.as_slice() {
-        [x, y] => (x.clone(), y.clone()),
-        [] => (a.a.display().to_string(), a.b.display().to_string()),
-        other => anyhow::bail!("--names takes two names, NAME_A,NAME_B (got {})", other.len()),
+    let reports = a.reports.iter().map(|p| Report::read(p)).collect::<Result<Vec<_>, _>>()?;
+    let names = if a.names.is_empty() {
+        a.reports.iter().map(|p| p.display().to_string()).collect()
+    } else {
+        anyhow::ensure!(
+            a.names.len() == reports.len(),
+            "--names takes one name per report, comma-separated ({} reports, {} names)",
+            reports.len(),
+            a.names.len()
+        );
+        a.names.clone()
     };
-    print!("{}", compare_table(&ra, &rb, &name_a, &name_b));
-    let both = [(name_a.as_str(), &ra), (name_b.as_str(), &rb)];
-    let sweeps = sweep_runs(&ra).len() >= 2 && sweep_runs(&rb).len() >= 2;
+    if let ([ra, rb], [name_a, name_b]) = (reports.as_slice(), names.as_slice()) {
+        print!("{}", compare_table(ra, rb, name_a, name_b));
+    }
+    let all: Vec<(&str, &Report)> = names.iter().map(String::as_str).zip(&reports).collect();
+    let sweeps = reports.iter().all(|r| sweep_runs(r).len() >= 2);
     if sweeps {
-        print!("\nBy rate\n{}", sweep_table(&both));
+        print!("\nBy rate\n{}", sweep_table(&all));
     }
     if let Some(dir) = &a.plot {
-        anyhow::ensure!(sweeps, "--plot needs two rate sweeps (baton bench serve --rates R1,R2,...)");
-        let files = baton_bench::plot::write_versus(&both, dir)?;
+        anyhow::ensure!(sweeps, "--plot needs rate sweeps (baton bench serve --rates R1,R2,...)");
+        let files = baton_bench::plot::write_versus(&all, dir)?;
         eprintln!("plots: {}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
     }
     Ok(())
