@@ -71,6 +71,8 @@ pub struct WorkerConfig {
     pub ttl: Duration,
     /// Emulate the model with this cost profile (see [`crate::ServeConfig::emulate`]).
     pub emulate: Option<baton_sched::CostProfile>,
+    /// The emulated link (see [`crate::ServeConfig::emulate_link`]).
+    pub emulate_link: Option<baton_sched::Link>,
     /// On shutdown, how long to wait for the requests held to finish (and their KV to be
     /// taken) before exiting anyway.
     pub drain_timeout: Duration,
@@ -160,6 +162,7 @@ pub async fn run_worker(
         panic_at_step: panic_at_step_from_env(),
         drop_event_seq: drop_event_seq_from_env(),
         kv_tls,
+        link: crate::emulated_link(config.emulate.as_ref(), config.emulate_link),
     };
     let handle = WorkerHandle::spawn(id.to_string(), config.role, engine, options)?;
     let refuse = fault_count_from_env(REFUSE_ROLE_SWITCHES_ENV, "role switches are refused");

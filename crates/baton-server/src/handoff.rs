@@ -41,6 +41,11 @@
 //! ([`KvClient::close`]); and every write names the reservation's generation, so a late one
 //! for an earlier reservation is refused rather than written.
 //!
+//! An emulated worker with `--emulate-link-gbps` receives over an [`EmulatedLink`]: a transfer
+//! it receives is reported done no sooner than the emulated model's KV would have crossed the
+//! link, queued behind the transfers before it. Without it, an emulated hand-off moves only the
+//! emulated arena's few bytes and costs microseconds.
+//!
 //! This module knows nothing of the worker: it takes jobs from [`crate::session`] and reports
 //! their ends through a callback; [`crate::worker`] wires it to the engine thread.
 //!
@@ -89,6 +94,49 @@ impl std::str::FromStr for TransportChoice {
     }
 }
 
+/// An emulated worker's network link (`--emulate-link-gbps`): the KV an emulated worker
+/// receives is the emulated arena's few bytes a token, which shared memory copies in
+/// microseconds; a GPU instance receives the real model's KV (the cost profile's
+/// `kv_bytes_per_token`) over its NIC. So a transfer this worker receives (a hand-off pulled or
+/// pushed, a fetched prefix, an import) is reported done no sooner than the real bytes would
+/// have crossed the link since it began, behind whatever crossed before it: one link per
+/// receiving worker, its transfers queued on it. Its transfer threads share it.
+#[derive(Debug)]
+pub struct EmulatedLink {
+    link: baton_sched::Link,
+    /// The emulated model's KV bytes per token.
+    kv_bytes_per_token: u64,
+    /// When the link is free again.
+    free_at: std::sync::Mutex<Option<Instant>>,
+}
+
+impl EmulatedLink {
+    /// A link of `link`'s bandwidth and latency, carrying `kv_bytes_per_token` bytes a token.
+    pub fn new(link: baton_sched::Link, kv_bytes_per_token: u64) -> Self {
+        Self { link, kv_bytes_per_token, free_at: std::sync::Mutex::new(None) }
+    }
+
+    /// When the KV of `tokens` tokens, received in a transfer that began at `started`, has
+    /// crossed the link: after the transfers before it; the link is busy until then.
+    pub fn reserve(&self, started: Instant, tokens: usize) -> Instant {
+        let bytes = (tokens as u64).saturating_mul(self.kv_bytes_per_token);
+        let took = Duration::from_micros(baton_sched::transfer_time(bytes, self.link));
+        let mut free_at = self.free_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let begin = free_at.map_or(started, |f| f.max(started));
+        let end = begin + took;
+        *free_at = Some(end);
+        end
+    }
+
+    /// Waits until the transfer [`reserve`](Self::reserve) would have ended.
+    fn cross(&self, started: Instant, tokens: usize) {
+        let left = self.reserve(started, tokens).saturating_duration_since(Instant::now());
+        if !left.is_zero() {
+            std::thread::sleep(left);
+        }
+    }
+}
+
 /// How often the transfer thread looks at its pushes in flight (and at new jobs meanwhile).
 const POLL: Duration = Duration::from_millis(5);
 
@@ -127,6 +175,8 @@ pub(crate) struct ThreadSetup {
     pub(crate) transport: TransportChoice,
     /// Fault injection: the pause between opening a fetch's transfer and reading it.
     pub(crate) fetch_delay: Duration,
+    /// An emulated worker's link, which what it receives crosses (`None`: as fast as the copy).
+    pub(crate) link: Option<Arc<EmulatedLink>>,
     /// Where each job's end goes.
     pub(crate) back: Report,
 }
@@ -174,6 +224,8 @@ impl Transfers {
 struct Pending {
     job: KvJob,
     deadline: Instant,
+    /// When it was registered (its transfer began).
+    started: Instant,
 }
 
 /// A transfer thread (one per peer, see [`Transfers`]): a [`KvClient`] per peer it serves,
@@ -191,15 +243,17 @@ pub(crate) struct TransferThread {
     back: Report,
     /// Fault injection: the pause between opening a fetch's transfer and reading it.
     fetch_delay: Duration,
+    /// An emulated worker's link.
+    link: Option<Arc<EmulatedLink>>,
 }
 
 impl TransferThread {
     /// Starts the thread; jobs go in over the returned sender.
     pub(crate) fn spawn(name: &str, setup: ThreadSetup) -> std::io::Result<Sender<KvJob>> {
         let (jobs, job_rx) = std::sync::mpsc::channel();
-        let ThreadSetup { local, config, transport, fetch_delay, back } = setup;
+        let ThreadSetup { local, config, transport, fetch_delay, link, back } = setup;
         let clients = HashMap::new();
-        let thread = TransferThread { local, config, transport, clients, pushes: Vec::new(), back, fetch_delay };
+        let thread = TransferThread { local, config, transport, clients, pushes: Vec::new(), back, fetch_delay, link };
         std::thread::Builder::new().name(format!("baton-{name}-kv")).spawn(move || thread.run(job_rx))?;
         Ok(jobs)
     }
@@ -231,6 +285,17 @@ impl TransferThread {
         }
     }
 
+    /// Hands the result of a job that began at `started` to the engine thread once an emulated
+    /// link would have carried it; `false` when the engine thread is gone.
+    fn report_received(&self, job: KvJob, started: Instant, result: Result<TransferStats, String>) -> bool {
+        if let (Some(link), Ok(_)) = (&self.link, &result) {
+            // The tokens that travelled: those of the source less the blocks cached here.
+            let block_tokens = self.local.descriptor().extent(Dim::Token);
+            link.cross(started, job.source.tokens.saturating_sub(job.skip * block_tokens));
+        }
+        self.report(job, result)
+    }
+
     /// Hands a job's result to the engine thread; `false` when it is gone.
     fn report(&self, job: KvJob, result: Result<TransferStats, String>) -> bool {
         let result = result
@@ -246,6 +311,7 @@ impl TransferThread {
             return self.report(job, Err("the request was cancelled".into()));
         }
         let addr = job.source.addr;
+        let started = Instant::now();
         if let Err(e) = self.connect(addr) {
             return self.report(job, Err(e));
         }
@@ -269,7 +335,7 @@ impl TransferThread {
                     client.pull(id, &remote, local)
                 };
                 match pulled {
-                    Ok(stats) => self.report(job, Ok(stats)),
+                    Ok(stats) => self.report_received(job, started, Ok(stats)),
                     // Pipelined reads may still be answered: the connection is out of step.
                     Err(e) => {
                         self.drop_client(addr, &e.to_string(), Some((job, format!("pulling KV from {addr}: {e}"))))
@@ -278,7 +344,7 @@ impl TransferThread {
             }
             KvTransfer::Push => match client.begin_push(transfer_id(&job), job.generation.0, job.kv.blocks()) {
                 Ok(()) => {
-                    self.pushes.push(Pending { job, deadline: Instant::now() + self.config.io_timeout });
+                    self.pushes.push(Pending { job, deadline: Instant::now() + self.config.io_timeout, started });
                     true
                 }
                 // Refused: nothing was registered.
@@ -366,11 +432,11 @@ impl TransferThread {
                     let _ = client.cancel_push(id);
                     continue;
                 };
-                let job = self.pushes.swap_remove(at).job;
+                let Pending { job, started, .. } = self.pushes.swap_remove(at);
                 // Its last layer is in: nothing more is written into its blocks, whatever the
                 // COMPLETE says.
                 let go = match client.finish_push(id, Duration::ZERO) {
-                    Ok(stats) => self.report(job, Ok(stats)),
+                    Ok(stats) => self.report_received(job, started, Ok(stats)),
                     Err(e) if e.is_remote() => self.report(job, Err(format!("completing the push from {addr}: {e}"))),
                     Err(e) => {
                         let message = format!("completing the push from {addr}: {e}");
@@ -441,5 +507,26 @@ pub(crate) fn spawn_push(server: &Arc<KvServer>, id: RequestId, wait: Duration, 
     if let Err(e) = spawned {
         tracing::error!(request = id.0, error = %e, "cannot start a push");
         server.cancel(xfer);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An emulated link carries one transfer at a time: transfers that arrive together queue,
+    /// one that begins after the link went idle starts at once, and a transfer is never done
+    /// before its own bytes crossed.
+    #[test]
+    fn an_emulated_link_queues_transfers_at_its_bandwidth() {
+        // 1 GB/s, 1 MB a token: a token takes 1 ms.
+        let link = EmulatedLink::new(baton_sched::Link { bytes_per_s: 1_000_000_000, latency_us: 0 }, 1_000_000);
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        assert_eq!(link.reserve(t0, 10), t0 + ms(10));
+        assert_eq!(link.reserve(t0, 10), t0 + ms(20), "behind the first");
+        assert_eq!(link.reserve(t0 + ms(5), 1), t0 + ms(21), "still behind");
+        assert_eq!(link.reserve(t0 + ms(100), 4), t0 + ms(104), "an idle link starts at once");
+        assert_eq!(link.reserve(t0 + ms(200), 0), t0 + ms(200), "nothing to carry");
     }
 }

@@ -93,6 +93,10 @@ pub struct ServeConfig {
     /// Emulate the model with this cost profile instead of computing it (the engine loop, KV
     /// pool and transfers stay real; step times and tokens are emulated).
     pub emulate: Option<baton_sched::CostProfile>,
+    /// With `emulate`: each worker receives KV over a link of this speed, carrying the emulated
+    /// model's KV bytes (the profile's `kv_bytes_per_token`), so a hand-off takes as long as it
+    /// would between GPU instances (`None`: as long as the emulated arena's copy).
+    pub emulate_link: Option<baton_sched::Link>,
 }
 
 impl ServeConfig {
@@ -115,6 +119,7 @@ impl ServeConfig {
             elastic: None,
             push_delay: Duration::ZERO,
             emulate: None,
+            emulate_link: None,
         }
     }
 }
@@ -190,6 +195,14 @@ pub(crate) fn compat(loaded: &Loaded, engine: &Engine) -> baton_transfer::Compat
     baton_transfer::Compat::new(loaded.validator.model_id.clone(), engine.kv_geometry())
 }
 
+/// The emulated link of a worker emulating `profile`, if one is asked for.
+pub(crate) fn emulated_link(
+    profile: Option<&baton_sched::CostProfile>,
+    link: Option<baton_sched::Link>,
+) -> Option<Arc<handoff::EmulatedLink>> {
+    Some(Arc::new(handoff::EmulatedLink::new(link?, profile?.kv_bytes_per_token)))
+}
+
 /// An engine for the loaded model: computing it, or emulating it with a cost profile.
 pub(crate) fn engine(
     loaded: &Loaded,
@@ -240,6 +253,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
             panic_at_step: None,
             drop_event_seq: None,
             kv_tls: None,
+            link: emulated_link(config.emulate.as_ref(), config.emulate_link),
         };
         let name = format!("{}-{i}", role.as_str());
         workers.push(Arc::new(WorkerHandle::spawn(name, role, engine, options)?));

@@ -153,6 +153,10 @@ pub struct WorkerOptions {
     /// TLS on the KV plane: the KV server speaks only TLS, and every pull, push and fetch from a
     /// peer checks the peer's certificate (`None`: plain TCP, authenticated by the secret).
     pub kv_tls: Option<baton_transfer::KvTls>,
+    /// An emulated worker's network link (`--emulate-link-gbps`): what it receives is reported
+    /// done no sooner than the emulated model's KV would have crossed it (`None`: as fast as the
+    /// copy).
+    pub link: Option<Arc<crate::handoff::EmulatedLink>>,
 }
 
 /// How long a prefill worker keeps handed-off KV when no one releases it.
@@ -319,8 +323,14 @@ impl WorkerHandle {
                 let back = engine_thread.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 back.send(Command::Transferred(Box::new(done))).is_ok()
             });
-            let setup =
-                ThreadSetup { local, config, transport: options.transport, fetch_delay: options.fetch_delay, back };
+            let setup = ThreadSetup {
+                local,
+                config,
+                transport: options.transport,
+                fetch_delay: options.fetch_delay,
+                link: options.link.clone(),
+                back,
+            };
             Some(Transfers::new(&name, setup))
         };
         let capacity_blocks = engine.config().num_blocks;

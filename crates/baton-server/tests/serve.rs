@@ -738,14 +738,20 @@ async fn the_scheduling_crates_policies_route_live_requests() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn emulated_workers_hand_kv_over_and_run_to_exact_lengths() {
+/// The 70B-on-8×H100 profile (its KV bytes a token) with step times shrunk so a test runs in
+/// milliseconds; the shape stays.
+fn fast_70b_profile() -> baton_sched::CostProfile {
     let mut profile = baton_sched::CostProfile::llama2_70b_8xh100();
-    // Shrink the step times so the test runs in milliseconds; the shape stays.
     profile.prefill.fixed_us = 200.0;
     profile.prefill.per_token_us = 1.0;
     profile.prefill.attention_us = 0.0;
     profile.decode.fixed_us = 300.0;
+    profile
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emulated_workers_hand_kv_over_and_run_to_exact_lengths() {
+    let profile = fast_70b_profile();
     for kv_transfer in [KvTransfer::Pull, KvTransfer::Push] {
         let config = ServeConfig {
             engine: engine_config(),
@@ -761,6 +767,39 @@ async fn emulated_workers_hand_kv_over_and_run_to_exact_lengths() {
             assert_eq!(v["usage"]["completion_tokens"], max_tokens, "{kv_transfer:?}: {v}");
             assert_eq!(v["choices"][0]["finish_reason"], "length");
         }
+        server.assert_no_kv_held().await;
+    }
+}
+
+/// An emulated link (`--emulate-link-gbps`) makes a hand-off take the emulated model's KV bytes
+/// over its bandwidth, pulled or pushed: each hand-off, from the request reaching its decode
+/// worker to that worker's first token (`baton_kv_transfer_seconds`), lasts at least the
+/// prompt's KV (the 70B profile's 327,680 bytes a token) over 0.1 Gb/s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emulated_link_makes_hand_offs_take_the_real_bytes_over_its_bandwidth() {
+    let profile = fast_70b_profile();
+    let link = baton_sched::Link { bytes_per_s: 12_500_000, latency_us: 0 };
+    for kv_transfer in [KvTransfer::Pull, KvTransfer::Push] {
+        let config = ServeConfig {
+            engine: engine_config(),
+            emulate: Some(profile.clone()),
+            emulate_link: Some(link),
+            kv_transfer,
+            ..ServeConfig::new(fixture("tiny-llama"))
+        };
+        let server = start_with(&config).await;
+        let body = json!({"model": "tiny-llama", "prompt": "A prompt whose KV crosses a slow link", "max_tokens": 2});
+        let (status, v) = server.post("/v1/completions", body).await;
+        assert_eq!(status, 200, "{kv_transfer:?}: {v}");
+        let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().expect("prompt tokens");
+        let least = (prompt_tokens * profile.kv_bytes_per_token) as f64 / link.bytes_per_s as f64;
+        let text = reqwest::get(format!("{}/metrics", server.url)).await.expect("sends").text().await.expect("text");
+        let figure = |name: &str| -> f64 {
+            text.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)
+        };
+        assert_eq!(figure("baton_kv_transfer_seconds_count "), 1.0, "{kv_transfer:?}");
+        let took = figure("baton_kv_transfer_seconds_sum ");
+        assert!(took >= least, "{kv_transfer:?}: the hand-off took {took} s, the link needs {least} s");
         server.assert_no_kv_held().await;
     }
 }

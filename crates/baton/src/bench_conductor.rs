@@ -103,6 +103,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             transport: baton_server::TransportChoice::Auto,
             ttl: Duration::from_secs(3),
             emulate: None,
+            emulate_link: None,
             drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
             api_key: None,
             tls_ca: None,

@@ -244,6 +244,7 @@ pub(crate) fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         },
         ttl: Duration::from_secs_f64(a.ttl_s),
         emulate: a.engine.emulate()?,
+        emulate_link: a.engine.emulate_link(),
         drain_timeout: Duration::from_secs_f64(a.drain_timeout_s),
         api_key: a.api_key,
         tls_ca: a.tls_ca,

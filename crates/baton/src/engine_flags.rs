@@ -47,6 +47,22 @@ pub(crate) struct EngineFlags {
     /// tokens; the engine loop, KV pool and transfers stay real.
     #[arg(long, value_name = "PROFILE")]
     emulate: Option<String>,
+    /// With --emulate: each worker receives KV over a network link of this many Gb/s, carrying
+    /// the emulated model's KV bytes (the profile's bytes per token), so a hand-off takes as long
+    /// as between GPU instances: 8K tokens of a 70B model's KV (2.7 GB) take 215 ms at 100 Gb/s.
+    /// Unset, a transfer takes the emulated arena's copy (microseconds).
+    #[arg(long, value_name = "GBPS", requires = "emulate", value_parser = link_gbps)]
+    emulate_link_gbps: Option<f64>,
+}
+
+/// Parses `--emulate-link-gbps`: a positive speed in gigabits per second.
+fn link_gbps(s: &str) -> Result<f64, String> {
+    let g: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if g.is_finite() && g > 0.0 && g <= 1e6 {
+        Ok(g)
+    } else {
+        Err(format!("a link speed is a positive number of Gb/s, not {g}"))
+    }
 }
 
 /// Parses `--admission-tbt-headroom`: a fraction of the TBT SLO, from 0 (admit up to the SLO)
@@ -70,6 +86,12 @@ impl EngineFlags {
     /// The cost profile to emulate, if any.
     pub(crate) fn emulate(&self) -> anyhow::Result<Option<baton_sched::CostProfile>> {
         self.emulate.as_deref().map(cost_profile).transpose()
+    }
+
+    /// The emulated workers' link, if one is asked for (no setup latency: the bandwidth is the
+    /// cost).
+    pub(crate) fn emulate_link(&self) -> Option<baton_sched::Link> {
+        self.emulate_link_gbps.map(|g| baton_sched::Link { bytes_per_s: (g * 1e9 / 8.0).round() as u64, latency_us: 0 })
     }
 
     /// The engine configuration these flags describe.

@@ -83,6 +83,7 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
         kv_index: a.routing.kv_index(),
         elastic: a.routing.elastic()?,
         emulate: a.engine.emulate()?,
+        emulate_link: a.engine.emulate_link(),
         ..ServeConfig::new(model.clone())
     };
     eprintln!("loading {} ...", model.display());
