@@ -27,7 +27,6 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -71,14 +70,10 @@ struct ControlState {
     secret: ClusterSecret,
     /// Proofs accepted lately: a captured call cannot be played again.
     seen: Arc<SeenProofs>,
-    /// Fault injection for tests: role switches still to refuse.
-    refuse_role_switches: Arc<AtomicU32>,
 }
 
-/// The control routes over a local worker; the first `refuse_role_switches` role switches are
-/// answered 503 (fault injection for tests, `BATON_FAULT_REFUSE_ROLE_SWITCHES`; 0 outside tests).
-pub fn router(worker: WorkerHandle, secret: ClusterSecret, refuse_role_switches: u32) -> Router {
-    let refuse_role_switches = Arc::new(AtomicU32::new(refuse_role_switches));
+/// The control routes over a local worker.
+pub fn router(worker: WorkerHandle, secret: ClusterSecret) -> Router {
     Router::new()
         .route(GENERATE_PATH, post(generate))
         .route(RELEASE_PATH, post(release))
@@ -87,7 +82,7 @@ pub fn router(worker: WorkerHandle, secret: ClusterSecret, refuse_role_switches:
         .route(ROLE_PATH, post(role))
         .route(STATS_PATH, get(stats))
         .route(STATE_PATH, get(state_stream))
-        .with_state(ControlState { worker, secret, seen: Arc::default(), refuse_role_switches })
+        .with_state(ControlState { worker, secret, seen: Arc::default() })
 }
 
 fn authorize(state: &ControlState, headers: &HeaderMap, method: &str, path: &str, body: &[u8]) -> Result<(), ApiError> {
@@ -184,13 +179,10 @@ async fn role(State(state): State<ControlState>, headers: HeaderMap, body: Bytes
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
-    let refuse = |n: u32| n.checked_sub(1);
-    if state.refuse_role_switches.fetch_update(Ordering::SeqCst, Ordering::SeqCst, refuse).is_ok() {
-        tracing::warn!(role = b.role.as_str(), "fault injection: a role switch is refused");
-        return ApiError::Unavailable("fault injection: this worker refuses a role switch".into()).into_response();
+    match state.worker.set_role(b.role) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => ApiError::Unavailable(e.to_string()).into_response(),
     }
-    state.worker.set_role(b.role);
-    StatusCode::NO_CONTENT.into_response()
 }
 
 async fn stats(State(state): State<ControlState>, headers: HeaderMap) -> Response {

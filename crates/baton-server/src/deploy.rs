@@ -163,10 +163,10 @@ pub async fn run_worker(
         drop_event_seq: drop_event_seq_from_env(),
         kv_tls,
         link: crate::emulated_link(config.emulate.as_ref(), config.emulate_link),
+        refuse_role_switches: fault_count_from_env(REFUSE_ROLE_SWITCHES_ENV, "role switches are refused"),
     };
     let handle = WorkerHandle::spawn(id.to_string(), config.role, engine, options)?;
-    let refuse = fault_count_from_env(REFUSE_ROLE_SWITCHES_ENV, "role switches are refused");
-    let mut app = crate::control::router(handle.clone(), config.secret.clone(), refuse);
+    let mut app = crate::control::router(handle.clone(), config.secret.clone());
     match &config.api_key {
         // A colocated worker serves the OpenAI API itself only behind a key: its control port
         // would otherwise answer anyone with neither a key nor the cluster's signature.

@@ -55,7 +55,7 @@ pub use conductor::Conductor;
 pub use error::ApiError;
 pub use handoff::KvTransfer;
 pub use wire::{WorkRequest, WorkerError};
-pub use worker::{Role, TransportChoice, Worker, WorkerHandle, WorkerOptions, WorkerStats};
+pub use worker::{Role, RoleSwitchRefused, TransportChoice, Worker, WorkerHandle, WorkerOptions, WorkerStats};
 
 /// An all-in-one deployment: a conductor and its workers in one process.
 #[derive(Debug, Clone)]
@@ -254,6 +254,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
             drop_event_seq: None,
             kv_tls: None,
             link: emulated_link(config.emulate.as_ref(), config.emulate_link),
+            refuse_role_switches: 0,
         };
         let name = format!("{}-{i}", role.as_str());
         workers.push(Arc::new(WorkerHandle::spawn(name, role, engine, options)?));

@@ -39,7 +39,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use baton_engine::{Engine, GenerationRequest, KvPrefix, RequestId, StepOutput};
@@ -157,7 +157,16 @@ pub struct WorkerOptions {
     /// done no sooner than the emulated model's KV would have crossed it (`None`: as fast as the
     /// copy).
     pub link: Option<Arc<crate::handoff::EmulatedLink>>,
+    /// Fault injection for tests: the worker refuses its first `n` role switches (0 outside
+    /// tests; `BATON_FAULT_REFUSE_ROLE_SWITCHES` for `baton worker` processes), so that a test
+    /// can watch a switch fail.
+    pub refuse_role_switches: u32,
 }
+
+/// A role switch the worker refused (fault injection).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("fault injection: this worker refuses a role switch")]
+pub struct RoleSwitchRefused;
 
 /// How long a prefill worker keeps handed-off KV when no one releases it.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -258,6 +267,8 @@ struct Inner {
     in_flight: AtomicUsize,
     /// Taking no new work.
     draining: AtomicBool,
+    /// Fault injection for tests: role switches still to refuse.
+    refuse_role_switches: AtomicU32,
     /// Why the engine thread stopped, once it has (`None` while it runs).
     stopped: watch::Receiver<Option<String>>,
     /// The engine thread, joined when the last handle goes.
@@ -374,6 +385,7 @@ impl WorkerHandle {
                 block_tokens,
                 in_flight: AtomicUsize::new(0),
                 draining: AtomicBool::new(false),
+                refuse_role_switches: AtomicU32::new(options.refuse_role_switches),
                 stopped: life_rx,
                 thread: std::sync::Mutex::new(Some(thread)),
             }),
@@ -393,13 +405,20 @@ impl WorkerHandle {
     /// Switches the worker's role: what the conductor routes to it from now on. Work it holds
     /// runs to its end whatever the switch (its engine prefills and decodes alike), hand-offs
     /// routed to it before the switch included; the state stream reports the new role at once.
-    pub fn set_role(&self, role: Role) {
+    /// Refused only by fault injection ([`WorkerOptions::refuse_role_switches`]).
+    pub fn set_role(&self, role: Role) -> Result<(), RoleSwitchRefused> {
+        let refuse = |n: u32| n.checked_sub(1);
+        if self.inner.refuse_role_switches.fetch_update(Ordering::SeqCst, Ordering::SeqCst, refuse).is_ok() {
+            tracing::warn!(worker = self.inner.name, role = role.as_str(), "fault injection: a role switch is refused");
+            return Err(RoleSwitchRefused);
+        }
         let old = self.inner.role.swap(role);
         if old != role {
             tracing::info!(worker = self.inner.name, from = old.as_str(), to = role.as_str(), "role switched");
             // Wakes the engine thread, which reports the new role in its next load.
             let _ = self.inner.commands.send(Command::Nudge);
         }
+        Ok(())
     }
 
     /// Stops taking work: new requests are answered `Lost` (the conductor runs them elsewhere)
@@ -463,8 +482,7 @@ impl Worker for WorkerHandle {
     }
 
     async fn set_role(&self, role: Role, _deadline: Duration) -> Result<(), String> {
-        WorkerHandle::set_role(self, role);
-        Ok(())
+        WorkerHandle::set_role(self, role).map_err(|e| e.to_string())
     }
 
     fn in_flight(&self) -> usize {
