@@ -79,9 +79,10 @@ pub struct Report {
     pub rejected_after_prefill: usize,
     /// Time to first token of completed requests.
     pub ttft: Percentiles,
-    /// Mean time between tokens of each completed request while it decodes (joining the decode
-    /// batch to the last token, over the tokens after the first). The KV transfer and the wait
-    /// for decode memory show in JCT, not here.
+    /// Mean time between tokens of each completed request, as its client sees them: first
+    /// token to last, over the tokens after the first (`baton bench serve`'s per-request TPOT).
+    /// A disaggregated request's KV transfer and its wait to join the decode batch fall between
+    /// its first and second tokens, so they count here.
     pub tbt: Percentiles,
     /// Arrival to last token of completed requests.
     pub jct: Percentiles,
@@ -178,10 +179,7 @@ pub(crate) fn summarise(
         let (Some(first), Some(done)) = (o.first_token_us, o.done_us) else { continue };
         last = last.max(done);
         let t = first - arrival;
-        let b = match o.decode_start_us {
-            Some(s) if output > 1 => (done - s) / (output - 1),
-            _ => 0,
-        };
+        let b = if output > 1 && o.decode_start_us.is_some() { (done - first) / (output - 1) } else { 0 };
         ttft.push(t);
         tbt.push(b);
         jct.push(done - arrival);
@@ -262,5 +260,24 @@ mod tests {
         let p = Percentiles::of((1..=100).collect());
         assert_eq!((p.count, p.mean, p.p50, p.p90, p.p99, p.max), (100, 50, 50, 90, 99, 100));
         assert_eq!(Percentiles::of(vec![]), Percentiles::default());
+    }
+
+    /// A request's TBT is its client's: the wait between its first token (from the prefill
+    /// instance) and joining the decode batch counts, as `baton bench serve` measures it live.
+    /// Before, the simulator counted only the decode steps, and a decode instance whose queue
+    /// grew without bound met any TBT target.
+    #[test]
+    fn tbt_counts_the_wait_after_the_first_token() {
+        // First token at 100 µs; decoding starts 1 ms later; 9 more tokens 10 µs apart.
+        let o = Outcome {
+            first_token_us: Some(100),
+            done_us: Some(1_190),
+            decode_start_us: Some(1_100),
+            ..Outcome::default()
+        };
+        let slo = Slo { ttft_us: 1_000, tbt_us: 100 };
+        let r = summarise("p", "none", (1, 1, 0), 0, slo, &[(0, 10)], &[o], Extra::default(), Vec::new());
+        assert_eq!(r.tbt.p50, 121, "(1,190 − 100) / 9");
+        assert_eq!(r.completed_within_slo, 0, "121 µs is over the 100 µs target");
     }
 }
