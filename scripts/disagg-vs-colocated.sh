@@ -30,6 +30,8 @@
 #                computed by the cpu backend; its tokenizer and context length serve the emulated one
 #   MODES        which configurations (default: "colocated disaggregated elastic")
 #   HOLD_S       the elastic pair's hysteresis, --elastic-hold-s (default: 2)
+#   RATES        the rates of every sweep run, comma-separated (default: each workload's own)
+#   POLICY       --policy for every configuration (default: baton serve's, simple)
 #
 # The elastic conductor weighs load with a cost profile: the emulated one's, or for the cpu
 # backend one `baton profile` fits on this machine (written once to OUT/cpu/profile.json).
@@ -45,6 +47,8 @@ model="${MODEL:-${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf
 quick="${QUICK:-0}"
 workloads="${WORKLOADS:-long-prompt short-prompt}"
 modes="${MODES:-colocated disaggregated elastic}"
+policy_args=()
+[[ -n "${POLICY:-}" ]] && policy_args=(--policy "$POLICY")
 hold="${HOLD_S:-2}"
 
 info() { echo "disagg-vs-colocated: $*" >&2; }
@@ -61,6 +65,7 @@ find_baton
 experiment() {
   local backend="$1" workload="$2" serve_args="$3" isl="$4" osl="$5" rates="$6" ttft="$7" tbt="$8" duration="$9"
   local profile="${10}"
+  rates="${RATES:-$rates}"
   local dir="$out/$backend/$workload"
   [[ " $workloads " == *" $workload "* ]] || return 0
   mkdir -p "$dir"
@@ -83,7 +88,7 @@ experiment() {
     esac
     info "$backend / $workload / $mode: ISL $isl, OSL $osl, rates $rates, $duration s each"
     # shellcheck disable=SC2086 # the argument lists are meant to split
-    start_server "$dir/$mode.serve.log" $serve_args $topology
+    start_server "$dir/$mode.serve.log" $serve_args $topology "${policy_args[@]}"
     "$baton" bench serve --url "$url" --rates "$rates" --num-requests "$requests" --duration-s "$duration" \
       --input-len "$isl" --output-len "$osl" --ignore-eos --slo-ttft-ms "$ttft" --slo-tbt-ms "$tbt" \
       --request-timeout-s 600 --seed 0 --no-progress --out-dir "$dir/$mode" >"$dir/$mode.txt"
@@ -101,7 +106,9 @@ experiment() {
   done
   local joined
   joined="$(IFS=,; echo "${names[*]}")"
-  "$baton" bench compare "${reports[@]}" --names "$joined" --plot "$dir" >"$dir/compare.txt"
+  local plot=()
+  [[ "$rates" == *,* ]] && plot=(--plot "$dir")
+  "$baton" bench compare "${reports[@]}" --names "$joined" "${plot[@]}" >"$dir/compare.txt"
   {
     echo "## $backend, $workload: ISL $isl, OSL $osl; SLOs TTFT $ttft ms, TBT $tbt ms; serve $serve_args"
     if [[ -f "$dir/elastic.switches" ]]; then

@@ -153,6 +153,9 @@ pub struct SimConfig {
     pub tree_ttl_us: Micros,
     /// How often the policy may change roles (0: never asked).
     pub rebalance_interval_us: Micros,
+    /// Elastic roles whatever the routing policy, as the live conductor's `--elastic`: roles
+    /// change by load-aware's rule (with `policy_config.load_aware`), not the routing policy's.
+    pub elastic: bool,
     /// Conditional disaggregation: the most prompt tokens not cached on its decode instance
     /// that a request may compute there whole, without a hand-off (`None`: never; the live
     /// conductor's `--conditional-disagg-tokens`).
@@ -175,6 +178,7 @@ impl Default for SimConfig {
             admission: AdmissionConfig::default(),
             tree_ttl_us: 120_000_000,
             rebalance_interval_us: 1_000_000,
+            elastic: false,
             conditional_tokens: None,
             workload: WorkloadSpec::Requests(Vec::new()),
             seed: 0,

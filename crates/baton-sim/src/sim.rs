@@ -19,8 +19,8 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use baton_kv::{InstanceId, KvEvent};
 use baton_sched::{
-    AdmissionKind, ClusterSnapshot, Decision, DecodeSeq, GlobalPromptTrees, IncomingSeq, Micros, PendingPrefill,
-    Request, RequestId, Role, Route, Scheduler, TierUsage, WorkerLoad,
+    AdmissionKind, ClusterSnapshot, Decision, DecodeSeq, GlobalPromptTrees, IncomingSeq, LoadAware, Micros,
+    PendingPrefill, Policy, Request, RequestId, Role, Route, Scheduler, TierUsage, WorkerLoad,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -104,6 +104,8 @@ pub struct Simulator {
     instances: Vec<Instance>,
     trees: GlobalPromptTrees,
     scheduler: Scheduler,
+    /// With [`SimConfig::elastic`]: the rule that changes roles, apart from the routing policy.
+    elastic: Option<LoadAware>,
     rng: StdRng,
     queue: BinaryHeap<Reverse<(Micros, u8, u64, EventKind)>>,
     seq: u64,
@@ -159,6 +161,7 @@ impl Simulator {
             instances,
             trees,
             scheduler,
+            elastic: cfg.elastic.then(|| LoadAware::new(cfg.policy_config.load_aware)),
             queue: BinaryHeap::new(),
             seq: 0,
             now: 0,
@@ -545,7 +548,10 @@ impl Simulator {
         let loads = self.worker_loads();
         let snap = ClusterSnapshot::from_workers(self.now, &loads, &self.trees, &self.cfg.cost)
             .with_kv_fetch(self.cfg.cluster.kv_fetch);
-        let change = self.scheduler.rebalance(&snap);
+        let change = match &mut self.elastic {
+            Some(rule) => rule.rebalance(&snap),
+            None => self.scheduler.rebalance(&snap),
+        };
         if let Some(c) = change {
             let i = self.index_of(c.instance);
             self.instances[i].role = c.to;

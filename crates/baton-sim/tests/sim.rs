@@ -267,6 +267,27 @@ fn an_elastic_pair_colocates_under_decode_heavy_load() {
     assert!(elastic.jct.mean < fixed.jct.mean, "{} vs {}", elastic.jct.mean, fixed.jct.mean);
 }
 
+/// `SimConfig::elastic` changes roles by load-aware's rule while another policy routes, as the
+/// live conductor's `--elastic` does: least-load alone never switches; with it, the pair does.
+#[test]
+fn elastic_roles_apart_from_the_routing_policy() {
+    let w = Synthetic::Poisson { requests: 600, rate: 15.0, input: (200, 600), output: (300, 900) };
+    let run = |elastic| {
+        let mut c = SimConfig {
+            cluster: ClusterConfig { prefill: 1, decode: 1, ..ClusterConfig::default() },
+            policy: PolicyKind::LeastLoad,
+            workload: WorkloadSpec::Synthetic(w.clone()),
+            elastic,
+            ..SimConfig::default()
+        };
+        c.policy_config.load_aware.persist_us = 2_000_000;
+        baton_sim::run(&c).expect("run")
+    };
+    assert!(run(false).role_changes.is_empty());
+    let elastic = run(true);
+    assert_eq!(elastic.role_changes.first().map(|c| c.to.as_str()), Some("Colocated"), "{:?}", elastic.role_changes);
+}
+
 #[test]
 fn plots_are_written_as_png_and_svg_with_text() {
     let path = write_temp("plot.jsonl", &small_trace());

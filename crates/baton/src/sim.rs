@@ -107,6 +107,14 @@ pub(crate) struct SimArgs {
     /// Load-aware: how long an imbalance must last before a role changes, in milliseconds.
     #[arg(long)]
     persist_ms: Option<u64>,
+    /// Elastic roles whatever --policy routes, as `baton serve --elastic` / `baton conductor
+    /// --elastic`: roles change by load-aware's rule (--persist-ms, --elastic-watermarks), which
+    /// weighs the pools against --ttft-slo-ms and --tbt-slo-ms, looking every 250 ms.
+    #[arg(long)]
+    elastic: bool,
+    /// Load-aware and --elastic: the low and high watermarks, LOW,HIGH (FlowKV's 0.3,0.7).
+    #[arg(long, value_delimiter = ',')]
+    elastic_watermarks: Option<Vec<f64>>,
     /// Cost profile: a800, h100 (LLaMA-2-70B on 8 GPUs) or a profile file (`baton profile`).
     #[arg(long, default_value = "a800")]
     profile: String,
@@ -177,6 +185,20 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
     }
     if let Some(ms) = a.persist_ms {
         cfg.policy_config.load_aware.persist_us = ms * 1000;
+    }
+    if let Some(w) = &a.elastic_watermarks {
+        anyhow::ensure!(
+            w.len() == 2 && 0.0 <= w[0] && w[0] < w[1],
+            "--elastic-watermarks takes LOW,HIGH with 0 <= LOW < HIGH, not {w:?}"
+        );
+        (cfg.policy_config.load_aware.low, cfg.policy_config.load_aware.high) = (w[0], w[1]);
+    }
+    if a.elastic {
+        // As the live conductor's controller: its pools' yardsticks are the SLOs.
+        cfg.elastic = true;
+        cfg.rebalance_interval_us = 250_000;
+        cfg.policy_config.load_aware.ttft_slo_us = cfg.admission.slo.ttft_us;
+        cfg.policy_config.load_aware.tbt_slo_us = cfg.admission.slo.tbt_us;
     }
     cfg.cost = load_profile(&a.profile)?;
     let workload_name = if let Some(p) = &a.trace {
