@@ -65,6 +65,16 @@ fn link_gbps(s: &str) -> Result<f64, String> {
     }
 }
 
+/// Checks `--elastic-watermarks` (`baton serve`, `baton conductor`, `baton sim`): two numbers,
+/// LOW,HIGH, with 0 <= LOW < HIGH.
+pub(crate) fn watermarks(w: &[f64]) -> anyhow::Result<(f64, f64)> {
+    let &[low, high] = w else {
+        anyhow::bail!("--elastic-watermarks takes two numbers, LOW,HIGH");
+    };
+    anyhow::ensure!(0.0 <= low && low < high, "--elastic-watermarks: expected 0 <= LOW < HIGH, got {low},{high}");
+    Ok((low, high))
+}
+
 /// Parses `--admission-tbt-headroom`: a fraction of the TBT SLO, from 0 (admit up to the SLO)
 /// to 0.9.
 pub(crate) fn tbt_headroom(s: &str) -> Result<f64, String> {
@@ -285,11 +295,7 @@ impl RoutingFlags {
         );
         config.max_per_minute = self.elastic_max_switches_per_min;
         config.policy.min_per_role = self.elastic_min_per_role;
-        let &[low, high] = self.elastic_watermarks.as_slice() else {
-            anyhow::bail!("--elastic-watermarks takes two numbers, LOW,HIGH");
-        };
-        anyhow::ensure!(0.0 <= low && low < high, "--elastic-watermarks: expected 0 <= LOW < HIGH, got {low},{high}");
-        (config.policy.low, config.policy.high) = (low, high);
+        (config.policy.low, config.policy.high) = watermarks(&self.elastic_watermarks)?;
         Ok(Some(config))
     }
 

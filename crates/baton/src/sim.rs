@@ -187,18 +187,12 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
         cfg.policy_config.load_aware.persist_us = ms * 1000;
     }
     if let Some(w) = &a.elastic_watermarks {
-        anyhow::ensure!(
-            w.len() == 2 && 0.0 <= w[0] && w[0] < w[1],
-            "--elastic-watermarks takes LOW,HIGH with 0 <= LOW < HIGH, not {w:?}"
-        );
-        (cfg.policy_config.load_aware.low, cfg.policy_config.load_aware.high) = (w[0], w[1]);
+        (cfg.policy_config.load_aware.low, cfg.policy_config.load_aware.high) = crate::engine_flags::watermarks(w)?;
     }
     if a.elastic {
-        // As the live conductor's controller: its pools' yardsticks are the SLOs.
+        // The live conductor's controller looks every 250 ms (`ElasticConfig::interval`).
         cfg.elastic = true;
         cfg.rebalance_interval_us = 250_000;
-        cfg.policy_config.load_aware.ttft_slo_us = cfg.admission.slo.ttft_us;
-        cfg.policy_config.load_aware.tbt_slo_us = cfg.admission.slo.tbt_us;
     }
     cfg.cost = load_profile(&a.profile)?;
     let workload_name = if let Some(p) = &a.trace {
