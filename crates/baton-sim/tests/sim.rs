@@ -241,26 +241,30 @@ fn load_aware_role_switching_beats_fixed_roles_on_a_decode_heavy_workload() {
     assert!(flexible.jct.mean < fixed.jct.mean, "{} vs {}", flexible.jct.mean, fixed.jct.mean);
 }
 
-/// Two instances, one of each role, under a decode-heavy load (the headline experiment's
-/// shape): load-aware cannot give the prefill instance away, so it becomes colocated (and the
+/// One prefill and one decode instance under a decode-heavy load (the headline experiment's
+/// shape), routed by `policy`, with roles elastic apart from it or not (`SimConfig::elastic`),
+/// load-aware's hysteresis 2 s.
+fn decode_heavy_pair(policy: PolicyKind, elastic: bool) -> baton_sim::Report {
+    let w = Synthetic::Poisson { requests: 600, rate: 15.0, input: (200, 600), output: (300, 900) };
+    let mut c = SimConfig {
+        cluster: ClusterConfig { prefill: 1, decode: 1, ..ClusterConfig::default() },
+        policy,
+        workload: WorkloadSpec::Synthetic(w),
+        elastic,
+        seed: 0,
+        ..SimConfig::default()
+    };
+    c.policy_config.load_aware.persist_us = 2_000_000;
+    baton_sim::run(&c).expect("run")
+}
+
+/// Load-aware cannot give the pair's prefill instance away, so it becomes colocated (and the
 /// decode instance too, should the imbalance last); both then decode, and the mean JCT beats
 /// the fixed split's.
 #[test]
 fn an_elastic_pair_colocates_under_decode_heavy_load() {
-    let w = Synthetic::Poisson { requests: 600, rate: 15.0, input: (200, 600), output: (300, 900) };
-    let run = |policy| {
-        let mut c = SimConfig {
-            cluster: ClusterConfig { prefill: 1, decode: 1, ..ClusterConfig::default() },
-            policy,
-            workload: WorkloadSpec::Synthetic(w.clone()),
-            seed: 0,
-            ..SimConfig::default()
-        };
-        c.policy_config.load_aware.persist_us = 2_000_000;
-        baton_sim::run(&c).expect("run")
-    };
-    let fixed = run(PolicyKind::LeastLoad);
-    let elastic = run(PolicyKind::LoadAware);
+    let fixed = decode_heavy_pair(PolicyKind::LeastLoad, false);
+    let elastic = decode_heavy_pair(PolicyKind::LoadAware, false);
     let changes: Vec<(&str, &str)> = elastic.role_changes.iter().map(|c| (c.from.as_str(), c.to.as_str())).collect();
     assert_eq!(changes.first(), Some(&("Prefill", "Colocated")), "{changes:?}");
     assert!(changes.iter().all(|&(_, to)| to == "Colocated"), "{changes:?}");
@@ -271,20 +275,8 @@ fn an_elastic_pair_colocates_under_decode_heavy_load() {
 /// live conductor's `--elastic` does: least-load alone never switches; with it, the pair does.
 #[test]
 fn elastic_roles_apart_from_the_routing_policy() {
-    let w = Synthetic::Poisson { requests: 600, rate: 15.0, input: (200, 600), output: (300, 900) };
-    let run = |elastic| {
-        let mut c = SimConfig {
-            cluster: ClusterConfig { prefill: 1, decode: 1, ..ClusterConfig::default() },
-            policy: PolicyKind::LeastLoad,
-            workload: WorkloadSpec::Synthetic(w.clone()),
-            elastic,
-            ..SimConfig::default()
-        };
-        c.policy_config.load_aware.persist_us = 2_000_000;
-        baton_sim::run(&c).expect("run")
-    };
-    assert!(run(false).role_changes.is_empty());
-    let elastic = run(true);
+    assert!(decode_heavy_pair(PolicyKind::LeastLoad, false).role_changes.is_empty());
+    let elastic = decode_heavy_pair(PolicyKind::LeastLoad, true);
     assert_eq!(elastic.role_changes.first().map(|c| c.to.as_str()), Some("Colocated"), "{:?}", elastic.role_changes);
 }
 
