@@ -128,11 +128,17 @@ impl EmulatedLink {
         end
     }
 
-    /// Waits until the transfer [`reserve`](Self::reserve) would have ended.
-    fn cross(&self, started: Instant, tokens: usize) {
-        let left = self.reserve(started, tokens).saturating_duration_since(Instant::now());
-        if !left.is_zero() {
-            std::thread::sleep(left);
+    /// Waits until the transfer [`reserve`](Self::reserve) would have ended, or its request is
+    /// cancelled (a client gone, a worker draining): a slow link never holds the reserved
+    /// blocks of a request no one waits for.
+    fn cross(&self, started: Instant, tokens: usize, cancel: &crate::session::CancelToken) {
+        let end = self.reserve(started, tokens);
+        while !cancel.is_cancelled() {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            std::thread::sleep(left.min(POLL * 10));
         }
     }
 }
@@ -291,7 +297,7 @@ impl TransferThread {
         if let (Some(link), Ok(_)) = (&self.link, &result) {
             // The tokens that travelled: those of the source less the blocks cached here.
             let block_tokens = self.local.descriptor().extent(Dim::Token);
-            link.cross(started, job.source.tokens.saturating_sub(job.skip * block_tokens));
+            link.cross(started, job.source.tokens.saturating_sub(job.skip * block_tokens), &job.cancel);
         }
         self.report(job, result)
     }

@@ -804,6 +804,30 @@ async fn an_emulated_link_makes_hand_offs_take_the_real_bytes_over_its_bandwidth
     }
 }
 
+/// A client that leaves while its KV crawls over an emulated link (1 kB/s: the prompt's 70B KV
+/// would take hours) frees the decode worker's reserved blocks at once: the wait for the link
+/// ends with the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_during_a_slow_emulated_transfer_frees_its_kv() {
+    for kv_transfer in [KvTransfer::Pull, KvTransfer::Push] {
+        let config = ServeConfig {
+            engine: engine_config(),
+            emulate: Some(fast_70b_profile()),
+            emulate_link: Some(baton_sched::Link { bytes_per_s: 1_000, latency_us: 0 }),
+            kv_transfer,
+            ..ServeConfig::new(fixture("tiny-llama"))
+        };
+        let server = start_with(&config).await;
+        let body = json!({"prompt": PROMPTS[1], "max_tokens": 50, "ignore_eos": true, "stream": true});
+        // The second token waits for the link: the client gives up on it after a second (the
+        // hand-off has long begun by then) and its connection closes.
+        let waited =
+            tokio::time::timeout(Duration::from_secs(1), server.stream("/v1/completions", body, Some(2))).await;
+        assert!(waited.is_err(), "{kv_transfer:?}: a second token came before the link could carry the KV");
+        server.assert_no_kv_held().await;
+    }
+}
+
 /// The load reports carry decode-only step figures (what admission scales its predicted steps
 /// by): the decode worker, which ran decode steps, reports their mean time, batch and context;
 /// the prefill worker, which ran none, reports none.
