@@ -43,7 +43,7 @@
 //!
 //! An emulated worker with `--emulate-link-gbps` receives over an [`EmulatedLink`]: a transfer
 //! it receives is reported done no sooner than the emulated model's KV would have crossed the
-//! link, queued behind the transfers before it. Without it, an emulated hand-off moves only the
+//! link, queued behind the transfers before it (or at once when its request is cancelled). Without it, an emulated hand-off moves only the
 //! emulated arena's few bytes and costs microseconds.
 //!
 //! This module knows nothing of the worker: it takes jobs from [`crate::session`] and reports
