@@ -127,20 +127,15 @@ impl EmulatedLink {
         *free_at = Some(end);
         end
     }
+}
 
-    /// Waits until the transfer [`reserve`](Self::reserve) would have ended, or its request is
-    /// cancelled (a client gone, a worker draining): a slow link never holds the reserved
-    /// blocks of a request no one waits for.
-    fn cross(&self, started: Instant, tokens: usize, cancel: &crate::session::CancelToken) {
-        let end = self.reserve(started, tokens);
-        while !cancel.is_cancelled() {
-            let left = end.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return;
-            }
-            std::thread::sleep(left.min(POLL * 10));
-        }
-    }
+/// A received transfer still crossing an emulated link: reported at `end`, or at once when its
+/// request is cancelled (a client gone), so a slow link never holds the reserved blocks of a
+/// request no one waits for.
+struct Crossing {
+    end: Instant,
+    job: KvJob,
+    stats: TransferStats,
 }
 
 /// How often the transfer thread looks at its pushes in flight (and at new jobs meanwhile).
@@ -251,6 +246,9 @@ pub(crate) struct TransferThread {
     fetch_delay: Duration,
     /// An emulated worker's link.
     link: Option<Arc<EmulatedLink>>,
+    /// Received transfers the link has not carried yet: the thread waits for none of them,
+    /// so the other transfers go on meanwhile (pushes are polled, their deadlines hold).
+    crossing: Vec<Crossing>,
 }
 
 impl TransferThread {
@@ -259,24 +257,42 @@ impl TransferThread {
         let (jobs, job_rx) = std::sync::mpsc::channel();
         let ThreadSetup { local, config, transport, fetch_delay, link, back } = setup;
         let clients = HashMap::new();
-        let thread = TransferThread { local, config, transport, clients, pushes: Vec::new(), back, fetch_delay, link };
+        let thread = TransferThread {
+            local,
+            config,
+            transport,
+            clients,
+            pushes: Vec::new(),
+            back,
+            fetch_delay,
+            link,
+            crossing: Vec::new(),
+        };
         std::thread::Builder::new().name(format!("baton-{name}-kv")).spawn(move || thread.run(job_rx))?;
         Ok(jobs)
     }
 
     fn run(mut self, jobs: Receiver<KvJob>) {
         loop {
-            // Idle: block for a job; pushes in flight: take what is there, then watch them.
-            let mut next = if self.pushes.is_empty() {
-                match jobs.recv() {
-                    Ok(job) => Some(job),
-                    Err(_) => return,
-                }
-            } else {
+            // Idle: block for a job; pushes in flight: take what is there, then watch them;
+            // only transfers crossing the link: wait for a job until the next one is due.
+            let mut next = if !self.pushes.is_empty() {
                 match jobs.try_recv() {
                     Ok(job) => Some(job),
                     Err(TryRecvError::Empty) => None,
-                    Err(TryRecvError::Disconnected) => return,
+                    Err(TryRecvError::Disconnected) => return self.deliver_all(),
+                }
+            } else if let Some(due) = self.crossing.iter().map(|c| c.end).min() {
+                let wait = due.saturating_duration_since(Instant::now()).min(POLL * 10);
+                match jobs.recv_timeout(wait) {
+                    Ok(job) => Some(job),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return self.deliver_all(),
+                }
+            } else {
+                match jobs.recv() {
+                    Ok(job) => Some(job),
+                    Err(_) => return,
                 }
             };
             while let Some(job) = next {
@@ -285,21 +301,42 @@ impl TransferThread {
                 }
                 next = jobs.try_recv().ok();
             }
-            if !self.watch() {
+            if !self.watch() || !self.deliver_crossed(false) {
                 return;
             }
         }
     }
 
-    /// Hands the result of a job that began at `started` to the engine thread once an emulated
-    /// link would have carried it; `false` when the engine thread is gone.
-    fn report_received(&self, job: KvJob, started: Instant, result: Result<TransferStats, String>) -> bool {
-        if let (Some(link), Ok(_)) = (&self.link, &result) {
-            // The tokens that travelled: those of the source less the blocks cached here.
-            let block_tokens = self.local.descriptor().extent(Dim::Token);
-            link.cross(started, job.source.tokens.saturating_sub(job.skip * block_tokens), &job.cancel);
+    /// Reports the transfers the link has carried, or whose request was cancelled (`all`:
+    /// every one, the thread is ending); `false` when the engine thread is gone.
+    fn deliver_crossed(&mut self, all: bool) -> bool {
+        let now = Instant::now();
+        let (due, later): (Vec<Crossing>, Vec<Crossing>) = std::mem::take(&mut self.crossing)
+            .into_iter()
+            .partition(|c| all || c.end <= now || c.job.cancel.is_cancelled());
+        self.crossing = later;
+        due.into_iter().all(|c| self.report(c.job, Ok(c.stats)))
+    }
+
+    /// The thread's last act when its worker is gone: nothing is left crossing.
+    fn deliver_all(mut self) {
+        self.deliver_crossed(true);
+    }
+
+    /// Hands the result of a job that began at `started` to the engine thread, once an emulated
+    /// link would have carried it ([`Self::deliver_crossed`]); `false` when the engine thread is
+    /// gone.
+    fn report_received(&mut self, job: KvJob, started: Instant, result: Result<TransferStats, String>) -> bool {
+        match (&self.link, result) {
+            (Some(link), Ok(stats)) => {
+                // The tokens that travelled: those of the source less the blocks cached here.
+                let block_tokens = self.local.descriptor().extent(Dim::Token);
+                let end = link.reserve(started, job.source.tokens.saturating_sub(job.skip * block_tokens));
+                self.crossing.push(Crossing { end, job, stats });
+                self.deliver_crossed(false)
+            }
+            (_, result) => self.report(job, result),
         }
-        self.report(job, result)
     }
 
     /// Hands a job's result to the engine thread; `false` when it is gone.
