@@ -77,7 +77,7 @@ pub enum NaiveUnit {
     Slab,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct PushState {
     /// The reservation this push writes into.
     generation: u64,
@@ -85,6 +85,10 @@ struct PushState {
     done: bool,
     bytes: u64,
     frames: usize,
+    /// PUSHED frames received: a layer-wise push's progress.
+    pushed: u64,
+    /// What the last PUSHED handed over with the data.
+    trailer: Vec<u32>,
 }
 
 /// A decode worker's link to one prefill worker (see the module docs).
@@ -348,9 +352,21 @@ impl KvClient {
         self.stale_writes
     }
 
-    /// Layers of push transfer `id` in place so far.
+    /// Layers of push transfer `id` in place so far (of the blocks the last PUSHED reported).
     pub fn pushed_layers(&self, id: TransferId) -> Option<u32> {
         self.pushes.get(&id).map(|p| p.layers_done)
+    }
+
+    /// PUSHED frames received for push `id` so far: a layer-wise push, which reports each layer
+    /// of each prefill chunk, is making progress while this grows.
+    pub fn push_progress(&self, id: TransferId) -> Option<u64> {
+        self.pushes.get(&id).map(|p| p.pushed)
+    }
+
+    /// What the last PUSHED of push `id` handed over (its trailer); empty before it came. Read
+    /// it before [`finish_push`](Self::finish_push), which forgets the push.
+    pub fn push_trailer(&self, id: TransferId) -> &[u32] {
+        self.pushes.get(&id).map_or(&[], |p| p.trailer.as_slice())
     }
 
     /// Waits for the answer `what` to a request about `id`, applying pushed data that arrives
@@ -386,12 +402,16 @@ impl KvClient {
                 state.frames += 1;
                 self.control.recv_into(&self.local, &ranges)
             }
-            Frame::Pushed { id, generation, layers_done, done } => {
+            Frame::Pushed { id, generation, layers_done, done, trailer } => {
                 let Some(state) = self.pushes.get_mut(&id).filter(|p| p.generation == generation) else {
                     return Ok(());
                 };
                 state.layers_done = layers_done;
-                state.done |= done;
+                state.pushed += 1;
+                if done {
+                    state.done = true;
+                    state.trailer = trailer;
+                }
                 if self.config.transport == TransportKind::Shm {
                     state.frames += 1;
                 }

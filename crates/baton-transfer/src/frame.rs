@@ -20,8 +20,8 @@ use crate::{PeerId, TransferId};
 
 /// First four bytes of every frame: "BTKV".
 pub const MAGIC: u32 = u32::from_le_bytes(*b"BTKV");
-/// Protocol version this build speaks.
-pub const VERSION: u16 = 2;
+/// Protocol version this build speaks (3: PUSHED carries a trailer).
+pub const VERSION: u16 = 3;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 24;
 /// Largest metadata body accepted (range lists of a big READ fit easily).
@@ -184,6 +184,10 @@ pub enum Frame {
         layers_done: u32,
         /// Whether the push is finished.
         done: bool,
+        /// A few numbers the pusher hands the receiver with the data (Baton: with the last
+        /// PUSHED of a layer-wise push, the token the prefill sampled, which did not exist when
+        /// the decode side registered); empty otherwise.
+        trailer: Vec<u32>,
     },
     /// Client → server: all data of the transfer is read; release the blocks.
     Complete {
@@ -329,11 +333,12 @@ impl Frame {
                 w.u64(*generation);
                 w.ranges(ranges);
             }
-            Frame::Pushed { id, generation, layers_done, done } => {
+            Frame::Pushed { id, generation, layers_done, done, trailer } => {
                 w.u64(id.0);
                 w.u64(*generation);
                 w.u32(*layers_done);
                 w.u8(u8::from(*done));
+                w.ids(trailer);
             }
             Frame::Error { id, code, message } => {
                 w.u64(id.0);
@@ -394,6 +399,7 @@ impl Frame {
                 generation: r.u64()?,
                 layers_done: r.u32()?,
                 done: r.u8()? != 0,
+                trailer: r.ids()?,
             },
             kind::ERROR => {
                 Frame::Error { id: TransferId(r.u64()?), code: ErrorCode::from_u16(r.u16()?), message: r.string()? }
@@ -658,7 +664,8 @@ mod tests {
             Frame::Read { id, seq: 3, ranges: vec![ByteRange { offset: 10, len: 20 }], flags: FLAG_GATHER },
             Frame::Data { id, seq: 3, payload_len: 20 },
             Frame::Write { id, generation: 9, ranges: vec![ByteRange { offset: 1, len: 2 }], payload_len: 2 },
-            Frame::Pushed { id, generation: 9, layers_done: 2, done: false },
+            Frame::Pushed { id, generation: 9, layers_done: 2, done: false, trailer: Vec::new() },
+            Frame::Pushed { id, generation: 9, layers_done: 2, done: true, trailer: vec![7, 1 << 31] },
             Frame::Complete { id },
             Frame::CompleteAck { id },
             Frame::Error { id, code: ErrorCode::LeaseExpired, message: "gone".into() },

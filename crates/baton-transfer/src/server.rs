@@ -97,6 +97,15 @@ impl ServerConfig {
     }
 }
 
+/// Where a push's source blocks come from.
+#[derive(Clone, Copy)]
+enum PushSource<'a> {
+    /// The transfer's lease.
+    Leased,
+    /// Blocks the caller holds: positions `first..` of the transfer.
+    Blocks { src: &'a [BlockId], first: usize },
+}
+
 /// A decode side waiting for pushed KV.
 struct PushTarget {
     conn_no: u64,
@@ -279,6 +288,49 @@ impl KvServer {
     /// closed); once the decode side has the answer to its COMPLETE, or has seen its
     /// connection close, no write of this server reaches its blocks any more.
     pub fn push_offered(&self, id: TransferId, layers: Range<usize>, wait: Duration) -> Result<TransferStats> {
+        let layers_total = self.shared.region.descriptor().extent(Dim::Layer);
+        let done = layers.end == layers_total;
+        self.push_into(id, PushSource::Leased, layers, wait, done.then_some(&[]))
+    }
+
+    /// Layer-wise push, one piece: writes `layers` of `src`, which are the blocks at positions
+    /// `first..first + src.len()` of the transfer (held by the caller, not under a lease: the
+    /// prefill is still computing the later blocks), into the matching blocks the decode side
+    /// reserved for `id`, and reports them with a PUSHED that is not the last. Waits up to `wait`
+    /// for the decode side's TRANSFER (`Duration::ZERO`: a [`TransferError::Timeout`] at once
+    /// when it has not come yet, and nothing is written). A block may be pushed again (a
+    /// prefill recomputed after a preemption): the last write wins. [`finish_layers`]
+    /// (Self::finish_layers) ends the push.
+    pub fn push_blocks(
+        &self,
+        id: TransferId,
+        src: &[BlockId],
+        first: usize,
+        layers: Range<usize>,
+        wait: Duration,
+    ) -> Result<TransferStats> {
+        self.push_into(id, PushSource::Blocks { src, first }, layers, wait, None)
+    }
+
+    /// Ends a layer-wise push: tells the decode side that every layer of every block is in place
+    /// (the last PUSHED), handing it `trailer` with it. Waits like
+    /// [`push_blocks`](Self::push_blocks); the decode side then COMPLETEs, which ends the lease
+    /// on the blocks if they were [`offer`](Self::offer)ed meanwhile.
+    pub fn finish_layers(&self, id: TransferId, trailer: &[u32], wait: Duration) -> Result<TransferStats> {
+        let layers_total = self.shared.region.descriptor().extent(Dim::Layer);
+        self.push_into(id, PushSource::Blocks { src: &[], first: 0 }, layers_total..layers_total, wait, Some(trailer))
+    }
+
+    /// Writes `layers` of `source` into the decode side's reservation for `id`, then a PUSHED
+    /// (the last one, with its trailer, when `last` is given).
+    fn push_into(
+        &self,
+        id: TransferId,
+        source: PushSource<'_>,
+        layers: Range<usize>,
+        wait: Duration,
+        last: Option<&[u32]>,
+    ) -> Result<TransferStats> {
         let start = Instant::now();
         let s = &self.shared;
         let deadline = Instant::now() + wait;
@@ -286,7 +338,10 @@ impl KvServer {
             let mut pushes = lock(&s.pushes);
             loop {
                 // Lock order: pushes, then leases.
-                let src = lock(&s.leases).blocks(id, s.now()).map(<[BlockId]>::to_vec)?;
+                let src = match source {
+                    PushSource::Leased => lock(&s.leases).blocks(id, s.now()).map(<[BlockId]>::to_vec)?,
+                    PushSource::Blocks { src, .. } => src.to_vec(),
+                };
                 if let Some(t) = pushes.get(&id) {
                     let target = ((t.serial, t.generation), t.dst_blocks.clone(), t.peer.descriptor.clone());
                     break (src, target.0, target.1, target.2, Arc::clone(&t.writer), t.shm.clone());
@@ -303,8 +358,18 @@ impl KvServer {
                 pushes = s.push_ready.wait_timeout(pushes, slice).unwrap_or_else(PoisonError::into_inner).0;
             }
         };
-        let layers_total = s.region.descriptor().extent(Dim::Layer);
-        let p = plan_layers(s.region.descriptor(), &src_blocks, &descriptor, &dst_blocks, layers.clone())?;
+        let first = match source {
+            PushSource::Leased => 0,
+            PushSource::Blocks { first, .. } => first,
+        };
+        let Some(dst) = dst_blocks.get(first..first + src_blocks.len()) else {
+            return Err(TransferError::Protocol(format!(
+                "push {id}: blocks {first}..{} of a reservation of {}",
+                first + src_blocks.len(),
+                dst_blocks.len()
+            )));
+        };
+        let p = plan_layers(s.region.descriptor(), &src_blocks, &descriptor, dst, layers.clone())?;
         // The writer's lock is held from the check that the reservation still stands to the
         // last byte: the answer to the decode side's COMPLETE goes out under the same lock, so
         // it can never overtake a write.
@@ -336,8 +401,9 @@ impl KvServer {
                 n
             }
         };
-        let done = layers.end == layers_total;
-        w.send(&Frame::Pushed { id, generation, layers_done: layers.end as u32, done })?;
+        let trailer = last.map(<[u32]>::to_vec).unwrap_or_default();
+        let pushed = Frame::Pushed { id, generation, layers_done: layers.end as u32, done: last.is_some(), trailer };
+        w.send(&pushed)?;
         Ok(TransferStats { bytes: p.bytes() as u64, copies: p.len(), calls, elapsed: start.elapsed() })
     }
 

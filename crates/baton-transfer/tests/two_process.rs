@@ -121,6 +121,30 @@ fn prefill_child() {
                     Err(e) => println!("@@ERR {e}"),
                 }
             }
+            ["layers", id] => {
+                // As a chunked prefill streams its KV: the first half of the blocks layer by
+                // layer, then the rest (the first block again, as after a preemption), then
+                // the blocks go under a lease and the last PUSHED carries a trailer.
+                let id: u64 = id.parse().expect("id");
+                let blocks = &requests.iter().find(|(r, _)| *r == id).expect("request").1;
+                let wait = Duration::from_secs(5);
+                let half = blocks.len() / 2;
+                let mut pieces = 0;
+                let r = (|| {
+                    for (first, piece) in [(0, &blocks[..half]), (0, &blocks[..1]), (half, &blocks[half..])] {
+                        for l in 0..geometry().layers {
+                            server.push_blocks(TransferId(id), piece, first, l..l + 1, wait)?;
+                            pieces += 1;
+                        }
+                    }
+                    server.offer(TransferId(id), blocks.clone())?;
+                    server.finish_layers(TransferId(id), &[42, 7], wait)
+                })();
+                match r {
+                    Ok(_) => println!("@@LAYERS {pieces}"),
+                    Err(e) => println!("@@ERR {e}"),
+                }
+            }
             _ => break,
         }
         std::io::stdout().flush().expect("stdout");
@@ -392,6 +416,40 @@ fn push_case(src_layout: &str, dst_layout: KvLayout, transport: TransportKind) {
     check_subset(&decode, req, &local, &[]);
     let (free_after, leases) = prefill.free();
     assert_eq!((free_after, leases), (free_before + n, 0), "the push's source blocks were released on COMPLETE");
+}
+
+/// A layer-wise push: pieces of blocks layer by layer, a block pushed twice, then the last
+/// PUSHED with its trailer; the KV arrives whole and COMPLETE ends the lease taken at the end.
+fn layerwise_case(src_layout: &str, dst_layout: KvLayout, transport: TransportKind) {
+    let mut prefill = Prefill::spawn(&spec(src_layout, "push", 10_000));
+    let (free_before, _) = prefill.free();
+    let mut decode = Decode::new(dst_layout);
+    let mut client = decode.client(prefill.addr, transport);
+    let (req, n) = REQUESTS[0];
+    let local = decode.alloc(n);
+    let id = TransferId(req);
+    client.begin_push(id, req, &local).expect("reserve");
+    let pushed = prefill.cmd(&format!("layers {req}"));
+    assert_eq!(pushed, format!("LAYERS {}", 3 * geometry().layers), "{pushed}");
+    let done = client.poll_pushes(Duration::from_secs(5)).expect("poll");
+    assert_eq!(done, vec![id], "the last PUSHED ends the push");
+    assert_eq!(client.push_progress(id), Some(3 * geometry().layers as u64 + 1), "one PUSHED a piece, one last");
+    assert_eq!(client.push_trailer(id), &[42, 7]);
+    client.finish_push(id, Duration::from_secs(5)).expect("complete");
+    assert_eq!(client.push_trailer(id), &[] as &[u32], "finished pushes are forgotten");
+    check_subset(&decode, req, &local, &[]);
+    let (free_after, leases) = prefill.free();
+    assert_eq!((free_after, leases), (free_before + n, 0), "COMPLETE released the lease taken at the end");
+}
+
+#[test]
+fn layerwise_push_tcp_layer_major_to_block_major() {
+    layerwise_case("layer-major", KvLayout::BlockMajor, TransportKind::Tcp);
+}
+
+#[test]
+fn layerwise_push_shm_block_major_to_layer_major() {
+    layerwise_case("block-major", KvLayout::LayerMajor, TransportKind::Shm);
 }
 
 #[test]
