@@ -141,6 +141,39 @@ impl Emulator {
 
     /// Spends the step's predicted time (sleeping from `started`, or on the virtual clock).
     pub(crate) fn run_step(&mut self, work: &StepWork, started: Instant) {
+        let us = self.step_time(work);
+        self.sleep_until(started, us);
+    }
+
+    fn sleep_until(&self, started: Instant, us: Micros) {
+        if self.model.clock == EmulatedClock::Sleep {
+            let target = Duration::from_micros(us);
+            let spent = started.elapsed();
+            if target > spent {
+                std::thread::sleep(target - spent);
+            }
+        }
+    }
+
+    /// [`run_step`](Self::run_step), calling `layer_written(l, layers)` for each of the emulated
+    /// model's layers (the profile's, else the configuration's) as the step's time reaches
+    /// `(l + 1) / layers` of it: when a GPU would have written that layer's KV.
+    pub(crate) fn run_step_layers(
+        &mut self,
+        work: &StepWork,
+        started: Instant,
+        layer_written: &mut dyn FnMut(usize, usize),
+    ) {
+        let us = self.step_time(work);
+        let layers = self.model.profile.layers.map_or(self.model.config.num_layers, |l| l as usize).max(1);
+        for l in 0..layers {
+            self.sleep_until(started, us * (l as u64 + 1) / layers as u64);
+            layer_written(l, layers);
+        }
+    }
+
+    /// The step's predicted time, counted in the stats.
+    fn step_time(&mut self, work: &StepWork) -> Micros {
         let p = &self.model.profile;
         let [host, disk] = work.swapped_in_tokens;
         let swap_us = |tokens, link| if tokens == 0 { 0 } else { p.kv_transfer_time(tokens, link) };
@@ -150,13 +183,7 @@ impl Emulator {
         self.stats.steps += 1;
         self.stats.total_us += us;
         self.stats.last_step_us = us;
-        if self.model.clock == EmulatedClock::Sleep {
-            let target = Duration::from_micros(us);
-            let spent = started.elapsed();
-            if target > spent {
-                std::thread::sleep(target - spent);
-            }
-        }
+        us
     }
 
     /// The token after `tokens` (prompt then generated; `prompt_len` of them are the prompt).

@@ -27,7 +27,9 @@ use baton_sched::{CostProfile, Micros};
 use crate::emulated::{EmulatedModel, EmulatedStats, Emulator, StepWork};
 
 use crate::planner::{self, PlanInput, PlannerConfig, Scheduled, SeqView};
-use crate::request::{FinishReason, Finished, GenerationRequest, KvPrefix, KvRetention, StepOutput, TokenEvent};
+use crate::request::{
+    FinishReason, Finished, GenerationRequest, KvPiece, KvPrefix, KvRetention, KvStream, StepOutput, TokenEvent,
+};
 use crate::sequence::Sequence;
 use crate::{EngineError, RequestId};
 
@@ -170,6 +172,8 @@ pub struct Engine {
     /// First come first served; preempted sequences go back to the front.
     waiting: VecDeque<RequestId>,
     next_seed: u64,
+    /// Where requests with `stream_kv` send their KV layer by layer.
+    kv_stream: Option<Box<dyn KvStream>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -233,7 +237,14 @@ impl Engine {
             running: Vec::new(),
             waiting: VecDeque::new(),
             next_seed: 0x5eed,
+            kv_stream: None,
         })
+    }
+
+    /// Sets where requests with [`GenerationRequest::stream_kv`] stream their prompt's KV,
+    /// layer by layer as each step writes it (without one, such requests stream nothing).
+    pub fn set_kv_stream(&mut self, stream: Box<dyn KvStream>) {
+        self.kv_stream = Some(stream);
     }
 
     /// The engine's configuration.
@@ -681,6 +692,7 @@ impl Engine {
         for s in &batch {
             work.add(self.seqs[&s.id].computed, s.num_tokens);
         }
+        let pieces = self.stream_pieces(&batch);
         let computed = match &mut self.backend {
             Backend::Model(model) => {
                 let vocab = model.config().vocab_size;
@@ -705,7 +717,15 @@ impl Engine {
                         }
                     })
                     .collect();
-                Computed::Logits(model.forward(&steps, self.pool.arena_mut())?)
+                let arena = self.pool.arena_mut();
+                let layers = arena.geometry().layers;
+                let logits = match &mut self.kv_stream {
+                    Some(stream) if !pieces.is_empty() => model.forward_layers(&steps, arena, &mut |l| {
+                        pieces.iter().for_each(|p| stream.layer_written(l, layers, p));
+                    })?,
+                    _ => model.forward(&steps, arena)?,
+                };
+                Computed::Logits(logits)
             }
             Backend::Emulated(emu) => {
                 let tokens = batch
@@ -716,7 +736,12 @@ impl Engine {
                             .then(|| emu.next_token(&seq.tokens, seq.prompt_len))
                     })
                     .collect();
-                emu.run_step(&work, started);
+                match &mut self.kv_stream {
+                    Some(stream) if !pieces.is_empty() => emu.run_step_layers(&work, started, &mut |l, layers| {
+                        pieces.iter().for_each(|p| stream.layer_written(l, layers, p));
+                    }),
+                    _ => emu.run_step(&work, started),
+                }
                 Computed::Tokens(tokens)
             }
         };
@@ -769,6 +794,34 @@ impl Engine {
         Ok(out)
     }
 
+    /// The pieces of KV the batch completes for requests that stream theirs: the prompt
+    /// blocks not streamed yet that are whole after the step (all of them on the prompt's last
+    /// chunk, whose last block may be partial). Marks them streamed.
+    fn stream_pieces(&mut self, batch: &[Scheduled]) -> Vec<KvPiece> {
+        if self.kv_stream.is_none() {
+            return Vec::new();
+        }
+        let bs = self.config.block_size;
+        let mut pieces = Vec::new();
+        for s in batch {
+            let Some(seq) = self.seqs.get_mut(&s.id) else { continue };
+            if !seq.stream_kv || seq.computed >= seq.prompt_len {
+                continue;
+            }
+            let end_token = (seq.computed + s.num_tokens).min(seq.prompt_len);
+            let end = if end_token == seq.prompt_len { end_token.div_ceil(bs) } else { end_token / bs };
+            let first = seq.streamed_blocks;
+            if end <= first {
+                continue;
+            }
+            seq.streamed_blocks = end;
+            let blocks = seq.table.blocks()[first..end].to_vec();
+            let tokens = end_token.min(end * bs) - first * bs;
+            pieces.push(KvPiece { id: s.id, first, blocks, tokens });
+        }
+        pieces
+    }
+
     /// Frees a sequence's blocks, to be recomputed later (from the longest prefix the cache
     /// holds when it is admitted again, with prefix caching on). A running sequence goes back
     /// to the front of the queue; a waiting one (that held KV received from a peer) keeps its
@@ -776,6 +829,7 @@ impl Engine {
     fn preempt(&mut self, id: RequestId) -> Result<(), EngineError> {
         let seq = self.seqs.get_mut(&id).expect("preempted sequences exist");
         self.pool.free_blocks(&seq.table.take())?;
+        seq.streamed_blocks = 0;
         let vocab = self.backend.config().vocab_size;
         if seq.collecting_prompt_logits(vocab)
             && let Some(l) = &mut seq.prompt_logits

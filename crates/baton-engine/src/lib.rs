@@ -56,7 +56,8 @@ mod sequence;
 pub use emulated::{EmulatedClock, EmulatedKv, EmulatedModel, EmulatedStats};
 pub use engine::{Engine, EngineConfig, EngineLoad};
 pub use request::{
-    FinishReason, Finished, GenerationRequest, KvPrefix, KvRetention, StepOutput, StopParams, TokenEvent,
+    FinishReason, Finished, GenerationRequest, KvPiece, KvPrefix, KvRetention, KvStream, StepOutput, StopParams,
+    TokenEvent,
 };
 
 /// Identifies a request across the system.

@@ -265,6 +265,8 @@ pub fn fit(
             samples.decode.len()
         ),
         kv_bytes_per_token,
+        // The emulated engine takes the model configuration's.
+        layers: None,
         prefill,
         decode,
         network: Link { bytes_per_s: 10_000_000_000, latency_us: 20 },

@@ -85,6 +85,38 @@ pub struct GenerationRequest {
     /// Generating one of these ends the request (`FinishReason::Stop`); the token counts, its
     /// text is left out (as vLLM's `stop_token_ids`).
     pub stop_token_ids: Vec<u32>,
+    /// Hand the prompt's KV to the engine's [`KvStream`] layer by layer as the forward pass
+    /// writes it (a prefill worker's layer-wise push; see [`Engine::set_kv_stream`](crate::Engine::set_kv_stream)).
+    pub stream_kv: bool,
+}
+
+/// Blocks of a request whose KV a step completes: the unit of layer-wise streaming. Each block
+/// is whole (or the prompt's last) and stays as it is while the request holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvPiece {
+    /// The request.
+    pub id: RequestId,
+    /// Position of `blocks[0]` among the request's blocks.
+    pub first: usize,
+    /// The blocks.
+    pub blocks: Vec<BlockId>,
+    /// Tokens of KV in them.
+    pub tokens: usize,
+}
+
+/// Where an engine streams the KV of requests with [`GenerationRequest::stream_kv`].
+///
+/// For each step, the prompt blocks the step completes (and, on a request's first step, those
+/// it took from the prefix cache) make one [`KvPiece`], reported once a layer is written:
+/// `layer_written(l, layers, piece)` for `l` in `0..layers`, in order, where `layers` is the
+/// model's layer count. The engine's arena may have fewer layers than that (an emulated
+/// backend's arena has one): layer `l` of `layers` completes the arena's layers
+/// `l·A/layers..(l+1)·A/layers` of `A`. A preempted request streams its blocks again when it
+/// runs again (the last write of a block wins).
+pub trait KvStream: Send {
+    /// Layer `layer` of `layers` of `piece`'s blocks is written and will not change while the
+    /// request holds them.
+    fn layer_written(&mut self, layer: usize, layers: usize, piece: &KvPiece);
 }
 
 impl GenerationRequest {
@@ -102,6 +134,7 @@ impl GenerationRequest {
             prefix_cache: true,
             logprobs: None,
             stop_token_ids: Vec::new(),
+            stream_kv: false,
         }
     }
 }

@@ -34,6 +34,10 @@ pub(crate) struct Sequence {
     /// Alternatives per token whose log-probabilities are reported (`None`: none reported).
     pub(crate) logprobs: Option<usize>,
     pub(crate) stop_token_ids: Vec<u32>,
+    /// Stream the prompt's KV layer by layer ([`GenerationRequest::stream_kv`]).
+    pub(crate) stream_kv: bool,
+    /// Leading blocks of `table` streamed already (back to 0 when preempted).
+    pub(crate) streamed_blocks: usize,
 }
 
 impl Sequence {
@@ -77,6 +81,8 @@ impl Sequence {
             emitted: 0,
             logprobs: req.logprobs,
             stop_token_ids: req.stop_token_ids,
+            stream_kv: req.stream_kv,
+            streamed_blocks: 0,
         };
         if let Some(tok) = tokenizer {
             // One token at a time, as the worker that streamed them did: decoded all at once,

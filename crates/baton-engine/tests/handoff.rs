@@ -5,8 +5,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use baton_engine::{Engine, EngineConfig, GenerationRequest, KvRetention, RequestId, StopParams};
-use baton_kv::KvLayout;
+use baton_engine::{Engine, EngineConfig, GenerationRequest, KvPiece, KvRetention, KvStream, RequestId, StopParams};
+use baton_kv::{BlockId, KvLayout};
 use baton_model::Checkpoint;
 
 #[test]
@@ -115,4 +115,72 @@ fn a_migrated_sequence_streams_exactly_the_rest_of_the_text() {
         assert_eq!(before + &rest_deltas.concat(), whole, "cut at {k} (inside a character: {held_back}): text");
     }
     assert!(cuts_inside_a_character > 0, "no cut fell inside a character: the test proves nothing");
+}
+
+/// What a layer-wise stream was told: (request, layer, layers, first block, blocks, tokens).
+type Streamed = Arc<std::sync::Mutex<Vec<(u64, usize, usize, usize, Vec<BlockId>, usize)>>>;
+
+struct Recorder(Streamed);
+
+impl KvStream for Recorder {
+    fn layer_written(&mut self, layer: usize, layers: usize, p: &KvPiece) {
+        self.0.lock().expect("lock").push((p.id.0, layer, layers, p.first, p.blocks.clone(), p.tokens));
+    }
+}
+
+/// A request that streams its KV hands over every layer of every prompt block exactly once
+/// (a chunked prefill, a prefix from the cache, a partial last block), layer by layer in
+/// order, only whole blocks before the last chunk; a request that does not stream hands
+/// over nothing.
+#[test]
+fn a_streamed_prefill_hands_over_every_layer_of_every_block_once() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-llama");
+    let ckpt = Checkpoint::open(&dir).expect("fixture loads");
+    let layers = ckpt.model.config().num_layers;
+    let config = EngineConfig { block_size: 4, num_blocks: 64, prefill_chunk: 6, ..EngineConfig::default() };
+    let mut engine = Engine::new(Arc::new(ckpt.model), None, config).expect("engine");
+    let streamed: Streamed = Arc::default();
+    engine.set_kv_stream(Box::new(Recorder(streamed.clone())));
+    let prompt: Vec<u32> = (1..=23).collect();
+    let stop = StopParams { max_tokens: 1, ignore_eos: true, stop_strings: vec![] };
+    let request = |id, prompt: &[u32], stream_kv| GenerationRequest {
+        stop: stop.clone(),
+        retain_kv: KvRetention::All,
+        stream_kv,
+        ..GenerationRequest::new(RequestId(id), prompt.to_vec())
+    };
+    // Request 1 streams beside request 2, which does not; request 3 finds 20 tokens of
+    // request 1's prompt in the prefix cache (5 whole blocks) and computes 3.
+    engine.add_request(request(1, &prompt, true)).expect("valid");
+    engine.add_request(request(2, &prompt[..9], false)).expect("valid");
+    let mut done = engine.run_to_completion().expect("runs");
+    let mut extended = prompt[..20].to_vec();
+    extended.extend([7, 8, 9]);
+    engine.add_request(request(3, &extended, true)).expect("valid");
+    done.extend(engine.run_to_completion().expect("runs"));
+    let events = streamed.lock().expect("lock").clone();
+    assert!(events.iter().all(|e| e.0 != 2), "a request that does not stream hands over nothing");
+    for (id, tokens) in [(1, &prompt), (3, &extended)] {
+        let kv = done.iter().find(|f| f.id == RequestId(id)).and_then(|f| f.kv.as_ref()).expect("retained KV");
+        let mine: Vec<_> = events.iter().filter(|e| e.0 == id).collect();
+        // Pieces in order, each reported for layers 0..L in order.
+        let pieces: Vec<_> = mine.chunks(layers).collect();
+        assert_eq!(mine.len() % layers, 0);
+        let mut next = 0;
+        for (i, piece) in pieces.iter().enumerate() {
+            let (_, _, of, first, blocks, n) = piece[0];
+            assert!(piece.iter().enumerate().all(|(l, e)| e.1 == l && e.2 == *of && e.3 == *first && e.4 == *blocks));
+            assert_eq!(*of, layers);
+            assert_eq!(*first, next, "request {id}: pieces follow each other");
+            assert_eq!(blocks[..], kv.blocks[*first..*first + blocks.len()], "request {id}: its own blocks");
+            let last = i + 1 == pieces.len();
+            let want = if last { tokens.len() - first * 4 } else { blocks.len() * 4 };
+            assert_eq!(*n, want, "request {id}: whole blocks before the last piece");
+            next += blocks.len();
+        }
+        assert_eq!(next, tokens.len().div_ceil(4), "request {id}: every block of the prompt");
+        if id == 3 {
+            assert_eq!(pieces[0][0].4.len(), 6, "the cached prefix goes with the first chunk");
+        }
+    }
 }

@@ -235,12 +235,30 @@ impl Model {
     /// Runs one batch step: writes the new tokens' keys and values into `kv` and returns the
     /// logits each sequence asked for.
     pub fn forward(&self, batch: &[SeqStep<'_>], kv: &mut KvArena) -> Result<StepLogits> {
-        // The step runs on one of rayon's threads: its hundred-odd parallel products are then
-        // forks within the pool, not a caller blocking on a condition variable each time.
-        in_pool(|| self.forward_in_pool(batch, kv))
+        self.forward_layers(batch, kv, &mut |_| {})
     }
 
-    fn forward_in_pool(&self, batch: &[SeqStep<'_>], kv: &mut KvArena) -> Result<StepLogits> {
+    /// [`forward`](Self::forward), calling `layer_written(l)` as soon as layer `l`'s keys and
+    /// values of the step's tokens are in `kv` (before that layer's attention): from then on the
+    /// step writes nothing more into layer `l`, so a caller can start sending it (layer-wise KV
+    /// streaming) while the later layers compute.
+    pub fn forward_layers(
+        &self,
+        batch: &[SeqStep<'_>],
+        kv: &mut KvArena,
+        layer_written: &mut (dyn FnMut(usize) + Send),
+    ) -> Result<StepLogits> {
+        // The step runs on one of rayon's threads: its hundred-odd parallel products are then
+        // forks within the pool, not a caller blocking on a condition variable each time.
+        in_pool(|| self.forward_in_pool(batch, kv, layer_written))
+    }
+
+    fn forward_in_pool(
+        &self,
+        batch: &[SeqStep<'_>],
+        kv: &mut KvArena,
+        layer_written: &mut (dyn FnMut(usize) + Send),
+    ) -> Result<StepLogits> {
         let c = &self.config;
         let (hidden, head_dim) = (c.hidden_size, c.head_dim);
         let block_size = kv.geometry().block_size;
@@ -300,6 +318,7 @@ impl Model {
                 let v = &qkv[r * width + q_width + kv_width..(r + 1) * width];
                 kv.write_token(l, KvPart::Value, block, slot, v);
             }
+            layer_written(l);
             let shape = AttentionShape {
                 num_heads: c.num_heads,
                 num_kv_heads: c.num_kv_heads,

@@ -74,6 +74,10 @@ pub struct CostProfile {
     pub source: String,
     /// Bytes of KV per token of context on one instance (`2·L·H_kv·D·sizeof(dtype)`).
     pub kv_bytes_per_token: u64,
+    /// The model's transformer layers (`L`), when known: a step writes its KV in this many
+    /// pieces, which layer-wise streaming sends as each is done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<u32>,
     /// Prefill coefficients.
     pub prefill: PrefillCoeffs,
     /// Decode coefficients.
@@ -214,6 +218,7 @@ impl CostProfile {
             name: name.to_owned(),
             source: source.to_owned(),
             kv_bytes_per_token: KV_BYTES_PER_TOKEN,
+            layers: Some(LAYERS as u32),
             prefill: PrefillCoeffs {
                 fixed_us: weight_bytes / mem * 1e6,
                 per_token_us: 2.0 * PARAMS / flops * 1e6,
