@@ -50,7 +50,7 @@ use crate::openai::{Endpoint, ValidRequest, Validator};
 use crate::response::{Piece, full_response, sse_response};
 use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView, decode_has_room};
 use crate::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
-use crate::wire::{KvSource, PdCaching, Received, fetch_lease};
+use crate::wire::{KvSource, PdCaching, Received, WorkerError, fetch_lease};
 use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
 
 /// How long the conductor waits for a worker's next event before failing the request.
@@ -1022,7 +1022,7 @@ impl Run {
                 ));
                 Outcome::Failed
             }
-            Err(RunError::Api(ApiError::Internal(detail))) => {
+            Err(RunError::Api(ApiError::Internal(detail)) | RunError::Handoff(detail)) => {
                 // The detail names workers' addresses and internals: the log's, not the client's.
                 tracing::error!(request = self.id.0, error = detail, "request failed");
                 let message = format!(
@@ -1105,7 +1105,24 @@ impl Run {
         let fetching = self.start_fetch(p.as_ref()).await;
         let fetch = fetching.as_ref().map(|f| f.source.clone());
         let fetched = fetch.as_ref().map_or(0, |f| f.tokens);
-        let mut events = p.submit(WorkRequest { stop, retain_kv, fetch, ..base });
+        // Layer-wise: the decode worker has the request now, reserves blocks for the prompt's
+        // KV and registers them with `p`'s KV server, which writes each layer into them as the
+        // prefill computes it; the last write brings the first token. (Without `p`'s KV server
+        // address, the KV is pulled once the prefill is done.)
+        let mut early = match (base.kv_transfer, p.kv_addr()) {
+            (KvTransfer::Layerwise, Some(addr)) if retain_kv => {
+                let tokens = self.valid.prompt_ids.len();
+                let kv = Some(KvSource { addr, blocks: Vec::new(), tokens, lease: None });
+                let prefix_cache = c.pd_caching >= PdCaching::Decode;
+                Some(d.submit(WorkRequest { kv, prefix_cache, ..self.request() }))
+            }
+            _ => None,
+        };
+        let kv_transfer = match base.kv_transfer {
+            KvTransfer::Layerwise if early.is_none() => KvTransfer::Pull,
+            mode => mode,
+        };
+        let mut events = p.submit(WorkRequest { stop, retain_kv, fetch, kv_transfer, ..base });
         let prefill = c.track_prefill(p.as_ref(), self.id, &self.valid.prompt_ids, fetched);
         let mut first = Vec::new();
         let prefilled = async {
@@ -1141,7 +1158,8 @@ impl Run {
                 // The client may have gone just as the prefill finished, or the worker's stream
                 // was lost (a half-open connection, a partition) after it offered the KV: the
                 // conductor never heard of the hand-off, but releases it by the request's id, so
-                // a worker still alive does not hold it until its lease ends.
+                // a worker still alive does not hold it until its lease ends. (Dropping `early`
+                // aborts the decode worker's half, and frees the blocks it reserved.)
                 p.release(self.id.0);
                 return Err(e);
             }
@@ -1152,6 +1170,7 @@ impl Run {
         let prefill_lost = kv.is_none() && !done_at_prefill;
         let kv = kv.filter(|_| !done_at_prefill);
         if kv.is_none() && !prefill_lost {
+            drop(early);
             p.release(self.id.0);
             return self.finish(reason, prompt_tokens, first.len());
         }
@@ -1175,16 +1194,43 @@ impl Run {
             let kv = kv.clone().filter(|_| generated.len() == first.len());
             // Decode workers keep (and reuse) requests' KV only in PD-Caching-2.
             let prefix_cache = c.pd_caching >= PdCaching::Decode;
-            let events =
-                decode.submit(WorkRequest { generated: generated.clone(), kv, prefix_cache, ..self.request() });
+            // The prefill is over: a hand-off from here on pulls what `p` leases (a layer-wise
+            // one already is on its way, in `early`).
+            let kv_transfer = match c.kv_transfer {
+                KvTransfer::Layerwise => KvTransfer::Pull,
+                mode => mode,
+            };
+            let layerwise = early.is_some();
+            let events = match early.take() {
+                Some(events) => events,
+                None => decode.submit(WorkRequest {
+                    generated: generated.clone(),
+                    kv,
+                    prefix_cache,
+                    kv_transfer,
+                    ..self.request()
+                }),
+            };
             let mut relayed = Vec::new();
             let result = self.relay(&decode, events, start, handoff.take(), None, &mut relayed).await;
             let streamed_here = relayed.len();
+            if layerwise && streamed_here > 0 {
+                c.metrics.layerwise_handoffs.fetch_add(1, Ordering::Relaxed);
+            }
             generated.extend(relayed);
             // A decode worker lost: hand the decode to another, before its first token (it pulls
             // the KV if the lease still holds it, else recomputes) or mid-stream (migration: it
             // recomputes the KV of the prompt and the tokens so far, and continues).
             match result {
+                // The layer-wise hand-off failed (the prefill worker died mid-stream, or the
+                // decode worker had no room in time): the decode worker gave the request back
+                // before streaming anything; it gets it again with the first token, and pulls
+                // the KV if `p` still leases it, else recomputes it.
+                Err(RunError::Handoff(reason)) => {
+                    tracing::warn!(request = self.id.0, reason, "layer-wise hand-off failed; handing over again");
+                    c.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                    handoff = Some(Instant::now());
+                }
                 Err(RunError::Lost { worker, reason }) if tried.len() < MAX_RETRIES => {
                     self.handed_on(&worker, &reason, streamed_here);
                     tried.push(worker.clone());
@@ -1268,6 +1314,7 @@ impl Run {
                     }
                     return self.finish(reason, prompt_tokens, completion_tokens);
                 }
+                RequestEvent::Failed(WorkerError::Handoff(reason)) => return Err(RunError::Handoff(reason)),
                 RequestEvent::Failed(e) => return Err(RunError::Api(e.into())),
                 RequestEvent::Lost { reason } => {
                     return Err(RunError::Lost { worker: worker.name().to_owned(), reason });
@@ -1308,6 +1355,8 @@ enum RunError {
     Api(ApiError),
     /// A worker went away.
     Lost { worker: String, reason: String },
+    /// A layer-wise hand-off did not arrive; the decode worker gave the request back.
+    Handoff(String),
 }
 
 impl Run {

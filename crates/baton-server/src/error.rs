@@ -118,7 +118,7 @@ impl From<crate::wire::WorkerError> for ApiError {
         match e {
             WorkerError::InvalidRequest(m) => Self::invalid(m),
             WorkerError::WrongRole(m) | WorkerError::Protocol(m) => Self::Internal(m),
-            e @ WorkerError::Engine(_) => Self::Internal(e.to_string()),
+            e @ (WorkerError::Engine(_) | WorkerError::Handoff(_)) => Self::Internal(e.to_string()),
         }
     }
 }

@@ -1,9 +1,9 @@
 //! The KV hand-off from a prefill worker to a decode worker, in `baton-transfer`'s two modes.
 //!
-//! The conductor picks the mode (`--kv-transfer pull|push` on `baton serve` and `baton
+//! The conductor picks the mode (`--kv-transfer pull|push|layerwise` on `baton serve` and `baton
 //! conductor`) and names it in both halves of every disaggregated request ([`KvTransfer`] in
-//! [`WorkRequest`](crate::worker::WorkRequest)); every worker supports both, so the choice lives
-//! in one place and a cluster needs no per-worker configuration. Each mode has one path:
+//! [`WorkRequest`](crate::worker::WorkRequest)); every worker supports all three, so the choice
+//! lives in one place and a cluster needs no per-worker configuration. Each mode has one path:
 //!
 //! - **Pull** (KVDirect's default). The prefill worker finishes the prompt and its first token
 //!   and offers the blocks on its [`KvServer`] under a lease. The decode worker's engine thread
@@ -16,24 +16,31 @@
 //!   mode, [`KvClient::begin_push`]). The push then writes every layer into them — a one-sided
 //!   copy into the decode worker's mapped arena over shared memory, WRITE frames over TCP —
 //!   and reports the last layer; the decode worker COMPLETEs.
+//! - **Layer-wise push** (Mooncake §4, KVDirect §4: the transfer overlapped with the prefill).
+//!   The conductor hands the decode worker its half when it hands the prefill worker the prompt,
+//!   naming the prefill worker's KV server and the prompt's length but no blocks (there are none
+//!   yet). The decode worker reserves and registers its blocks as in push mode. The prefill
+//!   worker's engine streams the KV ([`baton_engine::KvStream`], [`LayerPusher`]): as each layer
+//!   of each prompt chunk is written, that layer of the blocks the chunk completed goes out
+//!   ([`KvServer::push_blocks`]), while the later layers compute. When the prefill is done its
+//!   KV is offered under a lease as in the other modes, and the last write (a PUSHED with a
+//!   trailer, [`KvServer::finish_layers`]) carries the first token, which the decode worker
+//!   continues from. The decode worker holds its blocks while the prompt waits and computes:
+//!   that memory is the price of hiding the transfer (KVDirect's argument for pulling by
+//!   default).
 //!
 //! Either way COMPLETE ends the prefill side's lease (its blocks go back to its engine), and the
 //! decode worker's engine admits the request with the received KV as its prefix, continuing from
 //! the first token the prefill worker sampled (the conductor streamed it already).
 //!
-//! Why the decode worker reserves when the conductor hands it the request, not before the prefill
-//! starts: the decode worker continues from the prefill worker's first token, which exists only
-//! once the prefill is done, and reserving earlier would hold decode memory idle while the prompt
-//! waits and computes (KVDirect's argument for pulling by default). So in both modes the conductor
-//! runs the same two steps and the transfer waits on nothing but the transfer: the decode side's
-//! wait for pushed KV is bounded by its I/O timeout. Layer-by-layer pushing during the forward
-//! pass would need the reservation before the prefill, and the first token on another path; the
-//! protocol supports it ([`KvServer::push_offered`] takes a layer range), the workers do not yet.
-//!
-//! Failures, in both modes: a dead or slow peer ends the transfer (the decode side's wait is
+//! Failures, in every mode: a dead or slow peer ends the transfer (the decode side's wait is
 //! bounded by its I/O timeout; the prefill side's push gives up when its lease ends, which the
 //! conductor's release or the lease's expiry does), and the decode worker then recomputes the
-//! prompt itself. Nothing stays held: the decode side's reserved blocks travel in the
+//! prompt itself. A layer-wise hand-off's decode worker has no first token to recompute from:
+//! it gives the request back ([`WorkerError::Handoff`](crate::wire::WorkerError::Handoff)),
+//! and the conductor hands it over again with the first token, pulled from the lease or
+//! recomputed. Its wait is the lease's for the first write (the prefill may queue), then the I/O
+//! timeout from each write. Nothing stays held: the decode side's reserved blocks travel in the
 //! [`KvJob`] and are freed when the job is dropped (or come back with its [`TransferDone`]),
 //! and the prefill side's blocks come back when the lease ends. A pushed-into block is freed only
 //! once the prefill side provably writes no more into it: after the answer to COMPLETE
@@ -62,7 +69,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
-use baton_engine::RequestId;
+use baton_engine::{KvPiece, KvStream, RequestId};
 use baton_kv::{BlockId, Dim};
 use baton_transfer::{ClientConfig, KvClient, KvServer, Region, TransferId, TransferStats, TransportKind};
 
@@ -116,10 +123,22 @@ impl EmulatedLink {
         Self { link, kv_bytes_per_token, free_at: std::sync::Mutex::new(None) }
     }
 
+    /// The same link, idle: a worker sends over one and receives over another (a NIC is full
+    /// duplex).
+    pub fn idle_twin(&self) -> Self {
+        Self::new(self.link, self.kv_bytes_per_token)
+    }
+
     /// When the KV of `tokens` tokens, received in a transfer that began at `started`, has
     /// crossed the link: after the transfers before it; the link is busy until then.
     pub fn reserve(&self, started: Instant, tokens: usize) -> Instant {
-        let bytes = (tokens as u64).saturating_mul(self.kv_bytes_per_token);
+        self.reserve_share(started, tokens, 1)
+    }
+
+    /// [`reserve`](Self::reserve) for one of `parts` equal parts of the KV of `tokens` tokens
+    /// (one layer of a model of `parts` layers).
+    pub fn reserve_share(&self, started: Instant, tokens: usize, parts: usize) -> Instant {
+        let bytes = (tokens as u64).saturating_mul(self.kv_bytes_per_token) / parts.max(1) as u64;
         let took = Duration::from_micros(baton_sched::transfer_time(bytes, self.link));
         let mut free_at = self.free_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let begin = free_at.map_or(started, |f| f.max(started));
@@ -176,6 +195,8 @@ pub(crate) struct ThreadSetup {
     pub(crate) transport: TransportChoice,
     /// Fault injection: the pause between opening a fetch's transfer and reading it.
     pub(crate) fetch_delay: Duration,
+    /// How long a layer-wise push may take to begin (see [`TransferThread`]).
+    pub(crate) layerwise_wait: Duration,
     /// An emulated worker's link, which what it receives crosses (`None`: as fast as the copy).
     pub(crate) link: Option<Arc<EmulatedLink>>,
     /// Where each job's end goes.
@@ -227,6 +248,8 @@ struct Pending {
     deadline: Instant,
     /// When it was registered (its transfer began).
     started: Instant,
+    /// PUSHED frames seen so far: a layer-wise push that makes progress gets more time.
+    progress: u64,
 }
 
 /// A transfer thread (one per peer, see [`Transfers`]): a [`KvClient`] per peer it serves,
@@ -244,6 +267,9 @@ pub(crate) struct TransferThread {
     back: Report,
     /// Fault injection: the pause between opening a fetch's transfer and reading it.
     fetch_delay: Duration,
+    /// How long a layer-wise push may take to begin: its prefill may wait in the prefill
+    /// worker's queue first (once it writes, each write gives it the I/O timeout again).
+    layerwise_wait: Duration,
     /// An emulated worker's link.
     link: Option<Arc<EmulatedLink>>,
     /// Received transfers the link has not carried yet: the thread waits for none of them,
@@ -255,7 +281,7 @@ impl TransferThread {
     /// Starts the thread; jobs go in over the returned sender.
     pub(crate) fn spawn(name: &str, setup: ThreadSetup) -> std::io::Result<Sender<KvJob>> {
         let (jobs, job_rx) = std::sync::mpsc::channel();
-        let ThreadSetup { local, config, transport, fetch_delay, link, back } = setup;
+        let ThreadSetup { local, config, transport, fetch_delay, layerwise_wait, link, back } = setup;
         let clients = HashMap::new();
         let thread = TransferThread {
             local,
@@ -265,6 +291,7 @@ impl TransferThread {
             pushes: Vec::new(),
             back,
             fetch_delay,
+            layerwise_wait,
             link,
             crossing: Vec::new(),
         };
@@ -341,9 +368,14 @@ impl TransferThread {
 
     /// Hands a job's result to the engine thread; `false` when it is gone.
     fn report(&self, job: KvJob, result: Result<TransferStats, String>) -> bool {
+        self.report_with(job, result, Vec::new())
+    }
+
+    /// [`report`](Self::report), with what the sender handed over with the KV.
+    fn report_with(&self, job: KvJob, result: Result<TransferStats, String>, trailer: Vec<u32>) -> bool {
         let result = result
             .map_err(|e| if job.cancel.is_cancelled() { TransferFailure::Cancelled } else { TransferFailure::Peer(e) });
-        (self.back)(job.done(result))
+        (self.back)(job.done_with(result, trailer))
     }
 
     fn start(&mut self, job: KvJob) -> bool {
@@ -385,20 +417,26 @@ impl TransferThread {
                     }
                 }
             }
-            KvTransfer::Push => match client.begin_push(transfer_id(&job), job.generation.0, job.kv.blocks()) {
-                Ok(()) => {
-                    self.pushes.push(Pending { job, deadline: Instant::now() + self.config.io_timeout, started });
-                    true
+            KvTransfer::Push | KvTransfer::Layerwise => {
+                match client.begin_push(transfer_id(&job), job.generation.0, job.kv.blocks()) {
+                    Ok(()) => {
+                        let wait = match job.mode {
+                            KvTransfer::Layerwise => self.layerwise_wait.max(self.config.io_timeout),
+                            _ => self.config.io_timeout,
+                        };
+                        self.pushes.push(Pending { job, deadline: Instant::now() + wait, started, progress: 0 });
+                        true
+                    }
+                    // Refused: nothing was registered.
+                    Err(e) if e.is_remote() => self.report(job, Err(format!("reserving KV on {addr} for a push: {e}"))),
+                    // Perhaps registered: only a closed connection makes the blocks safe to free.
+                    Err(e) => self.drop_client(
+                        addr,
+                        &e.to_string(),
+                        Some((job, format!("registering for a push from {addr}: {e}"))),
+                    ),
                 }
-                // Refused: nothing was registered.
-                Err(e) if e.is_remote() => self.report(job, Err(format!("reserving KV on {addr} for a push: {e}"))),
-                // Perhaps registered: only a closed connection makes the blocks safe to free.
-                Err(e) => self.drop_client(
-                    addr,
-                    &e.to_string(),
-                    Some((job, format!("registering for a push from {addr}: {e}"))),
-                ),
-            },
+            }
         }
     }
 
@@ -435,7 +473,7 @@ impl TransferThread {
             std::mem::take(&mut self.pushes).into_iter().partition(|p| p.job.source.addr == addr);
         self.pushes = kept;
         if let Some(client) = self.clients.remove(&addr) {
-            let registered = !failed.is_empty() || also.as_ref().is_some_and(|(j, _)| j.mode == KvTransfer::Push);
+            let registered = !failed.is_empty() || also.as_ref().is_some_and(|(j, _)| j.mode != KvTransfer::Pull);
             if registered && !client.close(self.config.io_timeout) {
                 tracing::warn!(peer = %addr, "the KV server did not close the failed connection; freeing its push targets anyway");
             }
@@ -476,9 +514,13 @@ impl TransferThread {
                     continue;
                 };
                 let Pending { job, started, .. } = self.pushes.swap_remove(at);
+                let trailer = client.push_trailer(id).to_vec();
                 // Its last layer is in: nothing more is written into its blocks, whatever the
                 // COMPLETE says.
                 let go = match client.finish_push(id, Duration::ZERO) {
+                    // A layer-wise push crossed the prefill worker's emulated link as it was
+                    // written (`LayerPusher`), overlapped with the prefill: it is all in now.
+                    Ok(stats) if job.mode == KvTransfer::Layerwise => self.report_with(job, Ok(stats), trailer),
                     Ok(stats) => self.report_received(job, started, Ok(stats)),
                     Err(e) if e.is_remote() => self.report(job, Err(format!("completing the push from {addr}: {e}"))),
                     Err(e) => {
@@ -492,6 +534,13 @@ impl TransferThread {
             }
         }
         let now = Instant::now();
+        for p in &mut self.pushes {
+            let progress = self.clients.get(&p.job.source.addr).and_then(|c| c.push_progress(transfer_id(&p.job)));
+            if let Some(progress) = progress.filter(|&n| n > p.progress) {
+                p.progress = progress;
+                p.deadline = p.deadline.max(now + self.config.io_timeout);
+            }
+        }
         let due: Vec<(SocketAddr, TransferId, String)> = self
             .pushes
             .iter()
@@ -550,6 +599,199 @@ pub(crate) fn spawn_push(server: &Arc<KvServer>, id: RequestId, wait: Duration, 
     if let Err(e) = spawned {
         tracing::error!(request = id.0, error = %e, "cannot start a push");
         server.cancel(xfer);
+    }
+}
+
+/// A prefill worker's layer-wise pushes (`--kv-transfer layerwise`): the engine's
+/// [`KvStream`] sends each layer of each request's KV here as its forward pass writes it, and
+/// this worker's pusher thread writes it into the blocks the decode worker reserved
+/// ([`KvServer::push_blocks`]), overlapped with the layers still computing; when the request
+/// finishes, [`LayerPusher::end`] queues the last write, which carries the first token
+/// ([`KvServer::finish_layers`]).
+///
+/// The thread never waits on one request: a request whose decode worker has not registered yet
+/// keeps its layers queued (polled every few milliseconds) while the others' go out, each
+/// request's in order. A request's queue is dropped when a write fails (the decode side
+/// withdrew) or when it has waited `wait` without a write; the decode side then gives up
+/// and the conductor sends the request again. The pusher writes blocks the engine holds, not
+/// under a lease: a block freed meanwhile (the request aborted, or preempted and to be
+/// computed again) may be written with what replaced it, but the last PUSHED goes out only after
+/// every layer of the finished request was written again from the blocks it finished with,
+/// and the decode worker uses nothing before it.
+///
+/// With an emulated link (`--emulate-link-gbps`), each layer leaves no sooner than its share of
+/// the real model's KV would have crossed the prefill worker's link, queued behind the layers
+/// before it; the decode worker then adds no link time of its own to a layer-wise push.
+#[derive(Clone)]
+pub(crate) struct LayerPusher {
+    tx: Sender<PushWork>,
+    /// The arena's layers (an emulated arena has fewer than the model it emulates).
+    arena_layers: usize,
+}
+
+enum PushWork {
+    /// Arena layers `layers` of blocks `first..` are final: modelled layer `layer` of `of`.
+    Layers {
+        id: TransferId,
+        layers: std::ops::Range<usize>,
+        first: usize,
+        blocks: Vec<BlockId>,
+        tokens: usize,
+        of: usize,
+    },
+    /// The request finished with `tokens`: the last write.
+    End { id: TransferId, tokens: Vec<u32>, span: tracing::Span },
+}
+
+impl PushWork {
+    fn id(&self) -> TransferId {
+        match self {
+            PushWork::Layers { id, .. } | PushWork::End { id, .. } => *id,
+        }
+    }
+}
+
+/// One request's writes, in order.
+struct LayerQueue {
+    items: std::collections::VecDeque<(Instant, PushWork)>,
+    /// When it is dropped unless a write goes out first.
+    expires: Instant,
+    /// When the last write queued was due (fault injection spaces writes from it).
+    last: Option<Instant>,
+}
+
+/// How often the pusher looks again at requests whose decode worker has not registered yet.
+const PUSH_POLL: Duration = Duration::from_millis(2);
+
+impl LayerPusher {
+    /// Starts the pusher thread of `server`'s worker; it ends when every handle is gone.
+    /// `delay` (fault injection) spaces a request's writes, so a test can kill a worker
+    /// mid-stream.
+    pub(crate) fn spawn(
+        name: &str,
+        server: &Arc<KvServer>,
+        wait: Duration,
+        delay: Duration,
+        link: Option<EmulatedLink>,
+    ) -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let arena_layers = server.region().descriptor().extent(Dim::Layer);
+        let server = Arc::downgrade(server);
+        std::thread::Builder::new()
+            .name(format!("baton-{name}-push"))
+            .spawn(move || run_pusher(&server, &rx, wait, delay, link.as_ref()))?;
+        Ok(Self { tx, arena_layers })
+    }
+
+    /// Queues the last write of request `id`'s push, carrying `tokens`.
+    pub(crate) fn end(&self, id: RequestId, tokens: Vec<u32>, span: tracing::Span) {
+        let _ = self.tx.send(PushWork::End { id: TransferId(id.0), tokens, span });
+    }
+}
+
+impl KvStream for LayerPusher {
+    fn layer_written(&mut self, layer: usize, layers: usize, piece: &KvPiece) {
+        let a = self.arena_layers;
+        let work = PushWork::Layers {
+            id: TransferId(piece.id.0),
+            layers: layer * a / layers..(layer + 1) * a / layers,
+            first: piece.first,
+            blocks: piece.blocks.clone(),
+            tokens: piece.tokens,
+            of: layers,
+        };
+        // The thread is gone only when the worker is: nothing to push to.
+        let _ = self.tx.send(work);
+    }
+}
+
+fn run_pusher(
+    server: &std::sync::Weak<KvServer>,
+    rx: &Receiver<PushWork>,
+    wait: Duration,
+    delay: Duration,
+    link: Option<&EmulatedLink>,
+) {
+    let mut queues: HashMap<TransferId, LayerQueue> = HashMap::new();
+    loop {
+        let now = Instant::now();
+        let next_due = queues.values().filter_map(|q| q.items.front()).map(|(due, _)| *due).min();
+        let first = match next_due {
+            None => rx.recv().map_err(|_| true),
+            Some(due) => {
+                // A write due later: wake for it; one due already waits for its decode worker's
+                // registration: look again shortly.
+                let timeout = if due > now { due - now } else { PUSH_POLL };
+                rx.recv_timeout(timeout).map_err(|e| matches!(e, std::sync::mpsc::RecvTimeoutError::Disconnected))
+            }
+        };
+        let mut incoming = match first {
+            Ok(work) => vec![work],
+            Err(true) => return,
+            Err(false) => Vec::new(),
+        };
+        incoming.extend(rx.try_iter());
+        let now = Instant::now();
+        for work in incoming {
+            let queue = queues.entry(work.id()).or_insert_with(|| LayerQueue {
+                items: std::collections::VecDeque::new(),
+                expires: now + wait,
+                last: None,
+            });
+            let due = match (&work, link) {
+                (PushWork::Layers { tokens, of, .. }, Some(link)) => link.reserve_share(now, *tokens, *of),
+                _ => now,
+            };
+            let due = queue.last.map_or(due, |last| due.max(last + delay));
+            queue.last = Some(due);
+            queue.items.push_back((due, work));
+        }
+        let Some(server) = server.upgrade() else { return };
+        for (&id, queue) in &mut queues {
+            while let Some((due, work)) = queue.items.front() {
+                if *due > now {
+                    break;
+                }
+                let pushed = match work {
+                    PushWork::Layers { layers, .. } if layers.is_empty() => Ok(()),
+                    PushWork::Layers { layers, first, blocks, .. } => {
+                        server.push_blocks(id, blocks, *first, layers.clone(), Duration::ZERO).map(drop)
+                    }
+                    PushWork::End { tokens, span, .. } => {
+                        let _entered = span.enter();
+                        let ended = server.finish_layers(id, tokens, Duration::ZERO).map(drop);
+                        if ended.is_ok() {
+                            tracing::info!("pushed the KV layer by layer");
+                        }
+                        ended
+                    }
+                };
+                match pushed {
+                    Ok(()) => {
+                        queue.items.pop_front();
+                        queue.expires = now + wait;
+                    }
+                    // The decode worker has not registered yet.
+                    Err(baton_transfer::TransferError::Timeout { .. }) => break,
+                    Err(e) => {
+                        tracing::warn!(request = id.0, error = %e, "pushing KV layer by layer failed");
+                        queue.items.clear();
+                    }
+                }
+            }
+        }
+        queues.retain(|id, q| {
+            // (With a fault delay, a request's queue outlives its writes: the next one is spaced
+            // from the last.)
+            let keep = q.expires > now && (!q.items.is_empty() || !delay.is_zero());
+            if !keep && !q.items.is_empty() {
+                tracing::warn!(
+                    request = id.0,
+                    "no decode worker registered for the layer-wise push in time; dropping it"
+                );
+            }
+            keep
+        });
     }
 }
 

@@ -134,8 +134,11 @@ pub struct Metrics {
     /// Prompt tokens prefill computed (not served from a prefix cache): a request with `n`
     /// choices adds its prompt once, plus the partial last block of each later choice.
     pub prefill_tokens: AtomicU64,
-    /// Requests routed again after their worker was lost.
+    /// Requests routed again after their worker was lost, or handed over again after a failed
+    /// layer-wise hand-off.
     pub retries: AtomicU64,
+    /// Hand-offs whose KV was pushed layer by layer while the prompt computed, and arrived.
+    pub layerwise_handoffs: AtomicU64,
     /// Workers taken out of routing after a failure (circuit breaker trips).
     pub breaker_trips: AtomicU64,
     /// Requests continued on another worker after tokens were streamed.
@@ -172,6 +175,7 @@ impl Default for Metrics {
             generation_tokens: AtomicU64::new(0),
             prefill_tokens: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            layerwise_handoffs: AtomicU64::new(0),
             breaker_trips: AtomicU64::new(0),
             migrations: AtomicU64::new(0),
             kv_fetch: Histogram::latency(),
@@ -306,8 +310,13 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# HELP baton_retries_total Requests routed again after their worker was lost.\n# TYPE baton_retries_total counter\nbaton_retries_total {}",
+            "# HELP baton_retries_total Requests routed again after their worker was lost, or handed to their decode worker again after a failed layer-wise hand-off.\n# TYPE baton_retries_total counter\nbaton_retries_total {}",
             self.retries.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP baton_kv_layerwise_handoffs_total Hand-offs whose KV was pushed layer by layer while the prompt computed, and arrived.\n# TYPE baton_kv_layerwise_handoffs_total counter\nbaton_kv_layerwise_handoffs_total {}",
+            self.layerwise_handoffs.load(Ordering::Relaxed)
         );
         let _ = writeln!(
             out,

@@ -273,6 +273,10 @@ impl Worker for RemoteWorker {
         self.info.kv.block_tokens as usize
     }
 
+    fn kv_addr(&self) -> Option<std::net::SocketAddr> {
+        self.info.kv_addr.parse().ok()
+    }
+
     fn subscribe_state(&self) -> Option<mpsc::Receiver<StateUpdate>> {
         let (tx, rx) = mpsc::channel(64);
         let request = self.signed(reqwest::Method::GET, STATE_PATH, Vec::new());

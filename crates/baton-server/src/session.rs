@@ -102,9 +102,32 @@ pub enum Action {
         /// Its span, entered by the push.
         span: tracing::Span,
     },
+    /// End a layer-wise push: every layer of the request's KV went out as it was computed;
+    /// tell the decode worker, handing it the tokens the prefill generated (prefill side).
+    EndPush {
+        /// The request.
+        id: RequestId,
+        /// Its generated tokens (the first token).
+        tokens: Vec<u32>,
+        /// Its span.
+        span: tracing::Span,
+    },
     /// End a request's lease on the KV server; the server reports the end as
     /// [`Sessions::lease_ended`].
     CancelLease(RequestId),
+}
+
+/// How a prefill worker hands over the KV a request retains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Push {
+    /// It does not: the KV is offered under a lease and the decode worker pulls it.
+    #[default]
+    No,
+    /// Every layer, once the request finishes ([`Action::Push`]).
+    Whole,
+    /// Each layer of each prompt chunk as the engine writes it (the engine's `KvStream`); when
+    /// the request finishes, the last write carries its first token ([`Action::EndPush`]).
+    Layers,
 }
 
 /// Which reservation a transfer writes into: a reservation's number, unique on this worker.
@@ -192,7 +215,13 @@ pub struct KvJob {
 impl KvJob {
     /// The job's result, handing the reserved blocks back with it.
     pub fn done(self, result: Result<TransferStats, TransferFailure>) -> TransferDone {
-        TransferDone { id: self.id, generation: self.generation, kv: self.kv, skip: self.skip, result, span: self.span }
+        self.done_with(result, Vec::new())
+    }
+
+    /// [`done`](Self::done), with what the sender handed over with the KV.
+    pub fn done_with(self, result: Result<TransferStats, TransferFailure>, trailer: Vec<u32>) -> TransferDone {
+        let (id, generation, kv, skip, span) = (self.id, self.generation, self.kv, self.skip, self.span);
+        TransferDone { id, generation, kv, skip, result, trailer, span }
     }
 }
 
@@ -220,6 +249,8 @@ pub struct TransferDone {
     pub skip: usize,
     /// What the transfer moved, or why it did not.
     pub result: Result<TransferStats, TransferFailure>,
+    /// What the sender handed over with the KV: a layer-wise push's first token.
+    pub trailer: Vec<u32>,
     /// The request's span.
     pub span: tracing::Span,
 }
@@ -236,8 +267,9 @@ pub enum State {
         source: KvSource,
         /// How it travels.
         mode: KvTransfer,
-        /// Push the retained KV when it finishes (a prefill worker that fetched a prefix).
-        push: bool,
+        /// How it pushes the KV it retains when it finishes (a prefill worker that fetched a
+        /// prefix).
+        push: Push,
         /// Only cache the KV when it arrives (`req.prompt` are its tokens): nothing runs.
         import: bool,
         /// When it stops waiting and recomputes the prompt here (an import gives up).
@@ -251,15 +283,17 @@ pub enum State {
         generation: Generation,
         /// Set on abort.
         cancel: CancelToken,
-        /// Push the retained KV when it finishes.
-        push: bool,
+        /// How the KV arrives.
+        mode: KvTransfer,
+        /// How it pushes the KV it retains when it finishes.
+        push: Push,
         /// Only cache the KV when it arrives.
         import: bool,
     },
     /// In the engine (waiting for a batch slot, prefilling or decoding).
     Running {
-        /// Push the retained KV when it finishes (prefill role, push mode).
-        push: bool,
+        /// How it pushes the KV it retains when it finishes (prefill role, push modes).
+        push: Push,
         /// The KV it received before running, reported when it finishes.
         received: Option<Received>,
     },
@@ -303,8 +337,8 @@ pub struct Submission<S> {
     pub source: Option<KvSource>,
     /// How `source` arrives.
     pub mode: KvTransfer,
-    /// Push the KV the request retains when it finishes (prefill side, push mode).
-    pub push: bool,
+    /// How the request pushes the KV it retains (prefill side, push modes).
+    pub push: Push,
     /// Where its events go.
     pub sink: S,
     /// Its span.
@@ -406,6 +440,11 @@ impl<S: Sink> Sessions<S> {
     pub fn submit(&mut self, host: &mut impl Host, now: Instant, submission: Submission<S>) {
         let Submission { req, source, mode, push, sink, span } = submission;
         let id = req.id;
+        if self.sessions.get(&id).is_some_and(|s| s.sink.is_closed()) {
+            // Its conductor gave the earlier one up (it routes the request again, and may pick
+            // this worker again before the abort arrived): the id is free.
+            self.abort(host, id);
+        }
         if self.sessions.contains_key(&id) {
             sink.send(RequestEvent::Failed(WorkerError::InvalidRequest(format!(
                 "request {} is already running on this worker",
@@ -415,13 +454,17 @@ impl<S: Sink> Sessions<S> {
         }
         match source {
             None => {
-                let push = push && req.retain_kv == KvRetention::All;
+                let push = if req.retain_kv == KvRetention::All { push } else { Push::No };
                 self.start(host, req, push, sink, span);
             }
             Some(_) if !self.config.can_receive => {
                 sink.send(RequestEvent::Failed(WorkerError::WrongRole("this worker cannot receive KV".into())));
             }
-            Some(source) if source.blocks.len() != source.tokens.div_ceil(host.block_size()) => {
+            // (A layer-wise hand-off names no blocks: the prefill has not started.)
+            Some(source)
+                if mode != KvTransfer::Layerwise
+                    && source.blocks.len() != source.tokens.div_ceil(host.block_size()) =>
+            {
                 sink.send(RequestEvent::Failed(WorkerError::WrongRole(format!(
                     "{} blocks cannot hold {} tokens",
                     source.blocks.len(),
@@ -430,7 +473,7 @@ impl<S: Sink> Sessions<S> {
             }
             Some(source) => {
                 let deadline = now + self.config.incoming_wait;
-                let push = push && req.retain_kv == KvRetention::All;
+                let push = if req.retain_kv == KvRetention::All { push } else { Push::No };
                 let state = State::Queued { req: Box::new(req), source, mode, push, import: false, deadline };
                 self.sessions.insert(id, Session { state, sink, span });
                 self.queue.push_back(id);
@@ -459,8 +502,14 @@ impl<S: Sink> Sessions<S> {
         }
         let req = GenerationRequest::new(id, tokens);
         let deadline = now + self.config.incoming_wait;
-        let state =
-            State::Queued { req: Box::new(req), source, mode: KvTransfer::Pull, push: false, import: true, deadline };
+        let state = State::Queued {
+            req: Box::new(req),
+            source,
+            mode: KvTransfer::Pull,
+            push: Push::No,
+            import: true,
+            deadline,
+        };
         let span = tracing::info_span!("import", id = id.0);
         self.sessions.insert(id, Session { state, sink, span });
         self.queue.push_back(id);
@@ -520,7 +569,7 @@ impl<S: Sink> Sessions<S> {
             tracing::info!(reason = ?f.reason, generated = f.token_ids.len(), cached = f.cached_tokens, "finished");
             let (push, received) = match s.state {
                 State::Running { push, received } => (push, received),
-                _ => (false, None),
+                _ => (Push::No, None),
             };
             let mut leased = None;
             if let Some(kv) = f.kv {
@@ -541,7 +590,7 @@ impl<S: Sink> Sessions<S> {
                 received,
             });
             if let Some((_, kv)) = leased {
-                let state = State::Leased { kv, pushing: push && delivered };
+                let state = State::Leased { kv, pushing: push != Push::No && delivered };
                 self.sessions.insert(f.id, Session { state, sink: s.sink, span: s.span.clone() });
                 if !delivered {
                     // The conductor gave up on this request (its stream is closed): no one will
@@ -549,8 +598,16 @@ impl<S: Sink> Sessions<S> {
                     tracing::info!("no one listens for the hand-off; ending its lease");
                     gone.retain(|&g| g != f.id);
                     self.actions.push(Action::CancelLease(f.id));
-                } else if push {
-                    self.actions.push(Action::Push { id: f.id, span: s.span.clone() });
+                } else {
+                    match push {
+                        Push::No => {}
+                        Push::Whole => self.actions.push(Action::Push { id: f.id, span: s.span.clone() }),
+                        Push::Layers => self.actions.push(Action::EndPush {
+                            id: f.id,
+                            tokens: f.token_ids.clone(),
+                            span: s.span.clone(),
+                        }),
+                    }
                 }
             }
         }
@@ -579,7 +636,7 @@ impl<S: Sink> Sessions<S> {
     /// when the transfer failed. A result for a request gone, or for an earlier reservation,
     /// only frees its blocks.
     pub fn transfer_done(&mut self, host: &mut impl Host, done: TransferDone) {
-        let TransferDone { id, generation, kv, skip, result, span } = done;
+        let TransferDone { id, generation, kv, skip, result, trailer, span } = done;
         let current = matches!(
             self.sessions.get(&id).map(|s| &s.state),
             Some(State::Receiving { generation: g, .. }) if *g == generation
@@ -590,11 +647,30 @@ impl<S: Sink> Sessions<S> {
             return;
         }
         let Some(s) = self.sessions.remove(&id) else { return };
-        let State::Receiving { mut req, push, import, .. } = s.state else { return };
+        let State::Receiving { mut req, mode, push, import, .. } = s.state else { return };
         let _entered = span.entered();
         let mut received = None;
+        // A layer-wise hand-off brings the prefill's first token with its last layer.
+        let result = match result {
+            Ok(_) if mode == KvTransfer::Layerwise && trailer.is_empty() => {
+                Err(TransferFailure::Peer("the push ended without the first token".into()))
+            }
+            other => other,
+        };
         match result {
+            Err(e) if mode == KvTransfer::Layerwise => {
+                // Nothing to recompute from without the first token: the conductor sends the
+                // request again, with it.
+                tracing::warn!(error = %e, "the layer-wise hand-off failed; giving the request back");
+                drop(kv);
+                s.sink.send(RequestEvent::Failed(WorkerError::Handoff(e.to_string())));
+                self.settle(host);
+                return;
+            }
             Ok(stats) => {
+                if mode == KvTransfer::Layerwise {
+                    req.generated.extend_from_slice(&trailer);
+                }
                 tracing::info!(bytes = stats.bytes, calls = stats.calls, "received KV");
                 received = Some(Received {
                     tokens: kv.tokens().saturating_sub(skip * host.block_size()),
@@ -708,7 +784,7 @@ impl<S: Sink> Sessions<S> {
     }
 
     /// Queues the engine's work: admits `req`, or fails it.
-    fn start(&mut self, host: &mut impl Host, req: GenerationRequest, push: bool, sink: S, span: tracing::Span) {
+    fn start(&mut self, host: &mut impl Host, req: GenerationRequest, push: Push, sink: S, span: tracing::Span) {
         self.start_received(host, req, push, None, sink, span);
     }
 
@@ -717,7 +793,7 @@ impl<S: Sink> Sessions<S> {
         &mut self,
         host: &mut impl Host,
         req: GenerationRequest,
-        push: bool,
+        push: Push,
         received: Option<Received>,
         sink: S,
         span: tracing::Span,
@@ -780,12 +856,17 @@ impl<S: Sink> Sessions<S> {
                         span: s.span.clone(),
                     };
                     self.actions.push(Action::Transfer(job));
-                    let state = State::Receiving { req, generation, cancel, push, import };
+                    let state = State::Receiving { req, generation, cancel, mode, push, import };
                     self.sessions.insert(id, Session { state, sink: s.sink, span: s.span });
                 }
                 None if import => {
                     tracing::info!("no room for KV to import in time; not importing it");
                     Self::imported(&s.sink, req.prompt.len(), 0, None);
+                }
+                None if mode == KvTransfer::Layerwise => {
+                    // Without the first token there is nothing to recompute from.
+                    tracing::warn!("no room for a layer-wise hand-off in time; giving the request back");
+                    s.sink.send(RequestEvent::Failed(WorkerError::Handoff("no room for its KV in time".into())));
                 }
                 None => {
                     if room {
@@ -877,6 +958,8 @@ mod tests {
         cached_blocks: usize,
         /// Blocks imported into the "cache".
         imported: usize,
+        /// Tokens generated elsewhere that requests came with.
+        generated: HashMap<RequestId, Vec<u32>>,
     }
 
     impl FakeHost {
@@ -890,6 +973,7 @@ mod tests {
                 offer: true,
                 cached_blocks: 0,
                 imported: 0,
+                generated: HashMap::new(),
             }
         }
 
@@ -950,6 +1034,7 @@ mod tests {
                 return Err(WorkerError::InvalidRequest("refused".into()));
             }
             self.engine.insert(req.id, prefix);
+            self.generated.insert(req.id, req.generated);
             Ok(())
         }
 
@@ -1030,7 +1115,7 @@ mod tests {
         s.submit(
             h,
             now,
-            Submission { req, source, mode: KvTransfer::Pull, push: false, sink: sink.clone(), span: span() },
+            Submission { req, source, mode: KvTransfer::Pull, push: Push::No, sink: sink.clone(), span: span() },
         );
         sink
     }
@@ -1038,7 +1123,7 @@ mod tests {
     fn submit(s: &mut Sessions<TestSink>, h: &mut FakeHost, id: u64, retain: bool, mode: KvTransfer) -> TestSink {
         let sink = TestSink::default();
         let req = request(id, retain);
-        let push = mode == KvTransfer::Push;
+        let push = if mode == KvTransfer::Push { Push::Whole } else { Push::No };
         s.submit(h, Instant::now(), Submission { req, source: None, mode, push, sink: sink.clone(), span: span() });
         sink
     }
@@ -1099,7 +1184,7 @@ mod tests {
             req: request(1, true),
             source: Some(KvSource { lease: Some(7), ..source(2 * BS) }),
             mode: KvTransfer::Pull,
-            push: true,
+            push: Push::Whole,
             sink: sink.clone(),
             span: span(),
         };
@@ -1140,7 +1225,7 @@ mod tests {
             req,
             source: Some(source(3 * BS)),
             mode: KvTransfer::Push,
-            push: false,
+            push: Push::No,
             sink: TestSink::default(),
             span: span(),
         };
@@ -1255,6 +1340,74 @@ mod tests {
         s.step_output(&mut h, out);
         assert_eq!(sink.names(), ["token", "finished"]);
         assert_eq!(h.taken.len(), 0);
+    }
+
+    /// A layer-wise hand-off (decode side): blocks reserved for a source that names none (the
+    /// prefill has not run), registered like a push; the last write brings the first token,
+    /// which the request continues from. Without it, or without the KV, the request is given
+    /// back to the conductor (there is no first token to recompute from), its blocks freed.
+    #[test]
+    fn a_layerwise_hand_off_continues_from_the_pushed_token_or_is_given_back() {
+        let layerwise = |s: &mut Sessions<TestSink>, h: &mut FakeHost, id: u64| {
+            let sink = TestSink::default();
+            let source = Some(KvSource { addr: addr(), blocks: Vec::new(), tokens: 10, lease: None });
+            let (req, mode, push) = (request(id, false), KvTransfer::Layerwise, Push::No);
+            s.submit(h, Instant::now(), Submission { req, source, mode, push, sink: sink.clone(), span: span() });
+            sink
+        };
+        let (mut s, mut h) = (sessions(), FakeHost::new(16));
+        let sink = layerwise(&mut s, &mut h, 1);
+        let job = take_job(&mut s);
+        assert_eq!((job.mode, job.kv.blocks().len()), (KvTransfer::Layerwise, 3));
+        s.transfer_done(&mut h, job.done_with(ok(), vec![42]));
+        assert_eq!(state(&s, 1), Some("running"));
+        assert_eq!(h.engine[&RequestId(1)].len(), 3, "the engine took the pushed blocks as the prefix");
+        assert_eq!(h.generated[&RequestId(1)], [42], "it continues from the prefill's first token");
+        assert!(sink.names().is_empty());
+
+        for (id, result, trailer) in
+            [(2, ok(), Vec::new()), (3, Err(TransferFailure::Peer("the prefill worker died".into())), Vec::new())]
+        {
+            let sink = layerwise(&mut s, &mut h, id);
+            let job = take_job(&mut s);
+            s.transfer_done(&mut h, job.done_with(result, trailer));
+            assert_eq!(state(&s, id), None, "request {id} given back");
+            assert!(
+                matches!(&sink.events.borrow()[..], [RequestEvent::Failed(WorkerError::Handoff(_))]),
+                "request {id}: {:?}",
+                sink.names()
+            );
+        }
+        // No room until the deadline: given back too, not recomputed.
+        let (mut s, mut h) = (sessions(), FakeHost::new(2));
+        let now = Instant::now();
+        let sink = layerwise(&mut s, &mut h, 4);
+        assert_eq!(state(&s, 4), Some("queued"));
+        s.tick(&mut h, now + Duration::from_secs(11));
+        assert_eq!((state(&s, 4), sink.names()), (None, vec!["failed"]));
+        assert_eq!(h.leaked(), 0);
+    }
+
+    /// A layer-wise push (prefill side): the engine streams the layers; when the request
+    /// finishes its KV is leased and the last write, with the first token, is queued.
+    #[test]
+    fn a_layerwise_push_ends_with_the_first_token() {
+        let (mut s, mut h) = (sessions(), FakeHost::new(16));
+        let (sink, req) = (TestSink::default(), request(1, true));
+        let (mode, push) = (KvTransfer::Layerwise, Push::Layers);
+        s.submit(
+            &mut h,
+            Instant::now(),
+            Submission { req, source: None, mode, push, sink: sink.clone(), span: span() },
+        );
+        let out = h.finish(RequestId(1), true);
+        s.step_output(&mut h, out);
+        assert_eq!(state(&s, 1), Some("pushing"));
+        assert!(matches!(&s.ready()[..], [Action::EndPush { id: RequestId(1), tokens, .. }] if tokens == &[7]));
+        assert_eq!(sink.names(), ["token", "finished+kv"], "the lease stands for a pull should the push fail");
+        s.release(&mut h, RequestId(1));
+        s.lease_ended(&mut h, RequestId(1));
+        assert_eq!(h.leaked(), 0);
     }
 
     #[test]
@@ -1436,7 +1589,7 @@ mod tests {
             req: request(1, false),
             source: bad,
             mode: KvTransfer::Pull,
-            push: false,
+            push: Push::No,
             sink: sink.clone(),
             span: span(),
         };

@@ -18,6 +18,8 @@ use baton_engine::{FinishReason, GenerationRequest, KvRetention, RequestId, Stop
 use baton_model::{SamplingParams, TokenLogprobs};
 use serde::{Deserialize, Serialize};
 
+use crate::session::Push;
+
 /// A worker's role: the cluster's, so registry, routing and workers share one type.
 pub use baton_cluster::Role;
 
@@ -57,8 +59,14 @@ pub enum KvTransfer {
     #[default]
     Pull,
     /// The decode worker reserves blocks and registers them; the prefill worker writes into
-    /// them.
+    /// them once the prefill is done.
     Push,
+    /// Push, overlapped with the prefill: the conductor hands the decode worker the request
+    /// when it hands the prefill worker the prompt; the decode worker reserves and registers
+    /// its blocks at once, and the prefill worker writes each layer of each chunk's KV into
+    /// them as its forward pass computes it, the last write carrying the first token
+    /// (Mooncake §4, KVDirect §4).
+    Layerwise,
 }
 
 impl KvTransfer {
@@ -67,6 +75,7 @@ impl KvTransfer {
         match self {
             KvTransfer::Pull => "pull",
             KvTransfer::Push => "push",
+            KvTransfer::Layerwise => "layerwise",
         }
     }
 }
@@ -78,7 +87,8 @@ impl std::str::FromStr for KvTransfer {
         match s {
             "pull" => Ok(Self::Pull),
             "push" => Ok(Self::Push),
-            other => Err(format!("unknown KV transfer mode `{other}` (expected pull or push)")),
+            "layerwise" => Ok(Self::Layerwise),
+            other => Err(format!("unknown KV transfer mode `{other}` (expected pull, push or layerwise)")),
         }
     }
 }
@@ -197,10 +207,15 @@ impl WorkRequest {
 
     /// The engine's request, and the hand-off's KV and mode.
     pub(crate) fn into_parts(self) -> (GenerationRequest, Incoming) {
-        let push = self.kv_transfer == KvTransfer::Push && self.retain_kv;
+        let push = match self.kv_transfer {
+            _ if !self.retain_kv => Push::No,
+            KvTransfer::Pull => Push::No,
+            KvTransfer::Push => Push::Whole,
+            KvTransfer::Layerwise => Push::Layers,
+        };
         let incoming = match (self.kv, self.fetch) {
             // A decode-side hand-off: received as the request says, never pushed on.
-            (Some(source), _) => Incoming { source: Some(source), mode: self.kv_transfer, push: false },
+            (Some(source), _) => Incoming { source: Some(source), mode: self.kv_transfer, push: Push::No },
             (None, Some(source)) => Incoming { source: Some(source), mode: KvTransfer::Pull, push },
             (None, None) => Incoming { source: None, mode: self.kv_transfer, push },
         };
@@ -212,6 +227,7 @@ impl WorkRequest {
             logprobs: self.logprobs,
             stop_token_ids: self.stop_token_ids,
             prefix_cache: self.prefix_cache,
+            stream_kv: incoming.push == Push::Layers,
             ..GenerationRequest::new(RequestId(self.id), self.prompt)
         };
         (req, incoming)
@@ -236,8 +252,8 @@ pub(crate) struct Incoming {
     pub source: Option<KvSource>,
     /// How it arrives.
     pub mode: KvTransfer,
-    /// Push the KV the request retains when it finishes (prefill side, push mode).
-    pub push: bool,
+    /// How the prefill side pushes the KV the request retains.
+    pub push: Push,
 }
 
 /// Why a request ended, as it travels between processes.
@@ -294,6 +310,11 @@ pub enum WorkerError {
     /// encoding error, an unexpected answer from a remote worker).
     #[error("{0}")]
     Protocol(String),
+    /// A layer-wise hand-off did not arrive (the prefill worker failed, or the decode worker
+    /// had no room for it in time). The decode worker has not the first token to recompute
+    /// from, so it gives the request back: the conductor sends it again, with the first token.
+    #[error("the layer-wise KV hand-off failed: {0}")]
+    Handoff(String),
 }
 
 impl From<baton_engine::EngineError> for WorkerError {

@@ -50,8 +50,8 @@ use baton_transfer::{
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::Instrument;
 
+use crate::handoff::{EmulatedLink, LayerPusher, ThreadSetup, Transfers, spawn_push};
 pub use crate::handoff::{KvTransfer, TransportChoice};
-use crate::handoff::{ThreadSetup, Transfers, spawn_push};
 use crate::session::{Action, Host, SessionConfig, Sessions, Submission, TransferDone};
 use crate::wire::{BlockEvent, CachedBlock, LoadReport, Received};
 pub use crate::wire::{Finish, KvSource, RequestEvent, Role, StateUpdate, WorkRequest, WorkerError, WorkerStats};
@@ -90,6 +90,11 @@ pub trait Worker: Send + Sync + std::fmt::Debug {
     /// Tokens per KV block (0: unknown).
     fn block_tokens(&self) -> usize {
         0
+    }
+    /// Where its KV server listens, when known: a layer-wise hand-off's decode worker registers
+    /// there before the prefill starts.
+    fn kv_addr(&self) -> Option<SocketAddr> {
+        None
     }
     /// Offers the longest prefix of `tokens` this worker caches (whole blocks, from any tier) to
     /// a peer, under lease `lease` on its KV server: the peer pulls the blocks named in the answer
@@ -300,6 +305,7 @@ impl WorkerHandle {
     /// hand-offs and exports) and transfer threads, one per peer (what it receives), whatever its
     /// role.
     pub fn spawn(name: impl Into<String>, role: Role, engine: Engine, options: WorkerOptions) -> std::io::Result<Self> {
+        let mut engine = engine;
         let name = name.into();
         let (tx, rx) = std::sync::mpsc::channel();
         let arena = engine.kv().handle();
@@ -339,6 +345,7 @@ impl WorkerHandle {
                 config,
                 transport: options.transport,
                 fetch_delay: options.fetch_delay,
+                layerwise_wait: options.lease,
                 link: options.link.clone(),
                 back,
             };
@@ -356,6 +363,16 @@ impl WorkerHandle {
             addr
         });
         let push = PushOptions { wait: options.lease, delay: options.push_delay };
+        // Layer-wise pushes go out as the engine writes each layer (`--kv-transfer layerwise`).
+        let pusher = match &server {
+            Some(server) => {
+                let link = options.link.as_deref().map(EmulatedLink::idle_twin);
+                let pusher = LayerPusher::spawn(&name, server, push.wait, push.delay, link)?;
+                engine.set_kv_stream(Box::new(pusher.clone()));
+                Some(pusher)
+            }
+            None => None,
+        };
         let sessions =
             Sessions::new(SessionConfig { incoming_wait: options.lease / 2, can_receive: transfers.is_some() });
         let (life_tx, life_rx) = watch::channel(None);
@@ -368,6 +385,7 @@ impl WorkerHandle {
                 host: EngineHost { engine, server, kv_addr },
                 sessions,
                 push,
+                pusher,
                 transfers,
                 steps: 0,
                 panic_at_step,
@@ -487,6 +505,10 @@ impl Worker for WorkerHandle {
 
     fn in_flight(&self) -> usize {
         self.inner.in_flight.load(Ordering::Relaxed)
+    }
+
+    fn kv_addr(&self) -> Option<SocketAddr> {
+        self.inner.kv_addr
     }
 
     fn submit(&self, req: WorkRequest) -> mpsc::UnboundedReceiver<RequestEvent> {
@@ -686,6 +708,8 @@ struct EngineLoop {
     host: EngineHost,
     sessions: Sessions<mpsc::UnboundedSender<RequestEvent>>,
     push: PushOptions,
+    /// Layer-wise pushes (a handle on the thread the engine streams KV to).
+    pusher: Option<LayerPusher>,
     transfers: Option<Transfers>,
     steps: u64,
     panic_at_step: Option<u64>,
@@ -975,6 +999,11 @@ impl EngineLoop {
                 Action::Push { id, span } => {
                     if let Some(server) = &self.host.server {
                         spawn_push(server, id, self.push.wait, self.push.delay, span);
+                    }
+                }
+                Action::EndPush { id, tokens, span } => {
+                    if let Some(pusher) = &self.pusher {
+                        pusher.end(id, tokens, span);
                     }
                 }
                 Action::CancelLease(id) => {

@@ -110,7 +110,7 @@ fn city_request() -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_schema_answers_validate_colocated_and_handed_off_streamed_or_not() {
     let mut answers = Vec::new();
-    for mode in [Some(KvTransfer::Pull), Some(KvTransfer::Push), None] {
+    for mode in [Some(KvTransfer::Pull), Some(KvTransfer::Push), Some(KvTransfer::Layerwise), None] {
         let server = start(mode).await;
         let (status, v) = post(&server, &city_request()).await;
         assert_eq!(status, 200, "{mode:?}: {v}");

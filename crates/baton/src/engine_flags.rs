@@ -129,8 +129,14 @@ pub(crate) enum KvTransferArg {
     /// (KVDirect's default).
     Pull,
     /// The decode worker reserves blocks and registers them with the prefill worker, which
-    /// writes the KV into them (one-sided copies over shared memory, WRITE frames over TCP).
+    /// writes the KV into them (one-sided copies over shared memory, WRITE frames over TCP)
+    /// once the prefill is done.
     Push,
+    /// Push, overlapped with the prefill: the decode worker reserves its blocks when the
+    /// prefill starts, and the prefill worker writes each layer of each chunk into them as
+    /// soon as its forward pass computed it, the last write carrying the first token
+    /// (Mooncake, KVDirect). Holds decode memory while the prompt computes.
+    Layerwise,
 }
 
 /// How the conductor routes and admits requests, and hands KV over (`baton serve`, `baton
@@ -168,7 +174,7 @@ pub(crate) struct RoutingFlags {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// How the KV cache of a disaggregated request moves from its prefill worker to its decode
-    /// worker. Every worker supports both modes; the conductor picks one for all requests.
+    /// worker. Every worker supports every mode; the conductor picks one for all requests.
     #[arg(long, value_enum, default_value = "pull")]
     kv_transfer: KvTransferArg,
     /// What the conductor's KV index (the prompt trees prefix-aware policies read) is fed by:
@@ -253,6 +259,7 @@ impl RoutingFlags {
         match self.kv_transfer {
             KvTransferArg::Pull => baton_server::KvTransfer::Pull,
             KvTransferArg::Push => baton_server::KvTransfer::Push,
+            KvTransferArg::Layerwise => baton_server::KvTransfer::Layerwise,
         }
     }
 

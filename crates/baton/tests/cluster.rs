@@ -688,37 +688,61 @@ fn concurrent_streams_in_push_mode_over_shared_memory() {
 
 #[test]
 fn a_worker_killed_mid_push_fails_or_recomputes_and_the_survivor_holds_nothing() {
+    // Every push of the prefill worker first waits 1.5 s: the window to kill a worker in.
+    kill_mid_push("push", "1500");
+}
+
+/// Layer-wise push across processes, and a worker killed in the middle of one (#17): the decode
+/// worker registers its blocks when the prefill starts and the prefill worker writes each layer
+/// into them as it computes it (here 0.6 s apart: the window to kill a worker in).
+#[test]
+fn a_worker_killed_mid_layerwise_push_fails_or_hands_over_again_and_the_survivor_holds_nothing() {
+    kill_mid_push("layerwise", "600");
+}
+
+/// A push in `mode` whose writes are delayed `delay_ms`: works; the decode worker killed
+/// mid-push fails the request (the client has the first token); the prefill worker killed
+/// mid-push leaves the decode worker to finish the request (it recomputes the prompt; a
+/// layer-wise one is first given back and handed over again with the first token). The
+/// survivor holds nothing after either.
+fn kill_mid_push(mode: &str, delay_ms: &str) {
+    let layerwise = mode == "layerwise";
     let dir = model("tiny-llama");
-    let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", "push"]);
-    // Every push of this prefill worker first waits 1.5 s: the window to kill a worker in.
-    let delay = [(baton_server::deploy::PUSH_DELAY_ENV, "1500")];
+    let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", mode]);
+    let delay = [(baton_server::deploy::PUSH_DELAY_ENV, delay_ms)];
     let p = worker_env(&dir, "prefill", &url, &["--name", "prefill-1"], SECRET, &delay);
     let mut d1 = worker(&dir, "decode", &url, &["--transport", "tcp", "--name", "decode-1"]);
     wait_members(&url, 2, Duration::from_secs(10));
     let expected = generate(&dir, LONG, 4);
-    assert_eq!(text(&complete(&url, LONG, 4)), expected, "pushes work, if slowly");
+    assert_eq!(text(&complete(&url, LONG, 4)), expected, "{mode}: pushes work, if slowly");
+    let metrics = || http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
+    let layerwise_handoffs = format!("baton_kv_layerwise_handoffs_total {}", usize::from(layerwise));
+    assert!(metrics().contains(&layerwise_handoffs), "{mode}: want {layerwise_handoffs}");
 
-    // The decode worker dies after registering its blocks, before the push writes into them:
+    // The decode worker dies after registering its blocks, before the push wrote them all:
     // the client (which has the first token) gets an error; the prefill worker's lease ends.
     let body = stream_with_hook(&url, 40, 1, || d1.proc.kill());
-    assert!(body.contains("\"error\""), "the stream did not report the killed decode worker: {body}");
+    assert!(body.contains("\"error\""), "{mode}: the stream did not report the killed decode worker: {body}");
     assert!(!body.contains("[DONE]"));
-    assert_eq!(token_chunks(&body), 1, "killed before the decode worker streamed (mid-push): {body}");
+    assert_eq!(token_chunks(&body), 1, "{mode}: killed before the decode worker streamed (mid-push): {body}");
     assert_eq!(wait_members(&url, 1, Duration::from_secs(10)), ["prefill-1"]);
     assert_no_leak(&[&p]);
 
     // The prefill worker dies while the decode worker waits for its push: the decode worker
-    // gives its reserved blocks back and, holding the prompt and the first token, recomputes
-    // the prompt's KV itself: the client gets the whole answer.
+    // gives its reserved blocks back and, holding the prompt and the first token (layer-wise:
+    // handed over again with it), recomputes the prompt's KV itself: the whole answer.
     let d2 = worker(&dir, "decode", &url, &["--transport", "shm", "--name", "decode-2"]);
     wait_members(&url, 2, Duration::from_secs(10));
     let undisturbed = streamed_text(&stream_with_hook(&url, 40, 1, || {}));
     let mut p = p;
     let body = stream_with_hook(&url, 40, 1, || p.proc.kill());
-    assert!(body.contains("[DONE]"), "the request did not complete: {body}");
+    assert!(body.contains("[DONE]"), "{mode}: the request did not complete: {body}");
     assert_eq!(streamed_text(&body), undisturbed);
     assert_eq!(wait_members(&url, 1, Duration::from_secs(10)), ["decode-2"]);
     assert_no_leak(&[&d2]);
+    // One retry for the lost decode worker; a layer-wise hand-off sent again is another.
+    let retries = format!("baton_retries_total {}", 1 + usize::from(layerwise));
+    assert!(metrics().contains(&retries), "{mode}: want {retries}");
 }
 
 /// A TCP relay from `from` to `to` that forwards everything while `mute` is false, and then
