@@ -92,6 +92,9 @@ pub struct ClusterConfig {
     /// Whether an instance may fetch a prefix cached on another (`baton sim --kv-fetch`, as the
     /// live conductor's `--kv-fetch`).
     pub kv_fetch: bool,
+    /// Prompt tokens a prefill step computes at most (the engine's `--prefill-chunk`): a
+    /// layer-wise push leaves the last chunk's last layer to cross after the prefill.
+    pub prefill_chunk: u64,
 }
 
 impl Default for ClusterConfig {
@@ -109,6 +112,7 @@ impl Default for ClusterConfig {
             host_blocks: 6_000,
             max_batch: 256,
             kv_fetch: true,
+            prefill_chunk: 512,
         }
     }
 }
@@ -160,6 +164,12 @@ pub struct SimConfig {
     /// that a request may compute there whole, without a hand-off (`None`: never; the live
     /// conductor's `--conditional-disagg-tokens`).
     pub conditional_tokens: Option<u64>,
+    /// The hand-off's KV crosses the link layer by layer while the prefill computes, as the
+    /// live `--kv-transfer layerwise`: it is in at the later of the prefill's end plus the
+    /// last chunk's last layer (one layer's share of that chunk's KV) and the prefill compute's
+    /// start plus the whole transfer (the link keeps up, or it does not). `false`: the whole transfer after the prefill (pull
+    /// and push).
+    pub layerwise_push: bool,
     /// The workload.
     pub workload: WorkloadSpec,
     /// Seed of the scheduler's RNG and of generators.
@@ -180,6 +190,7 @@ impl Default for SimConfig {
             rebalance_interval_us: 1_000_000,
             elastic: false,
             conditional_tokens: None,
+            layerwise_push: false,
             workload: WorkloadSpec::Requests(Vec::new()),
             seed: 0,
             records: false,

@@ -466,12 +466,24 @@ impl Simulator {
         self.flush_events(p);
         self.state[r].outcome.first_token_us = Some(self.now);
         let d = self.state[r].route.as_ref().map_or(p, |rt| self.index_of(rt.decode));
-        let transfer = if d == p {
-            0
+        let ready = if d == p {
+            self.now
         } else {
-            self.cfg.cost.kv_transfer_time(self.requests[r].input_tokens, self.cfg.cost.network)
+            let cost = &self.cfg.cost;
+            let input = self.requests[r].input_tokens;
+            let transfer = cost.kv_transfer_time(input, cost.network);
+            if self.cfg.layerwise_push {
+                let layers = Micros::from(cost.layers.unwrap_or(1).max(1));
+                let chunk = self.cfg.cluster.prefill_chunk.max(1);
+                let last_chunk = input - input.saturating_sub(1) / chunk * chunk;
+                let last_layer = cost.kv_transfer_time(last_chunk, cost.network).div_ceil(layers);
+                let compute_start = self.now - self.state[r].prefill_compute_us;
+                (self.now + last_layer).max(compute_start + transfer)
+            } else {
+                self.now + transfer
+            }
         };
-        self.push(self.now + transfer, EventKind::KvReady { req: r });
+        self.push(ready, EventKind::KvReady { req: r });
         self.kick(p);
     }
 

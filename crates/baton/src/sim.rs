@@ -104,6 +104,19 @@ pub(crate) struct SimArgs {
     /// when the cost model predicts that is no slower. 0 (the default) never.
     #[arg(long, default_value_t = 0)]
     conditional_disagg_tokens: u64,
+    /// How the hand-off's KV moves, as the live conductor's flag: `pull` and `push` cross the
+    /// link after the prefill; `layerwise` crosses it layer by layer during the prefill (the
+    /// profile's layer count; a fitted profile, without one, models no overlap).
+    #[arg(long, value_enum, default_value = "pull")]
+    kv_transfer: crate::engine_flags::KvTransferArg,
+    /// Prompt tokens a prefill step computes at most, as the engine's flag (it sets what a
+    /// layer-wise push leaves after the prefill: the last chunk's last layer).
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: u64,
+    /// The instance-to-instance link in Gb/s, instead of the profile's (as `baton serve
+    /// --emulate-link-gbps` sets an emulated worker's).
+    #[arg(long)]
+    network_gbps: Option<f64>,
     /// Load-aware: how long an imbalance must last before a role changes, in milliseconds.
     #[arg(long)]
     persist_ms: Option<u64>,
@@ -180,6 +193,8 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
     cfg.admission.tbt_headroom = a.admission_tbt_headroom;
     cfg.cluster.kv_fetch = matches!(a.kv_fetch, crate::engine_flags::OnOff::On);
     cfg.conditional_tokens = (a.conditional_disagg_tokens > 0).then_some(a.conditional_disagg_tokens);
+    cfg.layerwise_push = matches!(a.kv_transfer, crate::engine_flags::KvTransferArg::Layerwise);
+    cfg.cluster.prefill_chunk = a.prefill_chunk;
     if let Some(t) = a.threshold {
         cfg.policy_config.kvcache_balancing_threshold = t;
     }
@@ -195,6 +210,12 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
         cfg.rebalance_interval_us = 250_000;
     }
     cfg.cost = load_profile(&a.profile)?;
+    if let Some(gbps) = a.network_gbps {
+        if !(gbps.is_finite() && gbps > 0.0) {
+            anyhow::bail!("--network-gbps must be a positive number, not {gbps}");
+        }
+        cfg.cost.network.bytes_per_s = (gbps * 1e9 / 8.0) as u64;
+    }
     let workload_name = if let Some(p) = &a.trace {
         format!("{} at {}x", p.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned()), a.time_scale)
     } else if let Some(n) = a.poisson {
