@@ -745,6 +745,42 @@ fn kill_mid_push(mode: &str, delay_ms: &str) {
     assert!(metrics().contains(&retries), "{mode}: want {retries}");
 }
 
+/// `baton worker --emulate h100 --emulate-link-gbps`: emulated worker processes hand the KV
+/// over an emulated link in every mode, each hand-off (from the prefill's end to the decode
+/// worker's first token, `baton_kv_transfer_seconds`) lasting at least the 70B model's KV
+/// (327,680 bytes a token) over 0.1 Gb/s, less the prefill's time for a layer-wise push, which
+/// crosses the prefill worker's link as the prefill computes.
+#[test]
+fn emulated_worker_processes_hand_kv_over_an_emulated_link() {
+    let dir = model("tiny-llama");
+    let emulate = ["--emulate", "h100", "--emulate-link-gbps", "0.1"];
+    let profile = baton_sched::CostProfile::llama2_70b_8xh100();
+    for mode in ["pull", "push", "layerwise"] {
+        let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", mode]);
+        let p = worker(&dir, "prefill", &url, &[&["--name", "p"][..], &emulate].concat());
+        let d = worker(&dir, "decode", &url, &[&["--name", "d"][..], &emulate].concat());
+        wait_members(&url, 2, Duration::from_secs(10));
+        let v = complete(&url, LONG, 3);
+        assert_eq!(v["usage"]["completion_tokens"], 3, "{mode}: {v}");
+        let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        let least = (prompt_tokens * profile.kv_bytes_per_token) as f64 / 12_500_000.0;
+        let hidden = match mode {
+            "layerwise" => profile.prefill_time(prompt_tokens, 0.0) as f64 / 1e6,
+            _ => 0.0,
+        };
+        let metrics = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
+        let figure = |name: &str| -> f64 {
+            metrics.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)
+        };
+        assert_eq!(figure("baton_kv_transfer_seconds_count "), 1.0, "{mode}");
+        let took = figure("baton_kv_transfer_seconds_sum ");
+        assert!(took >= least - hidden, "{mode}: the hand-off took {took} s, the link needs {least} s");
+        let layerwise = figure("baton_kv_layerwise_handoffs_total ");
+        assert_eq!(layerwise, if mode == "layerwise" { 1.0 } else { 0.0 }, "{mode}");
+        assert_no_leak(&[&p, &d]);
+    }
+}
+
 /// A TCP relay from `from` to `to` that forwards everything while `mute` is false, and then
 /// only what goes to `to`: what comes back is read and dropped (a connection half cut).
 fn one_way_relay(from: SocketAddr, to: SocketAddr, mute: Arc<AtomicBool>) {
