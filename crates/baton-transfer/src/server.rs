@@ -299,8 +299,8 @@ impl KvServer {
     /// reserved for `id`, and reports them with a PUSHED that is not the last. Waits up to `wait`
     /// for the decode side's TRANSFER (`Duration::ZERO`: a [`TransferError::Timeout`] at once
     /// when it has not come yet, and nothing is written). A block may be pushed again (a
-    /// prefill recomputed after a preemption): the last write wins. [`finish_layers`]
-    /// (Self::finish_layers) ends the push.
+    /// prefill recomputed after a preemption): the last write wins.
+    /// [`finish_layers`](Self::finish_layers) ends the push.
     pub fn push_blocks(
         &self,
         id: TransferId,
