@@ -137,7 +137,10 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_cached_on_one_worker_is_fetched_by_another_and_the_output_is_unchanged() {
-    for (model, mode) in [("tiny-llama", KvTransfer::Pull), ("tiny-qwen2", KvTransfer::Push)] {
+    // (Layer-wise: the fetched prefix goes out with the prompt's first chunk.)
+    let cases =
+        [("tiny-llama", KvTransfer::Pull), ("tiny-qwen2", KvTransfer::Push), ("tiny-llama", KvTransfer::Layerwise)];
+    for (model, mode) in cases {
         let script = Scripted::new(2);
         let server = start(model, mode, &script).await;
         // Turn 1 on prefill-0: its prompt's whole blocks stay in prefill-0's cache.
@@ -171,6 +174,8 @@ async fn a_prefix_cached_on_one_worker_is_fetched_by_another_and_the_output_is_u
         script.set(1, None);
         let (again, cached) = server.complete(&turn_2, 6).await;
         assert_eq!((again, cached), (want_2, whole_2 * 4), "{model}");
+        let layerwise = server.metric("baton_kv_layerwise_handoffs_total").await;
+        assert_eq!(layerwise, if mode == KvTransfer::Layerwise { 3.0 } else { 0.0 }, "{model} ({mode:?})");
         server.assert_no_kv_held().await;
     }
 }
