@@ -371,25 +371,30 @@ impl Simulator {
         self.kick(p);
     }
 
-    /// Starts the next piece of work on an idle instance.
+    /// Starts the next piece of work on an idle instance. An instance with decodes running runs
+    /// its next prefill in one step with them, as the live engine does (the weights are read
+    /// once for both: [`CostProfile::batch_time`](baton_sched::CostProfile::batch_time)).
     fn kick(&mut self, inst: usize) {
         if self.instances[inst].prefill_running.is_some() || self.instances[inst].step_running {
             return;
         }
+        self.admit_decodes(inst);
         if let Some(r) = self.instances[inst].prefill_queue.pop_front() {
             self.start_prefill(inst, r);
-        } else {
-            self.admit_decodes(inst);
-            if !self.instances[inst].decode_running.is_empty() {
-                let it = &self.instances[inst];
-                let ctx: u64 =
-                    it.decode_running.iter().map(|&r| self.requests[r].input_tokens + self.state[r].generated).sum();
-                let step = self.cfg.cost.decode_step(it.decode_running.len() as u64, ctx).max(1);
-                self.instances[inst].step_running = true;
-                self.instances[inst].stepped(step);
-                self.push(self.now + step, EventKind::DecodeStepDone { inst });
-            }
+        } else if !self.instances[inst].decode_running.is_empty() {
+            let (batch, ctx) = self.decode_batch(inst);
+            let step = self.cfg.cost.decode_step(batch, ctx).max(1);
+            self.instances[inst].step_running = true;
+            self.instances[inst].stepped(step);
+            self.push(self.now + step, EventKind::DecodeStepDone { inst });
         }
+    }
+
+    /// The running decode batch of an instance: sequences and their context tokens.
+    fn decode_batch(&self, inst: usize) -> (u64, u64) {
+        let it = &self.instances[inst];
+        let ctx: u64 = it.decode_running.iter().map(|&r| self.requests[r].input_tokens + self.state[r].generated).sum();
+        (it.decode_running.len() as u64, ctx)
     }
 
     fn start_prefill(&mut self, p: usize, r: usize) {
@@ -419,7 +424,9 @@ impl Simulator {
         }
         let cached_tokens = view.cached_tokens(cached);
         let local_tokens = view.cached_tokens(hit.blocks);
-        let compute = cost.prefill_time_cached(req.input_tokens, cached_tokens);
+        // With decodes running, one step computes the prompt and a token of each.
+        let (batch, ctx) = self.decode_batch(p);
+        let compute = cost.batch_time(&[(cached_tokens, req.input_tokens)], batch, ctx);
         self.extra.prefilled_tokens += req.input_tokens;
         self.extra.reused_tokens += cached_tokens;
         let end = self.now + extra_us + compute;
@@ -434,6 +441,10 @@ impl Simulator {
         let used = req.hashes[..hit.blocks].to_vec();
         self.instances[p].cache.insert(&used);
         self.flush_events(p);
+        if batch > 0 {
+            self.instances[p].step_running = true;
+            self.push(end, EventKind::DecodeStepDone { inst: p });
+        }
         self.push(end, EventKind::PrefillDone { inst: p });
     }
 

@@ -381,3 +381,30 @@ fn a_layerwise_push_leaves_one_layer_of_the_transfer_after_the_prefill() {
         assert_eq!(w - l, saved, "request ends sooner by the transfer less the last chunk's last layer");
     }
 }
+
+/// A colocated instance prefills and decodes in one step, as the live engine does: the weights
+/// are read once for both (`CostProfile::batch_time`). Two colocated instances at 48 req/s of
+/// 256-token prompts and answers (the live headline's short-prompt point, where two live
+/// colocated workers had a TBT p90 of 13.85 ms) meet a 15 ms TBT target. When the simulator
+/// ran each prefill as a step of its own beside the decode steps, paying the weights twice,
+/// 211 of the 960 did.
+#[test]
+fn a_colocated_instance_prefills_and_decodes_in_one_step() {
+    let w = Synthetic::Poisson { requests: 960, rate: 48.0, input: (256, 256), output: (256, 256) };
+    let mut c = SimConfig {
+        cluster: ClusterConfig { prefill: 0, decode: 0, colocated: 2, max_batch: 128, ..ClusterConfig::default() },
+        cost: CostProfile::llama2_70b_8xh100(),
+        policy: PolicyKind::LeastLoad,
+        workload: WorkloadSpec::Synthetic(w),
+        ..SimConfig::default()
+    };
+    c.admission.slo.ttft_us = 1_000_000;
+    c.admission.slo.tbt_us = 15_000;
+    let r = baton_sim::run(&c).expect("run");
+    assert!(
+        r.completed_within_slo >= 950,
+        "{} of 960 within the SLOs, TBT p90 {} µs",
+        r.completed_within_slo,
+        r.tbt.p90
+    );
+}
