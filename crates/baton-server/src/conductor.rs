@@ -1107,10 +1107,13 @@ impl Run {
         let fetched = fetch.as_ref().map_or(0, |f| f.tokens);
         // Layer-wise: the decode worker has the request now, reserves blocks for the prompt's
         // KV and registers them with `p`'s KV server, which writes each layer into them as the
-        // prefill computes it; the last write brings the first token. (Without `p`'s KV server
-        // address, the KV is pulled once the prefill is done.)
+        // prefill computes it; the last write brings the first token. Only when `p` prefills
+        // nothing else for this conductor: behind a queue, the reservation would hold decode
+        // memory idle for the queue's time, so the KV is pulled once the prefill is done (as
+        // it is without `p`'s KV server address).
+        let p_busy = c.loads().prefill.get(p.name()).is_some_and(|queued| !queued.is_empty());
         let mut early = match (base.kv_transfer, p.kv_addr()) {
-            (KvTransfer::Layerwise, Some(addr)) if retain_kv => {
+            (KvTransfer::Layerwise, Some(addr)) if retain_kv && !p_busy => {
                 let tokens = self.valid.prompt_ids.len();
                 let kv = Some(KvSource { addr, blocks: Vec::new(), tokens, lease: None });
                 let prefix_cache = c.pd_caching >= PdCaching::Decode;

@@ -25,9 +25,10 @@
 //!   ([`KvServer::push_blocks`]), while the later layers compute. When the prefill is done its
 //!   KV is offered under a lease as in the other modes, and the last write (a PUSHED with a
 //!   trailer, [`KvServer::finish_layers`]) carries the first token, which the decode worker
-//!   continues from. The decode worker holds its blocks while the prompt waits and computes:
-//!   that memory is the price of hiding the transfer (KVDirect's argument for pulling by
-//!   default).
+//!   continues from. The decode worker holds its blocks while the prompt computes: that memory
+//!   is the price of hiding the transfer (KVDirect's argument for pulling by default). So the
+//!   conductor reserves early only when the prefill worker prefills nothing else for it; a
+//!   request that would queue there is handed over by pull after its prefill.
 //!
 //! Either way COMPLETE ends the prefill side's lease (its blocks go back to its engine), and the
 //! decode worker's engine admits the request with the received KV as its prefix, continuing from

@@ -797,6 +797,42 @@ async fn emulated_workers_hand_kv_over_and_run_to_exact_lengths() {
     }
 }
 
+/// Layer-wise reservations wait for an idle prefill worker: of two requests that overlap on
+/// one prefill worker (its emulated prefill takes a second), the one that finds the other
+/// prefilling there is handed over by pull after its prefill, so its decode blocks are not
+/// held while it queues; the other streams layer by layer. Both give the full answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layerwise_reservation_waits_for_an_idle_prefill_worker() {
+    let mut profile = fast_70b_profile();
+    profile.prefill.per_token_us = 100_000.0;
+    let config = ServeConfig {
+        engine: engine_config(),
+        emulate: Some(profile),
+        kv_transfer: KvTransfer::Layerwise,
+        ..ServeConfig::new(fixture("tiny-llama"))
+    };
+    let server = start_with(&config).await;
+    let body = json!({"model": "tiny-llama", "prompt": "An emulated prompt of a few blocks", "max_tokens": 4});
+    let first = {
+        let (url, body) = (server.url.clone(), body.clone());
+        tokio::spawn(async move {
+            let r = reqwest::Client::new().post(format!("{url}/v1/completions")).json(&body).send().await;
+            r.expect("sends").json::<Value>().await.expect("JSON")
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, second) = server.post("/v1/completions", body).await;
+    let first = first.await.expect("first request");
+    assert_eq!(status, 200, "{second}");
+    for v in [&first, &second] {
+        assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    }
+    let text = reqwest::get(format!("{}/metrics", server.url)).await.expect("sends").text().await.expect("text");
+    assert!(text.contains("baton_kv_layerwise_handoffs_total 1\n"), "one of the two:\n{text}");
+    assert!(text.contains("baton_retries_total 0\n"), "{text}");
+    server.assert_no_kv_held().await;
+}
+
 /// An emulated link (`--emulate-link-gbps`) makes a hand-off take the emulated model's KV bytes
 /// over its bandwidth, pulled or pushed: each hand-off, from the end of the prefill to the
 /// decode worker's first token (`baton_kv_transfer_seconds`), lasts at least the prompt's KV

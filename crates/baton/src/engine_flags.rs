@@ -135,7 +135,8 @@ pub(crate) enum KvTransferArg {
     /// Push, overlapped with the prefill: the decode worker reserves its blocks when the
     /// prefill starts, and the prefill worker writes each layer of each chunk into them as
     /// soon as its forward pass computed it, the last write carrying the first token
-    /// (Mooncake, KVDirect). Holds decode memory while the prompt computes.
+    /// (Mooncake, KVDirect). Holds decode memory while the prompt computes, so only when
+    /// the prefill worker has no other prefill of this conductor's; else pull.
     Layerwise,
 }
 
