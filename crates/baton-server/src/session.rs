@@ -1342,6 +1342,39 @@ mod tests {
         assert_eq!(h.taken.len(), 0);
     }
 
+    /// A request id whose earlier holder's client is gone is free: the conductor may route the
+    /// request here again before the abort of the earlier one arrived (a layer-wise decode
+    /// half it gave up). One whose client still listens is refused.
+    #[test]
+    fn an_id_whose_client_left_can_be_submitted_again() {
+        let (mut s, mut h) = (sessions(), FakeHost::new(16));
+        let now = Instant::now();
+        let old = submit_kv(&mut s, &mut h, now, 1, 10);
+        assert_eq!(state(&s, 1), Some("receiving"));
+        let refused = submit_kv(&mut s, &mut h, now, 1, 10);
+        assert_eq!(refused.names(), ["failed"], "the first still has its client");
+        old.close();
+        let again = submit_kv(&mut s, &mut h, now, 1, 10);
+        assert!(again.names().is_empty(), "{:?}", again.names());
+        assert_eq!(state(&s, 1), Some("receiving"));
+        // Both reservations' jobs: the first's result is stale, the second's is taken.
+        let jobs: Vec<KvJob> = s
+            .ready()
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Transfer(job) => Some(job),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(jobs.len(), 2);
+        for job in jobs {
+            s.transfer_done(&mut h, job.done(ok()));
+        }
+        assert_eq!(state(&s, 1), Some("running"));
+        assert_eq!(h.engine[&RequestId(1)].len(), 3);
+        assert_eq!(h.leaked(), 0, "the first reservation was freed");
+    }
+
     /// A layer-wise hand-off (decode side): blocks reserved for a source that names none (the
     /// prefill has not run), registered like a push; the last write brings the first token,
     /// which the request continues from. Without it, or without the KV, the request is given
