@@ -7,9 +7,10 @@
 //! stop conditions, detokenisation, KV retention and hand-over. What is emulated:
 //!
 //! - **time**: each step costs [`CostProfile::batch_time`] of its work (prefill chunks, decode
-//!   batch and context), plus the copy of the KV it brought onto the device from the host and
-//!   disk tiers over the profile's `host_to_device` / `disk_to_device` links (the engine
-//!   swaps a prefix in within the step, so the copy stalls it). With [`EmulatedClock::Sleep`]
+//!   batch and context). With [`EmulatedClock::Sleep`] a prefix brought back from the host
+//!   and disk tiers is copied beside the step loop, and the copier waits for the profile's
+//!   `host_to_device` / `disk_to_device` links; with [`EmulatedClock::Virtual`] the copy runs
+//!   within the step, which costs it too. With [`EmulatedClock::Sleep`]
 //!   the step returns that long after it started (wall time, for a live cluster of emulated
 //!   workers); with [`EmulatedClock::Virtual`] it returns at once and only
 //!   [`Engine::emulated_clock`](crate::Engine::emulated_clock) advances.
@@ -109,8 +110,8 @@ pub(crate) struct StepWork {
     pub(crate) decode_batch: u64,
     /// Their context, tokens in all.
     pub(crate) decode_context: u64,
-    /// Tokens of KV brought onto the device from the (host, disk) tiers for this step: their
-    /// copy, over the profile's links, stalls the step.
+    /// Tokens of KV brought onto the device from the (host, disk) tiers within this step (no
+    /// copier thread: the virtual clock): their copy, over the profile's links, stalls it.
     pub(crate) swapped_in_tokens: [u64; 2],
 }
 

@@ -16,10 +16,11 @@
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use baton_kv::{
     BlockId, InstanceId, KvArena, KvDtype, KvEvent, KvGeometry, KvLayout, Loc, MemPool, PolicyKind, PoolConfig,
-    PoolError, Tier,
+    PoolError, SwapIn, Tier,
 };
 use baton_model::{LogitsWanted, Model, ModelConfig, SeqStep, StepLogits, Tokenizer};
 use baton_sched::{CostProfile, Micros};
@@ -31,6 +32,7 @@ use crate::request::{
     FinishReason, Finished, GenerationRequest, KvPiece, KvPrefix, KvRetention, KvStream, StepOutput, TokenEvent,
 };
 use crate::sequence::Sequence;
+use crate::swapper::Swapper;
 use crate::{EngineError, RequestId};
 
 /// Sizes and limits of one engine.
@@ -162,9 +164,10 @@ pub struct Engine {
     pool: MemPool,
     /// Steps run: the logical time of the pool's eviction policy.
     clock: u64,
-    /// Blocks brought onto the device from (host, disk) since the last step: the emulated
-    /// backend charges their copy to the next step, as the copy stalls the loop. `None` when
-    /// the pool has no slower tier (nothing to count, no prefix to look up twice).
+    /// Blocks brought onto the device from (host, disk) within the step since the last one
+    /// (no copier thread): the emulated backend charges their copy to the next step, as the
+    /// copy stalls the loop. `None` when the pool has no slower tier (nothing to count, no
+    /// prefix to look up twice).
     swapped_in: Option<[usize; 2]>,
     seqs: HashMap<RequestId, Sequence>,
     /// Oldest first.
@@ -174,6 +177,10 @@ pub struct Engine {
     next_seed: u64,
     /// Where requests with `stream_kv` send their KV layer by layer.
     kv_stream: Option<Box<dyn KvStream>>,
+    /// Swap-ins beside the step loop (a pool with a host or disk tier in shared memory): a
+    /// request whose cached prefix is on a slower tier waits for its copy while the others
+    /// step. `None`: the copy runs inside the step that admits the request.
+    swapper: Option<Swapper>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -226,7 +233,28 @@ impl Engine {
             policy: PolicyKind::Lru,
             ..PoolConfig::device_only(config.instance, geometry, config.layout, config.num_blocks)
         })?;
+        // A virtual clock charges the copy to the step: nothing runs beside it to overlap.
+        let sleeps = match &backend {
+            Backend::Emulated(e) => e.model.clock == crate::EmulatedClock::Sleep,
+            Backend::Model(_) => true,
+        };
+        let swapper = if sleeps && (config.host_blocks > 0 || config.disk_blocks > 0) {
+            match pool
+                .swap_copier()
+                .map_err(|e| e.to_string())
+                .and_then(|c| Swapper::spawn(c).map_err(|e| e.to_string()))
+            {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no copier thread: prefixes on the host and disk tiers are copied within the step");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         Ok(Self {
+            swapper,
             pool,
             clock: 0,
             swapped_in: (config.host_blocks > 0 || config.disk_blocks > 0).then_some([0; 2]),
@@ -334,7 +362,8 @@ impl Engine {
 
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
-        !self.seqs.is_empty()
+        // A swap-in whose request was aborted still holds device slots until its copy ends.
+        !self.seqs.is_empty() || self.swapper.as_ref().is_some_and(|s| s.pending() > 0)
     }
 
     /// Requests running and waiting.
@@ -478,6 +507,9 @@ impl Engine {
         }
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
+        if let Some(swapper) = &mut self.swapper {
+            swapper.abort(id);
+        }
         self.finish(id, FinishReason::Aborted).map(Some)
     }
 
@@ -612,9 +644,26 @@ impl Engine {
                 Backend::Model(_) => None,
             };
             let take = worth_taking(&self.pool, profile, bs, &seq.tokens[..known], seq.tokens.len());
-            let (blocks, tokens) = take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, &seq.tokens[..take])?;
+            let tokens = &seq.tokens[..take];
+            let blocks = match &mut self.swapper {
+                Some(swapper) if self.pool.peek_prefix(tokens)[1..].iter().any(|&n| n > 0) => {
+                    // Part of the prefix is on a slower tier: the copy runs beside the step
+                    // loop and the request waits for it (`take_swapped`).
+                    let job = self.pool.begin_acquire_prefix(tokens, self.clock)?;
+                    if job.lower() > 0 {
+                        let wait = profile.map_or(Duration::ZERO, |p| copy_time(p, &job, bs));
+                        if let Err(job) = swapper.start(id, job, wait) {
+                            self.pool.abort_swap_in(job)?;
+                        }
+                        return Ok(None);
+                    }
+                    // Room for the copies ran out: the device part only, taken now.
+                    self.pool.finish_swap_in(job)?
+                }
+                _ => take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, tokens)?.0,
+            };
+            seq.computed = blocks.len() * bs;
             seq.table.extend(blocks);
-            seq.computed = tokens;
             took = true;
         }
         seq.cached_tokens.get_or_insert(seq.computed);
@@ -642,12 +691,20 @@ impl Engine {
     pub fn step(&mut self) -> Result<StepOutput, EngineError> {
         let started = std::time::Instant::now();
         self.clock += 1;
+        self.take_swapped(Duration::ZERO)?;
         // Only the waiting requests the planner can admit this step are seen with their cache
-        // hit (peeking hashes the prompt): at most as many as free sequence slots.
+        // hit (peeking hashes the prompt): at most as many as free sequence slots. Requests
+        // waiting for their swap-in are not seen at all.
         let reach = self.config.max_num_seqs.saturating_sub(self.running.len());
         let running: Vec<SeqView> = self.running.iter().map(|id| self.view(&self.seqs[id], false)).collect();
-        let waiting: Vec<SeqView> =
-            self.waiting.iter().enumerate().map(|(i, id)| self.view(&self.seqs[id], i < reach)).collect();
+        let swapping = |id: &RequestId| self.swapper.as_ref().is_some_and(|s| s.is_swapping(*id));
+        let waiting: Vec<SeqView> = self
+            .waiting
+            .iter()
+            .filter(|id| !swapping(id))
+            .enumerate()
+            .map(|(i, id)| self.view(&self.seqs[id], i < reach))
+            .collect();
         let plan = planner::plan(&PlanInput {
             config: self.config.planner(),
             free_blocks: self.pool.available(),
@@ -794,6 +851,27 @@ impl Engine {
         Ok(out)
     }
 
+    /// Finishes the swap-ins the copier is done with (waiting up to `wait` for one): each
+    /// request gets its prefix on the device and waits to be admitted like one holding received
+    /// KV; an aborted request's swap-in, or one whose copy failed, is given back.
+    fn take_swapped(&mut self, wait: Duration) -> Result<(), EngineError> {
+        let Some(swapper) = &mut self.swapper else { return Ok(()) };
+        if swapper.pending() == 0 {
+            return Ok(());
+        }
+        for f in swapper.finished(wait) {
+            match self.seqs.get_mut(&f.id).filter(|_| f.usable) {
+                Some(seq) => {
+                    let blocks = self.pool.finish_swap_in(f.job)?;
+                    seq.computed = blocks.len() * self.config.block_size;
+                    seq.table.extend(blocks);
+                }
+                None => self.pool.abort_swap_in(f.job)?,
+            }
+        }
+        Ok(())
+    }
+
     /// The pieces of KV the batch completes for requests that stream theirs: the prompt
     /// blocks not streamed yet that are whole after the step (all of them on the prompt's last
     /// chunk, whose last block may be partial). Marks them streamed.
@@ -889,6 +967,10 @@ impl Engine {
         while self.has_work() {
             let out = self.step()?;
             if out.computed_tokens == 0 && out.preempted == 0 && out.finished.is_empty() {
+                if self.swapper.as_ref().is_some_and(|s| s.pending() > 0) {
+                    self.take_swapped(Duration::from_secs(10))?;
+                    continue;
+                }
                 return Err(EngineError::Internal("no progress: nothing fits in the KV cache".into()));
             }
             done.extend(out.finished);
@@ -899,6 +981,20 @@ impl Engine {
 
 /// [`MemPool::acquire_prefix`], adding to `swapped_in` the blocks it brings onto the device from
 /// the (host, disk) tiers (along a cached prefix the tiers only get slower, so they come last).
+/// How long an emulated engine's copier takes for `job`: its blocks over the profile's host and
+/// disk links.
+fn copy_time(p: &CostProfile, job: &SwapIn, bs: usize) -> Duration {
+    let (mut host, mut disk) = (0, 0);
+    for (from, _) in job.copies() {
+        match from.tier {
+            Tier::Disk => disk += bs as u64,
+            _ => host += bs as u64,
+        }
+    }
+    let us = |tokens, link| if tokens == 0 { 0 } else { p.kv_transfer_time(tokens, link) };
+    Duration::from_micros(us(host, p.host_to_device) + us(disk, p.disk_to_device))
+}
+
 fn take_prefix(
     pool: &mut MemPool,
     swapped_in: &mut Option<[usize; 2]>,
@@ -917,8 +1013,7 @@ fn take_prefix(
 
 /// How many leading tokens of `known` (a prompt of `prompt_len` tokens, less its last) to take
 /// from the prefix cache: all it holds, unless the cost profile says that copying the blocks
-/// on a slower tier (the engine copies within its step, stalling it) takes longer than
-/// computing them again; then as far as the copy pays (device only, or device and host). A
+/// on a slower tier (the request waits for the copy) takes longer than computing them again; then as far as the copy pays (device only, or device and host). A
 /// block left behind is computed again, and the new one takes its place in the index.
 ///
 /// Only an engine that knows its costs weighs this: an emulated one, whose profile may put a

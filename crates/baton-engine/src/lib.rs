@@ -52,6 +52,7 @@ pub mod planner;
 pub mod profile;
 mod request;
 mod sequence;
+mod swapper;
 
 pub use emulated::{EmulatedClock, EmulatedKv, EmulatedModel, EmulatedStats};
 pub use engine::{Engine, EngineConfig, EngineLoad};

@@ -130,6 +130,77 @@ fn a_prefix_swapped_in_from_host_costs_its_copy() {
     assert_eq!(e.emulated_clock().expect("emulated").last_step_us, profile.prefill_time_cached(40, 0));
 }
 
+/// A sleeping emulated engine whose host link takes 10 ms a block and whose prefill takes 32 ms
+/// one, after two requests of 320 tokens: the first one's prefix is partly on the host tier.
+/// Returns the engine, its profile and that prefix's blocks on the device and on the host.
+fn slow_host_engine() -> (Engine, CostProfile, [usize; 2]) {
+    let mut profile = CostProfile::llama2_70b_8xh100();
+    profile.prefill.per_token_us = 2_000.0;
+    profile.host_to_device.bytes_per_s = profile.kv_bytes_per_token * 16 * 100;
+    let config = ModelConfig::from_dir(&fixture()).expect("config");
+    let model = EmulatedModel { clock: EmulatedClock::Sleep, ..EmulatedModel::new(config, profile.clone()) };
+    let engine_config = EngineConfig { block_size: 16, num_blocks: 32, host_blocks: 64, ..EngineConfig::default() };
+    let mut e = Engine::emulated(model, None, engine_config).expect("engine");
+    let prompt = request(1, 320, 1).prompt;
+    for r in [request(1, 320, 1), request(2, 320, 1)] {
+        e.add_request(r).expect("valid");
+        e.run_to_completion().expect("runs");
+    }
+    let [device, host, _] = e.pool().peek_prefix(&prompt[..319]);
+    assert!(host > 0, "a's prefix: {device} blocks on the device, {host} on host");
+    (e, profile, [device, host])
+}
+
+/// A request aborted while its prefix is copied from the host: the slots the copy writes are
+/// given back once it ends, and nothing stays held.
+#[test]
+fn a_request_aborted_during_its_swap_in_leaves_nothing_held() {
+    let (mut e, _, _) = slow_host_engine();
+    e.add_request(GenerationRequest { id: RequestId(3), ..request(1, 320, 2) }).expect("valid");
+    let out = e.step().expect("step");
+    assert_eq!(out.computed_tokens, 0, "request 3 waits for its copy");
+    assert!(e.available_blocks() < 32, "the copy's device slots are reserved");
+    e.abort(RequestId(3)).expect("abort");
+    assert!(e.has_work(), "the copy still holds its slots");
+    assert!(e.run_to_completion().expect("runs").is_empty());
+    assert!(!e.has_work());
+    e.pool().check_invariants().expect("pool accounting holds");
+    assert_eq!(e.available_blocks(), 32, "every block is free or merely cached");
+}
+
+/// A prefix found on the host tier is copied beside the step loop (the engine's copier
+/// thread, with a sleeping clock): the request waits for its copy while the others keep
+/// decoding, and no step is charged for the copy. The profile makes the copy worth taking
+/// (10 ms a block over the host link, against 32 ms to compute one) and long against a decode
+/// step (about 7 ms).
+#[test]
+fn a_prefix_on_the_host_is_copied_while_the_others_decode() {
+    let (mut e, profile, [device, host]) = slow_host_engine();
+    // A long decode, then the request that finds a's prefix partly on the host.
+    e.add_request(request(5, 16, 400)).expect("valid");
+    e.step().expect("prefill");
+    e.add_request(GenerationRequest { id: RequestId(3), ..request(1, 320, 2) }).expect("valid");
+    let (mut decoded_meanwhile, mut steps) = (0, 0);
+    let first = loop {
+        let out = e.step().expect("step");
+        steps += 1;
+        assert!(steps < 10_000, "request 3 never ran");
+        let copy = profile.kv_transfer_time((host * 16) as u64, profile.host_to_device);
+        assert!(e.emulated_clock().expect("emulated").last_step_us < copy, "no step waits for the copy");
+        if let Some(t) = out.tokens.iter().find(|t| t.id == RequestId(3)) {
+            break t.token;
+        }
+        decoded_meanwhile += out.tokens.iter().filter(|t| t.id == RequestId(5)).count();
+    };
+    assert!(decoded_meanwhile >= 3, "request 5 decoded {decoded_meanwhile} tokens while request 3's prefix was copied");
+    let done = e.run_to_completion().expect("runs");
+    let three = done.iter().find(|f| f.id == RequestId(3)).expect("request 3 finished");
+    assert_eq!(three.cached_tokens, (device + host) * 16, "the prefix came from the device and the host");
+    assert_eq!(three.token_ids[0], first);
+    e.pool().check_invariants().expect("pool accounting holds");
+    assert_eq!(e.available_blocks(), 32, "every block is free or merely cached");
+}
+
 /// A prefix on a tier whose copy takes longer than computing it again (the 70B profile's 6 GB/s
 /// disk: 874 µs a block, against 558 µs to compute it) is computed again: the step charges no
 /// copy, the output is the same, and the recomputed blocks take the disk blocks' place.

@@ -127,9 +127,10 @@ fn shared_region(len: usize) -> io::Result<(MmapMut, File)> {
 
 #[allow(unsafe_code)]
 fn map_shared_mut(file: &File) -> io::Result<MmapMut> {
-    // SAFETY: the file is a memfd this module just created and sized; it is never truncated
-    // afterwards, so the mapping stays valid for as long as it lives. Other processes may only
-    // map it read-only (`MappedArena`), so nobody else writes under our `&mut` views.
+    // SAFETY: the file is a memfd this module created and sized; it is never truncated
+    // afterwards, so the mapping stays valid for as long as it lives. Other mappings of it (a
+    // `shared_view`, a transfer peer's) write only blocks the pool has handed to them, never
+    // those our `&mut` views are in use for; the bytes are plain data, never Rust values.
     unsafe { MmapMut::map_mut(file) }
 }
 
@@ -181,6 +182,22 @@ impl KvArena {
     /// Number of blocks the arena holds.
     pub fn num_blocks(&self) -> usize {
         self.descriptor.extent(crate::Dim::Block)
+    }
+
+    /// A second view of this arena's memory for another thread of this process (a mapping of
+    /// its own of the same memfd): what one view writes, the other reads. The caller keeps the
+    /// views to disjoint blocks at any one time (the pool's owners decide which). Fails for an
+    /// arena in private memory.
+    pub fn shared_view(&self) -> io::Result<KvArena> {
+        match &self.backing {
+            Backing::Shared { file, .. } => {
+                let file = file.try_clone()?;
+                let map = map_shared_mut(&file)?;
+                let backing = Backing::Shared { map, file };
+                Ok(Self { geometry: self.geometry, descriptor: self.descriptor.clone(), backing })
+            }
+            Backing::Heap(_) => Err(io::Error::new(io::ErrorKind::Unsupported, "the arena is in private memory")),
+        }
     }
 
     /// The handle another process on this host can map the arena with, if it is shared.

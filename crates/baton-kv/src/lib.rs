@@ -80,7 +80,10 @@ pub use geometry::{Dim, KvDtype, KvGeometry, KvLayout, KvPart, TensorDescriptor}
 pub use hash::{BlockHash, HASH_SEED, block_hash, prefix_hashes};
 pub use index::{NodeInfo, PrefixIndex};
 pub use policy::{EvictionPolicy, Lfu, Lru, NodeId, PolicyKind, Ranked};
-pub use pool::{DevicePrefix, MAX_BUFFERED_EVENTS, MemPool, PoolConfig, PoolError, PrefixMatch, SwapJob, TierUsage};
+pub use pool::{
+    DevicePrefix, MAX_BUFFERED_EVENTS, MemPool, PoolConfig, PoolError, PrefixMatch, SwapCopier, SwapIn, SwapJob,
+    TierUsage,
+};
 pub use ranges::ByteRange;
 pub use segment::{FragmentationStats, Segment, SegmentAllocator, count_runs, segments_of};
 pub use tier::{DiskStore, InstanceId, KvAddr, Loc, Tier};

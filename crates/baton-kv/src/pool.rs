@@ -176,6 +176,67 @@ impl SwapJob {
     }
 }
 
+/// A swap-in that has reserved its device slots but not yet copied (see
+/// [`MemPool::begin_swap_in`]): the copies are the caller's (a copier thread's, through a
+/// [`SwapCopier`]), then the job goes back to [`MemPool::finish_swap_in`], or to
+/// [`MemPool::abort_swap_in`].
+#[derive(Debug)]
+#[must_use = "a swap-in holds device slots and references until it is finished or aborted"]
+pub struct SwapIn {
+    addrs: Vec<KvAddr>,
+    /// Per address, the device slot it is copied to (`None`: on the device already).
+    dst: Vec<Option<BlockId>>,
+}
+
+impl SwapIn {
+    /// The copies to make, slower tier slot → device block, before the job is finished.
+    pub fn copies(&self) -> Vec<(Loc, BlockId)> {
+        self.addrs.iter().zip(&self.dst).filter_map(|(a, d)| d.map(|d| (a.loc, d))).collect()
+    }
+
+    /// Blocks the job brings onto the device (the copies).
+    pub fn lower(&self) -> usize {
+        self.dst.iter().flatten().count()
+    }
+
+    /// Blocks of the prefix in all.
+    pub fn len(&self) -> usize {
+        self.addrs.len()
+    }
+
+    /// Whether the prefix is empty.
+    pub fn is_empty(&self) -> bool {
+        self.addrs.is_empty()
+    }
+}
+
+/// Copies blocks from the host and disk tiers onto reserved device slots from another thread:
+/// its own mappings of the device and host arenas and its own descriptor of the disk file
+/// ([`MemPool::swap_copier`]). It writes only the device slots a [`SwapIn`] reserved and reads
+/// only slots the job holds references on, so the engine's thread may go on using every other
+/// block meanwhile.
+#[derive(Debug)]
+pub struct SwapCopier {
+    device: KvArena,
+    host: Option<KvArena>,
+    disk: Option<DiskStore>,
+}
+
+impl SwapCopier {
+    /// Copies slot `from` (host or disk) onto device block `to`.
+    pub fn copy(&mut self, from: Loc, to: BlockId) -> Result<(), PoolError> {
+        match (from.tier, &self.host, &self.disk) {
+            (Tier::Host, Some(host), _) => self.device.copy_blocks_from(host, &[from.block], &[to]),
+            (Tier::Disk, _, Some(disk)) => {
+                let ranges = self.device.descriptor().byte_ranges(&[to]);
+                disk.read_block(from.block, self.device.as_bytes_mut(), &ranges)?;
+            }
+            _ => return Err(PoolError::Config(format!("no {} tier to copy from", from.tier))),
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct SwapMove {
     node: NodeId,
@@ -864,6 +925,22 @@ impl MemPool {
     /// tokens they cover. Blocks that cannot be brought in for lack of device room are left out
     /// (the match is shortened).
     pub fn acquire_prefix(&mut self, tokens: &[u32], now: u64) -> Result<(Vec<BlockId>, usize), PoolError> {
+        let job = self.begin_acquire_prefix(tokens, now)?;
+        for (from, to) in job.copies() {
+            if let Err(e) = self.copy(from, Self::dev(to)) {
+                self.abort_swap_in(job)?;
+                return Err(e);
+            }
+        }
+        let blocks = self.finish_swap_in(job)?;
+        let tokens = blocks.len() * self.geometry.block_size;
+        Ok((blocks, tokens))
+    }
+
+    /// [`acquire_prefix`](Self::acquire_prefix) whose copies from the slower tiers another
+    /// thread makes: matches `tokens` and begins the swap-in of the matched blocks (see
+    /// [`begin_swap_in`](Self::begin_swap_in)); the job covers `job.len()` blocks.
+    pub fn begin_acquire_prefix(&mut self, tokens: &[u32], now: u64) -> Result<SwapIn, PoolError> {
         let mut m = self.match_prefix(tokens, now);
         let on_device = m.on_device();
         let lower = m.addrs.len() - on_device;
@@ -871,9 +948,7 @@ impl MemPool {
             let tail = m.addrs.split_off(on_device);
             self.free_mem(&tail)?;
         }
-        let blocks = self.swap_in(&m.addrs)?;
-        let tokens = blocks.len() * self.geometry.block_size;
-        Ok((blocks, tokens))
+        self.begin_swap_in(&m.addrs)
     }
 
     /// MemServe `delete`: forgets the prompt's cached blocks: everything cached below its
@@ -1000,6 +1075,22 @@ impl MemPool {
     /// A cached block only the caller holds moves in the index too; one that others hold is
     /// copied to a private device block. Device addresses pass through unchanged.
     pub fn swap_in(&mut self, addrs: &[KvAddr]) -> Result<Vec<BlockId>, PoolError> {
+        let job = self.begin_swap_in(addrs)?;
+        for (from, to) in job.copies() {
+            if let Err(e) = self.copy(from, Self::dev(to)) {
+                self.abort_swap_in(job)?;
+                return Err(e);
+            }
+        }
+        self.finish_swap_in(job)
+    }
+
+    /// First half of [`swap_in`](Self::swap_in): checks that the caller holds `addrs` and
+    /// reserves a device slot for each one on a slower tier (making room as eviction does);
+    /// the job owns those slots, and the caller's references keep the sources where they are,
+    /// until [`finish_swap_in`](Self::finish_swap_in) (after the job's copies) or
+    /// [`abort_swap_in`](Self::abort_swap_in).
+    pub fn begin_swap_in(&mut self, addrs: &[KvAddr]) -> Result<SwapIn, PoolError> {
         for a in addrs {
             self.own(*a)?;
             if self.ref_count(a.loc) == 0 {
@@ -1008,14 +1099,31 @@ impl MemPool {
         }
         let lower = addrs.iter().filter(|a| a.loc.tier != Tier::Device).count();
         self.make_room(Tier::Device, lower)?;
-        let mut out = Vec::with_capacity(addrs.len());
+        let mut dst = Vec::with_capacity(addrs.len());
         for a in addrs {
             if a.loc.tier == Tier::Device {
-                out.push(a.loc.block);
+                dst.push(None);
                 continue;
             }
             let d = self.tiers[0].alloc.allocate(1).expect("room was made")[0];
-            self.copy(a.loc, Self::dev(d))?;
+            self.tiers[0].owner[d.index()] = SWAP_OWNER;
+            dst.push(Some(d));
+        }
+        Ok(SwapIn { addrs: addrs.to_vec(), dst })
+    }
+
+    /// Second half of a swap-in whose copies are made: returns the device blocks in order, the
+    /// caller's reference on each. A cached block only the caller holds moves in the index to
+    /// its device copy; one that others hold (or that left the index meanwhile) keeps its slot,
+    /// and the caller holds a private device copy.
+    pub fn finish_swap_in(&mut self, job: SwapIn) -> Result<Vec<BlockId>, PoolError> {
+        let mut out = Vec::with_capacity(job.addrs.len());
+        for (a, d) in job.addrs.iter().zip(job.dst) {
+            let Some(d) = d else {
+                out.push(a.loc.block);
+                continue;
+            };
+            self.tiers[0].owner[d.index()] = NO_OWNER;
             let owner = self.owner(a.loc);
             let movable = owner < SWAP_OWNER && {
                 let node = &self.index.nodes[owner as usize];
@@ -1032,6 +1140,34 @@ impl MemPool {
             out.push(d);
         }
         Ok(out)
+    }
+
+    /// Gives up a swap-in: its device slots go back to the free list and the caller's
+    /// references on its blocks are dropped.
+    pub fn abort_swap_in(&mut self, job: SwapIn) -> Result<(), PoolError> {
+        for d in job.dst.iter().flatten() {
+            self.tiers[0].owner[d.index()] = NO_OWNER;
+            self.tiers[0].alloc.free(&[*d])?;
+        }
+        self.free_mem(&job.addrs)
+    }
+
+    /// A copier for swap-ins on another thread (see [`SwapCopier`]); fails when an arena is in
+    /// private memory.
+    pub fn swap_copier(&self) -> Result<SwapCopier, PoolError> {
+        let view = |store: &Store| -> Result<Option<KvArena>, PoolError> {
+            match store {
+                Store::Arena(a) => Ok(Some(a.shared_view()?)),
+                _ => Ok(None),
+            }
+        };
+        let device = view(&self.tiers[0].store)?.ok_or_else(|| PoolError::Config("no device arena".into()))?;
+        let host = view(&self.tiers[1].store)?;
+        let disk = match &self.tiers[2].store {
+            Store::Disk(d) => Some(d.try_clone()?),
+            _ => None,
+        };
+        Ok(SwapCopier { device, host, disk })
     }
 
     // ---- accounting ------------------------------------------------------------------------

@@ -129,6 +129,11 @@ impl DiskStore {
         Ok(Self { file, path, block_bytes })
     }
 
+    /// The same block file through a descriptor of its own (for another thread).
+    pub fn try_clone(&self) -> io::Result<DiskStore> {
+        Ok(Self { file: self.file.try_clone()?, path: self.path.clone(), block_bytes: self.block_bytes })
+    }
+
     /// Where the block file was made (its name is gone: see the type's documentation).
     pub fn path(&self) -> &Path {
         &self.path

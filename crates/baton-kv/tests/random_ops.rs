@@ -1,5 +1,6 @@
 //! Seeded random-operation test of the MemPool: 100,000 operations mixing allocation, free,
-//! insert, match, delete, swaps (including unfinished ones) and eviction under pressure, with
+//! insert, match, delete, swaps (including unfinished ones, out and in: a swap-in's copies made
+//! through a `SwapCopier`'s own mappings) and eviction under pressure, with
 //! requests holding references. After every step it checks that every block of every tier has
 //! exactly one owner, that reference counts equal what the simulated requests hold, that the
 //! maintained `available()` counter equals a scan, that match agrees with the index the event
@@ -9,7 +10,7 @@ use std::collections::HashMap;
 
 use baton_kv::{
     BlockHash, BlockId, InstanceId, KvAddr, KvDtype, KvGeometry, KvLayout, KvPart, Loc, MemPool, PolicyKind,
-    PoolConfig, PoolError, RemoteIndex, SwapJob, Tier, prefix_hashes,
+    PoolConfig, PoolError, RemoteIndex, SwapCopier, SwapIn, SwapJob, Tier, prefix_hashes,
 };
 
 /// splitmix64: a seeded generator, so a failure replays exactly.
@@ -51,12 +52,17 @@ struct Sim {
     remote: RemoteIndex,
     requests: Vec<Request>,
     job: Option<SwapJob>,
+    /// A swap-in under way, and the request it brings blocks to.
+    swapping: Option<(Request, SwapIn)>,
+    copier: SwapCopier,
     rng: Rng,
     now: u64,
     /// Every full-block prefix ever inserted (by its last block's hash).
     ever_inserted: HashMap<BlockHash, usize>,
     /// Requests whose cached prefix reached into the disk tier.
     disk_hits: usize,
+    /// Swap-ins finished after other operations ran meanwhile, with lower-tier copies.
+    swapped_in: usize,
 }
 
 impl Sim {
@@ -174,6 +180,16 @@ impl Sim {
                 else {
                     return;
                 };
+                if self.swapping.is_none() && self.rng.below(2) == 0 {
+                    // A swap-in that stays under way across other operations.
+                    let r = self.requests.swap_remove(k);
+                    match self.pool.begin_swap_in(&r.held) {
+                        Ok(job) => self.swapping = Some((r, job)),
+                        Err(PoolError::OutOfBlocks { .. }) => self.requests.push(r),
+                        Err(e) => panic!("{e}"),
+                    }
+                    return;
+                }
                 let held = std::mem::take(&mut self.requests[k].held);
                 match self.pool.swap_in(&held) {
                     Ok(blocks) => {
@@ -194,6 +210,23 @@ impl Sim {
                 self.pool.swap_out(n, now).expect("swap out");
             }
             // Swaps that stay in flight across other operations.
+            72..=79 if self.swapping.is_some() && self.rng.below(2) == 0 => {
+                let (mut r, job) = self.swapping.take().expect("checked");
+                if self.rng.below(4) == 0 {
+                    // Given up: the slots go back and the request's references are dropped.
+                    self.pool.abort_swap_in(job).expect("abort swap-in");
+                    return;
+                }
+                for (from, to) in job.copies() {
+                    self.copier.copy(from, to).expect("copy");
+                }
+                self.swapped_in += usize::from(job.lower() > 0);
+                let blocks = self.pool.finish_swap_in(job).expect("finish swap-in");
+                self.verify_blocks(&r.prompt, &blocks);
+                r.held.clear();
+                r.blocks = blocks;
+                self.requests.push(r);
+            }
             72..=79 => match self.job.take() {
                 Some(job) => {
                     self.pool.finish_swap(job).expect("finish swap");
@@ -233,6 +266,9 @@ impl Sim {
             for a in &r.held {
                 *held.entry(a.loc).or_default() += 1;
             }
+        }
+        for a in self.swapping.iter().flat_map(|(r, _)| &r.held) {
+            *held.entry(a.loc).or_default() += 1;
         }
         // `available()` is a maintained counter: it must equal free blocks plus every cached
         // device block no request holds, counted here by a scan (blocks a swap job is moving
@@ -283,7 +319,10 @@ fn run_of(seed: u64, policy: PolicyKind, steps: usize, dtype: KvDtype) {
         ..PoolConfig::device_only(InstanceId(3), geometry, KvLayout::LayerMajor, 40)
     })
     .expect("pool");
+    let copier = pool.swap_copier().expect("the arenas are shared");
     let mut sim = Sim {
+        copier,
+        swapping: None,
         pool,
         remote: RemoteIndex::new(),
         requests: Vec::new(),
@@ -292,6 +331,7 @@ fn run_of(seed: u64, policy: PolicyKind, steps: usize, dtype: KvDtype) {
         now: 0,
         ever_inserted: HashMap::new(),
         disk_hits: 0,
+        swapped_in: 0,
     };
     let mut moved_lower = 0;
     for i in 0..steps {
@@ -311,9 +351,13 @@ fn run_of(seed: u64, policy: PolicyKind, steps: usize, dtype: KvDtype) {
     );
     assert!(moved_lower > 0, "the workload never reached the disk tier");
     assert!(sim.disk_hits > 0, "no request ever read its prefix back from disk");
+    assert!(sim.swapped_in > 0, "no swap-in under way copied from a slower tier");
     // Everyone lets go: only the cache and the free list own blocks.
     if let Some(job) = sim.job.take() {
         sim.pool.finish_swap(job).expect("finish");
+    }
+    if let Some((_, job)) = sim.swapping.take() {
+        sim.pool.abort_swap_in(job).expect("abort");
     }
     for r in std::mem::take(&mut sim.requests) {
         sim.pool.free_blocks(&r.blocks).expect("held");
