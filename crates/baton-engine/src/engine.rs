@@ -653,7 +653,10 @@ impl Engine {
                     if job.lower() > 0 {
                         let wait = profile.map_or(Duration::ZERO, |p| copy_time(p, &job, bs));
                         if let Err(job) = swapper.start(id, job, wait) {
+                            // The copier thread is gone: copies run within the step from now on.
+                            tracing::error!("the swap-in copier stopped; copying within the step");
                             self.pool.abort_swap_in(job)?;
+                            self.swapper = None;
                         }
                         return Ok(None);
                     }
@@ -1013,8 +1016,9 @@ fn take_prefix(
 
 /// How many leading tokens of `known` (a prompt of `prompt_len` tokens, less its last) to take
 /// from the prefix cache: all it holds, unless the cost profile says that copying the blocks
-/// on a slower tier (the request waits for the copy) takes longer than computing them again; then as far as the copy pays (device only, or device and host). A
-/// block left behind is computed again, and the new one takes its place in the index.
+/// on a slower tier (the request waits for the copy) takes longer than computing them again;
+/// then as far as the copy pays (device only, or device and host). A block left behind is
+/// computed again, and the new one takes its place in the index.
 ///
 /// Only an engine that knows its costs weighs this: an emulated one, whose profile may put a
 /// 70B model's KV behind a disk slower than its GPUs (4,096 tokens from a 6 GB/s disk take
