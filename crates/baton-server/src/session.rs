@@ -1128,15 +1128,18 @@ mod tests {
         sink
     }
 
-    fn take_job(s: &mut Sessions<TestSink>) -> KvJob {
-        let mut jobs: Vec<KvJob> = s
-            .ready()
+    fn take_jobs(s: &mut Sessions<TestSink>) -> Vec<KvJob> {
+        s.ready()
             .into_iter()
             .filter_map(|a| match a {
                 Action::Transfer(job) => Some(job),
                 _ => None,
             })
-            .collect();
+            .collect()
+    }
+
+    fn take_job(s: &mut Sessions<TestSink>) -> KvJob {
+        let mut jobs = take_jobs(s);
         assert_eq!(jobs.len(), 1, "one transfer started");
         jobs.remove(0)
     }
@@ -1358,14 +1361,7 @@ mod tests {
         assert!(again.names().is_empty(), "{:?}", again.names());
         assert_eq!(state(&s, 1), Some("receiving"));
         // Both reservations' jobs: the first's result is stale, the second's is taken.
-        let jobs: Vec<KvJob> = s
-            .ready()
-            .into_iter()
-            .filter_map(|a| match a {
-                Action::Transfer(job) => Some(job),
-                _ => None,
-            })
-            .collect();
+        let jobs = take_jobs(&mut s);
         assert_eq!(jobs.len(), 2);
         for job in jobs {
             s.transfer_done(&mut h, job.done(ok()));
