@@ -130,13 +130,13 @@ fn a_prefix_swapped_in_from_host_costs_its_copy() {
     assert_eq!(e.emulated_clock().expect("emulated").last_step_us, profile.prefill_time_cached(40, 0));
 }
 
-/// A sleeping emulated engine whose host link takes 10 ms a block and whose prefill takes 32 ms
+/// A sleeping emulated engine whose host link takes 20 ms a block and whose prefill takes 32 ms
 /// one, after two requests of 320 tokens: the first one's prefix is partly on the host tier.
 /// Returns the engine, its profile and that prefix's blocks on the device and on the host.
 fn slow_host_engine() -> (Engine, CostProfile, [usize; 2]) {
     let mut profile = CostProfile::llama2_70b_8xh100();
     profile.prefill.per_token_us = 2_000.0;
-    profile.host_to_device.bytes_per_s = profile.kv_bytes_per_token * 16 * 100;
+    profile.host_to_device.bytes_per_s = profile.kv_bytes_per_token * 16 * 50;
     let config = ModelConfig::from_dir(&fixture()).expect("config");
     let model = EmulatedModel { clock: EmulatedClock::Sleep, ..EmulatedModel::new(config, profile.clone()) };
     let engine_config = EngineConfig { block_size: 16, num_blocks: 32, host_blocks: 64, ..EngineConfig::default() };
@@ -171,7 +171,7 @@ fn a_request_aborted_during_its_swap_in_leaves_nothing_held() {
 /// A prefix found on the host tier is copied beside the step loop (the engine's copier
 /// thread, with a sleeping clock): the request waits for its copy while the others keep
 /// decoding, and no step is charged for the copy. The profile makes the copy worth taking
-/// (10 ms a block over the host link, against 32 ms to compute one) and long against a decode
+/// (20 ms a block over the host link, against 32 ms to compute one) and long against a decode
 /// step (about 7 ms).
 #[test]
 fn a_prefix_on_the_host_is_copied_while_the_others_decode() {
