@@ -646,9 +646,9 @@ impl Engine {
             let take = worth_taking(&self.pool, profile, bs, &seq.tokens[..known], seq.tokens.len());
             let tokens = &seq.tokens[..take];
             let blocks = match &mut self.swapper {
-                Some(swapper) if self.pool.peek_prefix(tokens)[1..].iter().any(|&n| n > 0) => {
-                    // Part of the prefix is on a slower tier: the copy runs beside the step
-                    // loop and the request waits for it (`take_swapped`).
+                Some(swapper) => {
+                    // Blocks on a slower tier are copied beside the step loop and the request
+                    // waits for them (`take_swapped`); a prefix all on the device is taken now.
                     let job = self.pool.begin_acquire_prefix(tokens, self.clock)?;
                     if job.lower() > 0 {
                         let wait = profile.map_or(Duration::ZERO, |p| copy_time(p, &job, bs));
@@ -660,7 +660,6 @@ impl Engine {
                         }
                         return Ok(None);
                     }
-                    // Room for the copies ran out: the device part only, taken now.
                     self.pool.finish_swap_in(job)?
                 }
                 _ => take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, tokens)?.0,

@@ -198,16 +198,6 @@ impl SwapIn {
     pub fn lower(&self) -> usize {
         self.dst.iter().flatten().count()
     }
-
-    /// Blocks of the prefix in all.
-    pub fn len(&self) -> usize {
-        self.addrs.len()
-    }
-
-    /// Whether the prefix is empty.
-    pub fn is_empty(&self) -> bool {
-        self.addrs.is_empty()
-    }
 }
 
 /// Copies blocks from the host and disk tiers onto reserved device slots from another thread:
@@ -939,7 +929,7 @@ impl MemPool {
 
     /// [`acquire_prefix`](Self::acquire_prefix) whose copies from the slower tiers another
     /// thread makes: matches `tokens` and begins the swap-in of the matched blocks (see
-    /// [`begin_swap_in`](Self::begin_swap_in)); the job covers `job.len()` blocks.
+    /// [`begin_swap_in`](Self::begin_swap_in)).
     pub fn begin_acquire_prefix(&mut self, tokens: &[u32], now: u64) -> Result<SwapIn, PoolError> {
         let mut m = self.match_prefix(tokens, now);
         let on_device = m.on_device();
