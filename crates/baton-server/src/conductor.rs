@@ -1121,10 +1121,7 @@ impl Run {
             }
             _ => None,
         };
-        let kv_transfer = match base.kv_transfer {
-            KvTransfer::Layerwise if early.is_none() => KvTransfer::Pull,
-            mode => mode,
-        };
+        let kv_transfer = if early.is_some() { base.kv_transfer } else { base.kv_transfer.after_prefill() };
         let mut events = p.submit(WorkRequest { stop, retain_kv, fetch, kv_transfer, ..base });
         let prefill = c.track_prefill(p.as_ref(), self.id, &self.valid.prompt_ids, fetched);
         let mut first = Vec::new();
@@ -1199,10 +1196,7 @@ impl Run {
             let prefix_cache = c.pd_caching >= PdCaching::Decode;
             // The prefill is over: a hand-off from here on pulls what `p` leases (a layer-wise
             // one already is on its way, in `early`).
-            let kv_transfer = match c.kv_transfer {
-                KvTransfer::Layerwise => KvTransfer::Pull,
-                mode => mode,
-            };
+            let kv_transfer = c.kv_transfer.after_prefill();
             let layerwise = early.is_some();
             let events = match early.take() {
                 Some(events) => events,

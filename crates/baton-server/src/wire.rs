@@ -70,6 +70,15 @@ pub enum KvTransfer {
 }
 
 impl KvTransfer {
+    /// The mode of a hand-off that begins once the prefill is done: a layer-wise push cannot
+    /// overlap a prefill that is over, so it is pulled from the prefill worker's lease.
+    pub fn after_prefill(self) -> Self {
+        match self {
+            KvTransfer::Layerwise => KvTransfer::Pull,
+            mode => mode,
+        }
+    }
+
     /// The name on the command line and in logs.
     pub fn as_str(self) -> &'static str {
         match self {
