@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use crate::chat::ChatTemplate;
 use crate::config::{ModelConfig, read_json};
+use crate::device::DeviceOptions;
 use crate::error::{ModelError, Result};
 use crate::gguf::{GgufFile, GgufHyperparams, GgufWeights, chat_template_from_gguf, tokenizer_from_gguf};
 use crate::model::Model;
@@ -67,16 +68,25 @@ impl Checkpoint {
     /// Opens a Hugging Face directory ([`Checkpoint::open_dir`]) or a GGUF file
     /// ([`Checkpoint::open_gguf`]).
     pub fn open(path: &Path) -> Result<Self> {
-        if path.is_file() { Self::open_gguf(path) } else { Self::open_dir(path) }
+        Self::open_on(path, DeviceOptions::default())
+    }
+
+    /// [`Checkpoint::open`], with the model's weights on `device` (`--device`, `--dtype`).
+    pub fn open_on(path: &Path, device: DeviceOptions) -> Result<Self> {
+        if path.is_file() { Self::open_gguf_on(path, device) } else { Self::open_dir_on(path, device) }
     }
 
     /// Loads a GGUF file: hyperparameters, weights (quantized matrices stay quantized), the
     /// tokenizer and the chat template stored in it.
     pub fn open_gguf(path: &Path) -> Result<Self> {
+        Self::open_gguf_on(path, DeviceOptions::default())
+    }
+
+    fn open_gguf_on(path: &Path, device: DeviceOptions) -> Result<Self> {
         let file = GgufFile::open(path)?;
         let hp = GgufHyperparams::from_gguf(&file)?;
         let config = ModelConfig::from_gguf(&hp, path)?;
-        let model = Model::load(&config, &GgufWeights::new(&file, &hp))?;
+        let model = Model::load_on(&config, &GgufWeights::new(&file, &hp), device)?;
         let tokenizer = tokenizer_from_gguf(file.metadata())?;
         let chat_template = chat_template_from_gguf(file.metadata(), &tokenizer)?;
         Ok(Self { dir: path.to_owned(), model, tokenizer, chat_template })
@@ -86,6 +96,10 @@ impl Checkpoint {
     /// `tokenizer_config.json` and the chat template (`chat_template.jinja`, else the
     /// `chat_template` field of `tokenizer_config.json`) from a directory.
     pub fn open_dir(dir: &Path) -> Result<Self> {
+        Self::open_dir_on(dir, DeviceOptions::default())
+    }
+
+    fn open_dir_on(dir: &Path, device: DeviceOptions) -> Result<Self> {
         if !dir.is_dir() {
             return Err(ModelError::Io {
                 path: dir.to_owned(),
@@ -94,7 +108,7 @@ impl Checkpoint {
         }
         let config = ModelConfig::from_dir(dir)?;
         let weights = SafetensorsWeights::from_dir(dir)?;
-        let model = Model::load(&config, &weights)?;
+        let model = Model::load_on(&config, &weights, device)?;
         let (tokenizer, chat_template) = Self::dir_tokenizer(dir, &config)?;
         Ok(Self { dir: dir.to_owned(), model, tokenizer, chat_template })
     }

@@ -87,6 +87,9 @@ pub enum ModelError {
     /// A grammar (structured output) failed to compile, or the vocabulary cannot carry one.
     #[error("grammar: {0}")]
     Grammar(String),
+    /// The compute device failed or is missing (`--device cuda` without a GPU, a CUDA error).
+    #[error("device: {0}")]
+    Device(String),
     /// An input the model cannot take (token id out of vocabulary, empty batch, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),

@@ -25,6 +25,9 @@ mod attention;
 mod chat;
 mod checkpoint;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod device;
 mod error;
 pub mod gemv;
 pub mod gguf;
@@ -43,9 +46,10 @@ pub use checkpoint::{
     known_model_names, known_model_path, models_dir,
 };
 pub use config::{Architecture, ModelConfig};
+pub use device::{ComputeDevice, ComputeDtype, DeviceOptions, PackOffsets, StepPack};
 pub use error::{ModelError, Result};
 pub use grammar::{Constraint, Grammar, GrammarCompiler};
-pub use model::{LogitsWanted, Model, SeqStep, StepLogits};
+pub use model::{DeviceKv, LogitsWanted, Model, SeqStep, StepLogits};
 pub use sampling::{LogitAdjust, Sampler, SamplingParams, TokenLogprobs, argmax, token_logprobs};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
-pub use weights::{RandomWeights, SafetensorsWeights, WeightSource};
+pub use weights::{DeviceRandomWeights, RandomWeights, SafetensorsWeights, WeightSource};

@@ -14,6 +14,7 @@ use candle_core::{Device, Tensor};
 
 use crate::attention::{AttentionShape, RowPos, Widening, paged_attention};
 use crate::config::ModelConfig;
+use crate::device::{ComputeDevice, ComputeDtype, DeviceOptions};
 use crate::error::{ModelError, Result};
 use crate::kernels::{apply_rope, gated_activation, rms_norm, rope_inv_freq, rope_tables, soft_cap};
 use crate::linear::{Linear, QWeight};
@@ -28,6 +29,10 @@ pub enum LogitsWanted {
     Last,
     /// Every new token's (to check a prompt's logits).
     All,
+    /// Only which token the last new token's logits rank first ([`StepLogits::argmax`]): a
+    /// greedy request that needs nothing else of them. A GPU then picks it on the device and
+    /// copies one id back instead of a vocabulary of floats.
+    Argmax,
 }
 
 /// One sequence's part of a batch step.
@@ -51,8 +56,12 @@ pub struct StepLogits {
     pub data: Vec<f32>,
     /// Vocabulary size.
     pub vocab: usize,
-    /// Row range of each sequence of the batch, in batch order.
+    /// Row range of each sequence of the batch, in batch order (empty for a sequence that
+    /// asked for [`LogitsWanted::Argmax`] when the backend picked on the device).
     pub rows: Vec<Range<usize>>,
+    /// For each sequence that asked for [`LogitsWanted::Argmax`], the first token of largest
+    /// logit (as [`crate::argmax`]); `None` for the others.
+    pub argmax: Vec<Option<u32>>,
 }
 
 impl StepLogits {
@@ -101,9 +110,53 @@ impl Embedding {
     }
 }
 
-/// A loaded decoder model.
+/// A loaded decoder model: its configuration and the weights of the backend it computes on.
 pub struct Model {
     config: ModelConfig,
+    device: ComputeDevice,
+    compute: Compute,
+}
+
+/// What computes a model's steps.
+enum Compute {
+    Cpu(CpuModel),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<crate::cuda::CudaModel>),
+}
+
+/// An engine's KV state on its model's device, beside the host arena: nothing for the CPU (the
+/// host arena is what it computes on); for a GPU, the arena's copy in device memory and the
+/// engine's stream and workspace. Made by [`Model::device_kv`], one per engine (per arena).
+#[derive(Debug, Default)]
+pub struct DeviceKv {
+    #[cfg(feature = "cuda")]
+    cuda: Option<crate::cuda::CudaKv>,
+}
+
+impl DeviceKv {
+    /// Tells the device that the host bytes of `blocks` were written by someone else than the
+    /// forward pass (KV received from a peer, copied back from a slower tier): their device
+    /// copy is refreshed before a step reads them.
+    pub fn invalidate(&mut self, blocks: &[BlockId]) {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &mut self.cuda {
+            c.invalidate(blocks);
+        }
+        let _ = blocks;
+    }
+
+    /// Device memory this engine's state takes: (KV arena, workspace) bytes; zeros on the CPU.
+    pub fn device_bytes(&self) -> (usize, usize) {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            return c.device_bytes();
+        }
+        (0, 0)
+    }
+}
+
+/// The CPU backend's weights.
+struct CpuModel {
     embed: Embedding,
     layers: Vec<Layer>,
     norm: Vec<f32>,
@@ -114,7 +167,7 @@ pub struct Model {
 
 impl std::fmt::Debug for Model {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Model").field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("Model").field("config", &self.config).field("device", &self.device()).finish_non_exhaustive()
     }
 }
 
@@ -132,6 +185,70 @@ impl Model {
     /// through [`crate::gguf::GgufWeights`]). The configuration's options pick the
     /// architecture's tensors: q/k norms, post norms, a tied head.
     pub fn load(config: &ModelConfig, src: &dyn WeightSource) -> Result<Self> {
+        Self::load_on(config, src, DeviceOptions::default())
+    }
+
+    /// [`Model::load`] onto a device: the CPU keeps weights as stored (float32 or GGUF blocks);
+    /// a GPU holds them in the compute type (GGUF blocks dequantized), and fails with
+    /// [`ModelError::Device`] where there is no such device, or no `cuda` feature in this build.
+    pub fn load_on(config: &ModelConfig, src: &dyn WeightSource, device: DeviceOptions) -> Result<Self> {
+        let compute = match device.device {
+            ComputeDevice::Cpu => match device.dtype {
+                ComputeDtype::Auto | ComputeDtype::F32 => Compute::Cpu(CpuModel::load(config, src)?),
+                other => {
+                    return Err(ModelError::Device(format!(
+                        "the CPU backend computes in float32; --dtype {other} needs --device cuda"
+                    )));
+                }
+            },
+            #[cfg(feature = "cuda")]
+            ComputeDevice::Cuda(n) => {
+                Compute::Cuda(Box::new(crate::cuda::CudaModel::load(config, src, n, device.dtype)?))
+            }
+            #[cfg(not(feature = "cuda"))]
+            ComputeDevice::Cuda(_) => {
+                return Err(ModelError::Device(
+                    "this baton was built without CUDA support: rebuild with `cargo build --release --features cuda`"
+                        .into(),
+                ));
+            }
+        };
+        Ok(Self { config: config.clone(), device: device.device, compute })
+    }
+
+    /// The device the model computes on.
+    pub fn device(&self) -> ComputeDevice {
+        self.device
+    }
+
+    /// An engine's state on the model's device for its KV arena (see [`DeviceKv`]).
+    /// The arena must be new (nothing written in it yet) or the caller marks what it holds
+    /// ([`DeviceKv::invalidate`]).
+    pub fn device_kv(&self, arena: &KvArena) -> Result<DeviceKv> {
+        self.device_kv_with(arena, true)
+    }
+
+    fn device_kv_with(&self, arena: &KvArena, fresh: bool) -> Result<DeviceKv> {
+        let _ = (arena, fresh);
+        match &self.compute {
+            Compute::Cpu(_) => Ok(DeviceKv::default()),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(m) => Ok(DeviceKv { cuda: Some(m.new_kv(arena, fresh)?) }),
+        }
+    }
+
+    /// Device memory the weights take (0 on the CPU).
+    pub fn device_weight_bytes(&self) -> usize {
+        match &self.compute {
+            Compute::Cpu(_) => 0,
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(m) => m.weight_bytes_resident(),
+        }
+    }
+}
+
+impl CpuModel {
+    fn load(config: &ModelConfig, src: &dyn WeightSource) -> Result<Self> {
         let c = config;
         if c.layer_attention.len() != c.num_layers {
             return Err(ModelError::InvalidInput(format!(
@@ -209,9 +326,20 @@ impl Model {
         } else {
             Linear::load(src, "lm_head", c.vocab_size, h, false)?
         };
-        Ok(Self { config: c.clone(), embed, layers, norm: norm(src, c, "model.norm.weight", h)?, lm_head, inv_freqs })
+        Ok(Self { embed, layers, norm: norm(src, c, "model.norm.weight", h)?, lm_head, inv_freqs })
     }
 
+    fn weight_bytes_per_step(&self) -> usize {
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| l.qkv.weight_bytes() + l.o.weight_bytes() + l.gate_up.weight_bytes() + l.down.weight_bytes())
+            .sum();
+        per_layer + self.lm_head.weight_bytes()
+    }
+}
+
+impl Model {
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config
@@ -224,18 +352,42 @@ impl Model {
 
     /// Bytes of weights one forward pass reads (every matrix once, the embedding row aside).
     pub fn weight_bytes_per_step(&self) -> usize {
-        let per_layer: usize = self
-            .layers
-            .iter()
-            .map(|l| l.qkv.weight_bytes() + l.o.weight_bytes() + l.gate_up.weight_bytes() + l.down.weight_bytes())
-            .sum();
-        per_layer + self.lm_head.weight_bytes()
+        match &self.compute {
+            Compute::Cpu(m) => m.weight_bytes_per_step(),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(m) => m.weight_bytes_per_step(),
+        }
     }
 
     /// Runs one batch step: writes the new tokens' keys and values into `kv` and returns the
-    /// logits each sequence asked for.
+    /// logits each sequence asked for. On a GPU this makes a [`DeviceKv`] for the one call
+    /// (uploading every block the batch reads): an engine keeps one, [`Model::forward_kv`].
     pub fn forward(&self, batch: &[SeqStep<'_>], kv: &mut KvArena) -> Result<StepLogits> {
         self.forward_layers(batch, kv, &mut |_| {})
+    }
+
+    /// [`Model::forward_layers`] with the engine's [`DeviceKv`], which a GPU computes on (the
+    /// host arena `kv` receives every new token's keys and values all the same, before
+    /// `layer_written` is called for each layer).
+    pub fn forward_kv(
+        &self,
+        batch: &[SeqStep<'_>],
+        kv: &mut KvArena,
+        device: &mut DeviceKv,
+        layer_written: &mut (dyn FnMut(usize) + Send),
+    ) -> Result<StepLogits> {
+        let _ = &device;
+        match &self.compute {
+            Compute::Cpu(m) => in_pool(|| m.forward_in_pool(&self.config, batch, kv, layer_written)),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(m) => {
+                let state = device
+                    .cuda
+                    .as_mut()
+                    .ok_or_else(|| ModelError::Device("this DeviceKv was not made by the model's device".into()))?;
+                m.forward(batch, kv, state, layer_written)
+            }
+        }
     }
 
     /// [`forward`](Self::forward), calling `layer_written(l)` as soon as layer `l`'s keys and
@@ -250,16 +402,20 @@ impl Model {
     ) -> Result<StepLogits> {
         // The step runs on one of rayon's threads: its hundred-odd parallel products are then
         // forks within the pool, not a caller blocking on a condition variable each time.
-        in_pool(|| self.forward_in_pool(batch, kv, layer_written))
+        let mut device = self.device_kv_with(kv, false)?;
+        self.forward_kv(batch, kv, &mut device, layer_written)
     }
+}
 
+impl CpuModel {
     fn forward_in_pool(
         &self,
+        config: &ModelConfig,
         batch: &[SeqStep<'_>],
         kv: &mut KvArena,
         layer_written: &mut (dyn FnMut(usize) + Send),
     ) -> Result<StepLogits> {
-        let c = &self.config;
+        let c = config;
         let (hidden, head_dim) = (c.hidden_size, c.head_dim);
         let block_size = kv.geometry().block_size;
         let mut ids = Vec::new();
@@ -351,7 +507,7 @@ impl Model {
             let start = picked.len() / hidden;
             let take = match s.logits {
                 LogitsWanted::None => 0..0,
-                LogitsWanted::Last => s.tokens.len() - 1..s.tokens.len(),
+                LogitsWanted::Last | LogitsWanted::Argmax => s.tokens.len() - 1..s.tokens.len(),
                 LogitsWanted::All => 0..s.tokens.len(),
             };
             for r in take {
@@ -371,7 +527,15 @@ impl Model {
             }
             logits
         };
-        Ok(StepLogits { data, vocab: c.vocab_size, rows: ranges })
+        let argmax = batch
+            .iter()
+            .zip(&ranges)
+            .map(|(s, r)| {
+                (s.logits == LogitsWanted::Argmax)
+                    .then(|| crate::sampling::argmax(&data[r.start * c.vocab_size..r.end * c.vocab_size]))
+            })
+            .collect();
+        Ok(StepLogits { data, vocab: c.vocab_size, rows: ranges, argmax })
     }
 }
 

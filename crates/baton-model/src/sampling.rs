@@ -210,6 +210,12 @@ impl Sampler {
         }
     }
 
+    /// Whether [`Sampler::sample`] is the plain argmax of the logits (greedy, nothing adjusts
+    /// them, no grammar): then the argmax alone, picked wherever the logits are, is the sample.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.params.is_greedy() && !self.params.adjust.changes_logits() && self.grammar.is_none()
+    }
+
     /// Picks a token from one row of logits (penalised, biased, then masked by the grammar).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if !self.params.adjust.changes_logits() && self.grammar.is_none() {

@@ -30,6 +30,33 @@ pub trait WeightSource {
         let _ = (name, shape);
         Ok(None)
     }
+
+    /// `Some((seed, std))` when the matrices are random and a device backend may make them on
+    /// the device instead of asking for them (other values than the host's for the same
+    /// seed: for benchmarks of shape only). Norms and biases are still asked for.
+    fn device_random(&self) -> Option<(u64, f32)> {
+        None
+    }
+}
+
+/// [`RandomWeights`] a device backend makes on the device ([`WeightSource::device_random`]):
+/// a benchmark's 8B-shaped model without 32 GB of host floats. On the CPU, the same as the
+/// wrapped source.
+#[derive(Debug, Clone)]
+pub struct DeviceRandomWeights(pub RandomWeights);
+
+impl WeightSource for DeviceRandomWeights {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.0.tensor(name, shape)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.0.contains(name)
+    }
+
+    fn device_random(&self) -> Option<(u64, f32)> {
+        Some((self.0.seed, self.0.std))
+    }
 }
 
 /// Tensors in `model.safetensors`, or in the shards a `model.safetensors.index.json` lists,
