@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use baton_kv::{KvDtype, KvLayout};
 use baton_model::config::{Architecture, ModelConfig, RopeConfig, RopeScaling, WeightDtype};
-use baton_model::{Checkpoint, Model, RandomWeights};
+use baton_model::{Checkpoint, ComputeDevice, DeviceOptions, DeviceRandomWeights, Model, RandomWeights};
 use serde::Serialize;
 
 use crate::{Engine, EngineConfig, EngineError, GenerationRequest, RequestId, StopParams};
@@ -51,6 +51,9 @@ pub struct EngineBenchConfig {
     /// A real checkpoint (HF directory or `.gguf` file) to run instead of random weights; the
     /// shape fields above are then ignored.
     pub model: Option<PathBuf>,
+    /// Where the model computes.
+    #[serde(skip)]
+    pub device: DeviceOptions,
 }
 
 impl Default for EngineBenchConfig {
@@ -68,6 +71,7 @@ impl Default for EngineBenchConfig {
             layout: KvLayout::BlockMajor,
             kv_dtype: KvDtype::F32,
             model: None,
+            device: DeviceOptions::default(),
         }
     }
 }
@@ -142,6 +146,14 @@ pub struct BatchResult {
     pub decode_weight_gb_s: f64,
     /// `decode_weight_gb_s / read_gb_s`.
     pub decode_fraction_of_read_bw: f64,
+    /// Mean decode step, ms.
+    pub decode_step_ms: f64,
+    /// On a GPU: the step's memory roofline, ms: the weights plus the KV the step reads (every
+    /// sequence's context, all layers) over the device's measured copy bandwidth.
+    pub decode_roofline_ms: Option<f64>,
+    /// On a GPU: prefill's dense TFLOP/s (2 · parameters · tokens / time; attention not
+    /// counted).
+    pub prefill_tflops: Option<f64>,
 }
 
 /// The whole report.
@@ -161,6 +173,20 @@ pub struct EngineBenchReport {
     pub results: Vec<BatchResult>,
     /// Decode tokens/s of the largest batch over batch 1's, when both ran.
     pub batch_speedup: Option<f64>,
+    /// On a GPU: its measured limits, same run.
+    pub device_limits: Option<DeviceLimitsReport>,
+    /// On a GPU: device memory of the largest batch's engine: weights, KV arena, workspace
+    /// (bytes).
+    pub device_memory: Option<[usize; 3]>,
+}
+
+/// A GPU's measured limits (see `baton_model::cuda::DeviceLimits`).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct DeviceLimitsReport {
+    /// Device-to-device copy, bytes read plus written per second (GB/s).
+    pub copy_gb_s: f64,
+    /// One large bfloat16 GEMM's TFLOP/s.
+    pub gemm_tflops: f64,
 }
 
 /// Measures the machine's read and copy bandwidth with rayon's threads.
@@ -193,14 +219,16 @@ pub fn measure_memory_bandwidth() -> MemoryBandwidth {
 pub fn run(config: EngineBenchConfig, progress: &mut dyn FnMut(&str)) -> Result<EngineBenchReport, EngineError> {
     progress("measuring memory bandwidth");
     let memory = measure_memory_bandwidth();
+    let device_limits = device_limits(config.device, progress)?;
     let (model, source) = match &config.model {
         Some(path) => {
             progress(&format!("loading {}", path.display()));
-            (Arc::new(Checkpoint::open(path)?.model), path.display().to_string())
+            (Arc::new(Checkpoint::open_on(path, config.device)?.model), path.display().to_string())
         }
         None => {
             progress("building the random-weight model");
-            (Arc::new(Model::load(&config.model_config(), &RandomWeights { seed: 7, std: 0.02 })?), "random".into())
+            let random = DeviceRandomWeights(RandomWeights { seed: 7, std: 0.02 });
+            (Arc::new(Model::load_on(&config.model_config(), &random, config.device)?), "random".into())
         }
     };
     let mc = model.config().clone();
@@ -220,12 +248,18 @@ pub fn run(config: EngineBenchConfig, progress: &mut dyn FnMut(&str)) -> Result<
         mc.num_layers * per_layer + mc.vocab_size * mc.hidden_size * (1 + usize::from(!mc.tie_word_embeddings));
     let weight_bytes = model.weight_bytes_per_step();
     let mut results = Vec::new();
+    let mut device_memory = None;
     for &batch in &config.batches {
         progress(&format!(
             "batch {batch}: prefill {} tokens each, then {} decode steps",
             config.prompt_len, config.decode_steps
         ));
-        results.push(run_batch(&model, &config, batch, weight_bytes, memory.read_gb_s)?);
+        let limits = Limits { read_gb_s: memory.read_gb_s, device: device_limits, params };
+        let (result, engine_memory) = run_batch(&model, &config, batch, weight_bytes, limits)?;
+        results.push(result);
+        if device_limits.is_some() {
+            device_memory = Some([model.device_weight_bytes(), engine_memory.0, engine_memory.1]);
+        }
     }
     let batch_speedup = match (results.first(), results.last()) {
         (Some(a), Some(b)) if results.len() > 1 && a.batch == 1 => Some(b.decode_tokens_per_s / a.decode_tokens_per_s),
@@ -239,18 +273,53 @@ pub fn run(config: EngineBenchConfig, progress: &mut dyn FnMut(&str)) -> Result<
         memory,
         results,
         batch_speedup,
+        device_limits,
+        device_memory,
     })
 }
+
+/// A GPU's limits, measured when the benchmark runs on one.
+fn device_limits(
+    device: DeviceOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Option<DeviceLimitsReport>, EngineError> {
+    match device.device {
+        ComputeDevice::Cpu => Ok(None),
+        #[cfg(feature = "cuda")]
+        ComputeDevice::Cuda(n) => {
+            progress("measuring the GPU's copy bandwidth and GEMM peak");
+            let l = baton_model::cuda::measure_limits(n)?;
+            Ok(Some(DeviceLimitsReport { copy_gb_s: l.copy_gb_s, gemm_tflops: l.gemm_tflops }))
+        }
+        #[cfg(not(feature = "cuda"))]
+        ComputeDevice::Cuda(_) => {
+            let _ = progress;
+            Err(baton_model::ModelError::Device("this build has no CUDA support (`--features cuda`)".into()).into())
+        }
+    }
+}
+
+/// What a batch's figures are set beside.
+#[derive(Clone, Copy)]
+struct Limits {
+    read_gb_s: f64,
+    device: Option<DeviceLimitsReport>,
+    params: usize,
+}
+
+/// Decode steps run before the timed ones.
+const WARMUP_STEPS: usize = 3;
 
 fn run_batch(
     model: &Arc<Model>,
     config: &EngineBenchConfig,
     batch: usize,
     weight_bytes: usize,
-    read_gb_s: f64,
-) -> Result<BatchResult, EngineError> {
+    limits: Limits,
+) -> Result<(BatchResult, (usize, usize)), EngineError> {
+    let read_gb_s = limits.read_gb_s;
     let block_size = 16;
-    let per_seq = (config.prompt_len + config.decode_steps + 2 * batch + 3).div_ceil(block_size);
+    let per_seq = (config.prompt_len + config.decode_steps + 2 * batch + 3 + WARMUP_STEPS).div_ceil(block_size);
     let engine_config = EngineConfig {
         block_size,
         num_blocks: per_seq * batch + 8,
@@ -270,7 +339,7 @@ fn run_batch(
             // Early sequences decode while later ones prefill: leave room so none finishes
             // before the timed decode steps are over.
             stop: StopParams {
-                max_tokens: config.decode_steps + 2 * batch + 2,
+                max_tokens: config.decode_steps + 2 * batch + 2 + WARMUP_STEPS,
                 ignore_eos: true,
                 stop_strings: vec![],
             },
@@ -284,6 +353,11 @@ fn run_batch(
         started.extend(engine.step()?.tokens.iter().map(|t| t.id));
     }
     let prefill_s = t.elapsed().as_secs_f64();
+    // Untimed decode steps first: one-off costs of the batch size (a GPU captures its decode
+    // step as a graph) are not per-step costs.
+    for _ in 0..WARMUP_STEPS {
+        engine.step()?;
+    }
     // Decode: every step now computes one token of every sequence.
     let t = Instant::now();
     let mut generated = 0;
@@ -300,12 +374,20 @@ fn run_batch(
     let decode_s = t.elapsed().as_secs_f64();
     let steps_per_s = config.decode_steps as f64 / decode_s;
     let weight_gb_s = weight_bytes as f64 * steps_per_s / 1e9;
-    Ok(BatchResult {
+    // The KV a decode step reads: every sequence's context at the middle of the timed steps.
+    let context = config.prompt_len + batch + config.decode_steps / 2;
+    let kv_bytes = batch * context * engine.kv_geometry().bytes_per_token();
+    let prefill_tokens = batch * config.prompt_len;
+    let result = BatchResult {
         batch,
-        prefill_tokens_per_s: (batch * config.prompt_len) as f64 / prefill_s,
+        prefill_tokens_per_s: prefill_tokens as f64 / prefill_s,
         decode_tokens_per_s: generated as f64 / decode_s,
         decode_steps_per_s: steps_per_s,
         decode_weight_gb_s: weight_gb_s,
         decode_fraction_of_read_bw: weight_gb_s / read_gb_s,
-    })
+        decode_step_ms: 1e3 / steps_per_s,
+        decode_roofline_ms: limits.device.map(|d| (weight_bytes + kv_bytes) as f64 / (d.copy_gb_s * 1e9) * 1e3),
+        prefill_tflops: limits.device.map(|_| 2.0 * limits.params as f64 * prefill_tokens as f64 / prefill_s / 1e12),
+    };
+    Ok((result, engine.device_memory()))
 }

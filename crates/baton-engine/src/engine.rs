@@ -22,7 +22,7 @@ use baton_kv::{
     BlockId, InstanceId, KvArena, KvDtype, KvEvent, KvGeometry, KvLayout, Loc, MemPool, PolicyKind, PoolConfig,
     PoolError, SwapIn, Tier,
 };
-use baton_model::{LogitsWanted, Model, ModelConfig, SeqStep, StepLogits, Tokenizer};
+use baton_model::{DeviceKv, LogitsWanted, Model, ModelConfig, SeqStep, StepLogits, Tokenizer};
 use baton_sched::{CostProfile, Micros};
 
 use crate::emulated::{EmulatedModel, EmulatedStats, Emulator, StepWork};
@@ -177,6 +177,10 @@ pub struct Engine {
     next_seed: u64,
     /// Where requests with `stream_kv` send their KV layer by layer.
     kv_stream: Option<Box<dyn KvStream>>,
+    /// The KV arena on the model's device (a GPU's copy of the pool's arena; nothing on the
+    /// CPU). Blocks whose host bytes arrive from elsewhere (a transfer, a tier's copy) are
+    /// marked stale in it, so the device reads them afresh.
+    device_kv: DeviceKv,
     /// Swap-ins beside the step loop (a pool with a host or disk tier in shared memory): a
     /// request whose cached prefix is on a slower tier waits for its copy while the others
     /// step. `None`: the copy runs inside the step that admits the request.
@@ -253,7 +257,12 @@ impl Engine {
         } else {
             None
         };
+        let device_kv = match &backend {
+            Backend::Model(m) => m.device_kv(pool.arena())?,
+            Backend::Emulated(_) => DeviceKv::default(),
+        };
         Ok(Self {
+            device_kv,
             swapper,
             pool,
             clock: 0,
@@ -304,6 +313,12 @@ impl Engine {
     /// KV geometry of the arena.
     pub fn kv_geometry(&self) -> KvGeometry {
         *self.pool.geometry()
+    }
+
+    /// Device memory this engine's KV arena and workspace take on its model's GPU (zeros on
+    /// the CPU).
+    pub fn device_memory(&self) -> (usize, usize) {
+        self.device_kv.device_bytes()
     }
 
     /// The KV arena (read-only; for inspection and transfer).
@@ -518,6 +533,7 @@ impl Engine {
     /// [`GenerationRequest::prefix`]. Fails when the pool cannot make room.
     pub fn reserve_kv(&mut self, tokens: usize) -> Result<KvPrefix, EngineError> {
         let blocks = self.pool.alloc_blocks(tokens.div_ceil(self.config.block_size))?;
+        self.device_kv.invalidate(&blocks);
         Ok(KvPrefix { blocks, tokens })
     }
 
@@ -533,11 +549,15 @@ impl Engine {
         let mut blocks = Vec::new();
         if self.config.prefix_caching && n > 1 {
             let whole = ((n - 1) * bs).min(known.len()) / bs * bs;
-            blocks = take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, &known[..whole])?.0;
+            let (taken, _, copied_from) =
+                take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, &known[..whole])?;
+            self.device_kv.invalidate(&taken[copied_from..]);
+            blocks = taken;
         }
         let cached = blocks.len();
         match self.pool.alloc_blocks(n - cached) {
             Ok(rest) => {
+                self.device_kv.invalidate(&rest);
                 blocks.extend(rest);
                 Ok((KvPrefix { blocks, tokens }, cached))
             }
@@ -571,7 +591,10 @@ impl Engine {
             return None;
         }
         match take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, tokens) {
-            Ok((blocks, tokens)) if !blocks.is_empty() => Some(KvPrefix { blocks, tokens }),
+            Ok((blocks, tokens, copied_from)) if !blocks.is_empty() => {
+                self.device_kv.invalidate(&blocks[copied_from..]);
+                Some(KvPrefix { blocks, tokens })
+            }
             Ok(_) => None,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot export a cached prefix");
@@ -662,7 +685,12 @@ impl Engine {
                     }
                     self.pool.finish_swap_in(job)?
                 }
-                _ => take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, tokens)?.0,
+                _ => {
+                    let (blocks, _, copied_from) =
+                        take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, tokens)?;
+                    self.device_kv.invalidate(&blocks[copied_from..]);
+                    blocks
+                }
             };
             seq.computed = blocks.len() * bs;
             seq.table.extend(blocks);
@@ -763,6 +791,8 @@ impl Engine {
                         let collecting = seq.collecting_prompt_logits(vocab);
                         let logits = if collecting {
                             LogitsWanted::All
+                        } else if end == seq.tokens.len() && seq.logprobs.is_none() && seq.sampler.is_plain_greedy() {
+                            LogitsWanted::Argmax
                         } else if end == seq.tokens.len() {
                             LogitsWanted::Last
                         } else {
@@ -778,11 +808,12 @@ impl Engine {
                     .collect();
                 let arena = self.pool.arena_mut();
                 let layers = arena.geometry().layers;
+                let device = &mut self.device_kv;
                 let logits = match &mut self.kv_stream {
-                    Some(stream) if !pieces.is_empty() => model.forward_layers(&steps, arena, &mut |l| {
+                    Some(stream) if !pieces.is_empty() => model.forward_kv(&steps, arena, device, &mut |l| {
                         pieces.iter().for_each(|p| stream.layer_written(l, layers, p));
                     })?,
-                    _ => model.forward(&steps, arena)?,
+                    _ => model.forward_kv(&steps, arena, device, &mut |_| {})?,
                 };
                 Computed::Logits(logits)
             }
@@ -827,10 +858,13 @@ impl Engine {
                 continue;
             }
             let token = match &computed {
-                Computed::Logits(logits) => {
-                    let rows = logits.of(i);
-                    seq.sampler.sample(&rows[rows.len() - logits.vocab..])
-                }
+                Computed::Logits(logits) => match logits.argmax[i] {
+                    Some(token) => token,
+                    None => {
+                        let rows = logits.of(i);
+                        seq.sampler.sample(&rows[rows.len() - logits.vocab..])
+                    }
+                },
                 Computed::Tokens(tokens) => tokens[i].ok_or_else(|| {
                     EngineError::Internal("the emulated backend produced no token for a finished run".into())
                 })?,
@@ -865,6 +899,7 @@ impl Engine {
             match self.seqs.get_mut(&f.id).filter(|_| f.usable) {
                 Some(seq) => {
                     let blocks = self.pool.finish_swap_in(f.job)?;
+                    self.device_kv.invalidate(&blocks);
                     seq.computed = blocks.len() * self.config.block_size;
                     seq.table.extend(blocks);
                 }
@@ -981,8 +1016,6 @@ impl Engine {
     }
 }
 
-/// [`MemPool::acquire_prefix`], adding to `swapped_in` the blocks it brings onto the device from
-/// the (host, disk) tiers (along a cached prefix the tiers only get slower, so they come last).
 /// How long an emulated engine's copier takes for `job`: its blocks over the profile's host and
 /// disk links.
 fn copy_time(p: &CostProfile, job: &SwapIn, bs: usize) -> Duration {
@@ -997,20 +1030,29 @@ fn copy_time(p: &CostProfile, job: &SwapIn, bs: usize) -> Duration {
     Duration::from_micros(us(host, p.host_to_device) + us(disk, p.disk_to_device))
 }
 
+/// [`MemPool::acquire_prefix`], adding to `swapped_in` the blocks it brings onto the device from
+/// the (host, disk) tiers (along a cached prefix the tiers only get slower, so they come last).
+/// Returns the blocks, the tokens they cover and the index of the first block copied from a
+/// slower tier (the blocks' length when none was).
 fn take_prefix(
     pool: &mut MemPool,
     swapped_in: &mut Option<[usize; 2]>,
     clock: u64,
     tokens: &[u32],
-) -> Result<(Vec<BlockId>, usize), PoolError> {
-    let Some(swapped) = swapped_in else { return pool.acquire_prefix(tokens, clock) };
+) -> Result<(Vec<BlockId>, usize, usize), PoolError> {
+    let Some(swapped) = swapped_in else {
+        let (blocks, covered) = pool.acquire_prefix(tokens, clock)?;
+        let n = blocks.len();
+        return Ok((blocks, covered, n));
+    };
     let [device, host, _] = pool.peek_prefix(tokens);
     let (blocks, covered) = pool.acquire_prefix(tokens, clock)?;
     let lower = blocks.len().saturating_sub(device);
     let from_host = lower.min(host);
     swapped[0] += from_host;
     swapped[1] += lower - from_host;
-    Ok((blocks, covered))
+    let copied_from = blocks.len() - lower;
+    Ok((blocks, covered, copied_from))
 }
 
 /// How many leading tokens of `known` (a prompt of `prompt_len` tokens, less its last) to take

@@ -46,6 +46,7 @@
 //! ```
 
 pub mod bench;
+pub mod device_check;
 pub mod emulated;
 mod engine;
 pub mod planner;
