@@ -32,9 +32,13 @@ use crate::worker::{Role, TransportChoice, Worker, WorkerHandle, WorkerOptions};
 use crate::{ServeError, compat, load, routing};
 
 /// Loads the model on a blocking thread, so the runtime keeps serving meanwhile.
-async fn load_off_runtime(path: &std::path::Path, model_id: Option<&str>) -> Result<crate::Loaded, ServeError> {
+async fn load_off_runtime(
+    path: &std::path::Path,
+    model_id: Option<&str>,
+    device: baton_model::DeviceOptions,
+) -> Result<crate::Loaded, ServeError> {
     let (path, model_id) = (path.to_owned(), model_id.map(str::to_owned));
-    tokio::task::spawn_blocking(move || load(&path, model_id.as_deref()))
+    tokio::task::spawn_blocking(move || load(&path, model_id.as_deref(), device))
         .await
         .map_err(|e| ServeError::Config(format!("loading the model: {e}")))?
 }
@@ -44,6 +48,8 @@ async fn load_off_runtime(path: &std::path::Path, model_id: Option<&str>) -> Res
 pub struct WorkerConfig {
     /// Hugging Face checkpoint directory or GGUF file.
     pub model: PathBuf,
+    /// Where the model computes (`--device`, `--dtype`).
+    pub device: baton_model::DeviceOptions,
     /// The id clients name (must match the conductor's).
     pub model_id: Option<String>,
     /// Prefill, decode or colocated.
@@ -131,7 +137,7 @@ pub async fn run_worker(
 ) -> Result<(), ServeError> {
     // Checked before the model loads, so a bad certificate fails at once.
     let kv_tls = kv_tls(&config)?;
-    let loaded = load_off_runtime(&config.model, config.model_id.as_deref()).await?;
+    let loaded = load_off_runtime(&config.model, config.model_id.as_deref(), config.device).await?;
     let local = listener.local_addr()?;
     let host = config.advertise.unwrap_or(if local.ip().is_unspecified() {
         std::net::Ipv4Addr::LOCALHOST.into()

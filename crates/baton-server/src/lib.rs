@@ -62,6 +62,8 @@ pub use worker::{Role, RoleSwitchRefused, TransportChoice, Worker, WorkerHandle,
 pub struct ServeConfig {
     /// Hugging Face checkpoint directory or GGUF file.
     pub model: PathBuf,
+    /// Where the model computes (`--device`, `--dtype`); the workers share its weights.
+    pub device: baton_model::DeviceOptions,
     /// The id clients name in `model` (default: the file or directory name).
     pub model_id: Option<String>,
     /// Prefill workers.
@@ -104,6 +106,7 @@ impl ServeConfig {
     pub fn new(model: PathBuf) -> Self {
         Self {
             model,
+            device: baton_model::DeviceOptions::default(),
             model_id: None,
             prefill: 1,
             decode: 1,
@@ -152,8 +155,12 @@ pub(crate) struct Loaded {
     pub(crate) tokenizer: Arc<baton_model::Tokenizer>,
 }
 
-pub(crate) fn load(path: &std::path::Path, model_id: Option<&str>) -> Result<Loaded, ServeError> {
-    let ckpt = Checkpoint::open(path)?;
+pub(crate) fn load(
+    path: &std::path::Path,
+    model_id: Option<&str>,
+    device: baton_model::DeviceOptions,
+) -> Result<Loaded, ServeError> {
+    let ckpt = Checkpoint::open_on(path, device)?;
     let model_id = model_id
         .map(str::to_owned)
         .unwrap_or_else(|| path.file_stem().map_or_else(|| "baton".to_owned(), |s| s.to_string_lossy().into_owned()));
@@ -230,7 +237,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
     if (config.prefill == 0) != (config.decode == 0) {
         return Err(ServeError::Config("prefill and decode workers come together (or use colocated workers)".into()));
     }
-    let loaded = load(&config.model, config.model_id.as_deref())?;
+    let loaded = load(&config.model, config.model_id.as_deref(), config.device)?;
     let secret = baton_cluster::ClusterSecret::random();
     let mut workers: Vec<Arc<dyn Worker>> = Vec::new();
     let roles = std::iter::repeat_n(Role::Prefill, config.prefill)

@@ -83,9 +83,11 @@ pub(crate) struct EngineArgs {
     /// KV layout.
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
-    /// Element type of the KV cache (16-bit: half the bytes attention reads, widened as read).
-    #[arg(long, default_value = "f32", value_name = "f32|f16|bf16")]
-    kv_dtype: baton_kv::KvDtype,
+    /// Where the model computes, in what type, and the KV cache's type (16-bit: half the bytes
+    /// attention reads). On a GPU the figures are set beside its copy bandwidth and GEMM peak,
+    /// measured in the same run.
+    #[command(flatten)]
+    device: crate::engine_flags::DeviceFlags,
     /// Run a real model (HF directory or `.gguf` file) instead of random weights; the shape
     /// options are then ignored. Batch sizes default to 1.
     #[arg(long)]
@@ -126,8 +128,9 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
         decode_steps: a.decode_steps,
         batches: if a.model.is_some() && a.batches_default() { vec![1] } else { a.batches.clone() },
         layout: a.layout,
-        kv_dtype: a.kv_dtype,
+        kv_dtype: a.device.kv_dtype(),
         model: a.model.clone(),
+        device: a.device.options(),
     };
     let report = bench::run(config, &mut |msg| eprintln!("[bench engine] {msg}"))?;
     if a.json {
@@ -166,6 +169,10 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
             r.decode_fraction_of_read_bw * 100.0
         );
     }
+    if let Some(d) = &report.device_limits {
+        print_device(&report, d);
+        return Ok(());
+    }
     if let Some(s) = report.batch_speedup {
         println!("decode speed-up of the largest batch over batch 1: {s:.1}x (target >= 5x)");
     }
@@ -176,4 +183,37 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The GPU figures of `baton bench engine --device cuda`, each beside its limit.
+fn print_device(report: &baton_engine::bench::EngineBenchReport, d: &baton_engine::bench::DeviceLimitsReport) {
+    println!("GPU: copy {:.0} GB/s (read + written), bf16 GEMM {:.0} TFLOP/s (same run)", d.copy_gb_s, d.gemm_tflops);
+    println!(
+        "{:>6} {:>8} {:>14} {:>9} {:>13} {:>12} {:>12} {:>10}",
+        "batch", "context", "prefill tok/s", "TFLOP/s", "of GEMM peak", "decode ms", "roofline ms", "of roofline"
+    );
+    for r in &report.results {
+        let roof = r.decode_roofline_ms.unwrap_or(f64::NAN);
+        let tflops = r.prefill_tflops.unwrap_or(f64::NAN);
+        println!(
+            "{:>6} {:>8} {:>14.0} {:>9.1} {:>12.0}% {:>12.3} {:>12.3} {:>9.0}%",
+            r.batch,
+            report.config.prompt_len,
+            r.prefill_tokens_per_s,
+            tflops,
+            tflops / d.gemm_tflops * 100.0,
+            r.decode_step_ms,
+            roof,
+            roof / r.decode_step_ms * 100.0
+        );
+    }
+    if let Some([w, kv, ws]) = report.device_memory {
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        println!(
+            "GPU memory (largest batch): weights {:.2} GiB, KV arena {:.2} GiB, workspace {:.2} GiB",
+            gib(w),
+            gib(kv),
+            gib(ws)
+        );
+    }
 }

@@ -90,6 +90,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
         tokio::spawn(run_conductor(conductor, conductor_listener, std::future::pending()));
         let worker = WorkerConfig {
             model: model.clone(),
+            device: baton_model::DeviceOptions::default(),
             model_id: Some("bench".into()),
             role: Role::Colocated,
             name: Some("colocated-0".into()),

@@ -223,6 +223,7 @@ pub(crate) fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     }
     let config = WorkerConfig {
         model: model.clone(),
+        device: a.engine.device(),
         model_id: a.model_id,
         role: match a.role {
             RoleArg::Prefill => Role::Prefill,

@@ -2,6 +2,7 @@
 
 use baton_engine::EngineConfig;
 use baton_kv::{KvDtype, KvLayout};
+use baton_model::{ComputeDevice, ComputeDtype, DeviceOptions};
 
 /// How each worker's engine is sized.
 #[derive(Debug, Clone, clap::Args)]
@@ -24,11 +25,9 @@ pub(crate) struct EngineFlags {
     /// KV layout: block-major or layer-major.
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
-    /// Element type of the KV cache: `f16` or `bf16` take half the memory and half the bytes
-    /// of a hand-off of `f32`. Every worker of a cluster must use the same (peers refuse to
-    /// exchange KV of another type).
-    #[arg(long, default_value = "f32", value_name = "f32|f16|bf16")]
-    kv_dtype: KvDtype,
+    /// Where the model computes, in what type, and the KV cache's type.
+    #[command(flatten)]
+    device: DeviceFlags,
     /// Blocks of host memory each worker's prefix cache spills to (0: none). A block evicted
     /// from the device arena moves here instead of being dropped, and a prompt that finds its
     /// prefix here has it copied back.
@@ -92,7 +91,52 @@ pub(crate) fn cost_profile(spec: &str) -> anyhow::Result<baton_sched::CostProfil
     Ok(baton_engine::profile::load_profile(spec)?)
 }
 
+/// `--device`, `--dtype` and `--kv-dtype`, as every command that loads a model takes them.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct DeviceFlags {
+    /// Where the model computes: `cpu`, or a GPU, `cuda` / `cuda:N` (a build with `--features
+    /// cuda`). The KV cache then lives in that GPU's memory.
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda[:N]")]
+    device: ComputeDevice,
+    /// The GPU's compute type for weights and activations (`auto`: bfloat16; `float32` checks
+    /// the GPU against the CPU token for token). The CPU computes in float32.
+    #[arg(long, default_value = "auto", value_name = "auto|bfloat16|float16|float32")]
+    dtype: ComputeDtype,
+    /// Element type of the KV cache: `f16` or `bf16` take half the memory and half the bytes
+    /// of a hand-off of `f32`. Every worker of a cluster must use the same (peers refuse to
+    /// exchange KV of another type). Default: f32 on the CPU, the compute type on a GPU.
+    #[arg(long, value_name = "f32|f16|bf16")]
+    kv_dtype: Option<KvDtype>,
+}
+
+impl DeviceFlags {
+    /// Where the model computes.
+    pub(crate) fn options(&self) -> DeviceOptions {
+        DeviceOptions { device: self.device, dtype: self.dtype }
+    }
+
+    /// The KV cache's type: `--kv-dtype`, else [`default_kv_dtype`].
+    pub(crate) fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype.unwrap_or_else(|| default_kv_dtype(self.options()))
+    }
+}
+
+/// The KV cache's type when `--kv-dtype` is not given: the compute type on a GPU (a bfloat16
+/// model keeps bfloat16 KV, as vLLM's `auto`), float32 on the CPU.
+pub(crate) fn default_kv_dtype(device: DeviceOptions) -> KvDtype {
+    match (device.device, device.dtype) {
+        (ComputeDevice::Cpu, _) | (_, ComputeDtype::F32) => KvDtype::F32,
+        (_, ComputeDtype::F16) => KvDtype::F16,
+        _ => KvDtype::Bf16,
+    }
+}
+
 impl EngineFlags {
+    /// Where the model computes.
+    pub(crate) fn device(&self) -> DeviceOptions {
+        self.device.options()
+    }
+
     /// The cost profile to emulate, if any.
     pub(crate) fn emulate(&self) -> anyhow::Result<Option<baton_sched::CostProfile>> {
         self.emulate.as_deref().map(cost_profile).transpose()
@@ -116,7 +160,7 @@ impl EngineFlags {
             host_blocks: self.host_kv_blocks,
             disk_blocks: self.disk_kv_blocks,
             disk_dir: self.disk_kv_dir.clone(),
-            kv_dtype: self.kv_dtype,
+            kv_dtype: self.device.kv_dtype(),
             ..EngineConfig::default()
         }
     }

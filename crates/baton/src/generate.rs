@@ -53,9 +53,9 @@ pub(crate) struct GenerateArgs {
     /// KV layout: block-major or layer-major.
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
-    /// Element type of the KV cache (as `baton serve --kv-dtype`).
-    #[arg(long, default_value = "f32", value_name = "f32|f16|bf16")]
-    kv_dtype: baton_kv::KvDtype,
+    /// Where the model computes, in what type, and the KV cache's type (as `baton serve`).
+    #[command(flatten)]
+    device: crate::engine_flags::DeviceFlags,
     /// Print one JSON object instead of the text.
     #[arg(long)]
     json: bool,
@@ -125,7 +125,8 @@ pub(crate) fn run(args: GenerateArgs) -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
-    let ckpt = Checkpoint::open(&path).with_context(|| format!("loading {}", path.display()))?;
+    let ckpt =
+        Checkpoint::open_on(&path, args.device.options()).with_context(|| format!("loading {}", path.display()))?;
     let prompt = if args.chat {
         ckpt.encode_chat(&[ChatMessage::new("user", args.prompt.clone())])?.1
     } else {
@@ -136,7 +137,7 @@ pub(crate) fn run(args: GenerateArgs) -> anyhow::Result<()> {
         block_size: args.block_size,
         num_blocks: blocks,
         layout: args.layout,
-        kv_dtype: args.kv_dtype,
+        kv_dtype: args.device.kv_dtype(),
         ..EngineConfig::default()
     };
     let tokenizer = Arc::new(ckpt.tokenizer);

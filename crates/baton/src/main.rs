@@ -4,6 +4,7 @@
 mod bench;
 mod bench_conductor;
 mod bench_transfer;
+mod check_device;
 mod cluster;
 mod engine_flags;
 mod generate;
@@ -55,6 +56,9 @@ enum Command {
     /// Benchmarks (not tests): engine throughput and more.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Check a device's engine against the CPU's: the same prompts, greedy, tokens and logits
+    /// compared (what `scripts/gpu-check.sh` runs on a GPU).
+    CheckDevice(check_device::CheckDeviceArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -78,5 +82,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(cmd) => bench::run(cmd),
         Command::Sim(args) => sim::run(*args),
         Command::Profile(args) => profile::run(args),
+        Command::CheckDevice(args) => check_device::run(args),
     }
 }

@@ -74,6 +74,7 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
         decode,
         colocated,
         engine: a.engine.config(),
+        device: a.engine.device(),
         api_key: a.api_key,
         protect_metrics: a.protect_metrics,
         lease: Duration::from_secs(a.lease_s),
