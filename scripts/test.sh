@@ -21,6 +21,14 @@ scripts/install-python-deps.sh
 # sha256; a no-op for a model already there).
 scripts/fetch-model.sh smollm2-135m-instruct gemma3-270m
 
-# --all-features: the optional backends are part of what the tests check; today that is only
-# baton-cluster's `etcd` (the default build leaves it out because it needs protoc).
+# NVRTC from PyPI (installed above) compiles the CUDA kernels in the `cuda` feature's test.
+nvrtc_dir=$(ls -d .venv/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -1 || true)
+if [ -n "$nvrtc_dir" ]; then
+    export LD_LIBRARY_PATH="$PWD/$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export BATON_REQUIRE_NVRTC=1
+fi
+
+# --all-features: the optional backends are part of what the tests check:
+# baton-cluster's `etcd` (the default build leaves it out because it needs protoc) and the CUDA
+# backend (`cuda`: built and its kernels compiled; it runs only where there is a GPU).
 cargo test --workspace --locked --all-features "$@"

@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# Baton on a GPU, in one go: correctness first, then speed, every figure printed beside its
+# limit measured in the same run. Runs on any Linux machine with an NVIDIA GPU, its driver,
+# PyTorch and transformers (the reference and the baseline); no Rust needed there.
+#
+#   cargo build --release --features cuda -p baton      # anywhere; no CUDA toolkit needed
+#   BATON_BIN=target/release/baton scripts/gpu-check.sh [--quick] [--out DIR]
+#
+# (scripts/gpu-pack.sh builds and strips the binary into .gpu/ for a machine without Rust.)
+# NVRTC and cuBLAS are loaded at run time: the script puts PyTorch's copies (pip's nvidia-*
+# packages) on LD_LIBRARY_PATH when the system has none. --quick skips the 8B-shaped model.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=${BATON_BIN:-.gpu/baton}
+[ -x "$BIN" ] || BIN=target/release/baton
+OUT=${OUT:-/tmp/baton-gpu-check}
+QUICK=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --quick) QUICK=1 ;;
+        --out) OUT=$2; shift ;;
+        *) echo "usage: $0 [--quick] [--out DIR]" >&2; exit 2 ;;
+    esac
+    shift
+done
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+FAILED=0
+section() { printf '\n=== %s (%ds)\n' "$1" "$SECONDS"; }
+fail() { echo "FAIL: $*"; FAILED=1; }
+
+# The CUDA libraries cudarc loads: the system's, else those of PyTorch's pip packages.
+libdirs=$("$PY" - <<'EOF' 2>/dev/null
+import glob, os, site
+dirs = set()
+for base in site.getsitepackages():
+    for pat in ("nvidia/*/lib", "nvidia/cu13/lib", "nvidia/cu12/lib"):
+        for d in glob.glob(os.path.join(base, pat)):
+            if glob.glob(os.path.join(d, "libnvrtc.so*")) or glob.glob(os.path.join(d, "libcublas.so*")):
+                dirs.add(d)
+print(":".join(sorted(dirs)))
+EOF
+)
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64:${libdirs}"
+
+section "device"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || fail "nvidia-smi"
+"$BIN" --version 2>/dev/null || true
+
+section "correctness: float32 on the GPU against the CPU engine, greedy, 24 tokens"
+for m in fixtures/models/tiny-llama fixtures/models/tiny-qwen2 gemma3-random; do
+    skip=""; [ "$m" != gemma3-random ] && skip="--skip-bos"
+    "$BIN" check-device --model "$m" --dtype float32 $skip --json >"$OUT/f32-$(basename $m).json" 2>"$OUT/f32-$(basename $m).err" \
+        || { fail "check-device $m"; cat "$OUT/f32-$(basename $m).err"; continue; }
+    tail -1 "$OUT/f32-$(basename $m).err"
+    "$PY" - "$OUT/f32-$(basename $m).json" <<'EOF' || FAILED=1
+import json, sys
+r = json.load(open(sys.argv[1]))
+bad = [i for i, c in enumerate(r) if c["equal_prefix"] != len(c["reference_tokens"])]
+worst = max(c["max_abs_logit_diff"] for c in r)
+print(f"  {len(r) - len(bad)}/{len(r)} prompts equal token for token; max |logit diff| vs CPU {worst:.2e}")
+sys.exit(1 if bad else 0)
+EOF
+done
+
+section "correctness: bfloat16 on the GPU against transformers in bfloat16 on the same GPU"
+for m in tiny-llama tiny-qwen2; do
+    dir=fixtures/models/$m
+    "$PY" -c "import json; r=json.load(open('$dir/reference.json')); json.dump([c['input_ids'] for c in r['cases']], open('$OUT/$m-ids.json','w'))"
+    "$BIN" check-device --model "$dir" --dtype bfloat16 --ids "$OUT/$m-ids.json" --max-tokens 8 --json >"$OUT/bf16-$m.json" 2>"$OUT/bf16-$m.err" \
+        || { fail "check-device bf16 $m"; cat "$OUT/bf16-$m.err"; continue; }
+    for dt in bf16 f32; do
+        "$PY" scripts/gpu_reference.py logits --model "$dir" --dtype $dt --ids "$OUT/$m-ids.json" --device cuda >"$OUT/hf-$dt-$m.json" 2>/dev/null \
+            || fail "transformers $dt logits $m"
+    done
+    "$PY" - "$OUT/bf16-$m.json" "$OUT/hf-bf16-$m.json" "$OUT/hf-f32-$m.json" "$m" <<'EOF' || FAILED=1
+import json, sys
+baton, hf, f32 = (json.load(open(a)) for a in sys.argv[1:4])
+name = sys.argv[4]
+# The stated tolerance: bfloat16 keeps 8 bits of mantissa, and two bf16 implementations round
+# at different places (transformers rounds every op's output, Baton keeps float32 inside its
+# kernels), so their logits differ by up to a few tenths where each is a few tenths from float32.
+TOL = 0.25
+mx = lambda a, b: max(abs(x - y) for x, y in zip(a, b))
+argmax = lambda v: max(range(len(v)), key=v.__getitem__)
+worst = err_b = err_h = 0.0
+agree = decided = 0
+for c, hl, fl, margin in zip(baton, hf["logits"], f32["logits"], f32["top2_margin"]):
+    bl = c["device_last_logits"]
+    worst, err_b, err_h = max(worst, mx(bl, hl)), max(err_b, mx(bl, fl)), max(err_h, mx(hl, fl))
+    if margin > TOL:
+        decided += 1
+        agree += argmax(bl) == argmax(fl)
+print(f"  {name}: max |logit diff| Baton bf16 vs transformers bf16 = {worst:.3f} (tolerance {TOL}); "
+      f"from float32: Baton bf16 {err_b:.3f}, transformers bf16 {err_h:.3f}; "
+      f"greedy token equal to float32's on {agree}/{decided} prompts whose float32 top-2 margin exceeds the tolerance")
+sys.exit(0 if worst <= TOL and agree == decided else 1)
+EOF
+done
+
+section "serving: baton serve --device cuda, colocated and 1 prefill + 1 decode on the one GPU"
+"$PY" - "$BIN" "$OUT" <<'EOF' || FAILED=1
+import json, os, socket, subprocess, sys, time, urllib.request
+bin_, out = sys.argv[1], sys.argv[2]
+model = "fixtures/models/tiny-llama"
+prompts = ["Disaggregated inference separates prefill and decode.", "Mooncake", "A"]
+def free_port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+def post(port, path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), {"content-type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=60))
+expected = {}
+for p in prompts:
+    r = subprocess.run([bin_, "generate", "--device", "cuda", "--model", model, "--prompt", p, "--max-tokens", "16", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    expected[p] = json.loads(r.stdout)["text"]
+ok = True
+for layout in (["--colocated", "1"], ["--prefill", "1", "--decode", "1", "--kv-transfer", "pull"],
+               ["--prefill", "1", "--decode", "1", "--kv-transfer", "push"],
+               ["--prefill", "1", "--decode", "1", "--kv-transfer", "layerwise"]):
+    port = free_port()
+    proc = subprocess.Popen([bin_, "serve", "--device", "cuda", "--model", model, "--port", str(port), "--num-blocks", "64", *layout],
+                            stdout=open(os.path.join(out, "serve.log"), "a"), stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1); break
+            except Exception:
+                time.sleep(0.1)
+        same = 0
+        for p in prompts:
+            r = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0})
+            same += r["choices"][0]["text"] == expected[p]
+        chat = post(port, "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
+        # A storm on the small pool: 64 streams at once.
+        storm = subprocess.run([bin_, "bench", "storm", "--url", f"http://127.0.0.1:{port}", "--model", "tiny-llama",
+                                "--concurrency", "64", "--max-tokens", "48", "--kv-blocks", "64", "--timeout-s", "120"],
+                               capture_output=True, text=True, timeout=300)
+        # Every block back: no worker holds KV (used = not free and not merely cached).
+        used = None
+        for _ in range(50):
+            m = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            used = sum(int(float(l.split()[-1])) for l in m.splitlines()
+                       if l.startswith("baton_kv_blocks{") and 'state="used"' in l)
+            if used == 0:
+                break
+            time.sleep(0.1)
+        print(f"  {' '.join(layout)}: {same}/{len(prompts)} completions equal `baton generate --device cuda`; "
+              f"chat answered ({chat['usage']['completion_tokens']} tokens); KV blocks held after the storm: {used}; "
+              "storm (kv_blocks concurrency completed refused failed_before failed_after hung wall_s tokens/s): "
+              + " ".join(storm.stdout.strip().splitlines()[-1:]))
+        ok &= same == len(prompts) and storm.returncode == 0 and used == 0
+        if storm.returncode != 0:
+            print(storm.stdout[-2000:], storm.stderr[-2000:])
+    finally:
+        proc.terminate(); proc.wait(timeout=30)
+sys.exit(0 if ok else 1)
+EOF
+
+section "speed: decode and prefill on random-weight Llama shapes (bf16 weights, activations and KV)"
+LLAMA_1B="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256"
+LLAMA_8B="--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --vocab 128256"
+shapes=("1b:$LLAMA_1B")
+[ "$QUICK" = 1 ] || shapes+=("8b:$LLAMA_8B")
+for shape in "${shapes[@]}"; do
+    name=${shape%%:*}; flags=${shape#*:}
+    for ctx in 512 4096; do
+        echo "--- Llama-${name}-shaped, context $ctx"
+        # shellcheck disable=SC2086
+        timeout 300 "$BIN" bench engine --device cuda $flags --prompt-len $ctx --batches 1,8,32,64 --decode-steps 32 \
+            2> >(grep -v '^\[bench engine\]' >&2) | tee "$OUT/bench-$name-$ctx.txt" || fail "bench engine $name $ctx"
+    done
+done
+
+echo "--- Llama-1b-shaped, context 512, CUDA graphs off (BATON_CUDA_GRAPHS=0): what the graphs save"
+# shellcheck disable=SC2086
+BATON_CUDA_GRAPHS=0 timeout 200 "$BIN" bench engine --device cuda $LLAMA_1B --prompt-len 512 --batches 1,8 --decode-steps 32 \
+    2> >(grep -v '^\[bench engine\]' >&2) | tee "$OUT/bench-1b-512-nographs.txt" || fail "bench engine without graphs"
+
+section "baseline: transformers generate() with its static cache, batch 32, context 512"
+for name in 1b $([ "$QUICK" = 1 ] || echo 8b); do
+    timeout 300 "$PY" scripts/gpu_reference.py hf-decode --shape $name --batch 32 --context 512 --new-tokens 32 \
+        2>"$OUT/hf-$name.err" | tee "$OUT/hf-$name.json" || fail "transformers baseline $name"
+done
+"$PY" - "$OUT" <<'EOF'
+import json, os, re, sys
+out = sys.argv[1]
+for name in ("1b", "8b"):
+    try:
+        hf = json.load(open(os.path.join(out, f"hf-{name}.json")))
+        rows = open(os.path.join(out, f"bench-{name}-512.txt")).read().splitlines()
+    except (OSError, ValueError):
+        continue
+    row = next((r for r in rows if re.match(r"\s+32\s+512\s", r)), None)
+    if row is None:
+        continue
+    step_ms = float(row.split()[5])
+    baton = 32 / (step_ms / 1e3)
+    print(f"  {name}: Baton decode {baton:.0f} tok/s at batch 32, transformers {hf['decode_tok_s']:.0f} tok/s "
+          f"({hf['cache']} cache): {baton / hf['decode_tok_s']:.2f}x (target >= 1.5x)")
+EOF
+
+section "done"
+if [ "$FAILED" = 0 ]; then echo "gpu-check: every check passed (${SECONDS}s)"; else echo "gpu-check: some checks FAILED (${SECONDS}s)"; fi
+exit $FAILED

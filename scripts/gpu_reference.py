@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""PyTorch / transformers reference numbers for Baton's GPU checks.
+
+Every subcommand prints exactly one JSON object on stdout; progress and notes go to stderr.
+
+    bandwidth [--mib 4096]          device-to-device copy bandwidth (CUDA only)
+    gemm-peak [--n 8192]            bf16 n x n x n matmul throughput (CUDA only)
+    logits --model DIR --dtype bf16|f32 --ids FILE [--device cuda|cpu]
+                                    last-position logits of each prompt in FILE (a JSON list of
+                                    lists of token ids), one prompt at a time, eager attention
+    hf-decode --shape 1b|8b [--batch 32 --context 512 --new-tokens 64 --device cuda]
+                                    transformers' greedy decode speed on a random-weight Llama of
+                                    Llama-3.2-1B / Llama-3.1-8B shape in bf16
+    make-gemma3 --out DIR [--seed 0]
+                                    a tiny random Gemma 3 text checkpoint (float32 safetensors)
+
+Decode speed is batch * (N - 1) / (t_N - t_1): a run with N new tokens less a run with one (the
+prefill alone), so prefill and generate() overhead cancel. transformers auto-compiles decoding
+with a static cache on CUDA; that is off unless `--compile auto` (compiling an 8B model takes
+minutes and needs a working Triton toolchain), so the number is eager transformers.
+
+Needs torch and transformers (written against torch 2.11, transformers 5.17) and numpy.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def emit(obj):
+    print(json.dumps(obj), flush=True)
+
+
+def need_cuda(torch):
+    if not torch.cuda.is_available():
+        sys.exit("error: this subcommand needs a CUDA device, and torch.cuda.is_available() is False")
+    log(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+
+
+def time_cuda(torch, fn, warmup, iters):
+    """Mean seconds of `fn()` over `iters` runs after `warmup` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def cmd_bandwidth(args):
+    import torch
+
+    need_cuda(torch)
+    nbytes = args.mib * 2**20
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    secs = time_cuda(torch, lambda: dst.copy_(src), warmup=3, iters=10)
+    copy_gbps = 2 * nbytes / secs / 1e9
+    log(f"copy of {args.mib} MiB: {secs * 1e3:.3f} ms, {copy_gbps:.1f} GB/s read+write")
+    emit({"mib": args.mib, "seconds": secs, "copy_gbps": copy_gbps, "read_gbps": copy_gbps / 2})
+
+
+def cmd_gemm_peak(args):
+    import torch
+
+    need_cuda(torch)
+    n = args.n
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    secs = time_cuda(torch, lambda: torch.matmul(a, b), warmup=3, iters=10)
+    tflops = 2 * n**3 / secs / 1e12
+    log(f"bf16 {n}^3 matmul: {secs * 1e3:.3f} ms, {tflops:.1f} TFLOP/s")
+    emit({"n": n, "seconds": secs, "tflops": tflops})
+
+
+def torch_dtype(torch, name):
+    return {"bf16": torch.bfloat16, "f32": torch.float32}[name]
+
+
+def cmd_logits(args):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if args.device == "cuda":
+        need_cuda(torch)
+    with open(args.ids) as f:
+        prompts = json.load(f)
+    if not (isinstance(prompts, list) and all(isinstance(p, list) and p for p in prompts)):
+        sys.exit("error: --ids must hold a JSON list of non-empty lists of token ids")
+    dtype = torch_dtype(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="eager")
+    model.to(args.device).eval()
+    log(f"loaded {type(model).__name__} from {args.model} ({args.dtype}, {args.device})")
+    out = {"logits": [], "argmax": [], "top2_margin": []}
+    with torch.inference_mode():
+        for ids in prompts:
+            input_ids = torch.tensor([ids], dtype=torch.long, device=args.device)
+            last = model(input_ids=input_ids, use_cache=False).logits[0, -1].float().cpu()
+            top = torch.topk(last, 2).values
+            out["logits"].append(last.tolist())
+            out["argmax"].append(int(last.argmax()))
+            out["top2_margin"].append(float(top[0] - top[1]))
+    log(f"{len(prompts)} prompts, argmax {out['argmax']}")
+    emit(out)
+
+
+LLAMA_SHAPES = {
+    # Llama-3.2-1B
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               head_dim=64, intermediate_size=8192, tie_word_embeddings=True),
+    # Llama-3.1-8B
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               head_dim=128, intermediate_size=14336, tie_word_embeddings=False),
+}
+
+
+def cmd_hf_decode(args):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if args.device == "cuda":
+        need_cuda(torch)
+    shape = dict(LLAMA_SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    config = LlamaConfig(
+        vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        bos_token_id=128000, eos_token_id=128001, pad_token_id=0, **shape,
+    )
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    t0 = time.perf_counter()
+    with torch.device(args.device):
+        model = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).eval()
+    with torch.no_grad():  # small random weights, norms left at one
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+    torch.set_default_dtype(torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    log(f"built {args.shape} Llama ({params / 1e9:.2f} B params, {shape['num_hidden_layers']} layers) "
+        f"in {time.perf_counter() - t0:.1f} s")
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    input_ids = torch.randint(1, 128000, (args.batch, args.context), generator=gen).to(args.device)
+    attention_mask = torch.ones_like(input_ids)
+    model.generation_config.disable_compile = args.compile == "off"
+
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    def run(n, cache):
+        kwargs = dict(cache_implementation="static") if cache == "static" else {}
+        sync()
+        t = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, **kwargs)
+        sync()
+        assert out.shape == (args.batch, args.context + n), out.shape
+        return time.perf_counter() - t
+
+    cache = "static"
+    with torch.inference_mode():
+        try:
+            # Warm up with the full N so that a compiled decode (--compile auto) is compiled here.
+            log(f"warm-up, static cache: {run(args.new_tokens, cache):.2f} s")
+        except Exception as e:  # noqa: BLE001 - any failure of the static path falls back
+            log(f"static cache failed ({type(e).__name__}: {e}); falling back to the dynamic cache")
+            cache = "dynamic"
+            log(f"warm-up, dynamic cache: {run(args.new_tokens, cache):.2f} s")
+        run(1, cache)
+        t_n = run(args.new_tokens, cache)
+        t_1 = run(1, cache)
+    decode = args.batch * (args.new_tokens - 1) / (t_n - t_1)
+    log(f"t_{args.new_tokens} = {t_n:.3f} s, t_1 = {t_1:.3f} s: {decode:.0f} decode tok/s")
+    emit({"shape": args.shape, "batch": args.batch, "context": args.context, "new_tokens": args.new_tokens,
+          "layers": shape["num_hidden_layers"], "decode_tok_s": decode, "prefill_s": t_1, "total_s": t_n,
+          "cache": cache, "compile": args.compile, "device": args.device,
+          "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None})
+
+
+def cmd_make_gemma3(args):
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        query_pre_attn_scalar=16, max_position_embeddings=512,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        final_logit_softcapping=None, attn_logit_softcapping=None, tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )
+    config.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(args.seed)
+    model = Gemma3ForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():  # every weight random, norms (applied as 1 + w) included
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    model.save_pretrained(args.out, safe_serialization=True)
+    log(f"wrote {args.out}: {sum(p.numel() for p in model.parameters())} params, "
+        f"layer_types {config.layer_types}")
+    emit({"out": args.out})
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("bandwidth", help="device-to-device copy bandwidth")
+    s.add_argument("--mib", type=int, default=4096)
+    s.set_defaults(fn=cmd_bandwidth)
+
+    s = sub.add_parser("gemm-peak", help="bf16 matmul TFLOP/s")
+    s.add_argument("--n", type=int, default=8192)
+    s.set_defaults(fn=cmd_gemm_peak)
+
+    s = sub.add_parser("logits", help="last-position logits of each prompt")
+    s.add_argument("--model", required=True)
+    s.add_argument("--dtype", choices=["bf16", "f32"], default="f32")
+    s.add_argument("--ids", required=True, help="JSON file: a list of lists of token ids")
+    s.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    s.set_defaults(fn=cmd_logits)
+
+    s = sub.add_parser("hf-decode", help="transformers decode tokens/s on a random Llama")
+    s.add_argument("--shape", choices=sorted(LLAMA_SHAPES), required=True)
+    s.add_argument("--batch", type=int, default=32)
+    s.add_argument("--context", type=int, default=512)
+    s.add_argument("--new-tokens", type=int, default=64)
+    s.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    s.add_argument("--compile", choices=["off", "auto"], default="off",
+                   help="auto: let generate() torch.compile the static-cache decode (default off)")
+    s.add_argument("--layers", type=int, default=0, help=argparse.SUPPRESS)  # shrink for smoke tests
+    s.set_defaults(fn=cmd_hf_decode)
+
+    s = sub.add_parser("make-gemma3", help="write a tiny random Gemma 3 text checkpoint")
+    s.add_argument("--out", required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_make_gemma3)
+
+    args = p.parse_args()
+    if args.cmd == "hf-decode" and args.new_tokens < 2:
+        p.error("--new-tokens must be at least 2")
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()
