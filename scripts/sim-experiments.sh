@@ -4,16 +4,16 @@
 #   (2) the same trace at 2x speed: no admission / Mooncake baseline / early rejection / predictive
 #   (3) a decode-heavy (imbalanced) workload: fixed roles vs load-aware role switching
 # Usage: scripts/sim-experiments.sh [TRACE [PLOT_DIR]]
-#   TRACE    default ../shared/fixtures/traces/synthetic_trace.jsonl
+#   TRACE    default fixtures/traces/synthetic_trace.jsonl
 #   PLOT_DIR default target/sim-plots: expN.json (reports), expN_ttft_cdf, expN_jct_cdf and
 #            expN_summary as .png and .svg
 # Cost profile: LLaMA-2-70B on 8xA800 per instance (roofline; see baton-sched CostProfile docs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TRACE=${1:-../shared/fixtures/traces/synthetic_trace.jsonl}
+TRACE=${1:-fixtures/traces/synthetic_trace.jsonl}
 PLOTS=${2:-${CARGO_TARGET_DIR:-target}/sim-plots}
 if [[ ! -f "$TRACE" ]]; then
-  echo "trace not found: $TRACE (the Mooncake FAST'25 synthetic trace, see ../shared/fixtures/traces/README.md)" >&2
+  echo "trace not found: $TRACE (the Mooncake FAST'25 synthetic trace, see fixtures/traces/README.md)" >&2
   exit 1
 fi
 # BATON=path/to/baton skips the build (any build gives the same figures: time is virtual).

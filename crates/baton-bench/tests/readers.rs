@@ -65,13 +65,10 @@ fn mooncake_limits_and_errors() {
 }
 
 #[test]
-fn mooncake_from_the_shared_trace_when_present() {
-    // The published trace lives beside the repository, never in it; skip when it is absent.
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/traces/synthetic_trace.jsonl");
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        eprintln!("skipped: {} not found", path.display());
-        return;
-    };
+fn mooncake_from_the_published_trace() {
+    // The published trace, shipped in the repository.
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/traces/synthetic_trace.jsonl");
+    let text = std::fs::read_to_string(&path).expect("fixtures/traces/synthetic_trace.jsonl is in the repository");
     let w = parse_mooncake(&text, Some(50), None, 0).expect("parses");
     assert_eq!(w.requests(), 50);
     assert!(w.chains.windows(2).all(|p| p[0].arrival_us <= p[1].arrival_us));

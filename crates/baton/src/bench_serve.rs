@@ -34,7 +34,7 @@ pub(crate) enum WorkloadKind {
   baton bench serve --num-requests 64 --input-len 256 --output-len 64 --ignore-eos --rate 2
   baton bench serve --rates 1,2,4,8 --slo-ttft-ms 500 --slo-tbt-ms 50 --ignore-eos
   baton bench serve --workload sessions --sessions 8 --turns 4 --concurrency 4 --endpoint chat
-  baton bench serve --workload mooncake --dataset ../shared/fixtures/traces/synthetic_trace.jsonl \\
+  baton bench serve --workload mooncake --dataset fixtures/traces/synthetic_trace.jsonl \\
       --time-scale 2 --max-input-len 4096 --num-requests 200
   baton bench compare .bench/a/report.json .bench/b/report.json")]
 pub(crate) struct ServeBenchArgs {
