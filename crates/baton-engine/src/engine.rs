@@ -321,6 +321,13 @@ impl Engine {
         self.device_kv.device_bytes()
     }
 
+    /// Blocks this engine has marked stale on its model's device: those whose bytes arrived
+    /// from elsewhere than its forward pass (reserved for a transfer, copied up from a slower
+    /// tier). Counted on every backend.
+    pub fn device_invalidated_blocks(&self) -> u64 {
+        self.device_kv.invalidated_blocks()
+    }
+
     /// The KV arena (read-only; for inspection and transfer).
     pub fn kv(&self) -> &KvArena {
         self.pool.arena()
@@ -898,8 +905,9 @@ impl Engine {
         for f in swapper.finished(wait) {
             match self.seqs.get_mut(&f.id).filter(|_| f.usable) {
                 Some(seq) => {
+                    let copied: Vec<BlockId> = f.job.copies().into_iter().map(|(_, to)| to).collect();
                     let blocks = self.pool.finish_swap_in(f.job)?;
-                    self.device_kv.invalidate(&blocks);
+                    self.device_kv.invalidate(&copied);
                     seq.computed = blocks.len() * self.config.block_size;
                     seq.table.extend(blocks);
                 }

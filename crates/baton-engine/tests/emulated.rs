@@ -124,6 +124,7 @@ fn a_prefix_swapped_in_from_host_costs_its_copy() {
     let cached = ((device + host) * 16) as u64;
     let copy = profile.kv_transfer_time((host * 16) as u64, profile.host_to_device);
     assert_eq!(e.emulated_clock().expect("emulated").last_step_us, profile.prefill_time_cached(320, cached) + copy);
+    assert_eq!(e.device_invalidated_blocks(), host as u64, "a GPU would upload exactly the blocks copied up");
     // The next step copies nothing.
     e.add_request(request(4, 40, 1)).expect("valid");
     e.step().expect("step");
@@ -176,6 +177,7 @@ fn a_request_aborted_during_its_swap_in_leaves_nothing_held() {
 #[test]
 fn a_prefix_on_the_host_is_copied_while_the_others_decode() {
     let (mut e, profile, [device, host]) = slow_host_engine();
+    let marked = e.device_invalidated_blocks();
     // A long decode, then the request that finds a's prefix partly on the host.
     e.add_request(request(5, 16, 400)).expect("valid");
     e.step().expect("prefill");
@@ -197,6 +199,11 @@ fn a_prefix_on_the_host_is_copied_while_the_others_decode() {
     let three = done.iter().find(|f| f.id == RequestId(3)).expect("request 3 finished");
     assert_eq!(three.cached_tokens, (device + host) * 16, "the prefix came from the device and the host");
     assert_eq!(three.token_ids[0], first);
+    // A GPU must upload the blocks the copier wrote: at least those on the host when the test
+    // began (request 5's blocks may push more of the prefix there before request 3 is
+    // admitted), at most the whole prefix.
+    let copied = e.device_invalidated_blocks() - marked;
+    assert!((host as u64..=(device + host) as u64).contains(&copied), "{copied} blocks marked stale");
     e.pool().check_invariants().expect("pool accounting holds");
     assert_eq!(e.available_blocks(), 32, "every block is free or merely cached");
 }

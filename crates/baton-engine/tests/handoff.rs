@@ -45,6 +45,11 @@ fn prefill_then_decode_equals_colocated() {
 
             let mut decode = engine(KvLayout::BlockMajor);
             let reserved = decode.reserve_kv(held.tokens).expect("room");
+            assert_eq!(
+                decode.device_invalidated_blocks(),
+                reserved.blocks.len() as u64,
+                "{name}: blocks reserved for received KV are read afresh by a GPU"
+            );
             decode.kv_mut().copy_blocks_from(prefill.kv(), &held.blocks, &reserved.blocks);
             prefill.release_kv(held).expect("releases");
             assert_eq!(prefill.available_blocks(), 128, "{name}: the prefill side holds nothing after handing over");

@@ -131,6 +131,8 @@ enum Compute {
 pub struct DeviceKv {
     #[cfg(feature = "cuda")]
     cuda: Option<crate::cuda::CudaKv>,
+    /// Blocks marked stale so far, on any backend (what a test of the caller can count).
+    invalidated: u64,
 }
 
 impl DeviceKv {
@@ -138,11 +140,17 @@ impl DeviceKv {
     /// forward pass (KV received from a peer, copied back from a slower tier): their device
     /// copy is refreshed before a step reads them.
     pub fn invalidate(&mut self, blocks: &[BlockId]) {
+        self.invalidated += blocks.len() as u64;
         #[cfg(feature = "cuda")]
         if let Some(c) = &mut self.cuda {
             c.invalidate(blocks);
         }
-        let _ = blocks;
+    }
+
+    /// Blocks marked stale since this state was made (counted on the CPU too, where marking
+    /// costs nothing: the engine's marking is tested without a GPU).
+    pub fn invalidated_blocks(&self) -> u64 {
+        self.invalidated
     }
 
     /// Device memory this engine's state takes: (KV arena, workspace) bytes; zeros on the CPU.
@@ -233,7 +241,7 @@ impl Model {
         match &self.compute {
             Compute::Cpu(_) => Ok(DeviceKv::default()),
             #[cfg(feature = "cuda")]
-            Compute::Cuda(m) => Ok(DeviceKv { cuda: Some(m.new_kv(arena, fresh)?) }),
+            Compute::Cuda(m) => Ok(DeviceKv { cuda: Some(m.new_kv(arena, fresh)?), invalidated: 0 }),
         }
     }
 
