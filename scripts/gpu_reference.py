@@ -3,16 +3,15 @@
 
 Every subcommand prints exactly one JSON object on stdout; progress and notes go to stderr.
 
-    bandwidth [--mib 4096]          device-to-device copy bandwidth (CUDA only)
-    gemm-peak [--n 8192]            bf16 n x n x n matmul throughput (CUDA only)
+    bandwidth [--mib 4096]          device-to-device copy bandwidth (CUDA only), a cross-check of
+                                    what `baton bench engine --device cuda` measures itself
+    gemm-peak [--n 8192]            bf16 n x n x n matmul throughput (CUDA only), likewise
     logits --model DIR --dtype bf16|f32 --ids FILE [--device cuda|cpu]
                                     last-position logits of each prompt in FILE (a JSON list of
                                     lists of token ids), one prompt at a time, eager attention
     hf-decode --shape 1b|8b [--batch 32 --context 512 --new-tokens 64 --device cuda]
                                     transformers' greedy decode speed on a random-weight Llama of
                                     Llama-3.2-1B / Llama-3.1-8B shape in bf16
-    make-gemma3 --out DIR [--seed 0]
-                                    a tiny random Gemma 3 text checkpoint (float32 safetensors)
 
 Decode speed is batch * (N - 1) / (t_N - t_1): a run with N new tokens less a run with one (the
 prefill alone), so prefill and generate() overhead cancel. transformers auto-compiles decoding
@@ -192,35 +191,6 @@ def cmd_hf_decode(args):
           "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None})
 
 
-def cmd_make_gemma3(args):
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        query_pre_attn_scalar=16, max_position_embeddings=512,
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-        final_logit_softcapping=None, attn_logit_softcapping=None, tie_word_embeddings=True,
-        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2,
-    )
-    config.architectures = ["Gemma3ForCausalLM"]
-    torch.manual_seed(args.seed)
-    model = Gemma3ForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():  # every weight random, norms (applied as 1 + w) included
-        for p in model.parameters():
-            p.normal_(0.0, 0.1)
-    model.save_pretrained(args.out, safe_serialization=True)
-    log(f"wrote {args.out}: {sum(p.numel() for p in model.parameters())} params, "
-        f"layer_types {config.layer_types}")
-    emit({"out": args.out})
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -250,11 +220,6 @@ def main():
                    help="auto: let generate() torch.compile the static-cache decode (default off)")
     s.add_argument("--layers", type=int, default=0, help=argparse.SUPPRESS)  # shrink for smoke tests
     s.set_defaults(fn=cmd_hf_decode)
-
-    s = sub.add_parser("make-gemma3", help="write a tiny random Gemma 3 text checkpoint")
-    s.add_argument("--out", required=True)
-    s.add_argument("--seed", type=int, default=0)
-    s.set_defaults(fn=cmd_make_gemma3)
 
     args = p.parse_args()
     if args.cmd == "hf-decode" and args.new_tokens < 2:
