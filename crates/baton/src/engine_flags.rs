@@ -272,7 +272,7 @@ pub(crate) struct RoutingFlags {
     /// over HIGH while the other's is under LOW is an imbalance. A decode step has a floor (the
     /// weights are read once per step: 5.2 ms for a 70B model on 8×H100), so a lightly loaded
     /// decode pool can sit above 0.3 of a tight TBT target; raise LOW then.
-    #[arg(long, value_delimiter = ',', default_values_t = [0.3, 0.7], requires = "elastic")]
+    #[arg(long, value_delimiter = ',', default_value = "0.3,0.7", value_name = "LOW,HIGH", requires = "elastic")]
     elastic_watermarks: Vec<f64>,
     /// With --elastic: workers each of the prefill and decode roles keeps at least (colocated
     /// workers count for both); at the least, the idle role's worker becomes colocated.

@@ -69,7 +69,9 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let logs = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colour only on a terminal: a log redirected to a file keeps no escape codes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match cli.log_format {
         LogFormat::Text => logs.init(),
         LogFormat::Json => logs.json().with_current_span(true).with_span_list(true).init(),
