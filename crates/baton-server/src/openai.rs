@@ -84,6 +84,7 @@ const COMMON_FIELDS: &[&str] = &[
     "echo",
     "suffix",
     "response_format",
+    "modalities",
 ];
 
 /// Fields only chat accepts.
@@ -143,7 +144,26 @@ pub struct Common {
     pub suffix: Option<String>,
     /// `{"type": "text" | "json_object" | "json_schema", ..}` (structured output).
     pub response_format: Option<Value>,
+    /// Output types: only `["text"]` (or absent) is supported.
+    pub modalities: Option<Vec<String>>,
 }
+
+/// A field accepted and ignored: its name, the test of its JSON type, and that type in words.
+type IgnoredField = (&'static str, fn(&Value) -> bool, &'static str);
+
+/// OpenAI's request fields that change nothing in the answer here, and the JSON type each must
+/// have: storage, dashboard metadata, the processing tier, an end-user id for abuse detection,
+/// a prompt-cache routing hint (Baton routes by the prompt itself), a reasoning model's effort
+/// (these models do not reason). Accepted and ignored, as vLLM does; a wrong type is still a
+/// 400 naming the field.
+const IGNORED_FIELDS: &[IgnoredField] = &[
+    ("store", Value::is_boolean, "a boolean"),
+    ("metadata", Value::is_object, "an object"),
+    ("service_tier", Value::is_string, "a string"),
+    ("safety_identifier", Value::is_string, "a string"),
+    ("prompt_cache_key", Value::is_string, "a string"),
+    ("reasoning_effort", Value::is_string, "a string"),
+];
 
 /// `POST /v1/completions`.
 #[derive(Debug, Clone, Deserialize)]
@@ -314,10 +334,19 @@ fn parse<T: for<'de> Deserialize<'de>>(body: &[u8], own: &[&str]) -> Result<T, A
     let Some(obj) = value.as_object() else {
         return Err(ApiError::invalid("the body must be a JSON object"));
     };
-    let own_field = |k: &str| own.contains(&k) || COMMON_FIELDS.contains(&k);
+    let ignored = |k: &str| IGNORED_FIELDS.iter().find(|f| f.0 == k);
+    let own_field = |k: &str| own.contains(&k) || COMMON_FIELDS.contains(&k) || ignored(k).is_some();
     let own = own[0];
     if let Some(k) = obj.keys().find(|k| !own_field(k)) {
         return Err(ApiError::param(k, format!("Unrecognized request argument supplied: {k}")));
+    }
+    for (k, v) in obj {
+        if let Some((_, has_type, what)) = ignored(k)
+            && !v.is_null()
+            && !has_type(v)
+        {
+            return Err(ApiError::param(k, format!("`{k}` must be {what}")));
+        }
     }
     if !obj.contains_key(own) {
         return Err(ApiError::param(own, format!("`{own}` is required")));
@@ -526,6 +555,12 @@ impl Validator {
             }
         }
         neutral("suffix", c.suffix.is_none())?;
+        if c.modalities.as_ref().is_some_and(|m| m.iter().any(|k| k != "text")) {
+            return Err(ApiError::param(
+                "modalities",
+                "only text output is supported: `modalities` must be [\"text\"]",
+            ));
+        }
         let constraint = structured::response_format(c.response_format.as_ref())?;
         if let Some(constraint) = &constraint {
             self.check_constraint(constraint, "response_format")?;

@@ -589,6 +589,8 @@ async fn bad_input_gets_openai_style_errors() {
         ("/v1/chat/completions", r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#.into(), 400, "role"),
         ("/v1/chat/completions", r#"{"messages": "hello"}"#.into(), 400, "invalid"),
         ("/v1/nothing", "{}".into(), 404, "no such endpoint"),
+        ("/v1/completions", r#"{"prompt": "hi", "modalities": ["text", "audio"]}"#.into(), 400, "modalities"),
+        ("/v1/completions", r#"{"prompt": "hi", "store": "yes"}"#.into(), 400, "store"),
     ];
     for (path, body, status, needle) in cases {
         let (got, v) = server.post_raw(path, &body).await;
@@ -597,6 +599,35 @@ async fn bad_input_gets_openai_style_errors() {
         assert!(message.contains(needle), "{body}: `{message}` should mention `{needle}`");
         assert!(v["error"]["type"].is_string(), "{v}");
     }
+    server.assert_no_kv_held().await;
+}
+
+/// The fields OpenAI's clients send that change nothing here are accepted (as vLLM accepts
+/// them) and the answer is the one without them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_fields_that_change_nothing_are_accepted() {
+    let server = start("tiny-llama", 0, 0, 1, None).await;
+    let plain = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0});
+    let (status, want) = server.post("/v1/chat/completions", plain.clone()).await;
+    assert_eq!(status, 200, "{want}");
+    let mut extra = plain;
+    for (k, v) in [
+        ("store", json!(false)),
+        ("metadata", json!({"team": "baton"})),
+        ("service_tier", json!("auto")),
+        ("safety_identifier", json!("user-1")),
+        ("prompt_cache_key", json!("session-1")),
+        ("reasoning_effort", json!("low")),
+        ("modalities", json!(["text"])),
+    ] {
+        extra[k] = v;
+    }
+    let (status, got) = server.post("/v1/chat/completions", extra).await;
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"]);
+    let (status, got) =
+        server.post("/v1/completions", json!({"prompt": "hi", "max_tokens": 2, "store": true, "metadata": {}})).await;
+    assert_eq!(status, 200, "{got}");
     server.assert_no_kv_held().await;
 }
 
