@@ -168,7 +168,8 @@ for shape in "${shapes[@]}"; do
     for ctx in 512 4096; do
         echo "--- Llama-${name}-shaped, context $ctx"
         # shellcheck disable=SC2086
-        timeout 300 "$BIN" bench engine --device cuda $flags --prompt-len $ctx --batches 1,8,32,64 --decode-steps 32 \
+        # BATON_CUDA_TIMING=1: each batch's engine prints where its steps spent their time.
+        BATON_CUDA_TIMING=1 timeout 300 "$BIN" bench engine --device cuda $flags --prompt-len $ctx --batches 1,8,32,64 --decode-steps 32 \
             2> >(grep -v '^\[bench engine\]' >&2) | tee "$OUT/bench-$name-$ctx.txt" || fail "bench engine $name $ctx"
     done
 done
