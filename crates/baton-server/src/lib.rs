@@ -168,6 +168,7 @@ pub(crate) fn load(
     let model = Arc::new(ckpt.model);
     let max_context = model.config().max_position_embeddings;
     let validator = openai::Validator {
+        aliases: model_aliases(path, &model_id),
         model_id,
         tokenizer: tokenizer.clone(),
         template: ckpt.chat_template.map(Arc::new),
@@ -176,6 +177,17 @@ pub(crate) fn load(
         max_prompt_bytes: openai::Validator::prompt_bytes_bound(&tokenizer, max_context),
     };
     Ok(Loaded { validator, model, tokenizer })
+}
+
+/// Other names a client may give the served model: the path it was loaded from, and the short
+/// name of a model `scripts/fetch-model.sh` knows (`smollm2-135m-instruct` for its GGUF file).
+/// Answers name the model by its id.
+fn model_aliases(path: &std::path::Path, model_id: &str) -> Vec<String> {
+    let mut aliases = vec![path.display().to_string()];
+    let file = path.file_name().and_then(|f| f.to_str());
+    aliases.extend(baton_model::KNOWN_MODELS.iter().filter(|k| Some(k.file) == file).map(|k| k.name.to_owned()));
+    aliases.retain(|a| a != model_id);
+    aliases
 }
 
 /// What a conductor needs of a model, without its weights: the validator (tokenizer, chat
@@ -187,6 +199,7 @@ pub(crate) fn load_frontend(path: &std::path::Path, model_id: Option<&str>) -> R
         .unwrap_or_else(|| path.file_stem().map_or_else(|| "baton".to_owned(), |s| s.to_string_lossy().into_owned()));
     let max_context = front.config.max_position_embeddings;
     let validator = openai::Validator {
+        aliases: model_aliases(path, &model_id),
         model_id,
         max_context,
         vocab_size: front.config.vocab_size,
@@ -306,4 +319,19 @@ pub async fn serve_draining(
     drain: Duration,
 ) -> std::io::Result<()> {
     http::serve(listener, app, http::HttpLimits::default(), tls, shutdown, drain).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_known_models_file_answers_to_its_short_name_and_path() {
+        let file = baton_model::KNOWN_MODELS[0];
+        let path = std::path::Path::new(".models").join(file.file);
+        let aliases = model_aliases(&path, "SmolLM2");
+        assert!(aliases.contains(&file.name.to_owned()), "{aliases:?}");
+        assert!(aliases.contains(&path.display().to_string()), "{aliases:?}");
+        assert!(model_aliases(std::path::Path::new("some/dir"), "dir").iter().all(|a| a == "some/dir"));
+    }
 }

@@ -307,6 +307,8 @@ fn no_chat_template_message(model_id: &str) -> String {
 pub struct Validator {
     /// The model id clients must name (or omit).
     pub model_id: String,
+    /// Other names accepted for it (the path it was loaded from, a known short name).
+    pub aliases: Vec<String>,
     /// The tokenizer.
     pub tokenizer: Arc<Tokenizer>,
     /// The chat template, if the model has one.
@@ -464,7 +466,7 @@ impl Validator {
 
     fn finish(&self, endpoint: Endpoint, prompt_ids: Vec<u32>, c: Common) -> Result<ValidRequest, ApiError> {
         let model = match c.model {
-            Some(m) if m != self.model_id => return Err(ApiError::ModelNotFound(m)),
+            Some(m) if m != self.model_id && !self.aliases.contains(&m) => return Err(ApiError::ModelNotFound(m)),
             _ => self.model_id.clone(),
         };
         if prompt_ids.is_empty() {

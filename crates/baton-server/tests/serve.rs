@@ -631,6 +631,21 @@ async fn openai_fields_that_change_nothing_are_accepted() {
     server.assert_no_kv_held().await;
 }
 
+/// A client may name the model by its id or by the path it was served from; answers carry the
+/// id, and another name is still a 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_answers_to_its_path_too() {
+    let server = start("tiny-llama", 0, 0, 1, None).await;
+    let path = fixture("tiny-llama").display().to_string();
+    for name in ["tiny-llama", path.as_str()] {
+        let (status, v) = server.post("/v1/completions", json!({"model": name, "prompt": "hi", "max_tokens": 2})).await;
+        assert_eq!(status, 200, "{name}: {v}");
+        assert_eq!(v["model"], "tiny-llama", "{v}");
+    }
+    let (status, v) = server.post("/v1/completions", json!({"model": "tiny", "prompt": "hi", "max_tokens": 2})).await;
+    assert_eq!(status, 404, "{v}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_on_a_model_without_a_template_is_a_400_that_names_the_options() {
     // tiny-llama without its chat_template.jinja (its tokenizer_config.json has none).

@@ -65,7 +65,7 @@ pub(crate) struct WorkerArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// The model id (default: the file or directory name); must match the conductor's.
-    #[arg(long)]
+    #[arg(long, visible_alias = "served-model-name")]
     model_id: Option<String>,
     /// Cluster id (default: `<role>-<host>-<port>`).
     #[arg(long)]
@@ -153,8 +153,9 @@ pub(crate) struct ConductorArgs {
     /// a short name, as for `baton worker`.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// The model id clients send (default: the file or directory name).
-    #[arg(long)]
+    /// The model id clients send and answers carry (default: the file or directory name; the
+    /// path and a known short name are accepted too). `--served-model-name` as in vLLM.
+    #[arg(long, visible_alias = "served-model-name")]
     model_id: Option<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]

@@ -16,8 +16,9 @@ pub(crate) struct ServeArgs {
     /// in `$BATON_MODELS_DIR` or `./.models`.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// The model id clients send (default: the file or directory name).
-    #[arg(long)]
+    /// The model id clients send and answers carry (default: the file or directory name; the
+    /// path and a known short name are accepted too). `--served-model-name` as in vLLM.
+    #[arg(long, visible_alias = "served-model-name")]
     model_id: Option<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
