@@ -45,13 +45,58 @@ pub fn response_format(value: Option<&Value>) -> Result<Option<Constraint>, ApiE
                 return bad("`json_schema.strict` must be a boolean");
             }
             match spec.get("schema") {
-                Some(schema @ Value::Object(_)) => Ok(Some(Constraint::JsonSchema(schema.clone()))),
+                Some(schema @ Value::Object(_)) => {
+                    let mut schema = schema.clone();
+                    close_objects(&mut schema);
+                    Ok(Some(Constraint::JsonSchema(schema)))
+                }
                 Some(_) => bad("`json_schema.schema` must be a JSON schema object"),
                 None => bad("`json_schema` needs a `schema`"),
             }
         }
         Some(other) => bad(&format!("unknown type `{other}`: use `text`, `json_object` or `json_schema`")),
         None => bad("must have a `type`: `text`, `json_object` or `json_schema`"),
+    }
+}
+
+/// Closes every object of a schema that lists `properties` and says nothing of others
+/// (`additionalProperties: false`), at any depth: what OpenAI's strict mode asks of a schema and
+/// what xgrammar (vLLM's default) assumes. Left open, a small model pads the object with keys
+/// copied from the schema until `max_tokens` (the README's example ran for the whole context).
+/// A schema that allows other keys says so (`additionalProperties: true` or a schema).
+fn close_objects(schema: &mut Value) {
+    match schema {
+        Value::Object(o) => {
+            if o.contains_key("properties") && !o.contains_key("additionalProperties") {
+                o.insert("additionalProperties".to_owned(), Value::Bool(false));
+            }
+            for (k, v) in o.iter_mut() {
+                match k.as_str() {
+                    // Maps of names to schemas.
+                    "properties" | "$defs" | "definitions" | "patternProperties" => {
+                        if let Value::Object(m) = v {
+                            m.values_mut().for_each(close_objects);
+                        }
+                    }
+                    // A schema, or a list of them.
+                    "items"
+                    | "additionalItems"
+                    | "prefixItems"
+                    | "anyOf"
+                    | "oneOf"
+                    | "allOf"
+                    | "not"
+                    | "if"
+                    | "then"
+                    | "else"
+                    | "additionalProperties"
+                    | "contains" => close_objects(v),
+                    _ => {}
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(close_objects),
+        _ => {}
     }
 }
 
@@ -210,9 +255,8 @@ impl Tools {
 
     /// The grammar of one call when the choice forces one (`required` or a named function):
     /// the tags around `{"name": .., "arguments": ..}`, the arguments under the function's
-    /// `parameters` schema. Parameters that list `properties` and say nothing of others are
-    /// closed (`additionalProperties: false`, as OpenAI's strict mode asks): a small model
-    /// otherwise pads the arguments with keys copied from the schema, which no function takes.
+    /// `parameters` schema, its objects closed (`close_objects`): a small model otherwise pads
+    /// the arguments with keys copied from the schema, which no function takes.
     pub fn constraint(&self) -> Option<Constraint> {
         if !matches!(self.choice, ToolChoice::Required | ToolChoice::Function(_)) {
             return None;
@@ -221,12 +265,7 @@ impl Tools {
             .callable()
             .map(|t| {
                 let mut arguments = t.parameters.clone();
-                if let Value::Object(p) = &mut arguments
-                    && p.contains_key("properties")
-                    && !p.contains_key("additionalProperties")
-                {
-                    p.insert("additionalProperties".to_owned(), Value::Bool(false));
-                }
+                close_objects(&mut arguments);
                 json!({"type": "object", "properties": {"name": {"const": t.name}, "arguments": arguments},
                     "required": ["name", "arguments"], "additionalProperties": false})
             })
@@ -378,6 +417,29 @@ pub fn tool_call_deltas(calls: &[ToolCall]) -> Value {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_response_schema_has_its_objects_closed_unless_it_opens_them() {
+        let format = json!({"type": "json_schema", "json_schema": {"name": "city", "schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string"},
+                "mayor": {"type": "object", "properties": {"name": {"type": "string"}}},
+                "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+                "extra": {"type": "object", "properties": {}, "additionalProperties": true}},
+        }}});
+        let Some(Constraint::JsonSchema(s)) = response_format(Some(&format)).expect("valid") else {
+            panic!("a JSON schema constraint")
+        };
+        assert_eq!(s["additionalProperties"], false);
+        assert_eq!(s["properties"]["mayor"]["additionalProperties"], false);
+        assert_eq!(s["properties"]["tags"]["items"]["additionalProperties"], false);
+        assert_eq!(s["properties"]["extra"]["additionalProperties"], true, "an open object stays open");
+        assert_eq!(
+            s["properties"]["city"],
+            json!({"type": "string"}),
+            "no keyword added where there are no properties"
+        );
+    }
+
     fn tools(choice: Value) -> Result<Option<Tools>, ApiError> {
         let list = json!([
             {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -401,7 +463,8 @@ mod tests {
         );
         let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
         let rf = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}});
-        assert_eq!(response_format(Some(&rf)).ok(), Some(Some(Constraint::JsonSchema(schema))));
+        let closed = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": false});
+        assert_eq!(response_format(Some(&rf)).ok(), Some(Some(Constraint::JsonSchema(closed))));
         for bad in [
             json!("json"),
             json!({"type": "xml"}),
