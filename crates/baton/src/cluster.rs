@@ -117,6 +117,7 @@ pub(crate) struct WorkerArgs {
 
 /// TLS on the OpenAI API (`baton serve`, `baton conductor`).
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "TLS")]
 pub(crate) struct TlsFlags {
     /// Serve the API over HTTPS with this certificate chain (PEM); needs --tls-key.
     #[arg(long, value_name = "PEM", requires = "tls_key")]
@@ -170,24 +171,24 @@ pub(crate) struct ConductorArgs {
     /// it); without this flag they answer anyone.
     #[arg(long)]
     protect_metrics: bool,
-    #[command(flatten)]
-    routing: crate::engine_flags::RoutingFlags,
     /// Tokens per KV block of the workers (prefix-aware policies hash prompts in blocks).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// On SIGTERM or Ctrl-C: seconds the requests in flight may take to finish.
     #[arg(long, default_value_t = 30.0, value_parser = seconds)]
     drain_timeout_s: f64,
-    #[command(flatten)]
-    tls: TlsFlags,
-    /// Certificates (PEM) to trust for workers that serve their control API over HTTPS.
-    #[arg(long, value_name = "PEM")]
-    tls_ca: Option<PathBuf>,
     /// Seconds a worker's stream may stay silent before its request is taken from it (and run
     /// elsewhere when nothing was streamed yet). Workers send a keep-alive every 2 s, so only a
     /// frozen worker or a half-open connection stays silent this long.
     #[arg(long, default_value_t = 10.0, value_parser = seconds)]
     worker_timeout_s: f64,
+    /// Certificates (PEM) to trust for workers that serve their control API over HTTPS.
+    #[arg(long, value_name = "PEM")]
+    tls_ca: Option<PathBuf>,
+    #[command(flatten)]
+    routing: crate::engine_flags::RoutingFlags,
+    #[command(flatten)]
+    tls: TlsFlags,
 }
 
 /// A number of seconds, 0 or more.

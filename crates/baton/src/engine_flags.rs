@@ -6,6 +6,7 @@ use baton_model::{ComputeDevice, ComputeDtype, DeviceOptions};
 
 /// How each worker's engine is sized.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Engine and KV cache")]
 pub(crate) struct EngineFlags {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
@@ -25,9 +26,6 @@ pub(crate) struct EngineFlags {
     /// KV layout: block-major or layer-major.
     #[arg(long, default_value = "block-major")]
     layout: KvLayout,
-    /// Where the model computes, in what type, and the KV cache's type.
-    #[command(flatten)]
-    device: DeviceFlags,
     /// Blocks of host memory each worker's prefix cache spills to (0: none). A block evicted
     /// from the device arena moves here instead of being dropped, and a prompt that finds its
     /// prefix here has it copied back.
@@ -52,6 +50,9 @@ pub(crate) struct EngineFlags {
     /// Unset, a transfer takes the emulated arena's copy (microseconds).
     #[arg(long, value_name = "GBPS", requires = "emulate", value_parser = link_gbps)]
     emulate_link_gbps: Option<f64>,
+    /// Where the model computes, in what type, and the KV cache's type (last: its own heading).
+    #[command(flatten)]
+    device: DeviceFlags,
 }
 
 /// Parses `--emulate-link-gbps`: a positive speed in gigabits per second.
@@ -93,6 +94,7 @@ pub(crate) fn cost_profile(spec: &str) -> anyhow::Result<baton_sched::CostProfil
 
 /// `--device`, `--dtype` and `--kv-dtype`, as every command that loads a model takes them.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Device")]
 pub(crate) struct DeviceFlags {
     /// Where the model computes: `cpu`, or a GPU, `cuda` / `cuda:N` (a build with `--features
     /// cuda`). The KV cache then lives in that GPU's memory.
@@ -187,6 +189,7 @@ pub(crate) enum KvTransferArg {
 /// How the conductor routes and admits requests, and hands KV over (`baton serve`, `baton
 /// conductor`).
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Routing, admission and KV hand-off")]
 pub(crate) struct RoutingFlags {
     /// Routing policy: `simple` (fewest requests in flight, with --max-in-flight), or one of
     /// baton-sched's policies as `baton sim` runs them: round-robin, random, least-load,

@@ -43,16 +43,16 @@ pub(crate) struct ServeArgs {
     /// it); without this flag they answer anyone.
     #[arg(long)]
     protect_metrics: bool,
-    #[command(flatten)]
-    engine: crate::engine_flags::EngineFlags,
-    #[command(flatten)]
-    routing: crate::engine_flags::RoutingFlags,
     /// Seconds a prefill worker holds handed-off KV that no decode worker releases.
     #[arg(long, default_value_t = 30)]
     lease_s: u64,
     /// On SIGTERM or Ctrl-C: seconds the requests in flight may take to finish.
     #[arg(long, default_value_t = 30.0, value_parser = crate::cluster::seconds)]
     drain_timeout_s: f64,
+    #[command(flatten)]
+    engine: crate::engine_flags::EngineFlags,
+    #[command(flatten)]
+    routing: crate::engine_flags::RoutingFlags,
     #[command(flatten)]
     tls: crate::cluster::TlsFlags,
 }
