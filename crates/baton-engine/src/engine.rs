@@ -556,10 +556,8 @@ impl Engine {
         let mut blocks = Vec::new();
         if self.config.prefix_caching && n > 1 {
             let whole = ((n - 1) * bs).min(known.len()) / bs * bs;
-            let (taken, _, copied_from) =
-                take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, &known[..whole])?;
-            self.device_kv.invalidate(&taken[copied_from..]);
-            blocks = taken;
+            blocks =
+                take_prefix(&mut self.pool, &mut self.swapped_in, &mut self.device_kv, self.clock, &known[..whole])?.0;
         }
         let cached = blocks.len();
         match self.pool.alloc_blocks(n - cached) {
@@ -597,11 +595,8 @@ impl Engine {
         if !self.config.prefix_caching {
             return None;
         }
-        match take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, tokens) {
-            Ok((blocks, tokens, copied_from)) if !blocks.is_empty() => {
-                self.device_kv.invalidate(&blocks[copied_from..]);
-                Some(KvPrefix { blocks, tokens })
-            }
+        match take_prefix(&mut self.pool, &mut self.swapped_in, &mut self.device_kv, self.clock, tokens) {
+            Ok((blocks, tokens)) if !blocks.is_empty() => Some(KvPrefix { blocks, tokens }),
             Ok(_) => None,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot export a cached prefix");
@@ -692,12 +687,7 @@ impl Engine {
                     }
                     self.pool.finish_swap_in(job)?
                 }
-                _ => {
-                    let (blocks, _, copied_from) =
-                        take_prefix(&mut self.pool, &mut self.swapped_in, self.clock, tokens)?;
-                    self.device_kv.invalidate(&blocks[copied_from..]);
-                    blocks
-                }
+                _ => take_prefix(&mut self.pool, &mut self.swapped_in, &mut self.device_kv, self.clock, tokens)?.0,
             };
             seq.computed = blocks.len() * bs;
             seq.table.extend(blocks);
@@ -1040,27 +1030,24 @@ fn copy_time(p: &CostProfile, job: &SwapIn, bs: usize) -> Duration {
 
 /// [`MemPool::acquire_prefix`], adding to `swapped_in` the blocks it brings onto the device from
 /// the (host, disk) tiers (along a cached prefix the tiers only get slower, so they come last).
-/// Returns the blocks, the tokens they cover and the index of the first block copied from a
-/// slower tier (the blocks' length when none was).
+/// The blocks it copies are marked stale on the model's device (`device_kv`), which reads them
+/// afresh (the copier thread's swap-ins mark theirs when they finish, `take_swapped`).
 fn take_prefix(
     pool: &mut MemPool,
     swapped_in: &mut Option<[usize; 2]>,
+    device_kv: &mut DeviceKv,
     clock: u64,
     tokens: &[u32],
-) -> Result<(Vec<BlockId>, usize, usize), PoolError> {
-    let Some(swapped) = swapped_in else {
-        let (blocks, covered) = pool.acquire_prefix(tokens, clock)?;
-        let n = blocks.len();
-        return Ok((blocks, covered, n));
-    };
+) -> Result<(Vec<BlockId>, usize), PoolError> {
+    let Some(swapped) = swapped_in else { return pool.acquire_prefix(tokens, clock) };
     let [device, host, _] = pool.peek_prefix(tokens);
     let (blocks, covered) = pool.acquire_prefix(tokens, clock)?;
     let lower = blocks.len().saturating_sub(device);
     let from_host = lower.min(host);
     swapped[0] += from_host;
     swapped[1] += lower - from_host;
-    let copied_from = blocks.len() - lower;
-    Ok((blocks, covered, copied_from))
+    device_kv.invalidate(&blocks[blocks.len() - lower..]);
+    Ok((blocks, covered))
 }
 
 /// How many leading tokens of `known` (a prompt of `prompt_len` tokens, less its last) to take
