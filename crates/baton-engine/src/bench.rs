@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use baton_kv::{KvDtype, KvLayout};
 use baton_model::config::{Architecture, ModelConfig, RopeConfig, RopeScaling, WeightDtype};
-use baton_model::{Checkpoint, ComputeDevice, DeviceOptions, DeviceRandomWeights, Model, RandomWeights};
+use baton_model::{Checkpoint, ComputeDevice, DeviceLimits, DeviceOptions, DeviceRandomWeights, Model, RandomWeights};
 use serde::Serialize;
 
 use crate::{Engine, EngineConfig, EngineError, GenerationRequest, RequestId, StopParams};
@@ -174,19 +174,10 @@ pub struct EngineBenchReport {
     /// Decode tokens/s of the largest batch over batch 1's, when both ran.
     pub batch_speedup: Option<f64>,
     /// On a GPU: its measured limits, same run.
-    pub device_limits: Option<DeviceLimitsReport>,
+    pub device_limits: Option<DeviceLimits>,
     /// On a GPU: device memory of the largest batch's engine: weights, KV arena, workspace
     /// (bytes).
     pub device_memory: Option<[usize; 3]>,
-}
-
-/// A GPU's measured limits (see `baton_model::cuda::DeviceLimits`).
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct DeviceLimitsReport {
-    /// Device-to-device copy, bytes read plus written per second (GB/s).
-    pub copy_gb_s: f64,
-    /// One large bfloat16 GEMM's TFLOP/s.
-    pub gemm_tflops: f64,
 }
 
 /// Measures the machine's read and copy bandwidth with rayon's threads.
@@ -219,7 +210,10 @@ pub fn measure_memory_bandwidth() -> MemoryBandwidth {
 pub fn run(config: EngineBenchConfig, progress: &mut dyn FnMut(&str)) -> Result<EngineBenchReport, EngineError> {
     progress("measuring memory bandwidth");
     let memory = measure_memory_bandwidth();
-    let device_limits = device_limits(config.device, progress)?;
+    if config.device.device != ComputeDevice::Cpu {
+        progress("measuring the device's copy bandwidth and GEMM peak");
+    }
+    let device_limits = config.device.device.measure_limits()?;
     let (model, source) = match &config.model {
         Some(path) => {
             progress(&format!("loading {}", path.display()));
@@ -278,32 +272,11 @@ pub fn run(config: EngineBenchConfig, progress: &mut dyn FnMut(&str)) -> Result<
     })
 }
 
-/// A GPU's limits, measured when the benchmark runs on one.
-fn device_limits(
-    device: DeviceOptions,
-    progress: &mut dyn FnMut(&str),
-) -> Result<Option<DeviceLimitsReport>, EngineError> {
-    match device.device {
-        ComputeDevice::Cpu => Ok(None),
-        #[cfg(feature = "cuda")]
-        ComputeDevice::Cuda(n) => {
-            progress("measuring the GPU's copy bandwidth and GEMM peak");
-            let l = baton_model::cuda::measure_limits(n)?;
-            Ok(Some(DeviceLimitsReport { copy_gb_s: l.copy_gb_s, gemm_tflops: l.gemm_tflops }))
-        }
-        #[cfg(not(feature = "cuda"))]
-        ComputeDevice::Cuda(_) => {
-            let _ = progress;
-            Err(baton_model::ModelError::Device("this build has no CUDA support (`--features cuda`)".into()).into())
-        }
-    }
-}
-
 /// What a batch's figures are set beside.
 #[derive(Clone, Copy)]
 struct Limits {
     read_gb_s: f64,
-    device: Option<DeviceLimitsReport>,
+    device: Option<DeviceLimits>,
     params: usize,
 }
 

@@ -94,6 +94,36 @@ pub struct DeviceOptions {
     pub dtype: ComputeDtype,
 }
 
+/// A device's limits, measured: what `baton bench engine --device cuda` sets its figures beside.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct DeviceLimits {
+    /// Device-to-device copy, bytes read plus bytes written per second (GB/s): the memory
+    /// roofline of a step that reads its bytes once.
+    pub copy_gb_s: f64,
+    /// TFLOP/s of one large bfloat16 GEMM.
+    pub gemm_tflops: f64,
+}
+
+impl ComputeDevice {
+    /// Measures the device's copy bandwidth and GEMM peak; `None` for the CPU (whose benchmark
+    /// measures its memory bandwidth itself). An error where the device is missing or this
+    /// build has no support for it.
+    pub fn measure_limits(self) -> Result<Option<DeviceLimits>> {
+        match self {
+            Self::Cpu => Ok(None),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(n) => crate::cuda::measure_limits(n).map(Some),
+            #[cfg(not(feature = "cuda"))]
+            Self::Cuda(_) => Err(ModelError::Device(NO_CUDA.into())),
+        }
+    }
+}
+
+/// The error of a CUDA request to a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub(crate) const NO_CUDA: &str =
+    "this baton was built without CUDA support: rebuild with `cargo build --release --features cuda`";
+
 /// A batch step flattened for a device: one entry per new token (row) and one block table per
 /// sequence, as the kernels index them. Built and checked on the host.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -124,16 +154,8 @@ impl StepPack {
     pub fn new(batch: &[SeqStep<'_>], block_size: usize, vocab: usize) -> Result<Self> {
         let mut p = Self::default();
         for s in batch {
+            s.check(block_size, vocab)?;
             let end = s.start_pos + s.tokens.len();
-            if s.blocks.len() * block_size < end {
-                return Err(ModelError::InvalidInput(format!(
-                    "block table of {} blocks cannot hold {end} positions",
-                    s.blocks.len()
-                )));
-            }
-            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
-                return Err(ModelError::InvalidInput(format!("token id {bad} is outside the vocabulary of {vocab}")));
-            }
             let start = i32::try_from(p.tables.len())
                 .map_err(|_| ModelError::InvalidInput("block tables too large for one step".into()))?;
             let used = end.div_ceil(block_size);
@@ -148,12 +170,7 @@ impl StepPack {
                 p.table_start.push(start);
             }
             let first = p.logit_rows.len();
-            let wanted = match s.logits {
-                LogitsWanted::None => 0..0,
-                LogitsWanted::Last | LogitsWanted::Argmax => s.tokens.len().saturating_sub(1)..s.tokens.len(),
-                LogitsWanted::All => 0..s.tokens.len(),
-            };
-            p.logit_rows.extend(wanted.map(|r| (row0 + r) as i32));
+            p.logit_rows.extend(s.logit_rows().map(|r| (row0 + r) as i32));
             p.ranges.push(first..p.logit_rows.len());
             p.argmax.push(s.logits == LogitsWanted::Argmax);
         }

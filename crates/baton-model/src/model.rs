@@ -49,6 +49,33 @@ pub struct SeqStep<'a> {
     pub logits: LogitsWanted,
 }
 
+impl SeqStep<'_> {
+    /// Refuses what no backend computes: a block table too short for the positions, a token
+    /// outside the vocabulary.
+    pub(crate) fn check(&self, block_size: usize, vocab: usize) -> Result<()> {
+        let end = self.start_pos + self.tokens.len();
+        if self.blocks.len() * block_size < end {
+            return Err(ModelError::InvalidInput(format!(
+                "block table of {} blocks cannot hold {end} positions",
+                self.blocks.len()
+            )));
+        }
+        if let Some(&bad) = self.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::InvalidInput(format!("token id {bad} is outside the vocabulary of {vocab}")));
+        }
+        Ok(())
+    }
+
+    /// Which of the new tokens' logits are wanted (indices into `tokens`).
+    pub(crate) fn logit_rows(&self) -> Range<usize> {
+        match self.logits {
+            LogitsWanted::None => 0..0,
+            LogitsWanted::Last | LogitsWanted::Argmax => self.tokens.len().saturating_sub(1)..self.tokens.len(),
+            LogitsWanted::All => 0..self.tokens.len(),
+        }
+    }
+}
+
 /// Logits of a batch step: rows in batch order, and for each sequence the rows that are its.
 #[derive(Debug, Clone)]
 pub struct StepLogits {
@@ -113,7 +140,6 @@ impl Embedding {
 /// A loaded decoder model: its configuration and the weights of the backend it computes on.
 pub struct Model {
     config: ModelConfig,
-    device: ComputeDevice,
     compute: Compute,
 }
 
@@ -215,18 +241,19 @@ impl Model {
             }
             #[cfg(not(feature = "cuda"))]
             ComputeDevice::Cuda(_) => {
-                return Err(ModelError::Device(
-                    "this baton was built without CUDA support: rebuild with `cargo build --release --features cuda`"
-                        .into(),
-                ));
+                return Err(ModelError::Device(crate::device::NO_CUDA.into()));
             }
         };
-        Ok(Self { config: config.clone(), device: device.device, compute })
+        Ok(Self { config: config.clone(), compute })
     }
 
     /// The device the model computes on.
     pub fn device(&self) -> ComputeDevice {
-        self.device
+        match &self.compute {
+            Compute::Cpu(_) => ComputeDevice::Cpu,
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(m) => ComputeDevice::Cuda(m.ordinal),
+        }
     }
 
     /// An engine's state on the model's device for its KV arena (see [`DeviceKv`]).
@@ -386,6 +413,8 @@ impl Model {
     ) -> Result<StepLogits> {
         let _ = &device;
         match &self.compute {
+            // The step runs on one of rayon's threads: its hundred-odd parallel products are
+            // then forks within the pool, not a caller blocking on a condition variable each time.
             Compute::Cpu(m) => in_pool(|| m.forward_in_pool(&self.config, batch, kv, layer_written)),
             #[cfg(feature = "cuda")]
             Compute::Cuda(m) => {
@@ -408,8 +437,6 @@ impl Model {
         kv: &mut KvArena,
         layer_written: &mut (dyn FnMut(usize) + Send),
     ) -> Result<StepLogits> {
-        // The step runs on one of rayon's threads: its hundred-odd parallel products are then
-        // forks within the pool, not a caller blocking on a condition variable each time.
         let mut device = self.device_kv_with(kv, false)?;
         self.forward_kv(batch, kv, &mut device, layer_written)
     }
@@ -429,19 +456,7 @@ impl CpuModel {
         let mut ids = Vec::new();
         let mut rows: Vec<RowPos<'_>> = Vec::new();
         for s in batch {
-            if s.blocks.len() * block_size < s.start_pos + s.tokens.len() {
-                return Err(ModelError::InvalidInput(format!(
-                    "block table of {} blocks cannot hold {} positions",
-                    s.blocks.len(),
-                    s.start_pos + s.tokens.len()
-                )));
-            }
-            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-                return Err(ModelError::InvalidInput(format!(
-                    "token id {bad} is outside the vocabulary of {}",
-                    c.vocab_size
-                )));
-            }
+            s.check(block_size, c.vocab_size)?;
             ids.extend_from_slice(s.tokens);
             rows.extend((0..s.tokens.len()).map(|i| RowPos { blocks: s.blocks, pos: s.start_pos + i }));
         }
@@ -513,12 +528,7 @@ impl CpuModel {
         let mut row0 = 0;
         for s in batch {
             let start = picked.len() / hidden;
-            let take = match s.logits {
-                LogitsWanted::None => 0..0,
-                LogitsWanted::Last | LogitsWanted::Argmax => s.tokens.len() - 1..s.tokens.len(),
-                LogitsWanted::All => 0..s.tokens.len(),
-            };
-            for r in take {
+            for r in s.logit_rows() {
                 picked.extend_from_slice(&x[(row0 + r) * hidden..(row0 + r + 1) * hidden]);
             }
             ranges.push(start..picked.len() / hidden);

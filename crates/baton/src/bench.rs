@@ -150,6 +150,12 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
         report.params as f64 / 1e6,
         report.weight_bytes_per_step as f64 / 1e6
     );
+    if let Some(d) = &report.device_limits {
+        // The host's bandwidth says nothing of a GPU's steps: only the GPU's table.
+        println!("KV cache: {:?}, {} prompt tokens a sequence", report.config.kv_dtype, report.config.prompt_len);
+        print_device(&report, d);
+        return Ok(());
+    }
     println!(
         "machine: {} threads, read {:.1} GB/s, memcpy {:.1} GB/s (same run)",
         m.threads, m.read_gb_s, m.memcpy_gb_s
@@ -169,10 +175,6 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
             r.decode_fraction_of_read_bw * 100.0
         );
     }
-    if let Some(d) = &report.device_limits {
-        print_device(&report, d);
-        return Ok(());
-    }
     if let Some(s) = report.batch_speedup {
         println!("decode speed-up of the largest batch over batch 1: {s:.1}x (target >= 5x)");
     }
@@ -186,7 +188,7 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
 }
 
 /// The GPU figures of `baton bench engine --device cuda`, each beside its limit.
-fn print_device(report: &baton_engine::bench::EngineBenchReport, d: &baton_engine::bench::DeviceLimitsReport) {
+fn print_device(report: &baton_engine::bench::EngineBenchReport, d: &baton_model::DeviceLimits) {
     println!("GPU: copy {:.0} GB/s (read + written), bf16 GEMM {:.0} TFLOP/s (same run)", d.copy_gb_s, d.gemm_tflops);
     println!(
         "{:>6} {:>8} {:>14} {:>9} {:>13} {:>12} {:>12} {:>10}",

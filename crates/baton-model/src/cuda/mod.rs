@@ -31,7 +31,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, sys};
 use cudarc::nvrtc::CompileOptions;
 
 use crate::config::{Activation, ModelConfig};
-use crate::device::{ComputeDtype, StepPack};
+use crate::device::{ComputeDtype, DeviceLimits, StepPack};
 use crate::error::{ModelError, Result};
 use crate::kernels::rope_inv_freq;
 use crate::model::{SeqStep, StepLogits};
@@ -340,6 +340,8 @@ struct Layer {
 #[derive(Debug)]
 pub(crate) struct CudaModel {
     ctx: Arc<CudaContext>,
+    /// The device's ordinal (`cuda:N`).
+    pub(crate) ordinal: usize,
     act: Kind,
     config: ModelConfig,
     embed: DevBuf,
@@ -625,6 +627,7 @@ impl CudaModel {
         let weight_bytes = ld.bytes + lm_bytes - c.vocab_size * h * act.size();
         Ok(Self {
             ctx,
+            ordinal,
             act,
             config: c.clone(),
             embed,
@@ -1322,19 +1325,9 @@ impl CudaKv {
     }
 }
 
-/// The device's limits, measured: what `baton bench engine --device cuda` sets its figures
-/// beside.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
-pub struct DeviceLimits {
-    /// Device-to-device copy, bytes read plus bytes written per second (GB/s), best of 10
-    /// copies of 2 GiB: the memory roofline of a step that reads its bytes once.
-    pub copy_gb_s: f64,
-    /// TFLOP/s of one 8192³ bfloat16 GEMM through cuBLAS (float32 accumulation), mean of 10.
-    pub gemm_tflops: f64,
-}
-
-/// Measures copy bandwidth and GEMM peak on CUDA device `ordinal`.
-pub fn measure_limits(ordinal: usize) -> Result<DeviceLimits> {
+/// Measures copy bandwidth (best of 10 copies of 2 GiB) and GEMM peak (one 8192³ bfloat16
+/// GEMM through cuBLAS, float32 accumulation, mean of 10) on CUDA device `ordinal`.
+pub(crate) fn measure_limits(ordinal: usize) -> Result<DeviceLimits> {
     check_libraries()?;
     let ctx = CudaContext::new(ordinal).map_err(err)?;
     // SAFETY: one stream uses these buffers.
