@@ -3,9 +3,6 @@
 
 Every subcommand prints exactly one JSON object on stdout; progress and notes go to stderr.
 
-    bandwidth [--mib 4096]          device-to-device copy bandwidth (CUDA only), a cross-check of
-                                    what `baton bench engine --device cuda` measures itself
-    gemm-peak [--n 8192]            bf16 n x n x n matmul throughput (CUDA only), likewise
     logits --model DIR --dtype bf16|f32 --ids FILE [--device cuda|cpu]
                                     last-position logits of each prompt in FILE (a JSON list of
                                     lists of token ids), one prompt at a time, eager attention
@@ -39,47 +36,6 @@ def need_cuda(torch):
     if not torch.cuda.is_available():
         sys.exit("error: this subcommand needs a CUDA device, and torch.cuda.is_available() is False")
     log(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-
-
-def time_cuda(torch, fn, warmup, iters):
-    """Mean seconds of `fn()` over `iters` runs after `warmup` runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
-def cmd_bandwidth(args):
-    import torch
-
-    need_cuda(torch)
-    nbytes = args.mib * 2**20
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    secs = time_cuda(torch, lambda: dst.copy_(src), warmup=3, iters=10)
-    copy_gbps = 2 * nbytes / secs / 1e9
-    log(f"copy of {args.mib} MiB: {secs * 1e3:.3f} ms, {copy_gbps:.1f} GB/s read+write")
-    emit({"mib": args.mib, "seconds": secs, "copy_gbps": copy_gbps, "read_gbps": copy_gbps / 2})
-
-
-def cmd_gemm_peak(args):
-    import torch
-
-    need_cuda(torch)
-    n = args.n
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    secs = time_cuda(torch, lambda: torch.matmul(a, b), warmup=3, iters=10)
-    tflops = 2 * n**3 / secs / 1e12
-    log(f"bf16 {n}^3 matmul: {secs * 1e3:.3f} ms, {tflops:.1f} TFLOP/s")
-    emit({"n": n, "seconds": secs, "tflops": tflops})
 
 
 def torch_dtype(torch, name):
@@ -194,14 +150,6 @@ def cmd_hf_decode(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-
-    s = sub.add_parser("bandwidth", help="device-to-device copy bandwidth")
-    s.add_argument("--mib", type=int, default=4096)
-    s.set_defaults(fn=cmd_bandwidth)
-
-    s = sub.add_parser("gemm-peak", help="bf16 matmul TFLOP/s")
-    s.add_argument("--n", type=int, default=8192)
-    s.set_defaults(fn=cmd_gemm_peak)
 
     s = sub.add_parser("logits", help="last-position logits of each prompt")
     s.add_argument("--model", required=True)
