@@ -105,7 +105,9 @@ impl ClusterSecret {
         format!("t={ts},n={nonce},sig={sig}")
     }
 
-    /// Verifies an [`AUTH_HEADER`] value; returns the request's timestamp.
+    /// Verifies an [`AUTH_HEADER`] value; returns what identifies the proof (its timestamp and
+    /// nonce), for a replay check. Only the one spelling [`sign_request`](Self::sign_request)
+    /// writes is accepted, so a captured header cannot be re-spelled into a "new" one.
     pub fn verify_request(
         &self,
         header: Option<&str>,
@@ -113,17 +115,18 @@ impl ClusterSecret {
         path: &str,
         now_ms: u64,
         body: &[u8],
-    ) -> Result<u64, AuthFailure> {
+    ) -> Result<ProofId, AuthFailure> {
         let header = header.ok_or(AuthFailure::Missing)?;
-        let (ts, nonce, sig) = parse_header(header).ok_or(AuthFailure::Malformed)?;
-        if ts.abs_diff(now_ms) > MAX_SKEW_MS {
+        let (id, sig) = parse_header(header).ok_or(AuthFailure::Malformed)?;
+        if id.ts.abs_diff(now_ms) > MAX_SKEW_MS {
             return Err(AuthFailure::Stale);
         }
-        let ts_text = ts.to_string();
+        let ts_text = id.ts.to_string();
+        let nonce = hex(&id.nonce);
         if !self.verify(&[method.as_bytes(), path.as_bytes(), ts_text.as_bytes(), nonce.as_bytes(), body], sig) {
             return Err(AuthFailure::BadSignature);
         }
-        Ok(ts)
+        Ok(id)
     }
 }
 
@@ -163,15 +166,44 @@ impl AuthFailure {
     }
 }
 
-fn parse_header(header: &str) -> Option<(u64, &str, &str)> {
-    let mut parts = header.trim().split(',').map(str::trim);
-    let ts = parts.next()?.strip_prefix("t=")?.parse().ok()?;
-    let nonce = parts.next()?.strip_prefix("n=")?;
+/// What identifies a verified request's proof: its timestamp and nonce. The signature is a
+/// function of these and the request, so a replay cache keyed on them refuses every copy of a
+/// proof, however its header was spelled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ProofId {
+    /// The signer's clock, unix milliseconds.
+    pub ts: u64,
+    /// The signer's random nonce.
+    pub nonce: [u8; NONCE_BYTES],
+}
+
+/// Bytes of a proof's random nonce (hex in the header).
+const NONCE_BYTES: usize = 8;
+/// Bytes of an HMAC-SHA256 (hex in the header).
+const SIG_BYTES: usize = 32;
+
+/// Parses the one canonical spelling `t=<decimal, no sign or leading zero>,n=<16 lower-case hex
+/// digits>,sig=<64 lower-case hex digits>`, with no spaces: anything else is malformed. A lenient
+/// parser would let one proof be written many ways, each new to a cache of header strings.
+fn parse_header(header: &str) -> Option<(ProofId, &str)> {
+    let mut parts = header.split(',');
+    let ts_text = parts.next()?.strip_prefix("t=")?;
+    let nonce_text = parts.next()?.strip_prefix("n=")?;
     let sig = parts.next()?.strip_prefix("sig=")?;
-    if parts.next().is_some() || nonce.is_empty() || nonce.len() > 64 {
+    if parts.next().is_some() {
         return None;
     }
-    Some((ts, nonce, sig))
+    let canonical_ts = !ts_text.is_empty()
+        && ts_text.len() <= 20
+        && ts_text.bytes().all(|b| b.is_ascii_digit())
+        && (ts_text == "0" || !ts_text.starts_with('0'));
+    if !canonical_ts || nonce_text.len() != 2 * NONCE_BYTES || sig.len() != 2 * SIG_BYTES {
+        return None;
+    }
+    let ts = ts_text.parse().ok()?;
+    let nonce = unhex(nonce_text)?.try_into().ok()?;
+    unhex(sig)?;
+    Some((ProofId { ts, nonce }, sig))
 }
 
 /// Refuses a worker's signed request whose timestamp is not newer than the last one accepted
@@ -209,7 +241,7 @@ impl ReplayGuard {
 /// nonce ([`ClusterSecret::sign_request`]), so two identical calls never share one. Thread-safe.
 #[derive(Debug, Default)]
 pub struct SeenProofs {
-    seen: std::sync::Mutex<std::collections::BTreeSet<(u64, String)>>,
+    seen: std::sync::Mutex<std::collections::BTreeSet<ProofId>>,
 }
 
 impl SeenProofs {
@@ -217,13 +249,13 @@ impl SeenProofs {
     /// valid proofs can only come from a holder of the secret).
     pub const CAPACITY: usize = 1 << 20;
 
-    /// Accepts the verified request with timestamp `ts` and proof header `proof` once.
-    pub fn check(&self, ts: u64, proof: &str, now_ms: u64) -> Result<(), AuthFailure> {
+    /// Accepts the verified request whose proof is `proof` once.
+    pub fn check(&self, proof: ProofId, now_ms: u64) -> Result<(), AuthFailure> {
         let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        while seen.first().is_some_and(|(t, _)| t.saturating_add(MAX_SKEW_MS) < now_ms) {
+        while seen.first().is_some_and(|p| p.ts.saturating_add(MAX_SKEW_MS) < now_ms) {
             seen.pop_first();
         }
-        if seen.len() >= Self::CAPACITY || !seen.insert((ts, proof.to_owned())) {
+        if seen.len() >= Self::CAPACITY || !seen.insert(proof) {
             return Err(AuthFailure::Replayed);
         }
         Ok(())
@@ -240,18 +272,19 @@ fn hex(bytes: &[u8]) -> String {
     out
 }
 
+/// Lower-case hex only: the one spelling [`hex`] writes.
 fn unhex(text: &str) -> Option<Vec<u8>> {
+    fn digit(b: u8) -> Option<u8> {
+        match b {
+            b'0'..=b'9' => Some(b - b'0'),
+            b'a'..=b'f' => Some(b - b'a' + 10),
+            _ => None,
+        }
+    }
     if !text.len().is_multiple_of(2) {
         return None;
     }
-    text.as_bytes()
-        .chunks(2)
-        .map(|pair| {
-            let hi = char::from(pair[0]).to_digit(16)?;
-            let lo = char::from(pair[1]).to_digit(16)?;
-            u8::try_from(hi * 16 + lo).ok()
-        })
-        .collect()
+    text.as_bytes().chunks(2).map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?)).collect()
 }
 
 #[cfg(test)]
@@ -266,7 +299,10 @@ mod tests {
     fn requests_verify_only_with_the_same_secret_and_body() {
         let a = secret("alpha");
         let header = a.sign_request("POST", "/cluster/register", 1_000_000, b"{}");
-        assert_eq!(a.verify_request(Some(&header), "POST", "/cluster/register", 1_000_500, b"{}"), Ok(1_000_000));
+        assert_eq!(
+            a.verify_request(Some(&header), "POST", "/cluster/register", 1_000_500, b"{}").map(|p| p.ts),
+            Ok(1_000_000)
+        );
         assert_eq!(
             secret("beta").verify_request(Some(&header), "POST", "/cluster/register", 1_000_500, b"{}"),
             Err(AuthFailure::BadSignature)
@@ -285,18 +321,60 @@ mod tests {
         );
         assert_eq!(a.verify_request(None, "POST", "/x", 0, b""), Err(AuthFailure::Missing));
         assert_eq!(a.verify_request(Some("nonsense"), "POST", "/x", 0, b""), Err(AuthFailure::Malformed));
-        assert_eq!(a.verify_request(Some("t=0,n=00,sig=zz"), "POST", "/x", 0, b""), Err(AuthFailure::BadSignature));
+        let zero_sig = "0".repeat(64);
+        assert_eq!(
+            a.verify_request(Some(&format!("t=0,n=0000000000000000,sig={zero_sig}")), "POST", "/x", 0, b""),
+            Err(AuthFailure::BadSignature)
+        );
         assert_eq!(a.verify_request(Some("t=0,sig=zz"), "POST", "/x", 0, b""), Err(AuthFailure::Malformed));
         // The nonce is signed: another one does not verify.
         let (t, rest) = header.split_once(",n=").unwrap_or_default();
         let sig = rest.split_once(',').map(|(_, s)| s).unwrap_or_default();
-        let forged = format!("{t},n=ffff,{sig}");
+        let forged = format!("{t},n=ffffffffffffffff,{sig}");
         assert_eq!(
             a.verify_request(Some(&forged), "POST", "/cluster/register", 1_000_500, b"{}"),
             Err(AuthFailure::BadSignature)
         );
         // Two proofs of the same call in the same millisecond differ.
         assert_ne!(header, a.sign_request("POST", "/cluster/register", 1_000_000, b"{}"));
+    }
+
+    /// Every way of writing a captured proof differently is refused outright, so a replay cache
+    /// never sees a "new" spelling of an old proof (#37: spaces, tabs, `t=0…`, upper-case hex
+    /// were each accepted again).
+    #[test]
+    fn only_the_canonical_spelling_verifies() {
+        let a = secret("alpha");
+        let now = 1_000_000;
+        let header = a.sign_request("POST", "/worker/v1/generate", now, b"{}");
+        let verify = |h: &str| a.verify_request(Some(h), "POST", "/worker/v1/generate", now, b"{}");
+        assert!(verify(&header).is_ok());
+        let (t, rest) = header.split_once(',').unwrap_or_default();
+        let (n, sig) = rest.split_once(',').unwrap_or_default();
+        let respelled = [
+            format!("{t}, {n}, {sig}"),
+            format!("{t},\t{n},{sig}"),
+            format!(" {header}"),
+            format!("{header} "),
+            format!("{header}\t"),
+            format!("t=0{},{n},{sig}", &t[2..]),
+            format!("t=+{},{n},{sig}", &t[2..]),
+            format!("{t},{n},{}", sig.to_uppercase().replace("SIG=", "sig=")),
+            format!("{t},{},{sig}", n.to_uppercase().replace("N=", "n=")),
+            format!("{t},{n},{sig},"),
+            format!("{t},{n},{sig}00"),
+            format!("{n},{t},{sig}"),
+            format!("T{},{n},{sig}", &t[1..]),
+        ];
+        for spelling in &respelled {
+            assert_ne!(spelling, &header);
+            assert_eq!(verify(spelling), Err(AuthFailure::Malformed), "{spelling:?} was not refused");
+        }
+        // The replay cache keys on what the proof is, not how it is written.
+        let seen = SeenProofs::default();
+        let id = verify(&header).expect("valid");
+        assert_eq!(seen.check(id, now), Ok(()));
+        assert_eq!(seen.check(id, now + 1), Err(AuthFailure::Replayed));
     }
 
     #[test]
@@ -309,12 +387,15 @@ mod tests {
     #[test]
     fn seen_proofs_accept_each_proof_once_and_forget_expired_ones() {
         let seen = SeenProofs::default();
-        assert_eq!(seen.check(1_000, "t=1000,sig=aa", 1_000), Ok(()));
+        let id = |ts, n| ProofId { ts, nonce: [n; NONCE_BYTES] };
+        assert_eq!(seen.check(id(1_000, 1), 1_000), Ok(()));
         // Out of order is fine; the same proof twice is not.
-        assert_eq!(seen.check(999, "t=999,sig=bb", 1_001), Ok(()));
-        assert_eq!(seen.check(1_000, "t=1000,sig=aa", 1_002), Err(AuthFailure::Replayed));
+        assert_eq!(seen.check(id(999, 2), 1_001), Ok(()));
+        assert_eq!(seen.check(id(1_000, 1), 1_002), Err(AuthFailure::Replayed));
+        // Same time, another nonce: another request.
+        assert_eq!(seen.check(id(1_000, 3), 1_002), Ok(()));
         // Past the skew window it is forgotten (and would be refused as stale by verification).
-        assert_eq!(seen.check(40_000, "t=40000,sig=cc", 40_000), Ok(()));
+        assert_eq!(seen.check(id(40_000, 4), 40_000), Ok(()));
         assert_eq!(seen.seen.lock().map(|s| s.len()).ok(), Some(1));
     }
 

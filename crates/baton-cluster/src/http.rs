@@ -114,7 +114,7 @@ async fn authenticate<T: serde::de::DeserializeOwned>(
 ) -> Result<T, Response> {
     let now = unix_millis();
     let header = headers.get(AUTH_HEADER).and_then(|v| v.to_str().ok());
-    let ts = registry.secret().verify_request(header, method, path, now, body).map_err(auth_error)?;
+    let ts = registry.secret().verify_request(header, method, path, now, body).map_err(auth_error)?.ts;
     let parsed: T = serde_json::from_slice(body)
         .map_err(|e| error(StatusCode::BAD_REQUEST, format!("invalid JSON body for {path}: {e}")))?;
     registry.check_replay(worker_of(&parsed), ts, now).await.map_err(cluster_error)?;

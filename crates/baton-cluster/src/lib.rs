@@ -59,7 +59,7 @@ mod remote;
 pub mod table;
 mod types;
 
-pub use auth::{AUTH_HEADER, AuthFailure, ClusterSecret, SeenProofs};
+pub use auth::{AUTH_HEADER, AuthFailure, ClusterSecret, ProofId, SeenProofs};
 pub use config::{DEFAULT_CLUSTER, EtcdConfig, RegistryConfig};
 pub use embedded::{EmbeddedRegistry, MembersSnapshot};
 pub use error::ClusterError;

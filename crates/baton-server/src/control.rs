@@ -91,7 +91,7 @@ fn authorize(state: &ControlState, headers: &HeaderMap, method: &str, path: &str
     state
         .secret
         .verify_request(proof, method, path, now, body)
-        .and_then(|ts| state.seen.check(ts, proof.unwrap_or_default(), now))
+        .and_then(|id| state.seen.check(id, now))
         .map_err(|f| ApiError::Unauthorized(format!("worker control API: {}", f.message())))
 }
 

@@ -482,6 +482,20 @@ fn a_worker_without_the_secret_is_refused_and_the_control_api_wants_proof() {
     assert_eq!(r.status(), 401, "a replayed control call was accepted");
     let body = r.json::<Value>().unwrap();
     assert!(body["error"]["message"].as_str().unwrap().contains("replayed"), "{body}");
+    // Re-spelled, it is refused too (#37: each of these was accepted again).
+    let (t, rest) = proof.split_once(',').unwrap();
+    let (n, sig) = rest.split_once(',').unwrap();
+    let respelled = [
+        format!("{t}, {n}, {sig}"),
+        format!("{t},\t{n},{sig}"),
+        format!("t=0{},{n},{sig}", &t[2..]),
+        format!("{t},{n},sig={}", sig[4..].to_uppercase()),
+        format!("{t},n={},{sig}", n[2..].to_uppercase()),
+    ];
+    for spelling in respelled {
+        let r = http().get(format!("{}/worker/v1/stats", p.url)).header(AUTH_HEADER, &spelling).send().unwrap();
+        assert_eq!(r.status(), 401, "the replay {spelling:?} was accepted");
+    }
 }
 
 /// Streams a completion, calls `hook` once `after` chunks arrived, and returns the whole body.
