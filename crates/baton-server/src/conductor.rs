@@ -543,7 +543,6 @@ impl Conductor {
             Decision::Disaggregated { decode, .. }
                 if admit && !decode_has_room(&snapshot.workers[decode], valid.prompt_ids.len()) =>
             {
-                self.metrics.outcome(Outcome::Rejected);
                 Err(ApiError::Overloaded {
                     message: "no decode worker has room for the request's KV now; retry later".into(),
                     retry_after_s: 1,
@@ -552,14 +551,8 @@ impl Conductor {
             Decision::Disaggregated { prefill, decode } => {
                 Ok(Route::Disaggregated { prefill: workers[prefill].clone(), decode: workers[decode].clone() })
             }
-            Decision::Reject { reason } => {
-                self.metrics.outcome(Outcome::Rejected);
-                Err(ApiError::Overloaded { message: reason, retry_after_s: 1 })
-            }
-            Decision::NoWorkers => {
-                self.metrics.outcome(Outcome::Failed);
-                Err(ApiError::Unavailable("no worker is available".into()))
-            }
+            Decision::Reject { reason } => Err(ApiError::Overloaded { message: reason, retry_after_s: 1 }),
+            Decision::NoWorkers => Err(ApiError::Unavailable("no worker is available".into())),
         };
         if let Ok(r) = &route {
             let (prefill, decode) = match r {
@@ -632,6 +625,9 @@ impl Conductor {
         let (route, fetch) = match planned {
             Ok(r) => r,
             Err(e) => {
+                // Counted here, once: a route refused later in the request's life is counted
+                // by the run that asked, at its end.
+                self.metrics.outcome(Outcome::of_error(&e));
                 tracing::info!(status = e.status().as_u16(), "request not routed");
                 return e.into_response();
             }
@@ -1033,7 +1029,7 @@ impl Run {
                 Outcome::Failed
             }
             Err(RunError::Api(e)) => {
-                let o = if e.status().is_client_error() { Outcome::Invalid } else { Outcome::Failed };
+                let o = Outcome::of_error(&e);
                 let _ = self.out.send((self.index, Piece::Failed(e)));
                 o
             }

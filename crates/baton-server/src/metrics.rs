@@ -87,6 +87,18 @@ pub enum Outcome {
     Cancelled,
 }
 
+impl Outcome {
+    /// How a request refused with `e` ended: 429 is a rejection for load, another 4xx an
+    /// invalid request, the rest a failure.
+    pub fn of_error(e: &crate::error::ApiError) -> Self {
+        match e {
+            crate::error::ApiError::Overloaded { .. } => Self::Rejected,
+            e if e.status().is_client_error() => Self::Invalid,
+            _ => Self::Failed,
+        }
+    }
+}
+
 const OUTCOMES: [&str; 5] = ["ok", "invalid", "rejected", "failed", "cancelled"];
 
 /// How a planned fetch of a cached prefix from another worker ended.

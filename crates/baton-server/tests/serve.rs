@@ -719,6 +719,15 @@ async fn models_health_and_metrics_answer() {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no baton_decode_residency_seconds:\n{text}"));
     assert!(residency > 0.0, "{residency}");
+
+    // With no worker left, a request fails once and is counted once (#37: it was counted twice).
+    for w in server.conductor.workers() {
+        assert!(server.conductor.remove_worker(w.name()).is_some());
+    }
+    let (status, v) = server.post("/v1/completions", json!({"prompt": "hi", "max_tokens": 3})).await;
+    assert_eq!(status, 503, "{v}");
+    let text = get("/metrics").await.expect("sends").text().await.expect("text");
+    assert!(text.contains("baton_requests_total{outcome=\"failed\"} 1\n"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
