@@ -150,6 +150,9 @@ pub enum FinishReason {
     Stop,
     /// The caller aborted it.
     Aborted,
+    /// The output's grammar failed (llguidance could not compute a mask, or refused a token):
+    /// the text is not a sentence of the grammar, and the request ends with an error.
+    GrammarFailed,
 }
 
 impl FinishReason {
@@ -159,6 +162,7 @@ impl FinishReason {
             FinishReason::Eos | FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Aborted => "abort",
+            FinishReason::GrammarFailed => "error",
         }
     }
 }

@@ -118,7 +118,9 @@ impl Sequence {
         self.tokens.push(token);
         self.sampler.observe(token);
         let stop_token = self.stop_token_ids.contains(&token);
-        let reason = if (!self.stop.ignore_eos && eos.contains(&token)) || self.sampler.grammar_finished() {
+        let reason = if self.sampler.grammar_failure().is_some() {
+            Some(FinishReason::GrammarFailed)
+        } else if (!self.stop.ignore_eos && eos.contains(&token)) || self.sampler.grammar_finished() {
             // A complete grammar allows nothing but end-of-sequence: the output is done.
             Some(FinishReason::Eos)
         } else if stop_token {

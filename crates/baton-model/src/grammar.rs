@@ -142,8 +142,43 @@ impl GrammarCompiler {
         if let Some(e) = matcher.get_error() {
             return Err(ModelError::Grammar(e));
         }
-        Ok(Grammar { matcher, eos: self.eos })
+        Ok(Grammar { matcher, eos: self.eos, failure: None })
     }
+
+    /// Tokens [`Self::check`] walks.
+    pub const CHECK_STEPS: usize = 4;
+
+    /// Compiles a constraint and walks its first [`Self::CHECK_STEPS`] tokens (each time the
+    /// lowest-numbered token allowed other than end-of-sequence), so that a grammar the engine
+    /// accepts but cannot serve — a schema that only refers to itself, a recursion with no
+    /// base case, a pattern past the lexer's limits — is refused before a request starts rather
+    /// than failing on its first token. (llguidance builds its automata lazily: such grammars
+    /// compile, and fail on the first mask or commit.) A grammar that fails later still ends
+    /// its request with an error ([`Grammar::failure`]), never a silent stop.
+    pub fn check(&self, constraint: &Constraint) -> Result<()> {
+        let mut grammar = self.compile(constraint)?;
+        for _ in 0..Self::CHECK_STEPS {
+            if grammar.is_finished() {
+                break;
+            }
+            let allowed = grammar.matcher.compute_mask_or_eos().map_err(|e| ModelError::Grammar(headline(&e)))?;
+            let Some(next) = allowed.to_list().into_iter().find(|&t| t != self.eos) else {
+                if allowed.is_allowed(self.eos) {
+                    break;
+                }
+                return Err(ModelError::Grammar("the grammar allows no token of the model's".into()));
+            };
+            grammar.commit(next)?;
+        }
+        Ok(())
+    }
+}
+
+/// The first line of an llguidance error: what went wrong, without the dump of the parser's
+/// state that follows it (kilobytes, no use to a client).
+fn headline(e: &impl std::fmt::Display) -> String {
+    let e = e.to_string();
+    e.lines().next().unwrap_or_default().trim().to_owned()
 }
 
 /// One request's grammar state: which tokens may come next.
@@ -151,6 +186,9 @@ impl GrammarCompiler {
 pub struct Grammar {
     matcher: Matcher,
     eos: TokenId,
+    /// Why the grammar failed, once it has: it then allows only end-of-sequence, and the
+    /// request must end with an error, not as if its output were complete.
+    failure: Option<String>,
 }
 
 impl std::fmt::Debug for Grammar {
@@ -166,12 +204,14 @@ impl Grammar {
         let allowed = match self.matcher.compute_mask_or_eos() {
             Ok(mask) if (0..mask.len().min(logits.len())).any(|i| mask.get(i)) => mask,
             Ok(_) => {
-                tracing::warn!("the grammar allows no token of the model's; ending with end-of-sequence");
+                tracing::warn!("the grammar allows no token of the model's; ending the request with an error");
+                self.failure.get_or_insert_with(|| "the grammar allows no token of the model's".into());
                 self.only_eos(logits);
                 return;
             }
             Err(e) => {
-                tracing::warn!(error = %e, "the grammar failed; ending with end-of-sequence");
+                tracing::warn!(error = %e, "the grammar failed; ending the request with an error");
+                self.failure.get_or_insert_with(|| headline(&e));
                 self.only_eos(logits);
                 return;
             }
@@ -196,7 +236,17 @@ impl Grammar {
     /// hand-off). A token the grammar does not allow is an error, and leaves the grammar
     /// finished.
     pub fn commit(&mut self, token: u32) -> Result<()> {
-        self.matcher.consume_token(token).map_err(|e| ModelError::Grammar(e.to_string()))
+        self.matcher.consume_token(token).map_err(|e| {
+            let e = headline(&e);
+            self.failure.get_or_insert_with(|| e.clone());
+            ModelError::Grammar(e)
+        })
+    }
+
+    /// Why the grammar failed, if it did (a mask it could not compute, a token it refused):
+    /// the output is then not a sentence of the grammar, and the request must say so.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
     }
 
     /// Advances the state by several tokens, as [`Self::commit`] does one by one.
@@ -347,5 +397,61 @@ mod tests {
         let letter = t.encode("x", false).expect("encodes")[0];
         assert!(g.commit(letter).is_err(), "JSON does not start with x");
         assert!(g.is_finished(), "a refused token finishes the grammar");
+    }
+
+    /// Schemas llguidance compiles but cannot serve fail the check before any token (#37:
+    /// each answered 200 with `""`, `{"` or `"` and `finish_reason: "stop"`).
+    #[test]
+    fn schemas_the_engine_cannot_serve_fail_the_check() {
+        let t = tokenizer();
+        let compiler = t.grammar_compiler().expect("builds");
+        let node = json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/node"}, "b": {"$ref": "#/$defs/node"}},
+            "required": ["a", "b"]});
+        for schema in [
+            json!({"$ref": "#"}),
+            json!({"$defs": {"node": node}, "$ref": "#/$defs/node"}),
+            json!({"type": "string", "pattern": "^(a{1000}){1000}$"}),
+        ] {
+            let c = Constraint::JsonSchema(schema.clone());
+            assert!(compiler.compile(&c).is_ok(), "{schema}: llguidance compiles it lazily");
+            assert!(compiler.check(&c).is_err(), "{schema} passed the check");
+        }
+        assert_eq!(compiler.check(&Constraint::JsonSchema(schema())).ok(), Some(()));
+        assert_eq!(compiler.check(&Constraint::JsonSchema(json!({"type": "object"}))).ok(), Some(()));
+    }
+
+    /// A grammar that fails past the check's first tokens says so: it allows only
+    /// end-of-sequence from then on, and [`Grammar::failure`] is set, so the request ends with
+    /// an error rather than as a complete output.
+    #[test]
+    fn a_grammar_failing_later_reports_its_failure() {
+        let t = tokenizer();
+        let compiler = t.grammar_compiler().expect("builds");
+        let c = Constraint::JsonSchema(late_failing_schema());
+        assert!(compiler.check(&c).is_ok(), "it fails only after the key");
+        let mut g = compiler.compile(&c).expect("compiles");
+        let vocab = t.vocab_size();
+        let mut steps = 0;
+        while g.failure().is_none() && !g.is_finished() {
+            assert!(steps < 100, "never failed");
+            let mut logits = vec![0.0f32; vocab];
+            g.mask(&mut logits);
+            let _ = g.commit(argmax(&logits));
+            steps += 1;
+        }
+        assert!(steps > GrammarCompiler::CHECK_STEPS, "failed within the check's walk, at {steps}");
+        assert!(g.failure().is_some(), "finished without a failure");
+        let mut logits = vec![0.0f32; vocab];
+        g.mask(&mut logits);
+        assert_eq!(argmax(&logits), g.eos, "a failed grammar allows only end-of-sequence");
+    }
+
+    /// A schema whose first item is a nine-digit number and whose second is a recursion with no
+    /// base case: the check's walk passes, generation fails past the number.
+    fn late_failing_schema() -> Value {
+        let node = json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/node"}, "b": {"$ref": "#/$defs/node"}},
+            "required": ["a", "b"]});
+        json!({"type": "array", "prefixItems": [{"type": "integer", "minimum": 100_000_000, "maximum": 100_000_001},
+            {"$ref": "#/$defs/node"}], "items": false, "minItems": 2, "$defs": {"node": node}})
     }
 }

@@ -189,6 +189,11 @@ impl Sampler {
         self.grammar.as_ref().is_some_and(|g| g.is_finished())
     }
 
+    /// Why the grammar failed, if it did ([`Grammar::failure`]).
+    pub fn grammar_failure(&self) -> Option<&str> {
+        self.grammar.as_ref().and_then(|g| g.failure())
+    }
+
     /// Notes the prompt (the repetition penalty counts its tokens).
     pub fn observe_prompt(&mut self, prompt: &[u32]) {
         if self.params.adjust.repetition_penalty != 1.0 {

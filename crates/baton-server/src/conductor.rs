@@ -1317,6 +1317,18 @@ impl Run {
     }
 
     fn finish(&self, reason: Finish, prompt_tokens: usize, completion_tokens: usize) -> Result<(), RunError> {
+        if reason == Finish::GrammarFailed {
+            // The text so far is not a sentence of the grammar: the client must not take it
+            // for a complete output (a 400 before the body, or an error event in a stream).
+            return Err(RunError::Api(ApiError::param(
+                "response_format",
+                format!(
+                    "the output's grammar (`response_format` or a forced tool call) failed after {completion_tokens} \
+                     tokens: the grammar engine cannot serve this schema (too deep a recursion, or a pattern past its \
+                     limits); simplify it"
+                ),
+            )));
+        }
         let m = &self.conductor.metrics;
         if self.index == 0 {
             m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);

@@ -432,12 +432,12 @@ impl Validator {
         Ok(valid)
     }
 
-    /// Compiles a constraint as a worker will, so that an invalid one is a 400 naming `param`.
+    /// Compiles a constraint as a worker will and walks its first tokens, so that an invalid
+    /// one, or one the grammar engine cannot serve, is a 400 naming `param` before any token.
     fn check_constraint(&self, constraint: &Constraint, param: &str) -> Result<(), ApiError> {
         self.tokenizer
             .grammar_compiler()
-            .and_then(|g| g.compile(constraint))
-            .map(drop)
+            .and_then(|g| g.check(constraint))
             .map_err(|e| ApiError::param(param, e.to_string()))
     }
 

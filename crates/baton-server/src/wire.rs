@@ -277,6 +277,9 @@ pub enum Finish {
     Stop,
     /// Aborted.
     Aborted,
+    /// The output's grammar failed mid-generation: the conductor ends the request with an
+    /// error, never as a complete output.
+    GrammarFailed,
 }
 
 impl From<FinishReason> for Finish {
@@ -286,6 +289,7 @@ impl From<FinishReason> for Finish {
             FinishReason::Length => Finish::Length,
             FinishReason::Stop => Finish::Stop,
             FinishReason::Aborted => Finish::Aborted,
+            FinishReason::GrammarFailed => Finish::GrammarFailed,
         }
     }
 }
@@ -297,6 +301,7 @@ impl Finish {
             Finish::Eos | Finish::Stop => "stop",
             Finish::Length => "length",
             Finish::Aborted => "abort",
+            Finish::GrammarFailed => "error",
         }
     }
 }

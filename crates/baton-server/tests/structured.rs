@@ -217,6 +217,58 @@ async fn forced_tool_calls_come_back_as_tool_calls_and_a_tool_result_is_taken() 
     server.assert_no_kv_held().await;
 }
 
+/// A chat body asking for JSON under `schema`.
+fn schema_format(schema: Value) -> Value {
+    json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+}
+
+/// An object that must hold two more of itself: no finite JSON matches it.
+fn endless_node() -> Value {
+    json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/node"}, "b": {"$ref": "#/$defs/node"}},
+        "required": ["a", "b"]})
+}
+
+/// A grammar that fails mid-generation, past the tokens the validator walks, ends the request
+/// with an error the client sees — a 400 naming the parameter, or an error event after the
+/// streamed text — never as a complete output with `finish_reason: "stop"`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grammar_failing_mid_generation_ends_with_an_error_not_a_stop() {
+    let server = start_with(&ServeConfig { engine: engine_config(), ..ServeConfig::new(fixture("tiny-llama")) }).await;
+    // A nine-digit number first (the validator's walk passes), then the endless object.
+    let body = schema_format(json!({"type": "array", "prefixItems": [{"type": "integer", "minimum": 100_000_000,
+        "maximum": 100_000_001}, {"$ref": "#/$defs/node"}], "items": false, "minItems": 2,
+        "$defs": {"node": endless_node()}}));
+    let (status, v) = post(&server, &body).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "response_format", "{v}");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("failed after")), "{v}");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", server.url))
+        .json(&streamed)
+        .send()
+        .await
+        .expect("sends");
+    assert_eq!(r.status().as_u16(), 200);
+    let raw = r.text().await.expect("the stream ends");
+    assert!(!raw.contains("[DONE]"), "a failed stream ended as a complete one: {raw}");
+    let chunks: Vec<Value> = raw
+        .split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).expect("JSON events"))
+        .collect();
+    let text: String =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect::<Vec<_>>().concat();
+    assert!(text.starts_with("[10000000"), "{text:?}");
+    assert!(chunks.iter().all(|c| c["choices"][0]["finish_reason"].is_null()), "a finish reason came: {chunks:?}");
+    let last = chunks.last().expect("events");
+    assert_eq!(last["error"]["param"], "response_format", "the stream did not end with the error: {last}");
+    server.assert_no_kv_held().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_structured_requests_are_400s_naming_the_parameter() {
     let server = start_with(&ServeConfig { engine: engine_config(), ..ServeConfig::new(fixture("tiny-llama")) }).await;
@@ -249,6 +301,11 @@ async fn invalid_structured_requests_are_400s_naming_the_parameter() {
             "tool_choice": "required"}),
             "tools",
         ),
+        // Schemas the grammar engine compiles but cannot serve (#37: each answered 200 with
+        // output that does not parse and `finish_reason: "stop"`).
+        (schema_format(json!({"$ref": "#"})), "response_format"),
+        (schema_format(json!({"$defs": {"node": endless_node()}, "$ref": "#/$defs/node"})), "response_format"),
+        (schema_format(json!({"type": "string", "pattern": "^(a{1000}){1000}$"})), "response_format"),
         (json!({"messages": [{"role": "tool", "content": "42"}]}), "messages[0].tool_call_id"),
         (
             json!({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "c", "type": "function",
