@@ -138,6 +138,9 @@ pub struct Exchange {
     pub outcome: Outcome,
     /// Why it failed.
     pub error: Option<String>,
+    /// Whether the server accepted it (HTTP 200: the stream began). A failure after that,
+    /// with or without a token, is one the client could not have been told of in time.
+    pub accepted: bool,
 }
 
 /// An HTTP client for one server, or for replicas of one server (conductors routing to the same
@@ -223,6 +226,7 @@ impl Client {
             usage: None,
             outcome: Outcome::Ok,
             error: None,
+            accepted: false,
         };
         let result = self.stream_into(endpoint, body, start, deadline, &mut ex).await;
         ex.jct_us = micros(start.elapsed());
@@ -255,6 +259,7 @@ impl Client {
                 if status.as_u16() == 429 { Outcome::Rejected } else { Outcome::Http { status: status.as_u16() } };
             return Err((outcome, format!("HTTP {status}: {}", clip(text.as_deref().unwrap_or("")))));
         }
+        ex.accepted = true;
         let mut decoder = SseDecoder::new();
         let mut last: Option<Instant> = None;
         let mut finished = false;

@@ -1,9 +1,10 @@
 //! Storms: many requests at once against a server, and how each ended from the client's side.
 //!
 //! A serving system under more load than it can hold must do one of two things with a request:
-//! serve it, or refuse it before its first token (HTTP 429). Failing a request after its first
-//! token, or leaving it hanging, is the bug a storm looks for. [`StormTally`] counts the four
-//! (plus failures before the first token, e.g. a 503) and the tokens served; `baton bench storm`
+//! serve it, or refuse it before its stream starts (HTTP 429). Failing a request after its 200
+//! (an error event in the stream, with or without tokens before it), or leaving it hanging, is
+//! the bug a storm looks for. [`StormTally`] counts the four (plus failures before the stream,
+//! e.g. a 503) and the tokens served; `baton bench storm`
 //! is the thin shell that sends the requests, `scripts/bench-storm.sh` sweeps concurrency and KV
 //! size.
 
@@ -19,11 +20,11 @@ use crate::metrics::Outcome;
 pub enum StormOutcome {
     /// Served to the end.
     Completed,
-    /// Refused with 429 before any token: what an overloaded server should do.
+    /// Refused with 429 before its stream began: what an overloaded server should do.
     Refused,
-    /// Failed before any token, otherwise than a 429 (a 5xx, a refused connection).
+    /// Failed before its stream began, otherwise than a 429 (a 5xx, a refused connection).
     FailedBefore,
-    /// Failed after streaming at least one token: the bug (target 0).
+    /// Failed after its 200 (an error event, a broken stream), tokens or not: the bug (target 0).
     FailedAfter,
     /// No answer within the client's timeout: the other bug (target 0).
     Hung,
@@ -34,9 +35,9 @@ pub fn classify(ex: &Exchange) -> StormOutcome {
     match ex.outcome {
         Outcome::Ok => StormOutcome::Completed,
         Outcome::Timeout => StormOutcome::Hung,
-        Outcome::Rejected if ex.chunks == 0 => StormOutcome::Refused,
-        _ if ex.chunks == 0 => StormOutcome::FailedBefore,
-        _ => StormOutcome::FailedAfter,
+        _ if ex.accepted || ex.chunks > 0 => StormOutcome::FailedAfter,
+        Outcome::Rejected => StormOutcome::Refused,
+        _ => StormOutcome::FailedBefore,
     }
 }
 
@@ -45,11 +46,11 @@ pub fn classify(ex: &Exchange) -> StormOutcome {
 pub struct StormTally {
     /// Served to the end.
     pub completed: u64,
-    /// Refused with 429 before the first token.
+    /// Refused with 429 before the stream began.
     pub refused: u64,
-    /// Failed before the first token, not a 429.
+    /// Failed before the stream began, not a 429.
     pub failed_before: u64,
-    /// Failed after the first token (target 0).
+    /// Failed after the server's 200 (target 0).
     pub failed_after: u64,
     /// Hung past the timeout (target 0).
     pub hung: u64,
@@ -77,7 +78,7 @@ impl StormTally {
         self.completed + self.refused + self.failed_before + self.failed_after + self.hung
     }
 
-    /// Whether nothing failed after its first token and nothing hung.
+    /// Whether nothing failed after its 200 and nothing hung.
     pub fn is_clean(&self) -> bool {
         self.failed_after == 0 && self.hung == 0
     }
@@ -145,7 +146,10 @@ mod tests {
     use super::*;
 
     fn ex(outcome: Outcome, chunks: u64) -> Exchange {
+        // A 200 came whenever the exchange got past its status: it completed or streamed.
+        let accepted = outcome == Outcome::Ok || chunks > 0;
         Exchange {
+            accepted,
             ttft_us: None,
             itl_us: Vec::new(),
             jct_us: 0,
@@ -158,7 +162,7 @@ mod tests {
     }
 
     #[test]
-    fn outcomes_are_told_apart_by_whether_a_token_came_first() {
+    fn outcomes_are_told_apart_by_whether_the_stream_began() {
         assert_eq!(classify(&ex(Outcome::Ok, 5)), StormOutcome::Completed);
         assert_eq!(classify(&ex(Outcome::Rejected, 0)), StormOutcome::Refused);
         assert_eq!(classify(&ex(Outcome::Http { status: 503 }, 0)), StormOutcome::FailedBefore);
@@ -167,6 +171,9 @@ mod tests {
         assert_eq!(classify(&ex(Outcome::Stream, 3)), StormOutcome::FailedAfter);
         assert_eq!(classify(&ex(Outcome::Timeout, 0)), StormOutcome::Hung);
         assert_eq!(classify(&ex(Outcome::Timeout, 7)), StormOutcome::Hung);
+        // A 200, then an error event before any token (#37: the late 503): a failure after.
+        let late = Exchange { accepted: true, ..ex(Outcome::ServerError, 0) };
+        assert_eq!(classify(&late), StormOutcome::FailedAfter);
         let mut t = StormTally::default();
         for e in [ex(Outcome::Ok, 5), ex(Outcome::Rejected, 0), ex(Outcome::ServerError, 1), ex(Outcome::Ok, 3)] {
             t.add(&e);

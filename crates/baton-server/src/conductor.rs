@@ -53,8 +53,13 @@ use crate::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
 use crate::wire::{KvSource, PdCaching, Received, WorkerError, fetch_lease};
 use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
 
-/// How long the conductor waits for a worker's next event before failing the request.
-const WORKER_EVENT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a request's worker may stay silent before the conductor asks whether it is alive
+/// (the default of [`Conductor::with_worker_silence`]). A request queued behind others on a
+/// busy worker sends nothing until its turn: silence alone is not death.
+pub const WORKER_SILENCE: Duration = Duration::from_secs(30);
+/// The longest a request waits on a worker that answers probes but sends the request nothing:
+/// past it the request is failed (and goes on elsewhere if it can), never left to hang.
+const WORKER_SILENCE_MAX: Duration = Duration::from_secs(600);
 /// How many times a request whose worker was lost before it streamed anything is routed again.
 const MAX_RETRIES: usize = 2;
 /// First wait before probing a worker whose breaker tripped; it doubles up to `PROBE_MAX`.
@@ -102,6 +107,8 @@ pub struct Conductor {
     elastic_wake: Arc<tokio::sync::Notify>,
     /// Whether the elastic loop runs (one per conductor, however often `router` is called).
     elastic_running: AtomicBool,
+    /// How long a request's worker may be silent before it is probed ([`WORKER_SILENCE`]).
+    worker_silence: Duration,
 }
 
 /// The conductor's ledger of its workers: a stable instance id per name, and the requests in
@@ -114,8 +121,19 @@ struct Loads {
     prefill: HashMap<String, HashMap<u64, (u64, usize)>>,
     /// Worker → request → (decode start, µs; context tokens).
     decode: HashMap<String, HashMap<u64, (u64, usize)>>,
+    /// Request → (its decode worker, KV tokens): admitted to a decode worker but not yet
+    /// decoding there (in prefill, or handing over), kept by a [`Binding`]. Counted against the
+    /// worker's room, so a burst cannot be admitted all at once against the same free blocks.
+    bound: HashMap<u64, (String, usize)>,
     /// How long requests stay on their decode worker (predictive admission's `t_d`).
     decode_time: MovingMean,
+}
+
+impl Loads {
+    /// KV tokens claimed on decode worker `name` by requests admitted to it and not decoding yet.
+    fn bound_to(&self, name: &str) -> usize {
+        self.bound.values().filter(|(w, _)| w == name).map(|&(_, t)| t).sum()
+    }
 }
 
 /// An exponential moving mean of durations, µs (weight 1/16 for each new one).
@@ -154,6 +172,20 @@ struct Tracked<'a> {
     worker: String,
     id: u64,
     decode: bool,
+}
+
+/// A request's claim on room in its decode worker's KV pool from admission until its decode
+/// starts there (which takes the claim over) or the request ends; dropping it gives the room
+/// back.
+pub(crate) struct Binding {
+    conductor: Arc<Conductor>,
+    id: u64,
+}
+
+impl Drop for Binding {
+    fn drop(&mut self) {
+        self.conductor.loads().bound.remove(&self.id);
+    }
 }
 
 impl Drop for Tracked<'_> {
@@ -211,7 +243,17 @@ impl Conductor {
             elastic: None,
             elastic_wake: Arc::new(tokio::sync::Notify::new()),
             elastic_running: AtomicBool::new(false),
+            worker_silence: WORKER_SILENCE,
         }
+    }
+
+    /// How long a request's worker may send nothing before the conductor probes it (its stats,
+    /// answered between engine steps): a worker that answers is busy and the request keeps
+    /// waiting; one that does not is lost, and the request goes on elsewhere.
+    #[must_use]
+    pub fn with_worker_silence(mut self, silence: Duration) -> Self {
+        self.worker_silence = silence.max(Duration::from_millis(10));
+        self
     }
 
     /// Switches workers' roles as `elastic` decides (`--elastic`; `None`: never), looking every
@@ -357,11 +399,32 @@ impl Conductor {
         let mut loads = self.loads();
         let name = worker.name().to_owned();
         if decode {
+            // Decoding, the request's context counts here: its admission claim is over.
+            loads.bound.remove(&id.0);
             loads.decode.entry(name.clone()).or_default().insert(id.0, (now, tokens));
         } else {
             loads.prefill.entry(name.clone()).or_default().insert(id.0, (now, tokens));
         }
         Tracked { conductor: self, worker: name, id: id.0, decode }
+    }
+
+    /// Claims room for `tokens` of KV on decode worker `decode` for request `id`, or refuses
+    /// (429) when what decodes there and what is already bound to it leave no room. Checked and
+    /// claimed under one lock: concurrent admissions see each other's claims, so a burst is
+    /// admitted only as far as the decode pool can hold it (the policy's check saw a snapshot).
+    fn bind(self: &Arc<Self>, decode: &dyn Worker, id: RequestId, tokens: usize) -> Result<Binding, ApiError> {
+        let capacity = decode.capacity_blocks() * decode.block_tokens();
+        let mut loads = self.loads();
+        let decoding: usize = loads.decode.get(decode.name()).map_or(0, |r| r.values().map(|&(_, t)| t).sum());
+        let used = decoding + loads.bound_to(decode.name());
+        if capacity > 0 && used + tokens >= capacity {
+            return Err(ApiError::Overloaded {
+                message: "no decode worker has room for the request's KV now; retry later".into(),
+                retry_after_s: 1,
+            });
+        }
+        loads.bound.insert(id.0, (decode.name().to_owned(), tokens));
+        Ok(Binding { conductor: Arc::clone(self), id: id.0 })
     }
 
     /// Microseconds since the conductor started: the clock of its snapshots.
@@ -503,6 +566,7 @@ impl Conductor {
                     in_flight: w.in_flight(),
                     prefilling: loads.prefill.get(name).map(|t| t.values().copied().collect()).unwrap_or_default(),
                     decoding: loads.decode.get(name).map(|t| t.values().copied().collect()).unwrap_or_default(),
+                    bound_tokens: loads.bound_to(name),
                     capacity_blocks: w.capacity_blocks(),
                     capacity_tokens: w.capacity_blocks() * w.block_tokens(),
                     report: self.view.report(name),
@@ -622,7 +686,19 @@ impl Conductor {
         if self.elastic.is_some() {
             self.elastic_wake.notify_one();
         }
-        let (route, fetch) = match planned {
+        // One id per choice (workers and transfers need distinct ones); the first names the
+        // response.
+        let id = RequestId(self.next_id.fetch_add(valid.n as u64, Ordering::Relaxed));
+        let admitted = planned.and_then(|(route, fetch)| {
+            let binding = match &route {
+                Route::Disaggregated { decode, .. } => {
+                    Some(self.bind(decode.as_ref(), id, valid.prompt_ids.len() * valid.n)?)
+                }
+                Route::Colocated(_) => None,
+            };
+            Ok((route, fetch, binding))
+        });
+        let (route, fetch, binding) = match admitted {
             Ok(r) => r,
             Err(e) => {
                 // Counted here, once: a route refused later in the request's life is counted
@@ -632,9 +708,6 @@ impl Conductor {
                 return e.into_response();
             }
         };
-        // One id per choice (workers and transfers need distinct ones); the first names the
-        // response.
-        let id = RequestId(self.next_id.fetch_add(valid.n as u64, Ordering::Relaxed));
         tracing::Span::current().record("request", id.0);
         tracing::info!(
             endpoint = ?endpoint,
@@ -675,14 +748,14 @@ impl Conductor {
                         return;
                     }
                     for r in others {
-                        tokio::spawn(r.run(route.clone()).in_current_span());
+                        tokio::spawn(r.run(route.clone(), None).in_current_span());
                     }
                 }
                 .in_current_span(),
             );
         }
         drop(tx);
-        tokio::spawn(first.run(route).in_current_span());
+        tokio::spawn(first.run(route, binding).in_current_span());
         if stream { sse_response(valid, id, rx) } else { full_response(valid, id, rx).await }
     }
 }
@@ -953,7 +1026,10 @@ impl Run {
         }
     }
 
-    async fn run(self, mut route: Route) {
+    /// Runs the request on `route` to its end, holding `binding` (its claim on its decode
+    /// worker's room) until its decode starts or it ends.
+    async fn run(self, mut route: Route, binding: Option<Binding>) {
+        let _binding = binding;
         let c = self.conductor.clone();
         let start = Instant::now();
         let mut lost_workers = Vec::new();
@@ -1373,14 +1449,35 @@ impl Run {
         events: &mut mpsc::UnboundedReceiver<RequestEvent>,
     ) -> Result<RequestEvent, RunError> {
         let lost = |reason: &str| RunError::Lost { worker: worker.name().to_owned(), reason: reason.to_owned() };
-        let event = tokio::select! {
-            e = tokio::time::timeout(WORKER_EVENT_TIMEOUT, events.recv()) => e,
-            () = self.out.closed() => return Err(RunError::Cancelled),
-        };
-        match event {
-            Ok(Some(e)) => Ok(e),
-            Ok(None) => Err(lost("it stopped before finishing the request")),
-            Err(_) => Err(lost("it did not answer in time")),
+        let since = Instant::now();
+        loop {
+            let event = tokio::select! {
+                e = tokio::time::timeout(self.conductor.worker_silence, events.recv()) => e,
+                () = self.out.closed() => return Err(RunError::Cancelled),
+            };
+            match event {
+                Ok(Some(e)) => return Ok(e),
+                Ok(None) => return Err(lost("it stopped before finishing the request")),
+                Err(_) if since.elapsed() >= WORKER_SILENCE_MAX => {
+                    return Err(lost("it sent nothing for this request in ten minutes"));
+                }
+                Err(_) => {
+                    // Silent: queued behind other requests, or dead? Its engine answers a
+                    // stats call between steps; a busy worker is not taken for a dead one.
+                    let alive = tokio::select! {
+                        stats = worker.stats() => stats.is_some(),
+                        () = self.out.closed() => return Err(RunError::Cancelled),
+                    };
+                    if !alive {
+                        return Err(lost("it sent nothing and did not answer a probe in time"));
+                    }
+                    tracing::debug!(
+                        worker = worker.name(),
+                        silent_s = since.elapsed().as_secs(),
+                        "worker busy; waiting"
+                    );
+                }
+            }
         }
     }
 }

@@ -133,6 +133,7 @@ mod tests {
             in_flight: 0,
             prefilling,
             decoding: Vec::new(),
+            bound_tokens: 0,
             capacity_blocks: 1000,
             capacity_tokens: 16_000,
             report: None,

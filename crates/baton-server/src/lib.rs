@@ -99,6 +99,9 @@ pub struct ServeConfig {
     /// model's KV bytes (the profile's `kv_bytes_per_token`), so a hand-off takes as long as it
     /// would between GPU instances (`None`: as long as the emulated arena's copy).
     pub emulate_link: Option<baton_sched::Link>,
+    /// How long a request's worker may send nothing before the conductor probes whether it is
+    /// alive ([`Conductor::with_worker_silence`]).
+    pub worker_silence: Duration,
 }
 
 impl ServeConfig {
@@ -123,6 +126,7 @@ impl ServeConfig {
             push_delay: Duration::ZERO,
             emulate: None,
             emulate_link: None,
+            worker_silence: conductor::WORKER_SILENCE,
         }
     }
 }
@@ -294,6 +298,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
         .with_pd_caching(config.pd_caching)
         .with_kv_index(config.kv_index)
         .with_protect_metrics(config.protect_metrics)
+        .with_worker_silence(config.worker_silence)
         .with_elastic(elastic),
     ))
 }

@@ -22,6 +22,9 @@ pub struct WorkerView {
     /// Each request decoding on it: (when decoding started, µs since the conductor started;
     /// context tokens).
     pub decoding: Vec<(u64, usize)>,
+    /// KV tokens claimed on it by requests admitted to decode here that have not started
+    /// decoding yet (still in prefill, or handing over).
+    pub bound_tokens: usize,
     /// KV blocks of its pool (0: unknown).
     pub capacity_blocks: usize,
     /// Tokens of KV its pool holds (0: unknown).
@@ -40,6 +43,7 @@ impl WorkerView {
             in_flight,
             prefilling: Vec::new(),
             decoding: Vec::new(),
+            bound_tokens: 0,
             capacity_blocks: 0,
             capacity_tokens: 0,
             report: None,
@@ -151,11 +155,13 @@ pub struct LeastLoad {
 }
 
 /// Whether a decode worker has room to start a request of `prompt` tokens now: the context of
-/// every request decoding on it or handed to it, plus this prompt, fits in its KV pool. When
+/// every request decoding on it or bound to it (admitted, still in prefill), plus this prompt,
+/// fits in its KV pool. When
 /// it does not, the hand-off would have to wait for room after the prefill (and the client would
 /// have its first token and then wait): refusing before the prefill is the honest answer.
 pub fn decode_has_room(w: &WorkerView, prompt: usize) -> bool {
-    w.capacity_tokens == 0 || w.decoding.iter().map(|&(_, ctx)| ctx).sum::<usize>() + prompt < w.capacity_tokens
+    w.capacity_tokens == 0
+        || w.decoding.iter().map(|&(_, ctx)| ctx).sum::<usize>() + w.bound_tokens + prompt < w.capacity_tokens
 }
 
 impl RoutePolicy for LeastLoad {

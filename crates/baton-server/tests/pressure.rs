@@ -341,3 +341,79 @@ async fn a_storm_over_kv_tiers_keeps_every_text_and_leaks_nothing() {
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A busy worker is not a dead one (#37, item 2: requests queued on a healthy prefill worker
+/// were failed after 120 s of silence, and the worker's breaker tripped). Emulated prefill of
+/// 400 ms a step, one request at a time, and a 100 ms silence before the conductor probes: the
+/// last of eight requests waits seconds without an event. Before, each such wait was "worker
+/// lost"; now the probe finds the worker alive, every request completes, nothing is retried and
+/// no breaker trips.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_busy_with_a_queue_is_not_taken_for_dead() {
+    let mut profile = baton_sched::CostProfile::llama2_70b_8xh100();
+    profile.prefill.fixed_us = 400_000.0;
+    let config = ServeConfig {
+        engine: EngineConfig { max_num_seqs: 1, ..EngineConfig::default() },
+        emulate: Some(profile),
+        worker_silence: Duration::from_millis(100),
+        ..ServeConfig::new(fixture("tiny-llama"))
+    };
+    let server = start(&config).await;
+    let body = json!({"prompt": "A prompt that waits its turn", "max_tokens": 4, "ignore_eos": true, "stream": true});
+    let runs: Vec<_> = (0..8)
+        .map(|_| {
+            let (client, url, body) = (client(), server.url.clone(), body.clone());
+            tokio::spawn(async move { stream_once(&client, &url, "/v1/completions", &body).await })
+        })
+        .collect();
+    for r in runs {
+        assert!(matches!(r.await.expect("joins"), Outcome::Done(_)), "a queued request did not complete");
+    }
+    for w in server.conductor.workers() {
+        assert!(!server.conductor.is_tripped(w.name()), "{} was taken for dead", w.name());
+    }
+    let metrics = client().get(format!("{}/metrics", server.url)).send().await.expect("sends");
+    let metrics = metrics.text().await.expect("text");
+    assert!(metrics.contains("baton_retries_total 0"), "{metrics}");
+    assert!(metrics.contains("baton_requests_total{outcome=\"ok\"} 8"), "{metrics}");
+    server.assert_no_kv_held().await;
+}
+
+/// A burst is admitted only as far as the decode pool holds it (#37, item 2: the whole burst
+/// was admitted at once because only requests already decoding were counted). 64 blocks of 16
+/// tokens, 120 concurrent streams of prompts from ~30 to ~780 tokens on a slow emulated prefill:
+/// each completes or gets a 429 before its stream starts, none fails after its 200, and no
+/// breaker trips.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_is_admitted_only_as_far_as_the_decode_pool_holds_it() {
+    let mut profile = baton_sched::CostProfile::llama2_70b_8xh100();
+    profile.prefill.fixed_us = 50_000.0;
+    let config = ServeConfig {
+        engine: EngineConfig { num_blocks: 64, ..EngineConfig::default() },
+        emulate: Some(profile),
+        ..ServeConfig::new(fixture("tiny-llama"))
+    };
+    let server = start(&config).await;
+    let runs: Vec<_> = (0..120)
+        .map(|i| {
+            let prompt = "relay ".repeat(10 + (i * 37) % 250);
+            let body = json!({"prompt": prompt, "max_tokens": 8, "ignore_eos": true, "stream": true});
+            let (client, url) = (client(), server.url.clone());
+            tokio::spawn(async move { stream_once(&client, &url, "/v1/completions", &body).await })
+        })
+        .collect();
+    let (mut done, mut refused) = (0, 0);
+    for r in runs {
+        match r.await.expect("joins") {
+            Outcome::Done(_) => done += 1,
+            Outcome::Refused => refused += 1,
+            Outcome::NoResponse => {}
+        }
+    }
+    eprintln!("{done} completed, {refused} refused with 429 before their stream");
+    assert!(done > 0 && refused > 0, "{done} completed, {refused} refused");
+    for w in server.conductor.workers() {
+        assert!(!server.conductor.is_tripped(w.name()), "{} was taken for dead", w.name());
+    }
+    server.assert_no_kv_held().await;
+}

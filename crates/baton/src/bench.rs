@@ -36,9 +36,9 @@ pub(crate) enum BenchCommand {
     /// rate sweeps by rate.
     Compare(bench_serve::CompareArgs),
     /// Bursts of concurrent streaming requests (shared-prefix completions, unrelated
-    /// completions, chats): per burst, how many completed, were refused before their first token
-    /// (429), failed before it, failed after it or hung (the last two: target 0), and tokens/s.
-    /// Exits non-zero when any failed after its first token or hung.
+    /// completions, chats): per burst, how many completed, were refused before their stream began
+    /// (429), failed before it, failed after its 200 or hung (the last two: target 0), and
+    /// tokens/s. Exits non-zero when any failed after its 200 or hung.
     Storm(bench_storm::StormArgs),
     /// The conductor's KV index at cluster scale: KV events applied per second (in memory and
     /// from the control API's NDJSON) into an index of 16 workers and 1M blocks, and the p99 of

@@ -1,6 +1,6 @@
 //! `baton bench storm`: bursts of concurrent streaming requests against a server, each request
-//! classified as completed, refused before its first token (429), failed before it, failed after
-//! it, or hung ([`baton_bench::storm`]). The last two must stay at 0 however hard the storm;
+//! classified as completed, refused before its stream began (429), failed before it, failed after
+//! its 200, or hung ([`baton_bench::storm`]). The last two must stay at 0 however hard the storm;
 //! `scripts/bench-storm.sh` sweeps concurrency and KV size.
 
 use std::time::{Duration, Instant};
@@ -66,7 +66,7 @@ pub(crate) fn run(a: StormArgs) -> anyhow::Result<()> {
                 match t.await {
                     Ok(ex) => {
                         if storm::classify(&ex) == storm::StormOutcome::FailedAfter {
-                            eprintln!("failed after its first token: {}", ex.error.as_deref().unwrap_or("?"));
+                            eprintln!("failed after its 200: {}", ex.error.as_deref().unwrap_or("?"));
                         }
                         tally.add(&ex);
                     }
@@ -79,7 +79,7 @@ pub(crate) fn run(a: StormArgs) -> anyhow::Result<()> {
         clean &= tally.is_clean();
     }
     if !clean {
-        eprintln!("FAILED: requests failed after their first token or hung (target 0)");
+        eprintln!("FAILED: requests failed after their 200 or hung (target 0)");
         std::process::exit(1);
     }
     Ok(())
