@@ -48,7 +48,7 @@ use crate::handoff::KvTransfer;
 use crate::metrics::{FetchOutcome, Metrics, Outcome, WorkerGauges};
 use crate::openai::{Endpoint, ValidRequest, Validator};
 use crate::response::{Piece, full_response, sse_response};
-use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView, decode_has_room};
+use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView, decode_has_room, lone_role_fallback};
 use crate::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
 use crate::wire::{KvSource, PdCaching, Received, WorkerError, fetch_lease};
 use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
@@ -596,6 +596,12 @@ impl Conductor {
         admit: bool,
     ) -> Result<(Route, Option<PlannedFetch>), ApiError> {
         let (workers, snapshot) = self.snapshot(excluded);
+        if let Some(w) = lone_role_fallback(&snapshot) {
+            // A role has no live worker (its last one died, hung or left): the others run
+            // requests whole until it is back, rather than refusing them all.
+            tracing::debug!(worker = workers[w].name(), "a role has no live worker; running the request whole");
+            return Ok((Route::Colocated(workers[w].clone()), None));
+        }
         let session = valid.session.as_deref().map(crate::routing::session_id);
         let request = RouteRequest { prompt: &valid.prompt_ids, max_tokens: valid.stop.max_tokens, session };
         let plan = self.policy.plan(&snapshot, &request);

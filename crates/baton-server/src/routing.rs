@@ -121,6 +121,23 @@ pub struct Plan {
     pub fetch: Option<Fetch>,
 }
 
+/// The worker to run a request whole on when a role has no live worker: with no worker that
+/// prefills (prefill or colocated), or none that decodes (decode or colocated), the workers
+/// left run requests whole (any worker's engine does both; a request without a KV source is
+/// run whole whatever the worker's role), the least loaded first. `None` when both roles are
+/// present (the policy decides) or no worker is (HTTP 503). So no role is a single point of
+/// failure, and disaggregation resumes as soon as the missing role returns.
+pub fn lone_role_fallback(snapshot: &Snapshot) -> Option<usize> {
+    use crate::Role;
+    let workers = &snapshot.workers;
+    let prefills = workers.iter().any(|w| w.role != Role::Decode);
+    let decodes = workers.iter().any(|w| w.role != Role::Prefill);
+    if prefills && decodes {
+        return None;
+    }
+    workers.iter().min_by_key(|w| (w.in_flight, w.index)).map(|w| w.index)
+}
+
 /// A routing policy: pure, a function of the snapshot and the request.
 pub trait RoutePolicy: Send + Sync {
     /// Decides where a request runs.
@@ -232,6 +249,20 @@ mod tests {
         };
         let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
         assert_eq!(LeastLoad::default().route(&s, &r), Decision::Disaggregated { prefill: 1, decode: 2 });
+    }
+
+    #[test]
+    fn with_a_role_missing_the_idlest_worker_left_runs_requests_whole() {
+        let snap = |workers| Snapshot { now_us: 0, workers };
+        // Both roles present (a colocated worker is both): the policy decides.
+        assert_eq!(lone_role_fallback(&snap(vec![view(0, Role::Prefill, 0), view(1, Role::Decode, 0)])), None);
+        assert_eq!(lone_role_fallback(&snap(vec![view(0, Role::Colocated, 0)])), None);
+        assert_eq!(lone_role_fallback(&snap(vec![view(0, Role::Prefill, 0), view(1, Role::Colocated, 0)])), None);
+        // No prefill worker, or no decode worker: the least loaded of the rest.
+        assert_eq!(lone_role_fallback(&snap(vec![view(0, Role::Decode, 4), view(1, Role::Decode, 2)])), Some(1));
+        assert_eq!(lone_role_fallback(&snap(vec![view(0, Role::Prefill, 1), view(1, Role::Prefill, 1)])), Some(0));
+        // None at all: nothing to fall back on (a 503).
+        assert_eq!(lone_role_fallback(&Snapshot::default()), None);
     }
 
     #[test]
