@@ -219,7 +219,9 @@ pub async fn run_worker(
         capacity_blocks: config.engine.num_blocks as u64,
         started_at_ms: baton_cluster::unix_millis(),
     };
-    let mut server = tokio::spawn(crate::serve_draining(listener, app, tls, std::future::pending(), Duration::ZERO));
+    let limits = crate::http::HttpLimits::control();
+    let mut server =
+        tokio::spawn(crate::serve_draining(listener, app, limits, tls, std::future::pending(), Duration::ZERO));
     let ca = match &config.tls_ca {
         Some(path) => Some(
             std::fs::read(path).map_err(|e| ServeError::Config(format!("reading --tls-ca {}: {e}", path.display())))?,
@@ -449,7 +451,8 @@ pub async fn run_conductor(
         Some((cert, key)) => Some(crate::http::tls_acceptor(cert, key).map_err(ServeError::Config)?),
         None => None,
     };
-    let result = crate::serve_draining(listener, app, tls, shutdown, config.drain_timeout).await;
+    let limits = crate::http::HttpLimits::default();
+    let result = crate::serve_draining(listener, app, limits, tls, shutdown, config.drain_timeout).await;
     follower.abort();
     Ok(result?)
 }

@@ -11,7 +11,11 @@
 //! - **bodies** are read whole (every endpoint takes a JSON body) within
 //!   [`HttpLimits::body_timeout`] and up to [`HttpLimits::max_body_bytes`] (else 408 / 413);
 //! - **header size** and **count** are capped (431), and at most [`HttpLimits::max_connections`]
-//!   connections are served at once (the rest wait in the kernel's accept queue).
+//!   connections are served at once (the rest wait in the kernel's accept queue);
+//! - **one peer** (an IP address) holds at most [`HttpLimits::max_connections_per_peer`] of
+//!   them: its next connection is closed at once, so one client cannot lock the others out;
+//! - **a silent connection** (connected, nothing sent) is closed after
+//!   [`HttpLimits::first_byte_timeout`], well before the header deadline.
 //!
 //! Every error a client can get is an OpenAI-style JSON body, the framework's own (405, 413,
 //! 415, 422, a broken chunked body) included: [`json_errors`] rewrites any error response that is
@@ -54,11 +58,17 @@ pub struct HttpLimits {
     pub max_headers: usize,
     /// Connections served at once.
     pub max_connections: usize,
+    /// Connections served at once from one IP address (a client past it has its next
+    /// connection closed at once).
+    pub max_connections_per_peer: usize,
+    /// Time a new connection has to send its first byte (a TLS hello or a request line).
+    pub first_byte_timeout: Duration,
 }
 
 impl Default for HttpLimits {
     /// Generous for any real client: 30 s for headers (and idle keep-alive), 60 s for a body of
-    /// at most 8 MiB, 64 KiB and 100 headers, 4,096 connections.
+    /// at most 8 MiB, 64 KiB and 100 headers, 4,096 connections, a quarter of them from one
+    /// address (a load balancer in front is one address), 5 s for a new connection's first byte.
     fn default() -> Self {
         Self {
             header_timeout: Duration::from_secs(30),
@@ -67,7 +77,19 @@ impl Default for HttpLimits {
             max_header_bytes: 64 << 10,
             max_headers: 100,
             max_connections: 4096,
+            max_connections_per_peer: 1024,
+            first_byte_timeout: Duration::from_secs(5),
         }
+    }
+}
+
+impl HttpLimits {
+    /// The limits of a worker's control API: the defaults, except that one address may hold
+    /// every connection. Its clients are conductors, each one address with a stream open for
+    /// every request it runs there (thousands under load), each request signed.
+    pub fn control() -> Self {
+        let d = Self::default();
+        Self { max_connections_per_peer: d.max_connections, ..d }
     }
 }
 
@@ -90,6 +112,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let app = bounded(app, limits);
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let peers = PeerSlots::new(limits.max_connections_per_peer);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut http1 = hyper::server::conn::http1::Builder::new();
     http1
@@ -104,9 +127,9 @@ pub async fn serve(
             slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
             () = &mut shutdown => break,
         };
-        let tcp = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of descriptors or a connection reset while queued: not fatal.
                     tracing::warn!(error = %e, "accepting a connection failed");
@@ -116,6 +139,11 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
+        let Some(peer_slot) = peers.take(peer.ip()) else {
+            // Closed at once: this address already holds its share of the connections.
+            tracing::debug!(%peer, "too many connections from one address; closing");
+            continue;
+        };
         if let Err(e) = tcp.set_nodelay(true) {
             // Streamed events are small writes; without it Nagle holds each one ~40 ms.
             tracing::warn!("cannot set TCP_NODELAY: {e}");
@@ -123,7 +151,13 @@ pub async fn serve(
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let (http1, watcher, tls) = (http1.clone(), graceful.watcher(), tls.clone());
         tokio::spawn(async move {
-            let _slot = slot;
+            let (_slot, _peer_slot) = (slot, peer_slot);
+            // A connection that sends nothing holds a slot for nothing: it gets a short deadline
+            // for its first byte (then hyper's header deadline for the rest of its request).
+            let first_byte = tokio::time::timeout(limits.first_byte_timeout, tcp.peek(&mut [0u8; 1])).await;
+            if !matches!(first_byte, Ok(Ok(n)) if n > 0) {
+                return;
+            }
             let ended = match tls {
                 None => watcher.watch(http1.serve_connection(TokioIo::new(tcp), service)).await,
                 Some(tls) => match tokio::time::timeout(limits.header_timeout, tls.accept(tcp)).await {
@@ -149,6 +183,48 @@ pub async fn serve(
         }
     }
     Ok(())
+}
+
+/// Connections held per peer address, each released by its [`PeerSlot`]'s `Drop`.
+#[derive(Clone)]
+struct PeerSlots {
+    held: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    max: usize,
+}
+
+/// One connection's share of its peer's allowance.
+struct PeerSlot {
+    slots: PeerSlots,
+    peer: std::net::IpAddr,
+}
+
+impl PeerSlots {
+    fn new(max: usize) -> Self {
+        Self { held: Arc::default(), max: max.max(1) }
+    }
+
+    /// A slot for one more connection from `peer`, if it holds fewer than the maximum.
+    fn take(&self, peer: std::net::IpAddr) -> Option<PeerSlot> {
+        let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = held.entry(peer).or_insert(0);
+        if *n >= self.max {
+            return None;
+        }
+        *n += 1;
+        Some(PeerSlot { slots: self.clone(), peer })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut held = self.slots.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = held.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.peer);
+            }
+        }
+    }
 }
 
 /// `app` with the request bounds of `limits` and JSON error bodies.

@@ -313,17 +313,18 @@ pub async fn serve(
     http::serve(listener, conductor.router(), http::HttpLimits::default(), None, shutdown, Duration::MAX).await
 }
 
-/// Serves `app` within the default [`http::HttpLimits`] (over TLS with `tls`) until `shutdown` resolves; then stops
+/// Serves `app` within `limits` (over TLS with `tls`) until `shutdown` resolves; then stops
 /// accepting connections and lets the requests in flight (streams included) finish, for at most
 /// `drain`.
 pub async fn serve_draining(
     listener: tokio::net::TcpListener,
     app: axum::Router,
+    limits: http::HttpLimits,
     tls: Option<http::TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     drain: Duration,
 ) -> std::io::Result<()> {
-    http::serve(listener, app, http::HttpLimits::default(), tls, shutdown, drain).await
+    http::serve(listener, app, limits, tls, shutdown, drain).await
 }
 
 #[cfg(test)]

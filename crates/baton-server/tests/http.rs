@@ -26,6 +26,8 @@ fn limits() -> HttpLimits {
         max_header_bytes: 2048,
         max_headers: 20,
         max_connections: 64,
+        max_connections_per_peer: 64,
+        first_byte_timeout: Duration::from_millis(300),
     }
 }
 
@@ -79,6 +81,62 @@ async fn slow_headers_and_idle_connections_are_cut_at_the_deadline() {
     kept.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi").await.unwrap();
     let answer = read_to_close(&mut kept).await;
     assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("hi"), "{answer}");
+}
+
+/// A connection from `ip` (a loopback address: Linux answers all of 127.0.0.0/8) to `addr`.
+async fn connect_from(ip: &str, addr: std::net::SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+    socket.connect(addr).await.unwrap()
+}
+
+/// One client cannot lock the others out (#37, item 4: one client's 4,096 idle connections
+/// made a `/health` probe wait 35.5 s). Eight connections in all, four per address: a client
+/// opening twenty idle ones has all past its fourth closed at once, and another client is
+/// answered at once, well inside the idle connections' deadlines. A connection that sends
+/// nothing is closed after the first-byte deadline, not the (longer) header deadline.
+#[tokio::test]
+async fn one_clients_idle_connections_do_not_delay_another_client() {
+    let app = axum::Router::new().route("/echo", post(|body: axum::body::Bytes| async move { body }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = HttpLimits {
+        header_timeout: Duration::from_secs(30),
+        first_byte_timeout: Duration::from_secs(20),
+        max_connections: 8,
+        max_connections_per_peer: 4,
+        ..limits()
+    };
+    tokio::spawn(serve(listener, app, limits, None, std::future::pending(), Duration::ZERO));
+    let mut hog = Vec::new();
+    for _ in 0..20 {
+        hog.push(connect_from("127.0.0.1", addr).await);
+    }
+    let started = std::time::Instant::now();
+    let mut other = connect_from("127.0.0.2", addr).await;
+    other
+        .write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 2\r\n\r\nhi")
+        .await
+        .unwrap();
+    let answer = read_to_close(&mut other).await;
+    assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("hi"), "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(3), "waited {:?} behind another client", started.elapsed());
+    // The hog's connections past its share were closed without a byte.
+    let mut closed = 0;
+    for tcp in &mut hog {
+        let mut byte = [0u8; 1];
+        if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_millis(200), tcp.read(&mut byte)).await {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, 16, "all but four of the hog's connections are closed");
+
+    // A silent connection is closed at the first-byte deadline (300 ms here), not the header one.
+    let addr = echo_server().await;
+    let started = std::time::Instant::now();
+    let mut silent = TcpStream::connect(addr).await.unwrap();
+    read_to_close(&mut silent).await;
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
 }
 
 #[tokio::test]

@@ -466,6 +466,10 @@ fn dial(addr: SocketAddr, config: &ClientConfig, local: &Region, share: bool) ->
     conn.send(&Frame::Auth { proof })?;
     let remote = match conn.recv()? {
         Frame::Accept { info } => info,
+        // (A server tells how a peer does not fit only once it has proved it is a member.)
+        Frame::Error { code: crate::ErrorCode::Incompatible, message, .. } => {
+            return Err(TransferError::Incompatible(message));
+        }
         Frame::Error { code, message, .. } => return Err(refused(code, message)),
         other => return Err(TransferError::Protocol(format!("expected ACCEPT, got {}", other.name()))),
     };

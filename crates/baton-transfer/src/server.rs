@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -68,6 +68,9 @@ pub struct ServerConfig {
     /// Most connections at once still in their handshake (a flood of idle or garbage
     /// connections holds at most this many threads, each for at most `handshake_timeout`).
     pub max_handshakes: usize,
+    /// Most of those from one IP address: a flood from one host cannot take every handshake
+    /// slot from the cluster's members.
+    pub max_handshakes_per_peer: usize,
     /// Speak TLS with this configuration (a peer must then connect with TLS and trust our
     /// certificate); the TLS handshake counts against `handshake_timeout`.
     pub tls: Option<Arc<rustls::ServerConfig>>,
@@ -79,7 +82,8 @@ pub const HANDSHAKE_MAX_META: usize = 64 << 10;
 
 impl ServerConfig {
     /// Defaults: loopback, any port, 30 s leases, 10 s I/O timeout, shared memory offered, a 5 s
-    /// handshake, at most 256 connections of which 16 in their handshake, no TLS.
+    /// handshake, at most 256 connections of which 16 in their handshake (4 from one address),
+    /// no TLS.
     pub fn new(peer: PeerId, compat: Compat, secret: impl Into<Vec<u8>>) -> Self {
         Self {
             peer,
@@ -92,6 +96,7 @@ impl ServerConfig {
             handshake_timeout: Duration::from_secs(5),
             max_connections: 256,
             max_handshakes: 16,
+            max_handshakes_per_peer: 4,
             tls: None,
         }
     }
@@ -129,8 +134,8 @@ struct Shared {
     pushes: Mutex<HashMap<TransferId, PushTarget>>,
     push_ready: Condvar,
     conns: Mutex<HashMap<u64, Conn>>,
-    /// Connections in their handshake.
-    handshaking: AtomicUsize,
+    /// Connections in their handshake, in all and by peer address ([`HandshakeSlot`]).
+    handshaking: Mutex<Handshaking>,
     next_conn: AtomicU64,
     next_push: AtomicU64,
 }
@@ -198,7 +203,7 @@ impl KvServer {
             pushes: Mutex::new(HashMap::new()),
             push_ready: Condvar::new(),
             conns: Mutex::new(HashMap::new()),
-            handshaking: AtomicUsize::new(0),
+            handshaking: Mutex::default(),
             next_conn: AtomicU64::new(1),
             next_push: AtomicU64::new(1),
         });
@@ -433,20 +438,61 @@ impl Drop for KvServer {
     }
 }
 
+/// Connections in their handshake: how many in all, and from each address.
+#[derive(Default)]
+struct Handshaking {
+    total: usize,
+    by_peer: HashMap<std::net::IpAddr, usize>,
+}
+
+/// One connection's place among those in their handshake, given back by `Drop` when the
+/// handshake ends (either way) or the connection never starts.
+struct HandshakeSlot {
+    shared: Arc<Shared>,
+    peer: std::net::IpAddr,
+}
+
+impl HandshakeSlot {
+    /// A place for a connection from `peer`, if both the server's and the address's allowance
+    /// have room.
+    fn take(shared: &Arc<Shared>, peer: std::net::IpAddr) -> Option<Self> {
+        let mut h = lock(&shared.handshaking);
+        let from_peer = h.by_peer.get(&peer).copied().unwrap_or(0);
+        if h.total >= shared.config.max_handshakes || from_peer >= shared.config.max_handshakes_per_peer {
+            return None;
+        }
+        h.total += 1;
+        h.by_peer.insert(peer, from_peer + 1);
+        Some(Self { shared: Arc::clone(shared), peer })
+    }
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        let mut h = lock(&self.shared.handshaking);
+        h.total -= 1;
+        if let Some(n) = h.by_peer.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                h.by_peer.remove(&self.peer);
+            }
+        }
+    }
+}
+
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
     for stream in listener.incoming() {
         if shared.stop.load(Ordering::Acquire) {
             break;
         }
         let Ok(stream) = stream else { continue };
-        let busy = lock(&shared.conns).len() >= shared.config.max_connections
-            || shared.handshaking.load(Ordering::Acquire) >= shared.config.max_handshakes;
-        if busy {
-            // Dropping the stream closes it: a flood costs no thread and no memory.
+        let Ok(peer) = stream.peer_addr() else { continue };
+        // Dropping the stream closes it: a flood costs no thread and no memory.
+        if lock(&shared.conns).len() >= shared.config.max_connections {
             continue;
         }
+        let Some(slot) = HandshakeSlot::take(shared, peer.ip()) else { continue };
         let Ok(conn) = Conn::new(stream, shared.config.io_timeout) else { continue };
-        shared.handshaking.fetch_add(1, Ordering::AcqRel);
         let no = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         if let Ok(c) = conn.try_clone() {
             lock(&shared.conns).insert(no, c);
@@ -454,13 +500,12 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
         let s = Arc::clone(shared);
         let spawned = std::thread::Builder::new().name("kv-conn".into()).spawn(move || {
             // A connection's failure is the peer's business; the leases it opened run out.
-            let _ = serve(&s, conn, no);
+            let _ = serve(&s, conn, no, slot);
             lock(&s.conns).remove(&no);
             lock(&s.pushes).retain(|_, t| t.conn_no != no);
         });
         if spawned.is_err() {
             lock(&shared.conns).remove(&no);
-            shared.handshaking.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -483,10 +528,6 @@ fn handshake(shared: &Shared, conn: &mut Conn) -> Result<EndpointInfo> {
             return Err(TransferError::Protocol(m));
         }
     };
-    if let Err(m) = check_peer(&shared.config.compat, &info) {
-        refuse(conn, ErrorCode::Incompatible, m.clone());
-        return Err(TransferError::Incompatible(m));
-    }
     let server_nonce = auth::nonce();
     let proof = auth::proof(&shared.config.secret, Side::Server, &client_nonce, &server_nonce);
     conn.send(&Frame::Challenge { nonce: server_nonce, proof })?;
@@ -497,6 +538,12 @@ fn handshake(shared: &Shared, conn: &mut Conn) -> Result<EndpointInfo> {
             refuse(conn, ErrorCode::AuthFailed, "the peer does not know the cluster secret".into());
             return Err(TransferError::AuthFailed("the client does not know the cluster secret"));
         }
+    }
+    // Only now, the peer proven a member, is it told how it does not fit: a stranger learns
+    // nothing of what this side serves (the model, the KV layout).
+    if let Err(m) = check_peer(&shared.config.compat, &info) {
+        refuse(conn, ErrorCode::Incompatible, m.clone());
+        return Err(TransferError::Incompatible(m));
     }
     conn.send(&Frame::Accept { info: shared.info() })?;
     Ok(info)
@@ -530,9 +577,9 @@ fn contained(allowed: &[ByteRange], r: &ByteRange) -> bool {
     i > 0 && allowed[i - 1].end() >= r.end()
 }
 
-fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64) -> Result<()> {
+fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64, slot: HandshakeSlot) -> Result<()> {
     let peer = handshake(shared, &mut conn);
-    shared.handshaking.fetch_sub(1, Ordering::AcqRel);
+    drop(slot);
     let peer = peer?;
     let writer = Arc::new(Mutex::new(conn.try_clone()?));
     let send = |f: &Frame| lock(&writer).send(f);

@@ -105,8 +105,15 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
             config.colocated
         );
         let drain = Duration::from_secs_f64(a.drain_timeout_s);
-        baton_server::serve_draining(listener, conductor.router(), tls, crate::cluster::shutdown_signal(), drain)
-            .await?;
+        baton_server::serve_draining(
+            listener,
+            conductor.router(),
+            baton_server::http::HttpLimits::default(),
+            tls,
+            crate::cluster::shutdown_signal(),
+            drain,
+        )
+        .await?;
         Ok(())
     })
 }
