@@ -158,7 +158,10 @@ async fn a_worker_without_the_secret_is_refused() {
     assert_eq!(members.status(), reqwest::StatusCode::UNAUTHORIZED);
     let forged = http
         .get(format!("http://{addr}/cluster/members"))
-        .header("x-baton-cluster-auth", format!("t={},n=01,sig={}", baton_cluster::unix_millis(), "00".repeat(32)))
+        .header(
+            "x-baton-cluster-auth",
+            format!("t={},n=0123456789abcdef,sig={}", baton_cluster::unix_millis(), "00".repeat(32)),
+        )
         .send()
         .await
         .unwrap();

@@ -1276,11 +1276,22 @@ impl Run {
             // one already is on its way, in `early`).
             let kv_transfer = c.kv_transfer.after_prefill();
             let layerwise = early.is_some();
+            // With no decode worker left, the prefill worker itself runs the rest whole
+            // (`lone_role_fallback`): it gives up what it held for the lost hand-off, and the
+            // rest runs under a fresh id, since the old one may still be settling there.
+            let on_prefill_worker = decode.name() == p.name();
+            let id = if on_prefill_worker {
+                p.release(self.id.0);
+                c.next_id.fetch_add(1, Ordering::Relaxed)
+            } else {
+                self.id.0
+            };
             let events = match early.take() {
                 Some(events) => events,
                 None => decode.submit(WorkRequest {
+                    id,
                     generated: generated.clone(),
-                    kv,
+                    kv: kv.filter(|_| !on_prefill_worker),
                     prefix_cache,
                     kv_transfer,
                     ..self.request()
