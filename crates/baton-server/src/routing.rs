@@ -219,7 +219,15 @@ impl RoutePolicy for LeastLoad {
                 reason: "no decode worker has room for the request's KV now; retry later".to_owned(),
             };
         }
-        match least(&mut decodes().filter(room).filter(|w| w.index == prefill || !full(w))) {
+        // Among decode workers, ties on requests in flight go to the one with the least KV bound
+        // to it by requests still in prefill: a simultaneous burst finds every decode worker at
+        // zero in flight (nothing has reached them yet) and would all go to the first.
+        let decode = decodes()
+            .filter(room)
+            .filter(|w| w.index == prefill || !full(w))
+            .min_by_key(|w| (w.in_flight, w.bound_tokens, w.index))
+            .map(|w| w.index);
+        match decode {
             Some(decode) if decode == prefill => Decision::Colocated(prefill),
             Some(decode) => Decision::Disaggregated { prefill, decode },
             None => busy(),
@@ -249,6 +257,24 @@ mod tests {
         };
         let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
         assert_eq!(LeastLoad::default().route(&s, &r), Decision::Disaggregated { prefill: 1, decode: 2 });
+    }
+
+    /// A burst sees every decode worker at zero in flight; the KV bound to each by the burst's
+    /// earlier requests spreads it (#37: the simple policy sent a burst of 6 all to one worker).
+    #[test]
+    fn a_burst_spreads_over_decode_workers_by_the_kv_bound_to_them() {
+        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
+        let mut s = Snapshot {
+            now_us: 0,
+            workers: vec![view(0, Role::Prefill, 0), view(1, Role::Decode, 0), view(2, Role::Decode, 0)],
+        };
+        let mut split = [0; 3];
+        for _ in 0..6 {
+            let Decision::Disaggregated { decode, .. } = LeastLoad::default().route(&s, &r) else { panic!() };
+            split[decode] += 1;
+            s.workers[decode].bound_tokens += 10;
+        }
+        assert_eq!(split, [0, 3, 3]);
     }
 
     #[test]
