@@ -369,8 +369,20 @@ pub fn instance_of(name: &str) -> baton_kv::InstanceId {
 /// a 503 (fault injection for tests: a conductor whose switch fails).
 pub const REFUSE_ROLE_SWITCHES_ENV: &str = "BATON_FAULT_REFUSE_ROLE_SWITCHES";
 
+/// A fault injection variable's value: read only in builds with the `fault-injection` feature
+/// (the tests'); elsewhere a variable that is set is ignored, with a warning.
+fn fault_env(var: &str) -> Option<String> {
+    let value = std::env::var(var).ok()?;
+    if cfg!(feature = "fault-injection") {
+        Some(value)
+    } else {
+        tracing::warn!("{var} is set but ignored: this build has no fault injection (cargo feature `fault-injection`)");
+        None
+    }
+}
+
 fn fault_count_from_env(var: &str, what: &str) -> u32 {
-    let n = std::env::var(var).ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or(0);
+    let n = fault_env(var).and_then(|v| v.parse::<u32>().ok()).unwrap_or(0);
     if n > 0 {
         tracing::warn!("{var} is set: the first {n} {what} (fault injection)");
     }
@@ -382,7 +394,7 @@ fn fault_count_from_env(var: &str, what: &str) -> u32 {
 pub const PANIC_AT_STEP_ENV: &str = "BATON_FAULT_PANIC_AT_STEP";
 
 fn panic_at_step_from_env() -> Option<u64> {
-    let n = std::env::var(PANIC_AT_STEP_ENV).ok()?.parse::<u64>().ok()?;
+    let n = fault_env(PANIC_AT_STEP_ENV)?.parse::<u64>().ok()?;
     tracing::warn!("{PANIC_AT_STEP_ENV} is set: the engine thread panics at step {n} (fault injection)");
     Some(n)
 }
@@ -392,7 +404,7 @@ fn panic_at_step_from_env() -> Option<u64> {
 pub const DROP_EVENT_ENV: &str = "BATON_FAULT_DROP_EVENT_SEQ";
 
 fn drop_event_seq_from_env() -> Option<u64> {
-    let seq = std::env::var(DROP_EVENT_ENV).ok()?.parse::<u64>().ok()?;
+    let seq = fault_env(DROP_EVENT_ENV)?.parse::<u64>().ok()?;
     tracing::warn!("{DROP_EVENT_ENV} is set: KV event {seq} is left out of the state stream (fault injection)");
     Some(seq)
 }
@@ -403,7 +415,7 @@ fn push_delay_from_env() -> Duration {
 
 /// A fault injection delay from the environment variable `var` (milliseconds), announced.
 fn fault_ms_from_env(var: &str, what: &str) -> Duration {
-    let ms = std::env::var(var).ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let ms = fault_env(var).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
     if ms > 0 {
         tracing::warn!("{var} is set: {what} {ms} ms (fault injection)");
     }
