@@ -116,16 +116,41 @@ impl Region {
     }
 
     /// Copies `data` into the region at `offset`.
+    #[allow(unsafe_code)]
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.with_bytes_mut(ByteRange { offset, len: data.len() }, |b| b.copy_from_slice(data))
+        let dst = self.writable_ptr(ByteRange { offset, len: data.len() })?;
+        // SAFETY: `dst` is `data.len()` writable bytes of the mapping (checked above), which
+        // lives as long as `self`; a raw copy creates no reference to the destination, so two
+        // calls on the same bytes race on their values (any bit pattern is a valid `u8`) but
+        // alias nothing. `data` is the caller's own slice: it cannot be the mapping mutably.
+        unsafe { std::ptr::copy(data.as_ptr(), dst, data.len()) };
+        Ok(())
     }
 
     /// Copies `src` of `from` onto `dst` of this region (the shared-memory transport's call).
+    #[allow(unsafe_code)]
     pub fn copy_from(&self, from: &Region, src: ByteRange, dst: ByteRange) -> Result<()> {
         if src.len != dst.len {
             return Err(TransferError::Protocol(format!("copy of {} bytes into {}", src.len, dst.len)));
         }
-        from.with_bytes(src, |s| self.with_bytes_mut(dst, |d| d.copy_from_slice(s)))?
+        from.check(src)?;
+        let to = self.writable_ptr(dst)?;
+        // SAFETY: both ranges lie within their mappings (checked); `copy` (a memmove) is right
+        // even when the two mappings are of the same memory and the ranges overlap; raw
+        // pointers alias nothing.
+        unsafe { std::ptr::copy(from.map.as_ptr().add(src.offset), to, src.len) };
+        Ok(())
+    }
+
+    /// A pointer to the first byte of `range`, checked to lie within a writable mapping.
+    #[allow(unsafe_code)]
+    fn writable_ptr(&self, range: ByteRange) -> Result<*mut u8> {
+        if !self.writable {
+            return Err(TransferError::Unavailable("the region is mapped read-only"));
+        }
+        self.check(range)?;
+        // SAFETY: `range.offset` is within the mapping (checked).
+        Ok(unsafe { self.map.as_mut_ptr().add(range.offset) })
     }
 
     /// Runs `f` over the bytes of `range`.
@@ -155,18 +180,24 @@ impl Region {
         Ok(f(&slices))
     }
 
-    /// Runs `f` over the bytes of `range`, mutably (a writable mapping only).
+    /// Runs `f` over the bytes of `range`, mutably (a writable mapping only): for a reader
+    /// that fills them in place (a socket's `read_exact`).
+    ///
+    /// # Safety
+    ///
+    /// The region is shared (`&self`), so nothing stops two calls from handing out the same
+    /// bytes twice. The caller must hold `range` exclusively while `f` runs: no other call of
+    /// this function, and no slice from [`Self::with_bytes`] or [`Self::with_many`], on
+    /// overlapping bytes in this process. The transfer code holds it by the protocol: the
+    /// destination blocks of a transfer are reserved for that transfer alone, and one thread
+    /// serves it. (Another process writing the same shared memory can only be a broken
+    /// protocol; it yields wrong bytes, which `u8` accepts, never an invalid value.)
     #[allow(unsafe_code)]
-    pub fn with_bytes_mut<R>(&self, range: ByteRange, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
-        if !self.writable {
-            return Err(TransferError::Unavailable("the region is mapped read-only"));
-        }
-        self.check(range)?;
-        // SAFETY: within the writable mapping, not escaping `f`. Only the transfer writes the
-        // destination blocks of a transfer (the decode side reserved them for it), so no other
-        // reference to these bytes is live while `f` runs; the memory is shared, never
-        // truncated, and `u8` accepts any bit pattern.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(range.offset), range.len) };
+    pub unsafe fn with_bytes_mut<R>(&self, range: ByteRange, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        let start = self.writable_ptr(range)?;
+        // SAFETY: `range` is within the writable mapping (checked), which outlives `f`; the
+        // caller holds it exclusively (this function's contract), so this is its one reference.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(start, range.len) };
         Ok(f(bytes))
     }
 }
