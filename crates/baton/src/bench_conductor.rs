@@ -60,6 +60,9 @@ fn summarize(mut xs: Vec<f64>) -> Summary {
     }
 }
 
+/// The API key of the worker's own OpenAI API (the direct path).
+const DIRECT_KEY: &str = "bench-conductor-direct";
+
 pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.requests > 0, "--requests must be at least 1");
     let model = a.model.clone().unwrap_or_else(default_model);
@@ -106,7 +109,8 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             emulate: None,
             emulate_link: None,
             drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
-            api_key: None,
+            // A colocated worker serves the OpenAI API itself only behind a key.
+            api_key: Some(DIRECT_KEY.into()),
             tls_ca: None,
             tls: None,
         };
@@ -132,9 +136,14 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
         let once = |url: String| {
             let client = client.clone();
             let body = body.clone();
+            let direct = url == direct_url;
             async move {
                 let start = Instant::now();
-                let r = client.post(format!("{url}/v1/completions")).json(&body).send().await?;
+                let mut r = client.post(format!("{url}/v1/completions")).json(&body);
+                if direct {
+                    r = r.bearer_auth(DIRECT_KEY);
+                }
+                let r = r.send().await?;
                 anyhow::ensure!(r.status().is_success(), "{url}: {}", r.status());
                 let _ = r.bytes().await?;
                 Ok::<_, anyhow::Error>(start.elapsed().as_secs_f64() * 1e6)

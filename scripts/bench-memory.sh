@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Does a long-running server's memory stay flat? Starts `baton serve` (1 prefill + 1 decode
+# worker, in one process) and sends distinct requests in rounds (8 clients, ~100-token prompts
+# of random words, 4 tokens each), printing after each round the process's memory from
+# /proc/PID/smaps_rollup:
+#   private_anon_mb  anonymous memory only this process maps (heap, stacks): what must stay flat
+#   shared_mb        shared pages (the KV arenas' memfd mappings, filling as the prefix cache does;
+#                    bounded by --num-blocks)
+#   rss_mb           both
+# and the growth of private memory per request since the first round (target: ~0 bytes).
+#
+# Environment (defaults in brackets):
+#   MODEL       model directory or GGUF [fixtures/models/tiny-llama]
+#   ROUNDS      cumulative request counts at which to measure [2000 8000 20000]
+#   CONCURRENCY clients [8]
+#   PORT        where the server listens [18433]
+#   BATON_BIN   a built baton binary [builds target/release/baton]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODEL="${MODEL:-fixtures/models/tiny-llama}"
+ROUNDS="${ROUNDS:-2000 8000 20000}"
+CONCURRENCY="${CONCURRENCY:-8}"
+PORT="${PORT:-18433}"
+
+if [[ -z "${BATON_BIN:-}" ]]; then
+  cargo build --release --locked -p baton >&2
+  BATON_BIN=target/release/baton
+fi
+
+log="$(mktemp)"
+out="$(mktemp -d)"
+server=""
+cleanup() {
+  if [[ -n "$server" ]]; then
+    kill "$server" 2>/dev/null || true
+    wait "$server" 2>/dev/null || true
+  fi
+  rm -rf "$log" "$out"
+}
+trap cleanup EXIT
+
+"$BATON_BIN" serve --model "$MODEL" --port "$PORT" >"$log" 2>&1 &
+server=$!
+for _ in $(seq 1 600); do
+  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+  kill -0 "$server" 2>/dev/null || { cat "$log" >&2; exit 1; }
+  sleep 0.1
+done
+
+# Memory of the server process in kB: private anonymous, shared, RSS.
+memory() {
+  awk '/^Rss:/ {rss=$2} /^Anonymous:/ {anon=$2} /^Shared_Clean:/ {sc=$2} /^Shared_Dirty:/ {sd=$2}
+       END {print anon, sc+sd, rss}' "/proc/$server/smaps_rollup"
+}
+
+echo "# baton serve --model $MODEL, $CONCURRENCY clients, distinct ~100-token prompts, 4 tokens each"
+printf '%10s %16s %10s %8s %24s\n' requests private_anon_mb shared_mb rss_mb private_bytes_per_request
+sent=0
+first_requests=""
+first_anon=""
+round=0
+for target in $ROUNDS; do
+  n=$((target - sent))
+  (( n > 0 )) || continue
+  round=$((round + 1))
+  "$BATON_BIN" bench serve --url "http://127.0.0.1:$PORT" --workload synthetic --num-requests "$n" \
+    --input-len 100 --output-len 4 --ignore-eos --concurrency "$CONCURRENCY" --seed "$round" \
+    --out-dir "$out" --no-plots --no-progress --json >"$out/bench.log" 2>&1 || { cat "$out/bench.log" >&2; exit 1; }
+  sent=$target
+  read -r anon shared rss < <(memory)
+  if [[ -z "$first_anon" ]]; then
+    first_anon=$anon
+    first_requests=$sent
+    per="-"
+  else
+    per=$(( (anon - first_anon) * 1024 / (sent - first_requests) ))
+  fi
+  awk -v n="$sent" -v a="$anon" -v s="$shared" -v r="$rss" -v p="$per" \
+    'BEGIN {printf "%10d %16.1f %10.1f %8.1f %24s\n", n, a / 1024, s / 1024, r / 1024, p}'
+done
