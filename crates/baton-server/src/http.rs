@@ -19,9 +19,10 @@
 //!
 //! Every error a client can get is an OpenAI-style JSON body, the framework's own (405, 413,
 //! 415, 422, a broken chunked body) included: [`json_errors`] rewrites any error response that is
-//! not JSON. (Two remain hyper's bare status lines, sent before any handler runs: a request line
-//! or header block hyper cannot parse, and a header block over four times
-//! [`HttpLimits::max_header_bytes`].)
+//! not JSON. The errors hyper answers itself before any handler runs — a request line or header
+//! block it cannot parse (a negative or doubled `Content-Length`), a URI or header block past its
+//! buffer — are bare status lines; [`JsonBareErrors`], between hyper and the socket, rewrites
+//! those into the same JSON.
 //!
 //! Streams (server-sent events) have no deadline here: a generation ends on its own, and a client
 //! that goes away closes it.
@@ -159,9 +160,12 @@ pub async fn serve(
                 return;
             }
             let ended = match tls {
-                None => watcher.watch(http1.serve_connection(TokioIo::new(tcp), service)).await,
+                None => watcher.watch(http1.serve_connection(TokioIo::new(JsonBareErrors::new(tcp)), service)).await,
                 Some(tls) => match tokio::time::timeout(limits.header_timeout, tls.accept(tcp)).await {
-                    Ok(Ok(stream)) => watcher.watch(http1.serve_connection(TokioIo::new(stream), service)).await,
+                    Ok(Ok(stream)) => {
+                        let io = TokioIo::new(JsonBareErrors::new(stream));
+                        watcher.watch(http1.serve_connection(io, service)).await
+                    }
                     Ok(Err(e)) => {
                         tracing::debug!(error = %e, "TLS handshake failed");
                         return;
@@ -183,6 +187,123 @@ pub async fn serve(
         }
     }
     Ok(())
+}
+
+/// A connection as hyper sees it, rewriting the error responses hyper writes itself (before
+/// any handler runs: a request it cannot parse, a URI or header block past its buffer) from a
+/// bare status line into an OpenAI-style JSON body. Every response of ours that is an error
+/// carries `content-type` ([`json_errors`] sees to it); a head of status 400 or more without
+/// one is hyper's. Reports no vectored writes, so hyper hands a response's head in one buffer.
+struct JsonBareErrors<S> {
+    inner: S,
+    /// A rewritten response still to be written, and how much of it has been.
+    pending: Vec<u8>,
+    sent: usize,
+}
+
+impl<S> JsonBareErrors<S> {
+    fn new(inner: S) -> Self {
+        Self { inner, pending: Vec::new(), sent: 0 }
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> JsonBareErrors<S> {
+    /// Writes what is pending of a rewritten response.
+    fn drive(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        while self.sent < self.pending.len() {
+            match std::pin::Pin::new(&mut self.inner).poll_write(cx, &self.pending[self.sent..]) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into())),
+                Poll::Ready(Ok(n)) => self.sent += n,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        self.pending.clear();
+        self.sent = 0;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for JsonBareErrors<S> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for JsonBareErrors<S> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        match this.drive(cx) {
+            Poll::Ready(Ok(())) => {}
+            other => return other.map(|r| r.map(|()| 0)),
+        }
+        if let Some(json) = bare_error_as_json(buf) {
+            this.pending = json;
+            // Taken whole; what the socket does not take now goes on the next write or flush.
+            if let Poll::Ready(Err(e)) = this.drive(cx) {
+                return Poll::Ready(Err(e));
+            }
+            return Poll::Ready(Ok(buf.len()));
+        }
+        std::pin::Pin::new(&mut this.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        std::task::ready!(this.drive(cx))?;
+        std::pin::Pin::new(&mut this.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        std::task::ready!(this.drive(cx))?;
+        std::pin::Pin::new(&mut this.inner).poll_shutdown(cx)
+    }
+}
+
+/// The JSON response for a response head hyper wrote itself (status 400 or more, no
+/// `content-type`), or `None` for any other bytes.
+fn bare_error_as_json(buf: &[u8]) -> Option<Vec<u8>> {
+    let rest = buf.strip_prefix(b"HTTP/1.1 ")?;
+    let code: u16 = std::str::from_utf8(rest.get(..3)?).ok()?.parse().ok()?;
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+    if code < 400 || head.lines().any(|l| l.starts_with("content-type:")) {
+        return None;
+    }
+    let status = StatusCode::from_u16(code).ok()?;
+    let message = match code {
+        400 => "the request is not valid HTTP/1.1 (a malformed request line or header, or an invalid Content-Length)",
+        414 => "the request's URI is too long",
+        431 => "the request's header block is too large",
+        _ => status.canonical_reason().unwrap_or("error"),
+    };
+    let body = json!({"error": {"message": message, "type": error_kind(status), "param": null, "code": code}});
+    let body = serde_json::to_vec(&body).ok()?;
+    let mut out = format!(
+        "HTTP/1.1 {code} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        status.canonical_reason().unwrap_or(""),
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    Some(out)
 }
 
 /// Connections held per peer address, each released by its [`PeerSlot`]'s `Drop`.
@@ -313,14 +434,19 @@ pub async fn json_errors(request: Request, next: Next) -> Response {
 /// An OpenAI-style error response for any status: `{"error": {"message", "type", "param",
 /// "code"}}`.
 pub fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    let kind = match status {
+    let body = json!({"error": {"message": message.into(), "type": error_kind(status), "param": null,
+        "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}
+
+/// OpenAI's `error.type` for an HTTP status.
+fn error_kind(status: StatusCode) -> &'static str {
+    match status {
         StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => "authentication_error",
         StatusCode::NOT_FOUND => "not_found_error",
         StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
         StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
         s if s.is_server_error() => "server_error",
         _ => "invalid_request_error",
-    };
-    let body = json!({"error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}});
-    (status, axum::Json(body)).into_response()
+    }
 }

@@ -139,6 +139,25 @@ async fn one_clients_idle_connections_do_not_delay_another_client() {
     assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
 }
 
+/// The requests hyper refuses itself, before any handler runs, get the same JSON errors (#37:
+/// an empty-body 400 or 414).
+#[tokio::test]
+async fn requests_hyper_cannot_parse_get_json_errors_too() {
+    let addr = echo_server().await;
+    let long_uri = format!("POST /{} HTTP/1.1\r\nhost: x\r\n\r\n", "a".repeat(70_000));
+    let cases: [&[u8]; 5] = [
+        b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: -5\r\n\r\nhello",
+        b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nhi!",
+        b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 1e3\r\n\r\n",
+        b"GARBAGE\r\n\r\n",
+        long_uri.as_bytes(),
+    ];
+    for raw in cases {
+        let (status, v) = error_of(&exchange(addr, raw).await);
+        assert!((400..500).contains(&status), "{status}: {v}");
+    }
+}
+
 #[tokio::test]
 async fn a_trickled_body_gets_a_408_and_an_oversized_one_a_413() {
     let addr = echo_server().await;
