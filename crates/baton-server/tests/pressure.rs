@@ -381,7 +381,7 @@ async fn a_worker_busy_with_a_queue_is_not_taken_for_dead() {
 
 /// A burst is admitted only as far as the decode pool holds it (#37, item 2: the whole burst
 /// was admitted at once because only requests already decoding were counted). 64 blocks of 16
-/// tokens, 120 concurrent streams of prompts from ~30 to ~780 tokens on a slow emulated prefill:
+/// tokens, 300 concurrent streams of prompts from ~30 to ~780 tokens on a slow emulated prefill:
 /// each completes or gets a 429 before its stream starts, none fails after its 200, and no
 /// breaker trips.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -394,7 +394,7 @@ async fn a_burst_is_admitted_only_as_far_as_the_decode_pool_holds_it() {
         ..ServeConfig::new(fixture("tiny-llama"))
     };
     let server = start(&config).await;
-    let runs: Vec<_> = (0..120)
+    let runs: Vec<_> = (0..300)
         .map(|i| {
             let prompt = "relay ".repeat(10 + (i * 37) % 250);
             let body = json!({"prompt": prompt, "max_tokens": 8, "ignore_eos": true, "stream": true});
