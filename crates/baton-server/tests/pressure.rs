@@ -372,10 +372,18 @@ async fn a_worker_busy_with_a_queue_is_not_taken_for_dead() {
     for w in server.conductor.workers() {
         assert!(!server.conductor.is_tripped(w.name()), "{} was taken for dead", w.name());
     }
-    let metrics = client().get(format!("{}/metrics", server.url)).send().await.expect("sends");
-    let metrics = metrics.text().await.expect("text");
-    assert!(metrics.contains("baton_retries_total 0"), "{metrics}");
+    // (A run counts its outcome just after its client has the last event: wait for the eighth.)
+    let mut metrics = String::new();
+    for _ in 0..100 {
+        let r = client().get(format!("{}/metrics", server.url)).send().await.expect("sends");
+        metrics = r.text().await.expect("text");
+        if metrics.contains("baton_requests_total{outcome=\"ok\"} 8") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert!(metrics.contains("baton_requests_total{outcome=\"ok\"} 8"), "{metrics}");
+    assert!(metrics.contains("baton_retries_total 0"), "{metrics}");
     server.assert_no_kv_held().await;
 }
 
