@@ -485,6 +485,13 @@ fn dot_rows_avx2(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [
     dot_rows(w, first, x, m, out, row);
 }
 
+/// Whether the decode-and-dot kernel picked for this process is an AVX-512 one: the float32
+/// kernels of [`crate::gemv`] follow it, so `BATON_DOT_KERNEL=avx2` on an AVX-512 CPU runs no
+/// AVX-512 in this crate.
+pub(crate) fn avx512_chosen() -> bool {
+    DotKernel::detect().avx512()
+}
+
 /// The implementation of the decode-and-dot path, picked once per process (see
 /// [`DotKernel::detect`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
