@@ -39,10 +39,12 @@ die() { echo "bench-vs-llamacpp: error: $*" >&2; exit 1; }
 
 if ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
   info "building llama-cpp-python $llama_cpp_python_version with $cmake_args (compiles llama.cpp; several minutes on 2 cores)"
+  # No cached wheel: pip keys it on the version, not on CMAKE_ARGS, so the second build would
+  # install the first.
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --upgrade pip
   CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" CMAKE_ARGS="$cmake_args" \
-    "$venv/bin/pip" install --progress-bar on --verbose "llama-cpp-python==$llama_cpp_python_version" 2>&1 |
+    "$venv/bin/pip" install --no-cache-dir --progress-bar on --verbose "llama-cpp-python==$llama_cpp_python_version" 2>&1 |
     grep --line-buffered -E '^\s*\[ *[0-9]+%\]|Successfully|error' >&2 || true
   "$venv/bin/python" -c "import llama_cpp" || die "llama-cpp-python did not install"
 fi
