@@ -14,13 +14,22 @@
 #   BATON_MODELS_DIR  where the default model is (default: <repo>/.models)
 #   BATON_BIN      a baton binary to use instead of building one (into $CARGO_TARGET_DIR, or
 #                  target/, as cargo does)
+#   LLAMA_CPP_CPU  native (default: llama.cpp built for this CPU, GGML_NATIVE=ON) or avx2 (a
+#                  second build into .bench/venv-avx2 with AVX2, FMA and F16C and no AVX-512:
+#                  to compare AVX2 kernels on an AVX-512 machine, with BATON_DOT_KERNEL=avx2)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 model="${1:-${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf}"
 threads="${THREADS:-$(nproc)}"
 tg_tokens="${TG_TOKENS:-64}"
-venv="$repo_root/.bench/venv"
+case "${LLAMA_CPP_CPU:-native}" in
+  native) venv="$repo_root/.bench/venv" cmake_args="-DGGML_NATIVE=ON" ;;
+  avx2) venv="$repo_root/.bench/venv-avx2"
+    cmake_args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+    cmake_args+=" -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF" ;;
+  *) echo "bench-vs-llamacpp: error: LLAMA_CPP_CPU is native or avx2, not $LLAMA_CPP_CPU" >&2; exit 1 ;;
+esac
 llama_cpp_python_version="0.3.36"
 
 info() { echo "bench-vs-llamacpp: $*" >&2; }
@@ -29,16 +38,18 @@ die() { echo "bench-vs-llamacpp: error: $*" >&2; exit 1; }
 [[ -f "$model" ]] || die "$model is missing: run scripts/fetch-model.sh gemma3-270m"
 
 if ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
-  info "building llama-cpp-python $llama_cpp_python_version (compiles llama.cpp; several minutes on 2 cores)"
+  info "building llama-cpp-python $llama_cpp_python_version with $cmake_args (compiles llama.cpp; several minutes on 2 cores)"
+  # No cached wheel: pip keys it on the version, not on CMAKE_ARGS, so the second build would
+  # install the first.
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --upgrade pip
-  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" CMAKE_ARGS="-DGGML_NATIVE=ON" \
-    "$venv/bin/pip" install --progress-bar on --verbose "llama-cpp-python==$llama_cpp_python_version" 2>&1 |
+  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" CMAKE_ARGS="$cmake_args" \
+    "$venv/bin/pip" install --no-cache-dir --progress-bar on --verbose "llama-cpp-python==$llama_cpp_python_version" 2>&1 |
     grep --line-buffered -E '^\s*\[ *[0-9]+%\]|Successfully|error' >&2 || true
   "$venv/bin/python" -c "import llama_cpp" || die "llama-cpp-python did not install"
 fi
 
-info "llama.cpp: pp512 and tg$tg_tokens with $threads threads"
+info "llama.cpp ($venv): pp512 and tg$tg_tokens with $threads threads, BATON_DOT_KERNEL=${BATON_DOT_KERNEL:-}"
 llama_json="$("$venv/bin/python" - "$model" "$threads" "$tg_tokens" <<'EOF'
 import json, sys, time
 import llama_cpp

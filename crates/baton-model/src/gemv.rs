@@ -78,7 +78,9 @@ impl Kernel {
     fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            // Not where `BATON_DOT_KERNEL` names a kernel without AVX-512: that measures a CPU
+            // without it.
+            if std::arch::is_x86_feature_detected!("avx512f") && crate::quant::avx512_chosen() {
                 return Kernel::Avx512;
             }
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {

@@ -23,6 +23,9 @@ use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
+mod avx2_q16;
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
@@ -340,8 +343,9 @@ impl QuantMatrix {
         if m <= DOT_ROWS {
             return Ok(self.matmul_dot(x, m));
         }
+        // `available` lists an AVX-512 kernel only on a CPU with AVX-512F and FMA.
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma") {
+        if DotKernel::detect().avx512() {
             return Ok(self.matmul_panels(x, m));
         }
         self.matmul_tiles(x, m)
@@ -389,7 +393,7 @@ impl QuantMatrix {
                 for (p, panel) in packed.chunks_exact(P * k).enumerate() {
                     let cols = P.min(rows - p * P);
                     #[allow(unsafe_code)]
-                    // SAFETY: `matmul_xwt` checked the CPU has AVX-512F and FMA.
+                    // SAFETY: `matmul_xwt` comes here only on a CPU with AVX-512F and FMA.
                     unsafe {
                         avx512::panel_gemm(panel, k, xb, k, mr, &mut yb[j0 + p * P..], n, cols);
                     }
@@ -473,11 +477,19 @@ fn dot32(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum()
 }
 
-/// [`dot_rows`] compiled for AVX2 (the crate is built for the x86-64 baseline, SSE2).
+/// [`dot_rows`] compiled for AVX2 (the crate is built for the x86-64 baseline, SSE2): the
+/// float32-activation fallback of the AVX-512 float kernel's missing formats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_rows_avx2(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [f32], row: &mut [f32]) {
     dot_rows(w, first, x, m, out, row);
+}
+
+/// Whether the decode-and-dot kernel picked for this process is an AVX-512 one: the float32
+/// kernels of [`crate::gemv`] follow it, so `BATON_DOT_KERNEL=avx2` on an AVX-512 CPU runs no
+/// AVX-512 in this crate.
+pub(crate) fn avx512_chosen() -> bool {
+    DotKernel::detect().avx512()
 }
 
 /// The implementation of the decode-and-dot path, picked once per process (see
@@ -488,15 +500,18 @@ enum DotKernel {
     Avx512Q16,
     /// Blocks decoded into float32 registers against float32 activations ([`avx512`]).
     Avx512,
+    /// Blocks decoded into int16 registers against int16 activations, in 256-bit registers
+    /// ([`avx2_q16`]).
+    Avx2Q16,
     /// [`dot_rows`] compiled for AVX2.
-    Avx2,
+    Avx2F32,
     /// [`dot_rows`] for the baseline target.
     Portable,
 }
 
 impl DotKernel {
     /// The fastest kernel this CPU runs, or the one `BATON_DOT_KERNEL` names (`avx512-q16`,
-    /// `avx512`, `avx2`, `portable`) when the CPU runs that one too.
+    /// `avx512`, `avx2`, `avx2-f32`, `portable`) when the CPU runs that one too.
     fn detect() -> Self {
         static KERNEL: std::sync::OnceLock<DotKernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| {
@@ -512,14 +527,26 @@ impl DotKernel {
         match self {
             Self::Avx512Q16 => "avx512-q16",
             Self::Avx512 => "avx512",
-            Self::Avx2 => "avx2",
+            Self::Avx2Q16 => "avx2",
+            Self::Avx2F32 => "avx2-f32",
             Self::Portable => "portable",
         }
     }
 
     /// Whether [`Self::run`] needs a row buffer.
     fn decodes_rows(self) -> bool {
-        matches!(self, Self::Avx2 | Self::Portable)
+        matches!(self, Self::Avx2F32 | Self::Portable)
+    }
+
+    /// Whether this kernel rounds the activations to int16 ([`Self::q16`]).
+    fn int16(self) -> bool {
+        matches!(self, Self::Avx512Q16 | Self::Avx2Q16)
+    }
+
+    /// Whether this is one of the AVX-512 kernels (which the prefill path follows: a CPU, or a
+    /// `BATON_DOT_KERNEL`, without them takes no AVX-512 anywhere in this module).
+    fn avx512(self) -> bool {
+        matches!(self, Self::Avx512Q16 | Self::Avx512)
     }
 
     /// Whether this kernel multiplies blocks of `format` itself. The decode-then-dot kernels
@@ -530,28 +557,28 @@ impl DotKernel {
             Self::Avx512Q16 => avx512_q16::supports(format),
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => avx512::supports(format),
+            // Every format.
             _ => true,
         }
     }
 
     /// This kernel, or where it has none for `format`, the next slower one this CPU runs that
-    /// has (so a format never meets coarser activations than this kernel's: int16, then
-    /// float32).
+    /// has, and whose activations are no coarser (a float32 kernel never hands a format to an
+    /// int16 one; an int16 kernel may hand it to either).
     fn for_format(self, format: BlockFormat) -> Self {
         if self.supports(format) {
             return self;
         }
-        Self::available().into_iter().skip_while(|&k| k != self).find(|k| k.supports(format)).unwrap_or(Self::Portable)
+        Self::available()
+            .into_iter()
+            .skip_while(|&k| k != self)
+            .find(|k| k.supports(format) && (self.int16() || !k.int16()))
+            .unwrap_or(Self::Portable)
     }
 
-    /// The activations rounded to int16 as this kernel takes them, for [`Self::Avx512Q16`].
+    /// The activations rounded to int16 as this kernel takes them, for the int16 kernels.
     fn q16(self, w: &QuantMatrix, x: &[f32]) -> Option<Q16Rows> {
-        #[cfg(target_arch = "x86_64")]
-        if self.for_format(w.format) == Self::Avx512Q16 {
-            return Some(Q16Rows::new(x, w.cols, avx512_q16::q16_block(w.format)));
-        }
-        let _ = (w, x);
-        None
+        self.for_format(w.format).int16().then(|| Q16Rows::new(x, w.cols, q16::q16_block(w.format)))
     }
 
     /// The kernels this CPU runs, fastest first.
@@ -567,7 +594,8 @@ impl DotKernel {
                 kernels.push(Self::Avx512);
             }
             if fma_f16c && std::is_x86_feature_detected!("avx2") {
-                kernels.push(Self::Avx2);
+                kernels.push(Self::Avx2Q16);
+                kernels.push(Self::Avx2F32);
             }
         }
         kernels.push(Self::Portable);
@@ -622,8 +650,23 @@ impl DotKernel {
             Self::Avx512 => unsafe { avx512::band(w.format, &w.bytes, w.row_bytes, w.cols, first, x, m, out) },
             #[cfg(target_arch = "x86_64")]
             #[allow(unsafe_code)]
+            Self::Avx2Q16 => {
+                let own;
+                let q = match q16 {
+                    Some(q) => q,
+                    None => {
+                        own = self.q16(w, x).expect("int16 activations");
+                        &own
+                    }
+                };
+                debug_assert_eq!(q.view().m(), m);
+                // SAFETY: `available` lists this kernel only on a CPU with AVX2, FMA and F16C.
+                unsafe { avx2_q16::band(w.format, &w.bytes, w.row_bytes, w.cols, first, q.view(), out) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[allow(unsafe_code)]
             // SAFETY: `detect` picked this kernel only on a CPU with AVX2, FMA and F16C.
-            Self::Avx2 => unsafe { dot_rows_avx2(w, first, x, m, out, row) },
+            Self::Avx2F32 => unsafe { dot_rows_avx2(w, first, x, m, out, row) },
             _ => dot_rows(w, first, x, m, out, row),
         }
     }
@@ -682,9 +725,9 @@ mod tests {
     }
 
     /// How far `kernel`'s `x · w` may be from the float product beyond float rounding: half a
-    /// step of int16 rounding of each activation, times its weight, for [`DotKernel::Avx512Q16`].
+    /// step of int16 rounding of each activation, times its weight, for the int16 kernels.
     fn rounding_bound(kernel: DotKernel, m: &QuantMatrix, x: &[f32], w: &[f32]) -> f32 {
-        if kernel.for_format(m.format) != DotKernel::Avx512Q16 {
+        if !kernel.for_format(m.format).int16() {
             return 0.0;
         }
         let q = kernel.q16(m, x).expect("int16 activations");
@@ -813,6 +856,149 @@ mod tests {
         }
     }
 
+    /// Where each format keeps its float16 fields; every other bit of a block is integers.
+    fn half_fields(format: BlockFormat) -> &'static [usize] {
+        match format {
+            BlockFormat::Q4_0 | BlockFormat::Q5_0 | BlockFormat::Q8_0 => &[0],
+            BlockFormat::Q4_1 | BlockFormat::Q5_1 | BlockFormat::Q4K | BlockFormat::Q5K => &[0, 2],
+            BlockFormat::Q2K => &[80, 82],
+            BlockFormat::Q3K => &[108],
+            BlockFormat::Q6K => &[208],
+        }
+    }
+
+    /// `rows` rows of `blocks` blocks of `format` whose integer bytes come from `byte` and whose
+    /// float16 fields (scales, minimums) from `half`: bit patterns quantizing never makes, such
+    /// as every sub-block scale at its extreme.
+    fn raw_matrix(
+        format: BlockFormat,
+        rows: usize,
+        blocks: usize,
+        mut byte: impl FnMut() -> u8,
+        mut half: impl FnMut() -> f32,
+    ) -> QuantMatrix {
+        let bb = format.block_bytes();
+        let mut bytes: Vec<u8> = (0..rows * blocks * bb).map(|_| byte()).collect();
+        for b in bytes.chunks_exact_mut(bb) {
+            for &i in half_fields(format) {
+                b[i..i + 2].copy_from_slice(&f16::from_f32(half()).to_le_bytes());
+            }
+        }
+        QuantMatrix::new(dtype_of(format), &bytes, rows, blocks * format.block_len()).expect("whole blocks")
+    }
+
+    fn dtype_of(format: BlockFormat) -> GgmlDType {
+        CLAIMED.into_iter().find(|&d| BlockFormat::of(d) == Some(format)).expect("claimed")
+    }
+
+    /// Every int16 kernel this CPU runs against the portable decoder ([`BlockFormat::decode`])
+    /// and a float64 dot, for the `m` rows of `x`. The int16 rounding of an activation moves
+    /// the product by at most half its step times the scaled integer part of its weight (the
+    /// weight less its block's minimum, which multiplies float sums), so that is the bound, with
+    /// float32 rounding relative to the magnitudes summed.
+    fn check_int16_kernels(mat: &QuantMatrix, x: &[f32], m: usize) -> Result<(), String> {
+        let (rows, cols) = (mat.rows, mat.cols);
+        let all: Vec<u32> = (0..rows as u32).collect();
+        let w = mat.gather(&all);
+        // The same blocks with their minimums zeroed: the scaled integer part of each weight.
+        let mut no_min = mat.clone();
+        let min_field = match mat.format {
+            BlockFormat::Q4_1 | BlockFormat::Q5_1 | BlockFormat::Q4K | BlockFormat::Q5K => Some(2),
+            BlockFormat::Q2K => Some(82),
+            _ => None,
+        };
+        if let Some(i) = min_field {
+            for b in no_min.bytes.chunks_exact_mut(mat.format.block_bytes()) {
+                b[i..i + 2].fill(0);
+            }
+        }
+        let w_int = no_min.gather(&all);
+        let kernels: Vec<DotKernel> = DotKernel::available().into_iter().filter(|k| k.int16()).collect();
+        if kernels.is_empty() {
+            return Ok(());
+        }
+        for kernel in kernels {
+            let mut out = vec![0f32; rows * m];
+            kernel.run(mat, 0, x, None, m, &mut out, &mut []);
+            for r in 0..m {
+                let xr = &x[r * cols..(r + 1) * cols];
+                for j in 0..rows {
+                    let (wr, wi) = (&w[j * cols..(j + 1) * cols], &w_int[j * cols..(j + 1) * cols]);
+                    let want: f64 = xr.iter().zip(wr).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+                    let scale: f64 = xr
+                        .iter()
+                        .zip(wr.iter().zip(wi))
+                        .map(|(&a, (&b, &c))| f64::from(a).abs() * (f64::from(c).abs() + f64::from(b - c).abs()))
+                        .sum();
+                    let tol = 1e-5 * scale + 1e-6 + f64::from(rounding_bound(kernel, mat, xr, wi));
+                    let got = f64::from(out[j * m + r]);
+                    if (got - want).abs() > tol {
+                        return Err(format!(
+                            "{:?} {kernel:?} {rows}x{cols} m={m}: [{r},{j}] {got} vs {want} (tol {tol})",
+                            mat.format
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    proptest::proptest! {
+        /// The int16 kernels on random bits: any integer in every field (so every sub-block
+        /// scale, minimum, high bit and sign pattern), random float16 scales, 1 to 9 activation
+        /// rows (past every register-count split) with outliers and all-zero rows.
+        #[test]
+        fn int16_kernels_match_the_portable_decoder_on_random_blocks(
+            format in 0..CLAIMED.len(),
+            blocks in 1..5usize,
+            rows in 1..70usize,
+            m in 1..=9usize,
+            seed: u64,
+        ) {
+            use rand::{Rng, SeedableRng, rngs::StdRng};
+            let format = BlockFormat::of(CLAIMED[format]).expect("claimed");
+            let mut rng = StdRng::seed_from_u64(seed);
+            let bytes: Vec<u8> = (0..rows * blocks * format.block_bytes()).map(|_| rng.random()).collect();
+            let mut it = bytes.into_iter();
+            let halves: Vec<f32> = (0..rows * blocks * 2).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            let mut hs = halves.into_iter();
+            let mat = raw_matrix(format, rows, blocks, || it.next().unwrap_or(0), || hs.next().unwrap_or(1.0));
+            let cols = mat.cols;
+            let x: Vec<f32> = (0..m)
+                .flat_map(|r| {
+                    let zero = r == 1 && seed % 4 == 0;
+                    (0..cols)
+                        .map(|_| {
+                            let v = rng.random_range(-1.0f32..1.0);
+                            if zero { 0.0 } else if rng.random_range(0..50) == 0 { v * 300.0 } else { v }
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            check_int16_kernels(&mat, &x, m).map_err(proptest::test_runner::TestCaseError::fail)?;
+        }
+    }
+
+    /// The int32 sums at their bounds: every integer field at its extreme (all bits clear, all
+    /// set, alternating) under activations of one sign at full int16 scale, where the largest
+    /// sums of a lane meet 2³¹ (Q6_K's half super-block, Q5_K's whole one).
+    #[test]
+    fn int16_kernels_do_not_overflow_on_extreme_blocks() {
+        for dtype in CLAIMED {
+            let format = BlockFormat::of(dtype).expect("claimed");
+            for fill in [0x00, 0xff, 0x80, 0x55] {
+                let mat = raw_matrix(format, 5, 3, || fill, || 1.0);
+                for sign in [1.0f32, -1.0] {
+                    let x = vec![sign; 4 * mat.cols];
+                    if let Err(e) = check_int16_kernels(&mat, &x, 4) {
+                        panic!("fill {fill:#04x} sign {sign}: {e}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_kernel_named_in_the_environment_is_one_this_cpu_runs() {
         assert!(DotKernel::available().contains(&DotKernel::detect()));
@@ -849,7 +1035,7 @@ mod tests {
                 let used = kernel.for_format(format);
                 assert!(used.supports(format), "{dtype:?}: {kernel:?} -> {used:?}");
                 // Never coarser than the kernel asked for: int16 only where int16 was asked.
-                assert!(used == kernel || used != DotKernel::Avx512Q16, "{dtype:?}: {kernel:?} -> {used:?}");
+                assert!(used == kernel || kernel.int16() || !used.int16(), "{dtype:?}: {kernel:?} -> {used:?}");
             }
         }
         for other in [GgmlDType::F32, GgmlDType::F16, GgmlDType::Q8_1, GgmlDType::Q8K] {

@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 
 use super::BlockFormat;
-use super::q16::Q16View;
+use super::q16::{Q16View, q16_block};
 
 /// `out[i·m + r] = w[first + i] · x[r]` for every weight row `i` that `out` has room for,
 /// where weight row `j` is `bytes[j·row_bytes..]` in `format`; `x.block` must be 256 for the
@@ -57,6 +57,7 @@ pub(super) unsafe fn band(
                             q: &x.q[r0 * k..(r0 + mr) * k],
                             scale: &x.scale[r0 * k / b..(r0 + mr) * k / b],
                             sum32: &x.sum32[r0 * k / 32..(r0 + mr) * k / 32],
+                            sum16: &x.sum16[r0 * k / 16..(r0 + mr) * k / 16],
                             ..x
                         };
                         // SAFETY: the same CPU features as this function's.
@@ -86,14 +87,6 @@ pub(super) unsafe fn band(
 /// Whether this module has a kernel for `format` (the others take float32 activations).
 pub(crate) fn supports(format: BlockFormat) -> bool {
     !matches!(format, BlockFormat::Q2K | BlockFormat::Q3K | BlockFormat::Q5K)
-}
-
-/// Values per activation scale the kernel for `format` expects.
-pub(crate) fn q16_block(format: BlockFormat) -> usize {
-    match format {
-        BlockFormat::Q2K | BlockFormat::Q3K | BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q6K => 256,
-        BlockFormat::Q8_0 | BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q5_0 | BlockFormat::Q5_1 => 32,
-    }
 }
 
 /// The float16 at `b[i..i + 2]`.

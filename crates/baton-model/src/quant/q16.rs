@@ -1,4 +1,5 @@
-//! Activation rows rounded to int16 for the integer decode-and-dot kernels ([`super::avx512_q16`]).
+//! Activation rows rounded to int16 for the integer decode-and-dot kernels ([`super::avx512_q16`],
+//! [`super::avx2_q16`]).
 //!
 //! Each run of `block` values of a row gets its own scale (`max |x| / 32767`), so a value is
 //! off by at most 1/65534 of its block's largest — about 250 times finer than the 8-bit
@@ -10,11 +11,21 @@
 //! the K formats, whose 256-value super-blocks share one float scale: the kernel then sums a
 //! whole super-block in int32 before converting once.
 
+use super::BlockFormat;
+
 /// The largest magnitude of a rounded activation.
 pub(crate) const Q16_MAX: f32 = 32767.0;
 
+/// Values per activation scale the int16 kernels expect for `format`.
+pub(crate) fn q16_block(format: BlockFormat) -> usize {
+    match format {
+        BlockFormat::Q2K | BlockFormat::Q3K | BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q6K => 256,
+        BlockFormat::Q8_0 | BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q5_0 | BlockFormat::Q5_1 => 32,
+    }
+}
+
 /// `m` rows of `k` activations as int16 with a float scale per `block` values, and the float
-/// sum of every 32 values (Q4_K's minimums multiply those).
+/// sums of every 32 values (Q4_K's minimums multiply those) and of every 16 (Q2_K's).
 #[derive(Debug, Clone)]
 pub(crate) struct Q16Rows {
     /// `[m][k]`: `x ≈ q · scale` of the value's block.
@@ -23,6 +34,8 @@ pub(crate) struct Q16Rows {
     pub(crate) scale: Vec<f32>,
     /// `[m][k / 32]`: sums of the float32 values.
     pub(crate) sum32: Vec<f32>,
+    /// `[m][k / 16]`: sums of the float32 values.
+    pub(crate) sum16: Vec<f32>,
     pub(crate) k: usize,
     pub(crate) block: usize,
 }
@@ -41,8 +54,9 @@ impl Q16Rows {
             }
             scale.push(amax / Q16_MAX);
         }
+        let sum16: Vec<f32> = x.chunks_exact(16).map(|c| c.iter().sum()).collect();
         let sum32 = x.chunks_exact(32).map(|c| c.iter().sum()).collect();
-        Self { q, scale, sum32, k, block }
+        Self { q, scale, sum32, sum16, k, block }
     }
 
     /// Rows `r0..r0 + n` (borrowed).
@@ -52,6 +66,7 @@ impl Q16Rows {
             q: &self.q[r0 * k..(r0 + n) * k],
             scale: &self.scale[r0 * k / b..(r0 + n) * k / b],
             sum32: &self.sum32[r0 * k / 32..(r0 + n) * k / 32],
+            sum16: &self.sum16[r0 * k / 16..(r0 + n) * k / 16],
             k,
             block: b,
         }
@@ -69,6 +84,7 @@ pub(crate) struct Q16View<'a> {
     pub(crate) q: &'a [i16],
     pub(crate) scale: &'a [f32],
     pub(crate) sum32: &'a [f32],
+    pub(crate) sum16: &'a [f32],
     pub(crate) k: usize,
     pub(crate) block: usize,
 }
@@ -96,6 +112,7 @@ mod tests {
         let v = q.rows(1, 1);
         assert_eq!(v.m(), 1);
         assert_eq!(v.sum32[0], x[k..k + 32].iter().sum::<f32>());
+        assert_eq!(v.sum16[1], x[k + 16..k + 32].iter().sum::<f32>());
         let zeros = Q16Rows::new(&[0.0; 32], 32, 32);
         assert!(zeros.q.iter().all(|&q| q == 0) && zeros.scale == [0.0]);
     }

@@ -1,0 +1,552 @@
+//! AVX2 kernels of [`super`] against int16 activations ([`super::q16`]), for every block
+//! format [`super`] decodes: the same arithmetic as [`super::avx512_q16`] in 256-bit
+//! registers, for CPUs without AVX-512 (most laptops and desktops, many cloud CPUs).
+//!
+//! Each weight block is decoded into int16 lanes in registers (the K formats' integer
+//! sub-block scales multiplied in with `vpmullw`), and `vpmaddwd` multiplies it with every
+//! activation row, exact in int32; only a block's sum (32 values; a K super-block's 256, or
+//! Q6_K's half super-block of 128) is converted and scaled in float32. Minimums (Q4_1, Q5_1,
+//! Q2_K, Q4_K, Q5_K) multiply the activations' float sums. No row is ever decoded to float32.
+//!
+//! One register holds 16 values: one sub-block of Q2_K, Q3_K and Q6_K, half a sub-block of the
+//! others. An int32 lane sums twice as many products as in the AVX-512 kernels, so each
+//! kernel's comment bounds its sums below 2³¹.
+
+use std::arch::x86_64::*;
+
+use super::BlockFormat;
+use super::q16::{Q16View, q16_block};
+
+/// `out[i·m + r] = w[first + i] · x[r]` for every weight row `i` that `out` has room for,
+/// where weight row `j` is `bytes[j·row_bytes..]` in `format`; `x.block` must be
+/// [`q16_block`]`(format)`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn band(
+    format: BlockFormat,
+    bytes: &[u8],
+    row_bytes: usize,
+    cols: usize,
+    first: usize,
+    x: Q16View<'_>,
+    out: &mut [f32],
+) {
+    let m = x.m();
+    let rows = out.len() / m;
+    assert!(cols == x.k && row_bytes == cols / format.block_len() * format.block_bytes());
+    assert!(x.block == q16_block(format) && x.scale.len() * x.block == m * cols);
+    assert!(x.sum32.len() * 32 == m * cols && x.sum16.len() * 16 == m * cols);
+    assert!(bytes.len() >= (first + rows) * row_bytes && out.len() == rows * m);
+    let w = &bytes[first * row_bytes..(first + rows) * row_bytes];
+    // Two accumulators per activation row hide the FMA latency when `M` is small; with 16
+    // registers, more rows take one each.
+    macro_rules! by_rows {
+        ($kernel:ident) => {
+            match m {
+                1 => $kernel::<1, 2>(w, row_bytes, x, out),
+                2 => $kernel::<2, 2>(w, row_bytes, x, out),
+                3 => $kernel::<3, 1>(w, row_bytes, x, out),
+                4 => $kernel::<4, 1>(w, row_bytes, x, out),
+                _ => {
+                    // More rows than registers allow: four at a time.
+                    let mut part = vec![0f32; rows * 4];
+                    for r0 in (0..m).step_by(4) {
+                        let mr = 4.min(m - r0);
+                        let (k, b) = (x.k, x.block);
+                        let xs = Q16View {
+                            q: &x.q[r0 * k..(r0 + mr) * k],
+                            scale: &x.scale[r0 * k / b..(r0 + mr) * k / b],
+                            sum32: &x.sum32[r0 * k / 32..(r0 + mr) * k / 32],
+                            sum16: &x.sum16[r0 * k / 16..(r0 + mr) * k / 16],
+                            ..x
+                        };
+                        // SAFETY: the same CPU features as this function's.
+                        unsafe { band(format, w, row_bytes, cols, 0, xs, &mut part[..rows * mr]) };
+                        for (o, p) in out.chunks_exact_mut(m).zip(part.chunks_exact(mr)) {
+                            o[r0..r0 + mr].copy_from_slice(p);
+                        }
+                    }
+                }
+            }
+        };
+    }
+    match format {
+        BlockFormat::Q8_0 => by_rows!(q8_0),
+        BlockFormat::Q4_0 => by_rows!(q4_0),
+        BlockFormat::Q4_1 => by_rows!(q4_1),
+        BlockFormat::Q5_0 => by_rows!(q5_0),
+        BlockFormat::Q5_1 => by_rows!(q5_1),
+        BlockFormat::Q2K => by_rows!(q2k),
+        BlockFormat::Q3K => by_rows!(q3k),
+        BlockFormat::Q4K => by_rows!(q4k),
+        BlockFormat::Q5K => by_rows!(q5k),
+        BlockFormat::Q6K => by_rows!(q6k),
+    }
+}
+
+/// The float16 at `b[i..i + 2]`.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn half_at(b: &[u8], i: usize) -> f32 {
+    let bits = u16::from_le_bytes([b[i], b[i + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// 16 bytes from `b[i..]`, zero-extended to 16 int16 lanes.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn u8x16(b: &[u8], i: usize) -> __m256i {
+    let s = &b[i..i + 16];
+    // SAFETY: `s` holds the 16 bytes read.
+    _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(s.as_ptr().cast()) })
+}
+
+/// 16 bytes from `b[i..]`, sign-extended to 16 int16 lanes.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn i8x16(b: &[u8], i: usize) -> __m256i {
+    let s = &b[i..i + 16];
+    // SAFETY: `s` holds the 16 bytes read.
+    _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(s.as_ptr().cast()) })
+}
+
+/// 16 int16 activations from `q`, multiplied pairwise with `w` and summed in pairs: 8 int32
+/// lanes. (Pointers, not slices, in the kernels' inner loops: the bounds checks of slices
+/// there cost more than the arithmetic; the kernels check the sizes once.)
+///
+/// # Safety
+/// `q` must point to 16 readable values.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn madd(w: __m256i, q: *const i16) -> __m256i {
+    // SAFETY: the caller's.
+    _mm256_madd_epi16(w, unsafe { _mm256_loadu_si256(q.cast()) })
+}
+
+/// The 16 bits of `bits` as 16 int16 lanes, each `value` where its bit is set and 0 where not
+/// (bit `j` to lane `j`).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn bit_lanes(bits: u16, value: i16) -> __m256i {
+    let each = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, i16::MIN);
+    let set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(bits as i16), each), each);
+    _mm256_and_si256(set, _mm256_set1_epi16(value))
+}
+
+/// The sum of the 8 lanes of `v`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// Writes the sum of each activation row's accumulators to one output row, less `minus[r]`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn store<const M: usize, const A: usize>(acc: &[[__m256; M]; A], minus: &[f32; M], out: &mut [f32]) {
+    for (r, o) in out.iter_mut().enumerate() {
+        let mut s = acc[0][r];
+        for a in &acc[1..] {
+            s = _mm256_add_ps(s, a[r]);
+        }
+        *o = hsum(s) - minus[r];
+    }
+}
+
+/// How far ahead of the block being decoded the kernels prefetch (as [`super::avx512`]'s).
+const PREFETCH_BYTES: usize = 2048;
+
+/// Prefetches the cache lines `PREFETCH_BYTES` past those `b` spans.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn prefetch_ahead(b: &[u8]) {
+    let mut off = 0;
+    while off < b.len() {
+        // A prefetch never faults, whatever the address; `wrapping_add` keeps the pointer
+        // arithmetic defined past the slice.
+        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(PREFETCH_BYTES + off).cast());
+        off += 64;
+    }
+}
+
+/// A kernel for a format of 32-value blocks with a float16 scale `d` first and, `$min` true,
+/// a float16 minimum `m` after it (value = `d·q + m`; `m` multiplies the activations' float
+/// sum of the block): `$decode(b)` gives the block's 32 integers in two registers of int16
+/// lanes. A block's int32 lane sums 4 products of at most 127 · 32767. Consecutive blocks go
+/// to different accumulators.
+macro_rules! small_blocks {
+    ($(#[$doc:meta])* $name:ident, $bytes:literal, $min:literal, $decode:expr) => {
+        $(#[$doc])*
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn $name<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
+            let (k, nb) = (x.k, x.k / 32);
+            assert!(
+                row_bytes == nb * $bytes && x.q.len() == M * k && x.scale.len() == M * nb && x.sum32.len() == M * nb
+            );
+            let (xq, xs, x32) = (x.q.as_ptr(), x.scale.as_ptr(), x.sum32.as_ptr());
+            for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
+                let mut acc = [[_mm256_setzero_ps(); M]; A];
+                // `store` subtracts it: the minimums' part, negated.
+                let mut minus = [0f32; M];
+                // One block into accumulator set `a` (a constant once the loops unroll).
+                let block = |acc: &mut [__m256; M], minus: &mut [f32; M], i: usize, b: &[u8]| {
+                    let (lo, hi): (__m256i, __m256i) = $decode(b);
+                    let d = half_at(b, 0);
+                    for (r, (acc, minus)) in acc.iter_mut().zip(minus.iter_mut()).enumerate() {
+                        // SAFETY: block `i < nb` of row `r < M`, which the assert above bounds.
+                        let (p, sx) = unsafe {
+                            let q = xq.add(r * k + 32 * i);
+                            (_mm256_add_epi32(madd(lo, q), madd(hi, q.add(16))), *xs.add(r * nb + i))
+                        };
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sx), *acc);
+                        if $min {
+                            // SAFETY: as above.
+                            *minus -= half_at(b, 2) * unsafe { *x32.add(r * nb + i) };
+                        }
+                    }
+                };
+                let groups = row.chunks_exact($bytes * A);
+                let tail = groups.remainder();
+                let mut i = 0;
+                for g in groups {
+                    prefetch_ahead(g);
+                    for (a, acc) in acc.iter_mut().enumerate() {
+                        block(acc, &mut minus, i + a, &g[$bytes * a..$bytes * (a + 1)]);
+                    }
+                    i += A;
+                }
+                for b in tail.chunks_exact($bytes) {
+                    block(&mut acc[0], &mut minus, i, b);
+                    i += 1;
+                }
+                store(&acc, &minus, out);
+            }
+        }
+    };
+}
+
+/// The 16 bytes at `b[i..]` as two registers of 16 int16 lanes: their low nibbles (values
+/// 0-15 of a block), then their high nibbles (values 16-31).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn nibbles(b: &[u8], i: usize) -> (__m256i, __m256i) {
+    let q = u8x16(b, i);
+    (_mm256_and_si256(q, _mm256_set1_epi16(0x0f)), _mm256_srli_epi16::<4>(q))
+}
+
+small_blocks!(
+    /// Q8_0: 32 int8 values and a float16 scale.
+    q8_0,
+    34,
+    false,
+    |b: &[u8]| (i8x16(b, 2), i8x16(b, 18))
+);
+
+small_blocks!(
+    /// Q4_0: 32 4-bit values (low nibbles first, then high) offset by 8, and a float16 scale.
+    q4_0,
+    18,
+    false,
+    |b: &[u8]| {
+        let (lo, hi) = nibbles(b, 2);
+        let eight = _mm256_set1_epi16(8);
+        (_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight))
+    }
+);
+
+small_blocks!(
+    /// Q5_0: Q4_0's nibbles with a fifth bit each from a 32-bit mask, offset by 16.
+    q5_0,
+    22,
+    false,
+    |b: &[u8]| {
+        let (lo, hi) = nibbles(b, 6);
+        let sixteen = _mm256_set1_epi16(16);
+        // Value j is its nibble + 16·(bit j of the mask) − 16.
+        let fifth = |lanes: __m256i, bits: u16| _mm256_sub_epi16(_mm256_or_si256(lanes, bit_lanes(bits, 16)), sixteen);
+        (fifth(lo, u16::from_le_bytes([b[2], b[3]])), fifth(hi, u16::from_le_bytes([b[4], b[5]])))
+    }
+);
+
+small_blocks!(
+    /// Q4_1: 32 4-bit values (low nibbles first, then high), a float16 scale and minimum.
+    q4_1,
+    20,
+    true,
+    |b: &[u8]| nibbles(b, 4)
+);
+
+small_blocks!(
+    /// Q5_1: Q4_1's nibbles with a fifth bit each from a 32-bit mask.
+    q5_1,
+    24,
+    true,
+    |b: &[u8]| {
+        let (lo, hi) = nibbles(b, 8);
+        let fifth = |lanes: __m256i, bits: u16| _mm256_or_si256(lanes, bit_lanes(bits, 16));
+        (fifth(lo, u16::from_le_bytes([b[4], b[5]])), fifth(hi, u16::from_le_bytes([b[6], b[7]])))
+    }
+);
+
+/// Adds `isum` (each row's int32 sums), scaled by `d` and the row's activation scale for
+/// super-block `i`, into accumulator set `acc`.
+///
+/// # Safety
+/// `xs` must point to at least `M · nb` scales, `i < nb`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn scale_into<const M: usize>(
+    acc: &mut [__m256; M],
+    isum: &[__m256i; M],
+    d: f32,
+    xs: *const f32,
+    nb: usize,
+    i: usize,
+) {
+    for (r, (a, isum)) in acc.iter_mut().zip(isum).enumerate() {
+        // SAFETY: the caller's.
+        let sx = unsafe { *xs.add(r * nb + i) };
+        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*isum), _mm256_set1_ps(d * sx), *a);
+    }
+}
+
+/// Q2_K: 256 2-bit values in 16 sub-blocks of 16, each with a 4-bit scale and a 4-bit min;
+/// value = `d·scale·q − dmin·min`. `scale·q` (≤ 45) is formed in int16 and the super-block
+/// summed in int32 (32 products a lane); the minimums multiply the activations' float sums of
+/// 16 values, in float32 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q2k<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
+    let (k, nb) = (x.k, x.k / 256);
+    assert!(row_bytes == nb * 84 && x.q.len() == M * k && x.scale.len() == M * nb && x.sum16.len() == M * 16 * nb);
+    let (xq, xs, x16) = (x.q.as_ptr(), x.scale.as_ptr(), x.sum16.as_ptr());
+    let three = _mm256_set1_epi16(3);
+    for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
+        let mut acc = [[_mm256_setzero_ps(); M]; A];
+        for (i, b) in row.chunks_exact(84).enumerate() {
+            prefetch_ahead(b);
+            let (d, dmin) = (half_at(b, 80), half_at(b, 82));
+            let scales = &b[0..16];
+            let mut isum = [_mm256_setzero_si256(); M];
+            for n in 0..2 {
+                let q = [u8x16(b, 16 + 32 * n), u8x16(b, 32 + 32 * n)];
+                for j in 0..4 {
+                    for (h, q) in q.iter().enumerate() {
+                        let sc = i16::from(scales[8 * n + 2 * j + h] & 0x0f);
+                        // `srl` by a count in a register: `j` is a loop variable.
+                        let shift = _mm_cvtsi32_si128(2 * j as i32);
+                        let v = _mm256_and_si256(_mm256_srl_epi16(*q, shift), three);
+                        let v = _mm256_mullo_epi16(v, _mm256_set1_epi16(sc));
+                        for (r, isum) in isum.iter_mut().enumerate() {
+                            // SAFETY: 16 values of row `r < M` in super-block `i < nb`, which
+                            // the assert above bounds.
+                            let p = unsafe { madd(v, xq.add(r * k + 256 * i + 128 * n + 32 * j + 16 * h)) };
+                            *isum = _mm256_add_epi32(*isum, p);
+                        }
+                    }
+                }
+            }
+            // SAFETY: as above.
+            unsafe { scale_into(&mut acc[i % A], &isum, d, xs, nb, i) };
+            // The minimums: sub-block `s`'s is the high nibble of `scales[s]`, and its
+            // activations' sum is `sum16[16·i + s]`.
+            // SAFETY: `scales` holds the 16 bytes read.
+            let mins = _mm_and_si128(
+                _mm_srli_epi16::<4>(unsafe { _mm_loadu_si128(scales.as_ptr().cast()) }),
+                _mm_set1_epi8(0x0f),
+            );
+            let dm = _mm256_set1_ps(-dmin);
+            let m0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)), dm);
+            let m1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(mins))), dm);
+            for (r, a) in acc[i % A].iter_mut().enumerate() {
+                // SAFETY: sums `16·i..16·i + 16` of row `r < M`, which the assert above bounds.
+                let (s0, s1) = unsafe {
+                    let s = x16.add(r * 16 * nb + 16 * i);
+                    (_mm256_loadu_ps(s), _mm256_loadu_ps(s.add(8)))
+                };
+                *a = _mm256_fmadd_ps(m1, s1, _mm256_fmadd_ps(m0, s0, *a));
+            }
+        }
+        store(&acc, &[0.0; M], out);
+    }
+}
+
+/// Q3_K: 256 3-bit values (low 2 bits in `qs`, the third in `hmask`, set: no offset of −4)
+/// in 16 sub-blocks of 16 with signed 6-bit scales, and a float16 scale. `scale·q` (|·| ≤ 128)
+/// is formed in int16 and the super-block summed in int32 (32 products a lane).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q3k<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
+    let (k, nb) = (x.k, x.k / 256);
+    assert!(row_bytes == nb * 110 && x.q.len() == M * k && x.scale.len() == M * nb);
+    let (xq, xs) = (x.q.as_ptr(), x.scale.as_ptr());
+    let (three, four, one) = (_mm256_set1_epi16(3), _mm256_set1_epi16(4), _mm256_set1_epi16(1));
+    for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
+        let mut acc = [[_mm256_setzero_ps(); M]; A];
+        for (i, b) in row.chunks_exact(110).enumerate() {
+            prefetch_ahead(b);
+            let d = half_at(b, 108);
+            let scales = super::scales_k3(&b[96..108]);
+            let hmask = [u8x16(b, 0), u8x16(b, 16)];
+            let mut isum = [_mm256_setzero_si256(); M];
+            for n in 0..2 {
+                let q = [u8x16(b, 32 + 32 * n), u8x16(b, 48 + 32 * n)];
+                for j in 0..4 {
+                    let shift = _mm_cvtsi32_si128(2 * j as i32);
+                    let bit = _mm_cvtsi32_si128((4 * n + j) as i32);
+                    for h in 0..2 {
+                        let low = _mm256_and_si256(_mm256_srl_epi16(q[h], shift), three);
+                        // Less 4 where the mask's bit is clear.
+                        let set = _mm256_and_si256(_mm256_srl_epi16(hmask[h], bit), one);
+                        let v = _mm256_sub_epi16(_mm256_or_si256(low, _mm256_slli_epi16::<2>(set)), four);
+                        let v = _mm256_mullo_epi16(v, _mm256_set1_epi16(i16::from(scales[8 * n + 2 * j + h])));
+                        for (r, isum) in isum.iter_mut().enumerate() {
+                            // SAFETY: 16 values of row `r < M` in super-block `i < nb`, which
+                            // the assert above bounds.
+                            let p = unsafe { madd(v, xq.add(r * k + 256 * i + 128 * n + 32 * j + 16 * h)) };
+                            *isum = _mm256_add_epi32(*isum, p);
+                        }
+                    }
+                }
+            }
+            // SAFETY: as above.
+            unsafe { scale_into(&mut acc[i % A], &isum, d, xs, nb, i) };
+        }
+        store(&acc, &[0.0; M], out);
+    }
+}
+
+/// Q4_K and Q5_K: 256 4-bit values (Q5_K: with a fifth bit each from `qh`) in 8 sub-blocks
+/// of 32, each with a 6-bit scale and min; value = `d·scale·q − dmin·min`. `scale·q` is
+/// formed in int16 and the super-block summed in int32 (32 products a lane, at most
+/// 32 · 31 · 63 · 32767 < 2³¹); the minimums multiply the activations' float sums of 32.
+macro_rules! k_with_mins {
+    ($(#[$doc:meta])* $name:ident, $bytes:literal, $qs:literal, $fifth:literal) => {
+        $(#[$doc])*
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn $name<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
+            let (k, nb) = (x.k, x.k / 256);
+            assert!(
+                row_bytes == nb * $bytes && x.q.len() == M * k && x.scale.len() == M * nb && x.sum32.len() == M * 8 * nb
+            );
+            let (xq, xs, x32) = (x.q.as_ptr(), x.scale.as_ptr(), x.sum32.as_ptr());
+            let (nib, sixteen) = (_mm256_set1_epi16(0x0f), _mm256_set1_epi16(16));
+            for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
+                let mut acc = [[_mm256_setzero_ps(); M]; A];
+                let mut minus = [0f32; M];
+                for (i, b) in row.chunks_exact($bytes).enumerate() {
+                    prefetch_ahead(b);
+                    let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+                    // Q5_K's fifth bits: bit `2g` of `qh[l]` for value `l` of sub-block `2g`,
+                    // bit `2g + 1` for sub-block `2g + 1`; shifted down a pair each group.
+                    let mut qh = if $fifth { [u8x16(b, 16), u8x16(b, 32)] } else { [_mm256_setzero_si256(); 2] };
+                    let mut isum = [_mm256_setzero_si256(); M];
+                    for g in 0..4 {
+                        let (s1, m1) = super::scale_min_k4(2 * g, &b[4..16]);
+                        let (s2, m2) = super::scale_min_k4(2 * g + 1, &b[4..16]);
+                        let (s1, s2) = (_mm256_set1_epi16(i16::from(s1)), _mm256_set1_epi16(i16::from(s2)));
+                        for h in 0..2 {
+                            let q = u8x16(b, $qs + 32 * g + 16 * h);
+                            let (mut lo, mut hi) = (_mm256_and_si256(q, nib), _mm256_srli_epi16::<4>(q));
+                            if $fifth {
+                                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16::<4>(qh[h]), sixteen));
+                                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16::<3>(qh[h]), sixteen));
+                                qh[h] = _mm256_srli_epi16::<2>(qh[h]);
+                            }
+                            let (lo, hi) = (_mm256_mullo_epi16(lo, s1), _mm256_mullo_epi16(hi, s2));
+                            for (r, isum) in isum.iter_mut().enumerate() {
+                                // SAFETY: values of row `r < M` in super-block `i < nb`, which
+                                // the assert above bounds.
+                                let (a, c) = unsafe {
+                                    let base = xq.add(r * k + 256 * i + 64 * g + 16 * h);
+                                    (madd(lo, base), madd(hi, base.add(32)))
+                                };
+                                *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(a, c));
+                            }
+                        }
+                        for (r, minus) in minus.iter_mut().enumerate() {
+                            // SAFETY: sums `8·i + 2g`, `+ 1` of row `r < M`, bounded as above.
+                            let (t0, t1) = unsafe {
+                                let s = x32.add(r * 8 * nb + 8 * i + 2 * g);
+                                (*s, *s.add(1))
+                            };
+                            *minus += dmin * (f32::from(m1) * t0 + f32::from(m2) * t1);
+                        }
+                    }
+                    // SAFETY: as above.
+                    unsafe { scale_into(&mut acc[i % A], &isum, d, xs, nb, i) };
+                }
+                store(&acc, &minus, out);
+            }
+        }
+    };
+}
+
+k_with_mins!(
+    /// Q4_K: d, dmin, 12 bytes of packed 6-bit scales and mins, 128 bytes of nibbles.
+    q4k,
+    144,
+    16,
+    false
+);
+
+k_with_mins!(
+    /// Q5_K: Q4_K's layout with 32 bytes of fifth bits before the nibbles.
+    q5k,
+    176,
+    48,
+    true
+);
+
+/// Q6_K: 256 6-bit values (low 4 bits in `ql`, high 2 in `qh`) offset by 32, in 16
+/// sub-blocks of 16 with int8 scales, and a float16 scale. `(q − 32)·scale` is formed in int16
+/// (|·| ≤ 4096); a half super-block is summed in int32 (16 products a lane, at most
+/// 16 · 4096 · 32767 < 2³¹) and converted, the whole one would overflow.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q6k<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
+    let (k, nb) = (x.k, x.k / 256);
+    assert!(row_bytes == nb * 210 && x.q.len() == M * k && x.scale.len() == M * nb);
+    let (xq, xs) = (x.q.as_ptr(), x.scale.as_ptr());
+    let (nib, three, high, off) =
+        (_mm256_set1_epi16(0x0f), _mm256_set1_epi16(3), _mm256_set1_epi16(0x30), _mm256_set1_epi16(32));
+    for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
+        let mut acc = [[_mm256_setzero_ps(); M]; A];
+        for (i, b) in row.chunks_exact(210).enumerate() {
+            prefetch_ahead(b);
+            let d = half_at(b, 208);
+            for n in 0..2 {
+                let mut isum = [_mm256_setzero_si256(); M];
+                for h in 0..2 {
+                    // Values `l = 16h..16h + 16` of the four runs of 32 of this half.
+                    let qa = u8x16(b, 64 * n + 16 * h);
+                    let qb = u8x16(b, 64 * n + 32 + 16 * h);
+                    let c = u8x16(b, 128 + 32 * n + 16 * h);
+                    let or = |low: __m256i, hi2: __m256i| _mm256_sub_epi16(_mm256_or_si256(low, hi2), off);
+                    let ws = [
+                        or(_mm256_and_si256(qa, nib), _mm256_slli_epi16::<4>(_mm256_and_si256(c, three))),
+                        or(_mm256_and_si256(qb, nib), _mm256_and_si256(_mm256_slli_epi16::<2>(c), high)),
+                        or(_mm256_srli_epi16::<4>(qa), _mm256_and_si256(c, high)),
+                        or(_mm256_srli_epi16::<4>(qb), _mm256_and_si256(_mm256_srli_epi16::<2>(c), high)),
+                    ];
+                    for (j, wv) in ws.iter().enumerate() {
+                        // Run `j`'s values `16h..` have sub-block scale `2j + h` of this half.
+                        let sc = i16::from(b[192 + 8 * n + 2 * j + h] as i8);
+                        let wv = _mm256_mullo_epi16(*wv, _mm256_set1_epi16(sc));
+                        for (r, isum) in isum.iter_mut().enumerate() {
+                            // SAFETY: 16 values of row `r < M` in super-block `i < nb`, which
+                            // the assert above bounds.
+                            let p = unsafe { madd(wv, xq.add(r * k + 256 * i + 128 * n + 32 * j + 16 * h)) };
+                            *isum = _mm256_add_epi32(*isum, p);
+                        }
+                    }
+                }
+                // SAFETY: as above.
+                unsafe { scale_into(&mut acc[(2 * i + n) % A], &isum, d, xs, nb, i) };
+            }
+        }
+        store(&acc, &[0.0; M], out);
+    }
+}
