@@ -133,6 +133,10 @@ pub struct Simulator {
     /// With [`SimConfig::elastic`]: the rule that changes roles, apart from the routing policy.
     elastic: Option<LoadAware>,
     rng: StdRng,
+    /// Requests by arrival (time, then index): the queue holds only the next one's arrival, so
+    /// it holds the events in flight, not the whole workload.
+    arrivals: Vec<usize>,
+    next_arrival: usize,
     queue: BinaryHeap<Reverse<(Micros, u8, u64, EventKind)>>,
     seq: u64,
     now: Micros,
@@ -148,7 +152,7 @@ impl std::fmt::Debug for Simulator {
 }
 
 impl Simulator {
-    /// A simulator at time 0 with every arrival scheduled.
+    /// A simulator at time 0 with its first arrival scheduled (each arrival schedules the next).
     pub fn new(cfg: SimConfig, requests: Vec<SimRequest>) -> Self {
         let c = &cfg.cluster;
         let roles = std::iter::repeat_n(Role::Prefill, c.prefill)
@@ -190,6 +194,8 @@ impl Simulator {
             trees,
             scheduler,
             elastic: cfg.elastic.then(|| LoadAware::new(cfg.policy_config.load_aware)),
+            arrivals: Vec::new(),
+            next_arrival: 0,
             queue: BinaryHeap::new(),
             seq: 0,
             now: 0,
@@ -197,13 +203,24 @@ impl Simulator {
             event_log: None,
             cfg,
         };
-        for i in 0..sim.requests.len() {
-            sim.push(sim.requests[i].arrival_us, EventKind::Arrival { req: i });
-        }
+        // The order in which a queue holding every arrival (pushed in index order) would pop
+        // them: by time, then index. Scheduling one at a time keeps that order, and no other
+        // event shares an arrival's priority, so every run is the same.
+        let mut arrivals: Vec<usize> = (0..sim.requests.len()).collect();
+        arrivals.sort_by_key(|&i| (sim.requests[i].arrival_us, i));
+        sim.arrivals = arrivals;
+        sim.schedule_next_arrival();
         if sim.cfg.rebalance_interval_us > 0 {
             sim.push(sim.cfg.rebalance_interval_us, EventKind::Rebalance);
         }
         sim
+    }
+
+    fn schedule_next_arrival(&mut self) {
+        if let Some(&i) = self.arrivals.get(self.next_arrival) {
+            self.next_arrival += 1;
+            self.push(self.requests[i].arrival_us, EventKind::Arrival { req: i });
+        }
     }
 
     fn push(&mut self, at: Micros, kind: EventKind) {
@@ -384,7 +401,10 @@ impl Simulator {
 
     fn handle(&mut self, kind: EventKind) {
         match kind {
-            EventKind::Arrival { req } => self.on_arrival(req),
+            EventKind::Arrival { req } => {
+                self.schedule_next_arrival();
+                self.on_arrival(req);
+            }
             EventKind::PrefillDone { inst } => self.on_prefill_done(inst),
             EventKind::KvReady { req } => self.on_kv_ready(req),
             EventKind::DecodeStepDone { inst } => self.on_step_done(inst),
