@@ -138,13 +138,9 @@ pub fn predicted_tbt_at(
     extra_context: u64,
 ) -> Micros {
     let staying = d.decode_running.iter().filter(|s| s.started_at + t_d > at);
-    let joining = d.decode_incoming.iter().filter(|s| s.ready_at <= at);
-    let (mut batch, mut ctx) = (u64::from(d.decode_waiting) + extra, extra_context);
+    let (joining, joining_ctx) = d.decode_incoming.ready_by(at);
+    let (mut batch, mut ctx) = (u64::from(d.decode_waiting) + extra + joining, extra_context + joining_ctx);
     for s in staying {
-        batch += 1;
-        ctx += s.context;
-    }
-    for s in joining {
         batch += 1;
         ctx += s.context;
     }
@@ -350,7 +346,7 @@ mod tests {
 
         // Conversely: idle now, but many requests are about to arrive from prefill.
         inst[1].decode_running.clear();
-        inst[1].decode_incoming = vec![IncomingSeq { ready_at: 10_000_000, context: 20_000 }; 64];
+        inst[1].decode_incoming = vec![IncomingSeq { ready_at: 10_000_000, context: 20_000 }; 64].into();
         let mut s = snap(inst, &trees, &cost);
         s.now = 9_999_000;
         assert!(matches!(

@@ -74,7 +74,7 @@ pub use policy::{
     RoundRobin, SessionAffinity,
 };
 pub use snapshot::{
-    ClusterSnapshot, Decision, DecodeSeq, Estimate, IncomingSeq, InstanceSnapshot, PendingPrefill, RejectReason,
-    Request, RequestId, Reuse, Role, RoleChange, Route, SessionId, TierUsage, WorkerLoad,
+    ClusterSnapshot, Decision, DecodeSeq, Estimate, IncomingSeq, IncomingSeqs, InstanceSnapshot, PendingPrefill,
+    RejectReason, Request, RequestId, Reuse, Role, RoleChange, Route, SessionId, TierUsage, WorkerLoad,
 };
 pub use trees::{GlobalPromptTrees, PrefixMatch};

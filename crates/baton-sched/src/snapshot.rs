@@ -4,6 +4,9 @@
 //! fills the same struct from its virtual instances. Neither the snapshot nor the decision holds
 //! anything live: both are plain data.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use baton_kv::{BlockHash, InstanceId, Tier};
 use serde::{Deserialize, Serialize};
 
@@ -69,6 +72,111 @@ pub struct IncomingSeq {
     pub context: u64,
 }
 
+/// The requests routed to a decode instance whose KV has not arrived, as the policies weigh
+/// them: how many, their context in all (both kept as running totals), and how many of them,
+/// with what context, are expected by a given time ([`IncomingSeqs::ready_by`]).
+///
+/// A multiset of [`IncomingSeq`]s behind an [`Arc`], so a snapshot copies a pointer, not one
+/// entry per request: under overload a decode instance can have as many requests coming as the
+/// prefill queues hold, and the simulator takes a snapshot per arrival. Whoever keeps one
+/// (the simulator, per decode instance) changes it in place with [`IncomingSeqs::push`] and
+/// [`IncomingSeqs::remove`] once the snapshots sharing it are gone, in O(log n).
+///
+/// ```
+/// use baton_sched::{IncomingSeq, IncomingSeqs};
+///
+/// let mut inc: IncomingSeqs = [(5, 100), (9, 300), (5, 100)]
+///     .into_iter()
+///     .map(|(ready_at, context)| IncomingSeq { ready_at, context })
+///     .collect();
+/// assert_eq!((inc.len(), inc.context()), (3, 500));
+/// assert_eq!(inc.ready_by(5), (2, 200));
+/// assert!(inc.remove(IncomingSeq { ready_at: 5, context: 100 }));
+/// assert_eq!(inc.ready_by(u64::MAX), (2, 400));
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IncomingSeqs {
+    len: u64,
+    context: u64,
+    /// How many sequences of each (ready time, context).
+    by_ready: Arc<BTreeMap<(Micros, u64), u64>>,
+}
+
+impl IncomingSeqs {
+    /// None coming.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sequences coming.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether none is coming.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Their tokens of context in all.
+    pub fn context(&self) -> u64 {
+        self.context
+    }
+
+    /// One more coming.
+    pub fn push(&mut self, s: IncomingSeq) {
+        *Arc::make_mut(&mut self.by_ready).entry((s.ready_at, s.context)).or_insert(0) += 1;
+        self.len += 1;
+        self.context += s.context;
+    }
+
+    /// One fewer coming (arrived, or dropped); false if no such sequence was coming.
+    pub fn remove(&mut self, s: IncomingSeq) -> bool {
+        let map = Arc::make_mut(&mut self.by_ready);
+        let key = (s.ready_at, s.context);
+        match map.get_mut(&key) {
+            None => return false,
+            Some(1) => {
+                map.remove(&key);
+            }
+            Some(n) => *n -= 1,
+        }
+        self.len -= 1;
+        self.context -= s.context;
+        true
+    }
+
+    /// The sequences expected by `at` (ready at or before it): how many, and their context in
+    /// all. Walks those sequences' distinct (time, context) pairs: what predictive admission asks
+    /// of one decode instance per request, whose TTFT check bounds the prefill queues ahead.
+    pub fn ready_by(&self, at: Micros) -> (u64, u64) {
+        self.by_ready.range(..=(at, u64::MAX)).fold((0, 0), |(n, ctx), (&(_, c), &k)| (n + k, ctx + c * k))
+    }
+
+    /// Every sequence coming, by ready time (then context).
+    pub fn iter(&self) -> impl Iterator<Item = IncomingSeq> + '_ {
+        self.by_ready
+            .iter()
+            .flat_map(|(&(ready_at, context), &k)| std::iter::repeat_n(IncomingSeq { ready_at, context }, k as usize))
+    }
+}
+
+impl FromIterator<IncomingSeq> for IncomingSeqs {
+    fn from_iter<I: IntoIterator<Item = IncomingSeq>>(iter: I) -> Self {
+        let mut out = Self::new();
+        for s in iter {
+            out.push(s);
+        }
+        out
+    }
+}
+
+impl From<Vec<IncomingSeq>> for IncomingSeqs {
+    fn from(v: Vec<IncomingSeq>) -> Self {
+        v.into_iter().collect()
+    }
+}
+
 /// One instance as the scheduler sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InstanceSnapshot {
@@ -88,7 +196,7 @@ pub struct InstanceSnapshot {
     /// Requests waiting to join the decode batch (KV arrived, no room yet).
     pub decode_waiting: u32,
     /// Requests routed here for decode whose prefill is still running.
-    pub decode_incoming: Vec<IncomingSeq>,
+    pub decode_incoming: IncomingSeqs,
     /// KV blocks per tier, indexed by `Tier as usize` (device, host, disk).
     pub kv: [TierUsage; 3],
     /// NIC bandwidth, bytes per second (0: the cost profile's default).
@@ -113,7 +221,7 @@ impl InstanceSnapshot {
             queued_prefill_us: 0,
             decode_running: Vec::new(),
             decode_waiting: 0,
-            decode_incoming: Vec::new(),
+            decode_incoming: IncomingSeqs::new(),
             kv: [TierUsage::default(); 3],
             nic_bytes_per_s: 0,
             decode_step_scale: 1.0,
@@ -227,7 +335,7 @@ impl WorkerLoad {
             queued_prefill_us: self.queued_prefill_us(now),
             decode_running: self.decode_running.clone(),
             decode_waiting: self.decode_waiting,
-            decode_incoming: self.decode_incoming.clone(),
+            decode_incoming: self.decode_incoming.iter().copied().collect(),
             kv: [self.kv_device, self.kv_host, TierUsage::default()],
             nic_bytes_per_s: 0,
             decode_step_scale: self.decode_step_scale,

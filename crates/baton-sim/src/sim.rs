@@ -19,8 +19,9 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use baton_kv::{InstanceId, KvEvent};
 use baton_sched::{
-    AdmissionKind, ClusterSnapshot, Decision, DecodeSeq, GlobalPromptTrees, IncomingSeq, LoadAware, Micros,
-    PendingPrefill, Policy, Request, RequestId, Role, Route, Scheduler, TierUsage, WorkerLoad,
+    AdmissionKind, ClusterSnapshot, Decision, DecodeSeq, GlobalPromptTrees, IncomingSeq, IncomingSeqs,
+    InstanceSnapshot, LoadAware, Micros, PendingPrefill, Policy, Request, RequestId, Role, Route, Scheduler, TierUsage,
+    WorkerLoad,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -29,6 +30,25 @@ use crate::SimConfig;
 use crate::cache::BlockCache;
 use crate::metrics::{Extra, Outcome, Report, RequestRecord, RoleChangeAt, summarise};
 use crate::workload::SimRequest;
+
+/// The snapshot of `instances` (in id order) as [`ClusterSnapshot::from_workers`] builds it, with
+/// the cluster's fetch setting.
+fn cluster_snapshot<'a>(
+    now: Micros,
+    instances: Vec<InstanceSnapshot>,
+    trees: &'a GlobalPromptTrees,
+    cfg: &'a SimConfig,
+) -> ClusterSnapshot<'a> {
+    ClusterSnapshot {
+        now,
+        instances,
+        trees,
+        cost: &cfg.cost,
+        links: Vec::new(),
+        kv_fetch: cfg.cluster.kv_fetch,
+        decode_affinity: false,
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum EventKind {
@@ -57,11 +77,17 @@ struct Instance {
     cache: BlockCache,
     kv_seq: u64,
     prefill_queue: VecDeque<usize>,
+    /// The queued prefills' estimates in all (`est_prefill_us`), kept as they come and go, so a
+    /// snapshot's queue time costs nothing per queued request.
+    queued_est_us: Micros,
     /// The running prefill: request, start, end.
     prefill_running: Option<(usize, Micros, Micros)>,
     decode_waiting: VecDeque<usize>,
+    /// The waiting requests' prompt tokens in all (their context: none has decoded yet).
+    waiting_context: u64,
     decode_running: Vec<usize>,
-    decode_incoming: Vec<usize>,
+    /// Requests routed here for decode whose KV has not arrived, as the policies weigh them.
+    decode_incoming: IncomingSeqs,
     decode_blocks_used: u64,
     step_running: bool,
     device_blocks: u64,
@@ -107,6 +133,10 @@ pub struct Simulator {
     /// With [`SimConfig::elastic`]: the rule that changes roles, apart from the routing policy.
     elastic: Option<LoadAware>,
     rng: StdRng,
+    /// Requests by arrival (time, then index): the queue holds only the next one's arrival, so
+    /// it holds the events in flight, not the whole workload.
+    arrivals: Vec<usize>,
+    next_arrival: usize,
     queue: BinaryHeap<Reverse<(Micros, u8, u64, EventKind)>>,
     seq: u64,
     now: Micros,
@@ -122,7 +152,7 @@ impl std::fmt::Debug for Simulator {
 }
 
 impl Simulator {
-    /// A simulator at time 0 with every arrival scheduled.
+    /// A simulator at time 0 with its first arrival scheduled (each arrival schedules the next).
     pub fn new(cfg: SimConfig, requests: Vec<SimRequest>) -> Self {
         let c = &cfg.cluster;
         let roles = std::iter::repeat_n(Role::Prefill, c.prefill)
@@ -140,10 +170,12 @@ impl Simulator {
                     cache: BlockCache::new(c.device_cache_blocks as usize, c.host_blocks as usize),
                     kv_seq: 0,
                     prefill_queue: VecDeque::new(),
+                    queued_est_us: 0,
                     prefill_running: None,
                     decode_waiting: VecDeque::new(),
+                    waiting_context: 0,
                     decode_running: Vec::new(),
-                    decode_incoming: Vec::new(),
+                    decode_incoming: IncomingSeqs::new(),
                     decode_blocks_used: 0,
                     step_running: false,
                     device_blocks: c.device_blocks,
@@ -162,6 +194,8 @@ impl Simulator {
             trees,
             scheduler,
             elastic: cfg.elastic.then(|| LoadAware::new(cfg.policy_config.load_aware)),
+            arrivals: Vec::new(),
+            next_arrival: 0,
             queue: BinaryHeap::new(),
             seq: 0,
             now: 0,
@@ -169,13 +203,24 @@ impl Simulator {
             event_log: None,
             cfg,
         };
-        for i in 0..sim.requests.len() {
-            sim.push(sim.requests[i].arrival_us, EventKind::Arrival { req: i });
-        }
+        // The order in which a queue holding every arrival (pushed in index order) would pop
+        // them: by time, then index. Scheduling one at a time keeps that order, and no other
+        // event shares an arrival's priority, so every run is the same.
+        let mut arrivals: Vec<usize> = (0..sim.requests.len()).collect();
+        arrivals.sort_by_key(|&i| (sim.requests[i].arrival_us, i));
+        sim.arrivals = arrivals;
+        sim.schedule_next_arrival();
         if sim.cfg.rebalance_interval_us > 0 {
             sim.push(sim.cfg.rebalance_interval_us, EventKind::Rebalance);
         }
         sim
+    }
+
+    fn schedule_next_arrival(&mut self) {
+        if let Some(&i) = self.arrivals.get(self.next_arrival) {
+            self.next_arrival += 1;
+            self.push(self.requests[i].arrival_us, EventKind::Arrival { req: i });
+        }
     }
 
     fn push(&mut self, at: Micros, kind: EventKind) {
@@ -203,7 +248,8 @@ impl Simulator {
 
     /// Each instance's figures now, as a conductor would have them of live workers (the running
     /// prefill first, then the queued ones; decodes with their contexts; KV blocks in use: the
-    /// decode batch's and the prefix cache's).
+    /// decode batch's and the prefix cache's). Lists every queued request: the reference
+    /// [`Simulator::snapshot`] is checked against, not what the event loop builds.
     pub fn worker_loads(&self) -> Vec<WorkerLoad> {
         self.instances.iter().map(|inst| self.worker_load(inst)).collect()
     }
@@ -221,23 +267,9 @@ impl Simulator {
             role: inst.role,
             accepting: true,
             prefills: running.into_iter().chain(queued).collect(),
-            decode_running: inst
-                .decode_running
-                .iter()
-                .map(|&r| DecodeSeq {
-                    started_at: self.state[r].decode_started_us,
-                    context: self.requests[r].input_tokens + self.state[r].generated,
-                })
-                .collect(),
+            decode_running: self.decode_seqs(inst),
             decode_waiting: inst.decode_waiting.len() as u32,
-            decode_incoming: inst
-                .decode_incoming
-                .iter()
-                .map(|&r| IncomingSeq {
-                    ready_at: self.state[r].expected_ready_us,
-                    context: self.requests[r].input_tokens,
-                })
-                .collect(),
+            decode_incoming: inst.decode_incoming.iter().collect(),
             kv_device: TierUsage { used: inst.decode_blocks_used + dev_cache as u64, total: inst.device_blocks },
             kv_host: TierUsage { used: host_cache as u64, total: inst.host_blocks },
             decode_step_scale: 1.0,
@@ -245,11 +277,54 @@ impl Simulator {
         }
     }
 
-    /// The snapshot the simulator passes to the scheduler now: [`Simulator::worker_loads`] through
-    /// [`ClusterSnapshot::from_workers`], the same call a conductor makes with live figures.
+    /// The snapshot the simulator passes to the scheduler now: what
+    /// [`ClusterSnapshot::from_workers`] builds from [`Simulator::worker_loads`], the call a
+    /// conductor makes with live figures, but built from totals the instances keep as work comes
+    /// and goes (`tests/overload.rs` checks the two are equal), so its cost does not grow with the
+    /// queues: under overload the prefill queues and the requests coming to each decode
+    /// instance grow without bound, and a snapshot is taken per arrival.
     pub fn snapshot(&self) -> ClusterSnapshot<'_> {
-        ClusterSnapshot::from_workers(self.now, &self.worker_loads(), &self.trees, &self.cfg.cost)
-            .with_kv_fetch(self.cfg.cluster.kv_fetch)
+        cluster_snapshot(self.now, self.instance_snapshots(), &self.trees, &self.cfg)
+    }
+
+    fn instance_snapshots(&self) -> Vec<InstanceSnapshot> {
+        self.instances.iter().map(|inst| self.instance_snapshot(inst)).collect()
+    }
+
+    /// What [`WorkerLoad::snapshot`] makes of [`Simulator::worker_load`], from running totals:
+    /// O(1) per instance but for its decode batch (at most `max_batch`).
+    fn instance_snapshot(&self, inst: &Instance) -> InstanceSnapshot {
+        let (dev_cache, host_cache) = inst.cache.usage();
+        let running =
+            inst.prefill_running.map(|(_, start, end)| (end - start).saturating_sub(self.now.saturating_sub(start)));
+        InstanceSnapshot {
+            id: inst.id,
+            role: inst.role,
+            accepting: true,
+            prefill_queue_len: (inst.prefill_queue.len() + usize::from(running.is_some())) as u32,
+            queued_prefill_us: running.unwrap_or(0) + inst.queued_est_us,
+            decode_running: self.decode_seqs(inst),
+            decode_waiting: inst.decode_waiting.len() as u32,
+            decode_incoming: inst.decode_incoming.clone(),
+            kv: [
+                TierUsage { used: inst.decode_blocks_used + dev_cache as u64, total: inst.device_blocks },
+                TierUsage { used: host_cache as u64, total: inst.host_blocks },
+                TierUsage::default(),
+            ],
+            nic_bytes_per_s: 0,
+            decode_step_scale: 1.0,
+            mean_step_us: inst.mean_step_us as Micros,
+        }
+    }
+
+    fn decode_seqs(&self, inst: &Instance) -> Vec<DecodeSeq> {
+        inst.decode_running
+            .iter()
+            .map(|&r| DecodeSeq {
+                started_at: self.state[r].decode_started_us,
+                context: self.requests[r].input_tokens + self.state[r].generated,
+            })
+            .collect()
     }
 
     /// Starts (or stops) keeping every KV event the instances emit, for
@@ -267,9 +342,7 @@ impl Simulator {
     /// live conductor would).
     pub fn decide(&mut self, i: usize) -> Decision {
         let req = self.request_view(i);
-        let loads = self.worker_loads();
-        let snap = ClusterSnapshot::from_workers(self.now, &loads, &self.trees, &self.cfg.cost)
-            .with_kv_fetch(self.cfg.cluster.kv_fetch);
+        let snap = cluster_snapshot(self.now, self.instance_snapshots(), &self.trees, &self.cfg);
         self.scheduler.decide(&snap, &req, &mut self.rng)
     }
 
@@ -328,7 +401,10 @@ impl Simulator {
 
     fn handle(&mut self, kind: EventKind) {
         match kind {
-            EventKind::Arrival { req } => self.on_arrival(req),
+            EventKind::Arrival { req } => {
+                self.schedule_next_arrival();
+                self.on_arrival(req);
+            }
             EventKind::PrefillDone { inst } => self.on_prefill_done(inst),
             EventKind::KvReady { req } => self.on_kv_ready(req),
             EventKind::DecodeStepDone { inst } => self.on_step_done(inst),
@@ -366,8 +442,10 @@ impl Simulator {
         st.est_prefill_us = est;
         st.expected_ready_us = self.now + route.estimate.ttft_us + transfer;
         st.route = Some(route);
+        let incoming = IncomingSeq { ready_at: st.expected_ready_us, context: req.input_tokens };
         self.instances[p].prefill_queue.push_back(i);
-        self.instances[d].decode_incoming.push(i);
+        self.instances[p].queued_est_us += est;
+        self.instances[d].decode_incoming.push(incoming);
         self.kick(p);
     }
 
@@ -380,6 +458,7 @@ impl Simulator {
         }
         self.admit_decodes(inst);
         if let Some(r) = self.instances[inst].prefill_queue.pop_front() {
+            self.instances[inst].queued_est_us -= self.state[r].est_prefill_us;
             self.start_prefill(inst, r);
         } else if !self.instances[inst].decode_running.is_empty() {
             let (batch, ctx) = self.decode_batch(inst);
@@ -500,8 +579,9 @@ impl Simulator {
 
     fn on_kv_ready(&mut self, r: usize) {
         let Some(d) = self.state[r].route.as_ref().map(|rt| self.index_of(rt.decode)) else { return };
-        self.instances[d].decode_incoming.retain(|&x| x != r);
         let req = &self.requests[r];
+        let arrived = IncomingSeq { ready_at: self.state[r].expected_ready_us, context: req.input_tokens };
+        self.instances[d].decode_incoming.remove(arrived);
         if req.output_tokens <= 1 {
             self.state[r].outcome.done_us = Some(self.now);
             return;
@@ -509,12 +589,8 @@ impl Simulator {
         if self.cfg.admission.kind.decode_checks_on_arrival() {
             // The decode instance guards its own TBT: this is where a prefill gets wasted.
             let it = &self.instances[d];
-            let ctx: u64 = it
-                .decode_running
-                .iter()
-                .chain(&it.decode_waiting)
-                .map(|&x| self.requests[x].input_tokens + self.state[x].generated)
-                .sum();
+            let (_, running_ctx) = self.decode_batch(d);
+            let ctx = running_ctx + it.waiting_context;
             let batch = (it.decode_running.len() + it.decode_waiting.len() + 1) as u64;
             let tbt = self.cfg.cost.decode_step(batch, ctx + req.input_tokens);
             let blocks = (req.input_tokens + req.output_tokens).div_ceil(self.cfg.cluster.block_tokens);
@@ -526,6 +602,7 @@ impl Simulator {
             }
         }
         self.instances[d].decode_waiting.push_back(r);
+        self.instances[d].waiting_context += req.input_tokens;
         self.kick(d);
     }
 
@@ -540,6 +617,7 @@ impl Simulator {
                 break;
             }
             self.instances[d].decode_waiting.pop_front();
+            self.instances[d].waiting_context -= req.input_tokens;
             self.instances[d].decode_blocks_used += blocks;
             self.instances[d].decode_running.push(r);
             self.state[r].blocks = blocks;
@@ -568,9 +646,7 @@ impl Simulator {
     }
 
     fn on_rebalance(&mut self) {
-        let loads = self.worker_loads();
-        let snap = ClusterSnapshot::from_workers(self.now, &loads, &self.trees, &self.cfg.cost)
-            .with_kv_fetch(self.cfg.cluster.kv_fetch);
+        let snap = cluster_snapshot(self.now, self.instance_snapshots(), &self.trees, &self.cfg);
         let change = match &mut self.elastic {
             Some(rule) => rule.rebalance(&snap),
             None => self.scheduler.rebalance(&snap),

@@ -203,9 +203,9 @@ fn copy_back_us(snap: &ClusterSnapshot<'_>, req: &Request, blocks: usize, (host,
 /// Predicted TBT on a decode instance once this request joins (its running batch, the requests
 /// already routed to it, and this one).
 pub(crate) fn tbt_with(snap: &ClusterSnapshot<'_>, inst: &InstanceSnapshot, req: &Request) -> Micros {
-    let incoming: u64 = inst.decode_incoming.iter().map(|s| s.context).sum();
-    let batch = inst.decode_batch() + inst.decode_incoming.len() as u64 + u64::from(inst.decode_waiting) + 1;
-    snap.cost.decode_step(batch, inst.decode_context() + incoming + req.prompt_tokens)
+    let incoming = &inst.decode_incoming;
+    let batch = inst.decode_batch() + incoming.len() + u64::from(inst.decode_waiting) + 1;
+    snap.cost.decode_step(batch, inst.decode_context() + incoming.context() + req.prompt_tokens)
 }
 
 /// The plan of least predicted TTFT, ties spread by [`spread`]: how every cache-affine policy
