@@ -630,39 +630,27 @@ impl DotKernel {
         match self {
             #[cfg(target_arch = "x86_64")]
             #[allow(unsafe_code)]
-            Self::Avx512Q16 => {
-                let own;
+            Self::Avx512Q16 | Self::Avx2Q16 => {
+                // The caller's int16 activations, or this call's own.
                 let q = match q16 {
-                    Some(q) => q,
-                    None => {
-                        own = self.q16(w, x).expect("int16 activations");
-                        &own
-                    }
+                    Some(q) => std::borrow::Cow::Borrowed(q),
+                    None => std::borrow::Cow::Owned(self.q16(w, x).expect("int16 activations")),
                 };
                 debug_assert_eq!(q.view().m(), m);
-                // SAFETY: `available` lists this kernel only on a CPU with AVX-512F, AVX-512BW,
-                // AVX-512VL, FMA and F16C.
-                unsafe { avx512_q16::band(w.format, &w.bytes, w.row_bytes, w.cols, first, q.view(), out) }
+                let (format, bytes, row_bytes, cols, x) = (w.format, &w.bytes, w.row_bytes, w.cols, q.view());
+                if self == Self::Avx512Q16 {
+                    // SAFETY: `available` lists this kernel only on a CPU with AVX-512F,
+                    // AVX-512BW, AVX-512VL, FMA and F16C.
+                    unsafe { avx512_q16::band(format, bytes, row_bytes, cols, first, x, out) }
+                } else {
+                    // SAFETY: `available` lists this kernel only on a CPU with AVX2, FMA and F16C.
+                    unsafe { avx2_q16::band(format, bytes, row_bytes, cols, first, x, out) }
+                }
             }
             #[cfg(target_arch = "x86_64")]
             #[allow(unsafe_code)]
             // SAFETY: `detect` picked this kernel only on a CPU with AVX-512F, FMA and F16C.
             Self::Avx512 => unsafe { avx512::band(w.format, &w.bytes, w.row_bytes, w.cols, first, x, m, out) },
-            #[cfg(target_arch = "x86_64")]
-            #[allow(unsafe_code)]
-            Self::Avx2Q16 => {
-                let own;
-                let q = match q16 {
-                    Some(q) => q,
-                    None => {
-                        own = self.q16(w, x).expect("int16 activations");
-                        &own
-                    }
-                };
-                debug_assert_eq!(q.view().m(), m);
-                // SAFETY: `available` lists this kernel only on a CPU with AVX2, FMA and F16C.
-                unsafe { avx2_q16::band(w.format, &w.bytes, w.row_bytes, w.cols, first, q.view(), out) }
-            }
             #[cfg(target_arch = "x86_64")]
             #[allow(unsafe_code)]
             // SAFETY: `detect` picked this kernel only on a CPU with AVX2, FMA and F16C.

@@ -125,6 +125,9 @@ struct Loads {
     /// decoding there (in prefill, or handing over), kept by a [`Binding`]. Counted against the
     /// worker's room, so a burst cannot be admitted all at once against the same free blocks.
     bound: HashMap<u64, (String, usize)>,
+    /// Worker → the sum of its `bound` tokens, kept with `bound` (a snapshot reads it per
+    /// worker on every routing decision: no walk over every request in flight).
+    bound_sums: HashMap<String, usize>,
     /// How long requests stay on their decode worker (predictive admission's `t_d`).
     decode_time: MovingMean,
 }
@@ -132,7 +135,26 @@ struct Loads {
 impl Loads {
     /// KV tokens claimed on decode worker `name` by requests admitted to it and not decoding yet.
     fn bound_to(&self, name: &str) -> usize {
-        self.bound.values().filter(|(w, _)| w == name).map(|&(_, t)| t).sum()
+        self.bound_sums.get(name).copied().unwrap_or(0)
+    }
+
+    /// Binds `tokens` of request `id` to decode worker `worker`.
+    fn bind(&mut self, id: u64, worker: &str, tokens: usize) {
+        self.unbind(id);
+        *self.bound_sums.entry(worker.to_owned()).or_insert(0) += tokens;
+        self.bound.insert(id, (worker.to_owned(), tokens));
+    }
+
+    /// Ends request `id`'s binding, if it has one.
+    fn unbind(&mut self, id: u64) {
+        if let Some((worker, tokens)) = self.bound.remove(&id)
+            && let Some(sum) = self.bound_sums.get_mut(&worker)
+        {
+            *sum -= tokens;
+            if *sum == 0 {
+                self.bound_sums.remove(&worker);
+            }
+        }
     }
 }
 
@@ -184,7 +206,7 @@ pub(crate) struct Binding {
 
 impl Drop for Binding {
     fn drop(&mut self) {
-        self.conductor.loads().bound.remove(&self.id);
+        self.conductor.loads().unbind(self.id);
     }
 }
 
@@ -400,7 +422,7 @@ impl Conductor {
         let name = worker.name().to_owned();
         if decode {
             // Decoding, the request's context counts here: its admission claim is over.
-            loads.bound.remove(&id.0);
+            loads.unbind(id.0);
             loads.decode.entry(name.clone()).or_default().insert(id.0, (now, tokens));
         } else {
             loads.prefill.entry(name.clone()).or_default().insert(id.0, (now, tokens));
@@ -416,14 +438,13 @@ impl Conductor {
         let capacity = decode.capacity_blocks() * decode.block_tokens();
         let mut loads = self.loads();
         let decoding: usize = loads.decode.get(decode.name()).map_or(0, |r| r.values().map(|&(_, t)| t).sum());
-        let used = decoding + loads.bound_to(decode.name());
-        if capacity > 0 && used + tokens >= capacity {
+        if !crate::routing::room_for(capacity, decoding + loads.bound_to(decode.name()), tokens) {
             return Err(ApiError::Overloaded {
                 message: "no decode worker has room for the request's KV now; retry later".into(),
                 retry_after_s: 1,
             });
         }
-        loads.bound.insert(id.0, (decode.name().to_owned(), tokens));
+        loads.bind(id.0, decode.name(), tokens);
         Ok(Binding { conductor: Arc::clone(self), id: id.0 })
     }
 

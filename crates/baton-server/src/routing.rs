@@ -177,8 +177,14 @@ pub struct LeastLoad {
 /// it does not, the hand-off would have to wait for room after the prefill (and the client would
 /// have its first token and then wait): refusing before the prefill is the honest answer.
 pub fn decode_has_room(w: &WorkerView, prompt: usize) -> bool {
-    w.capacity_tokens == 0
-        || w.decoding.iter().map(|&(_, ctx)| ctx).sum::<usize>() + w.bound_tokens + prompt < w.capacity_tokens
+    let used = w.decoding.iter().map(|&(_, ctx)| ctx).sum::<usize>() + w.bound_tokens;
+    room_for(w.capacity_tokens, used, prompt)
+}
+
+/// Whether `tokens` more fit a pool of `capacity` tokens holding `used` (0: capacity unknown,
+/// always room): the one rule of [`decode_has_room`] and the conductor's claim on admission.
+pub fn room_for(capacity: usize, used: usize, tokens: usize) -> bool {
+    capacity == 0 || used + tokens < capacity
 }
 
 impl RoutePolicy for LeastLoad {
