@@ -16,37 +16,24 @@
 #   PORT        where the server listens [18433]
 #   BATON_BIN   a built baton binary [builds target/release/baton]
 set -euo pipefail
-cd "$(dirname "$0")/.."
 
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
 MODEL="${MODEL:-fixtures/models/tiny-llama}"
 ROUNDS="${ROUNDS:-2000 8000 20000}"
 CONCURRENCY="${CONCURRENCY:-8}"
-PORT="${PORT:-18433}"
+port="${PORT:-18433}"
+url="http://127.0.0.1:$port"
 
-if [[ -z "${BATON_BIN:-}" ]]; then
-  cargo build --release --locked -p baton >&2
-  BATON_BIN=target/release/baton
-fi
+die() { echo "bench-memory: error: $*" >&2; exit 1; }
+# shellcheck source=lib/serve-common.sh
+source "$repo_root/scripts/lib/serve-common.sh"
+find_baton
 
-log="$(mktemp)"
 out="$(mktemp -d)"
-server=""
-cleanup() {
-  if [[ -n "$server" ]]; then
-    kill "$server" 2>/dev/null || true
-    wait "$server" 2>/dev/null || true
-  fi
-  rm -rf "$log" "$out"
-}
-trap cleanup EXIT
-
-"$BATON_BIN" serve --model "$MODEL" --port "$PORT" >"$log" 2>&1 &
-server=$!
-for _ in $(seq 1 600); do
-  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
-  kill -0 "$server" 2>/dev/null || { cat "$log" >&2; exit 1; }
-  sleep 0.1
-done
+trap 'stop_server; rm -rf "$out"' EXIT
+start_server "$out/server.log" --model "$MODEL"
+server=$server_pid
 
 # Memory of the server process in kB: private anonymous, shared, RSS.
 memory() {
@@ -64,7 +51,7 @@ for target in $ROUNDS; do
   n=$((target - sent))
   (( n > 0 )) || continue
   round=$((round + 1))
-  "$BATON_BIN" bench serve --url "http://127.0.0.1:$PORT" --workload synthetic --num-requests "$n" \
+  "$baton" bench serve --url "$url" --workload synthetic --num-requests "$n" \
     --input-len 100 --output-len 4 --ignore-eos --concurrency "$CONCURRENCY" --seed "$round" \
     --out-dir "$out" --no-plots --no-progress --json >"$out/bench.log" 2>&1 || { cat "$out/bench.log" >&2; exit 1; }
   sent=$target
