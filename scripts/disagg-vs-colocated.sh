@@ -29,7 +29,7 @@
 #   MODEL        the model (default: Gemma 3 270M from .models/; scripts/fetch-model.sh gemma3-270m fetches it):
 #                computed by the cpu backend; its tokenizer and context length serve the emulated one
 #   MODES        which configurations (default: "colocated disaggregated elastic")
-#   HOLD_S       the elastic pair's hysteresis, --elastic-hold-s (default: 2)
+#   HOLD_S       the elastic pair's hysteresis, --elastic-hold-s (default: the flag's own)
 #   RATES        the rates of every sweep run, comma-separated (default: each workload's own)
 #   POLICY       --policy for every configuration (default: baton serve's, simple)
 #
@@ -49,7 +49,7 @@ workloads="${WORKLOADS:-long-prompt short-prompt}"
 modes="${MODES:-colocated disaggregated elastic}"
 policy_args=()
 [[ -n "${POLICY:-}" ]] && policy_args=(--policy "$POLICY")
-hold="${HOLD_S:-2}"
+hold="${HOLD_S:-}"
 
 info() { echo "disagg-vs-colocated: $*" >&2; }
 die() { echo "disagg-vs-colocated: error: $*" >&2; exit 1; }
@@ -73,11 +73,11 @@ experiment() {
   # up front, so not more).
   local requests
   requests="$(python3 -c 'import sys; print(int(max(map(float, sys.argv[1].split(","))) * float(sys.argv[2]) * 1.25) + 8)' "$rates" "$duration")"
-  # The elastic pair weighs its pools on the benchmark's SLOs. A decode step has a floor (the
-  # weights are read once a step), so a lightly loaded decode pool sits well above FlowKV's low
-  # watermark of 0.3 of a tight TBT target: the low watermark is 0.5, as in scripts/elastic.sh.
-  local elastic="--elastic --elastic-hold-s $hold --elastic-watermarks 0.5,0.7 --cost-profile $profile"
-  elastic+=" --slo-ttft-ms $ttft --slo-tbt-ms $tbt"
+  # The elastic pair runs on `--elastic`'s defaults, weighing its pools on the conductor's SLOs
+  # (the benchmark's) and the emulated profile (the cpu backend's fitted one, by --cost-profile).
+  local elastic="--elastic --slo-ttft-ms $ttft --slo-tbt-ms $tbt"
+  [[ "$profile" == "$emulate" && "$backend" == emulated ]] || elastic+=" --cost-profile $profile"
+  [[ -n "$hold" ]] && elastic+=" --elastic-hold-s $hold"
   for mode in $modes; do
     local topology
     case "$mode" in
@@ -113,7 +113,7 @@ experiment() {
     echo "## $backend, $workload: ISL $isl, OSL $osl; SLOs TTFT $ttft ms, TBT $tbt ms; serve $serve_args"
     if [[ -f "$dir/elastic.switches" ]]; then
       echo
-      echo "elastic (start 1P+1D, hold $hold s): switches $(tr '\n' ' ' <"$dir/elastic.switches")"
+      echo "elastic (start 1P+1D, hold ${hold:-default}): switches $(tr '\n' ' ' <"$dir/elastic.switches")"
       echo "elastic's roles at the end: $(cat "$dir/elastic.roles.json")"
     fi
     echo

@@ -20,7 +20,7 @@
 #   PORT         server port (default: 8140)
 #   BATON_BIN    a baton binary to use instead of building one (release)
 #   DURATION_S   seconds each rate sends for (default: 20)
-#   HOLD_S       the elastic hysteresis, --elastic-hold-s (default: 2)
+#   HOLD_S       the elastic hysteresis, --elastic-hold-s (default: the flag's own)
 #   QUICK=1      two rates per sweep and 8 s runs
 #   WORKLOADS    which workloads (default: "long-prompt short-prompt")
 #   MODEL        the model file whose tokenizer and context length the emulated workers use
@@ -32,7 +32,7 @@ port="${PORT:-8140}"
 url="http://127.0.0.1:$port"
 model="${MODEL:-${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf}"
 quick="${QUICK:-0}"
-hold="${HOLD_S:-2}"
+hold="${HOLD_S:-}"
 workloads="${WORKLOADS:-long-prompt short-prompt}"
 
 info() { echo "elastic: $*" >&2; }
@@ -45,12 +45,11 @@ source "$repo_root/scripts/lib/serve-common.sh"
 find_baton
 
 # The emulated workers of the headline experiment, and the conductor's elastic controller on
-# the same cost profile and the benchmark's SLOs: a pool's load is its queued prefill time over
-# 1 s, or its decode step time over 15 ms. A 70B decode step on 8×H100 costs 5.2 ms however
-# small the batch (the weights are read once a step), a third of 15 ms: a lightly loaded decode
-# pool sits near 0.35, over FlowKV's low watermark of 0.3, so the low watermark here is 0.5.
-em_args="--model $model --emulate h100 --num-blocks 65536 --max-num-seqs 128 --max-batch-tokens 2048 --prefill-chunk 2048"
-elastic_args="--elastic --elastic-hold-s $hold --elastic-watermarks 0.5,0.7 --cost-profile h100 --slo-ttft-ms 1000 --slo-tbt-ms 15"
+# its defaults: the emulated profile, the benchmark's SLOs (a pool's load is its queued prefill
+# time over 1 s, or its decode step above the step's floor over 15 ms above it), FlowKV's
+# watermarks and a hold scaled by how far over its watermark the busy pool is.
+elastic_args="--elastic --slo-ttft-ms 1000 --slo-tbt-ms 15"
+[[ -n "$hold" ]] && elastic_args+=" --elastic-hold-s $hold"
 
 # experiment WORKLOAD ISL OSL RATES SLO_TTFT_MS SLO_TBT_MS DURATION_S START
 # START is the elastic cluster's first split, as "--prefill N --decode M".
@@ -83,7 +82,7 @@ experiment() {
   "$baton" bench compare "$dir/2p1d/report.json" "$dir/elastic/report.json" --names 2p1d,elastic \
     --plot "$dir/vs-2p1d" >"$dir/vs-2p1d.txt"
   {
-    echo "## $workload: ISL $isl, OSL $osl; SLOs TTFT $ttft ms, TBT $tbt ms; elastic starts $start, hold $hold s"
+    echo "## $workload: ISL $isl, OSL $osl; SLOs TTFT $ttft ms, TBT $tbt ms; elastic starts $start, hold ${hold:-default}"
     echo
     echo "elastic's switches: $(tr '\n' ' ' <"$dir/elastic.switches")"
     echo "elastic's roles at the end: $(cat "$dir/elastic.roles.json")"

@@ -70,8 +70,8 @@ pub use admission::{AdmissionConfig, AdmissionKind, DEFAULT_TBT_HEADROOM, Schedu
 pub use cost::{CostProfile, DecodeCoeffs, Link, PrefillCoeffs, transfer_time};
 pub use fit::{DecodeSample, FitError, PrefillSample, fit_decode, fit_error, fit_prefill};
 pub use policy::{
-    KvCentric, LeastLoad, LoadAware, LoadAwareConfig, Policy, PolicyConfig, PolicyKind, PromptTree, RandomPolicy,
-    RoundRobin, SessionAffinity,
+    KvCentric, LeastLoad, LoadAware, LoadAwareConfig, MAX_PACE, MIN_PACE, Policy, PolicyConfig, PolicyKind, PromptTree,
+    RandomPolicy, RoundRobin, SessionAffinity,
 };
 pub use snapshot::{
     ClusterSnapshot, Decision, DecodeSeq, Estimate, IncomingSeq, IncomingSeqs, InstanceSnapshot, PendingPrefill,

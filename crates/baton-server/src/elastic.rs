@@ -50,6 +50,16 @@ impl ElasticConfig {
     }
 }
 
+/// SLOs for a cluster whose operator named none, from the cost profile its workers run on: a
+/// TBT target three times the decode step of one short request (the weights read once: 19.4 ms
+/// for a 70B model on 8×H100), and a TTFT target of four 2,048-token prefills, at least a second.
+/// Returns (TTFT, TBT) in microseconds.
+pub fn default_slos(cost: &CostProfile) -> (Micros, Micros) {
+    let ttft = (4 * cost.prefill_time(2048, 0.0)).max(1_000_000);
+    let tbt = 3 * cost.decode_step(1, 0);
+    (ttft, tbt.max(1))
+}
+
 /// A switch to carry out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Switch {
@@ -153,14 +163,32 @@ mod tests {
         ElasticConfig::new(CostProfile::llama2_70b_8xa800(), 1_000_000, 100_000, hold)
     }
 
+    /// Without SLOs from the operator the controller weighs against ones the hardware can meet:
+    /// for a 70B model on 8×H100, a TBT target of three 6.5 ms floors and a TTFT of a second.
+    #[test]
+    fn default_slos_come_from_the_cost_profile() {
+        let (ttft, tbt) = default_slos(&CostProfile::llama2_70b_8xh100());
+        eprintln!("h100: ttft {ttft} us, tbt {tbt} us");
+        assert!((18_000..=21_000).contains(&tbt), "{tbt}");
+        assert!((1_000_000..=2_000_000).contains(&ttft), "{ttft}");
+        let (ttft, tbt) = default_slos(&CostProfile::llama2_70b_8xa800());
+        eprintln!("a800: ttft {ttft} us, tbt {tbt} us");
+    }
+
     #[test]
     fn an_imbalance_shorter_than_the_hold_switches_nothing() {
         let mut e = Elastic::new(config(Duration::from_secs(10)), 16);
-        for t in 0..20 {
-            assert_eq!(e.decide(&prefill_hot(t * 400_000)), None, "at {t}");
+        assert_eq!(e.decide(&prefill_hot(0)), None);
+        // The hold, scaled by how far over its watermark the prefill pool is.
+        let due = (10_000_000.0 / e.policy.pace(e.loads().0)) as u64;
+        assert!(due < 10_000_000, "the queue is deep: sooner than the 10 s hold");
+        let mut t = 0;
+        while t + 100_000 < due {
+            assert_eq!(e.decide(&prefill_hot(t)), None, "at {t} us (due at {due})");
+            t += 100_000;
         }
-        // 10 s after the imbalance began: the idlest decode worker becomes a prefill worker.
-        let s = e.decide(&prefill_hot(10_000_000)).expect("a switch");
+        // Once due, the idlest decode worker becomes a prefill worker.
+        let s = e.decide(&prefill_hot(due + 1)).expect("a switch");
         assert_eq!((s.worker, s.from, s.to), (1, Role::Decode, Role::Prefill));
     }
 

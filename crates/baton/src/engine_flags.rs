@@ -139,6 +139,11 @@ impl EngineFlags {
         self.device.options()
     }
 
+    /// The name of the cost profile to emulate, if any (`--emulate`).
+    pub(crate) fn emulate_name(&self) -> Option<&str> {
+        self.emulate.as_deref()
+    }
+
     /// The cost profile to emulate, if any.
     pub(crate) fn emulate(&self) -> anyhow::Result<Option<baton_sched::CostProfile>> {
         self.emulate.as_deref().map(cost_profile).transpose()
@@ -203,19 +208,21 @@ pub(crate) struct RoutingFlags {
     /// rejected requests are answered 429.
     #[arg(long, default_value = "none")]
     admission: baton_sched::AdmissionKind,
-    /// TTFT SLO in milliseconds, for admission control.
-    #[arg(long, default_value_t = 10_000)]
-    slo_ttft_ms: u64,
-    /// TBT SLO in milliseconds, for admission control.
-    #[arg(long, default_value_t = 1_000)]
-    slo_tbt_ms: u64,
+    /// TTFT SLO in milliseconds, for admission control (default 10,000) and --elastic (default:
+    /// four 2,048-token prefills of the cost profile, at least a second).
+    #[arg(long)]
+    slo_ttft_ms: Option<u64>,
+    /// TBT SLO in milliseconds, for admission control (default 1,000) and --elastic (default:
+    /// three times the cost profile's decode step for one short request).
+    #[arg(long)]
+    slo_tbt_ms: Option<u64>,
     /// Fraction of the TBT SLO that early and predictive admission keep free: a request is
     /// admitted while its decode worker's predicted step stays under (1 − this) × the SLO.
     /// Admitting right up to the SLO leaves about half the admitted requests just over it.
     #[arg(long, default_value_t = baton_sched::DEFAULT_TBT_HEADROOM, value_parser = tbt_headroom)]
     admission_tbt_headroom: f64,
-    /// Cost profile the policies predict with: a JSON file from `baton profile`, or `a800`
-    /// (the default; it only matters for admission control) / `h100`.
+    /// Cost profile the policies and --elastic predict with: a JSON file from `baton profile`,
+    /// `a800` or `h100` (default: --emulate's profile, else a800).
     #[arg(long)]
     cost_profile: Option<String>,
     /// Seed of the random policy.
@@ -255,26 +262,25 @@ pub(crate) struct RoutingFlags {
     conditional_disagg_tokens: u64,
     /// Elastic prefill/decode: the conductor switches a worker between the prefill and decode
     /// roles when one pool stays overloaded (over 0.7 of its SLO: queued prefill time over
-    /// --slo-ttft-ms, or decode step time over --slo-tbt-ms, KV memory, waiting requests) while
-    /// the other is idle (under 0.3) for --elastic-hold-s (FlowKV §3.3, with the cost profile of
-    /// --cost-profile). A worker whose pool cannot spare it (one prefill and one decode worker)
+    /// --slo-ttft-ms, or decode step time above its floor over --slo-tbt-ms, KV memory, waiting
+    /// requests) while the other is idle (under 0.3), for a time that scales with how far over
+    /// it is (--elastic-hold-s), with the cost profile of --cost-profile. A worker whose pool cannot spare it (one prefill and one decode worker)
     /// becomes colocated instead: it keeps its work and takes the busy kind too (and if the
     /// imbalance lasts, a worker of the busy pool becomes colocated as well). The worker
     /// finishes what it holds; nothing is dropped. Switches show as
     /// `baton_role_switches_total` and in the role label of `baton_queue_length`.
     #[arg(long)]
     elastic: bool,
-    /// With --elastic: how long an imbalance must last before a switch, and the pause after one
-    /// (the hysteresis), in seconds.
+    /// With --elastic: how long an imbalance whose busy pool is at twice the high watermark must
+    /// last before a switch, in seconds; one ten times over acts in a ninth of it, one just over
+    /// in four times it (the hysteresis starts again after each switch).
     #[arg(long, default_value_t = 10.0, requires = "elastic")]
     elastic_hold_s: f64,
     /// With --elastic: at most this many switches in any minute.
     #[arg(long, default_value_t = 2, requires = "elastic")]
     elastic_max_switches_per_min: usize,
     /// With --elastic: the low and high watermarks, LOW,HIGH (FlowKV's 0.3,0.7): a pool's load
-    /// over HIGH while the other's is under LOW is an imbalance. A decode step has a floor (the
-    /// weights are read once per step: 5.2 ms for a 70B model on 8×H100), so a lightly loaded
-    /// decode pool can sit above 0.3 of a tight TBT target; raise LOW then.
+    /// over HIGH while the other's is under LOW is an imbalance.
     #[arg(long, value_delimiter = ',', default_value = "0.3,0.7", value_name = "LOW,HIGH", requires = "elastic")]
     elastic_watermarks: Vec<f64>,
     /// With --elastic: workers each of the prefill and decode roles keeps at least (colocated
@@ -329,6 +335,22 @@ impl RoutingFlags {
         }
     }
 
+    /// Predicts with `profile` (the profile emulated workers run on) unless `--cost-profile` names
+    /// another.
+    pub(crate) fn predict_with(&mut self, profile: Option<&str>) {
+        if self.cost_profile.is_none() {
+            self.cost_profile = profile.map(str::to_owned);
+        }
+    }
+
+    /// Admission's SLOs: the flags', or 10 s and 1 s.
+    fn admission_slo(&self) -> baton_sched::Slo {
+        baton_sched::Slo {
+            ttft_us: self.slo_ttft_ms.unwrap_or(10_000) * 1000,
+            tbt_us: self.slo_tbt_ms.unwrap_or(1_000) * 1000,
+        }
+    }
+
     /// Elastic role switching, when `--elastic` asks for it.
     pub(crate) fn elastic(&self) -> anyhow::Result<Option<baton_server::elastic::ElasticConfig>> {
         if !self.elastic {
@@ -342,10 +364,11 @@ impl RoutingFlags {
             Some(name) => cost_profile(name)?,
             None => baton_sched::CostProfile::llama2_70b_8xa800(),
         };
+        let (ttft_us, tbt_us) = baton_server::elastic::default_slos(&cost);
         let mut config = baton_server::elastic::ElasticConfig::new(
             cost,
-            self.slo_ttft_ms * 1000,
-            self.slo_tbt_ms * 1000,
+            self.slo_ttft_ms.map_or(ttft_us, |ms| ms * 1000),
+            self.slo_tbt_ms.map_or(tbt_us, |ms| ms * 1000),
             std::time::Duration::from_secs_f64(self.elastic_hold_s),
         );
         config.max_per_minute = self.elastic_max_switches_per_min;
@@ -372,7 +395,7 @@ impl RoutingFlags {
         };
         let admission = baton_sched::AdmissionConfig {
             kind: self.admission,
-            slo: baton_sched::Slo { ttft_us: self.slo_ttft_ms * 1000, tbt_us: self.slo_tbt_ms * 1000 },
+            slo: self.admission_slo(),
             decode_time_us: 10_000_000,
             tbt_headroom: self.admission_tbt_headroom,
         };

@@ -69,6 +69,8 @@ impl ServeArgs {
 pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
     let model = crate::generate::model_path(a.model.as_deref())?;
     let (prefill, decode, colocated) = a.worker_counts();
+    let mut a = a;
+    a.routing.predict_with(a.engine.emulate_name());
     let config = ServeConfig {
         model_id: a.model_id,
         prefill,

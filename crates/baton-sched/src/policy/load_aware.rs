@@ -3,7 +3,7 @@
 //! Under normal load it balances: the prefill instance minimises queue time plus predicted
 //! prefill time with its cached prefix (MemServe eq. 1, `argmin_p Σ exec(x', y'_p) + exec(x, y_p)`),
 //! the decode instance has the least predicted TBT. Under *persistent* computational imbalance —
-//! one pool over its high watermark and the other under its low watermark for `persist_us` — it
+//! one pool over its high watermark and the other under its low watermark for long enough — it
 //! moves the least-busy instance of the idle pool to the busy role ([`RoleChange`]), keeping at
 //! least `min_per_role` instances in each. Where the idle pool has no instance to spare (two
 //! instances, one of each), that instance becomes colocated instead: it keeps its role's work
@@ -12,7 +12,23 @@
 //! the busy pool becomes colocated: the idle kind of work then spreads over more instances
 //! instead of stalling one. A pool is every instance that takes its kind of work, colocated
 //! ones included.
-//! The imbalance timer is the policy's state; time comes from the snapshot.
+//!
+//! How long is long enough scales with how deep the imbalance is: `persist_us` is the hold for
+//! a busy pool at its SLO (load 1); an imbalance accrues time at the pace
+//! `(busy − high) / (1 − high)` (clamped to [`MIN_PACE`]..=[`MAX_PACE`]), so with FlowKV's 0.7
+//! watermark a pool at 2.5 times its SLO acts in a sixth of the hold, one at 3.7 in a tenth,
+//! and one just over the watermark in two holds. A large, steady imbalance is met within
+//! seconds, a small one slowly. A lull drains the accrual at pace 1 (a noisy load that dips
+//! under the watermark now and then still accrues; a balanced one does not), a change of
+//! direction or a switch starts it again, so the policy never flaps faster than
+//! `persist_us / MAX_PACE`.
+//!
+//! Decode load counts the step above its floor: a decode step reads the weights once whatever
+//! the batch, so a lone request's step (5.2 ms for a 70B model on 8×H100) is no load; the load
+//! is the share of the TBT budget above that floor the batch uses. An idle decode pool is then
+//! at 0 under any SLO, not at floor/SLO (0.35 of a 15 ms target, over FlowKV's low watermark).
+//!
+//! The imbalance's accrual is the policy's state; time comes from the snapshot.
 
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
@@ -32,7 +48,8 @@ pub struct LoadAwareConfig {
     pub high: f64,
     /// Load below which a pool can give an instance away.
     pub low: f64,
-    /// How long the imbalance must last before a switch (and the pause after one).
+    /// How long an imbalance with its busy pool at its SLO (load 1) must last before a switch;
+    /// deeper ones act sooner, shallower ones later (the module's doc).
     pub persist_us: Micros,
     /// Instances each role keeps at least.
     pub min_per_role: usize,
@@ -51,19 +68,39 @@ impl Default for LoadAwareConfig {
     }
 }
 
+/// The slowest pace an imbalance accrues at (a busy pool just over its high watermark): it acts
+/// after `persist_us / MIN_PACE`.
+pub const MIN_PACE: f64 = 0.5;
+/// The fastest pace (a busy pool far over): it acts after `persist_us / MAX_PACE`.
+pub const MAX_PACE: f64 = 10.0;
+
+/// An imbalance in one direction, and how much of the hold it has accrued.
+#[derive(Debug, Clone, Copy)]
+struct Imbalance {
+    /// `true`: decode overloaded.
+    decode_hot: bool,
+    /// When it was last looked at.
+    seen: Micros,
+    /// Microseconds of hold accrued (time weighted by the pace).
+    accrued_us: f64,
+}
+
 /// FlowKV's policy.
 #[derive(Debug, Clone)]
 pub struct LoadAware {
     cfg: LoadAwareConfig,
-    /// Since when the imbalance in this direction (`true`: decode overloaded) has lasted.
-    imbalance: Option<(bool, Micros)>,
-    last_change: Option<Micros>,
+    imbalance: Option<Imbalance>,
 }
 
 impl LoadAware {
     /// A policy with these settings.
     pub fn new(cfg: LoadAwareConfig) -> Self {
-        Self { cfg, imbalance: None, last_change: None }
+        Self { cfg, imbalance: None }
+    }
+
+    /// How fast an imbalance whose busy pool is at `busy` accrues hold.
+    pub fn pace(&self, busy: f64) -> f64 {
+        ((busy - self.cfg.high) / (1.0 - self.cfg.high).max(0.05)).clamp(MIN_PACE, MAX_PACE)
     }
 
     /// Load of a prefill instance (queue time over the TTFT SLO).
@@ -71,15 +108,18 @@ impl LoadAware {
         i.queued_prefill_us as f64 / self.cfg.ttft_slo_us.max(1) as f64
     }
 
-    /// Load of a decode instance (step time over the TBT SLO, KV occupancy, and the queue). A
-    /// colocated instance's decodes wait for its prefill chunks too: its step is the larger of
-    /// the predicted decode step and its measured mean step.
+    /// Load of a decode instance (its step above the step's floor over the TBT SLO above it, KV
+    /// occupancy, and the queue). A colocated instance's decodes wait for its prefill chunks
+    /// too: its step is the larger of the predicted decode step and its measured mean step.
     pub fn decode_load(&self, snap: &ClusterSnapshot<'_>, i: &InstanceSnapshot) -> f64 {
         let mut step_us = i.decode_step(snap.cost, i.decode_batch(), i.decode_context());
         if i.role == Role::Colocated && i.decode_batch() > 0 {
             step_us = step_us.max(i.mean_step_us);
         }
-        let step = step_us as f64 / self.cfg.tbt_slo_us.max(1) as f64;
+        // The floor: one short request's step, the weights read once.
+        let floor = i.decode_step(snap.cost, 1, 0) as f64;
+        let slo = self.cfg.tbt_slo_us.max(1) as f64;
+        let step = if slo > floor { (step_us as f64 - floor).max(0.0) / (slo - floor) } else { step_us as f64 / slo };
         let dev = i.kv[0];
         let mem = if dev.total > 0 { dev.used as f64 / dev.total as f64 } else { 0.0 };
         step.max(mem) + f64::from(i.decode_waiting) / (i.decode_batch().max(1) as f64)
@@ -129,19 +169,29 @@ impl Policy for LoadAware {
         } else {
             None
         };
+        let now = snap.now;
         let Some(decode_hot) = direction else {
-            self.imbalance = None;
+            // A lull drains what the imbalance accrued, at the pace of a pool at its SLO: a
+            // brief dip below the watermark (a noisy load) does not start the hold again, a
+            // lasting one does.
+            self.imbalance = self.imbalance.and_then(|mut i| {
+                i.accrued_us -= now.saturating_sub(i.seen) as f64;
+                i.seen = now;
+                (i.accrued_us > 0.0).then_some(i)
+            });
             return None;
         };
-        let since = match self.imbalance {
-            Some((d, t)) if d == decode_hot => t,
-            _ => {
-                self.imbalance = Some((decode_hot, snap.now));
-                snap.now
+        let pace = self.pace(if decode_hot { dl } else { pl });
+        let imbalance = match self.imbalance {
+            Some(mut i) if i.decode_hot == decode_hot => {
+                i.accrued_us += pace * now.saturating_sub(i.seen) as f64;
+                i.seen = now;
+                i
             }
+            _ => Imbalance { decode_hot, seen: now, accrued_us: 0.0 },
         };
-        let calm = self.last_change.is_none_or(|t| snap.now >= t + self.cfg.persist_us);
-        if snap.now < since + self.cfg.persist_us || !calm {
+        self.imbalance = Some(imbalance);
+        if imbalance.accrued_us < self.cfg.persist_us as f64 {
             return None;
         }
         // The idle pool gives its least busy single-role instance: it switches to the busy role
@@ -176,7 +226,6 @@ impl Policy for LoadAware {
             (None, Some(id)) => RoleChange { instance: id, from: busy_role, to: Role::Colocated },
             (None, None) => return None,
         };
-        self.last_change = Some(snap.now);
         self.imbalance = None;
         Some(change)
     }
@@ -222,17 +271,71 @@ mod tests {
         }
         inst[1].queued_prefill_us = 5;
         let trees = trees_for(&inst);
-        let cfg = LoadAwareConfig { persist_us: 10, ..LoadAwareConfig::default() };
+        let cfg = LoadAwareConfig { persist_us: 10_000_000, ..LoadAwareConfig::default() };
         let mut p = LoadAware::new(cfg);
+        let s = snap(inst.clone(), &trees, &cost);
+        let (_, dl) = p.pool_loads(&s);
+        let due = (10_000_000.0 / p.pace(dl)) as Micros;
         let mut at = |now| {
             let mut s = snap(inst.clone(), &trees, &cost);
             s.now = now;
             p.rebalance(&s)
         };
         assert_eq!(at(0), None, "imbalance just started");
-        assert_eq!(at(5), None);
-        assert_eq!(at(10), Some(RoleChange { instance: InstanceId(0), from: Role::Prefill, to: Role::Decode }));
-        assert_eq!(at(12), None, "pause after a change");
+        assert_eq!(at(due / 2), None);
+        assert_eq!(at(due - 1000), None);
+        assert_eq!(at(due + 1000), Some(RoleChange { instance: InstanceId(0), from: Role::Prefill, to: Role::Decode }));
+        assert_eq!(at(due + 2000), None, "the hold starts again after a change");
+        assert_eq!(at(2 * due), None);
+        assert!(at(2 * due + 3000).is_some(), "and the imbalance goes on");
+    }
+
+    /// The hold scales with the imbalance: a decode pool far over its watermark is met within a
+    /// fraction of `persist_us`, one just over it after several.
+    #[test]
+    fn a_deep_imbalance_switches_sooner_than_a_shallow_one() {
+        let cost = CostProfile::llama2_70b_8xh100();
+        let trees_of = |inst: &Vec<InstanceSnapshot>| trees_for(inst);
+        let first_switch = |waiting: u32| {
+            let mut inst = instances(2, 1);
+            inst[2].decode_running = vec![DecodeSeq { started_at: 0, context: 500 }; 8];
+            inst[2].decode_waiting = waiting;
+            let trees = trees_of(&inst);
+            let cfg = LoadAwareConfig { persist_us: 10_000_000, tbt_slo_us: 15_000, ..LoadAwareConfig::default() };
+            let mut p = LoadAware::new(cfg);
+            (0..2_000u64)
+                .map(|t| t * 100_000)
+                .find(|&now| {
+                    let mut s = snap(inst.clone(), &trees, &cost);
+                    s.now = now;
+                    p.rebalance(&s).is_some()
+                })
+                .expect("a switch within 200 s")
+        };
+        let deep = first_switch(80); // 10 waiting per running one: load ~10
+        let shallow = first_switch(6); // load ~0.75, just over 0.7
+        let at_slo = first_switch(8); // load ~1
+        assert!(deep <= 1_500_000, "deep: {deep} us");
+        assert!(shallow >= 15_000_000, "shallow: {shallow} us");
+        assert!(shallow <= 20_100_000, "never slower than persist / MIN_PACE: {shallow} us");
+        assert!((9_000_000..=11_000_000).contains(&at_slo), "at its SLO, the hold: {at_slo} us");
+    }
+
+    /// An idle decode pool is idle under any TBT target: its step's floor (the weights read once)
+    /// is no load, so a tight target does not put it over the low watermark.
+    #[test]
+    fn a_decode_step_at_its_floor_is_no_load() {
+        let cost = CostProfile::llama2_70b_8xh100();
+        let mut inst = instances(0, 1);
+        inst[0].decode_running = vec![DecodeSeq { started_at: 0, context: 10 }];
+        let trees = trees_for(&inst);
+        let p = LoadAware::new(LoadAwareConfig { tbt_slo_us: 15_000, ..LoadAwareConfig::default() });
+        let s = snap(inst.clone(), &trees, &cost);
+        let lone = p.decode_load(&s, &inst[0]);
+        assert!(lone < 0.05, "one short request: {lone}");
+        inst[0].decode_running = vec![DecodeSeq { started_at: 0, context: 4_000 }; 128];
+        let s = snap(inst.clone(), &trees, &cost);
+        assert!(p.decode_load(&s, &inst[0]) > 0.7, "a full batch of long contexts");
     }
 
     #[test]
@@ -286,7 +389,10 @@ mod tests {
         let load = |inst: &[InstanceSnapshot]| p.decode_load(&snap(inst.to_vec(), &trees, &cost), &inst[0]);
         assert!(load(&inst) < 1.0, "a decode instance: its decode step");
         inst[0].role = Role::Colocated;
-        assert!((load(&inst) - 3.0).abs() < 1e-9, "colocated: its whole steps, {}", load(&inst));
+        // Its whole 300 ms steps, above the floor, over the 100 ms target above it.
+        let floor = inst[0].decode_step(&cost, 1, 0) as f64;
+        let expected = (300_000.0 - floor) / (100_000.0 - floor);
+        assert!((load(&inst) - expected).abs() < 1e-9, "colocated: its whole steps, {}", load(&inst));
     }
 
     /// Two instances, one of each role: the idle one becomes colocated, and from that middle

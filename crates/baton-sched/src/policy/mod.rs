@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 
 pub use baselines::{LeastLoad, RandomPolicy, RoundRobin, SessionAffinity};
 pub use kv_centric::KvCentric;
-pub use load_aware::{LoadAware, LoadAwareConfig};
+pub use load_aware::{LoadAware, LoadAwareConfig, MAX_PACE, MIN_PACE};
 pub use prompt_tree::PromptTree;
 
 use crate::snapshot::{ClusterSnapshot, Decision, Estimate, InstanceSnapshot, RejectReason, Request, Reuse, Route};
