@@ -117,7 +117,9 @@ pub(crate) struct SimArgs {
     /// --emulate-link-gbps` sets an emulated worker's).
     #[arg(long)]
     network_gbps: Option<f64>,
-    /// Load-aware: how long an imbalance must last before a role changes, in milliseconds.
+    /// Load-aware: how long an imbalance with its busy pool at its SLO must last before a role
+    /// changes, in milliseconds (default 10,000, as `--elastic-hold-s` live; deeper imbalances
+    /// act sooner, shallower ones later).
     #[arg(long)]
     persist_ms: Option<u64>,
     /// Elastic roles whatever --policy routes, as `baton serve --elastic` / `baton conductor

@@ -62,7 +62,7 @@ impl Default for LoadAwareConfig {
             tbt_slo_us: 100_000,
             high: 0.7,
             low: 0.3,
-            persist_us: 20_000_000,
+            persist_us: 10_000_000,
             min_per_role: 1,
         }
     }
