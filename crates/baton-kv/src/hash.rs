@@ -11,6 +11,17 @@
 //! xxHash64-style round, then the token count is mixed in and the state is finalised with the
 //! splitmix64 avalanche. The seed is fixed: [`HASH_SEED`].
 
+/// FNV-1a (64-bit) of `bytes`: a small stable hash for names and keys that every process and
+/// every release must hash alike (session keys, compatibility facts).
+pub fn fnv1a_64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// FNV-1a (32-bit) of `bytes`, as [`fnv1a_64`] where 32 bits are the id (instance ids).
+pub fn fnv1a_32(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5, |h, &b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+}
+
 /// Seed of every block hash, the same in every process ("baton_kv" in ASCII).
 pub const HASH_SEED: u64 = 0x6261_746f_6e5f_6b76;
 
@@ -69,6 +80,16 @@ pub fn prefix_hashes(tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
 
 #[cfg(test)]
 mod tests {
+    /// The published FNV-1a test vectors: every process and release must hash names alike.
+    #[test]
+    fn fnv1a_matches_its_reference_vectors() {
+        assert_eq!(super::fnv1a_64(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(super::fnv1a_64(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(super::fnv1a_64(b"foobar"), 0x8594_4171_f739_67e8);
+        assert_eq!(super::fnv1a_32(b"a"), 0xe40c_292c);
+        assert_eq!(super::fnv1a_32(b"foobar"), 0xbf9c_f968);
+    }
+
     use super::*;
 
     #[test]

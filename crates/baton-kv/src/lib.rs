@@ -77,7 +77,7 @@ pub use arena::{ArenaHandle, KvArena, MappedArena, Slab};
 pub use block_table::BlockTable;
 pub use events::{BlockTokens, EventError, IndexEntry, KvEvent, KvEventKind, RemoteIndex};
 pub use geometry::{Dim, KvDtype, KvGeometry, KvLayout, KvPart, TensorDescriptor};
-pub use hash::{BlockHash, HASH_SEED, block_hash, prefix_hashes};
+pub use hash::{BlockHash, HASH_SEED, block_hash, fnv1a_32, fnv1a_64, prefix_hashes};
 pub use index::{NodeInfo, PrefixIndex};
 pub use policy::{EvictionPolicy, Lfu, Lru, NodeId, PolicyKind, Ranked};
 pub use pool::{

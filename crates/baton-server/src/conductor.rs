@@ -830,7 +830,7 @@ fn request_id_of(headers: &HeaderMap) -> String {
 
 /// Compares secrets without an early exit that would leak their common prefix's length.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    subtle::ConstantTimeEq::ct_eq(a, b).into()
 }
 
 async fn completions(State(c): State<Arc<Conductor>>, headers: HeaderMap, body: Bytes) -> Response {

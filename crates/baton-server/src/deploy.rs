@@ -358,11 +358,7 @@ pub const FETCH_DELAY_ENV: &str = "BATON_FAULT_FETCH_DELAY_MS";
 /// A worker's instance id from its cluster id: FNV-1a, so the same name gets the same id on
 /// every start and different names differ (a collision needs ~65k workers to be likely).
 pub fn instance_of(name: &str) -> baton_kv::InstanceId {
-    let mut h: u32 = 0x811c_9dc5;
-    for b in name.bytes() {
-        h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
-    }
-    baton_kv::InstanceId(h)
+    baton_kv::InstanceId(baton_kv::fnv1a_32(name.as_bytes()))
 }
 
 /// The environment variable that makes a worker process refuse its first N role switches with

@@ -73,11 +73,7 @@ pub struct RouteRequest<'a> {
 
 /// A session key's id for routing: FNV-1a of the key (stable across conductors and restarts).
 pub fn session_id(key: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.bytes() {
-        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
+    baton_kv::fnv1a_64(key.as_bytes())
 }
 
 /// A routing decision.

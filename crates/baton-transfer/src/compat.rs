@@ -37,7 +37,7 @@ impl Compat {
         }
         bytes.push(dtype_code(self.geometry.dtype));
         bytes.extend_from_slice(&self.layout_version.to_le_bytes());
-        fnv1a(&bytes)
+        baton_kv::fnv1a_64(&bytes)
     }
 
     /// `None` when the two sides can exchange KV; otherwise a message naming every difference.
@@ -111,10 +111,6 @@ pub(crate) fn dtype_from_code(c: u8) -> Option<KvDtype> {
         2 => Some(KvDtype::Bf16),
         _ => None,
     }
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// Checks a peer's CONNECT/ACCEPT facts against ours: fields, hash and descriptor.
