@@ -41,13 +41,33 @@ pub(crate) fn paged_attention(
     shape: AttentionShape,
     widening: Option<&Widening>,
 ) -> Vec<f32> {
+    // Work too small to share runs on this thread: handing it to the pool (a heap-allocated job
+    // a task, threads woken) costs more than the work, once a layer a step.
+    let work = rows.iter().map(|r| r.pos + 1).sum::<usize>() * shape.num_heads * shape.head_dim;
+    attend_rows(q, rows, kv, layer, shape, widening, work >= PARALLEL_WORK)
+}
+
+/// Query-key products (positions × heads × head dimension) below which a layer's attention
+/// runs on the calling thread.
+const PARALLEL_WORK: usize = 1 << 16;
+
+/// [`paged_attention`], its (row, kv head) tasks on rayon's pool or in turn on this thread.
+fn attend_rows(
+    q: &[f32],
+    rows: &[RowPos<'_>],
+    kv: &KvArena,
+    layer: usize,
+    shape: AttentionShape,
+    widening: Option<&Widening>,
+    parallel: bool,
+) -> Vec<f32> {
     let AttentionShape { num_heads, num_kv_heads, head_dim, .. } = shape;
     let group = num_heads / num_kv_heads;
     let wide = widening.map(|w| (widen_layer(kv, layer, &w.order), w));
     let mut out = vec![0.0; q.len()];
     // One task per (row, kv head): the group of query heads sharing that kv head is contiguous
     // in both `q` and `out`, so each key and value is loaded once for the whole group.
-    out.par_chunks_mut(group * head_dim).enumerate().for_each(|(task, out)| {
+    let task = |(task, out): (usize, &mut [f32])| {
         let (row, kv_head) = (task / num_kv_heads, task % num_kv_heads);
         let q_start = (row * num_heads + kv_head * group) * head_dim;
         let q = &q[q_start..q_start + group * head_dim];
@@ -57,7 +77,12 @@ pub(crate) fn paged_attention(
             }
             None => attend_group(q, out, rows[row], kv, layer, kv_head, shape),
         }
-    });
+    };
+    if parallel {
+        out.par_chunks_mut(group * head_dim).enumerate().for_each(task);
+    } else {
+        out.chunks_mut(group * head_dim).enumerate().for_each(task);
+    }
     out
 }
 
@@ -262,12 +287,18 @@ mod tests {
                         let want: Vec<bool> = rows.iter().map(|r| r.blocks == seq_a).collect();
                         assert_eq!(copied, want);
                     }
+                    let attended = paged_attention(&q, rows, &half, layer, shape, plan.as_ref());
                     assert_eq!(
-                        paged_attention(&q, rows, &half, layer, shape, plan.as_ref()),
+                        attended,
                         paged_attention(&q, rows, &full, layer, shape, None),
                         "{dtype:?}, {} rows, layer {layer}",
                         rows.len()
                     );
+                    // On rayon's pool or on this thread (small work), the same result.
+                    for parallel in [false, true] {
+                        let other = attend_rows(&q, rows, &half, layer, shape, plan.as_ref(), parallel);
+                        assert_eq!(attended, other, "parallel {parallel}");
+                    }
                 }
             }
         }
