@@ -62,7 +62,8 @@ pub const WORKER_SILENCE: Duration = Duration::from_secs(30);
 const WORKER_SILENCE_MAX: Duration = Duration::from_secs(600);
 /// How many times a request whose worker was lost before it streamed anything is routed again.
 const MAX_RETRIES: usize = 2;
-/// First wait before probing a worker whose breaker tripped; it doubles up to `PROBE_MAX`.
+/// First wait before probing a worker whose breaker tripped; it doubles up to `PROBE_MAX`,
+/// jittered.
 const PROBE_FIRST: Duration = Duration::from_millis(250);
 /// Longest wait between probes of a tripped worker.
 const PROBE_MAX: Duration = Duration::from_secs(5);
@@ -486,9 +487,9 @@ impl Conductor {
         let worker = worker.clone();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         runtime.spawn(async move {
-            let mut wait = PROBE_FIRST;
+            let mut waits = crate::retry::backoff(PROBE_FIRST, PROBE_MAX);
             loop {
-                tokio::time::sleep(wait).await;
+                tokio::time::sleep(waits.next().unwrap_or(PROBE_MAX)).await;
                 let Some(c) = conductor.upgrade() else { return };
                 if c.tripped().get(&name) != Some(&generation) {
                     return; // replaced, or put back already
@@ -504,7 +505,6 @@ impl Conductor {
                     tracing::info!(worker = name, "worker answers again; back in routing");
                     return;
                 }
-                wait = (wait * 2).min(PROBE_MAX);
             }
         });
     }

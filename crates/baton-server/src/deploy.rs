@@ -282,7 +282,7 @@ pub async fn run_worker(
 }
 
 /// Registers `info` again after its lease was lost, retrying with back-off (250 ms doubling
-/// to 5 s) while the registry cannot be reached; `None` when `shutdown` came first. An error the
+/// to 5 s, jittered) while the registry cannot be reached; `None` when `shutdown` came first. An error the
 /// registry gives (a refused proof, a conflicting member) ends the retries.
 async fn rejoin(
     registry: &dyn baton_cluster::Registry,
@@ -290,7 +290,7 @@ async fn rejoin(
     ttl: Duration,
     shutdown: &mut (impl Future<Output = ()> + Unpin),
 ) -> Option<Result<baton_cluster::Lease, ClusterError>> {
-    let mut backoff = Duration::from_millis(250);
+    let mut waits = crate::retry::backoff(Duration::from_millis(250), Duration::from_secs(5));
     loop {
         tokio::select! {
             () = &mut *shutdown => return None,
@@ -302,9 +302,8 @@ async fn rejoin(
         }
         tokio::select! {
             () = &mut *shutdown => return None,
-            () = tokio::time::sleep(backoff) => {}
+            () = tokio::time::sleep(waits.next().unwrap_or(Duration::from_secs(5))) => {}
         }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
 }
 

@@ -36,6 +36,7 @@ pub mod metrics;
 pub mod openai;
 pub mod remote;
 mod response;
+mod retry;
 pub mod routing;
 pub mod sched;
 pub mod session;
