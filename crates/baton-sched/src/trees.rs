@@ -14,13 +14,90 @@
 //!   trees with a time-to-live").
 //!
 //! Time is passed in; nothing here reads a clock.
+//!
+//! A worker's events come in batches ([`apply_all`](GlobalPromptTrees::apply_all): one tree
+//! lookup per batch, not per event), and the maps keyed by block hash hash with
+//! [`BlockHasher`]: the key already is a hash.
 
 use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use baton_kv::{BlockHash, EventError, InstanceId, KvEvent, KvEventKind, Tier};
 
 use crate::Micros;
 use crate::snapshot::Role;
+
+/// The hasher of maps keyed by [`BlockHash`]. A block hash already is a well-mixed 64-bit
+/// hash (xxHash rounds and a splitmix64 avalanche, [`baton_kv::block_hash`]), so SipHash's keyed
+/// rounds bought nothing and cost most of an event's apply. One multiply by a 64-bit odd
+/// constant, folded (the high half of the 128-bit product XOR the low half), keeps both the
+/// bits the map's bucket index takes (the low ones) and those its control bytes take (the
+/// high ones) mixed, even for keys that differ in a few bits only.
+///
+/// It is not keyed: a peer that chose colliding hashes on purpose could slow its own tree's
+/// probes. Only authenticated workers feed the trees, and their hashes are checked against
+/// nothing else here, so that is the threat a worker already is.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BlockHasher(u64);
+
+impl Hasher for BlockHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used by `BlockHash`; this keeps any other key correct.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.0 ^= n;
+    }
+
+    #[inline]
+    fn finish(&self) -> u64 {
+        let p = u128::from(self.0).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        (p as u64) ^ ((p >> 64) as u64)
+    }
+}
+
+/// A map keyed by block hash, hashed with [`BlockHasher`].
+pub type BlockMap<V> = HashMap<BlockHash, V, BuildHasherDefault<BlockHasher>>;
+
+/// One change to an instance's index as [`GlobalPromptTrees::apply_all`] takes it: a
+/// [`KvEventKind`] without the block's tokens, which the trees do not keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockUpdate {
+    /// A block was cached.
+    Stored {
+        /// The block.
+        hash: BlockHash,
+        /// Where.
+        tier: Tier,
+    },
+    /// A cached block moved to another tier.
+    Moved {
+        /// The block.
+        hash: BlockHash,
+        /// Its tier now.
+        tier: Tier,
+    },
+    /// A block left the cache.
+    Removed {
+        /// The block.
+        hash: BlockHash,
+    },
+}
+
+impl From<&KvEventKind> for BlockUpdate {
+    fn from(kind: &KvEventKind) -> Self {
+        match kind {
+            KvEventKind::Stored { hash, tier, .. } => BlockUpdate::Stored { hash: *hash, tier: *tier },
+            KvEventKind::Moved { hash, tier } => BlockUpdate::Moved { hash: *hash, tier: *tier },
+            KvEventKind::Removed { hash } => BlockUpdate::Removed { hash: *hash },
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Entry {
@@ -40,7 +117,13 @@ impl Entry {
 struct Tree {
     role: Role,
     next_seq: u64,
-    blocks: HashMap<BlockHash, Entry>,
+    blocks: BlockMap<Entry>,
+}
+
+impl Tree {
+    fn new(role: Role, next_seq: u64) -> Self {
+        Self { role, next_seq, blocks: BlockMap::default() }
+    }
 }
 
 /// How much of a prompt one instance holds.
@@ -77,7 +160,7 @@ impl GlobalPromptTrees {
 
     /// Registers an instance (or changes its role, keeping its blocks).
     pub fn set_role(&mut self, instance: InstanceId, role: Role) {
-        self.trees.entry(instance).or_insert_with(|| Tree { role, next_seq: 0, blocks: HashMap::new() }).role = role;
+        self.trees.entry(instance).or_insert_with(|| Tree::new(role, 0)).role = role;
     }
 
     /// Forgets an instance (it left, or must be resynchronised after a gap).
@@ -90,30 +173,41 @@ impl GlobalPromptTrees {
     /// applied and the caller should resynchronise (remove the instance and replay its index).
     /// `Moved`/`Removed` of a block the tree does not hold are ignored (it may have expired).
     pub fn apply(&mut self, event: &KvEvent) -> Result<(), EventError> {
-        let tree = self.trees.entry(event.instance).or_insert_with(|| Tree {
-            role: Role::Colocated,
-            next_seq: 0,
-            blocks: HashMap::new(),
-        });
-        if event.seq != tree.next_seq {
-            return Err(EventError::Gap { instance: event.instance, expected: tree.next_seq, got: event.seq });
-        }
-        tree.next_seq += 1;
-        match &event.kind {
-            KvEventKind::Stored { hash, tier, .. } => {
-                tree.blocks.insert(*hash, Entry { tier: Some(*tier), expires_at: None });
+        self.apply_all(event.instance, [(event.seq, BlockUpdate::from(&event.kind))]).map(|_| ())
+    }
+
+    /// Applies a batch of `instance`'s events, `(sequence number, change)` in order, as
+    /// [`apply`](Self::apply) would one by one, finding the instance's tree once. Returns how
+    /// many were applied; on a gap, those before it stay applied and the error names it.
+    pub fn apply_all(
+        &mut self,
+        instance: InstanceId,
+        events: impl IntoIterator<Item = (u64, BlockUpdate)>,
+    ) -> Result<usize, EventError> {
+        let tree = self.trees.entry(instance).or_insert_with(|| Tree::new(Role::Colocated, 0));
+        let mut applied = 0;
+        for (seq, update) in events {
+            if seq != tree.next_seq {
+                return Err(EventError::Gap { instance, expected: tree.next_seq, got: seq });
             }
-            KvEventKind::Moved { hash, tier } => {
-                if let Some(e) = tree.blocks.get_mut(hash) {
-                    e.tier = Some(*tier);
-                    e.expires_at = None;
+            tree.next_seq += 1;
+            applied += 1;
+            match update {
+                BlockUpdate::Stored { hash, tier } => {
+                    tree.blocks.insert(hash, Entry { tier: Some(tier), expires_at: None });
+                }
+                BlockUpdate::Moved { hash, tier } => {
+                    if let Some(e) = tree.blocks.get_mut(&hash) {
+                        e.tier = Some(tier);
+                        e.expires_at = None;
+                    }
+                }
+                BlockUpdate::Removed { hash } => {
+                    tree.blocks.remove(&hash);
                 }
             }
-            KvEventKind::Removed { hash } => {
-                tree.blocks.remove(hash);
-            }
         }
-        Ok(())
+        Ok(applied)
     }
 
     /// Replaces what is known of `instance` by a snapshot of its index: exactly `blocks`
@@ -127,7 +221,9 @@ impl GlobalPromptTrees {
         blocks: impl IntoIterator<Item = (BlockHash, Tier)>,
     ) {
         let old = self.trees.remove(&instance);
-        let mut tree = Tree { role, next_seq, blocks: HashMap::new() };
+        let blocks = blocks.into_iter();
+        let mut tree = Tree::new(role, next_seq);
+        tree.blocks.reserve(blocks.size_hint().0);
         if let Some(old) = old {
             tree.blocks.extend(old.blocks.into_iter().filter(|(_, e)| e.expires_at.is_some()));
         }
