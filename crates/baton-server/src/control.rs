@@ -13,6 +13,7 @@
 //! The conductor reads the state stream in the binary encoding (a tenth of the bytes, several
 //! times faster to decode); NDJSON stays for a person with `curl` (and for a conductor that
 //! predates the encoding).
+//!
 //! Every request proves the cluster secret with the `x-baton-cluster-auth` header (an HMAC over
 //! method, path, timestamp and body, see [`baton_cluster::auth`]); without it the answer is 401.
 //! Closing the generate response's connection aborts the request and frees its KV.
