@@ -8,7 +8,11 @@
 //! | `POST /worker/v1/import`     | [`ImportBody`]  | 200 [`Received`] once a peer's KV is in the prefix cache, 404 when none arrived |
 //! | `POST /worker/v1/role`       | [`RoleBody`]    | 204 once the worker is routed as the new role (elastic prefill/decode) |
 //! | `GET /worker/v1/stats`       | none            | 200 [`WorkerStats`]                         |
-//! | `GET /worker/v1/state`       | none            | 200, then one [`StateUpdate`] per line (NDJSON), a snapshot first |
+//! | `GET /worker/v1/state`       | none            | 200, then a stream of [`StateUpdate`]s, a snapshot first: binary frames ([`state_codec`]) when `Accept` lists `application/x-baton-state-v1`, one JSON update a line (NDJSON) otherwise |
+//!
+//! The conductor reads the state stream in the binary encoding (a tenth of the bytes, several
+//! times faster to decode); NDJSON stays for a person with `curl` (and for a conductor that
+//! predates the encoding).
 //!
 //! Every request proves the cluster secret with the `x-baton-cluster-auth` header (an HMAC over
 //! method, path, timestamp and body, see [`baton_cluster::auth`]); without it the answer is 401.
@@ -24,6 +28,7 @@
 //! [`ImportBody`]: crate::wire::ImportBody
 //! [`Received`]: crate::wire::Received
 //! [`KvSource`]: crate::wire::KvSource
+//! [`state_codec`]: crate::state_codec
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -38,6 +43,7 @@ use baton_cluster::{AUTH_HEADER, ClusterSecret, SeenProofs, unix_millis};
 use tokio_stream::StreamExt;
 
 use crate::error::ApiError;
+use crate::state_codec::StateFormat;
 use crate::worker::{Worker, WorkerHandle};
 
 /// Path of the generate route.
@@ -195,7 +201,9 @@ async fn stats(State(state): State<ControlState>, headers: HeaderMap) -> Respons
     }
 }
 
-/// The worker's state stream, a snapshot first; closing the connection ends the subscription.
+/// The worker's state stream, a snapshot first, in the format the `Accept` header asks for;
+/// closing the connection ends the subscription. An update that cannot be encoded (a snapshot
+/// over the frame limit) ends the stream.
 async fn state_stream(State(state): State<ControlState>, headers: HeaderMap) -> Response {
     if let Err(e) = authorize(&state, &headers, "GET", STATE_PATH, b"") {
         return e.into_response();
@@ -203,10 +211,15 @@ async fn state_stream(State(state): State<ControlState>, headers: HeaderMap) -> 
     let Some(updates) = state.worker.subscribe_state() else {
         return ApiError::Unavailable("the worker has stopped".into()).into_response();
     };
-    let lines = tokio_stream::wrappers::ReceiverStream::new(updates).map(|update| {
-        let mut line = serde_json::to_vec(&update).unwrap_or_else(|_| b"{}".to_vec());
-        line.push(b'\n');
-        Ok::<_, Infallible>(Bytes::from(line))
-    });
-    ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(lines)).into_response()
+    let format = StateFormat::from_accept(headers.get_all(header::ACCEPT).iter().filter_map(|v| v.to_str().ok()));
+    let chunks = tokio_stream::wrappers::ReceiverStream::new(updates)
+        .map(move |update| {
+            let mut chunk = Vec::new();
+            format.encode(&update, &mut chunk).map(|()| Bytes::from(chunk)).map_err(|e| {
+                tracing::error!(error = %e, "a state update could not be encoded; the state stream ends");
+            })
+        })
+        .take_while(Result::is_ok)
+        .map(|chunk| Ok::<_, Infallible>(chunk.unwrap_or_default()));
+    ([(header::CONTENT_TYPE, format.media_type())], Body::from_stream(chunks)).into_response()
 }

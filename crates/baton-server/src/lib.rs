@@ -22,6 +22,7 @@
 //! by their state streams, and their load reports);
 //! [`handoff`] moves a request's KV from prefill to decode worker, pulled or pushed;
 //! [`control`] is a worker's HTTP control API and [`remote`] the conductor's client of it;
+//! [`state_codec`] is the state stream's binary encoding and its bounded readers;
 //! [`deploy`] runs `baton worker` and `baton conductor` processes; [`routing`] is the policy
 //! seam; [`metrics`] renders Prometheus text.
 
@@ -40,6 +41,7 @@ mod retry;
 pub mod routing;
 pub mod sched;
 pub mod session;
+pub mod state_codec;
 pub mod structured;
 pub mod view;
 pub mod wire;

@@ -4,7 +4,8 @@
 //! NDJSON event lines of the answer into [`RequestEvent`]s. Dropping the receiver closes the
 //! connection, which aborts the request on the worker. When the worker cannot be reached, its
 //! stream breaks, or membership says it left ([`RemoteWorker::mark_gone`]), the request gets a
-//! [`RequestEvent::Lost`], which the conductor may retry elsewhere.
+//! [`RequestEvent::Lost`], which the conductor may retry elsewhere. `subscribe_state` reads the
+//! worker's state stream in the binary encoding of [`crate::state_codec`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,6 +20,7 @@ use crate::control::{
     STATE_PATH, STATS_PATH,
 };
 use crate::error::ApiError;
+use crate::state_codec::{STATE_MEDIA_TYPE, StateFormat, StateReader};
 use crate::wire::{Received, WorkerError};
 use crate::worker::{KvSource, RequestEvent, Role, StateUpdate, WorkRequest, Worker, WorkerStats};
 
@@ -366,28 +368,32 @@ async fn stream(
     }
 }
 
-/// Relays a worker's state stream (NDJSON lines) until it ends; says why it ended.
+/// Relays a worker's state stream until it ends; says why it ended. The request asks for the
+/// binary encoding; the answer's `Content-Type` says which it got (NDJSON from a worker that
+/// predates it). The reader buffers at most one update, of bounded size.
 async fn relay_state(request: reqwest::RequestBuilder, tx: &mpsc::Sender<StateUpdate>) -> String {
+    let request = request.header(reqwest::header::ACCEPT, STATE_MEDIA_TYPE);
     let mut response = match request.send().await {
         Ok(r) if r.status().is_success() => r,
         Ok(r) => return format!("the worker answered {}", r.status()),
         Err(e) => return format!("unreachable: {e}"),
     };
-    let mut buf = Vec::new();
+    let content_type = response.headers().get(reqwest::header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
+    let mut reader = StateReader::new(StateFormat::from_content_type(content_type));
     loop {
         match response.chunk().await {
-            Ok(Some(bytes)) => buf.extend_from_slice(&bytes),
+            Ok(Some(bytes)) => reader.extend(&bytes),
             Ok(None) => return "closed by the worker".into(),
             Err(e) => return format!("broken: {e}"),
         }
-        while let Some(end) = buf.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = buf.drain(..=end).collect();
-            match serde_json::from_slice::<StateUpdate>(&line) {
-                Ok(update) => {
+        loop {
+            match reader.next_update() {
+                Ok(Some(update)) => {
                     if tx.send(update).await.is_err() {
                         return "the reader left".into();
                     }
                 }
+                Ok(None) => break,
                 Err(e) => return format!("unreadable update: {e}"),
             }
         }

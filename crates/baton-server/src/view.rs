@@ -2,7 +2,8 @@
 //! and the workers' own load reports.
 //!
 //! Every worker streams its pool's KV events and its load ([`StateUpdate`], over
-//! [`Worker::subscribe_state`]: a channel in process, NDJSON over the control API otherwise),
+//! [`Worker::subscribe_state`]: a channel in process, over the control API otherwise, in the
+//! binary encoding of [`crate::state_codec`]),
 //! starting with a snapshot of its whole index. [`ClusterView`] applies them to the global
 //! prompt trees the routing policies read ([`GlobalPromptTrees`], shared with
 //! [`crate::sched::SchedPolicy`]), keyed by the conductor's instance id of the worker. A gap in
@@ -207,12 +208,11 @@ impl ClusterView {
             }
             StateUpdate::Delta { events, load, at_ms } => {
                 if self.mode == KvIndexMode::Exact {
-                    let mut trees = self.tree_lock();
-                    for e in &events {
-                        if let Err(baton_kv::EventError::Gap { expected, got, .. }) = trees.apply(&e.to_kv(instance)) {
-                            f.resyncs += 1;
-                            return Err(ViewError::Gap { expected, got });
-                        }
+                    // One lock and one tree lookup for the whole delta.
+                    let applied = self.tree_lock().apply_all(instance, events.iter().map(|e| (e.seq, e.change.into())));
+                    if let Err(baton_kv::EventError::Gap { expected, got, .. }) = applied {
+                        f.resyncs += 1;
+                        return Err(ViewError::Gap { expected, got });
                     }
                 }
                 f.events += events.len() as u64;

@@ -1,5 +1,6 @@
 //! What travels between the conductor and its workers, in one place: in process over channels,
-//! between processes as JSON over the control API ([`crate::control`]). Every type here is
+//! between processes as JSON over the control API ([`crate::control`]), the state stream's
+//! [`StateUpdate`]s in a binary encoding of their own ([`crate::state_codec`]) when asked. Every type here is
 //! serialisable and is the same value on both sides, so a request is never flattened on one side
 //! and rebuilt on the other.
 //!
@@ -561,6 +562,17 @@ impl From<&baton_kv::KvEvent> for BlockEvent {
             KvEventKind::Removed { hash } => BlockChange::Removed { hash: hash.0 },
         };
         Self { seq: e.seq, change }
+    }
+}
+
+impl From<BlockChange> for baton_sched::BlockUpdate {
+    fn from(change: BlockChange) -> Self {
+        use baton_kv::BlockHash;
+        match change {
+            BlockChange::Stored(b) => Self::Stored { hash: BlockHash(b.hash), tier: b.tier.into() },
+            BlockChange::Moved { hash, tier } => Self::Moved { hash: BlockHash(hash), tier: tier.into() },
+            BlockChange::Removed { hash } => Self::Removed { hash: BlockHash(hash) },
+        }
     }
 }
 

@@ -1313,6 +1313,37 @@ fn pool_blocks(worker_url: &str) -> Vec<u64> {
     blocks
 }
 
+/// The same as [`pool_blocks`], from the state stream in its binary encoding (as the
+/// conductor asks for it).
+fn pool_blocks_binary(worker_url: &str) -> Vec<u64> {
+    use baton_server::state_codec::{STATE_MEDIA_TYPE, StateFormat, StateReader};
+    use baton_server::wire::StateUpdate;
+    use std::io::Read;
+    let proof = ClusterSecret::new(SECRET).unwrap().sign_request("GET", "/worker/v1/state", unix_millis(), b"");
+    let mut r = http()
+        .get(format!("{worker_url}/worker/v1/state"))
+        .header(AUTH_HEADER, proof)
+        .header("accept", STATE_MEDIA_TYPE)
+        .send()
+        .unwrap();
+    assert!(r.status().is_success(), "state of {worker_url}: {}", r.status());
+    assert_eq!(r.headers()["content-type"], STATE_MEDIA_TYPE);
+    let mut reader = StateReader::new(StateFormat::Binary);
+    let mut chunk = [0u8; 4096];
+    let update = loop {
+        if let Some(u) = reader.next_update().unwrap() {
+            break u;
+        }
+        let n = r.read(&mut chunk).unwrap();
+        assert!(n > 0, "the state stream ended before its snapshot");
+        reader.extend(&chunk[..n]);
+    };
+    let StateUpdate::Snapshot { blocks, .. } = update else { panic!("the stream starts {update:?}") };
+    let mut blocks: Vec<u64> = blocks.iter().map(|b| b.hash).collect();
+    blocks.sort_unstable();
+    blocks
+}
+
 /// Polls until `check` holds of the worker's index entry, or panics after `limit`; returns how
 /// long it took.
 fn wait_index(url: &str, worker: &str, limit: Duration, check: impl Fn(&[u64]) -> bool) -> Duration {
@@ -1368,6 +1399,8 @@ fn the_conductor_indexes_what_workers_cache_and_forgets_a_restarted_worker() {
     };
     let holder_url = if holder == "p1" { &p1.url } else { &p2.url };
     wait_index(&url, holder, Duration::from_secs(5), |b| b == pool_blocks(holder_url));
+    // The conductor read that stream binary; asked for it, the worker answers the same blocks so.
+    assert_eq!(pool_blocks_binary(holder_url), pool_blocks(holder_url));
     // The next request sharing the prompt goes where its KV is, and is served from it.
     let second = complete(&url, &format!("{LONG} and then the rain"), 4);
     let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
