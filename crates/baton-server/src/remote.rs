@@ -365,8 +365,16 @@ async fn stream(
                 return None;
             }
         }
+        if buf.len() > MAX_EVENT_LINE_BYTES {
+            return Some(format!("an event line over {MAX_EVENT_LINE_BYTES} bytes"));
+        }
     }
 }
+
+/// The longest event line read from a worker's generate stream (a token event is under a
+/// kilobyte; the last one names the KV it keeps, a few bytes a block: a megabyte for a prompt of
+/// millions of tokens): a peer cannot make the conductor buffer without bound.
+const MAX_EVENT_LINE_BYTES: usize = 64 << 20;
 
 /// Relays a worker's state stream until it ends; says why it ended. The request asks for the
 /// binary encoding; the answer's `Content-Type` says which it got (NDJSON from a worker that

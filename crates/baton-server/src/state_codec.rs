@@ -52,11 +52,16 @@ pub const MAGIC: u8 = 0xB7;
 pub const VERSION: u8 = 1;
 /// Bytes of a frame's header: magic, version, body length.
 pub const HEADER_BYTES: usize = 6;
-/// The longest frame body a reader accepts (and an encoder writes): a snapshot of about seven
-/// million blocks. A peer announcing more is refused before anything more is buffered.
-pub const MAX_FRAME_BYTES: usize = 64 << 20;
-/// The longest line the NDJSON reader accepts (JSON takes about ten times the bytes).
-pub const MAX_LINE_BYTES: usize = 10 * MAX_FRAME_BYTES;
+/// The longest frame body a reader accepts (and an encoder writes): a snapshot of about 110
+/// million blocks, more than any device, host and disk tier hold between them, so a worker's
+/// snapshot always fits (a worker whose snapshot did not would be resubscribed to forever). A
+/// peer announcing more is refused before anything more is buffered; a reader buffers only what
+/// arrives, never what a header announces.
+pub const MAX_FRAME_BYTES: usize = 1 << 30;
+/// The longest line the NDJSON reader accepts: the same bound (JSON takes about ten times the
+/// bytes of the binary frame, so NDJSON, the debugging format, carries snapshots of about 11
+/// million blocks).
+pub const MAX_LINE_BYTES: usize = MAX_FRAME_BYTES;
 
 const KIND_SNAPSHOT: u8 = 0;
 const KIND_DELTA: u8 = 1;

@@ -234,11 +234,13 @@ impl ClusterView {
         let follower = self.enroll(&name, instance);
         let view = Arc::clone(self);
         runtime.spawn(async move {
-            let mut backoff = Duration::from_millis(100);
+            let waits = || crate::retry::backoff(Duration::from_millis(100), Duration::from_secs(5));
+            let mut backoff = waits();
             loop {
                 let Some(mut updates) = worker.subscribe_state() else { return };
+                let mut received = false;
                 while let Some(update) = updates.recv().await {
-                    backoff = Duration::from_millis(100);
+                    received = true;
                     if let Some(role) = update.load().role
                         && role != worker.role()
                     {
@@ -256,8 +258,10 @@ impl ClusterView {
                 if view.workers().get(&name).is_none_or(|f| f.follower != follower) {
                     return;
                 }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
+                if received {
+                    backoff = waits(); // the stream worked: start the waits again
+                }
+                tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(5))).await;
             }
         });
     }
