@@ -21,6 +21,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::policy::Policy;
 use crate::snapshot::{ClusterSnapshot, Decision, Estimate, InstanceSnapshot, RejectReason, Request, Reuse, Route};
+use baton_kv::InstanceId;
+
 use crate::{Micros, RoleChange};
 
 /// Latency targets.
@@ -147,6 +149,50 @@ pub fn predicted_tbt_at(
     d.decode_step(snap.cost, batch, ctx)
 }
 
+/// What early or predictive admission weighed on a request's decode instance: the load it
+/// predicted, for when, against what limit. The simulator's `--load-trace` records one per
+/// arrival, to set beside the load that instance then had.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeCheck {
+    /// The decode instance the route chose.
+    pub decode: InstanceId,
+    /// The time the load is predicted for (now for early rejection; the request's KV on the
+    /// decode instance for predictive).
+    pub at: Micros,
+    /// The predicted decode step (TBT) with this request, µs.
+    pub load_us: Micros,
+    /// The most admission allows, µs (the TBT target less its headroom).
+    pub limit_us: Micros,
+}
+
+impl DecodeCheck {
+    /// Whether the request passes.
+    pub fn passes(&self) -> bool {
+        self.load_us <= self.limit_us
+    }
+}
+
+/// The decode-side check of early or predictive admission for a routed request (`None` for the
+/// controls that make none before the prefill, or when the route's decode instance is unknown).
+pub fn decode_check(
+    cfg: &AdmissionConfig,
+    snap: &ClusterSnapshot<'_>,
+    req: &Request,
+    route: &Route,
+) -> Option<DecodeCheck> {
+    let d = snap.instance(route.decode)?;
+    let (at, load_us) = match cfg.kind {
+        AdmissionKind::None | AdmissionKind::Baseline => return None,
+        AdmissionKind::EarlyRejection => (snap.now, tbt_now(snap, d, 1, req.prompt_tokens)),
+        AdmissionKind::Predictive => {
+            let at = snap.now + route.estimate.ttft_us;
+            (at, predicted_tbt_at(snap, d, at, cfg.decode_time_us, 1, req.prompt_tokens))
+        }
+    };
+    let limit_us = (cfg.slo.tbt_us as f64 * (1.0 - cfg.tbt_headroom.clamp(0.0, 0.9))) as Micros;
+    Some(DecodeCheck { decode: d.id, at, load_us, limit_us })
+}
+
 /// The admission check of a routed request.
 pub fn admit(
     cfg: &AdmissionConfig,
@@ -154,26 +200,31 @@ pub fn admit(
     req: &Request,
     route: &Route,
 ) -> Result<(), RejectReason> {
+    admit_checked(cfg, snap, req, route).0
+}
+
+/// [`admit`], with the decode check it made.
+fn admit_checked(
+    cfg: &AdmissionConfig,
+    snap: &ClusterSnapshot<'_>,
+    req: &Request,
+    route: &Route,
+) -> (Result<(), RejectReason>, Option<DecodeCheck>) {
     let slo = cfg.slo;
     if cfg.kind == AdmissionKind::None {
-        return Ok(());
+        return (Ok(()), None);
     }
     if route.estimate.ttft_us > slo.ttft_us {
-        return Err(RejectReason::Ttft { predicted_us: route.estimate.ttft_us, slo_us: slo.ttft_us });
+        return (Err(RejectReason::Ttft { predicted_us: route.estimate.ttft_us, slo_us: slo.ttft_us }), None);
     }
-    let Some(d) = snap.instance(route.decode) else { return Err(RejectReason::NoInstance) };
-    let decode_load = match cfg.kind {
-        AdmissionKind::None | AdmissionKind::Baseline => return Ok(()),
-        AdmissionKind::EarlyRejection => tbt_now(snap, d, 1, req.prompt_tokens),
-        AdmissionKind::Predictive => {
-            predicted_tbt_at(snap, d, snap.now + route.estimate.ttft_us, cfg.decode_time_us, 1, req.prompt_tokens)
-        }
-    };
-    let limit = (slo.tbt_us as f64 * (1.0 - cfg.tbt_headroom.clamp(0.0, 0.9))) as Micros;
-    if decode_load > limit {
-        return Err(RejectReason::Tbt { predicted_us: decode_load, slo_us: limit });
+    if snap.instance(route.decode).is_none() {
+        return (Err(RejectReason::NoInstance), None);
     }
-    Ok(())
+    let check = decode_check(cfg, snap, req, route);
+    match check {
+        Some(c) if !c.passes() => (Err(RejectReason::Tbt { predicted_us: c.load_us, slo_us: c.limit_us }), check),
+        _ => (Ok(()), check),
+    }
 }
 
 /// Conditional disaggregation's choice: `route` carried out whole on its decode instance, if at
@@ -242,6 +293,17 @@ impl Scheduler {
 
     /// The decision for one request: route by the policy, then admit or reject.
     pub fn decide(&mut self, snap: &ClusterSnapshot<'_>, req: &Request, rng: &mut dyn RngCore) -> Decision {
+        self.decide_explained(snap, req, rng).0
+    }
+
+    /// [`Scheduler::decide`], with the decode check admission made (if it made one), whatever
+    /// the decision.
+    pub fn decide_explained(
+        &mut self,
+        snap: &ClusterSnapshot<'_>,
+        req: &Request,
+        rng: &mut dyn RngCore,
+    ) -> (Decision, Option<DecodeCheck>) {
         let mut d = self.policy.route(snap, req, rng);
         if let (Some(max), Decision::Route(r)) = (self.conditional, &mut d)
             && let Some(local) = run_on_decode(snap, req, r, max)
@@ -249,11 +311,11 @@ impl Scheduler {
             *r = local;
         }
         match &d {
-            Decision::Route(r) => match admit(&self.admission, snap, req, r) {
-                Ok(()) => d,
-                Err(reason) => Decision::Reject { reason },
+            Decision::Route(r) => match admit_checked(&self.admission, snap, req, r) {
+                (Ok(()), check) => (d, check),
+                (Err(reason), check) => (Decision::Reject { reason }, check),
             },
-            Decision::Reject { .. } => d,
+            Decision::Reject { .. } => (d, None),
         }
     }
 

@@ -34,6 +34,7 @@
 
 mod cache;
 mod metrics;
+pub mod load;
 pub mod plot;
 mod sim;
 pub mod workload;
@@ -43,6 +44,7 @@ use std::path::PathBuf;
 use baton_sched::{AdmissionConfig, CostProfile, Micros, PolicyConfig, PolicyKind};
 
 pub use metrics::{Percentiles, Report, RequestRecord, RoleChangeAt};
+pub use load::{AdmissionSample, LoadSample, LoadTrace};
 pub use sim::Simulator;
 use workload::{SimRequest, Synthetic};
 
@@ -176,6 +178,9 @@ pub struct SimConfig {
     pub seed: u64,
     /// Keep a [`RequestRecord`] per request in the report (`baton sim --records`).
     pub records: bool,
+    /// Sample every instance's load this often into the report's [`LoadTrace`], with every
+    /// decode check admission makes (0: no trace; `baton sim --load-trace`).
+    pub load_trace_us: Micros,
 }
 
 impl Default for SimConfig {
@@ -194,6 +199,7 @@ impl Default for SimConfig {
             workload: WorkloadSpec::Requests(Vec::new()),
             seed: 0,
             records: false,
+            load_trace_us: 0,
         }
     }
 }
