@@ -328,6 +328,9 @@ impl Simulator {
             .map(|&r| DecodeSeq {
                 started_at: self.state[r].decode_started_us,
                 context: self.requests[r].input_tokens + self.state[r].generated,
+                // The first token came from the prefill.
+                remaining: (!self.cfg.uniform_decode_time)
+                    .then(|| self.requests[r].output_tokens.saturating_sub(1 + self.state[r].generated)),
             })
             .collect()
     }
@@ -490,7 +493,11 @@ impl Simulator {
         st.est_prefill_us = est;
         st.expected_ready_us = self.now + route.estimate.ttft_us + transfer;
         st.route = Some(route);
-        let incoming = IncomingSeq { ready_at: st.expected_ready_us, context: req.input_tokens };
+        let incoming = IncomingSeq {
+            ready_at: st.expected_ready_us,
+            context: req.input_tokens,
+            output: (!self.cfg.uniform_decode_time).then(|| req.output_tokens.saturating_sub(1)),
+        };
         self.instances[p].prefill_queue.push_back(i);
         self.instances[p].queued_est_us += est;
         self.instances[d].decode_incoming.push(incoming);
@@ -628,7 +635,11 @@ impl Simulator {
     fn on_kv_ready(&mut self, r: usize) {
         let Some(d) = self.state[r].route.as_ref().map(|rt| self.index_of(rt.decode)) else { return };
         let req = &self.requests[r];
-        let arrived = IncomingSeq { ready_at: self.state[r].expected_ready_us, context: req.input_tokens };
+        let arrived = IncomingSeq {
+            ready_at: self.state[r].expected_ready_us,
+            context: req.input_tokens,
+            output: (!self.cfg.uniform_decode_time).then(|| req.output_tokens.saturating_sub(1)),
+        };
         self.instances[d].decode_incoming.remove(arrived);
         if req.output_tokens <= 1 {
             self.state[r].outcome.done_us = Some(self.now);

@@ -76,6 +76,11 @@ pub(crate) struct SimArgs {
     /// Uniform decode time t_d of predictive rejection, in milliseconds.
     #[arg(long)]
     decode_time_ms: Option<u64>,
+    /// Predictive admission assumes every running request decodes for --decode-time-ms
+    /// (Mooncake's system-level prediction, as the live conductor does with the time it
+    /// measures), instead of counting each one gone after its remaining output.
+    #[arg(long)]
+    uniform_decode_time: bool,
     /// Fraction of the TBT SLO that early and predictive admission keep free (the live
     /// conductor's --admission-tbt-headroom).
     #[arg(long, default_value_t = baton_sched::DEFAULT_TBT_HEADROOM, value_parser = crate::engine_flags::tbt_headroom)]
@@ -204,6 +209,7 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
         cfg.admission.decode_time_us = ms * 1000;
     }
     cfg.admission.tbt_headroom = a.admission_tbt_headroom;
+    cfg.uniform_decode_time = a.uniform_decode_time;
     cfg.cluster.kv_fetch = matches!(a.kv_fetch, crate::engine_flags::OnOff::On);
     cfg.conditional_tokens = (a.conditional_disagg_tokens > 0).then_some(a.conditional_disagg_tokens);
     cfg.layerwise_push = matches!(a.kv_transfer, crate::engine_flags::KvTransferArg::Layerwise);
@@ -299,9 +305,10 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
             if let Some(dir) = &a.load_trace {
                 std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
                 let stem = format!("{}-{}-{}", a.name, report.policy, report.admission);
-                for (ext, text) in
-                    [("load.csv", report.load_trace.samples_csv()), ("admissions.csv", report.load_trace.admissions_csv())]
-                {
+                for (ext, text) in [
+                    ("load.csv", report.load_trace.samples_csv()),
+                    ("admissions.csv", report.load_trace.admissions_csv()),
+                ] {
                     let path = dir.join(format!("{stem}.{ext}"));
                     std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
                 }
