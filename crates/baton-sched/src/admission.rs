@@ -7,14 +7,22 @@
 //! - [`AdmissionKind::EarlyRejection`] (§6.2): before the prefill, reject if the predicted TTFT or
 //!   the chosen decode instance's *current* load (its TBT with its running and waiting requests
 //!   and this one) is over the SLO.
-//! - [`AdmissionKind::Predictive`] (§6.4, system level): like early rejection, but the decode load
-//!   is predicted for the moment the prefill finishes: every running decode is assumed to take a
-//!   uniform `t_d` and leaves when that has passed; requests already routed to the instance whose
-//!   KV is ready by then join.
+//! - [`AdmissionKind::Predictive`] (§6.4): like early rejection, but the decode load is
+//!   predicted over the time the request would decode, from when its KV arrives (its predicted
+//!   TTFT and the transfer): a running sequence leaves after its remaining output when that is
+//!   known ([`DecodeSeq::remaining`](crate::DecodeSeq): request-level prediction; the simulator
+//!   knows it), else after a uniform `t_d` from when it joined (Mooncake's system level: the
+//!   conductor's measured mean stay); requests already routed to the instance join when their
+//!   KV is due and leave after their output if known. The load when this request's KV arrives
+//!   must be within the limit (the target less the headroom), and the peak over its stay within
+//!   the target, so that none admitted before it is turned away after its prefill by the decode
+//!   side's own check ([`predicted_peak_tbt`]).
 //!
-//! Mooncake states both checks for the decode *pool*; with least-loaded decode selection the
-//! chosen instance is the pool's best, and checking it is what the decode instance itself will
-//! check when the KV arrives.
+//! Mooncake states both checks for the decode *pool*. Early rejection checks the policy's
+//! decode instance (with least-loaded decode selection the pool's best now, and what the decode
+//! instance itself will check when the KV arrives); predictive admission, when that instance
+//! fails, moves the request to the pool's decode instance that passes with the least predicted
+//! load (the policy's choice weighs load now, not when the KV gets there).
 
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
