@@ -95,6 +95,9 @@ impl IncomingSeq {
     }
 }
 
+/// An [`IncomingSeq`] as [`IncomingSeqs`] keys it: ready time, context, output.
+type IncomingKey = (Micros, u64, Option<u64>);
+
 /// The requests routed to a decode instance whose KV has not arrived, as the policies weigh
 /// them: how many, their context in all (both kept as running totals), and how many of them,
 /// with what context, are expected by a given time ([`IncomingSeqs::ready_by`]).
@@ -125,7 +128,7 @@ pub struct IncomingSeqs {
     len: u64,
     context: u64,
     /// How many sequences of each (ready time, context, output).
-    by_ready: Arc<BTreeMap<(Micros, u64, Option<u64>), u64>>,
+    by_ready: Arc<BTreeMap<IncomingKey, u64>>,
 }
 
 impl IncomingSeqs {
