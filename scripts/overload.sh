@@ -6,7 +6,8 @@
 # prefill (HTTP 429 live), rejected after it (the prefill wasted), and the prefill time wasted,
 # live (`baton serve` + `baton bench serve` replaying the trace at its timestamps) and in `baton
 # sim` on the same trace, profile and cluster. The live predictive admission uses the `t_d` the
-# conductor measures (printed); the simulator is given `T_D_MS`.
+# conductor measures (printed); the simulator is given `T_D_MS` and, like the conductor, assumes
+# it for every request (`--uniform-decode-time`) rather than each one's output length.
 #
 # Usage: scripts/overload.sh
 # Environment:
@@ -50,7 +51,7 @@ for rate in $rates; do
   "$baton" sim --poisson "$n" --rate "$rate" --input 200:600 --output 200:400 --seed 0 --write-trace "$trace" >/dev/null
   info "rate $rate/s, $n requests: simulated"
   "$baton" sim --trace "$trace" --prefill 2 --decode 2 --profile h100 --policy kv-centric \
-    --admission none,early,predictive --ttft-slo-ms 2000 --tbt-slo-ms 8 --decode-time-ms "$t_d_ms" \
+    --admission none,early,predictive --ttft-slo-ms 2000 --tbt-slo-ms 8 --decode-time-ms "$t_d_ms" --uniform-decode-time \
     --max-batch 512 --seed 0 "${headroom[@]}" --json >"$dir/sim.json" 2>"$dir/sim.log"
   for admission in none early predictive; do
     info "rate $rate/s: live, admission $admission"

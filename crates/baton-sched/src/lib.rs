@@ -66,7 +66,10 @@ mod trees;
 /// Time in integer microseconds (virtual or wall; the caller decides).
 pub type Micros = u64;
 
-pub use admission::{AdmissionConfig, AdmissionKind, DEFAULT_TBT_HEADROOM, Scheduler, Slo, admit, predicted_tbt_at};
+pub use admission::{
+    AdmissionConfig, AdmissionKind, DEFAULT_TBT_HEADROOM, DecodeCheck, Scheduler, Slo, admit, decode_check,
+    predicted_peak_tbt, predicted_tbt_at,
+};
 pub use cost::{CostProfile, DecodeCoeffs, Link, PrefillCoeffs, transfer_time};
 pub use fit::{DecodeSample, FitError, PrefillSample, fit_decode, fit_error, fit_prefill};
 pub use policy::{

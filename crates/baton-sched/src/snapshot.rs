@@ -61,6 +61,18 @@ pub struct DecodeSeq {
     pub started_at: Micros,
     /// Its tokens of context now.
     pub context: u64,
+    /// Tokens it is expected still to generate, when known (its request's expected output less
+    /// what it has generated). Predictive admission counts it gone after that many steps;
+    /// without it, after a uniform `t_d` from `started_at`.
+    #[serde(default)]
+    pub remaining: Option<u64>,
+}
+
+impl DecodeSeq {
+    /// A sequence whose remaining output is not known.
+    pub fn new(started_at: Micros, context: u64) -> Self {
+        Self { started_at, context, remaining: None }
+    }
 }
 
 /// A request routed to a decode instance whose prefill (or transfer) has not finished yet.
@@ -70,7 +82,21 @@ pub struct IncomingSeq {
     pub ready_at: Micros,
     /// Its prompt length.
     pub context: u64,
+    /// Tokens it is expected to generate on the decode instance, when known (predictive
+    /// admission counts it gone that many steps after `ready_at`; unknown: it stays).
+    #[serde(default)]
+    pub output: Option<u64>,
 }
+
+impl IncomingSeq {
+    /// A sequence whose output length is not known.
+    pub fn new(ready_at: Micros, context: u64) -> Self {
+        Self { ready_at, context, output: None }
+    }
+}
+
+/// An [`IncomingSeq`] as [`IncomingSeqs`] keys it: ready time, context, output.
+type IncomingKey = (Micros, u64, Option<u64>);
 
 /// The requests routed to a decode instance whose KV has not arrived, as the policies weigh
 /// them: how many, their context in all (both kept as running totals), and how many of them,
@@ -87,19 +113,22 @@ pub struct IncomingSeq {
 ///
 /// let mut inc: IncomingSeqs = [(5, 100), (9, 300), (5, 100)]
 ///     .into_iter()
-///     .map(|(ready_at, context)| IncomingSeq { ready_at, context })
+///     .map(|(ready_at, context)| IncomingSeq::new(ready_at, context))
 ///     .collect();
 /// assert_eq!((inc.len(), inc.context()), (3, 500));
 /// assert_eq!(inc.ready_by(5), (2, 200));
-/// assert!(inc.remove(IncomingSeq { ready_at: 5, context: 100 }));
+/// assert!(inc.remove(IncomingSeq::new(5, 100)));
 /// assert_eq!(inc.ready_by(u64::MAX), (2, 400));
+/// // One more, ready at 6 with 10 tokens to generate: at steps of 1, gone by 16.
+/// inc.push(IncomingSeq { ready_at: 6, context: 50, output: Some(10) });
+/// assert_eq!((inc.staying_at(15, 1), inc.staying_at(16, 1)), ((3, 450), (2, 400)));
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct IncomingSeqs {
     len: u64,
     context: u64,
-    /// How many sequences of each (ready time, context).
-    by_ready: Arc<BTreeMap<(Micros, u64), u64>>,
+    /// How many sequences of each (ready time, context, output).
+    by_ready: Arc<BTreeMap<IncomingKey, u64>>,
 }
 
 impl IncomingSeqs {
@@ -125,7 +154,7 @@ impl IncomingSeqs {
 
     /// One more coming.
     pub fn push(&mut self, s: IncomingSeq) {
-        *Arc::make_mut(&mut self.by_ready).entry((s.ready_at, s.context)).or_insert(0) += 1;
+        *Arc::make_mut(&mut self.by_ready).entry((s.ready_at, s.context, s.output)).or_insert(0) += 1;
         self.len += 1;
         self.context += s.context;
     }
@@ -133,7 +162,7 @@ impl IncomingSeqs {
     /// One fewer coming (arrived, or dropped); false if no such sequence was coming.
     pub fn remove(&mut self, s: IncomingSeq) -> bool {
         let map = Arc::make_mut(&mut self.by_ready);
-        let key = (s.ready_at, s.context);
+        let key = (s.ready_at, s.context, s.output);
         match map.get_mut(&key) {
             None => return false,
             Some(1) => {
@@ -150,14 +179,26 @@ impl IncomingSeqs {
     /// all. Walks those sequences' distinct (time, context) pairs: what predictive admission asks
     /// of one decode instance per request, whose TTFT check bounds the prefill queues ahead.
     pub fn ready_by(&self, at: Micros) -> (u64, u64) {
-        self.by_ready.range(..=(at, u64::MAX)).fold((0, 0), |(n, ctx), (&(_, c), &k)| (n + k, ctx + c * k))
+        self.by_ready
+            .range(..=(at, u64::MAX, Some(u64::MAX)))
+            .fold((0, 0), |(n, ctx), (&(_, c, _), &k)| (n + k, ctx + c * k))
+    }
+
+    /// Of the sequences expected by `at`, those still decoding then, at decode steps of `step_us`
+    /// (a sequence of known output leaves that many steps after it is ready; one of unknown
+    /// output stays): how many, and their context in all.
+    pub fn staying_at(&self, at: Micros, step_us: Micros) -> (u64, u64) {
+        self.by_ready
+            .range(..=(at, u64::MAX, Some(u64::MAX)))
+            .filter(|&(&(ready, _, out), _)| out.is_none_or(|o| ready.saturating_add(o.saturating_mul(step_us)) > at))
+            .fold((0, 0), |(n, ctx), (&(_, c, _), &k)| (n + k, ctx + c * k))
     }
 
     /// Every sequence coming, by ready time (then context).
     pub fn iter(&self) -> impl Iterator<Item = IncomingSeq> + '_ {
-        self.by_ready
-            .iter()
-            .flat_map(|(&(ready_at, context), &k)| std::iter::repeat_n(IncomingSeq { ready_at, context }, k as usize))
+        self.by_ready.iter().flat_map(|(&(ready_at, context, output), &k)| {
+            std::iter::repeat_n(IncomingSeq { ready_at, context, output }, k as usize)
+        })
     }
 }
 
@@ -391,7 +432,7 @@ impl<'a> ClusterSnapshot<'a> {
     /// trees.apply(&KvEvent { instance: InstanceId(0), seq: 0, kind: stored })?;
     /// // Worker 1 is busy with a prefill of 2 s that started 0.5 s ago; worker 2 decodes one sequence.
     /// workers[1].prefills.push(PendingPrefill { est_us: 2_000_000, started_at: Some(500_000) });
-    /// workers[2].decode_running.push(DecodeSeq { started_at: 0, context: 3000 });
+    /// workers[2].decode_running.push(DecodeSeq::new(0, 3000));
     /// workers[2].kv_device = TierUsage { used: 200, total: 4000 };
     ///
     /// let now = 1_000_000;

@@ -96,7 +96,7 @@ impl SchedPolicy {
                 let mut load = WorkerLoad::idle(InstanceId(w.instance), sched_role(w.role));
                 load.prefills = prefill_queue(&w.prefilling, cost, snapshot.now_us);
                 load.decode_running =
-                    w.decoding.iter().map(|&(started_at, ctx)| DecodeSeq { started_at, context: ctx as u64 }).collect();
+                    w.decoding.iter().map(|&(started_at, ctx)| DecodeSeq::new(started_at, ctx as u64)).collect();
                 let tokens: usize =
                     w.prefilling.iter().map(|p| p.1).sum::<usize>() + w.decoding.iter().map(|d| d.1).sum::<usize>();
                 load.kv_device = TierUsage {
@@ -126,15 +126,11 @@ impl SchedPolicy {
                         .decode_contexts
                         .iter()
                         .enumerate()
-                        .map(|(i, &c)| DecodeSeq {
-                            started_at: starts.get(i).copied().unwrap_or(now),
-                            context: c as u64,
-                        })
+                        .map(|(i, &c)| DecodeSeq::new(starts.get(i).copied().unwrap_or(now), c as u64))
                         .collect();
                     load.decode_waiting = u32::try_from(r.waiting).unwrap_or(u32::MAX);
-                    load.decode_incoming = (0..r.incoming + r.receiving)
-                        .map(|_| baton_sched::IncomingSeq { ready_at: now, context: 0 })
-                        .collect();
+                    load.decode_incoming =
+                        (0..r.incoming + r.receiving).map(|_| baton_sched::IncomingSeq::new(now, 0)).collect();
                     if let Some(scale) = decode_step_scale(cost, r) {
                         load.decode_step_scale = scale;
                     }

@@ -33,6 +33,7 @@
 //! ```
 
 mod cache;
+pub mod load;
 mod metrics;
 pub mod plot;
 mod sim;
@@ -42,6 +43,7 @@ use std::path::PathBuf;
 
 use baton_sched::{AdmissionConfig, CostProfile, Micros, PolicyConfig, PolicyKind};
 
+pub use load::{AdmissionSample, LoadSample, LoadTrace};
 pub use metrics::{Percentiles, Report, RequestRecord, RoleChangeAt};
 pub use sim::Simulator;
 use workload::{SimRequest, Synthetic};
@@ -176,6 +178,15 @@ pub struct SimConfig {
     pub seed: u64,
     /// Keep a [`RequestRecord`] per request in the report (`baton sim --records`).
     pub records: bool,
+    /// Predictive admission assumes every request decodes for the uniform
+    /// `admission.decode_time_us` (Mooncake's system-level prediction, and the live conductor's,
+    /// which does not know a running request's output), instead of counting each running
+    /// request gone after its remaining output (the workload's output length: the
+    /// [`Request::expected_output`](baton_sched::Request) the scheduler is given).
+    pub uniform_decode_time: bool,
+    /// Sample every instance's load this often into the report's [`LoadTrace`], with every
+    /// decode check admission makes (0: no trace; `baton sim --load-trace`).
+    pub load_trace_us: Micros,
 }
 
 impl Default for SimConfig {
@@ -194,6 +205,8 @@ impl Default for SimConfig {
             workload: WorkloadSpec::Requests(Vec::new()),
             seed: 0,
             records: false,
+            uniform_decode_time: false,
+            load_trace_us: 0,
         }
     }
 }

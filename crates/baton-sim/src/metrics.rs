@@ -123,6 +123,10 @@ pub struct Report {
     /// Every completed request's JCT, sorted (not in the JSON).
     #[serde(skip)]
     pub jct_samples_us: Vec<Micros>,
+    /// The load over time, when [`SimConfig::load_trace_us`](crate::SimConfig) asks (not in
+    /// the JSON: see [`LoadTrace::samples_csv`](crate::LoadTrace::samples_csv)).
+    #[serde(skip)]
+    pub load_trace: crate::LoadTrace,
 }
 
 /// What happened to one request of the workload (times in µs of virtual time).
@@ -235,6 +239,7 @@ pub(crate) fn summarise(
         records,
         ttft_samples_us,
         jct_samples_us,
+        load_trace: crate::LoadTrace::default(),
     }
 }
 

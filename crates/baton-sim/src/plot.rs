@@ -216,3 +216,79 @@ pub fn write_plots(dir: &Path, stem: &str, title: &str, runs: &[Report]) -> Resu
     }
     Ok(written)
 }
+
+/// The pools' load over time, one panel per run that has a load trace (Mooncake's Figures 7–8):
+/// the prefill pool's mean queued prefill time over the TTFT target and the decode pool's mean
+/// step over the TBT target; the dashed line is the target, the dotted one admission's limit.
+fn draw_load<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, runs: &[&Report]) -> DrawResult<DB> {
+    root.fill(&WHITE)?;
+    let root = root.titled(title, (FONT, 22))?;
+    let n = runs.len().max(1);
+    let pools: Vec<Vec<(f64, f64, f64)>> =
+        runs.iter().map(|r| r.load_trace.pool_load(r.slo_ttft_us, r.slo_tbt_us)).collect();
+    let xmax = pools.iter().filter_map(|p| p.last()).map(|l| l.0).fold(1.0f64, f64::max);
+    let ymax = pools.iter().flatten().map(|&(_, p, d)| p.max(d)).fold(1.2f64, f64::max).min(3.0);
+    for ((area, r), pool) in root.split_evenly((n, 1)).iter().zip(runs).zip(&pools) {
+        let limit = r.load_trace.admissions.first().map(|a| a.limit_us as f64 / r.slo_tbt_us.max(1) as f64);
+        let caption = format!(
+            "{}: {} within SLOs, {} rejected",
+            run_label(r),
+            r.completed_within_slo,
+            r.rejected_early + r.rejected_after_prefill
+        );
+        let mut chart = ChartBuilder::on(area)
+            .caption(caption, (FONT, 17))
+            .margin(10)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(0.0..xmax, 0.0..ymax)?;
+        chart.configure_mesh().x_desc("virtual time (s)").y_desc("load (1 = SLO)").label_style((FONT, 13)).draw()?;
+        let prefill = RGBColor(44, 160, 44);
+        let decode = RGBColor(230, 160, 0);
+        chart
+            .draw_series(LineSeries::new(pool.iter().map(|&(t, p, _)| (t, p.min(ymax))), prefill.stroke_width(1)))?
+            .label("prefill pool: queued prefill / TTFT SLO")
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], prefill.stroke_width(2)));
+        chart
+            .draw_series(LineSeries::new(pool.iter().map(|&(t, _, d)| (t, d.min(ymax))), decode.stroke_width(1)))?
+            .label("decode pool: step / TBT SLO")
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], decode.stroke_width(2)));
+        chart.draw_series(DashedLineSeries::new(vec![(0.0, 1.0), (xmax, 1.0)], 6, 4, BLACK.stroke_width(1)))?;
+        if let Some(l) = limit {
+            chart.draw_series(DashedLineSeries::new(vec![(0.0, l), (xmax, l)], 2, 3, BLACK.stroke_width(1)))?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font((FONT, 13))
+            .draw()?;
+    }
+    root.present()
+}
+
+/// Writes `{stem}_load` as `.png` and `.svg` into `dir` from the runs that carry a load trace
+/// ([`SimConfig::load_trace_us`](crate::SimConfig)), and returns the paths written (none when
+/// no run has one).
+pub fn write_load_plot(dir: &Path, stem: &str, title: &str, runs: &[Report]) -> Result<Vec<PathBuf>, PlotError> {
+    let traced: Vec<&Report> = runs.iter().filter(|r| !r.load_trace.samples.is_empty()).collect();
+    if traced.is_empty() {
+        return Ok(Vec::new());
+    }
+    register_font();
+    let err = |path: &Path, message: String| PlotError { path: path.display().to_string(), message };
+    std::fs::create_dir_all(dir).map_err(|e| err(dir, e.to_string()))?;
+    let size = (1400, 120 + 330 * traced.len() as u32);
+    let png = dir.join(format!("{stem}_load.png"));
+    {
+        let root = BitMapBackend::new(&png, size).into_drawing_area();
+        draw_load(&root, title, &traced).map_err(|e| err(&png, e.to_string()))?;
+    }
+    let svg = dir.join(format!("{stem}_load.svg"));
+    {
+        let root = SVGBackend::new(&svg, size).into_drawing_area();
+        draw_load(&root, title, &traced).map_err(|e| err(&svg, e.to_string()))?;
+    }
+    Ok(vec![png, svg])
+}

@@ -28,6 +28,7 @@ use rand::rngs::StdRng;
 
 use crate::SimConfig;
 use crate::cache::BlockCache;
+use crate::load::{AdmissionSample, LoadSample, LoadTrace};
 use crate::metrics::{Extra, Outcome, Report, RequestRecord, RoleChangeAt, summarise};
 use crate::workload::SimRequest;
 
@@ -143,6 +144,8 @@ pub struct Simulator {
     extra: Extra,
     /// Every KV event applied to the trees, when recording (see [`Simulator::record_kv_events`]).
     event_log: Option<Vec<KvEvent>>,
+    /// The load over time, with [`SimConfig::load_trace_us`], and the next sample's time.
+    load_trace: Option<(LoadTrace, Micros)>,
 }
 
 impl std::fmt::Debug for Simulator {
@@ -201,6 +204,8 @@ impl Simulator {
             now: 0,
             extra: Extra::default(),
             event_log: None,
+            load_trace: (cfg.load_trace_us > 0)
+                .then(|| (LoadTrace { every_us: cfg.load_trace_us, ..LoadTrace::default() }, 0)),
             cfg,
         };
         // The order in which a queue holding every arrival (pushed in index order) would pop
@@ -323,6 +328,9 @@ impl Simulator {
             .map(|&r| DecodeSeq {
                 started_at: self.state[r].decode_started_us,
                 context: self.requests[r].input_tokens + self.state[r].generated,
+                // The first token came from the prefill.
+                remaining: (!self.cfg.uniform_decode_time)
+                    .then(|| self.requests[r].output_tokens.saturating_sub(1 + self.state[r].generated)),
             })
             .collect()
     }
@@ -343,7 +351,44 @@ impl Simulator {
     pub fn decide(&mut self, i: usize) -> Decision {
         let req = self.request_view(i);
         let snap = cluster_snapshot(self.now, self.instance_snapshots(), &self.trees, &self.cfg);
-        self.scheduler.decide(&snap, &req, &mut self.rng)
+        let (decision, check) = self.scheduler.decide_explained(&snap, &req, &mut self.rng);
+        if let (Some((trace, _)), Some(c)) = (&mut self.load_trace, check) {
+            trace.admissions.push(AdmissionSample {
+                at_us: self.now,
+                request: i,
+                decode: c.decode.0,
+                horizon_us: c.at,
+                predicted_us: c.load_us,
+                limit_us: c.limit_us,
+                admitted: decision.route().is_some(),
+            });
+        }
+        decision
+    }
+
+    /// Samples every instance at each sample time up to `until` (exclusive): nothing changes
+    /// between events, so the state now is the state then.
+    fn sample_load(&mut self, until: Micros) {
+        let Some((mut trace, mut next)) = self.load_trace.take() else { return };
+        while next < until {
+            for inst in &self.instances {
+                let (batch, ctx) = self.decode_batch(self.index_of(inst.id));
+                let running = inst.prefill_running.map_or(0, |(_, start, end)| end.saturating_sub(next.max(start)));
+                trace.samples.push(LoadSample {
+                    at_us: next,
+                    instance: inst.id.0,
+                    decodes: inst.role.decodes(),
+                    prefills: inst.role.prefills(),
+                    prefill_queue_us: running + inst.queued_est_us,
+                    decode_running: batch as u32,
+                    decode_waiting: inst.decode_waiting.len() as u32,
+                    decode_incoming: inst.decode_incoming.len() as u32,
+                    step_us: self.cfg.cost.decode_step(batch, ctx),
+                });
+            }
+            next += trace.every_us;
+        }
+        self.load_trace = Some((trace, next));
     }
 
     /// Processes events up to and including virtual time `until`. Returns false when none are left.
@@ -353,6 +398,9 @@ impl Simulator {
                 return true;
             }
             self.queue.pop();
+            if self.load_trace.is_some() {
+                self.sample_load(at);
+            }
             self.now = at;
             self.extra.events += 1;
             self.handle(kind);
@@ -367,7 +415,8 @@ impl Simulator {
         let arrivals: Vec<(Micros, u64)> = self.requests.iter().map(|r| (r.arrival_us, r.output_tokens)).collect();
         let outcomes: Vec<Outcome> = self.state.iter().map(|s| s.outcome).collect();
         let records = if self.cfg.records { self.records() } else { Vec::new() };
-        summarise(
+        let load_trace = self.load_trace.take().map(|(t, _)| t).unwrap_or_default();
+        let mut report = summarise(
             self.scheduler.policy.name(),
             self.cfg.admission.kind.name(),
             (c.prefill, c.decode, c.colocated),
@@ -377,7 +426,9 @@ impl Simulator {
             &outcomes,
             self.extra,
             records,
-        )
+        );
+        report.load_trace = load_trace;
+        report
     }
 
     fn records(&self) -> Vec<RequestRecord> {
@@ -442,7 +493,11 @@ impl Simulator {
         st.est_prefill_us = est;
         st.expected_ready_us = self.now + route.estimate.ttft_us + transfer;
         st.route = Some(route);
-        let incoming = IncomingSeq { ready_at: st.expected_ready_us, context: req.input_tokens };
+        let incoming = IncomingSeq {
+            ready_at: st.expected_ready_us,
+            context: req.input_tokens,
+            output: (!self.cfg.uniform_decode_time).then(|| req.output_tokens.saturating_sub(1)),
+        };
         self.instances[p].prefill_queue.push_back(i);
         self.instances[p].queued_est_us += est;
         self.instances[d].decode_incoming.push(incoming);
@@ -580,7 +635,11 @@ impl Simulator {
     fn on_kv_ready(&mut self, r: usize) {
         let Some(d) = self.state[r].route.as_ref().map(|rt| self.index_of(rt.decode)) else { return };
         let req = &self.requests[r];
-        let arrived = IncomingSeq { ready_at: self.state[r].expected_ready_us, context: req.input_tokens };
+        let arrived = IncomingSeq {
+            ready_at: self.state[r].expected_ready_us,
+            context: req.input_tokens,
+            output: (!self.cfg.uniform_decode_time).then(|| req.output_tokens.saturating_sub(1)),
+        };
         self.instances[d].decode_incoming.remove(arrived);
         if req.output_tokens <= 1 {
             self.state[r].outcome.done_us = Some(self.now);

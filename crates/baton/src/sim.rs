@@ -76,6 +76,11 @@ pub(crate) struct SimArgs {
     /// Uniform decode time t_d of predictive rejection, in milliseconds.
     #[arg(long)]
     decode_time_ms: Option<u64>,
+    /// Predictive admission assumes every running request decodes for --decode-time-ms
+    /// (Mooncake's system-level prediction, as the live conductor does with the time it
+    /// measures), instead of counting each one gone after its remaining output.
+    #[arg(long)]
+    uniform_decode_time: bool,
     /// Fraction of the TBT SLO that early and predictive admission keep free (the live
     /// conductor's --admission-tbt-headroom).
     #[arg(long, default_value_t = baton_sched::DEFAULT_TBT_HEADROOM, value_parser = crate::engine_flags::tbt_headroom)]
@@ -156,6 +161,16 @@ pub(crate) struct SimArgs {
     /// Print one markdown table row (with SIM_ROW_HEADER set, the header first).
     #[arg(long)]
     row: bool,
+    /// Write the load over time into this directory: per run `NAME-POLICY-ADMISSION.load.csv`
+    /// (every instance's prefill queue, decode batch, waiting and incoming requests and decode
+    /// step every --load-trace-ms of virtual time) and `.admissions.csv` (every decode check of
+    /// early or predictive admission: the load it predicted, for when, and its verdict), and the
+    /// pools' load over time as `NAME_load.png` and `.svg`.
+    #[arg(long, value_name = "DIR")]
+    load_trace: Option<PathBuf>,
+    /// Interval of --load-trace's samples, in milliseconds of virtual time.
+    #[arg(long, default_value_t = 100)]
+    load_trace_ms: u64,
 }
 
 fn range(s: &str) -> Result<(u64, u64), String> {
@@ -165,6 +180,9 @@ fn range(s: &str) -> Result<(u64, u64), String> {
 
 pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
     let mut cfg = SimConfig { seed: a.seed, records: a.records, ..SimConfig::default() };
+    if a.load_trace.is_some() {
+        cfg.load_trace_us = a.load_trace_ms.max(1) * 1000;
+    }
     let set = |target: &mut usize, v: Option<usize>| {
         if let Some(v) = v {
             *target = v;
@@ -193,6 +211,7 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
         cfg.admission.decode_time_us = ms * 1000;
     }
     cfg.admission.tbt_headroom = a.admission_tbt_headroom;
+    cfg.uniform_decode_time = a.uniform_decode_time;
     cfg.cluster.kv_fetch = matches!(a.kv_fetch, crate::engine_flags::OnOff::On);
     cfg.conditional_tokens = (a.conditional_disagg_tokens > 0).then_some(a.conditional_disagg_tokens);
     cfg.layerwise_push = matches!(a.kv_transfer, crate::engine_flags::KvTransferArg::Layerwise);
@@ -285,14 +304,31 @@ pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
                 report.events,
                 wall.as_secs_f64()
             );
+            if let Some(dir) = &a.load_trace {
+                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+                let stem = format!("{}-{}-{}", a.name, report.policy, report.admission);
+                for (ext, text) in [
+                    ("load.csv", report.load_trace.samples_csv()),
+                    ("admissions.csv", report.load_trace.admissions_csv()),
+                ] {
+                    let path = dir.join(format!("{stem}.{ext}"));
+                    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+                }
+            }
             reports.push(report);
         }
     }
-    if let Some(dir) = &a.plot {
+    let title = {
         let c = &cfg.cluster;
-        let title = a.title.clone().unwrap_or_else(|| {
+        a.title.clone().unwrap_or_else(|| {
             format!("{workload_name}, {}P+{}D+{}C, {}", c.prefill, c.decode, c.colocated, cfg.cost.name)
-        });
+        })
+    };
+    if let Some(dir) = &a.load_trace {
+        let files = baton_sim::plot::write_load_plot(dir, &a.name, &title, &reports)?;
+        eprintln!("wrote the load traces and {} plots into {}", files.len(), dir.display());
+    }
+    if let Some(dir) = &a.plot {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let json = dir.join(format!("{}.json", a.name));
         std::fs::write(&json, serde_json::to_string_pretty(&reports)?)

@@ -189,7 +189,7 @@ mod tests {
         inst[0].queued_prefill_us = 5_000_000;
         inst[1].queued_prefill_us = 1_000_000;
         inst[2].queued_prefill_us = 3_000_000;
-        inst[3].decode_running = vec![crate::DecodeSeq { started_at: 0, context: 50_000 }];
+        inst[3].decode_running = vec![crate::DecodeSeq::new(0, 50_000)];
         let trees = trees_for(&inst);
         let s = snap(inst, &trees, &cost);
         let d = LeastLoad.route(&s, &request(4), &mut StdRng::seed_from_u64(0));

@@ -266,7 +266,7 @@ mod tests {
         let cost = CostProfile::llama2_70b_8xa800();
         let mut inst = instances(3, 2);
         for d in &mut inst[3..] {
-            d.decode_running = vec![DecodeSeq { started_at: 0, context: 8_000 }; 64];
+            d.decode_running = vec![DecodeSeq::new(0, 8_000); 64];
             d.decode_waiting = 64;
         }
         inst[1].queued_prefill_us = 5;
@@ -343,7 +343,7 @@ mod tests {
         let cost = CostProfile::llama2_70b_8xa800();
         let mut inst = instances(1, 2);
         inst[0].queued_prefill_us = 100_000_000;
-        inst[1].decode_running = vec![DecodeSeq { started_at: 0, context: 100 }];
+        inst[1].decode_running = vec![DecodeSeq::new(0, 100)];
         let trees = trees_for(&inst);
         let mut p = LoadAware::new(LoadAwareConfig { persist_us: 0, ..LoadAwareConfig::default() });
         let s = snap(inst.clone(), &trees, &cost);
@@ -382,7 +382,7 @@ mod tests {
         let cost = CostProfile::llama2_70b_8xa800();
         let cfg = LoadAwareConfig { tbt_slo_us: 100_000, ..LoadAwareConfig::default() };
         let mut inst = instances(0, 1);
-        inst[0].decode_running = vec![DecodeSeq { started_at: 0, context: 1_000 }];
+        inst[0].decode_running = vec![DecodeSeq::new(0, 1_000)];
         inst[0].mean_step_us = 300_000;
         let trees = trees_for(&inst);
         let p = LoadAware::new(cfg);
@@ -402,7 +402,7 @@ mod tests {
     fn one_prefill_and_one_decode_instance_meet_imbalance_by_colocating() {
         let cost = CostProfile::llama2_70b_8xa800();
         let hot_decode = |inst: &mut Vec<InstanceSnapshot>, i: usize| {
-            inst[i].decode_running = vec![DecodeSeq { started_at: 0, context: 8_000 }; 64];
+            inst[i].decode_running = vec![DecodeSeq::new(0, 8_000); 64];
             inst[i].decode_waiting = 64;
         };
         let mut inst = instances(1, 1);

@@ -415,7 +415,7 @@ mod tests {
             "the history's holder"
         );
         // The holder decodes a large batch: far slower than the idle one, so the idle one decodes.
-        inst[2].decode_running = (0..64).map(|_| crate::DecodeSeq { started_at: 0, context: 8192 }).collect();
+        inst[2].decode_running = (0..64).map(|_| crate::DecodeSeq::new(0, 8192)).collect();
         let s = snap(inst, &trees, &cost).with_decode_affinity(true);
         assert_eq!(least_loaded_decode(&s, &req, &prefill(&s)).map(|d| d.0), Some(InstanceId(1)), "too busy");
     }
