@@ -298,7 +298,7 @@ mod tests {
         let trees_of = |inst: &Vec<InstanceSnapshot>| trees_for(inst);
         let first_switch = |waiting: u32| {
             let mut inst = instances(2, 1);
-            inst[2].decode_running = vec![DecodeSeq { started_at: 0, context: 500 }; 8];
+            inst[2].decode_running = vec![DecodeSeq::new(0, 500); 8];
             inst[2].decode_waiting = waiting;
             let trees = trees_of(&inst);
             let cfg = LoadAwareConfig { persist_us: 10_000_000, tbt_slo_us: 15_000, ..LoadAwareConfig::default() };
@@ -327,13 +327,13 @@ mod tests {
     fn a_decode_step_at_its_floor_is_no_load() {
         let cost = CostProfile::llama2_70b_8xh100();
         let mut inst = instances(0, 1);
-        inst[0].decode_running = vec![DecodeSeq { started_at: 0, context: 10 }];
+        inst[0].decode_running = vec![DecodeSeq::new(0, 10)];
         let trees = trees_for(&inst);
         let p = LoadAware::new(LoadAwareConfig { tbt_slo_us: 15_000, ..LoadAwareConfig::default() });
         let s = snap(inst.clone(), &trees, &cost);
         let lone = p.decode_load(&s, &inst[0]);
         assert!(lone < 0.05, "one short request: {lone}");
-        inst[0].decode_running = vec![DecodeSeq { started_at: 0, context: 4_000 }; 128];
+        inst[0].decode_running = vec![DecodeSeq::new(0, 4_000); 128];
         let s = snap(inst.clone(), &trees, &cost);
         assert!(p.decode_load(&s, &inst[0]) > 0.7, "a full batch of long contexts");
     }
