@@ -312,6 +312,8 @@ fn the_readme_command_blocks_run_as_written() {
     let model = repo().join(".models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(model.exists(), "{} is missing: run scripts/fetch-model.sh (scripts/test.sh does)", model.display());
     let path = format!("{}:{}", bin_dir().display(), std::env::var("PATH").unwrap_or_default());
+    let curl = Command::new("bash").args(["-c", "command -v curl"]).env("PATH", &path).output().unwrap();
+    assert!(curl.status.success(), "the README's examples use curl: install it (apt-get install curl)");
     let port = free_port();
     let mut server: Option<Background> = None;
     let mut clients: Vec<String> = Vec::new();
