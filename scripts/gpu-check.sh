@@ -64,17 +64,24 @@ sys.exit(1 if bad else 0)
 EOF
 done
 
-section "correctness: bfloat16 on the GPU against transformers in bfloat16 on the same GPU"
-for m in tiny-llama tiny-qwen2; do
+section "correctness: the tensor-core prefill attention against the row-by-row kernel, random data"
+"$BIN" check-device --kernels 2>&1 | tee "$OUT/kernels.txt" | grep -c '^ok' | sed 's/^/  kernel checks passed: /' \
+    || fail "check-device --kernels"
+grep -v '^ok' "$OUT/kernels.txt" || true
+
+section "correctness: 16-bit on the GPU against transformers in the same type on the same GPU"
+for case in bfloat16:bf16:tiny-llama bfloat16:bf16:tiny-qwen2 float16:f16:tiny-llama; do
+    IFS=: read -r dtype hdt m <<<"$case"
     dir=fixtures/models/$m
     "$PY" -c "import json; r=json.load(open('$dir/reference.json')); json.dump([c['input_ids'] for c in r['cases']], open('$OUT/$m-ids.json','w'))"
-    "$BIN" check-device --model "$dir" --dtype bfloat16 --ids "$OUT/$m-ids.json" --max-tokens 8 --json >"$OUT/bf16-$m.json" 2>"$OUT/bf16-$m.err" \
-        || { fail "check-device bf16 $m"; cat "$OUT/bf16-$m.err"; continue; }
-    for dt in bf16 f32; do
+    "$BIN" check-device --model "$dir" --dtype $dtype --ids "$OUT/$m-ids.json" --max-tokens 8 --json >"$OUT/$hdt-$m.json" 2>"$OUT/$hdt-$m.err" \
+        || { fail "check-device $dtype $m"; cat "$OUT/$hdt-$m.err"; continue; }
+    for dt in $hdt f32; do
+        [ -s "$OUT/hf-$dt-$m.json" ] && continue
         "$PY" scripts/gpu_reference.py logits --model "$dir" --dtype $dt --ids "$OUT/$m-ids.json" --device cuda >"$OUT/hf-$dt-$m.json" 2>/dev/null \
             || fail "transformers $dt logits $m"
     done
-    "$PY" - "$OUT/bf16-$m.json" "$OUT/hf-bf16-$m.json" "$OUT/hf-f32-$m.json" "$m" <<'EOF' || FAILED=1
+    "$PY" - "$OUT/$hdt-$m.json" "$OUT/hf-$hdt-$m.json" "$OUT/hf-f32-$m.json" "$m $dtype" <<'EOF' || FAILED=1
 import json, sys
 baton, hf, f32 = (json.load(open(a)) for a in sys.argv[1:4])
 name = sys.argv[4]
@@ -92,14 +99,14 @@ for c, hl, fl, margin in zip(baton, hf["logits"], f32["logits"], f32["top2_margi
     if margin > TOL:
         decided += 1
         agree += argmax(bl) == argmax(fl)
-print(f"  {name}: max |logit diff| Baton bf16 vs transformers bf16 = {worst:.3f} (tolerance {TOL}); "
-      f"from float32: Baton bf16 {err_b:.3f}, transformers bf16 {err_h:.3f}; "
+print(f"  {name}: max |logit diff| Baton vs transformers = {worst:.3f} (tolerance {TOL}); "
+      f"from float32: Baton {err_b:.3f}, transformers {err_h:.3f}; "
       f"greedy token equal to float32's on {agree}/{decided} prompts whose float32 top-2 margin exceeds the tolerance")
 sys.exit(0 if worst <= TOL and agree == decided else 1)
 EOF
 done
 
-section "serving: baton serve --device cuda, colocated and 1 prefill + 1 decode on the one GPU"
+section "serving: baton serve --device cuda, colocated and 1 prefill + 1 decode on the one GPU; then as a cluster"
 "$PY" - "$BIN" "$OUT" <<'EOF' || FAILED=1
 import json, os, socket, subprocess, sys, time, urllib.request
 bin_, out = sys.argv[1], sys.argv[2]
@@ -155,6 +162,31 @@ for layout in (["--colocated", "1"], ["--prefill", "1", "--decode", "1", "--kv-t
             print(storm.stdout[-2000:], storm.stderr[-2000:])
     finally:
         proc.terminate(); proc.wait(timeout=30)
+# The same as separate processes: a conductor, and a prefill and a decode `baton worker --device cuda`.
+env = dict(os.environ, BATON_CLUSTER_SECRET="gpu-check")
+port = free_port()
+log = open(os.path.join(out, "cluster.log"), "a")
+procs = [subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)]
+try:
+    for role in ("prefill", "decode"):
+        procs.append(subprocess.Popen([bin_, "worker", "--role", role, "--registry", f"http://127.0.0.1:{port}", "--model", model,
+                                       "--device", "cuda", "--num-blocks", "64", "--port", str(free_port()), "--kv-port", str(free_port())],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+    answer, deadline = None, time.time() + 90
+    while answer is None and time.time() < deadline:
+        try:
+            answer = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": prompts[0], "max_tokens": 16, "temperature": 0})
+        except Exception:
+            time.sleep(0.5)
+    same = sum(post(port, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0})["choices"][0]["text"] == expected[p]
+               for p in prompts) if answer else 0
+    print(f"  baton conductor + baton worker --device cuda (prefill, decode): {same}/{len(prompts)} completions equal `baton generate --device cuda`")
+    ok &= same == len(prompts)
+finally:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=30)
 sys.exit(0 if ok else 1)
 EOF
 
@@ -178,6 +210,15 @@ echo "--- Llama-1b-shaped, context 512, CUDA graphs off (BATON_CUDA_GRAPHS=0): w
 # shellcheck disable=SC2086
 BATON_CUDA_GRAPHS=0 timeout 200 "$BIN" bench engine --device cuda $LLAMA_1B --prompt-len 512 --batches 1,8 --decode-steps 32 \
     2> >(grep -v '^\[bench engine\]' >&2) | tee "$OUT/bench-1b-512-nographs.txt" || fail "bench engine without graphs"
+
+echo "--- where a step's GPU time goes (BATON_CUDA_PROFILE=1: an event after every launch, graphs off), batch 1"
+for shape in "${shapes[@]}"; do
+    name=${shape%%:*}; flags=${shape#*:}
+    echo "Llama-${name}-shaped, context 4096 (prefill of 4,096 tokens, then decode):"
+    # shellcheck disable=SC2086
+    BATON_CUDA_PROFILE=1 timeout 200 "$BIN" bench engine --device cuda $flags --prompt-len 4096 --batches 1 --decode-steps 16 \
+        2>&1 >/dev/null | grep -v '^\[bench engine\]' | grep -A 12 'baton cuda profile' || fail "profile $name"
+done
 
 section "baseline: transformers generate() with its static cache, batch 32, context 512"
 for name in 1b $([ "$QUICK" = 1 ] || echo 8b); do

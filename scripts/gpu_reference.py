@@ -39,7 +39,7 @@ def need_cuda(torch):
 
 
 def torch_dtype(torch, name):
-    return {"bf16": torch.bfloat16, "f32": torch.float32}[name]
+    return {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[name]
 
 
 def cmd_logits(args):
@@ -153,7 +153,7 @@ def main():
 
     s = sub.add_parser("logits", help="last-position logits of each prompt")
     s.add_argument("--model", required=True)
-    s.add_argument("--dtype", choices=["bf16", "f32"], default="f32")
+    s.add_argument("--dtype", choices=["bf16", "f16", "f32"], default="f32")
     s.add_argument("--ids", required=True, help="JSON file: a list of lists of token ids")
     s.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     s.set_defaults(fn=cmd_logits)

@@ -161,6 +161,11 @@ pub struct Engine {
     backend: Backend,
     tokenizer: Option<Arc<Tokenizer>>,
     config: EngineConfig,
+    /// The KV arena on the model's device (a GPU's copy of the pool's arena; nothing on the
+    /// CPU). Blocks whose host bytes arrive from elsewhere (a transfer, a tier's copy) are
+    /// marked stale in it, so the device reads them afresh. Declared before `pool`, so it drops
+    /// first: a GPU's state may have page-locked the pool's arena, and unlocks it on drop.
+    device_kv: DeviceKv,
     pool: MemPool,
     /// Steps run: the logical time of the pool's eviction policy.
     clock: u64,
@@ -177,10 +182,6 @@ pub struct Engine {
     next_seed: u64,
     /// Where requests with `stream_kv` send their KV layer by layer.
     kv_stream: Option<Box<dyn KvStream>>,
-    /// The KV arena on the model's device (a GPU's copy of the pool's arena; nothing on the
-    /// CPU). Blocks whose host bytes arrive from elsewhere (a transfer, a tier's copy) are
-    /// marked stale in it, so the device reads them afresh.
-    device_kv: DeviceKv,
     /// Swap-ins beside the step loop (a pool with a host or disk tier in shared memory): a
     /// request whose cached prefix is on a slower tier waits for its copy while the others
     /// step. `None`: the copy runs inside the step that admits the request.

@@ -119,6 +119,18 @@ impl ComputeDevice {
     }
 }
 
+impl ComputeDevice {
+    /// Checks the device's fast kernels against its plain ones on random data (see
+    /// [`crate::cuda::check_kernels`]); the CPU has none to check.
+    #[cfg(feature = "cuda")]
+    pub fn check_kernels(self) -> Result<Vec<crate::cuda::KernelCheck>> {
+        match self {
+            Self::Cpu => Ok(Vec::new()),
+            Self::Cuda(n) => crate::cuda::check_kernels(n),
+        }
+    }
+}
+
 /// The error of a CUDA request to a build without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
 pub(crate) const NO_CUDA: &str =
@@ -146,7 +158,18 @@ pub struct StepPack {
     pub ranges: Vec<Range<usize>>,
     /// For each sequence, whether it wants only the argmax of its logits.
     pub argmax: Vec<bool>,
+    /// For each sequence, its range of rows.
+    pub seqs: Vec<Range<usize>>,
+    /// Blocks this step writes whole (every slot, so every layer's keys and values of the
+    /// block are new): a device copies them to the host arena as blocks, not token by token.
+    pub whole_blocks: Vec<u32>,
+    /// Whether each row's block is one of `whole_blocks`.
+    pub in_whole_block: Vec<bool>,
 }
+
+/// New tokens of one sequence from which a step's attention takes them in tiles (a prefill
+/// chunk) rather than row by row.
+pub(crate) const TILE_MIN_ROWS: usize = 8;
 
 impl StepPack {
     /// Packs `batch`, refusing what the CPU backend refuses: an empty batch, a token outside
@@ -169,6 +192,12 @@ impl StepPack {
                 p.slot.push((pos % block_size) as i32);
                 p.table_start.push(start);
             }
+            p.seqs.push(row0..p.ids.len());
+            // Blocks whose slots [0, block_size) all lie in [start_pos, end).
+            let first_whole = s.start_pos.div_ceil(block_size);
+            let whole = first_whole..(end / block_size).max(first_whole);
+            p.whole_blocks.extend(s.blocks[whole.clone()].iter().map(|b| b.0));
+            p.in_whole_block.extend((s.start_pos..end).map(|pos| whole.contains(&(pos / block_size))));
             let first = p.logit_rows.len();
             p.logit_rows.extend(s.logit_rows().map(|r| (row0 + r) as i32));
             p.ranges.push(first..p.logit_rows.len());
@@ -185,19 +214,54 @@ impl StepPack {
         self.ids.len()
     }
 
+    /// How attention takes the rows: with `tile_rows` (the device's tiled kernel and its rows a
+    /// tile), each sequence of at least [`TILE_MIN_ROWS`] new tokens in tiles of consecutive rows,
+    /// `(first row, rows)`, and every other row one by one; without, every row one by one.
+    /// Returns (the rows taken one by one, the tiles).
+    pub fn attention_split(&self, tile_rows: Option<usize>) -> (Vec<i32>, Vec<[i32; 2]>) {
+        let mut rows = Vec::new();
+        let mut tiles = Vec::new();
+        for s in &self.seqs {
+            match tile_rows {
+                Some(t) if t > 0 && s.len() >= TILE_MIN_ROWS => {
+                    tiles.extend(s.clone().step_by(t).map(|r0| [r0 as i32, (s.end - r0).min(t) as i32]));
+                }
+                _ => rows.extend(s.clone().map(|r| r as i32)),
+            }
+        }
+        (rows, tiles)
+    }
+
+    /// The rows whose keys and values go to the host token by token (through a staging
+    /// buffer): every row, or with `whole_blocks_direct` those not in [`Self::whole_blocks`].
+    pub fn staged_rows(&self, whole_blocks_direct: bool) -> Vec<i32> {
+        (0..self.rows()).filter(|&r| !(whole_blocks_direct && self.in_whole_block[r])).map(|r| r as i32).collect()
+    }
+
     /// Every integer array, one after another, as the one upload a step makes:
-    /// ids, pos, block, slot, table_start (`rows` each), logit_rows, tables. Returns the words
-    /// and the offset of each array in them.
-    pub fn words(&self) -> (Vec<u32>, PackOffsets) {
+    /// ids, pos, block, slot, table_start (`rows` each), logit_rows, attention's rows and tiles
+    /// ([`Self::attention_split`] with `tile_rows`), the staged rows ([`Self::staged_rows`]),
+    /// then the block tables. The tables come
+    /// last so that every other offset is the same from one decode step to the next while the
+    /// tables grow: a captured decode step (a CUDA graph) bakes the offsets in.
+    /// Returns the words and the offset of each array in them.
+    pub fn words(&self, tile_rows: Option<usize>, whole_blocks_direct: bool) -> (Vec<u32>, PackOffsets) {
         let n = self.rows();
-        let mut w = Vec::with_capacity(5 * n + self.logit_rows.len() + self.tables.len());
+        let (attn_rows, tiles) = self.attention_split(tile_rows);
+        let stage_rows = self.staged_rows(whole_blocks_direct);
+        let mut w =
+            Vec::with_capacity(5 * n + self.logit_rows.len() + self.tables.len() + attn_rows.len() + 2 * tiles.len());
         w.extend_from_slice(&self.ids);
         w.extend(self.pos.iter().map(|&x| x as u32));
         w.extend_from_slice(&self.block);
         w.extend(self.slot.iter().map(|&x| x as u32));
         w.extend(self.table_start.iter().map(|&x| x as u32));
         w.extend(self.logit_rows.iter().map(|&x| x as u32));
+        w.extend(attn_rows.iter().map(|&x| x as u32));
+        w.extend(tiles.iter().flatten().map(|&x| x as u32));
+        w.extend(stage_rows.iter().map(|&x| x as u32));
         w.extend_from_slice(&self.tables);
+        let attn = 5 * n + self.logit_rows.len();
         let off = PackOffsets {
             ids: 0,
             pos: n,
@@ -205,7 +269,13 @@ impl StepPack {
             slot: 3 * n,
             table_start: 4 * n,
             logit_rows: 5 * n,
-            tables: 5 * n + self.logit_rows.len(),
+            attn_rows: attn,
+            attn_rows_len: attn_rows.len(),
+            tiles: attn + attn_rows.len(),
+            tiles_len: tiles.len(),
+            stage_rows: attn + attn_rows.len() + 2 * tiles.len(),
+            stage_rows_len: stage_rows.len(),
+            tables: attn + attn_rows.len() + 2 * tiles.len() + stage_rows.len(),
         };
         (w, off)
     }
@@ -228,6 +298,18 @@ pub struct PackOffsets {
     pub logit_rows: usize,
     /// Block tables.
     pub tables: usize,
+    /// Rows attention takes one by one.
+    pub attn_rows: usize,
+    /// How many rows attention takes one by one.
+    pub attn_rows_len: usize,
+    /// Attention's tiles, `(first row, rows)` pairs.
+    pub tiles: usize,
+    /// How many tiles.
+    pub tiles_len: usize,
+    /// Rows whose new keys and values are staged for the host.
+    pub stage_rows: usize,
+    /// How many staged rows.
+    pub stage_rows_len: usize,
 }
 
 #[cfg(test)]
@@ -267,10 +349,63 @@ mod tests {
         assert_eq!(p.table_start, [0, 0, 0, 2]);
         assert_eq!(p.logit_rows, [2, 3]);
         assert_eq!(p.ranges, [0..1, 1..2]);
-        let (w, off) = p.words();
+        let (w, off) = p.words(None, false);
         assert_eq!(&w[off.block..off.block + 4], &[7, 3, 3, 5]);
-        assert_eq!(&w[off.logit_rows..off.tables], &[2, 3]);
+        assert_eq!(&w[off.logit_rows..off.attn_rows], &[2, 3]);
+        assert_eq!(&w[off.attn_rows..off.tiles], &[0, 1, 2, 3], "no tiles: every row one by one");
+        assert_eq!(&w[off.stage_rows..off.tables], &[0, 1, 2, 3], "every row staged");
         assert_eq!(&w[off.tables..], &[7, 3, 4, 5]);
+        assert_eq!((off.attn_rows_len, off.tiles_len), (4, 0));
+    }
+
+    #[test]
+    fn a_decode_steps_offsets_stay_put_while_its_tables_grow() {
+        // A captured decode step reads every array at the offsets of its capture: only the
+        // tables, which grow by a block now and then, may change length.
+        let blocks: Vec<BlockId> = (0..4).map(BlockId).collect();
+        let step = |pos: usize| {
+            let batch = [
+                SeqStep { start_pos: pos, tokens: &[1], blocks: &blocks, logits: LogitsWanted::Argmax },
+                SeqStep { start_pos: 2, tokens: &[2], blocks: &blocks, logits: LogitsWanted::Argmax },
+            ];
+            StepPack::new(&batch, 4, 10).expect("packs").words(Some(16), true)
+        };
+        // Position 3 needs one block of four, position 4 two.
+        let ((w3, before), (w4, after)) = (step(3), step(4));
+        assert_eq!(w4.len(), w3.len() + 1, "the first sequence's table grew a block");
+        assert_eq!(before, after, "every array starts where it did");
+        assert_eq!(w3[before.attn_rows..before.attn_rows + 2], [0, 1]);
+        assert_eq!(w4[after.attn_rows..after.attn_rows + 2], [0, 1]);
+    }
+
+    #[test]
+    fn prefill_chunks_go_to_tiles_that_stay_inside_their_sequence() {
+        let b: Vec<BlockId> = (0..8).map(BlockId).collect();
+        let prompt: Vec<u32> = (0..21).collect();
+        let short: Vec<u32> = (0..7).collect();
+        // A 21-token chunk, a decode token, a chunk just under the tiling threshold.
+        let batch = [
+            SeqStep { start_pos: 4, tokens: &prompt, blocks: &b, logits: LogitsWanted::Last },
+            SeqStep { start_pos: 9, tokens: &[1], blocks: &b, logits: LogitsWanted::Argmax },
+            SeqStep { start_pos: 0, tokens: &short, blocks: &b, logits: LogitsWanted::Last },
+        ];
+        let p = StepPack::new(&batch, 4, 100).expect("packs");
+        assert_eq!(p.seqs, [0..21, 21..22, 22..29]);
+        let (rows, tiles) = p.attention_split(Some(8));
+        assert_eq!(tiles, [[0, 8], [8, 8], [16, 5]], "tiles of 8 rows, the last one short");
+        assert_eq!(rows, (21..29).collect::<Vec<_>>(), "the decode row and the short chunk row by row");
+        // Block size 4: the chunk at positions 4..25 writes blocks 1..=5 whole and block 6 in
+        // part; the decode row and the short chunk (positions 0..7: block 0 whole) as well.
+        assert_eq!(p.whole_blocks, [1, 2, 3, 4, 5, 0]);
+        assert_eq!(p.staged_rows(true), [20, 21, 26, 27, 28], "rows outside whole blocks");
+        assert_eq!(p.staged_rows(false).len(), 29);
+        let (none, no_tiles) = p.attention_split(None);
+        assert_eq!((none.len(), no_tiles.len()), (29, 0));
+        let (w, off) = p.words(Some(8), true);
+        assert_eq!((off.attn_rows_len, off.tiles_len), (8, 3));
+        assert_eq!(&w[off.tiles..off.stage_rows], &[0, 8, 8, 8, 16, 5]);
+        assert_eq!(&w[off.stage_rows..off.tables], &[20, 21, 26, 27, 28]);
+        assert_eq!(&w[off.attn_rows..off.tiles], &[21, 22, 23, 24, 25, 26, 27, 28]);
     }
 
     #[test]

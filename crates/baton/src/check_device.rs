@@ -12,8 +12,12 @@ use baton_model::{ComputeDevice, ComputeDtype, DeviceOptions};
 pub(crate) struct CheckDeviceArgs {
     /// A checkpoint directory or GGUF file, or `gemma3-random` (a random model of Gemma 3's
     /// shape, the same weights on both sides).
+    #[arg(long, required_unless_present = "kernels")]
+    model: Option<String>,
+    /// Instead of a model: check the device's fast kernels (the tensor-core prefill attention)
+    /// against its plain ones on random data, and exit non-zero if one is off.
     #[arg(long)]
-    model: String,
+    kernels: bool,
     /// The device under test.
     #[arg(long, default_value = "cuda", value_name = "cpu|cuda[:N]")]
     device: ComputeDevice,
@@ -36,9 +40,13 @@ pub(crate) struct CheckDeviceArgs {
 }
 
 pub(crate) fn run(a: CheckDeviceArgs) -> anyhow::Result<()> {
+    if a.kernels {
+        return check_kernels(a.device, a.json);
+    }
+    let model = a.model.clone().ok_or_else(|| anyhow::anyhow!("--model is required"))?;
     let mut prompts: Vec<Vec<u32>> = match &a.ids {
         Some(f) => serde_json::from_str(&std::fs::read_to_string(f)?)?,
-        None if a.model == "gemma3-random" => {
+        None if model == "gemma3-random" => {
             vec![
                 vec![2, 17, 99, 4],
                 (0..40).map(|i| (i * 7 + 3) % 512).collect(),
@@ -47,7 +55,7 @@ pub(crate) fn run(a: CheckDeviceArgs) -> anyhow::Result<()> {
         }
         None => {
             let r: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(PathBuf::from(&a.model).join("reference.json"))?)?;
+                serde_json::from_str(&std::fs::read_to_string(PathBuf::from(&model).join("reference.json"))?)?;
             let cases = r["cases"].as_array().ok_or_else(|| anyhow::anyhow!("reference.json has no cases"))?;
             cases.iter().map(|c| serde_json::from_value(c["input_ids"].clone())).collect::<Result<_, _>>()?
         }
@@ -58,8 +66,8 @@ pub(crate) fn run(a: CheckDeviceArgs) -> anyhow::Result<()> {
         });
     }
     let device = DeviceOptions { device: a.device, dtype: a.dtype };
-    let reference = Arc::new(device_check::load(&a.model, DeviceOptions::default())?);
-    let under_test = Arc::new(device_check::load(&a.model, device)?);
+    let reference = Arc::new(device_check::load(&model, DeviceOptions::default())?);
+    let under_test = Arc::new(device_check::load(&model, device)?);
     let kv = crate::engine_flags::default_kv_dtype(device);
     let results = device_check::compare(reference, under_test, kv, &prompts, a.max_tokens)?;
     let equal = results.iter().filter(|r| r.equal_prefix == a.max_tokens).count();
@@ -79,10 +87,36 @@ pub(crate) fn run(a: CheckDeviceArgs) -> anyhow::Result<()> {
     }
     eprintln!(
         "{}: {equal}/{} prompts with every greedy token equal to the CPU engine's ({} on {}, KV {kv:?})",
-        a.model,
+        model,
         results.len(),
         a.dtype,
         a.device
     );
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn check_kernels(device: ComputeDevice, json: bool) -> anyhow::Result<()> {
+    let checks = device.check_kernels()?;
+    if json {
+        println!("{}", serde_json::to_string(&checks)?);
+    }
+    for c in &checks {
+        eprintln!(
+            "{} {}: max |diff| {:.2e} (tolerance {:.0e}; values up to {:.2})",
+            if c.passed() { "ok  " } else { "FAIL" },
+            c.name,
+            c.max_abs_diff,
+            c.tolerance,
+            c.max_abs
+        );
+    }
+    let failed = checks.iter().filter(|c| !c.passed()).count();
+    anyhow::ensure!(failed == 0, "{failed} of {} kernel checks off", checks.len());
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn check_kernels(_: ComputeDevice, _: bool) -> anyhow::Result<()> {
+    anyhow::bail!("this baton was built without CUDA support: rebuild with `cargo build --release --features cuda`")
 }

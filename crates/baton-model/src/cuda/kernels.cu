@@ -90,35 +90,56 @@ extern "C" __global__ void embed(const act_t* table, const unsigned* ids, act_t*
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[r * hidden + i] = st(ld(src[i]) * scale);
 }
 
+// Values of a row each thread of a norm holds in registers: a row is read once, in one round
+// trip (a decode step's norms are one row each, and latency is all they cost). The host launches
+// at least width / NORM_PER threads, at most 1024 (so at most 64 registers a thread).
+#define NORM_PER 16
+
 // RMSNorm of `width` values at x + r * x_stride + h * width, into out + r * out_stride + h * width
 // (in place when they alias). Grid: (rows, heads): heads > 1 normalises each head of a row.
-extern "C" __global__ void rms_norm(const act_t* x, const float* w, act_t* out, int width, long long x_stride,
+extern "C" __global__ void __launch_bounds__(1024) rms_norm(const act_t* x, const float* w, act_t* out, int width, long long x_stride,
                                     long long out_stride, float eps) {
     __shared__ float scratch[32];
     const act_t* in = x + blockIdx.x * x_stride + (long long)blockIdx.y * width;
     act_t* o = out + blockIdx.x * out_stride + (long long)blockIdx.y * width;
+    float v[NORM_PER];
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        const float v = ld(in[i]);
-        ss += v * v;
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        v[k] = i < width ? ld(in[i]) : 0.0f;
+        ss += v[k] * v[k];
     }
     const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)width + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = st((ld(in[i]) * inv) * w[i]);
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < width) o[i] = st((v[k] * inv) * w[i]);
+    }
 }
 
 // x[r] += d[r]; out[r] = RMSNorm(x[r]). Grid: rows.
-extern "C" __global__ void add_rms_norm(act_t* x, const act_t* d, const float* w, act_t* out, int width, float eps) {
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm(act_t* x, const act_t* d, const float* w, act_t* out, int width, float eps) {
     __shared__ float scratch[32];
     const u64 base = (u64)blockIdx.x * width;
+    float v[NORM_PER];
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        const act_t s = st(ld(x[base + i]) + ld(d[base + i]));
-        x[base + i] = s;
-        const float v = ld(s);
-        ss += v * v;
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        // The sum is rounded to the activation type, as the residual stream keeps it.
+        v[k] = i < width ? ld(st(ld(x[base + i]) + ld(d[base + i]))) : 0.0f;
+        ss += v[k] * v[k];
     }
     const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)width + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) out[base + i] = st((ld(x[base + i]) * inv) * w[i]);
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < width) {
+            x[base + i] = st(v[k]);
+            out[base + i] = st((v[k] * inv) * w[i]);
+        }
+    }
 }
 
 // x[r] += d[r]. Grid-stride over n values.
@@ -133,19 +154,42 @@ extern "C" __global__ void add_bias(act_t* x, const float* b, int width, u64 n) 
         x[i] = st(ld(x[i]) + b[i % width]);
 }
 
-// Rotary embedding (rotate-half) of the q and k heads of each row of qkv, in place.
-// Grid: (rows, heads + kv_heads); the angle of pair i at position p is p * inv_freq[i].
-extern "C" __global__ void rope(act_t* qkv, const int* pos, const float* inv_freq, int stride, int head_dim) {
-    const int half = head_dim >> 1;
-    act_t* h = qkv + (u64)blockIdx.x * stride + (u64)blockIdx.y * head_dim;
-    const float p = (float)pos[blockIdx.x];
+// Rotary embedding (rotate-half) of the q and k heads of each row of qkv, in place, and each
+// row's keys (rotated) and values into its slot of layer `layer` of the cache.
+// Grid: (rows, heads + 2 * kv_heads): q heads, then k heads, then v heads (copied); the angle of
+// pair i at position p is p * inv_freq[i]. block[r] / slot[r] locate row r's token.
+__device__ __forceinline__ u64 slab(u64 block, int layer, int part, int layers, int block_size, int width);
+extern "C" __global__ void rope_store_kv(act_t* qkv, const int* pos, const float* inv_freq, int stride, int head_dim,
+                                         int heads, int kv_heads, kv_t* cache, const unsigned* block,
+                                         const int* slot, int layer, int layers, int block_size) {
+    const int half = head_dim >> 1, y = blockIdx.y, r = blockIdx.x;
+    act_t* h = qkv + (u64)r * stride + (u64)y * head_dim;
+    const int width = kv_heads * head_dim;
+    const bool is_k = y >= heads && y < heads + kv_heads, is_v = y >= heads + kv_heads;
+    kv_t* dst = 0;
+    if (is_k || is_v) {
+        const int kh = is_k ? y - heads : y - heads - kv_heads;
+        dst = cache + slab(block[r], layer, is_v ? 1 : 0, layers, block_size, width) + (u64)slot[r] * width +
+              (u64)kh * head_dim;
+    }
+    if (is_v) {
+        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) dst[i] = kv_st(ld(h[i]));
+        return;
+    }
+    const float p = (float)pos[r];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         const float angle = p * inv_freq[i];
         float s, c;
         sincosf(angle, &s, &c);
         const float x1 = ld(h[i]), x2 = ld(h[i + half]);
-        h[i] = st(x1 * c - x2 * s);
-        h[i + half] = st(x2 * c + x1 * s);
+        const act_t y1 = st(x1 * c - x2 * s), y2 = st(x2 * c + x1 * s);
+        h[i] = y1;
+        h[i + half] = y2;
+        if (is_k) {
+            // The key as the activation type rounded it, then as the cache stores it.
+            dst[i] = kv_st(ld(y1));
+            dst[i + half] = kv_st(ld(y2));
+        }
     }
 }
 
@@ -154,23 +198,13 @@ __device__ __forceinline__ u64 slab(u64 block, int layer, int part, int layers, 
     return ((block * layers + layer) * 2 + part) * (u64)block_size * width;
 }
 
-// Writes each row's k and v (from qkv, after RoPE) into its slot of layer `layer`.
-// Grid: (rows, 2); block[r] / slot[r] locate row r's token.
-extern "C" __global__ void store_kv(const act_t* qkv, kv_t* cache, const unsigned* block, const int* slot, int stride,
-                                    int k_offset, int width, int layer, int layers, int block_size) {
-    const int r = blockIdx.x, part = blockIdx.y;
-    const act_t* src = qkv + (u64)r * stride + k_offset + part * width;
-    kv_t* dst = cache + slab(block[r], layer, part, layers, block_size, width) + (u64)slot[r] * width;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = kv_st(ld(src[i]));
-}
-
-// Copies the step's new tokens out of the cache, every layer, for the host's copy of the arena:
-// out[r][layer][part][width]. Grid: (rows, layers * 2).
-extern "C" __global__ void gather_new_kv(const kv_t* cache, kv_t* out, const unsigned* block, const int* slot, int width,
-                                         int layers, int block_size) {
-    const int r = blockIdx.x, layer = blockIdx.y >> 1, part = blockIdx.y & 1;
+// Copies new tokens out of the cache, every layer, for the host's copy of the arena: row
+// rows[i]'s to out[i][layer][part][width]. Grid: (staged rows, layers * 2).
+extern "C" __global__ void gather_new_kv(const kv_t* cache, kv_t* out, const unsigned* block, const int* slot,
+                                         const int* rows, int width, int layers, int block_size) {
+    const int r = rows[blockIdx.x], layer = blockIdx.y >> 1, part = blockIdx.y & 1;
     const kv_t* src = cache + slab(block[r], layer, part, layers, block_size, width) + (u64)slot[r] * width;
-    kv_t* dst = out + ((u64)r * layers * 2 + blockIdx.y) * width;
+    kv_t* dst = out + ((u64)blockIdx.x * layers * 2 + blockIdx.y) * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
 }
 
@@ -185,24 +219,66 @@ extern "C" __global__ void gather_new_kv(const kv_t* cache, kv_t* out, const uns
 #endif
 #define PER_LANE ((HEAD_DIM + 31) / 32)
 // Keys each warp loads before it uses them: loads in flight hide the memory's latency.
+#if PER_LANE <= 4
+#define UNROLL 8
+#else
 #define UNROLL 4
+#endif
 
-// Paged attention with an online softmax, for any mix of prefill and decode rows.
-// Grid: (rows, kv_heads, splits); block: a whole number of warps. Block (r, h, z) computes the
+// A warp holds a head's HEAD_DIM values PER_LANE to a lane, contiguous: lane l has
+// [l * PER_LANE, (l + 1) * PER_LANE), so a key is one wide load a lane and one contiguous span a
+// warp. Loads the lane's values of the head at `p` (guarded where HEAD_DIM is not 32 · PER_LANE).
+__device__ __forceinline__ void load_lane(const kv_t* p, int lane, float* out) {
+    const kv_t* q = p + lane * PER_LANE;
+#if HEAD_DIM == 32 * PER_LANE && KV_KIND != 0 && (PER_LANE == 2 || PER_LANE == 4 || PER_LANE == 8)
+#if PER_LANE == 8
+    const uint4 u = *(const uint4*)q;
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#elif PER_LANE == 4
+    const uint2 u = *(const uint2*)q;
+    const unsigned w[2] = {u.x, u.y};
+#else
+    const unsigned w[1] = {*(const unsigned*)q};
+#endif
+#pragma unroll
+    for (int e = 0; e < PER_LANE / 2; e++) {
+        out[2 * e] = kv_ld((kv_t)(w[e] & 0xffffu));
+        out[2 * e + 1] = kv_ld((kv_t)(w[e] >> 16));
+    }
+#elif HEAD_DIM == 32 * PER_LANE && KV_KIND == 0 && PER_LANE % 4 == 0
+#pragma unroll
+    for (int e = 0; e < PER_LANE; e += 4) {
+        const float4 f = *(const float4*)(q + e);
+        out[e] = f.x;
+        out[e + 1] = f.y;
+        out[e + 2] = f.z;
+        out[e + 3] = f.w;
+    }
+#else
+#pragma unroll
+    for (int e = 0; e < PER_LANE; e++) out[e] = lane * PER_LANE + e < HEAD_DIM ? kv_ld(q[e]) : 0.0f;
+#endif
+}
+
+// Paged attention with an online softmax, for any mix of prefill and decode rows, one row at a
+// time (decode rows, and every row of a float32 model; attention_tiled takes prefill chunks).
+// Grid: (row_ids, kv_heads, splits); block: a whole number of warps. Block (i, h, z) computes the
 // GROUP query heads of KV head h (so each key and value is read once for the group) for row r,
 // over the z-th of `splits` equal parts of the row's keys (split-K: a decode step of a small
-// batch still fills the GPU). Warp w takes keys w, w + warps, ... of the part; the warps'
-// partial softmaxes are merged in shared memory. Row r attends to positions
+// batch still fills the GPU) of row r = row_ids[i]. Warp w takes keys w, w + warps, ... of the
+// part; the warps' partial softmaxes are merged in shared memory. Row r attends to positions
 // [max(0, pos - window + 1), pos] of its sequence, whose block table is
 // tables[table_start[r] ..]. With one split the block writes `out`; with more it writes its
-// (max, sum, unnormalised output) to `partial`, which attention_combine reduces.
+// (max, sum, unnormalised output) to `partial` (indexed by i), and the last split of (i, h) to
+// finish merges them into `out` (counters[i * kv_heads + h] counts the splits done; zero between
+// launches).
 // Dynamic shared memory: warps * GROUP * (HEAD_DIM + 2) floats.
-extern "C" __global__ void attention(const act_t* qkv, act_t* out, float* partial, const kv_t* cache,
-                                     const unsigned* tables, const int* table_start, const int* pos, int stride,
-                                     int heads, int kv_heads, int layer, int layers, int block_size, int window,
-                                     float scale, int splits) {
+extern "C" __global__ void attention(const act_t* qkv, act_t* out, float* partial, unsigned* counters, const kv_t* cache,
+                                     const unsigned* tables, const int* table_start, const int* pos,
+                                     const int* row_ids, int stride, int heads, int kv_heads, int layer, int layers,
+                                     int block_size, int window, float scale, int splits) {
     extern __shared__ float smem[];
-    const int r = blockIdx.x, kvh = blockIdx.y, z = blockIdx.z;
+    const int r = row_ids[blockIdx.x], kvh = blockIdx.y, z = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int width = kv_heads * HEAD_DIM;
     const int p = pos[r];
@@ -221,7 +297,7 @@ extern "C" __global__ void attention(const act_t* qkv, act_t* out, float* partia
         l[g] = 0.0f;
 #pragma unroll
         for (int e = 0; e < PER_LANE; e++) {
-            const int d = lane + 32 * e;
+            const int d = lane * PER_LANE + e;
             qr[g][e] = d < HEAD_DIM ? ld(q[g * HEAD_DIM + d]) * scale : 0.0f;
             acc[g][e] = 0.0f;
         }
@@ -234,14 +310,9 @@ extern "C" __global__ void attention(const act_t* qkv, act_t* out, float* partia
             if (j <= hi) {
                 const u64 block = table[j / block_size];
                 const int s = j % block_size;
-                const kv_t* k = cache + slab(block, layer, 0, layers, block_size, width) + (u64)s * width + kvh * HEAD_DIM;
-                const kv_t* v = cache + slab(block, layer, 1, layers, block_size, width) + (u64)s * width + kvh * HEAD_DIM;
-#pragma unroll
-                for (int e = 0; e < PER_LANE; e++) {
-                    const int d = lane + 32 * e;
-                    kr[u][e] = d < HEAD_DIM ? kv_ld(k[d]) : 0.0f;
-                    vr[u][e] = d < HEAD_DIM ? kv_ld(v[d]) : 0.0f;
-                }
+                const u64 at = (u64)s * width + kvh * HEAD_DIM;
+                load_lane(cache + slab(block, layer, 0, layers, block_size, width) + at, lane, kr[u]);
+                load_lane(cache + slab(block, layer, 1, layers, block_size, width) + at, lane, vr[u]);
             }
         }
 #pragma unroll
@@ -271,7 +342,7 @@ extern "C" __global__ void attention(const act_t* qkv, act_t* out, float* partia
         float* slot = smem + (warp * GROUP + g) * rec;
 #pragma unroll
         for (int e = 0; e < PER_LANE; e++) {
-            const int d = lane + 32 * e;
+            const int d = lane * PER_LANE + e;
             if (d < HEAD_DIM) slot[d] = acc[g][e];
         }
         if (lane == 0) {
@@ -296,7 +367,7 @@ extern "C" __global__ void attention(const act_t* qkv, act_t* out, float* partia
         if (splits == 1) {
             out[(u64)r * heads * HEAD_DIM + (u64)(h0 + g) * HEAD_DIM + d] = st(num / den);
         } else {
-            float* rec_out = partial + (((u64)r * heads + h0 + g) * splits + z) * rec;
+            float* rec_out = partial + (((u64)blockIdx.x * heads + h0 + g) * splits + z) * rec;
             rec_out[d] = num;
             if (d == 0) {
                 rec_out[HEAD_DIM] = den == 0.0f ? NEG_INF : mx;
@@ -304,27 +375,344 @@ extern "C" __global__ void attention(const act_t* qkv, act_t* out, float* partia
             }
         }
     }
+    if (splits == 1) return;
+    // The last of the splits to finish merges them all (no second launch): each block makes its
+    // partials visible, then counts itself in; the one that counts last reads every split's
+    // partials past the L1 cache and resets the counter for the next step.
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned* c = counters + blockIdx.x * kv_heads + kvh;
+        last = atomicAdd(c, 1u) == (unsigned)splits - 1;
+        if (last) *c = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int t = threadIdx.x; t < GROUP * HEAD_DIM; t += blockDim.x) {
+        const int g = t / HEAD_DIM, d = t % HEAD_DIM;
+        const float* base = partial + ((u64)blockIdx.x * heads + h0 + g) * splits * rec;
+        // Unrolled, so that the loads of several splits are in flight at once: the merge is
+        // on the step's critical path, and a loop of one load at a time measured slower than
+        // a second kernel.
+        float mx = NEG_INF;
+#pragma unroll 8
+        for (int zz = 0; zz < splits; zz++) mx = fmaxf(mx, __ldcg(base + zz * rec + HEAD_DIM));
+        float num = 0.0f, den = 0.0f;
+#pragma unroll 8
+        for (int zz = 0; zz < splits; zz++) {
+            const float dz = __ldcg(base + zz * rec + HEAD_DIM + 1);
+            if (dz == 0.0f) continue;
+            const float c = expf(__ldcg(base + zz * rec + HEAD_DIM) - mx);
+            num += __ldcg(base + zz * rec + d) * c;
+            den += dz * c;
+        }
+        out[(u64)r * heads * HEAD_DIM + (u64)(h0 + g) * HEAD_DIM + d] = st(num / den);
+    }
 }
 
-// Reduces attention's split-K partials: out[r][h] = sum_z num_z e^(m_z - M) / sum_z den_z e^(m_z - M).
-// Grid: (rows, heads); block: HEAD_DIM threads (rounded up to a warp).
-extern "C" __global__ void attention_combine(const float* partial, act_t* out, int heads, int splits) {
-    const int r = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-    if (d >= HEAD_DIM) return;
-    const int rec = HEAD_DIM + 2;
-    const float* base = partial + ((u64)r * heads + h) * splits * rec;
-    float mx = NEG_INF;
-    for (int z = 0; z < splits; z++) mx = fmaxf(mx, base[z * rec + HEAD_DIM]);
-    float num = 0.0f, den = 0.0f;
-    for (int z = 0; z < splits; z++) {
-        const float dz = base[z * rec + HEAD_DIM + 1];
-        if (dz == 0.0f) continue;
-        const float c = expf(base[z * rec + HEAD_DIM] - mx);
-        num += base[z * rec + d] * c;
-        den += dz * c;
-    }
-    out[((u64)r * heads + h) * HEAD_DIM + d] = st(num / den);
+// ---- Prefill attention on the tensor cores -------------------------------------------------
+//
+// attention_tiled: a tile of consecutive query rows of one sequence (a prefill chunk) against
+// its keys, flash-attention style. Block (t, h) takes tile t = (row0, rows) of `tiles` and KV
+// head h: its TILE_Q query vectors are the GROUP heads of h for each of TILE_ROWS rows (so a
+// key tile loaded once serves the whole GQA group), four warps of 16 query vectors each. For
+// each tile of TILE_K keys: S = Q·Kᵀ and O += P·V are mma.sync m16n8k16 on 16-bit operands
+// with float32 accumulation; the online softmax stays in registers (the accumulator fragment of
+// S is, element for element, the A fragment of P). Masks as `attention`: row r sees positions
+// [max(0, pos[r] - window + 1), pos[r]]. Only for 16-bit activations and KV of the same type, on
+// compute capability 8.0 and newer.
+//
+// Two variants of one body: `attention_tiled` loads each key tile through registers (V
+// transposed on its way into shared memory); `attention_tiled_async` copies key tiles with
+// cp.async into two buffers, the next tile's copy in flight while the current one is computed,
+// and reads V's fragments with ldmatrix.trans. Dynamic shared memory: tiled_smem(HEAD_DIM, async).
+#define TILE_Q 64
+#define TILE_ROWS (TILE_Q / GROUP)
+#define TILE_K 64
+#define QK_LD (HEAD_DIM + 8) // halves; the padding spreads a fragment's rows over the banks
+#define VT_LD (TILE_K + 8)
+
+#if ACT_KIND != 0 && KV_KIND == ACT_KIND && HEAD_DIM % 16 == 0 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+#if ACT_KIND == 1
+#define MMA_TYPE "bf16"
+#else
+#define MMA_TYPE "f16"
+#endif
+// d += a · b: a 16×16 (row), b 16×8 (col), d 16×8 float32.
+__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return (unsigned)st(lo) | ((unsigned)st(hi) << 16);
+}
+__device__ __forceinline__ unsigned ld32(const unsigned short* p) { return *(const unsigned*)p; }
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+// 16 bytes global → shared without registers; `bytes` 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+// Four 8×8 16-bit matrices from shared memory, transposed: lane l gives the address of row l % 8
+// of matrix l / 8, and r[i] is matrix i as a B fragment half.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+template <bool ASYNC>
+__device__ __forceinline__ void attention_tiled_impl(const act_t* qkv, act_t* out, const kv_t* cache,
+                                                     const unsigned* tables, const int* table_start, const int* pos,
+                                                     const int* tiles, int stride, int heads, int kv_heads, int layer,
+                                                     int layers, int block_size, int window, float scale) {
+    extern __shared__ __align__(16) unsigned char tiled_smem[];
+    // Shared memory: Q, then the key tiles (one K and one V buffer; two of each when ASYNC, V
+    // row-major [key][d]; else V transposed [d][key]), then each query vector's position and
+    // first visible position.
+    constexpr int KV_TILE = TILE_K * QK_LD;
+    constexpr int V_TILE = ASYNC ? TILE_K * QK_LD : HEAD_DIM * VT_LD;
+    constexpr int BUFS = ASYNC ? 2 : 1;
+    unsigned short* qs = (unsigned short*)tiled_smem;
+    unsigned short* ks0 = qs + TILE_Q * QK_LD;
+    unsigned short* vs0 = ks0 + BUFS * KV_TILE;
+    int* qpos = (int*)(vs0 + BUFS * V_TILE);
+    int* qfirst = qpos + TILE_Q;
+    const int row0 = tiles[2 * blockIdx.x], nrows = tiles[2 * blockIdx.x + 1], kvh = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+    const int width = kv_heads * HEAD_DIM;
+    const unsigned* table = tables + table_start[row0];
+    const int p_first = pos[row0], p_last = pos[row0 + nrows - 1];
+    const int lo = window > 0 ? max(0, p_first - window + 1) : 0;
+
+    // Q: query vector i is head kvh * GROUP + i % GROUP of row row0 + i / GROUP.
+    for (int c = tid; c < TILE_Q * (HEAD_DIM / 8); c += blockDim.x) {
+        const int i = c / (HEAD_DIM / 8), d = (c % (HEAD_DIM / 8)) * 8, r = i / GROUP;
+        const bool valid = r < nrows && r < TILE_ROWS;
+        const act_t* src = qkv + (u64)(row0 + (valid ? r : 0)) * stride + (u64)(kvh * GROUP + i % GROUP) * HEAD_DIM + d;
+        if (ASYNC) {
+            cp_async16(qs + i * QK_LD + d, src, valid ? 16 : 0);
+        } else {
+            *(uint4*)(qs + i * QK_LD + d) = valid ? *(const uint4*)src : make_uint4(0, 0, 0, 0);
+        }
+    }
+    for (int i = tid; i < TILE_Q; i += blockDim.x) {
+        const int r = i / GROUP;
+        const bool valid = r < nrows && r < TILE_ROWS;
+        qpos[i] = valid ? pos[row0 + r] : -1;
+        qfirst[i] = valid && window > 0 ? max(0, pos[row0 + r] - window + 1) : 0;
+    }
+    // Loads key tile starting at j0 into buffer b: K row-major; V row-major (ASYNC) or
+    // transposed. Keys past p_last are zeros (their scores are masked; zero values keep P · V
+    // finite).
+    auto load_tile = [&](int j0, int b) {
+        unsigned short* ks = ks0 + b * KV_TILE;
+        unsigned short* vs = vs0 + b * V_TILE;
+        for (int c = tid; c < TILE_K * (HEAD_DIM / 8); c += blockDim.x) {
+            const int jj = c / (HEAD_DIM / 8), d = (c % (HEAD_DIM / 8)) * 8, j = j0 + jj;
+            const bool valid = j <= p_last;
+            const u64 block = table[valid ? j / block_size : 0];
+            const u64 at = (u64)((valid ? j : 0) % block_size) * width + kvh * HEAD_DIM + d;
+            const kv_t* k = cache + slab(block, layer, 0, layers, block_size, width) + at;
+            const kv_t* v = cache + slab(block, layer, 1, layers, block_size, width) + at;
+            if (ASYNC) {
+                cp_async16(ks + jj * QK_LD + d, k, valid ? 16 : 0);
+                cp_async16(vs + jj * QK_LD + d, v, valid ? 16 : 0);
+            } else {
+                *(uint4*)(ks + jj * QK_LD + d) = valid ? *(const uint4*)k : make_uint4(0, 0, 0, 0);
+            }
+        }
+        if (!ASYNC) {
+            // V transposed: a warp's lanes take consecutive keys of one 8-wide slice of dims, so
+            // the 16-bit stores into vs[d][key] fall on distinct banks.
+            for (int c = tid; c < TILE_K * (HEAD_DIM / 8); c += blockDim.x) {
+                const int jj = c % TILE_K, d = (c / TILE_K) * 8, j = j0 + jj;
+                uint4 vv = make_uint4(0, 0, 0, 0);
+                if (j <= p_last) {
+                    const u64 block = table[j / block_size];
+                    vv = *(const uint4*)(cache + slab(block, layer, 1, layers, block_size, width) +
+                                         (u64)(j % block_size) * width + kvh * HEAD_DIM + d);
+                }
+                const unsigned short* ve = (const unsigned short*)&vv;
+#pragma unroll
+                for (int e = 0; e < 8; e++) vs[(d + e) * VT_LD + jj] = ve[e];
+            }
+        }
+    };
+
+    // This lane's two query vectors (rows gq and gq + 8 of the warp's 16).
+    const int i0 = warp * 16 + gq, i1 = i0 + 8;
+    float o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    if (ASYNC) {
+        load_tile(lo, 0);
+        cp_async_commit();
+    }
+    __syncthreads();
+    const int pos0 = qpos[i0], pos1 = qpos[i1], first0 = qfirst[i0], first1 = qfirst[i1];
+
+    int b = 0;
+    for (int j0 = lo; j0 <= p_last; j0 += TILE_K, b ^= 1) {
+        if (ASYNC) {
+            if (j0 + TILE_K <= p_last) {
+                load_tile(j0 + TILE_K, b ^ 1);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+        } else {
+            __syncthreads(); // the previous tile is no longer read
+            load_tile(j0, 0);
+            __syncthreads();
+        }
+        const unsigned short* ks = ks0 + (ASYNC ? b : 0) * KV_TILE;
+        const unsigned short* vs = vs0 + (ASYNC ? b : 0) * V_TILE;
+        // S = Q · Kᵀ for the warp's 16 query vectors and the tile's keys: 8 n-tiles of 8 keys.
+        float s[TILE_K / 8][4];
+#pragma unroll
+        for (int n = 0; n < TILE_K / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
+            unsigned a[4];
+            const unsigned short* qa = qs + (warp * 16 + gq) * QK_LD + k0 + 2 * tq;
+            a[0] = ld32(qa);
+            a[1] = ld32(qa + 8 * QK_LD);
+            a[2] = ld32(qa + 8);
+            a[3] = ld32(qa + 8 * QK_LD + 8);
+#pragma unroll
+            for (int n = 0; n < TILE_K / 8; n++) {
+                const unsigned short* kb = ks + (n * 8 + gq) * QK_LD + k0 + 2 * tq;
+                mma16816(s[n], a, ld32(kb), ld32(kb + 8));
+            }
+        }
+        // Online softmax: element (n, c) of s is query vector i0 (c < 2) or i1 (c >= 2) against
+        // key j0 + n * 8 + 2 * tq + (c & 1); the four lanes of a group share a query vector.
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < TILE_K / 8; n++) {
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int j = j0 + n * 8 + 2 * tq + (c & 1);
+                const int p = c < 2 ? pos0 : pos1, f = c < 2 ? first0 : first1;
+                const float v = (j <= p && j >= f) ? s[n][c] * scale : NEG_INF;
+                s[n][c] = v;
+                if (c < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+            }
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+        }
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        // A query vector that has seen no key yet keeps m = -inf and weights 0.
+        const float c0 = mn0 == NEG_INF ? 1.0f : expf(m0 - mn0), c1 = mn1 == NEG_INF ? 1.0f : expf(m1 - mn1);
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < TILE_K / 8; n++) {
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const float mn = c < 2 ? mn0 : mn1;
+                const float w = s[n][c] == NEG_INF ? 0.0f : expf(s[n][c] - mn);
+                s[n][c] = w;
+                if (c < 2) sum0 += w; else sum1 += w;
+            }
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            sum0 += __shfl_xor_sync(0xffffffffu, sum0, off);
+            sum1 += __shfl_xor_sync(0xffffffffu, sum1, off);
+        }
+        l0 = l0 * c0 + sum0;
+        l1 = l1 * c1 + sum1;
+        m0 = mn0;
+        m1 = mn1;
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; n++) {
+            o[n][0] *= c0;
+            o[n][1] *= c0;
+            o[n][2] *= c1;
+            o[n][3] *= c1;
+        }
+        // O += P · V: P's A fragment for keys 16 kc .. 16 kc + 15 is s's n-tiles 2 kc and 2 kc + 1.
+#pragma unroll
+        for (int kc = 0; kc < TILE_K / 16; kc++) {
+            unsigned a[4];
+            a[0] = pack2(s[2 * kc][0], s[2 * kc][1]);
+            a[1] = pack2(s[2 * kc][2], s[2 * kc][3]);
+            a[2] = pack2(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+            a[3] = pack2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+            if (ASYNC) {
+                // Matrix q of lane l's address: keys 16 kc + (q & 1) * 8 + l % 8, dims
+                // n0 + (q >> 1) * 8: r = {b0, b1} of n-tile n0 / 8, then of n0 / 8 + 1.
+                const int q = lane >> 3;
+                const unsigned short* vrow = vs + (kc * 16 + (q & 1) * 8 + (lane & 7)) * QK_LD + (q >> 1) * 8;
+#pragma unroll
+                for (int n = 0; n < HEAD_DIM / 8; n += 2) {
+                    unsigned r[4];
+                    ldmatrix_x4_trans(r, vrow + n * 8);
+                    mma16816(o[n], a, r[0], r[1]);
+                    mma16816(o[n + 1], a, r[2], r[3]);
+                }
+            } else {
+#pragma unroll
+                for (int n = 0; n < HEAD_DIM / 8; n++) {
+                    const unsigned short* vb = vs + (n * 8 + gq) * VT_LD + kc * 16 + 2 * tq;
+                    mma16816(o[n], a, ld32(vb), ld32(vb + 8));
+                }
+            }
+        }
+        if (ASYNC) __syncthreads(); // buffer b is refilled two tiles on
+    }
+    // out = O / l, for the query vectors that exist.
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int i = half ? i1 : i0, r = i / GROUP;
+        const float l = half ? l1 : l0;
+        if (r >= nrows || r >= TILE_ROWS || l == 0.0f) continue;
+        act_t* dst = out + (u64)(row0 + r) * heads * HEAD_DIM + (u64)(kvh * GROUP + i % GROUP) * HEAD_DIM;
+        const float inv = 1.0f / l;
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; n++) {
+            const int d = n * 8 + 2 * tq;
+            *(unsigned*)(dst + d) = pack2(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
+        }
+    }
+}
+
+#define TILED_PARAMS                                                                                                   \
+    const act_t *qkv, act_t *out, const kv_t *cache, const unsigned *tables, const int *table_start, const int *pos,  \
+        const int *tiles, int stride, int heads, int kv_heads, int layer, int layers, int block_size, int window,     \
+        float scale
+#define TILED_ARGS qkv, out, cache, tables, table_start, pos, tiles, stride, heads, kv_heads, layer, layers, block_size, window, scale
+extern "C" __global__ void __launch_bounds__(128) attention_tiled(TILED_PARAMS) {
+    attention_tiled_impl<false>(TILED_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_tiled_async(TILED_PARAMS) {
+    attention_tiled_impl<true>(TILED_ARGS);
+}
+#else
+// No tensor-core path for this combination (float32, KV of another type, or a GPU older than
+// Ampere, whose mma.sync has no m16n8k16 on 16-bit types): never launched.
+extern "C" __global__ void attention_tiled(const act_t*, act_t*, const kv_t*, const unsigned*, const int*, const int*,
+                                           const int*, int, int, int, int, int, int, int, float) {}
+extern "C" __global__ void attention_tiled_async(const act_t*, act_t*, const kv_t*, const unsigned*, const int*,
+                                                 const int*, const int*, int, int, int, int, int, int, int, float) {}
+#endif
 
 // out[r][i] = act(gate[r][i]) * up[r][i]; kind 0 SiLU, 1 GELU (tanh). Grid-stride over rows * inter.
 extern "C" __global__ void gated_act(const act_t* gate_up, act_t* out, int inter, u64 n, int kind) {
@@ -349,18 +737,24 @@ extern "C" __global__ void gather_rows(const act_t* x, const int* rows, act_t* o
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
 }
 
-// out[r] = the first index of the largest value of row r of x (float32 logits), as the host's
-// argmax: NaN never wins, ties go to the lower index. Grid: rows; block: 1024 threads.
-extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int width) {
-    __shared__ float sv[1024];
-    __shared__ int si[1024];
+// Each row's argmax over float32 logits, as the host's: NaN never wins, ties go to the lower
+// index. Two passes, so a row of a large vocabulary is read by many blocks at once:
+// argmax_partial, grid (rows, ARGMAX_PARTS), block 256: part p of row r → (value, index) into
+// partial[r][p]; argmax_final, grid rows, block ARGMAX_PARTS: the best of the parts → out[r].
+#define ARGMAX_PARTS 32
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+extern "C" __global__ void argmax_partial(const float* x, float2* partial, int width) {
+    __shared__ float sv[256];
+    __shared__ int si[256];
     const float* row = x + (u64)blockIdx.x * width;
+    const int part = (width + ARGMAX_PARTS - 1) / ARGMAX_PARTS;
+    const int lo = blockIdx.y * part, hi = min(width, lo + part);
     const int t = threadIdx.x;
     float best = NEG_INF;
     int bi = 0x7fffffff;
-    for (int i = t; i < width; i += blockDim.x) {
+    for (int i = lo + t; i < hi; i += blockDim.x) {
         const float v = row[i];
-        if (v > best || (v == best && i < bi)) {
+        if (better(v, i, best, bi)) {
             best = v;
             bi = i;
         }
@@ -369,17 +763,29 @@ extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int width)
     si[t] = bi;
     __syncthreads();
     for (int s = blockDim.x >> 1; s > 0; s >>= 1) {
-        if (t < s) {
-            const float v = sv[t + s];
-            const int j = si[t + s];
-            if (v > sv[t] || (v == sv[t] && j < si[t])) {
-                sv[t] = v;
-                si[t] = j;
-            }
+        if (t < s && better(sv[t + s], si[t + s], sv[t], si[t])) {
+            sv[t] = sv[t + s];
+            si[t] = si[t + s];
         }
         __syncthreads();
     }
-    if (t == 0) out[blockIdx.x] = si[0] == 0x7fffffff ? 0u : (unsigned)si[0];
+    if (t == 0) partial[blockIdx.x * ARGMAX_PARTS + blockIdx.y] = make_float2(sv[0], __int_as_float(si[0]));
+}
+extern "C" __global__ void argmax_final(const float2* partial, unsigned* out) {
+    const int t = threadIdx.x;
+    const float2 p = partial[blockIdx.x * ARGMAX_PARTS + t];
+    float best = p.x;
+    int bi = __float_as_int(p.y);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, best, o);
+        const int i = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (better(v, i, best, bi)) {
+            best = v;
+            bi = i;
+        }
+    }
+    if (t == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0u : (unsigned)bi;
 }
 
 // x = cap * tanh(x / cap), float32 logits. Grid-stride over n.

@@ -8,14 +8,30 @@
 //! - GEMMs go to cuBLAS (`cublasGemmEx`, float32 accumulation, tensor cores for 16-bit types);
 //!   everything else is a kernel of ours in `kernels.cu`, compiled by NVRTC when the model loads
 //!   (for the device's own architecture: no toolkit at build time, no PTX shipped).
+//! - **Attention.** Prefill chunks (a sequence with at least `TILE_MIN_ROWS` new tokens) go to
+//!   `attention_tiled_async`, flash attention on the tensor cores (mma.sync, an online softmax in
+//!   registers, key tiles copied asynchronously into two buffers); decode rows and short chunks
+//!   to `attention`, one row a block with split-K when a step has few rows, the last split of a
+//!   row merging them. [`StepPack::attention_split`] decides which rows go where, on the host.
+//!   `baton check-device --kernels` checks the tiled kernels and the split merge against the
+//!   plain row kernel on random data; the float32 checks vouch for the row kernel.
 //! - **The KV cache.** Each engine has a [`CudaKv`]: a block-major copy of its pool's arena in
 //!   device memory, with the engine's own stream, cuBLAS handle and workspace (engines sharing a
 //!   model share its weights, nothing else). The pool's bookkeeping stays on the host, and so do
 //!   the host arena's bytes, which every other part of Baton reads and writes (the KV server,
 //!   transfers, the tiers' copier): each step writes the new tokens' keys and values through to
-//!   the host arena, and a block whose host bytes were written by someone else (received KV, a
-//!   swap-in) is marked stale by the engine and uploaded before a step reads it. Moving KV
-//!   between GPUs without the host is the next step (issue #33).
+//!   the host arena before it returns, and a block whose host bytes were written by someone else
+//!   (received KV, a swap-in) is marked stale by the engine and uploaded before a step reads it.
+//!   An engine page-locks its host arena once (`cuMemHostRegister`), so the blocks a step writes
+//!   whole (a prefill's) go down by DMA straight into it; the other new tokens are gathered into
+//!   pinned staging and copied into place by the host. Moving KV between GPUs without the host
+//!   is the next step (issue #33).
+//! - **Measuring.** `BATON_CUDA_TIMING=1` prints where steps spent their wall time (packing,
+//!   enqueueing, waiting, unpacking), `BATON_CUDA_PROFILE=1` the GPU time of every launch by
+//!   name (an event after each, graphs off: a launch shorter than the host's time to enqueue
+//!   the next one shows the host's time, so short decode kernels read high). `BATON_CUDA_GRAPHS=0`,
+//!   `BATON_CUDA_TILED=0|1` and `BATON_CUDA_PIN_ARENA=0` turn the fast paths off one by one to
+//!   measure what each buys (`scripts/gpu-profile.sh`).
 //!
 //! The module is the one place of the crate where unsafe code is general rather than an item:
 //! every kernel launch, cuBLAS call and raw copy is an FFI call on device pointers that this
@@ -44,9 +60,31 @@ pub(crate) const KERNELS: &str = include_str!("kernels.cu");
 const ATTENTION_WARPS: u32 = 4;
 /// (row, split) pairs of attention partials the workspace holds.
 const PARTIAL_ROWS: usize = 512;
+/// Parts of a row the argmax's first pass splits it into (`ARGMAX_PARTS`: one warp reduces them).
+const ARGMAX_PARTS: usize = 32;
 /// Largest GQA group and head size the attention kernel's registers hold.
 const MAX_GROUP: usize = 8;
 const MAX_HEAD_DIM: usize = 256;
+/// Query vectors (rows × the GQA group) and keys of one block of `attention_tiled`, as
+/// `TILE_Q` and `TILE_K` in kernels.cu.
+const TILE_Q: usize = 64;
+const TILE_K: usize = 64;
+
+/// Dynamic shared memory of `attention_tiled` (`async_copies`: `attention_tiled_async`): the
+/// query tile, one key tile (two when the copies are asynchronous), each query's two positions.
+fn tiled_smem(head_dim: usize, async_copies: bool) -> usize {
+    let qk = head_dim + 8;
+    let (bufs, v) = if async_copies { (2, TILE_K * qk) } else { (1, head_dim * (TILE_K + 8)) };
+    (TILE_Q * qk + bufs * (TILE_K * qk + v)) * 2 + TILE_Q * 8
+}
+
+/// Which tiled prefill attention a step uses (`BATON_CUDA_TILED`: `0` none, every row one by
+/// one; `1` the kernel that loads through registers; unset, the one with asynchronous copies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tiled {
+    Sync,
+    Async,
+}
 
 fn err(what: impl std::fmt::Display) -> ModelError {
     ModelError::Device(what.to_string())
@@ -138,22 +176,41 @@ fn compile(ctx: &Arc<CudaContext>, act: Kind, kv: Kind, shape: Shape) -> Result<
         cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| err(format!("compiling the kernels: {e}")))?;
     let module = ctx.load_module(ptx).map_err(err)?;
     let f = |name: &str| module.load_function(name).map_err(|e| err(format!("kernel {name}: {e}")));
+    // The tensor-core prefill attention: 16-bit activations with KV of the same type, Ampere on,
+    // where the device grants the kernel its shared memory.
+    let tensor_cores = act != Kind::F32 && kv == act && shape.head_dim.is_multiple_of(16) && major >= 8;
+    let attention_tiled = f("attention_tiled")?;
+    let attention_tiled_async = f("attention_tiled_async")?;
+    let grant = |f: &CudaFunction, async_copies: bool| {
+        tensor_cores
+            && f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                tiled_smem(shape.head_dim, async_copies) as i32,
+            )
+            .is_ok()
+    };
+    let tiled_sync = grant(&attention_tiled, false);
+    let tiled_async = grant(&attention_tiled_async, true);
     Ok(Kernels {
         kv,
+        tiled_sync,
+        tiled_async,
+        attention_tiled,
+        attention_tiled_async,
         embed: f("embed")?,
         rms_norm: f("rms_norm")?,
         add_rms_norm: f("add_rms_norm")?,
         add: f("add")?,
         add_bias: f("add_bias")?,
-        rope: f("rope")?,
-        store_kv: f("store_kv")?,
+        rope_store_kv: f("rope_store_kv")?,
         gather_new_kv: f("gather_new_kv")?,
         attention: f("attention")?,
-        attention_combine: f("attention_combine")?,
+
         gated_act: f("gated_act")?,
         gather_rows: f("gather_rows")?,
         soft_cap: f("soft_cap")?,
-        argmax_rows: f("argmax_rows")?,
+        argmax_partial: f("argmax_partial")?,
+        argmax_final: f("argmax_final")?,
         fill_random: f("fill_random")?,
         from_f32: f("from_f32")?,
     })
@@ -186,20 +243,26 @@ pub fn compile_kernels_for(arch: &str) -> Result<usize> {
 #[derive(Debug)]
 struct Kernels {
     kv: Kind,
+    /// Whether `attention_tiled` and `attention_tiled_async` run for these types on this
+    /// device (else each is a stub never launched).
+    tiled_sync: bool,
+    tiled_async: bool,
+    attention_tiled: CudaFunction,
+    attention_tiled_async: CudaFunction,
     embed: CudaFunction,
     rms_norm: CudaFunction,
     add_rms_norm: CudaFunction,
     add: CudaFunction,
     add_bias: CudaFunction,
-    rope: CudaFunction,
-    store_kv: CudaFunction,
+    rope_store_kv: CudaFunction,
     gather_new_kv: CudaFunction,
     attention: CudaFunction,
-    attention_combine: CudaFunction,
+
     gated_act: CudaFunction,
     gather_rows: CudaFunction,
     soft_cap: CudaFunction,
-    argmax_rows: CudaFunction,
+    argmax_partial: CudaFunction,
+    argmax_final: CudaFunction,
     fill_random: CudaFunction,
     from_f32: CudaFunction,
 }
@@ -305,9 +368,16 @@ impl Drop for Pinned {
     }
 }
 
-/// Where a step's time goes (`BATON_CUDA_TIMING=1`): printed when the engine's state drops.
+/// Where a step's time goes (`BATON_CUDA_TIMING=1`), decode steps and the others (prefill
+/// and mixed) apart: printed when the engine's state drops.
 #[derive(Debug, Default)]
 struct Timing {
+    /// `[decode, other]`.
+    kinds: [StepTimes; 2],
+}
+
+#[derive(Debug, Default)]
+struct StepTimes {
     steps: u64,
     /// Packing, stale uploads, the index upload.
     prepare: std::time::Duration,
@@ -317,6 +387,64 @@ struct Timing {
     wait: std::time::Duration,
     /// Copying logits and KV out of pinned memory into the engine's buffers.
     unpack: std::time::Duration,
+}
+
+/// Where a step's GPU time goes, launch by launch (`BATON_CUDA_PROFILE=1`, which turns CUDA
+/// graphs off): an event after every launch, read back once the step has synchronised, summed by
+/// kernel name and step kind, printed when the engine's state drops.
+#[derive(Default)]
+struct Profile {
+    /// This step's events: a start, then one after each named launch.
+    marks: std::sync::Mutex<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
+    /// `[decode, other]`: steps, and each launch's totals in first-seen order.
+    totals: [(u64, Vec<LaunchTotal>); 2],
+}
+
+/// A kernel's (or GEMM's) name, total milliseconds and launches, over a profile's steps.
+type LaunchTotal = (&'static str, f64, u64);
+
+impl Profile {
+    /// Reads the step's events (the stream has synchronised) into the totals.
+    fn collect(&mut self, decode: bool) -> Result<()> {
+        let marks = std::mem::take(&mut *self.marks.lock().map_err(|_| err("profile lock poisoned"))?);
+        let (steps, totals) = &mut self.totals[usize::from(!decode)];
+        *steps += 1;
+        for pair in marks.windows(2) {
+            let ms = f64::from(pair[0].1.elapsed_ms(&pair[1].1).map_err(err)?);
+            match totals.iter_mut().find(|t| t.0 == pair[1].0) {
+                Some(t) => {
+                    t.1 += ms;
+                    t.2 += 1;
+                }
+                None => totals.push((pair[1].0, ms, 1)),
+            }
+        }
+        Ok(())
+    }
+
+    fn print(&self) {
+        for (kind, (steps, totals)) in ["decode", "prefill/mixed"].iter().zip(&self.totals) {
+            if *steps == 0 {
+                continue;
+            }
+            let sum: f64 = totals.iter().map(|t| t.1).sum();
+            let mut rows: Vec<_> = totals.iter().collect();
+            rows.sort_by(|a, b| b.1.total_cmp(&a.1));
+            eprintln!(
+                "baton cuda profile: {steps} {kind} steps, {:.3} ms of GPU time a step, by launch:",
+                sum / *steps as f64
+            );
+            for (name, ms, launches) in rows {
+                eprintln!(
+                    "  {name:<18} {:>9.3} ms a step {:>5.1}%  {:>6.1} launches a step, {:>8.1} us each",
+                    ms / *steps as f64,
+                    100.0 * ms / sum,
+                    *launches as f64 / *steps as f64,
+                    1e3 * ms / *launches as f64
+                );
+            }
+        }
+    }
 }
 
 /// One layer's weights on the device.
@@ -454,8 +582,23 @@ impl Loader<'_> {
     }
 }
 
+/// Whether a `BATON_CUDA_*` switch is on: unset or anything but `0`.
+fn env_on(name: &str) -> bool {
+    std::env::var(name).map_or(true, |v| v != "0")
+}
+
 fn grid_stride(n: usize) -> (u32, u32, u32) {
     (n.div_ceil(256).clamp(1, 8192) as u32, 1, 1)
+}
+
+/// Values of a row each thread of a norm kernel holds (`NORM_PER` in kernels.cu).
+const NORM_PER: usize = 16;
+
+/// Threads for a norm of rows of `width` (at most `NORM_PER` · 1024): about eight values
+/// each, so that a one-row norm (a decode step's) is many loads in flight, not a loop of them.
+fn norm_threads(width: usize) -> u32 {
+    debug_assert!(width <= NORM_PER * 1024);
+    row_threads(width.div_ceil(8))
 }
 
 /// Threads for a kernel that walks a row of `width` values.
@@ -496,6 +639,94 @@ fn launch(
     .map_err(err)
 }
 
+/// What both attention kernels read and write, in one layer of one step: device pointers
+/// (`rows` and `tiles` into the step's upload) and the layer's shape.
+struct AttentionArgs {
+    qkv: u64,
+    out: u64,
+    partial: u64,
+    counters: u64,
+    cache: u64,
+    tables: u64,
+    table_start: u64,
+    pos: u64,
+    rows: u64,
+    tiles: u64,
+    /// Elements of a qkv row.
+    stride: usize,
+    heads: usize,
+    kv_heads: usize,
+    layer: usize,
+    layers: usize,
+    block_size: usize,
+    /// 0: none.
+    window: usize,
+    scale: f32,
+}
+
+impl AttentionArgs {
+    /// The arguments both kernels end with.
+    fn shape(&self) -> [Arg; 8] {
+        [
+            Arg::I(self.stride as i32),
+            Arg::I(self.heads as i32),
+            Arg::I(self.kv_heads as i32),
+            Arg::I(self.layer as i32),
+            Arg::I(self.layers as i32),
+            Arg::I(self.block_size as i32),
+            Arg::I(self.window as i32),
+            Arg::F(self.scale),
+        ]
+    }
+
+    /// `attention_tiled` (or `_async`) over `tiles` tiles.
+    fn launch_tiled(&self, s: &CudaStream, k: &Kernels, tiled: Tiled, tiles: usize, head_dim: usize) -> Result<()> {
+        let async_copies = tiled == Tiled::Async;
+        let ptrs = [self.qkv, self.out, self.cache, self.tables, self.table_start, self.pos, self.tiles].map(Arg::P);
+        launch(
+            s,
+            if async_copies { &k.attention_tiled_async } else { &k.attention_tiled },
+            (tiles as u32, self.kv_heads as u32, 1),
+            128,
+            tiled_smem(head_dim, async_copies) as u32,
+            &[&ptrs[..], &self.shape()].concat(),
+        )
+    }
+
+    /// `attention` over `rows` rows in `splits` splits, `warps` warps a block with `smem` bytes
+    /// of shared memory.
+    fn launch_rows(
+        &self,
+        s: &CudaStream,
+        k: &Kernels,
+        rows: usize,
+        splits: usize,
+        warps: usize,
+        smem: usize,
+    ) -> Result<()> {
+        let ptrs = [
+            self.qkv,
+            self.out,
+            self.partial,
+            self.counters,
+            self.cache,
+            self.tables,
+            self.table_start,
+            self.pos,
+            self.rows,
+        ]
+        .map(Arg::P);
+        launch(
+            s,
+            &k.attention,
+            (rows as u32, self.kv_heads as u32, splits as u32),
+            (warps * 32) as u32,
+            smem as u32,
+            &[&ptrs[..], &self.shape(), &[Arg::I(splits as i32)]].concat(),
+        )
+    }
+}
+
 impl CudaModel {
     /// Loads `config`'s weights from `src` onto CUDA device `ordinal`.
     pub(crate) fn load(
@@ -530,6 +761,13 @@ impl CudaModel {
             return Err(err(format!(
                 "the CUDA attention kernel takes at most {MAX_GROUP} query heads per KV head and head sizes up to {MAX_HEAD_DIM}; this model has {} heads over {} KV heads of {}",
                 c.num_heads, c.num_kv_heads, c.head_dim
+            )));
+        }
+        if c.hidden_size > NORM_PER * 1024 {
+            return Err(err(format!(
+                "the CUDA norm kernels take rows of at most {} values; this model's hidden size is {}",
+                NORM_PER * 1024,
+                c.hidden_size
             )));
         }
         let shape = Shape { head_dim: c.head_dim, group };
@@ -693,7 +931,40 @@ impl CudaModel {
         }
         .result()
         .map_err(err)?;
-        let graphs_enabled = std::env::var("BATON_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let tiled = match std::env::var("BATON_CUDA_TILED").as_deref() {
+            Ok("0") => None,
+            Ok("1") => k.tiled_sync.then_some(Tiled::Sync),
+            _ if k.tiled_async => Some(Tiled::Async),
+            _ => k.tiled_sync.then_some(Tiled::Sync),
+        }
+        .map(|t| (t, TILE_Q / self.shape.group));
+        // An engine's arena (`fresh`) is page-locked once, so that whole blocks go down by DMA;
+        // a one-off forward's is not (registering costs time in proportion to its size).
+        let block_major = arena.descriptor().dims == KvLayout::BlockMajor.dims();
+        let host_pinned = if fresh && block_major && env_on("BATON_CUDA_PIN_ARENA") {
+            let t = std::time::Instant::now();
+            match HostPinned::new(&self.ctx, arena.as_bytes()) {
+                Ok(p) => {
+                    tracing::debug!(
+                        mib = arena.as_bytes().len() >> 20,
+                        ms = t.elapsed().as_secs_f64() * 1e3,
+                        "host KV arena page-locked"
+                    );
+                    Some(p)
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "could not page-lock the host KV arena ({e}): new KV goes to the host through staging"
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let profile = std::env::var("BATON_CUDA_PROFILE").is_ok_and(|v| v == "1").then(Profile::default);
+        // The profiler's events need the launches one by one.
+        let graphs_enabled = env_on("BATON_CUDA_GRAPHS") && profile.is_none();
         Ok(CudaKv {
             k,
             stream,
@@ -705,10 +976,13 @@ impl CudaModel {
             kv_kind,
             graphs: Vec::new(),
             graphs_enabled,
+            tiled,
             _blas_workspace: blas_workspace,
             pinned_up: None,
             pinned_down: None,
             timing: std::env::var("BATON_CUDA_TIMING").is_ok_and(|v| v == "1").then(Timing::default),
+            profile,
+            host_pinned,
         })
     }
 
@@ -728,7 +1002,8 @@ impl CudaModel {
         kv.upload_stale(&pack, arena)?;
         let n = pack.rows();
         let m = pack.logit_rows.len();
-        let (words, off) = pack.words();
+        let direct = kv.host_pinned.is_some();
+        let (words, off) = pack.words(kv.tiled.map(|t| t.1), direct);
         kv.reserve(&self.ctx, self, n, words.len())?;
         let wptr = kv.words.as_ref().expect("reserved").ptr;
         let up = Pinned::at_least(&mut kv.pinned_up, &self.ctx, words.len() * 4)?;
@@ -764,7 +1039,7 @@ impl CudaModel {
         let all_argmax = pack.argmax.iter().zip(&pack.ranges).all(|(&a, r)| a || r.is_empty());
         let logit_bytes = if all_argmax { 0 } else { m * c.vocab_size * 4 };
         let argmax_bytes = (m * 4).next_multiple_of(64);
-        let kv_bytes = n * g.layers * 2 * g.kv_heads * g.head_dim * g.dtype.size();
+        let kv_bytes = off.stage_rows_len * g.layers * 2 * g.kv_heads * g.head_dim * g.dtype.size();
         let total = logit_bytes + argmax_bytes + kv_bytes;
         let down = Pinned::at_least(&mut kv.pinned_down, &self.ctx, total)?;
         let ws = kv.ws.as_ref().expect("reserved");
@@ -788,9 +1063,14 @@ impl CudaModel {
                     )
                     .map_err(err)?;
                 }
-                cudarc::driver::result::memcpy_dtoh_async(stage, ws.kv_stage.ptr, kv.stream.cu_stream())
-                    .map_err(err)?;
+                if kv_bytes > 0 {
+                    cudarc::driver::result::memcpy_dtoh_async(stage, ws.kv_stage.ptr, kv.stream.cu_stream())
+                        .map_err(err)?;
+                }
             }
+        }
+        if direct {
+            kv.copy_whole_blocks(&pack.whole_blocks, arena)?;
         }
         kv.stream.synchronize().map_err(err)?;
         let t_wait = std::time::Instant::now();
@@ -813,17 +1093,21 @@ impl CudaModel {
         if all_argmax {
             rows.iter_mut().for_each(|r| *r = 0..0);
         }
-        write_through(&pack, arena, &down.bytes(total)[logit_bytes + argmax_bytes..]);
+        write_through(&pack, &pack.staged_rows(direct), arena, &down.bytes(total)[logit_bytes + argmax_bytes..]);
         for l in 0..g.layers {
             layer_written(l);
         }
         if let Some(t) = &mut kv.timing {
             let done = std::time::Instant::now();
+            let t = &mut t.kinds[usize::from(!decode)];
             t.steps += 1;
             t.prepare += t_prepare - started;
             t.enqueue += t_enqueue - t_prepare;
             t.wait += t_wait - t_enqueue;
             t.unpack += done - t_wait;
+        }
+        if let Some(p) = &mut kv.profile {
+            p.collect(decode)?;
         }
         Ok(StepLogits { data, vocab: c.vocab_size, rows, argmax })
     }
@@ -852,24 +1136,31 @@ impl CudaModel {
         let qkv_w = q_w + 2 * kv_w;
         let eps = c.rms_norm_eps;
         let scale = c.embedding_scale.unwrap_or(1.0);
-        launch(
-            s,
+        kv.mark_start()?;
+        // Every launch goes through `step`, which marks it for the profiler (a no-op without).
+        let step = |name: &'static str, f: &CudaFunction, grid, block, smem, args: &[Arg]| {
+            launch(s, f, grid, block, smem, args)?;
+            kv.mark(name)
+        };
+        step(
+            "embed",
             &k.embed,
             (n as u32, 1, 1),
             row_threads(h).min(256),
             0,
             &[Arg::P(self.embed.ptr), Arg::P(w(off.ids)), Arg::P(ws.x.ptr), Arg::I(h as i32), Arg::F(scale)],
         )?;
-        let gemm = |x: u64, wt: u64, y: u64, rows: usize, out: usize, inp: usize, y_kind: Kind| {
-            gemm(&kv.blas, self.act, x, wt, y, rows, out, inp, y_kind)
+        let gemm = |name: &'static str, x: u64, wt: u64, y: u64, rows: usize, out: usize, inp: usize, y_kind: Kind| {
+            gemm(&kv.blas, self.act, x, wt, y, rows, out, inp, y_kind)?;
+            kv.mark(name)
         };
         let norm_rows =
             |x: u64, wt: u64, out: u64, rows: usize, heads: usize, width: usize, x_stride: usize, o_stride: usize| {
-                launch(
-                    s,
+                step(
+                    "rms_norm",
                     &k.rms_norm,
                     (rows as u32, heads as u32, 1),
-                    row_threads(width).min(256),
+                    norm_threads(width),
                     0,
                     &[
                         Arg::P(x),
@@ -883,11 +1174,11 @@ impl CudaModel {
                 )
             };
         let add_norm = |x: u64, d: u64, wt: u64, out: u64| {
-            launch(
-                s,
+            step(
+                "add_rms_norm",
                 &k.add_rms_norm,
                 (n as u32, 1, 1),
-                row_threads(h).min(256),
+                norm_threads(h),
                 0,
                 &[Arg::P(x), Arg::P(d), Arg::P(wt), Arg::P(out), Arg::I(h as i32), Arg::F(eps)],
             )
@@ -898,11 +1189,12 @@ impl CudaModel {
         let smem = warps * group * (hd + 2) * 4;
         // Split-K: enough blocks for two waves over the multiprocessors (decode of a small
         // batch), no more partials than the workspace holds.
-        let blocks = n * c.num_kv_heads;
+        let nr = off.attn_rows_len;
+        let blocks = nr.max(1) * c.num_kv_heads;
         let splits = if blocks >= 2 * self.sms {
             1
         } else {
-            (2 * self.sms).div_ceil(blocks).min(32).min(PARTIAL_ROWS / n).max(1)
+            (2 * self.sms).div_ceil(blocks).min(32).min(PARTIAL_ROWS / nr.max(1)).max(1)
         };
         for (l, layer) in self.layers.iter().enumerate() {
             if l == 0 {
@@ -910,10 +1202,10 @@ impl CudaModel {
             } else {
                 add_norm(ws.x.ptr, ws.o.ptr, layer.input_norm.ptr, ws.h.ptr)?;
             }
-            gemm(ws.h.ptr, layer.qkv.ptr, ws.qkv.ptr, n, qkv_w, h, self.act)?;
+            gemm("gemm qkv", ws.h.ptr, layer.qkv.ptr, ws.qkv.ptr, n, qkv_w, h, self.act)?;
             if let Some(b) = &layer.qkv_bias {
-                launch(
-                    s,
+                step(
+                    "add_bias",
                     &k.add_bias,
                     grid_stride(n * qkv_w),
                     256,
@@ -926,10 +1218,10 @@ impl CudaModel {
                 let kp = ws.qkv.at(q_w * a);
                 norm_rows(kp, kn.ptr, kp, n, c.num_kv_heads, hd, qkv_w, qkv_w)?;
             }
-            launch(
-                s,
-                &k.rope,
-                (n as u32, (c.num_heads + c.num_kv_heads) as u32, 1),
+            step(
+                "rope_store_kv",
+                &k.rope_store_kv,
+                (n as u32, (c.num_heads + 2 * c.num_kv_heads) as u32, 1),
                 row_threads(hd / 2).min(128),
                 0,
                 &[
@@ -938,74 +1230,59 @@ impl CudaModel {
                     Arg::P(self.inv_freqs[layer.rope].ptr),
                     Arg::I(qkv_w as i32),
                     Arg::I(hd as i32),
-                ],
-            )?;
-            launch(
-                s,
-                &k.store_kv,
-                (n as u32, 2, 1),
-                row_threads(kv_w).min(256),
-                0,
-                &[
-                    Arg::P(ws.qkv.ptr),
+                    Arg::I(c.num_heads as i32),
+                    Arg::I(c.num_kv_heads as i32),
                     Arg::P(kv.cache.ptr),
                     Arg::P(w(off.block)),
                     Arg::P(w(off.slot)),
-                    Arg::I(qkv_w as i32),
-                    Arg::I(q_w as i32),
-                    Arg::I(kv_w as i32),
                     Arg::I(l as i32),
                     Arg::I(g.layers as i32),
                     Arg::I(bs as i32),
                 ],
             )?;
-            launch(
-                s,
-                &k.attention,
-                (n as u32, c.num_kv_heads as u32, splits as u32),
-                (warps * 32) as u32,
-                smem as u32,
-                &[
-                    Arg::P(ws.qkv.ptr),
-                    Arg::P(ws.attn.ptr),
-                    Arg::P(ws.partial.ptr),
-                    Arg::P(kv.cache.ptr),
-                    Arg::P(w(off.tables)),
-                    Arg::P(w(off.table_start)),
-                    Arg::P(w(off.pos)),
-                    Arg::I(qkv_w as i32),
-                    Arg::I(c.num_heads as i32),
-                    Arg::I(c.num_kv_heads as i32),
-                    Arg::I(l as i32),
-                    Arg::I(g.layers as i32),
-                    Arg::I(bs as i32),
-                    Arg::I(layer.window.map_or(0, |w| w as i32)),
-                    Arg::F(c.attention_scale()),
-                    Arg::I(splits as i32),
-                ],
-            )?;
-            if splits > 1 {
-                launch(
-                    s,
-                    &k.attention_combine,
-                    (n as u32, c.num_heads as u32, 1),
-                    row_threads(hd),
-                    0,
-                    &[Arg::P(ws.partial.ptr), Arg::P(ws.attn.ptr), Arg::I(c.num_heads as i32), Arg::I(splits as i32)],
-                )?;
+            // Prefill chunks in tiles on the tensor cores, every other row one by one.
+            let attn = AttentionArgs {
+                qkv: ws.qkv.ptr,
+                out: ws.attn.ptr,
+                partial: ws.partial.ptr,
+                counters: ws.counters.ptr,
+                cache: kv.cache.ptr,
+                tables: w(off.tables),
+                table_start: w(off.table_start),
+                pos: w(off.pos),
+                rows: w(off.attn_rows),
+                tiles: w(off.tiles),
+                stride: qkv_w,
+                heads: c.num_heads,
+                kv_heads: c.num_kv_heads,
+                layer: l,
+                layers: g.layers,
+                block_size: bs,
+                window: layer.window.unwrap_or(0),
+                scale: c.attention_scale(),
+            };
+            if let Some((tiled, _)) = kv.tiled
+                && off.tiles_len > 0
+            {
+                attn.launch_tiled(s, k, tiled, off.tiles_len, hd)?;
+                kv.mark("attention_tiled")?;
             }
-            gemm(ws.attn.ptr, layer.o.ptr, ws.o.ptr, n, h, q_w, self.act)?;
+            if nr > 0 {
+                attn.launch_rows(s, k, nr, splits, warps, smem)?;
+                kv.mark("attention")?;
+            }
+            gemm("gemm o", ws.attn.ptr, layer.o.ptr, ws.o.ptr, n, h, q_w, self.act)?;
             if let Some(pn) = &layer.post_attn_norm {
                 norm_rows(ws.o.ptr, pn.ptr, ws.o.ptr, n, 1, h, h, h)?;
             }
             add_norm(ws.x.ptr, ws.o.ptr, layer.mlp_norm.ptr, ws.h.ptr)?;
-            gemm(ws.h.ptr, layer.gate_up.ptr, ws.gu.ptr, n, 2 * inter, h, self.act)?;
+            gemm("gemm gate_up", ws.h.ptr, layer.gate_up.ptr, ws.gu.ptr, n, 2 * inter, h, self.act)?;
             let kind = match c.activation {
                 Activation::Silu => 0,
                 Activation::GeluTanh => 1,
             };
-            launch(
-                s,
+            step(
+                "gated_act",
                 &k.gated_act,
                 grid_stride(n * inter),
                 256,
@@ -1018,15 +1295,15 @@ impl CudaModel {
                     Arg::I(kind),
                 ],
             )?;
-            gemm(ws.act.ptr, layer.down.ptr, ws.o.ptr, n, h, inter, self.act)?;
+            gemm("gemm down", ws.act.ptr, layer.down.ptr, ws.o.ptr, n, h, inter, self.act)?;
             if let Some(pn) = &layer.post_mlp_norm {
                 norm_rows(ws.o.ptr, pn.ptr, ws.o.ptr, n, 1, h, h, h)?;
             }
         }
-        launch(s, &k.add, grid_stride(n * h), 256, 0, &[Arg::P(ws.x.ptr), Arg::P(ws.o.ptr), Arg::P((n * h) as u64)])?;
+        step("add", &k.add, grid_stride(n * h), 256, 0, &[Arg::P(ws.x.ptr), Arg::P(ws.o.ptr), Arg::P((n * h) as u64)])?;
         if m > 0 {
-            launch(
-                s,
+            step(
+                "gather_rows",
                 &k.gather_rows,
                 (m as u32, 1, 1),
                 row_threads(h).min(256),
@@ -1035,10 +1312,10 @@ impl CudaModel {
             )?;
             norm_rows(ws.h.ptr, self.norm.ptr, ws.h.ptr, m, 1, h, h, h)?;
             let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-            gemm(ws.h.ptr, head.ptr, ws.logits.ptr, m, c.vocab_size, h, Kind::F32)?;
+            gemm("gemm lm_head", ws.h.ptr, head.ptr, ws.logits.ptr, m, c.vocab_size, h, Kind::F32)?;
             if let Some(cap) = c.final_logit_softcapping {
-                launch(
-                    s,
+                step(
+                    "soft_cap",
                     &k.soft_cap,
                     grid_stride(m * c.vocab_size),
                     256,
@@ -1046,20 +1323,31 @@ impl CudaModel {
                     &[Arg::P(ws.logits.ptr), Arg::F(cap), Arg::P((m * c.vocab_size) as u64)],
                 )?;
             }
-            launch(
-                s,
-                &k.argmax_rows,
-                (m as u32, 1, 1),
-                1024,
+            step(
+                "argmax_partial",
+                &k.argmax_partial,
+                (m as u32, ARGMAX_PARTS as u32, 1),
+                256,
                 0,
-                &[Arg::P(ws.logits.ptr), Arg::P(ws.argmax.ptr), Arg::I(c.vocab_size as i32)],
+                &[Arg::P(ws.logits.ptr), Arg::P(ws.argmax_partial.ptr), Arg::I(c.vocab_size as i32)],
+            )?;
+            step(
+                "argmax_final",
+                &k.argmax_final,
+                (m as u32, 1, 1),
+                ARGMAX_PARTS as u32,
+                0,
+                &[Arg::P(ws.argmax_partial.ptr), Arg::P(ws.argmax.ptr)],
             )?;
         }
         let width = g.kv_heads * g.head_dim;
-        launch(
-            s,
+        if off.stage_rows_len == 0 {
+            return Ok(());
+        }
+        step(
+            "gather_new_kv",
             &k.gather_new_kv,
-            (n as u32, (g.layers * 2) as u32, 1),
+            (off.stage_rows_len as u32, (g.layers * 2) as u32, 1),
             row_threads(width).min(256),
             0,
             &[
@@ -1067,6 +1355,7 @@ impl CudaModel {
                 Arg::P(ws.kv_stage.ptr),
                 Arg::P(w(off.block)),
                 Arg::P(w(off.slot)),
+                Arg::P(w(off.stage_rows)),
                 Arg::I(width as i32),
                 Arg::I(g.layers as i32),
                 Arg::I(bs as i32),
@@ -1118,16 +1407,16 @@ fn gemm(
     .map_err(err)
 }
 
-/// Copies the step's new keys and values, `[row][layer][K, V][kv_heads · head_dim]` in
-/// `stage`, into their slots of the host arena.
-fn write_through(pack: &StepPack, arena: &mut KvArena, stage: &[u8]) {
+/// Copies the staged rows' new keys and values, `[i][layer][K, V][kv_heads · head_dim]` in
+/// `stage` for row `staged[i]`, into their slots of the host arena.
+fn write_through(pack: &StepPack, staged: &[i32], arena: &mut KvArena, stage: &[u8]) {
     let g = *arena.geometry();
     let size = g.dtype.size();
     let token = g.kv_heads * g.head_dim * size;
     let desc = arena.descriptor().clone();
     let bytes = arena.as_bytes_mut();
-    for r in 0..pack.rows() {
-        let (b, sl) = (pack.block[r] as usize, pack.slot[r] as usize);
+    for (r, &row) in staged.iter().enumerate() {
+        let (b, sl) = (pack.block[row as usize] as usize, pack.slot[row as usize] as usize);
         for l in 0..g.layers {
             for (pi, part) in [KvPart::Key, KvPart::Value].into_iter().enumerate() {
                 let dst = desc.offset(l, part, b, sl, 0) * size;
@@ -1159,6 +1448,10 @@ struct Workspace {
     kv_stage: DevBuf,
     /// Each logits row's argmax.
     argmax: DevBuf,
+    /// Its first pass: `ARGMAX_PARTS` (value, index) pairs a row.
+    argmax_partial: DevBuf,
+    /// Split-K attention's count of splits done per (row, KV head), zero between launches.
+    counters: DevBuf,
     /// Split-K partials of attention: [`PARTIAL_ROWS`] (row, split) pairs of every head.
     partial: DevBuf,
 }
@@ -1188,6 +1481,9 @@ pub struct CudaKv {
     graphs: Vec<(usize, Graph)>,
     /// `BATON_CUDA_GRAPHS=0` turns graphs off (to measure what they save).
     graphs_enabled: bool,
+    /// The tiled prefill attention and the rows of its tiles (`TILE_Q` over the GQA group);
+    /// `None` where no tiled kernel takes these types or `BATON_CUDA_TILED=0` turns it off.
+    tiled: Option<(Tiled, usize)>,
     /// cuBLAS's workspace, set once, so a captured GEMM allocates nothing.
     _blas_workspace: DevBuf,
     /// Pinned staging of the index upload, and of the logits and new KV coming down.
@@ -1195,22 +1491,66 @@ pub struct CudaKv {
     pinned_down: Option<Pinned>,
     /// `BATON_CUDA_TIMING=1`: where steps spend their time, printed on drop.
     timing: Option<Timing>,
+    /// `BATON_CUDA_PROFILE=1`: where the GPU spends a step's time, printed on drop.
+    profile: Option<Profile>,
+    /// The host arena, page-locked for the device (an engine's, block-major): blocks a step
+    /// writes whole go down by DMA straight into it, with no staging and no host copy.
+    host_pinned: Option<HostPinned>,
+}
+
+/// Host memory registered with the driver (`cuMemHostRegister`), unregistered on drop. The
+/// engine drops its device state before its pool, so the memory outlives the registration.
+struct HostPinned {
+    ctx: Arc<CudaContext>,
+    ptr: *mut c_void,
+}
+
+// SAFETY: a registration names host memory by address; it has no thread affinity.
+unsafe impl Send for HostPinned {}
+
+impl HostPinned {
+    /// Registers `bytes`, or says why not.
+    fn new(ctx: &Arc<CudaContext>, bytes: &[u8]) -> Result<Self> {
+        ctx.bind_to_thread().map_err(err)?;
+        let ptr = bytes.as_ptr() as *mut c_void;
+        // SAFETY: `bytes` is live host memory of this length; registration only pins it (the
+        // driver writes it only through copies this module enqueues).
+        unsafe { sys::cuMemHostRegister_v2(ptr, bytes.len(), sys::CU_MEMHOSTREGISTER_PORTABLE) }
+            .result()
+            .map_err(err)?;
+        Ok(Self { ctx: ctx.clone(), ptr })
+    }
+}
+
+impl Drop for HostPinned {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: registered by `new`, unregistered once; the owner's copies are synchronised.
+            let _ = unsafe { sys::cuMemHostUnregister(self.ptr) };
+        }
+    }
 }
 
 impl Drop for CudaKv {
     fn drop(&mut self) {
-        if let Some(t) = &self.timing
-            && t.steps > 0
-        {
-            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / t.steps as f64;
-            eprintln!(
-                "baton cuda timing: {} steps, per step: prepare {:.3} ms, enqueue {:.3} ms, GPU and copies {:.3} ms, unpack {:.3} ms",
-                t.steps,
-                ms(t.prepare),
-                ms(t.enqueue),
-                ms(t.wait),
-                ms(t.unpack)
-            );
+        if let Some(t) = &self.timing {
+            for (kind, t) in ["decode", "prefill/mixed"].iter().zip(&t.kinds) {
+                if t.steps == 0 {
+                    continue;
+                }
+                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / t.steps as f64;
+                eprintln!(
+                    "baton cuda timing: {} {kind} steps, per step: prepare {:.3} ms, enqueue {:.3} ms, GPU and copies {:.3} ms, unpack {:.3} ms",
+                    t.steps,
+                    ms(t.prepare),
+                    ms(t.enqueue),
+                    ms(t.wait),
+                    ms(t.unpack)
+                );
+            }
+        }
+        if let Some(p) = &self.profile {
+            p.print();
         }
     }
 }
@@ -1225,6 +1565,50 @@ impl std::fmt::Debug for CudaKv {
 }
 
 impl CudaKv {
+    /// Starts a profiled step's events (a no-op unless profiling).
+    fn mark_start(&self) -> Result<()> {
+        self.mark("start")
+    }
+
+    /// Records an event after the launch just enqueued, named for the profiler (a no-op unless
+    /// profiling).
+    fn mark(&self, name: &'static str) -> Result<()> {
+        let Some(p) = &self.profile else { return Ok(()) };
+        let event = self.stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err)?;
+        event.record(&self.stream).map_err(err)?;
+        p.marks.lock().map_err(|_| err("profile lock poisoned"))?.push((name, event));
+        Ok(())
+    }
+
+    /// Enqueues the copies of `blocks` (written whole by the step just enqueued) from the device
+    /// arena into the page-locked host arena, one copy a run of consecutive block ids; the
+    /// step's end synchronises. Both arenas are block-major with the same geometry, so a block
+    /// is at the same offset in each.
+    fn copy_whole_blocks(&self, blocks: &[u32], arena: &mut KvArena) -> Result<()> {
+        let block_bytes = arena.geometry().block_elems() * self.kv_kind.size();
+        let bytes = arena.as_bytes_mut();
+        let mut i = 0;
+        while i < blocks.len() {
+            let mut j = i + 1;
+            while j < blocks.len() && blocks[j] == blocks[j - 1] + 1 {
+                j += 1;
+            }
+            let (start, len) = (blocks[i] as usize * block_bytes, (j - i) * block_bytes);
+            // SAFETY: blocks of both arenas; the host bytes are not read (the blocks are not
+            // yet published) or freed before the stream synchronises at the step's end.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut bytes[start..start + len],
+                    self.cache.at(start),
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(err)?;
+            i = j;
+        }
+        Ok(())
+    }
+
     /// Marks blocks whose host bytes someone else wrote: they are uploaded before a step reads
     /// them.
     pub(crate) fn invalidate(&mut self, blocks: &[BlockId]) {
@@ -1238,10 +1622,24 @@ impl CudaKv {
     /// Device memory the arena and the workspace take.
     pub(crate) fn device_bytes(&self) -> (usize, usize) {
         let ws = self.ws.as_ref().map_or(0, |w| {
-            [&w.x, &w.h, &w.qkv, &w.attn, &w.o, &w.gu, &w.act, &w.logits, &w.kv_stage, &w.partial, &w.argmax]
-                .iter()
-                .map(|b| b.bytes)
-                .sum()
+            [
+                &w.x,
+                &w.h,
+                &w.qkv,
+                &w.attn,
+                &w.o,
+                &w.gu,
+                &w.act,
+                &w.logits,
+                &w.kv_stage,
+                &w.partial,
+                &w.argmax,
+                &w.argmax_partial,
+                &w.counters,
+            ]
+            .iter()
+            .map(|b| b.bytes)
+            .sum()
         });
         (self.cache.bytes, ws + self.words.as_ref().map_or(0, |w| w.bytes))
     }
@@ -1320,6 +1718,13 @@ impl CudaKv {
             kv_stage: buf(c.num_layers * 2 * kv_w, self.kv_kind.size())?,
             partial: DevBuf::new(ctx, PARTIAL_ROWS * c.num_heads * (c.head_dim + 2) * 4)?,
             argmax: buf(1, 4)?,
+            argmax_partial: buf(ARGMAX_PARTS, 8)?,
+            counters: {
+                let b = DevBuf::new(ctx, PARTIAL_ROWS * c.num_kv_heads * 4)?;
+                // SAFETY: `b` holds that many bytes; the memset is synchronous.
+                unsafe { cudarc::driver::result::memset_d8_sync(b.ptr, 0, b.bytes) }.map_err(err)?;
+                b
+            },
         });
         Ok(())
     }
@@ -1383,4 +1788,172 @@ pub(crate) fn measure_limits(ordinal: usize) -> Result<DeviceLimits> {
     })?;
     let gemm_tflops = 10.0 * 2.0 * (n as f64).powi(3) / s / 1e12;
     Ok(DeviceLimits { copy_gb_s, gemm_tflops })
+}
+
+/// One case of [`check_kernels`]: a fast kernel against the plain one on the same random data.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelCheck {
+    /// What ran.
+    pub name: String,
+    /// Largest |fast − plain| over the outputs.
+    pub max_abs_diff: f32,
+    /// Largest |plain| (the scale the difference is read against).
+    pub max_abs: f32,
+    /// The tolerance the case is held to.
+    pub tolerance: f32,
+}
+
+impl KernelCheck {
+    /// Whether the difference is within the tolerance (NaN never is).
+    pub fn passed(&self) -> bool {
+        self.max_abs_diff <= self.tolerance
+    }
+}
+
+/// Downloads `n` elements of a 16-bit (bfloat16) device buffer as float32.
+fn download_bf16(stream: &CudaStream, ptr: u64, n: usize) -> Result<Vec<f32>> {
+    let mut raw = vec![0u16; n];
+    // SAFETY: the caller's buffer holds `n` bfloat16 values.
+    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut raw, ptr, stream.cu_stream()) }.map_err(err)?;
+    stream.synchronize().map_err(err)?;
+    Ok(raw.into_iter().map(|v| f32::from_bits(u32::from(v) << 16)).collect())
+}
+
+fn compare(name: String, plain: &[f32], fast: &[f32], tolerance: f32) -> KernelCheck {
+    let max_abs_diff = plain
+        .iter()
+        .zip(fast)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, |m, d| if d.is_nan() || m.is_nan() { f32::NAN } else { m.max(d) });
+    let max_abs = plain.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    KernelCheck { name, max_abs_diff, max_abs, tolerance }
+}
+
+/// Checks the fast kernels against the plain ones on random bfloat16 data, on CUDA device
+/// `ordinal`: `attention_tiled` (prefill chunks on the tensor cores) against `attention` (row by
+/// row, float32 inside, the kernel the float32 checks vouch for) over chunks that span several
+/// tiles and key tiles, with and without a sliding window, for several head sizes and GQA groups.
+/// What `baton check-device --kernels` prints.
+pub fn check_kernels(ordinal: usize) -> Result<Vec<KernelCheck>> {
+    check_libraries()?;
+    let ctx = CudaContext::new(ordinal).map_err(err)?;
+    // SAFETY: one stream uses these buffers.
+    unsafe { ctx.disable_event_tracking() };
+    let (major, _) = ctx.compute_capability().map_err(err)?;
+    let stream = ctx.new_stream().map_err(err)?;
+    let fill = |k: &Kernels, buf: &DevBuf, n: usize, seed: u64, std: f32| {
+        launch(
+            &stream,
+            &k.fill_random,
+            grid_stride(n),
+            256,
+            0,
+            &[Arg::P(buf.ptr), Arg::P(n as u64), Arg::P(seed), Arg::F(std)],
+        )
+    };
+    let mut checks = Vec::new();
+    if major < 8 {
+        return Err(err("the tiled attention kernels need compute capability 8.0 or newer"));
+    }
+    for (head_dim, group) in [(128, 4), (64, 1), (256, 2), (64, 7)] {
+        let shape = Shape { head_dim, group };
+        let k = compile(&ctx, Kind::Bf16, Kind::Bf16, shape)?;
+        let (kv_heads, layers, bs) = (2usize, 2usize, 16usize);
+        let heads = kv_heads * group;
+        let width = kv_heads * head_dim;
+        let stride = (heads + 2 * kv_heads) * head_dim;
+        let num_blocks = 64usize;
+        // Three prefill chunks (one spanning several tiles and key tiles, one starting at
+        // position 0, one short of a tile) and two decode rows.
+        let seqs: [(usize, usize); 5] = [(100, 150), (0, 37), (200, 9), (300, 1), (17, 1)];
+        let tables: Vec<Vec<BlockId>> = (0..seqs.len())
+            .map(|i| (0..24).map(|b| BlockId(((b * 5 + i * 11) % num_blocks) as u32)).collect())
+            .collect();
+        let tokens: Vec<Vec<u32>> = seqs.iter().map(|&(_, len)| vec![0; len]).collect();
+        let batch: Vec<SeqStep<'_>> = seqs
+            .iter()
+            .zip(&tables)
+            .zip(&tokens)
+            .map(|((&(start, _), t), toks)| SeqStep {
+                start_pos: start,
+                tokens: toks,
+                blocks: t,
+                logits: crate::model::LogitsWanted::None,
+            })
+            .collect();
+        let pack = StepPack::new(&batch, bs, 1)?;
+        let n = pack.rows();
+        let qkv = DevBuf::new(&ctx, n * stride * 2)?;
+        let cache = DevBuf::new(&ctx, num_blocks * layers * 2 * bs * width * 2)?;
+        fill(&k, &qkv, n * stride, 11, 1.0)?;
+        fill(&k, &cache, num_blocks * layers * 2 * bs * width, 12, 1.0)?;
+        for window in [0, 48] {
+            let mut outs = Vec::new();
+            // (tiled kernel, splits of the row kernel): the plain one first, the reference.
+            for (variant, splits) in [(None, 1usize), (None, 8), (Some(Tiled::Sync), 1), (Some(Tiled::Async), 1)] {
+                let available = match variant {
+                    None => true,
+                    Some(Tiled::Sync) => k.tiled_sync,
+                    Some(Tiled::Async) => k.tiled_async,
+                };
+                if !available {
+                    continue;
+                }
+                let partial = DevBuf::new(&ctx, n * heads * splits * (head_dim + 2) * 4)?;
+                let counters = DevBuf::new(&ctx, n * kv_heads * 4)?;
+                // SAFETY: `counters` holds that many bytes; the memset is synchronous.
+                unsafe { cudarc::driver::result::memset_d8_sync(counters.ptr, 0, counters.bytes) }.map_err(err)?;
+                let (words, off) = pack.words(variant.map(|_| TILE_Q / group), false);
+                let wbuf = DevBuf::new(&ctx, words.len() * 4)?;
+                // SAFETY: `wbuf` holds the words.
+                unsafe { cudarc::driver::result::memcpy_htod_sync(wbuf.ptr, &words) }.map_err(err)?;
+                let w = |o: usize| wbuf.at(o * 4);
+                let out = DevBuf::new(&ctx, n * heads * head_dim * 2)?;
+                // Poisoned: an output neither kernel writes shows.
+                fill(&k, &out, n * heads * head_dim, 99, 100.0)?;
+                let attn = AttentionArgs {
+                    qkv: qkv.ptr,
+                    out: out.ptr,
+                    partial: partial.ptr,
+                    counters: counters.ptr,
+                    cache: cache.ptr,
+                    tables: w(off.tables),
+                    table_start: w(off.table_start),
+                    pos: w(off.pos),
+                    rows: w(off.attn_rows),
+                    tiles: w(off.tiles),
+                    stride,
+                    heads,
+                    kv_heads,
+                    layer: 1,
+                    layers,
+                    block_size: bs,
+                    window,
+                    scale: 1.0 / (head_dim as f32).sqrt(),
+                };
+                if let Some(variant) = variant {
+                    attn.launch_tiled(&stream, &k, variant, off.tiles_len, head_dim)?;
+                }
+                let warps = ATTENTION_WARPS as usize;
+                attn.launch_rows(&stream, &k, off.attn_rows_len, splits, warps, warps * group * (head_dim + 2) * 4)?;
+                outs.push((variant, splits, download_bf16(&stream, out.ptr, n * heads * head_dim)?));
+            }
+            // bfloat16 rounding of the output (1/256 of 1) and of the tiled kernel's
+            // probabilities before P · V.
+            for (variant, splits, fast) in &outs[1..] {
+                let name = match variant {
+                    Some(Tiled::Async) => "attention_tiled_async".to_owned(),
+                    Some(Tiled::Sync) => "attention_tiled".to_owned(),
+                    None => format!("attention in {splits} splits"),
+                };
+                checks.push(compare(
+                    format!("{name} vs attention: head_dim {head_dim}, group {group}, window {window}, {n} rows"),
+                    &outs[0].2,
+                    fast,
+                    0.03,
+                ));
+            }
+        }
+    }
+    Ok(checks)
 }
