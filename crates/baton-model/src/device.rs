@@ -408,6 +408,58 @@ mod tests {
         assert_eq!(&w[off.attn_rows..off.tiles], &[21, 22, 23, 24, 25, 26, 27, 28]);
     }
 
+    proptest::proptest! {
+        /// For any batch of chunks and decode rows: attention takes every row exactly once,
+        /// tiles stay inside their sequence and hold consecutive rows; the rows the host gets
+        /// by staging and the rows in whole blocks partition the step; a whole block's every
+        /// slot is written this step; and the upload's arrays sit where the offsets say.
+        #[test]
+        fn a_packs_splits_partition_its_rows(
+            seqs in proptest::collection::vec((0usize..40, 1usize..40), 1..6),
+            tile_rows in proptest::option::of(1usize..20),
+        ) {
+            let bs = 4;
+            let blocks: Vec<Vec<BlockId>> = seqs
+                .iter()
+                .enumerate()
+                .map(|(i, &(start, len))| (0..(start + len).div_ceil(bs)).map(|b| BlockId((i * 100 + b) as u32)).collect())
+                .collect();
+            let tokens: Vec<Vec<u32>> = seqs.iter().map(|&(_, len)| vec![1; len]).collect();
+            let batch: Vec<SeqStep<'_>> = seqs
+                .iter()
+                .zip(&blocks)
+                .zip(&tokens)
+                .map(|((&(start, _), b), t)| SeqStep { start_pos: start, tokens: t, blocks: b, logits: LogitsWanted::Last })
+                .collect();
+            let p = StepPack::new(&batch, bs, 10).expect("packs");
+            let n = p.rows();
+            let (rows, tiles) = p.attention_split(tile_rows);
+            let mut seen = vec![0; n];
+            rows.iter().for_each(|&r| seen[r as usize] += 1);
+            for &[r0, len] in &tiles {
+                let seq = p.seqs.iter().find(|s| s.contains(&(r0 as usize))).expect("a tile starts in a sequence");
+                proptest::prop_assert!(len > 0 && Some(len as usize) <= tile_rows);
+                proptest::prop_assert!((r0 + len) as usize <= seq.end, "a tile stays inside its sequence");
+                (r0..r0 + len).for_each(|r| seen[r as usize] += 1);
+            }
+            proptest::prop_assert!(seen.iter().all(|&c| c == 1), "every row attended exactly once: {seen:?}");
+            let staged = p.staged_rows(true);
+            for r in 0..n {
+                proptest::prop_assert_eq!(staged.contains(&(r as i32)), !p.in_whole_block[r]);
+            }
+            for &b in &p.whole_blocks {
+                let written = (0..n).filter(|&r| p.block[r] == b).count();
+                proptest::prop_assert_eq!(written, bs, "a whole block has every slot written");
+            }
+            let (w, off) = p.words(tile_rows, true);
+            proptest::prop_assert_eq!(&w[off.pos..off.block], &p.pos.iter().map(|&x| x as u32).collect::<Vec<_>>()[..]);
+            proptest::prop_assert_eq!(off.attn_rows_len, rows.len());
+            proptest::prop_assert_eq!(off.tiles_len, tiles.len());
+            proptest::prop_assert_eq!(off.stage_rows_len, staged.len());
+            proptest::prop_assert_eq!(&w[off.tables..], &p.tables[..]);
+        }
+    }
+
     #[test]
     fn packing_refuses_what_the_cpu_refuses() {
         let t = [BlockId(0)];
