@@ -165,6 +165,16 @@ pub struct StepPack {
     pub whole_blocks: Vec<u32>,
     /// Whether each row's block is one of `whole_blocks`.
     pub in_whole_block: Vec<bool>,
+    /// Rows of the batch; those after them are padding ([`Self::pad`]).
+    pub real_rows: usize,
+}
+
+/// The batch size a decode step of `n` sequences runs as on a device that replays captured
+/// steps: powers of two up to 8, then multiples of 16, so a server whose batch size wanders
+/// captures a handful of steps (8 up to 64 sequences), not one a size. The step is padded
+/// ([`StepPack::pad`]).
+pub fn decode_bucket(n: usize) -> usize {
+    if n <= 8 { n.next_power_of_two() } else { n.next_multiple_of(16) }
 }
 
 /// New tokens of one sequence from which a step's attention takes them in tiles (a prefill
@@ -206,7 +216,32 @@ impl StepPack {
         if p.ids.is_empty() {
             return Err(ModelError::InvalidInput("empty batch".into()));
         }
+        p.real_rows = p.ids.len();
         Ok(p)
+    }
+
+    /// Pads the step to `rows` rows: each extra row is token 0 at position 0 of block
+    /// `scratch` (one outside the pool, the device's own), attended one by one, its argmax
+    /// taken and its new KV staged like a real row's, so that every array has the length a
+    /// step of `rows` sequences has. Its outputs belong to no sequence (`ranges` and `seqs`
+    /// of the batch's sequences are unchanged) and the host drops its KV (rows from
+    /// `real_rows` on).
+    pub fn pad(&mut self, rows: usize, scratch: u32) {
+        let table = self.tables.len() as i32;
+        if rows > self.rows() {
+            self.tables.push(scratch);
+        }
+        while self.rows() < rows {
+            let r = self.rows();
+            self.ids.push(0);
+            self.pos.push(0);
+            self.block.push(scratch);
+            self.slot.push(0);
+            self.table_start.push(table);
+            self.logit_rows.push(r as i32);
+            self.seqs.push(r..r + 1);
+            self.in_whole_block.push(false);
+        }
     }
 
     /// Rows (new tokens) in the step.
@@ -458,6 +493,36 @@ mod tests {
             proptest::prop_assert_eq!(off.stage_rows_len, staged.len());
             proptest::prop_assert_eq!(&w[off.tables..], &p.tables[..]);
         }
+    }
+
+    #[test]
+    fn a_padded_decode_step_has_the_offsets_of_its_bucket() {
+        assert_eq!((1..=10).map(decode_bucket).collect::<Vec<_>>(), [1, 2, 4, 4, 8, 8, 8, 8, 16, 16]);
+        assert_eq!((decode_bucket(33), decode_bucket(64), decode_bucket(65)), (48, 64, 80));
+        let blocks: Vec<BlockId> = (0..4).map(BlockId).collect();
+        let step = |n: usize| {
+            let batch: Vec<SeqStep<'_>> = (0..n)
+                .map(|i| SeqStep { start_pos: 5 + i, tokens: &[1], blocks: &blocks, logits: LogitsWanted::Argmax })
+                .collect();
+            StepPack::new(&batch, 4, 10).expect("packs")
+        };
+        let mut three = step(3);
+        three.pad(4, 99);
+        let four = step(4);
+        let ((w3, off3), (w4, off4)) = (three.words(Some(16), true), four.words(Some(16), true));
+        // The tables differ in length (one scratch block at their end), nothing else.
+        assert_eq!(off3, off4, "a padded step's arrays sit where its bucket's do");
+        assert_eq!(w3.len() - three.tables.len(), w4.len() - four.tables.len());
+        assert_eq!(three.tables.len(), 2 + 2 + 2 + 1, "three real tables, one scratch block");
+        assert_eq!((three.real_rows, three.rows()), (3, 4));
+        assert_eq!((three.block[3], three.pos[3], three.slot[3]), (99, 0, 0));
+        assert_eq!(three.tables[three.table_start[3] as usize], 99);
+        assert_eq!(three.ranges.len(), 3, "the padding belongs to no sequence");
+        assert_eq!(three.staged_rows(true), [0, 1, 2, 3], "staged like a real row; the host drops it");
+        assert_eq!(three.attention_split(Some(16)).0, [0, 1, 2, 3]);
+        let mut same = step(4);
+        same.pad(4, 99);
+        assert_eq!(same, four, "padding to its own size changes nothing");
     }
 
     #[test]

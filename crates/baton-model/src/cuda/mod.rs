@@ -47,7 +47,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, sys};
 use cudarc::nvrtc::CompileOptions;
 
 use crate::config::{Activation, ModelConfig};
-use crate::device::{ComputeDtype, DeviceLimits, StepPack};
+use crate::device::{ComputeDtype, DeviceLimits, StepPack, decode_bucket};
 use crate::error::{ModelError, Result};
 use crate::kernels::rope_inv_freq;
 use crate::model::{SeqStep, StepLogits};
@@ -922,7 +922,8 @@ impl CudaModel {
         let stream = self.ctx.new_stream().map_err(err)?;
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
         let blocks = arena.num_blocks();
-        let cache = DevBuf::new(&self.ctx, blocks * g.block_elems() * kv_kind.size())?;
+        // One block more than the pool's: the scratch block padded decode rows write to.
+        let cache = DevBuf::new(&self.ctx, (blocks + 1) * g.block_elems() * kv_kind.size())?;
         let blas_workspace = DevBuf::new(&self.ctx, 32 << 20)?;
         // SAFETY: the workspace outlives the handle (both are the CudaKv's; fields drop in
         // declaration order, the handle first).
@@ -977,6 +978,7 @@ impl CudaModel {
             graphs: Vec::new(),
             graphs_enabled,
             tiled,
+            scratch_block: blocks as u32,
             _blas_workspace: blas_workspace,
             pinned_up: None,
             pinned_down: None,
@@ -997,7 +999,15 @@ impl CudaModel {
         let started = std::time::Instant::now();
         let c = &self.config;
         let g = *arena.geometry();
-        let pack = StepPack::new(batch, g.block_size, c.vocab_size)?;
+        let mut pack = StepPack::new(batch, g.block_size, c.vocab_size)?;
+        // A decode step (one new token and its logits per sequence) is the same launches for
+        // the same batch size, reading everything that changes (ids, positions, block tables)
+        // from the buffers uploaded below: it is replayed as a CUDA graph captured on its first
+        // run, one launch instead of ~10 per layer, for the batch size's bucket (padded).
+        let decode = pack.logit_rows.len() == pack.rows() && batch.len() == pack.rows();
+        if decode && kv.graphs_enabled {
+            pack.pad(decode_bucket(pack.rows()), kv.scratch_block);
+        }
         self.ctx.bind_to_thread().map_err(err)?;
         kv.upload_stale(&pack, arena)?;
         let n = pack.rows();
@@ -1013,11 +1023,6 @@ impl CudaModel {
         // again before the step's end synchronises the stream.
         unsafe { cudarc::driver::result::memcpy_htod_async(wptr, &*up, kv.stream.cu_stream()) }.map_err(err)?;
         let t_prepare = std::time::Instant::now();
-        // A decode step (one new token and its logits per sequence) is the same launches for
-        // the same batch size, reading everything that changes (ids, positions, block tables)
-        // from the buffers just uploaded: replay it as a CUDA graph captured on its first run,
-        // one launch instead of ~10 per layer.
-        let decode = m == n && batch.len() == n;
         if decode && kv.graphs_enabled {
             if let Some(graph) = kv.graphs.iter().find(|(rows, _)| *rows == n).map(|(_, g)| &g.0) {
                 graph.launch().map_err(err)?;
@@ -1416,6 +1421,9 @@ fn write_through(pack: &StepPack, staged: &[i32], arena: &mut KvArena, stage: &[
     let desc = arena.descriptor().clone();
     let bytes = arena.as_bytes_mut();
     for (r, &row) in staged.iter().enumerate() {
+        if row as usize >= pack.real_rows {
+            continue; // padding: its KV went to the device's scratch block
+        }
         let (b, sl) = (pack.block[row as usize] as usize, pack.slot[row as usize] as usize);
         for l in 0..g.layers {
             for (pi, part) in [KvPart::Key, KvPart::Value].into_iter().enumerate() {
@@ -1476,11 +1484,14 @@ pub struct CudaKv {
     ws: Option<Workspace>,
     words: Option<DevBuf>,
     kv_kind: Kind,
-    /// Captured decode steps by batch size; they hold the workspace's and `words`' addresses,
+    /// Captured decode steps by batch-size bucket ([`decode_bucket`]); they hold the
+    /// workspace's and `words`' addresses,
     /// so growing either drops them.
     graphs: Vec<(usize, Graph)>,
     /// `BATON_CUDA_GRAPHS=0` turns graphs off (to measure what they save).
     graphs_enabled: bool,
+    /// The device arena's block past the pool's, which padded decode rows write to.
+    scratch_block: u32,
     /// The tiled prefill attention and the rows of its tiles (`TILE_Q` over the GQA group);
     /// `None` where no tiled kernel takes these types or `BATON_CUDA_TILED=0` turns it off.
     tiled: Option<(Tiled, usize)>,
@@ -1655,7 +1666,8 @@ impl CudaKv {
         let mut uploaded = false;
         for &b in &pack.tables {
             let i = b as usize;
-            if !std::mem::take(&mut self.stale[i]) {
+            // (The scratch block, past the pool's, is never stale: nothing reads what it holds.)
+            if !self.stale.get_mut(i).is_some_and(std::mem::take) {
                 continue;
             }
             uploaded = true;
