@@ -1,0 +1,278 @@
+//! An engine's state on the device: its KV arena, stream, cuBLAS handle, workspace, staging
+//! and captured decode steps.
+
+use super::*;
+
+/// A step's activations, sized for `rows` new tokens.
+#[derive(Debug)]
+pub(super) struct Workspace {
+    pub(super) rows: usize,
+    pub(super) x: DevBuf,
+    pub(super) h: DevBuf,
+    pub(super) qkv: DevBuf,
+    pub(super) attn: DevBuf,
+    pub(super) o: DevBuf,
+    pub(super) gu: DevBuf,
+    pub(super) act: DevBuf,
+    pub(super) logits: DevBuf,
+    pub(super) kv_stage: DevBuf,
+    /// Each logits row's argmax.
+    pub(super) argmax: DevBuf,
+    /// Its first pass: `ARGMAX_PARTS` (value, index) pairs a row.
+    pub(super) argmax_partial: DevBuf,
+    /// Split-K attention's count of splits done per (row, KV head), zero between launches.
+    pub(super) counters: DevBuf,
+    /// Split-K partials of attention: [`PARTIAL_ROWS`] (row, split) pairs of every head.
+    pub(super) partial: DevBuf,
+}
+
+/// A captured decode step. cudarc's graph is not `Send` (it holds raw driver handles); an
+/// engine, and its [`CudaKv`] with it, moves to its own thread once.
+pub(super) struct Graph(pub(super) cudarc::driver::CudaGraph);
+
+// SAFETY: a graph's handles are the context's, valid on any thread that binds it (every use
+// does); the graph is launched and destroyed only by its `CudaKv`'s owner, one thread at a time.
+unsafe impl Send for Graph {}
+
+/// One engine's KV arena on the device, with its stream, cuBLAS handle and workspace.
+pub struct CudaKv {
+    pub(super) k: Arc<Kernels>,
+    pub(super) stream: Arc<CudaStream>,
+    pub(super) blas: CudaBlas,
+    /// Block-major `[blocks][layers][2][block_size][kv_heads · head_dim]`.
+    pub(super) cache: DevBuf,
+    /// Blocks whose device copy may differ from the host arena's bytes.
+    pub(super) stale: Vec<bool>,
+    pub(super) ws: Option<Workspace>,
+    pub(super) words: Option<DevBuf>,
+    pub(super) kv_kind: Kind,
+    /// Captured decode steps by batch-size bucket ([`decode_bucket`]); they hold the
+    /// workspace's and `words`' addresses,
+    /// so growing either drops them.
+    pub(super) graphs: Vec<(usize, Graph)>,
+    /// `BATON_CUDA_GRAPHS=0` turns graphs off (to measure what they save).
+    pub(super) graphs_enabled: bool,
+    /// The device arena's block past the pool's, which padded decode rows write to.
+    pub(super) scratch_block: u32,
+    /// The tiled prefill attention and the rows of its tiles (`TILE_Q` over the GQA group);
+    /// `None` where no tiled kernel takes these types or `BATON_CUDA_TILED=0` turns it off.
+    pub(super) tiled: Option<(Tiled, usize)>,
+    /// cuBLAS's workspace, set once, so a captured GEMM allocates nothing.
+    pub(super) _blas_workspace: DevBuf,
+    /// Pinned staging of the index upload, and of the logits and new KV coming down.
+    pub(super) pinned_up: Option<Pinned>,
+    pub(super) pinned_down: Option<Pinned>,
+    /// `BATON_CUDA_TIMING=1`: where steps spend their time, printed on drop.
+    pub(super) timing: Option<Timing>,
+    /// `BATON_CUDA_PROFILE=1`: where the GPU spends a step's time, printed on drop.
+    pub(super) profile: Option<Profile>,
+    /// The host arena, page-locked for the device (an engine's, block-major): blocks a step
+    /// writes whole go down by DMA straight into it, with no staging and no host copy.
+    pub(super) host_pinned: Option<HostPinned>,
+}
+
+impl Drop for CudaKv {
+    fn drop(&mut self) {
+        if let Some(t) = &self.timing {
+            for (kind, t) in ["decode", "prefill/mixed"].iter().zip(&t.kinds) {
+                if t.steps == 0 {
+                    continue;
+                }
+                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / t.steps as f64;
+                eprintln!(
+                    "baton cuda timing: {} {kind} steps, per step: prepare {:.3} ms, enqueue {:.3} ms, GPU and copies {:.3} ms, unpack {:.3} ms",
+                    t.steps,
+                    ms(t.prepare),
+                    ms(t.enqueue),
+                    ms(t.wait),
+                    ms(t.unpack)
+                );
+            }
+        }
+        if let Some(p) = &self.profile {
+            p.print();
+        }
+    }
+}
+
+impl std::fmt::Debug for CudaKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaKv")
+            .field("cache_bytes", &self.cache.bytes)
+            .field("kv", &self.kv_kind)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaKv {
+    /// Starts a profiled step's events (a no-op unless profiling).
+    pub(super) fn mark_start(&self) -> Result<()> {
+        self.mark("start")
+    }
+
+    /// Records an event after the launch just enqueued, named for the profiler (a no-op unless
+    /// profiling).
+    pub(super) fn mark(&self, name: &'static str) -> Result<()> {
+        let Some(p) = &self.profile else { return Ok(()) };
+        let event = self.stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err)?;
+        event.record(&self.stream).map_err(err)?;
+        p.marks.lock().map_err(|_| err("profile lock poisoned"))?.push((name, event));
+        Ok(())
+    }
+
+    /// Enqueues the copies of `blocks` (written whole by the step just enqueued) from the device
+    /// arena into the page-locked host arena, one copy a run of consecutive block ids; the
+    /// step's end synchronises. Both arenas are block-major with the same geometry, so a block
+    /// is at the same offset in each.
+    pub(super) fn copy_whole_blocks(&self, blocks: &[u32], arena: &mut KvArena) -> Result<()> {
+        let block_bytes = arena.geometry().block_elems() * self.kv_kind.size();
+        let bytes = arena.as_bytes_mut();
+        let mut i = 0;
+        while i < blocks.len() {
+            let mut j = i + 1;
+            while j < blocks.len() && blocks[j] == blocks[j - 1] + 1 {
+                j += 1;
+            }
+            let (start, len) = (blocks[i] as usize * block_bytes, (j - i) * block_bytes);
+            // SAFETY: blocks of both arenas; the host bytes are not read (the blocks are not
+            // yet published) or freed before the stream synchronises at the step's end.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut bytes[start..start + len],
+                    self.cache.at(start),
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(err)?;
+            i = j;
+        }
+        Ok(())
+    }
+
+    /// Marks blocks whose host bytes someone else wrote: they are uploaded before a step reads
+    /// them.
+    pub(crate) fn invalidate(&mut self, blocks: &[BlockId]) {
+        for b in blocks {
+            if let Some(s) = self.stale.get_mut(b.0 as usize) {
+                *s = true;
+            }
+        }
+    }
+
+    /// Device memory the arena and the workspace take.
+    pub(crate) fn device_bytes(&self) -> (usize, usize) {
+        let ws = self.ws.as_ref().map_or(0, |w| {
+            [
+                &w.x,
+                &w.h,
+                &w.qkv,
+                &w.attn,
+                &w.o,
+                &w.gu,
+                &w.act,
+                &w.logits,
+                &w.kv_stage,
+                &w.partial,
+                &w.argmax,
+                &w.argmax_partial,
+                &w.counters,
+            ]
+            .iter()
+            .map(|b| b.bytes)
+            .sum()
+        });
+        (self.cache.bytes, ws + self.words.as_ref().map_or(0, |w| w.bytes))
+    }
+
+    /// Uploads the stale blocks this step reads.
+    pub(super) fn upload_stale(&mut self, pack: &StepPack, arena: &KvArena) -> Result<()> {
+        let g = *arena.geometry();
+        let size = g.dtype.size();
+        let desc = arena.descriptor();
+        let bytes = arena.as_bytes();
+        let slab = g.slab_elems() * size;
+        let block_major = desc.dims == KvLayout::BlockMajor.dims();
+        let mut uploaded = false;
+        for &b in &pack.tables {
+            let i = b as usize;
+            // (The scratch block, past the pool's, is never stale: nothing reads what it holds.)
+            if !self.stale.get_mut(i).is_some_and(std::mem::take) {
+                continue;
+            }
+            uploaded = true;
+            if block_major {
+                // The host's block is contiguous and laid out as the device's: one copy.
+                let (src, len) = (desc.offset(0, KvPart::Key, i, 0, 0) * size, g.block_elems() * size);
+                // SAFETY: one block inside each arena.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        self.cache.at(i * len),
+                        &bytes[src..src + len],
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(err)?;
+                continue;
+            }
+            for l in 0..g.layers {
+                for (pi, part) in [KvPart::Key, KvPart::Value].into_iter().enumerate() {
+                    let src = desc.offset(l, part, i, 0, 0) * size;
+                    let dst = self.cache.at(((i * g.layers + l) * 2 + pi) * slab);
+                    // SAFETY: both ranges are one slab inside their arenas.
+                    unsafe {
+                        cudarc::driver::result::memcpy_htod_async(dst, &bytes[src..src + slab], self.stream.cu_stream())
+                    }
+                    .map_err(err)?;
+                }
+            }
+        }
+        // The host bytes must stay put until the copies read them.
+        if uploaded { self.stream.synchronize().map_err(err) } else { Ok(()) }
+    }
+
+    /// Grows the workspace to `rows` rows and the index buffer to `words` words.
+    pub(super) fn reserve(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        model: &CudaModel,
+        rows: usize,
+        words: usize,
+    ) -> Result<()> {
+        if self.words.as_ref().is_none_or(|w| w.bytes < words * 4) {
+            self.graphs.clear();
+            self.words = Some(DevBuf::new(ctx, words.next_power_of_two() * 4)?);
+        }
+        if self.ws.as_ref().is_some_and(|w| w.rows >= rows) {
+            return Ok(());
+        }
+        self.graphs.clear();
+        self.ws = None;
+        let rows = rows.next_power_of_two().max(16);
+        let c = &model.config;
+        let a = model.act.size();
+        let (q_w, kv_w) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let buf = |elems: usize, size: usize| DevBuf::new(ctx, rows * elems * size);
+        self.ws = Some(Workspace {
+            rows,
+            x: buf(c.hidden_size, a)?,
+            h: buf(c.hidden_size, a)?,
+            qkv: buf(q_w + 2 * kv_w, a)?,
+            attn: buf(q_w, a)?,
+            o: buf(c.hidden_size, a)?,
+            gu: buf(2 * c.intermediate_size, a)?,
+            act: buf(c.intermediate_size, a)?,
+            logits: buf(c.vocab_size, 4)?,
+            kv_stage: buf(c.num_layers * 2 * kv_w, self.kv_kind.size())?,
+            partial: DevBuf::new(ctx, PARTIAL_ROWS * c.num_heads * (c.head_dim + 2) * 4)?,
+            argmax: buf(1, 4)?,
+            argmax_partial: buf(ARGMAX_PARTS, 8)?,
+            counters: {
+                let b = DevBuf::new(ctx, PARTIAL_ROWS * c.num_kv_heads * 4)?;
+                // SAFETY: `b` holds that many bytes; the memset is synchronous.
+                unsafe { cudarc::driver::result::memset_d8_sync(b.ptr, 0, b.bytes) }.map_err(err)?;
+                b
+            },
+        });
+        Ok(())
+    }
+}
