@@ -17,7 +17,7 @@
 //! the float product of the decoded matrix.
 
 use candle_core::quantized::GgmlDType;
-use candle_core::{Device, Tensor};
+
 use half::f16;
 use rayon::prelude::*;
 
@@ -432,20 +432,42 @@ impl QuantMatrix {
     /// More rows: tiles of weight rows are decoded and multiplied with candle's float GEMM.
     fn matmul_tiles(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
         let (n, k) = (self.rows, self.cols);
-        let xt = Tensor::from_slice(x, (m, k), &Device::Cpu)?;
+        assert_eq!(x.len(), m * k);
         let tile_rows = (TILE_ELEMS / k).clamp(1, n);
         let mut y = vec![0f32; m * n];
         let mut w = vec![0f32; tile_rows * k];
+        let threads = rayon::current_num_threads();
         for r0 in (0..n).step_by(tile_rows) {
             let t = tile_rows.min(n - r0);
             w[..t * k].par_chunks_mut(k).enumerate().for_each(|(i, row)| self.decode_row(r0 + i, row));
-            let wt = Tensor::from_slice(&w[..t * k], (t, k), &Device::Cpu)?;
-            let part: Vec<f32> = xt.matmul(&wt.t()?)?.flatten_all()?.to_vec1()?;
-            if t == n {
-                return Ok(part);
-            }
-            for (dst, src) in y.chunks_exact_mut(n).zip(part.chunks_exact(t)) {
-                dst[r0..r0 + t].copy_from_slice(src);
+            // y[.., r0..r0 + t] = x · w[..t]ᵀ, written in place: the float32 GEMM candle calls,
+            // without the tensors around it (each of which copied x, the tile or the product).
+            // SAFETY: x is [m][k] (rows k apart), w's first t rows are [t][k] read as wᵀ
+            // (k × t: rows 1 apart, columns k apart), and y's columns r0..r0 + t of its m rows
+            // (n apart) are inside y; nothing else reads or writes them during the call.
+            #[allow(unsafe_code)]
+            unsafe {
+                gemm::gemm(
+                    m,
+                    t,
+                    k,
+                    y.as_mut_ptr().add(r0),
+                    1,
+                    n as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    w.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None },
+                );
             }
         }
         Ok(y)
@@ -665,6 +687,29 @@ mod tests {
     use super::*;
     use crate::kernels::dot;
     use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+
+    /// The portable GEMM path over a matrix of more than one tile (each tile's product lands in
+    /// its own columns of the output) against the float product of the decoded matrix.
+    #[test]
+    fn the_tiled_gemm_puts_each_tile_in_its_columns() {
+        let (rows, cols, m_rows) = (TILE_ELEMS / 256 + 37, 256, 19);
+        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
+        let q = QTensor::quantize(&t, GgmlDType::Q8_0).expect("quantizes");
+        let want: Vec<f32> =
+            q.dequantize(&Device::Cpu).expect("dequantizes").flatten_all().expect("flat").to_vec1().expect("vec");
+        let m = QuantMatrix::new(GgmlDType::Q8_0, &q.data().expect("bytes"), rows, cols).expect("decodable");
+        let x: Vec<f32> = (0..m_rows * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
+        let y = m.matmul_tiles(&x, m_rows).expect("product");
+        assert!(rows > TILE_ELEMS / cols, "two tiles");
+        for r in 0..m_rows {
+            for j in [0, 1, TILE_ELEMS / cols - 1, TILE_ELEMS / cols, rows - 1] {
+                let want = dot(&x[r * cols..(r + 1) * cols], &want[j * cols..(j + 1) * cols]);
+                assert!((y[r * rows + j] - want).abs() < 1e-3, "[{r},{j}]: {} against {want}", y[r * rows + j]);
+            }
+        }
+    }
 
     fn check(dtype: GgmlDType) {
         let (rows, cols) = (300, 512);
@@ -1036,6 +1081,7 @@ mod tests {
 mod speed {
     use super::*;
     use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
 
     /// Single-threaded throughput of the decode path for each format at Gemma 3 270M's shapes
     /// (`cargo test --release -p baton-model speed -- --ignored --nocapture`).
