@@ -30,19 +30,9 @@ FAILED=0
 section() { printf '\n=== %s (%ds)\n' "$1" "$SECONDS"; }
 fail() { echo "FAIL: $*"; FAILED=1; }
 
-# The CUDA libraries cudarc loads: the system's, else those of PyTorch's pip packages.
-libdirs=$("$PY" - <<'EOF' 2>/dev/null
-import glob, os, site
-dirs = set()
-for base in site.getsitepackages():
-    for pat in ("nvidia/*/lib", "nvidia/cu13/lib", "nvidia/cu12/lib"):
-        for d in glob.glob(os.path.join(base, pat)):
-            if glob.glob(os.path.join(d, "libnvrtc.so*")) or glob.glob(os.path.join(d, "libcublas.so*")):
-                dirs.add(d)
-print(":".join(sorted(dirs)))
-EOF
-)
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64:${libdirs}"
+# The CUDA libraries cudarc loads at run time.
+# shellcheck source=scripts/lib/cuda-libs.sh
+source scripts/lib/cuda-libs.sh
 
 section "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || fail "nvidia-smi"

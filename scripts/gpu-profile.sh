@@ -16,13 +16,9 @@ OUT=/tmp/baton-gpu-profile
 [ "${1:-}" = --out ] && OUT=$2
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-# The CUDA libraries, as scripts/gpu-check.sh finds them.
-libdirs=$("$PY" -c '
-import glob, os, site
-d = {x for b in site.getsitepackages() for x in glob.glob(os.path.join(b, "nvidia/*/lib")) + glob.glob(os.path.join(b, "nvidia/cu13/lib"))
-     if glob.glob(os.path.join(x, "libnvrtc.so*")) or glob.glob(os.path.join(x, "libcublas.so*"))}
-print(":".join(sorted(d)))' 2>/dev/null)
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64:${libdirs}"
+# The CUDA libraries cudarc loads at run time.
+# shellcheck source=scripts/lib/cuda-libs.sh
+source scripts/lib/cuda-libs.sh
 FAILED=0
 section() { printf '\n=== %s (%ds)\n' "$1" "$SECONDS"; }
 

@@ -163,8 +163,6 @@ pub struct StepPack {
     /// Blocks this step writes whole (every slot, so every layer's keys and values of the
     /// block are new): a device copies them to the host arena as blocks, not token by token.
     pub whole_blocks: Vec<u32>,
-    /// Whether each row's block is one of `whole_blocks`.
-    pub in_whole_block: Vec<bool>,
     /// Rows of the batch; those after them are padding ([`Self::pad`]).
     pub real_rows: usize,
 }
@@ -173,7 +171,7 @@ pub struct StepPack {
 /// steps: powers of two up to 8, then multiples of 16, so a server whose batch size wanders
 /// captures a handful of steps (8 up to 64 sequences), not one a size. The step is padded
 /// ([`StepPack::pad`]).
-pub fn decode_bucket(n: usize) -> usize {
+pub(crate) fn decode_bucket(n: usize) -> usize {
     if n <= 8 { n.next_power_of_two() } else { n.next_multiple_of(16) }
 }
 
@@ -206,8 +204,7 @@ impl StepPack {
             // Blocks whose slots [0, block_size) all lie in [start_pos, end).
             let first_whole = s.start_pos.div_ceil(block_size);
             let whole = first_whole..(end / block_size).max(first_whole);
-            p.whole_blocks.extend(s.blocks[whole.clone()].iter().map(|b| b.0));
-            p.in_whole_block.extend((s.start_pos..end).map(|pos| whole.contains(&(pos / block_size))));
+            p.whole_blocks.extend(s.blocks[whole].iter().map(|b| b.0));
             let first = p.logit_rows.len();
             p.logit_rows.extend(s.logit_rows().map(|r| (row0 + r) as i32));
             p.ranges.push(first..p.logit_rows.len());
@@ -240,7 +237,6 @@ impl StepPack {
             self.table_start.push(table);
             self.logit_rows.push(r as i32);
             self.seqs.push(r..r + 1);
-            self.in_whole_block.push(false);
         }
     }
 
@@ -268,9 +264,12 @@ impl StepPack {
     }
 
     /// The rows whose keys and values go to the host token by token (through a staging
-    /// buffer): every row, or with `whole_blocks_direct` those not in [`Self::whole_blocks`].
+    /// buffer): every row, or with `whole_blocks_direct` those not in [`Self::whole_blocks`]
+    /// (a block a step writes belongs to one sequence, as the pool hands blocks out).
     pub fn staged_rows(&self, whole_blocks_direct: bool) -> Vec<i32> {
-        (0..self.rows()).filter(|&r| !(whole_blocks_direct && self.in_whole_block[r])).map(|r| r as i32).collect()
+        let whole: std::collections::HashSet<u32> =
+            if whole_blocks_direct { self.whole_blocks.iter().copied().collect() } else { Default::default() };
+        (0..self.rows()).filter(|&r| !whole.contains(&self.block[r])).map(|r| r as i32).collect()
     }
 
     /// Every integer array, one after another, as the one upload a step makes:
@@ -415,14 +414,16 @@ mod tests {
 
     #[test]
     fn prefill_chunks_go_to_tiles_that_stay_inside_their_sequence() {
-        let b: Vec<BlockId> = (0..8).map(BlockId).collect();
+        // Each sequence writes its own blocks (as a pool hands them out).
+        let table = |first: u32| (first..first + 8).map(BlockId).collect::<Vec<_>>();
+        let (b0, b1, b2) = (table(0), table(10), table(20));
         let prompt: Vec<u32> = (0..21).collect();
         let short: Vec<u32> = (0..7).collect();
         // A 21-token chunk, a decode token, a chunk just under the tiling threshold.
         let batch = [
-            SeqStep { start_pos: 4, tokens: &prompt, blocks: &b, logits: LogitsWanted::Last },
-            SeqStep { start_pos: 9, tokens: &[1], blocks: &b, logits: LogitsWanted::Argmax },
-            SeqStep { start_pos: 0, tokens: &short, blocks: &b, logits: LogitsWanted::Last },
+            SeqStep { start_pos: 4, tokens: &prompt, blocks: &b0, logits: LogitsWanted::Last },
+            SeqStep { start_pos: 9, tokens: &[1], blocks: &b1, logits: LogitsWanted::Argmax },
+            SeqStep { start_pos: 0, tokens: &short, blocks: &b2, logits: LogitsWanted::Last },
         ];
         let p = StepPack::new(&batch, 4, 100).expect("packs");
         assert_eq!(p.seqs, [0..21, 21..22, 22..29]);
@@ -431,7 +432,7 @@ mod tests {
         assert_eq!(rows, (21..29).collect::<Vec<_>>(), "the decode row and the short chunk row by row");
         // Block size 4: the chunk at positions 4..25 writes blocks 1..=5 whole and block 6 in
         // part; the decode row and the short chunk (positions 0..7: block 0 whole) as well.
-        assert_eq!(p.whole_blocks, [1, 2, 3, 4, 5, 0]);
+        assert_eq!(p.whole_blocks, [1, 2, 3, 4, 5, 20]);
         assert_eq!(p.staged_rows(true), [20, 21, 26, 27, 28], "rows outside whole blocks");
         assert_eq!(p.staged_rows(false).len(), 29);
         let (none, no_tiles) = p.attention_split(None);
@@ -480,7 +481,7 @@ mod tests {
             proptest::prop_assert!(seen.iter().all(|&c| c == 1), "every row attended exactly once: {seen:?}");
             let staged = p.staged_rows(true);
             for r in 0..n {
-                proptest::prop_assert_eq!(staged.contains(&(r as i32)), !p.in_whole_block[r]);
+                proptest::prop_assert_eq!(staged.contains(&(r as i32)), !p.whole_blocks.contains(&p.block[r]));
             }
             for &b in &p.whole_blocks {
                 let written = (0..n).filter(|&r| p.block[r] == b).count();

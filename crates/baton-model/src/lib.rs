@@ -46,7 +46,7 @@ pub use checkpoint::{
     known_model_names, known_model_path, models_dir,
 };
 pub use config::{Architecture, ModelConfig};
-pub use device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions, PackOffsets, StepPack, decode_bucket};
+pub use device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions, PackOffsets, StepPack};
 pub use error::{ModelError, Result};
 pub use grammar::{Constraint, Grammar, GrammarCompiler};
 pub use model::{DeviceKv, LogitsWanted, Model, SeqStep, StepLogits};
