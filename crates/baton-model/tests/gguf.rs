@@ -216,7 +216,9 @@ fn gemma3_qtensor_matmul_agrees_with_the_dequantized_matmul() {
         let q = f.qtensor(name, &dev).expect("loads");
         let w = q.dequantize(&dev).expect("dequantizes");
         let (_, k) = w.dims2().expect("a matrix");
-        let x = Tensor::randn(0f32, 1.0, (3, k), &dev).expect("input");
+        // Fixed activations: random ones (unseeded) made this tolerance check fail now and then.
+        let values: Vec<f32> = (0..3 * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 29.0).collect();
+        let x = Tensor::from_vec(values, (3, k), &dev).expect("input");
         let exact = x.matmul(&w.t().expect("t")).expect("matmul");
         let quant = QMatMul::from_qtensor(q).and_then(|m| m.forward(&x)).expect("qmatmul");
         let err = (&exact - &quant)
