@@ -167,14 +167,6 @@ pub struct StepPack {
     pub real_rows: usize,
 }
 
-/// The batch size a decode step of `n` sequences runs as on a device that replays captured
-/// steps: powers of two up to 8, then multiples of 16, so a server whose batch size wanders
-/// captures a handful of steps (8 up to 64 sequences), not one a size. The step is padded
-/// ([`StepPack::pad`]).
-pub(crate) fn decode_bucket(n: usize) -> usize {
-    if n <= 8 { n.next_power_of_two() } else { n.next_multiple_of(16) }
-}
-
 /// New tokens of one sequence from which a step's attention takes them in tiles (a prefill
 /// chunk) rather than row by row.
 pub(crate) const TILE_MIN_ROWS: usize = 8;
@@ -215,6 +207,14 @@ impl StepPack {
         }
         p.real_rows = p.ids.len();
         Ok(p)
+    }
+
+    /// The batch size a decode step of `n` sequences runs as on a device that replays captured
+    /// steps: powers of two up to 8, then multiples of 16, so a server whose batch size wanders
+    /// captures a handful of steps (8 up to 64 sequences), not one a size. The step is padded
+    /// ([`Self::pad`]).
+    pub fn decode_bucket(n: usize) -> usize {
+        if n <= 8 { n.next_power_of_two() } else { n.next_multiple_of(16) }
     }
 
     /// Pads the step to `rows` rows: each extra row is token 0 at position 0 of block
@@ -498,8 +498,11 @@ mod tests {
 
     #[test]
     fn a_padded_decode_step_has_the_offsets_of_its_bucket() {
-        assert_eq!((1..=10).map(decode_bucket).collect::<Vec<_>>(), [1, 2, 4, 4, 8, 8, 8, 8, 16, 16]);
-        assert_eq!((decode_bucket(33), decode_bucket(64), decode_bucket(65)), (48, 64, 80));
+        assert_eq!((1..=10).map(StepPack::decode_bucket).collect::<Vec<_>>(), [1, 2, 4, 4, 8, 8, 8, 8, 16, 16]);
+        assert_eq!(
+            (StepPack::decode_bucket(33), StepPack::decode_bucket(64), StepPack::decode_bucket(65)),
+            (48, 64, 80)
+        );
         let blocks: Vec<BlockId> = (0..4).map(BlockId).collect();
         let step = |n: usize| {
             let batch: Vec<SeqStep<'_>> = (0..n)

@@ -46,7 +46,7 @@ pub struct CudaKv {
     pub(super) ws: Option<Workspace>,
     pub(super) words: Option<DevBuf>,
     pub(super) kv_kind: Kind,
-    /// Captured decode steps by batch-size bucket ([`decode_bucket`]); they hold the
+    /// Captured decode steps by batch-size bucket ([`StepPack::decode_bucket`]); they hold the
     /// workspace's and `words`' addresses,
     /// so growing either drops them.
     pub(super) graphs: Vec<(usize, Graph)>,

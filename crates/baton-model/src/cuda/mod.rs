@@ -47,7 +47,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, sys};
 use cudarc::nvrtc::CompileOptions;
 
 use crate::config::{Activation, ModelConfig};
-use crate::device::{ComputeDtype, DeviceLimits, StepPack, decode_bucket};
+use crate::device::{ComputeDtype, DeviceLimits, StepPack};
 use crate::error::{ModelError, Result};
 use crate::kernels::rope_inv_freq;
 use crate::model::{SeqStep, StepLogits};
@@ -700,7 +700,7 @@ impl CudaModel {
         // run, one launch instead of ~10 per layer, for the batch size's bucket (padded).
         let decode = pack.logit_rows.len() == pack.rows() && batch.len() == pack.rows();
         if decode && kv.graphs_enabled {
-            pack.pad(decode_bucket(pack.rows()), kv.scratch_block);
+            pack.pad(StepPack::decode_bucket(pack.rows()), kv.scratch_block);
         }
         self.ctx.bind_to_thread().map_err(err)?;
         kv.upload_stale(&pack, arena)?;
