@@ -8,7 +8,9 @@
 //! worker writes it into them: [`crate::handoff`]), the prefill worker is told to release
 //! whatever it still holds, and the decode worker streams the rest. A client that disconnects
 //! drops the response stream, which drops the worker's event receiver, which aborts the request
-//! (and any transfer of its KV in flight) and frees its KV.
+//! (and any transfer of its KV in flight) and frees its KV. Each choice's life across the workers
+//! is a state machine without I/O (`life.rs`); this module drives it
+//! (`ChoiceHost::run`) and is its host.
 //!
 //! Workers are local ([`crate::WorkerHandle`]) or remote ([`crate::remote::RemoteWorker`]), and
 //! may join and leave at any time ([`Conductor::add_worker`], [`crate::deploy::follow`]). A request
@@ -25,7 +27,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
@@ -34,9 +36,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use baton_engine::{RequestId, StopParams};
+use baton_engine::RequestId;
 use baton_kv::InstanceId;
-use baton_model::SamplingParams;
 use baton_sched::GlobalPromptTrees;
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -45,13 +46,14 @@ use tracing::Instrument;
 use crate::elastic::Elastic;
 use crate::error::ApiError;
 use crate::handoff::KvTransfer;
-use crate::metrics::{FetchOutcome, Metrics, Outcome, WorkerGauges};
+use crate::life::{self, Choice, FetchLease, Life, Settings, Waiting};
+use crate::metrics::{Metrics, Outcome, WorkerGauges};
 use crate::openai::{Endpoint, ValidRequest, Validator};
 use crate::response::{Piece, full_response, sse_response};
 use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView, decode_has_room, lone_role_fallback};
 use crate::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
-use crate::wire::{KvSource, PdCaching, Received, WorkerError, fetch_lease};
-use crate::worker::{Finish, RequestEvent, WorkRequest, Worker};
+use crate::wire::{KvSource, PdCaching};
+use crate::worker::{RequestEvent, WorkRequest, Worker};
 
 /// How long a request's worker may stay silent before the conductor asks whether it is alive
 /// (the default of [`Conductor::with_worker_silence`]). A request queued behind others on a
@@ -60,8 +62,6 @@ pub const WORKER_SILENCE: Duration = Duration::from_secs(30);
 /// The longest a request waits on a worker that answers probes but sends the request nothing:
 /// past it the request is failed (and goes on elsewhere if it can), never left to hang.
 const WORKER_SILENCE_MAX: Duration = Duration::from_secs(600);
-/// How many times a request whose worker was lost before it streamed anything is routed again.
-const MAX_RETRIES: usize = 2;
 /// First wait before probing a worker whose breaker tripped; it doubles up to `PROBE_MAX`,
 /// jittered.
 const PROBE_FIRST: Duration = Duration::from_millis(250);
@@ -71,6 +71,8 @@ const PROBE_MAX: Duration = Duration::from_secs(5);
 const SWITCH_DEADLINE: Duration = Duration::from_secs(5);
 
 type Workers = Vec<Arc<dyn Worker>>;
+type Route = life::Route<Arc<dyn Worker>>;
+type PlannedFetch = life::PlannedFetch<Arc<dyn Worker>>;
 
 /// Shared state of the conductor's handlers.
 pub struct Conductor {
@@ -190,8 +192,8 @@ impl Loads {
 }
 
 /// A request's entry in the ledger while it prefills or decodes on a worker; removed on drop.
-struct Tracked<'a> {
-    conductor: &'a Conductor,
+pub(crate) struct Tracked {
+    conductor: Arc<Conductor>,
     worker: String,
     id: u64,
     decode: bool,
@@ -211,7 +213,7 @@ impl Drop for Binding {
     }
 }
 
-impl Drop for Tracked<'_> {
+impl Drop for Tracked {
     fn drop(&mut self) {
         let mut loads = self.conductor.loads();
         if self.decode {
@@ -401,7 +403,7 @@ impl Conductor {
     /// its cache holds (none with `--kv-index predicted`, which applies no events), as the
     /// simulator's queues do. The prompt is hashed here a second time (the policy hashed it in
     /// blocks of its own size); next to tokenising it, that is small.
-    fn track_prefill(&self, worker: &dyn Worker, id: RequestId, prompt: &[u32], fetched: usize) -> Tracked<'_> {
+    fn track_prefill(self: &Arc<Self>, worker: &dyn Worker, id: RequestId, prompt: &[u32], fetched: usize) -> Tracked {
         let instance = InstanceId(self.loads().id(worker.name()));
         let block_tokens = worker.block_tokens().max(1);
         let hashes = baton_kv::prefix_hashes(prompt, block_tokens);
@@ -417,7 +419,7 @@ impl Conductor {
 
     /// Records that request `id` prefills (`decode: false`, `tokens` to compute) or decodes
     /// (`tokens` = context) on `worker` until the guard drops.
-    fn track(&self, worker: &dyn Worker, id: RequestId, decode: bool, tokens: usize) -> Tracked<'_> {
+    fn track(self: &Arc<Self>, worker: &dyn Worker, id: RequestId, decode: bool, tokens: usize) -> Tracked {
         let now = self.now_us();
         let mut loads = self.loads();
         let name = worker.name().to_owned();
@@ -428,7 +430,7 @@ impl Conductor {
         } else {
             loads.prefill.entry(name.clone()).or_default().insert(id.0, (now, tokens));
         }
-        Tracked { conductor: self, worker: name, id: id.0, decode }
+        Tracked { conductor: Arc::clone(self), worker: name, id: id.0, decode }
     }
 
     /// Claims room for `tokens` of KV on decode worker `decode` for request `id`, or refuses
@@ -746,26 +748,23 @@ impl Conductor {
         let (tx, rx) = mpsc::unbounded_channel();
         let stream = valid.stream;
         let (prefilled, first_prefilled) = tokio::sync::oneshot::channel();
-        let run = |index: usize, prefilled: Option<tokio::sync::oneshot::Sender<()>>| Run {
-            conductor: self.clone(),
+        let choice = |index: usize| Choice {
             valid: valid.clone(),
             id: RequestId(id.0 + index as u64),
             index,
             request_id: request_id.clone(),
-            out: tx.clone(),
-            streamed: AtomicBool::new(false),
-            cached_tokens: OnceLock::new(),
-            prefilled: Mutex::new(prefilled),
-            fetch: Mutex::new(None),
         };
-        let first = run(0, (valid.n > 1).then_some(prefilled));
-        // Only the first choice fetches: the others start once its prompt is cached on its worker.
-        *first.fetch.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = fetch;
+        let host = |index: usize, prefilled: Option<tokio::sync::oneshot::Sender<()>>| ChoiceHost {
+            conductor: self.clone(),
+            out: tx.clone(),
+            index,
+            prefilled,
+        };
         if valid.n > 1 {
             // The other choices start once the first one's prompt KV is in its prefill (or
             // colocated) worker's prefix cache, on the same route: their prefill finds every
             // whole block of the prompt cached and computes only the partial last one.
-            let others: Vec<Run> = (1..valid.n).map(|i| run(i, None)).collect();
+            let others: Vec<(ChoiceHost, Choice)> = (1..valid.n).map(|i| (host(i, None), choice(i))).collect();
             let route = route.clone();
             let out = tx.clone();
             tokio::spawn(
@@ -774,15 +773,17 @@ impl Conductor {
                     if out.is_closed() {
                         return;
                     }
-                    for r in others {
-                        tokio::spawn(r.run(route.clone(), None).in_current_span());
+                    for (host, choice) in others {
+                        tokio::spawn(host.run(choice, route.clone(), None, None).in_current_span());
                     }
                 }
                 .in_current_span(),
             );
         }
+        // Only the first choice fetches: the others start once its prompt is cached on its worker.
+        let first = host(0, (valid.n > 1).then_some(prefilled));
         drop(tx);
-        tokio::spawn(first.run(route, binding).in_current_span());
+        tokio::spawn(first.run(choice(0), route, fetch, binding).in_current_span());
         if stream { sse_response(valid, id, rx) } else { full_response(valid, id, rx).await }
     }
 }
@@ -945,576 +946,162 @@ async fn return_kv(
     }
 }
 
-/// A fetch the policy planned: the prompt's first `tokens` tokens, cached on `from`.
-struct PlannedFetch {
-    from: Arc<dyn Worker>,
-    tokens: usize,
-}
-
-/// A cached prefix a worker offers for one request's fetch. Dropping it ends the offer's lease
-/// on the holder (a no-op once the fetching worker COMPLETEd its pull): whatever becomes of the
-/// request, the holder's blocks are not kept for it.
-struct FetchLease {
-    from: Arc<dyn Worker>,
-    lease: u64,
-}
-
-impl Drop for FetchLease {
-    fn drop(&mut self) {
-        self.from.release(self.lease);
-    }
-}
-
-/// A fetch under way for a request's prompt worker: what was offered, and the lease on it.
-struct Fetching {
-    source: KvSource,
-    _lease: FetchLease,
-}
-
-/// Where a request runs.
-#[derive(Clone)]
-enum Route {
-    Colocated(Arc<dyn Worker>),
-    Disaggregated { prefill: Arc<dyn Worker>, decode: Arc<dyn Worker> },
-}
-
-/// One request's life across the workers.
-struct Run {
+/// What a request choice's [`Life`] asks of the conductor.
+struct ChoiceHost {
     conductor: Arc<Conductor>,
-    valid: ValidRequest,
-    id: RequestId,
-    /// Which of the request's `n` choices this run generates.
-    index: usize,
-    /// The client's (or a generated) `x-request-id`, passed to the workers for their logs.
-    request_id: String,
+    /// The response's stream, shared by the request's choices.
     out: mpsc::UnboundedSender<(usize, Piece)>,
-    /// Whether any text reached the client (after which a lost worker cannot be hidden).
-    streamed: AtomicBool,
-    /// Prompt tokens the prefill (or colocated) worker served from its prefix cache: the first
-    /// worker to finish sets it, so a decode worker's received KV does not count.
-    cached_tokens: OnceLock<usize>,
+    index: usize,
     /// Told when this choice's prompt KV is in the prefix cache (the first of `n` choices).
-    prefilled: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
-    /// The fetch of a cached prefix the policy planned; the first attempt takes it (a request
-    /// routed again computes its prompt where it lands).
-    fetch: Mutex<Option<PlannedFetch>>,
+    prefilled: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
-impl Run {
-    /// Starts the planned fetch for the worker about to compute the prompt, `to`: asks the
-    /// holder to offer its cached prefix under a lease (within [`crate::control::EXPORT_DEADLINE`]).
-    /// `None` when none was planned, `to` holds it itself, or the holder offers nothing in time:
-    /// the prompt is then computed whole, as without a fetch.
-    async fn start_fetch(&self, to: &dyn Worker) -> Option<Fetching> {
-        let planned = self.fetch.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()?;
-        if planned.from.name() == to.name() || planned.tokens == 0 {
-            return None;
-        }
-        let lease = FetchLease { from: planned.from.clone(), lease: fetch_lease(self.id.0) };
-        let tokens = &self.valid.prompt_ids[..planned.tokens];
-        match planned.from.export_prefix(lease.lease, tokens, crate::control::EXPORT_DEADLINE).await {
-            Some(source) => {
-                tracing::info!(
-                    from = planned.from.name(),
-                    to = to.name(),
-                    tokens = source.tokens,
-                    "fetching a cached prefix"
-                );
-                Some(Fetching { source, _lease: lease })
-            }
-            None => {
-                tracing::info!(
-                    from = planned.from.name(),
-                    "the planned prefix is not offered; computing the prompt whole"
-                );
-                self.conductor.metrics.fetch(FetchOutcome::Unavailable, None);
-                None
-            }
-        }
+impl life::Peer for Arc<dyn Worker> {
+    type Events = mpsc::UnboundedReceiver<RequestEvent>;
+
+    fn name(&self) -> &str {
+        Worker::name(self.as_ref())
     }
 
-    /// Counts how a fetch sent with the prompt's work ended: `received` is what the worker
-    /// says it received before computing.
-    fn fetch_ended(&self, fetching: Option<&Fetching>, received: Option<Received>) {
-        if fetching.is_some() {
-            let outcome = if received.is_some() { FetchOutcome::Fetched } else { FetchOutcome::Recomputed };
-            self.conductor.metrics.fetch(outcome, received);
-        }
+    fn kv_addr(&self) -> Option<std::net::SocketAddr> {
+        Worker::kv_addr(self.as_ref())
     }
 
-    /// The prompt's KV is cached now: the other choices may start. Also counts the prompt
-    /// tokens the prefill computed.
-    fn prefill_done(&self, worker: &str, prompt_tokens: usize, cached_tokens: usize) {
-        let m = &self.conductor.metrics;
-        m.prefill_tokens.fetch_add(prompt_tokens.saturating_sub(cached_tokens) as u64, Ordering::Relaxed);
-        m.prefix_cache(worker, prompt_tokens, cached_tokens);
-        if let Some(tx) = self.prefilled.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
-            let _ = tx.send(());
-        }
+    fn submit(&self, req: WorkRequest) -> Self::Events {
+        Worker::submit(self.as_ref(), req)
     }
 
-    /// Runs the request on `route` to its end, holding `binding` (its claim on its decode
-    /// worker's room) until its decode starts or it ends.
-    async fn run(self, mut route: Route, binding: Option<Binding>) {
-        let _binding = binding;
-        let c = self.conductor.clone();
-        let start = Instant::now();
-        let mut lost_workers = Vec::new();
-        // Tokens a colocated worker streamed: a worker lost mid-stream hands them on.
-        let mut so_far: Vec<u32> = Vec::new();
-        let result = loop {
-            let result = match &route {
-                Route::Colocated(_) if so_far.len() >= self.valid.stop.max_tokens => {
-                    // Lost after its last token, before saying so: nothing is left to generate.
-                    self.finish(Finish::Length, self.valid.prompt_ids.len(), so_far.len())
-                }
-                Route::Colocated(w) => {
-                    c.metrics.routed_colocated.fetch_add(1, Ordering::Relaxed);
-                    let fetching = self.start_fetch(w.as_ref()).await;
-                    let fetch = fetching.as_ref().map(|f| f.source.clone());
-                    let fetched = fetch.as_ref().map_or(0, |f| f.tokens);
-                    let events = w.submit(WorkRequest { generated: so_far.clone(), fetch, ..self.request() });
-                    let prefill = c.track_prefill(w.as_ref(), self.id, &self.valid.prompt_ids, fetched);
-                    let mut relayed = Vec::new();
-                    let result = self.relay(w, events, start, None, Some((prefill, fetching)), &mut relayed).await;
-                    so_far.extend(relayed);
-                    result
-                }
-                Route::Disaggregated { prefill, decode } => {
-                    c.metrics.routed_disaggregated.fetch_add(1, Ordering::Relaxed);
-                    self.disaggregated(prefill, decode, start).await
-                }
-            };
-            match result {
-                // Lost before anything was streamed: route the request again. Lost after a
-                // colocated worker streamed tokens: migrate — another worker continues from the
-                // prompt and those tokens (it recomputes their KV), so the client's stream goes
-                // on with no duplicate and, for greedy requests, the same tokens.
-                Err(RunError::Lost { worker, reason })
-                    if (!so_far.is_empty() || !self.streamed.load(Ordering::Relaxed))
-                        && lost_workers.len() < MAX_RETRIES =>
-                {
-                    self.handed_on(&worker, &reason, so_far.len());
-                    lost_workers.push(worker);
-                    // (A request that streamed nothing is refused again if it must be.)
-                    match c.route(&self.valid, &lost_workers, so_far.is_empty()) {
-                        // A migrated request has its first tokens: it continues on one worker.
-                        Ok(Route::Disaggregated { decode, .. }) if !so_far.is_empty() => {
-                            route = Route::Colocated(decode);
-                        }
-                        Ok(r) => route = r,
-                        Err(e) => break Err(RunError::Api(e)),
-                    }
-                }
-                other => break other,
-            }
-        };
-        let outcome = match result {
-            Ok(()) => Outcome::Ok,
-            Err(RunError::Cancelled) => Outcome::Cancelled,
-            Err(RunError::Lost { worker, reason }) => {
-                self.trip_named(&worker, &reason);
-                tracing::warn!(request = self.id.0, worker, reason, "worker lost mid-request");
-                let _ = self.out.send((
-                    self.index,
-                    Piece::Failed(ApiError::Internal("a worker was lost while running the request; retry it".into())),
-                ));
-                Outcome::Failed
-            }
-            Err(RunError::Api(ApiError::Internal(detail)) | RunError::Handoff(detail)) => {
-                // The detail names workers' addresses and internals: the log's, not the client's.
-                tracing::error!(request = self.id.0, error = detail, "request failed");
-                let message = format!(
-                    "the request failed inside the cluster; the conductor's log has the details under x-request-id `{}`",
-                    self.request_id
-                );
-                let _ = self.out.send((self.index, Piece::Failed(ApiError::Internal(message))));
-                Outcome::Failed
-            }
-            Err(RunError::Api(e)) => {
-                let o = Outcome::of_error(&e);
-                let _ = self.out.send((self.index, Piece::Failed(e)));
-                o
-            }
-        };
-        tracing::info!(outcome = ?outcome, choice = self.index, "request finished");
-        c.metrics.outcome(outcome);
-        c.metrics.e2e.observe(start.elapsed().as_secs_f64());
+    fn release(&self, id: u64) {
+        Worker::release(self.as_ref(), id);
+    }
+}
+
+impl life::Host for ChoiceHost {
+    type Peer = Arc<dyn Worker>;
+    type Track = Tracked;
+
+    fn route(&self, valid: &ValidRequest, excluded: &[String], admit: bool) -> Result<Route, ApiError> {
+        self.conductor.route(valid, excluded, admit)
     }
 
-    /// Books a worker lost while running this request, which goes on elsewhere: trips its
-    /// breaker and counts a retry, or a migration when the lost worker had streamed `tokens`.
-    fn handed_on(&self, worker: &str, reason: &str, tokens: usize) {
-        let m = &self.conductor.metrics;
-        self.trip_named(worker, reason);
-        m.retries.fetch_add(1, Ordering::Relaxed);
-        if tokens > 0 {
-            m.migrations.fetch_add(1, Ordering::Relaxed);
-        }
-        tracing::warn!(request = self.id.0, worker, reason, tokens, "worker lost; the request goes on on another");
+    fn track_prefill(&self, worker: &Arc<dyn Worker>, id: RequestId, prompt: &[u32], fetched: usize) -> Tracked {
+        self.conductor.track_prefill(worker.as_ref(), id, prompt, fetched)
     }
 
-    /// Trips the breaker of the worker named `name`, if the conductor still knows it.
-    fn trip_named(&self, name: &str, reason: &str) {
+    fn track_decode(&self, worker: &Arc<dyn Worker>, id: RequestId, context: usize) -> Tracked {
+        self.conductor.track(worker.as_ref(), id, true, context)
+    }
+
+    fn prefill_busy(&self, worker: &Arc<dyn Worker>) -> bool {
+        self.conductor.loads().prefill.get(Worker::name(worker.as_ref())).is_some_and(|queued| !queued.is_empty())
+    }
+
+    fn fresh_id(&self) -> u64 {
+        self.conductor.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn trip(&self, worker: &str, reason: &str) {
         let c = &self.conductor;
-        if let Some(w) = c.workers().into_iter().find(|w| w.name() == name) {
+        if let Some(w) = c.workers().into_iter().find(|w| Worker::name(w.as_ref()) == worker) {
             c.trip(&w, reason);
         }
     }
 
-    /// Another worker to decode on, after `tried` failed: the decode worker (or else the
-    /// colocated worker) the policy picks among the rest.
-    fn reroute_decode(&self, tried: &[String]) -> Option<Arc<dyn Worker>> {
-        match self.conductor.route(&self.valid, tried, false).ok()? {
-            Route::Disaggregated { decode, .. } => Some(decode),
-            Route::Colocated(w) => Some(w),
+    fn send(&mut self, piece: Piece) -> bool {
+        self.out.send((self.index, piece)).is_ok()
+    }
+
+    fn logprob_entry(&self, token: u32, lp: &baton_model::TokenLogprobs) -> crate::openai::LogprobEntry {
+        self.conductor.validator.logprob_entry(token, lp)
+    }
+
+    fn prefilled(&mut self) {
+        if let Some(tx) = self.prefilled.take() {
+            let _ = tx.send(());
         }
     }
 
-    fn request(&self) -> WorkRequest {
-        let v = &self.valid;
-        WorkRequest {
-            id: self.id.0,
-            request_id: Some(self.request_id.clone()),
-            prompt: v.prompt_ids.clone(),
-            generated: Vec::new(),
-            sampling: SamplingParams {
-                seed: v.sampling.seed.map(|s| s.wrapping_add(self.index as u64)),
-                ..v.sampling.clone()
-            },
-            stop: v.stop.clone(),
-            logprobs: v.logprobs,
-            stop_token_ids: v.stop_token_ids.clone(),
-            retain_kv: false,
-            kv_transfer: self.conductor.kv_transfer,
-            kv: None,
-            fetch: None,
-            prefix_cache: self.conductor.pd_caching != PdCaching::Basic,
-        }
+    fn return_kv(&self, from: Arc<dyn Worker>, to: Arc<dyn Worker>, id: RequestId, tokens: Vec<u32>) {
+        tokio::spawn(return_kv(self.conductor.clone(), from, to, id, tokens).in_current_span());
     }
 
-    async fn disaggregated(&self, p: &Arc<dyn Worker>, d: &Arc<dyn Worker>, start: Instant) -> Result<(), RunError> {
-        let c = &self.conductor;
-        // Prefill: the prompt and the first token; the KV stays on `p` under a lease (in push
-        // mode, `p` also waits to write it into `d`'s blocks). (With max_tokens 1 the request
-        // ends there: nothing to hand over.)
-        let retain_kv = self.valid.stop.max_tokens > 1;
-        let base = self.request();
-        let stop = StopParams { max_tokens: 1, ..base.stop.clone() };
-        let fetching = self.start_fetch(p.as_ref()).await;
-        let fetch = fetching.as_ref().map(|f| f.source.clone());
-        let fetched = fetch.as_ref().map_or(0, |f| f.tokens);
-        // Layer-wise: the decode worker has the request now, reserves blocks for the prompt's
-        // KV and registers them with `p`'s KV server, which writes each layer into them as the
-        // prefill computes it; the last write brings the first token. Only when `p` prefills
-        // nothing else for this conductor: behind a queue, the reservation would hold decode
-        // memory idle for the queue's time, so the KV is pulled once the prefill is done (as
-        // it is without `p`'s KV server address).
-        let p_busy = c.loads().prefill.get(p.name()).is_some_and(|queued| !queued.is_empty());
-        let mut early = match (base.kv_transfer, p.kv_addr()) {
-            (KvTransfer::Layerwise, Some(addr)) if retain_kv && !p_busy => {
-                let tokens = self.valid.prompt_ids.len();
-                let kv = Some(KvSource { addr, blocks: Vec::new(), tokens, lease: None });
-                let prefix_cache = c.pd_caching >= PdCaching::Decode;
-                Some(d.submit(WorkRequest { kv, prefix_cache, ..self.request() }))
-            }
-            _ => None,
-        };
-        let kv_transfer = if early.is_some() { base.kv_transfer } else { base.kv_transfer.after_prefill() };
-        let mut events = p.submit(WorkRequest { stop, retain_kv, fetch, kv_transfer, ..base });
-        let prefill = c.track_prefill(p.as_ref(), self.id, &self.valid.prompt_ids, fetched);
-        let mut first = Vec::new();
-        let prefilled = async {
-            loop {
-                match self.next(p, &mut events).await? {
-                    RequestEvent::Token { token, text, logprobs } => {
-                        c.metrics.ttft.observe(start.elapsed().as_secs_f64());
-                        first.push(token);
-                        self.send_logprobs(token, logprobs)?;
-                        self.send(Piece::Text(text))?;
-                    }
-                    RequestEvent::Finished { reason, prompt_tokens, kv, cached_tokens, received, .. } => {
-                        let _ = self.cached_tokens.set(cached_tokens);
-                        self.fetch_ended(fetching.as_ref(), received);
-                        self.prefill_done(p.name(), prompt_tokens, cached_tokens);
-                        break Ok((reason, prompt_tokens, kv));
-                    }
-                    RequestEvent::Failed(e) => break Err(RunError::Api(e.into())),
-                    RequestEvent::Lost { reason } => break Err(RunError::Lost { worker: p.name().to_owned(), reason }),
-                }
-            }
-        };
-        let (reason, prompt_tokens, kv) = match prefilled.await {
-            Ok(done) => done,
-            // Lost after its first token (the client has it) but before it said it finished:
-            // the decode side goes on from the prompt and that token, recomputing their KV as a
-            // migrated request does.
-            Err(RunError::Lost { worker, reason }) if !first.is_empty() => {
-                self.handed_on(&worker, &reason, first.len());
-                (Finish::Length, self.valid.prompt_ids.len(), None)
-            }
-            Err(e) => {
-                // The client may have gone just as the prefill finished, or the worker's stream
-                // was lost (a half-open connection, a partition) after it offered the KV: the
-                // conductor never heard of the hand-off, but releases it by the request's id, so
-                // a worker still alive does not hold it until its lease ends. (Dropping `early`
-                // aborts the decode worker's half, and frees the blocks it reserved.)
-                p.release(self.id.0);
-                return Err(e);
-            }
-        };
-        drop(prefill);
-        drop(fetching);
-        let done_at_prefill = reason != Finish::Length || self.valid.stop.max_tokens == 1;
-        let prefill_lost = kv.is_none() && !done_at_prefill;
-        let kv = kv.filter(|_| !done_at_prefill);
-        if kv.is_none() && !prefill_lost {
-            drop(early);
-            p.release(self.id.0);
-            return self.finish(reason, prompt_tokens, first.len());
-        }
-        // Decode: reserve blocks and pull the KV into them, or have `p` push it (COMPLETE
-        // releases it on the prefill side), then stream the rest.
-        let handoff = Instant::now();
-        let mut decode = d.clone();
-        let mut tried = Vec::new();
-        // Every token the client has: the prefill's first, then the decode workers'.
-        let mut generated = first.clone();
-        let mut handoff = kv.is_some().then_some(handoff);
-        let result = loop {
-            if generated.len() >= self.valid.stop.max_tokens {
-                // Lost after its last token, before saying so.
-                break self.finish(Finish::Length, prompt_tokens, generated.len());
-            }
-            let context = self.valid.prompt_ids.len() + generated.len();
-            let _decode = c.track(decode.as_ref(), self.id, true, context);
-            // The prefill worker's lease holds the prompt's KV until a decode worker completes its
-            // transfer; a migrated request recomputes its KV instead.
-            let kv = kv.clone().filter(|_| generated.len() == first.len());
-            // Decode workers keep (and reuse) requests' KV only in PD-Caching-2.
-            let prefix_cache = c.pd_caching >= PdCaching::Decode;
-            // The prefill is over: a hand-off from here on pulls what `p` leases (a layer-wise
-            // one already is on its way, in `early`).
-            let kv_transfer = c.kv_transfer.after_prefill();
-            let layerwise = early.is_some();
-            // With no decode worker left, the prefill worker itself runs the rest whole
-            // (`lone_role_fallback`): it gives up what it held for the lost hand-off, and the
-            // rest runs under a fresh id, since the old one may still be settling there.
-            let on_prefill_worker = decode.name() == p.name();
-            let id = if on_prefill_worker {
-                p.release(self.id.0);
-                c.next_id.fetch_add(1, Ordering::Relaxed)
-            } else {
-                self.id.0
-            };
-            let events = match early.take() {
-                Some(events) => events,
-                None => decode.submit(WorkRequest {
-                    id,
-                    generated: generated.clone(),
-                    kv: kv.filter(|_| !on_prefill_worker),
-                    prefix_cache,
-                    kv_transfer,
-                    ..self.request()
-                }),
-            };
-            let mut relayed = Vec::new();
-            let result = self.relay(&decode, events, start, handoff.take(), None, &mut relayed).await;
-            let streamed_here = relayed.len();
-            if layerwise && streamed_here > 0 {
-                c.metrics.layerwise_handoffs.fetch_add(1, Ordering::Relaxed);
-            }
-            generated.extend(relayed);
-            // A decode worker lost: hand the decode to another, before its first token (it pulls
-            // the KV if the lease still holds it, else recomputes) or mid-stream (migration: it
-            // recomputes the KV of the prompt and the tokens so far, and continues).
-            match result {
-                // The layer-wise hand-off failed (the prefill worker died mid-stream, or the
-                // decode worker had no room in time): the decode worker gave the request back
-                // before streaming anything; it gets it again with the first token, and pulls
-                // the KV if `p` still leases it, else recomputes it.
-                Err(RunError::Handoff(reason)) => {
-                    tracing::warn!(request = self.id.0, reason, "layer-wise hand-off failed; handing over again");
-                    c.metrics.retries.fetch_add(1, Ordering::Relaxed);
-                    handoff = Some(Instant::now());
-                }
-                Err(RunError::Lost { worker, reason }) if tried.len() < MAX_RETRIES => {
-                    self.handed_on(&worker, &reason, streamed_here);
-                    tried.push(worker.clone());
-                    match self.reroute_decode(&tried) {
-                        Some(next) => decode = next,
-                        None => break Err(RunError::Lost { worker, reason }),
-                    }
-                }
-                other => break other,
-            }
-        };
-        // Whatever happened on the decode side, the prefill side's blocks are not needed any
-        // more (a no-op when the pull completed).
-        p.release(self.id.0);
-        if result.is_ok() && c.pd_caching == PdCaching::Return {
-            let tokens: Vec<u32> = self.valid.prompt_ids.iter().chain(&generated).copied().collect();
-            tokio::spawn(return_kv(c.clone(), decode, p.clone(), self.id, tokens).in_current_span());
-        }
-        result
-    }
-
-    /// Streams a worker's events to the response. With `handoff`, the first event means the
-    /// KV was pulled: record the hand-off (and, when the request ends, the KV the worker says it
-    /// received: tokens it cached already did not travel).
-    async fn relay(
-        &self,
-        worker: &Arc<dyn Worker>,
-        mut events: mpsc::UnboundedReceiver<RequestEvent>,
-        start: Instant,
-        mut handoff: Option<Instant>,
-        mut prefill: Option<(Tracked<'_>, Option<Fetching>)>,
-        relayed: &mut Vec<u32>,
-    ) -> Result<(), RunError> {
-        let c = &self.conductor;
-        let mut last = None;
-        let mut _decode = None;
-        let colocated = prefill.is_some();
-        let mut fetching = None;
-        loop {
-            let event = self.next(worker, &mut events).await?;
-            if let Some(t) = handoff.take()
-                && !matches!(event, RequestEvent::Failed(_) | RequestEvent::Lost { .. })
-            {
-                c.metrics.transfer.observe(t.elapsed().as_secs_f64());
-                last = Some(Instant::now());
-            }
-            match event {
-                RequestEvent::Token { token, text, logprobs } => {
-                    // A colocated worker's first token ends its prefill.
-                    if let Some((_, f)) = prefill.take() {
-                        fetching = f;
-                        _decode = Some(c.track(worker.as_ref(), self.id, true, self.valid.prompt_ids.len() + 1));
-                    }
-                    let now = Instant::now();
-                    match last {
-                        // (A migrated request's first token here is not its first.)
-                        None if relayed.is_empty() && !self.streamed.load(Ordering::Relaxed) => {
-                            c.metrics.ttft.observe(start.elapsed().as_secs_f64());
-                        }
-                        None => {}
-                        Some(t) => c.metrics.tbt.observe((now - t).as_secs_f64()),
-                    }
-                    last = Some(now);
-                    relayed.push(token);
-                    self.send_logprobs(token, logprobs)?;
-                    self.send(Piece::Text(text))?;
-                }
-                RequestEvent::Finished {
-                    reason, prompt_tokens, completion_tokens, cached_tokens, received, ..
-                } => {
-                    let _ = self.cached_tokens.set(cached_tokens);
-                    if let Some(r) = received.filter(|_| !colocated) {
-                        c.metrics.transfer_tokens.fetch_add(r.tokens as u64, Ordering::Relaxed);
-                        let bytes = c.kv_bytes_per_token.map_or(r.bytes, |b| (r.tokens * b) as u64);
-                        c.metrics.transfer_bytes.fetch_add(bytes, Ordering::Relaxed);
-                    }
-                    if colocated {
-                        let fetching = fetching.take().or_else(|| prefill.take().and_then(|(_, f)| f));
-                        self.fetch_ended(fetching.as_ref(), received);
-                        self.prefill_done(worker.name(), prompt_tokens, cached_tokens);
-                    }
-                    return self.finish(reason, prompt_tokens, completion_tokens);
-                }
-                RequestEvent::Failed(WorkerError::Handoff(reason)) => return Err(RunError::Handoff(reason)),
-                RequestEvent::Failed(e) => return Err(RunError::Api(e.into())),
-                RequestEvent::Lost { reason } => {
-                    return Err(RunError::Lost { worker: worker.name().to_owned(), reason });
-                }
-            }
-        }
-    }
-
-    fn finish(&self, reason: Finish, prompt_tokens: usize, completion_tokens: usize) -> Result<(), RunError> {
-        if reason == Finish::GrammarFailed {
-            // The text so far is not a sentence of the grammar: the client must not take it
-            // for a complete output (a 400 before the body, or an error event in a stream).
-            return Err(RunError::Api(ApiError::param(
-                "response_format",
-                format!(
-                    "the output's grammar (`response_format` or a forced tool call) failed after {completion_tokens} \
-                     tokens: the grammar engine cannot serve this schema (too deep a recursion, or a pattern past its \
-                     limits); simplify it"
-                ),
-            )));
-        }
-        let m = &self.conductor.metrics;
-        if self.index == 0 {
-            m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
-        }
-        m.generation_tokens.fetch_add(completion_tokens as u64, Ordering::Relaxed);
-        let cached_tokens = self.cached_tokens.get().copied().unwrap_or(0);
-        self.send(Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens })
-    }
-
-    fn send_logprobs(&self, token: u32, logprobs: Option<baton_model::TokenLogprobs>) -> Result<(), RunError> {
-        match logprobs {
-            Some(lp) => self.send(Piece::Logprobs(self.conductor.validator.logprob_entry(token, &lp))),
-            None => Ok(()),
-        }
-    }
-
-    fn send(&self, piece: Piece) -> Result<(), RunError> {
-        if matches!(&piece, Piece::Text(t) if !t.is_empty()) {
-            self.streamed.store(true, Ordering::Relaxed);
-        }
-        self.out.send((self.index, piece)).map_err(|_| RunError::Cancelled)
+    fn metrics(&self) -> &Metrics {
+        &self.conductor.metrics
     }
 }
 
-enum RunError {
-    /// The client went away.
-    Cancelled,
-    /// The request failed.
-    Api(ApiError),
-    /// A worker went away.
-    Lost { worker: String, reason: String },
-    /// A layer-wise hand-off did not arrive; the decode worker gave the request back.
-    Handoff(String),
+impl ChoiceHost {
+    /// Runs a choice of a request on `route` to its end (the task that drives its [`Life`]),
+    /// holding `binding` (its claim on its decode worker's room) until then.
+    async fn run(self, choice: Choice, route: Route, fetch: Option<PlannedFetch>, binding: Option<Binding>) {
+        let _binding = binding;
+        let c = self.conductor.clone();
+        let settings =
+            Settings { kv_transfer: c.kv_transfer, pd_caching: c.pd_caching, kv_bytes_per_token: c.kv_bytes_per_token };
+        let out = self.out.clone();
+        let mut life = Life::new(self, settings, choice, route, fetch, Instant::now());
+        loop {
+            enum Got {
+                Event(RequestEvent),
+                Offer(Option<KvSource>),
+                Gone,
+            }
+            let got = match life.waiting() {
+                Waiting::Done => break,
+                Waiting::Worker { worker, events } => match next_event(worker, events, c.worker_silence, &out).await {
+                    Some(event) => Got::Event(event),
+                    None => Got::Gone,
+                },
+                Waiting::Offer { from, lease, tokens } => tokio::select! {
+                    offer = from.export_prefix(lease, tokens, crate::control::EXPORT_DEADLINE) => Got::Offer(offer),
+                    () = out.closed() => Got::Gone,
+                },
+            };
+            let now = Instant::now();
+            match got {
+                Got::Event(event) => life.event(event, now),
+                Got::Offer(offer) => life.offered(offer),
+                Got::Gone => life.client_gone(now),
+            }
+        }
+        debug_assert!(life.outcome().is_some(), "a life waits on nothing only once it is over");
+    }
 }
 
-impl Run {
-    /// A worker's next event for this request, or `Cancelled` as soon as the client goes away
-    /// (returning drops the worker's receiver, which aborts the request there).
-    async fn next(
-        &self,
-        worker: &Arc<dyn Worker>,
-        events: &mut mpsc::UnboundedReceiver<RequestEvent>,
-    ) -> Result<RequestEvent, RunError> {
-        let lost = |reason: &str| RunError::Lost { worker: worker.name().to_owned(), reason: reason.to_owned() };
-        let since = Instant::now();
-        loop {
-            let event = tokio::select! {
-                e = tokio::time::timeout(self.conductor.worker_silence, events.recv()) => e,
-                () = self.out.closed() => return Err(RunError::Cancelled),
-            };
-            match event {
-                Ok(Some(e)) => return Ok(e),
-                Ok(None) => return Err(lost("it stopped before finishing the request")),
-                Err(_) if since.elapsed() >= WORKER_SILENCE_MAX => {
-                    return Err(lost("it sent nothing for this request in ten minutes"));
+/// A worker's next event for a request, or `None` as soon as the client goes away. A worker
+/// silent past `silence` is probed (its engine answers a stats call between steps): one that
+/// answers is busy and the wait goes on, up to [`WORKER_SILENCE_MAX`]; one that does not, or
+/// whose stream ends before the request does, is reported as [`RequestEvent::Lost`].
+async fn next_event(
+    worker: &Arc<dyn Worker>,
+    events: &mut mpsc::UnboundedReceiver<RequestEvent>,
+    silence: Duration,
+    out: &mpsc::UnboundedSender<(usize, Piece)>,
+) -> Option<RequestEvent> {
+    let lost = |reason: &str| Some(RequestEvent::Lost { reason: reason.to_owned() });
+    let since = Instant::now();
+    loop {
+        let event = tokio::select! {
+            e = tokio::time::timeout(silence, events.recv()) => e,
+            () = out.closed() => return None,
+        };
+        match event {
+            Ok(Some(e)) => return Some(e),
+            Ok(None) => return lost("it stopped before finishing the request"),
+            Err(_) if since.elapsed() >= WORKER_SILENCE_MAX => {
+                return lost("it sent nothing for this request in ten minutes");
+            }
+            Err(_) => {
+                // Silent: queued behind other requests, or dead? Its engine answers a stats
+                // call between steps; a busy worker is not taken for a dead one.
+                let alive = tokio::select! {
+                    stats = worker.stats() => stats.is_some(),
+                    () = out.closed() => return None,
+                };
+                if !alive {
+                    return lost("it sent nothing and did not answer a probe in time");
                 }
-                Err(_) => {
-                    // Silent: queued behind other requests, or dead? Its engine answers a
-                    // stats call between steps; a busy worker is not taken for a dead one.
-                    let alive = tokio::select! {
-                        stats = worker.stats() => stats.is_some(),
-                        () = self.out.closed() => return Err(RunError::Cancelled),
-                    };
-                    if !alive {
-                        return Err(lost("it sent nothing and did not answer a probe in time"));
-                    }
-                    tracing::debug!(
-                        worker = worker.name(),
-                        silent_s = since.elapsed().as_secs(),
-                        "worker busy; waiting"
-                    );
-                }
+                tracing::debug!(worker = worker.name(), silent_s = since.elapsed().as_secs(), "worker busy; waiting");
             }
         }
     }

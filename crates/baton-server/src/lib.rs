@@ -33,6 +33,7 @@ pub mod elastic;
 pub mod error;
 pub mod handoff;
 pub mod http;
+mod life;
 pub mod metrics;
 pub mod openai;
 pub mod remote;
