@@ -41,7 +41,7 @@ use baton_kv::BlockId;
 use baton_transfer::TransferStats;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::wire::{KvSource, KvTransfer, Received, RequestEvent, WorkerError};
+use crate::wire::{KvSource, KvTransfer, Received, RequestEvent, WorkRequest, WorkerError};
 
 /// Where a request's events go (its client's channel). Sending never blocks.
 pub trait Sink {
@@ -115,6 +115,47 @@ pub enum Action {
     /// End a request's lease on the KV server; the server reports the end as
     /// [`Sessions::lease_ended`].
     CancelLease(RequestId),
+}
+
+/// The KV a request brings to a worker, as the worker's session machine takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Incoming {
+    /// KV to receive before computing (a hand-off, or a fetched prefix).
+    pub source: Option<KvSource>,
+    /// How it arrives.
+    pub mode: KvTransfer,
+    /// How the prefill side pushes the KV the request retains.
+    pub push: Push,
+}
+
+impl Incoming {
+    /// The engine's request, and the hand-off's KV and mode.
+    pub(crate) fn of(work: WorkRequest) -> (GenerationRequest, Incoming) {
+        let push = match work.kv_transfer {
+            _ if !work.retain_kv => Push::No,
+            KvTransfer::Pull => Push::No,
+            KvTransfer::Push => Push::Whole,
+            KvTransfer::Layerwise => Push::Layers,
+        };
+        let incoming = match (work.kv, work.fetch) {
+            // A decode-side hand-off: received as the request says, never pushed on.
+            (Some(source), _) => Incoming { source: Some(source), mode: work.kv_transfer, push: Push::No },
+            (None, Some(source)) => Incoming { source: Some(source), mode: KvTransfer::Pull, push },
+            (None, None) => Incoming { source: None, mode: work.kv_transfer, push },
+        };
+        let req = GenerationRequest {
+            generated: work.generated,
+            sampling: work.sampling,
+            stop: work.stop,
+            retain_kv: if work.retain_kv { KvRetention::All } else { KvRetention::None },
+            logprobs: work.logprobs,
+            stop_token_ids: work.stop_token_ids,
+            prefix_cache: work.prefix_cache,
+            stream_kv: incoming.push == Push::Layers,
+            ..GenerationRequest::new(RequestId(work.id), work.prompt)
+        };
+        (req, incoming)
+    }
 }
 
 /// How a prefill worker hands over the KV a request retains.

@@ -15,11 +15,9 @@
 
 use std::net::SocketAddr;
 
-use baton_engine::{FinishReason, GenerationRequest, KvRetention, RequestId, StopParams};
+use baton_engine::{FinishReason, StopParams};
 use baton_model::{SamplingParams, TokenLogprobs};
 use serde::{Deserialize, Serialize};
-
-use crate::session::Push;
 
 /// A worker's role: the cluster's, so registry, routing and workers share one type.
 pub use baton_cluster::Role;
@@ -214,34 +212,6 @@ impl WorkRequest {
         let request_id = self.request_id.as_deref().unwrap_or_default();
         tracing::info_span!("work", request_id, request = self.id, worker, role = role.as_str())
     }
-
-    /// The engine's request, and the hand-off's KV and mode.
-    pub(crate) fn into_parts(self) -> (GenerationRequest, Incoming) {
-        let push = match self.kv_transfer {
-            _ if !self.retain_kv => Push::No,
-            KvTransfer::Pull => Push::No,
-            KvTransfer::Push => Push::Whole,
-            KvTransfer::Layerwise => Push::Layers,
-        };
-        let incoming = match (self.kv, self.fetch) {
-            // A decode-side hand-off: received as the request says, never pushed on.
-            (Some(source), _) => Incoming { source: Some(source), mode: self.kv_transfer, push: Push::No },
-            (None, Some(source)) => Incoming { source: Some(source), mode: KvTransfer::Pull, push },
-            (None, None) => Incoming { source: None, mode: self.kv_transfer, push },
-        };
-        let req = GenerationRequest {
-            generated: self.generated,
-            sampling: self.sampling,
-            stop: self.stop,
-            retain_kv: if self.retain_kv { KvRetention::All } else { KvRetention::None },
-            logprobs: self.logprobs,
-            stop_token_ids: self.stop_token_ids,
-            prefix_cache: self.prefix_cache,
-            stream_kv: incoming.push == Push::Layers,
-            ..GenerationRequest::new(RequestId(self.id), self.prompt)
-        };
-        (req, incoming)
-    }
 }
 
 /// KV a worker received for a request from a peer.
@@ -253,17 +223,6 @@ pub struct Received {
     pub bytes: u64,
     /// How long the transfer took, µs.
     pub micros: u64,
-}
-
-/// The KV a request brings to a worker, as the worker's session machine takes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Incoming {
-    /// KV to receive before computing (a hand-off, or a fetched prefix).
-    pub source: Option<KvSource>,
-    /// How it arrives.
-    pub mode: KvTransfer,
-    /// How the prefill side pushes the KV the request retains.
-    pub push: Push,
 }
 
 /// Why a request ended, as it travels between processes.

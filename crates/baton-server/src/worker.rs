@@ -185,7 +185,7 @@ const STALL_WAIT: Duration = Duration::from_millis(5);
 pub(crate) enum Command {
     Submit {
         req: Box<GenerationRequest>,
-        incoming: crate::wire::Incoming,
+        incoming: crate::session::Incoming,
         events: mpsc::UnboundedSender<RequestEvent>,
         /// The request's span (its ids), entered wherever the worker logs about it.
         span: tracing::Span,
@@ -521,7 +521,7 @@ impl Worker for WorkerHandle {
             fetches_tokens = req.fetch.as_ref().map(|f| f.tokens),
             "work submitted"
         );
-        let (req, incoming) = req.into_parts();
+        let (req, incoming) = crate::session::Incoming::of(req);
         if let Some(why) = self.stop_reason() {
             let _ = tx.send(RequestEvent::Lost { reason: format!("worker {} has stopped: {why}", self.inner.name) });
             return rx;
@@ -936,7 +936,7 @@ impl EngineLoop {
         match cmd {
             Command::Shutdown => return false,
             Command::Submit { req, incoming, events, span } => {
-                let crate::wire::Incoming { source, mode, push } = incoming;
+                let crate::session::Incoming { source, mode, push } = incoming;
                 let submission = Submission { req: *req, source, mode, push, sink: events, span };
                 self.sessions.submit(host, Instant::now(), submission);
             }
