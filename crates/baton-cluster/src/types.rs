@@ -64,34 +64,7 @@ impl fmt::Display for WorkerId {
     }
 }
 
-/// What a worker does in a disaggregated deployment.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Computes prompts and holds their KV until a decode worker pulls it.
-    Prefill,
-    /// Pulls KV from prefill workers and generates tokens.
-    Decode,
-    /// Does both, in one engine.
-    Colocated,
-}
-
-impl Role {
-    /// The role's name on the command line, in etcd and in metrics.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Colocated => "colocated",
-        }
-    }
-}
-
-impl fmt::Display for Role {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use baton_sched::Role;
 
 /// The shape of a worker's KV cache, enough for a peer to check that blocks are compatible
 /// before pulling them (the full tensor descriptor is exchanged by the transfer protocol).

@@ -21,7 +21,7 @@ use baton_kv::InstanceId;
 use baton_sched::{CostProfile, GlobalPromptTrees, LoadAware, LoadAwareConfig, Micros, Policy};
 
 use crate::routing::Snapshot;
-use crate::sched::{SchedPolicy, server_role};
+use crate::sched::SchedPolicy;
 use crate::worker::Role;
 
 /// Settings of elastic role switching.
@@ -120,7 +120,7 @@ impl Elastic {
         }
         let view = snapshot.workers.iter().find(|w| InstanceId(w.instance) == change.instance)?;
         self.recent.push_back(now);
-        Some(Switch { worker: view.index, from: view.role, to: server_role(change.to) })
+        Some(Switch { worker: view.index, from: view.role, to: change.to })
     }
 
     /// The last switch [`decide`](Self::decide) asked for did not happen (the worker did not

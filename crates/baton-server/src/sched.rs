@@ -17,13 +17,12 @@ use std::sync::Mutex;
 
 use baton_kv::{InstanceId, prefix_hashes};
 use baton_sched::{
-    ClusterSnapshot, CostProfile, DecodeSeq, GlobalPromptTrees, Micros, PendingPrefill, Request, RequestId,
-    Role as SchedRole, Scheduler, TierUsage, WorkerLoad,
+    ClusterSnapshot, CostProfile, DecodeSeq, GlobalPromptTrees, Micros, PendingPrefill, Request, RequestId, Scheduler,
+    TierUsage, WorkerLoad,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use crate::Role;
 use crate::routing::{Decision, Fetch, Plan, RoutePolicy, RouteRequest, Snapshot};
 
 pub use crate::view::PREDICTED_TTL_US;
@@ -93,7 +92,7 @@ impl SchedPolicy {
             .workers
             .iter()
             .map(|w| {
-                let mut load = WorkerLoad::idle(InstanceId(w.instance), sched_role(w.role));
+                let mut load = WorkerLoad::idle(InstanceId(w.instance), w.role);
                 load.prefills = prefill_queue(&w.prefilling, cost, snapshot.now_us);
                 load.decode_running =
                     w.decoding.iter().map(|&(started_at, ctx)| DecodeSeq::new(started_at, ctx as u64)).collect();
@@ -265,23 +264,6 @@ fn prefill_queue(prefilling: &[(u64, usize)], cost: &CostProfile, now: Micros) -
         .collect()
 }
 
-/// A scheduler role as the server's.
-pub(crate) fn server_role(role: SchedRole) -> Role {
-    match role {
-        SchedRole::Prefill => Role::Prefill,
-        SchedRole::Decode => Role::Decode,
-        SchedRole::Colocated => Role::Colocated,
-    }
-}
-
-pub(crate) fn sched_role(role: Role) -> SchedRole {
-    match role {
-        Role::Prefill => SchedRole::Prefill,
-        Role::Decode => SchedRole::Decode,
-        Role::Colocated => SchedRole::Colocated,
-    }
-}
-
 impl RoutePolicy for SchedPolicy {
     fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision {
         self.plan(snapshot, request).decision
@@ -301,7 +283,7 @@ impl RoutePolicy for SchedPolicy {
         let mut trees = trees.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         trees.expire(now);
         for w in &snapshot.workers {
-            trees.set_role(InstanceId(w.instance), sched_role(w.role));
+            trees.set_role(InstanceId(w.instance), w.role);
         }
         *next_request += 1;
         let req = Self::request(*next_request, request, self.block_tokens);
@@ -423,6 +405,7 @@ mod tests {
     use baton_sched::{AdmissionConfig, PolicyConfig, PolicyKind};
 
     use super::*;
+    use crate::Role;
     use crate::routing::WorkerView;
 
     fn snapshot() -> Snapshot {
@@ -453,7 +436,7 @@ mod tests {
         let queue = |prefilling: &[(u64, usize)]| {
             WorkerLoad {
                 prefills: prefill_queue(prefilling, &cost, now),
-                ..WorkerLoad::idle(InstanceId(0), SchedRole::Prefill)
+                ..WorkerLoad::idle(InstanceId(0), Role::Prefill)
             }
             .queued_prefill_us(now)
         };
@@ -591,7 +574,7 @@ mod tests {
             let mut direct = Scheduler::new(kind.build(&PolicyConfig::default()), AdmissionConfig::default());
             let mut trees = GlobalPromptTrees::new(PREDICTED_TTL_US);
             for w in &snap.workers {
-                trees.set_role(InstanceId(w.instance), sched_role(w.role));
+                trees.set_role(InstanceId(w.instance), w.role);
             }
             let cluster = SchedPolicy::cluster_snapshot(&snap, &trees, &cost, 16, snap.now_us, false);
             let req = SchedPolicy::request(1, &RouteRequest { prompt: &prompt, max_tokens: 64, session: None }, 16);

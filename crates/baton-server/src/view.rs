@@ -201,7 +201,7 @@ impl ClusterView {
             StateUpdate::Snapshot { next_seq, blocks, load, at_ms } => {
                 if self.mode == KvIndexMode::Exact {
                     let blocks = blocks.iter().map(|b| (BlockHash(b.hash), b.tier.into()));
-                    self.tree_lock().replace_instance(instance, crate::sched::sched_role(role), next_seq, blocks);
+                    self.tree_lock().replace_instance(instance, role, next_seq, blocks);
                 }
                 f.report = Some(load);
                 f.lag_s = now_ms.saturating_sub(at_ms) as f64 / 1e3;
