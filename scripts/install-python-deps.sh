@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Python packages the tests and reference scripts use, in a virtual environment at <repo>/.venv
 # (git-ignored):
-#   openai  the official client, driven against `baton serve` by crates/baton-server/tests/openai.rs
+#   openai  the official client, driven against `baton serve` by crates/baton-conductor/tests/openai.rs
 #   gguf    llama.cpp's GGUF reader and dequantiser, for scripts/reference-smollm2.py
 #   numpy   the float32 forward pass of scripts/reference-smollm2.py
 #   regex   \p{L}-style classes for its tokeniser; jinja2 renders the chat template (as transformers)

@@ -3,7 +3,7 @@
 #![no_main]
 
 use baton_cluster::{ClusterSecret, RegistryConfig};
-use baton_server::wire::{RequestEvent, StateUpdate, WorkRequest};
+use baton_protocol::wire::{RequestEvent, StateUpdate, WorkRequest};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

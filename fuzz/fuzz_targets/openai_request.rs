@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, LazyLock};
 
-use baton_server::openai::Validator;
+use baton_conductor::openai::Validator;
 use libfuzzer_sys::fuzz_target;
 
 static VALIDATOR: LazyLock<Validator> = LazyLock::new(|| {

@@ -13,7 +13,7 @@ use baton_bench::report::{Report, compare_table, summary_table};
 use baton_bench::runner::Quiet;
 use baton_bench::workload::{LengthDist, WorkloadSpec};
 use baton_bench::{BenchConfig, BenchError};
-use baton_server::ServeConfig;
+use baton_conductor::ServeConfig;
 
 struct Server {
     url: String,
@@ -22,11 +22,11 @@ struct Server {
 
 async fn start() -> Server {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-llama");
-    let conductor = baton_server::build(&ServeConfig::new(model)).expect("builds");
+    let conductor = baton_conductor::build(&ServeConfig::new(model)).expect("builds");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(baton_server::serve(listener, conductor, async {
+    tokio::spawn(baton_conductor::serve(listener, conductor, async {
         let _ = rx.await;
     }));
     Server { url, _shutdown: tx }

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use baton_cluster::{ClusterSecret, RegistryConfig};
-use baton_server::Role;
-use baton_server::deploy::{ConductorConfig, WorkerConfig, run_conductor, run_worker};
+use baton_conductor::deploy::{ConductorConfig, WorkerConfig, run_conductor, run_worker};
+use baton_protocol::Role;
 
 /// Arguments of `baton bench conductor`.
 #[derive(Debug, clap::Args)]
@@ -79,16 +79,16 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             secret: secret.clone(),
             api_key: None,
             protect_metrics: false,
-            policy: baton_server::sched::PolicyChoice::default(),
+            policy: baton_conductor::sched::PolicyChoice::default(),
             block_tokens: 16,
-            kv_transfer: baton_server::KvTransfer::default(),
-            pd_caching: baton_server::wire::PdCaching::default(),
-            kv_index: baton_server::view::KvIndexMode::default(),
+            kv_transfer: baton_protocol::KvTransfer::default(),
+            pd_caching: baton_protocol::wire::PdCaching::default(),
+            kv_index: baton_conductor::view::KvIndexMode::default(),
             elastic: None,
-            drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
+            drain_timeout: baton_conductor::deploy::DEFAULT_DRAIN_TIMEOUT,
             tls: None,
             tls_ca: None,
-            worker_timeout: baton_server::remote::STREAM_IDLE_TIMEOUT,
+            worker_timeout: baton_conductor::remote::STREAM_IDLE_TIMEOUT,
         };
         tokio::spawn(run_conductor(conductor, conductor_listener, std::future::pending()));
         let worker = WorkerConfig {
@@ -104,11 +104,11 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             secret,
             engine: baton_engine::EngineConfig::default(),
             lease: Duration::from_secs(30),
-            transport: baton_server::TransportChoice::Auto,
+            transport: baton_worker::TransportChoice::Auto,
             ttl: Duration::from_secs(3),
             emulate: None,
             emulate_link: None,
-            drain_timeout: baton_server::deploy::DEFAULT_DRAIN_TIMEOUT,
+            drain_timeout: baton_conductor::deploy::DEFAULT_DRAIN_TIMEOUT,
             // A colocated worker serves the OpenAI API itself only behind a key.
             api_key: Some(DIRECT_KEY.into()),
             tls_ca: None,

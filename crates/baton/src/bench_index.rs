@@ -9,14 +9,14 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use baton_conductor::routing::{RouteRequest, Snapshot, WorkerView};
+use baton_conductor::sched::PolicyChoice;
+use baton_conductor::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
 use baton_kv::{InstanceId, prefix_hashes};
+use baton_protocol::Role;
+use baton_protocol::state_codec::{StateFormat, StateReader};
+use baton_protocol::wire::{BlockChange, BlockEvent, CachedBlock, KvTier, LoadReport, StateUpdate};
 use baton_sched::GlobalPromptTrees;
-use baton_server::Role;
-use baton_server::routing::{RouteRequest, Snapshot, WorkerView};
-use baton_server::sched::PolicyChoice;
-use baton_server::state_codec::{StateFormat, StateReader};
-use baton_server::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
-use baton_server::wire::{BlockChange, BlockEvent, CachedBlock, KvTier, LoadReport, StateUpdate};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -160,7 +160,7 @@ pub(crate) fn run(a: IndexArgs) -> anyhow::Result<()> {
         let start = Instant::now();
         let d = policy.route(&snapshot, &request);
         times.push(start.elapsed().as_nanos() as u64);
-        hits += usize::from(matches!(d, baton_server::routing::Decision::Disaggregated { .. }));
+        hits += usize::from(matches!(d, baton_conductor::routing::Decision::Disaggregated { .. }));
     }
     times.sort_unstable();
     let pct = |p: f64| times[((times.len() - 1) as f64 * p) as usize] as f64 / 1e3;

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use baton_server::{ServeConfig, WorkRequest};
+use baton_conductor::ServeConfig;
+use baton_protocol::WorkRequest;
 
 /// Arguments of `baton bench worker-memory`.
 #[derive(Debug, clap::Args)]
@@ -59,7 +60,7 @@ pub(crate) fn run(a: MemoryArgs) -> anyhow::Result<()> {
     let model = a.model.clone().unwrap_or_else(|| std::path::PathBuf::from("fixtures/models/tiny-llama"));
     let mut config = ServeConfig { prefill: 0, decode: 0, colocated: 1, ..ServeConfig::new(model.clone()) };
     config.engine.num_blocks = a.num_blocks;
-    let conductor = baton_server::build(&config).with_context(|| format!("loading {}", model.display()))?;
+    let conductor = baton_conductor::build(&config).with_context(|| format!("loading {}", model.display()))?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         // The router starts following the worker's state stream, as a serving conductor does.
@@ -86,7 +87,7 @@ pub(crate) fn run(a: MemoryArgs) -> anyhow::Result<()> {
                         while let Some(e) = events.recv().await {
                             if e.is_last() {
                                 return match e {
-                                    baton_server::worker::RequestEvent::Finished { .. } => Ok(()),
+                                    baton_protocol::RequestEvent::Finished { .. } => Ok(()),
                                     other => Err(format!("{other:?}")),
                                 };
                             }

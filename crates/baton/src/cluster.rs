@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use baton_cluster::{ClusterSecret, RegistryConfig};
-use baton_server::deploy::{ConductorConfig, WorkerConfig, run_conductor, run_worker};
-use baton_server::{Role, TransportChoice};
+use baton_conductor::deploy::{ConductorConfig, WorkerConfig, run_conductor, run_worker};
+use baton_protocol::Role;
+use baton_worker::TransportChoice;
 
 /// The cluster secret, shared by every member.
 #[derive(Debug, Clone, clap::Args)]
@@ -134,9 +135,9 @@ impl TlsFlags {
     }
 
     /// The TLS acceptor these flags describe (checked now, so a bad file fails at start).
-    pub(crate) fn acceptor(&self) -> anyhow::Result<Option<baton_server::http::TlsAcceptor>> {
+    pub(crate) fn acceptor(&self) -> anyhow::Result<Option<baton_protocol::http::TlsAcceptor>> {
         self.files()
-            .map(|(cert, key)| baton_server::http::tls_acceptor(&cert, &key).map_err(anyhow::Error::msg))
+            .map(|(cert, key)| baton_protocol::http::tls_acceptor(&cert, &key).map_err(anyhow::Error::msg))
             .transpose()
     }
 }

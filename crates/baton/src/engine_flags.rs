@@ -309,29 +309,29 @@ pub(crate) enum KvIndexArg {
 
 impl RoutingFlags {
     /// The KV hand-off mode these flags choose.
-    pub(crate) fn kv_transfer(&self) -> baton_server::KvTransfer {
+    pub(crate) fn kv_transfer(&self) -> baton_protocol::KvTransfer {
         match self.kv_transfer {
-            KvTransferArg::Pull => baton_server::KvTransfer::Pull,
-            KvTransferArg::Push => baton_server::KvTransfer::Push,
-            KvTransferArg::Layerwise => baton_server::KvTransfer::Layerwise,
+            KvTransferArg::Pull => baton_protocol::KvTransfer::Pull,
+            KvTransferArg::Push => baton_protocol::KvTransfer::Push,
+            KvTransferArg::Layerwise => baton_protocol::KvTransfer::Layerwise,
         }
     }
 
     /// Where these flags keep past requests' KV.
-    pub(crate) fn pd_caching(&self) -> baton_server::wire::PdCaching {
+    pub(crate) fn pd_caching(&self) -> baton_protocol::wire::PdCaching {
         match self.pd_caching {
-            0 => baton_server::wire::PdCaching::Basic,
-            1 => baton_server::wire::PdCaching::Prefill,
-            2 => baton_server::wire::PdCaching::Decode,
-            _ => baton_server::wire::PdCaching::Return,
+            0 => baton_protocol::wire::PdCaching::Basic,
+            1 => baton_protocol::wire::PdCaching::Prefill,
+            2 => baton_protocol::wire::PdCaching::Decode,
+            _ => baton_protocol::wire::PdCaching::Return,
         }
     }
 
     /// What these flags feed the conductor's KV index with.
-    pub(crate) fn kv_index(&self) -> baton_server::view::KvIndexMode {
+    pub(crate) fn kv_index(&self) -> baton_conductor::view::KvIndexMode {
         match self.kv_index {
-            KvIndexArg::Exact => baton_server::view::KvIndexMode::Exact,
-            KvIndexArg::Predicted => baton_server::view::KvIndexMode::Predicted,
+            KvIndexArg::Exact => baton_conductor::view::KvIndexMode::Exact,
+            KvIndexArg::Predicted => baton_conductor::view::KvIndexMode::Predicted,
         }
     }
 
@@ -352,7 +352,7 @@ impl RoutingFlags {
     }
 
     /// Elastic role switching, when `--elastic` asks for it.
-    pub(crate) fn elastic(&self) -> anyhow::Result<Option<baton_server::elastic::ElasticConfig>> {
+    pub(crate) fn elastic(&self) -> anyhow::Result<Option<baton_conductor::elastic::ElasticConfig>> {
         if !self.elastic {
             return Ok(None);
         }
@@ -364,8 +364,8 @@ impl RoutingFlags {
             Some(name) => cost_profile(name)?,
             None => baton_sched::CostProfile::llama2_70b_8xa800(),
         };
-        let (ttft_us, tbt_us) = baton_server::elastic::default_slos(&cost);
-        let mut config = baton_server::elastic::ElasticConfig::new(
+        let (ttft_us, tbt_us) = baton_conductor::elastic::default_slos(&cost);
+        let mut config = baton_conductor::elastic::ElasticConfig::new(
             cost,
             self.slo_ttft_ms.map_or(ttft_us, |ms| ms * 1000),
             self.slo_tbt_ms.map_or(tbt_us, |ms| ms * 1000),
@@ -378,8 +378,8 @@ impl RoutingFlags {
     }
 
     /// The policy these flags choose.
-    pub(crate) fn choice(&self) -> anyhow::Result<baton_server::sched::PolicyChoice> {
-        use baton_server::sched::PolicyChoice;
+    pub(crate) fn choice(&self) -> anyhow::Result<baton_conductor::sched::PolicyChoice> {
+        use baton_conductor::sched::PolicyChoice;
         if self.policy == "simple" {
             anyhow::ensure!(
                 self.conditional_disagg_tokens == 0,
@@ -406,7 +406,7 @@ impl RoutingFlags {
             cost: Box::new(cost),
             seed: self.seed,
             kv_fetch: self.kv_fetch == OnOff::On,
-            decode_affinity: self.pd_caching() >= baton_server::wire::PdCaching::Decode,
+            decode_affinity: self.pd_caching() >= baton_protocol::wire::PdCaching::Decode,
             conditional_tokens: (self.conditional_disagg_tokens > 0).then_some(self.conditional_disagg_tokens),
         })
     }

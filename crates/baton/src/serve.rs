@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use baton_server::ServeConfig;
+use baton_conductor::ServeConfig;
 
 /// Arguments of `baton serve`.
 #[derive(Debug, clap::Args)]
@@ -93,7 +93,7 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
     eprintln!("loading {} ...", model.display());
     let tls = a.tls.acceptor()?;
     let scheme = if tls.is_some() { "https" } else { "http" };
-    let conductor = baton_server::build(&config).with_context(|| format!("starting on {}", model.display()))?;
+    let conductor = baton_conductor::build(&config).with_context(|| format!("starting on {}", model.display()))?;
     let addr = SocketAddr::new(a.host, a.port);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
@@ -107,10 +107,10 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
             config.colocated
         );
         let drain = Duration::from_secs_f64(a.drain_timeout_s);
-        baton_server::serve_draining(
+        baton_conductor::serve_draining(
             listener,
             conductor.router(),
-            baton_server::http::HttpLimits::default(),
+            baton_protocol::http::HttpLimits::default(),
             tls,
             crate::cluster::shutdown_signal(),
             drain,

@@ -254,7 +254,7 @@ fn assert_no_leak(workers: &[&WorkerProc]) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let s = stats(&w.url);
-            let quiet = serde_json::from_value::<baton_server::WorkerStats>(s.clone()).unwrap().is_quiet();
+            let quiet = serde_json::from_value::<baton_protocol::WorkerStats>(s.clone()).unwrap().is_quiet();
             if quiet {
                 break;
             }
@@ -761,7 +761,7 @@ fn kill_mid_push(mode: &str, delay_ms: &str) {
     let layerwise = mode == "layerwise";
     let dir = model("tiny-llama");
     let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", mode]);
-    let delay = [(baton_server::deploy::PUSH_DELAY_ENV, delay_ms)];
+    let delay = [(baton_conductor::deploy::PUSH_DELAY_ENV, delay_ms)];
     let p = worker_env(&dir, "prefill", &url, &["--name", "prefill-1"], SECRET, &delay);
     let mut d1 = worker(&dir, "decode", &url, &["--transport", "tcp", "--name", "decode-1"]);
     wait_members(&url, 2, Duration::from_secs(10));
@@ -1093,7 +1093,7 @@ fn a_role_switch_the_worker_refuses_fails_and_the_next_look_switches() {
     let dir = model("tiny-llama");
     let (_c, url) = conductor_with(&dir, "embedded", &ELASTIC_AT_ONCE);
     let p = worker(&dir, "prefill", &url, &["--name", "prefill-1"]);
-    let refuse = [(baton_server::deploy::REFUSE_ROLE_SWITCHES_ENV, "1")];
+    let refuse = [(baton_conductor::deploy::REFUSE_ROLE_SWITCHES_ENV, "1")];
     let a = worker_env(&dir, "decode", &url, &["--name", "decode-a"], SECRET, &refuse);
     let b = worker_env(&dir, "decode", &url, &["--name", "decode-b"], SECRET, &refuse);
     wait_members(&url, 3, Duration::from_secs(10));
@@ -1316,8 +1316,8 @@ fn pool_blocks(worker_url: &str) -> Vec<u64> {
 /// The same as [`pool_blocks`], from the state stream in its binary encoding (as the
 /// conductor asks for it).
 fn pool_blocks_binary(worker_url: &str) -> Vec<u64> {
-    use baton_server::state_codec::{STATE_MEDIA_TYPE, StateFormat, StateReader};
-    use baton_server::wire::StateUpdate;
+    use baton_protocol::state_codec::{STATE_MEDIA_TYPE, StateFormat, StateReader};
+    use baton_protocol::wire::StateUpdate;
     use std::io::Read;
     let proof = ClusterSecret::new(SECRET).unwrap().sign_request("GET", "/worker/v1/state", unix_millis(), b"");
     let mut r = http()
@@ -1604,7 +1604,7 @@ fn requests_sharing_a_hot_prefix_fetch_it_into_an_idle_prefill_worker() {
 fn a_prefill_worker_killed_mid_fetch_leaves_every_request_complete() {
     let dir = model("tiny-llama");
     let (_c, url) = conductor_with(&dir, "embedded", &["--policy", "kv-centric"]);
-    let pause = [(baton_server::deploy::FETCH_DELAY_ENV, "2000")];
+    let pause = [(baton_conductor::deploy::FETCH_DELAY_ENV, "2000")];
     let mut p1 = worker_env(&dir, "prefill", &url, &["--name", "p1"], SECRET, &pause);
     let mut p2 = worker_env(&dir, "prefill", &url, &["--name", "p2"], SECRET, &pause);
     let d = worker(&dir, "decode", &url, &["--name", "d"]);
