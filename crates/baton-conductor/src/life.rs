@@ -41,6 +41,7 @@ use crate::metrics::{FetchOutcome, Metrics, Outcome};
 use crate::openai::{LogprobEntry, ValidRequest};
 use crate::response::Piece;
 use baton_protocol::error::ApiError;
+use baton_protocol::wire::Work;
 use baton_protocol::wire::{KvSource, PdCaching, Received, WorkerError, fetch_lease};
 use baton_protocol::{Finish, KvTransfer, RequestEvent, WorkRequest};
 
@@ -452,7 +453,8 @@ impl<H: Host> Life<H> {
     fn start_whole(&mut self, worker: H::Peer, fetching: Option<Fetching<H::Peer>>) {
         let fetch = fetching.as_ref().map(|f| f.source.clone());
         let fetched = fetch.as_ref().map_or(0, |f| f.tokens);
-        let events = worker.submit(WorkRequest { generated: self.so_far.clone(), fetch, ..self.request() });
+        let work = Work::Whole { fetch };
+        let events = worker.submit(WorkRequest { generated: self.so_far.clone(), work, ..self.request() });
         let track = self.host.track_prefill(&worker, self.choice.id, &self.choice.valid.prompt_ids, fetched);
         self.state = State::Whole(Relay {
             worker,
@@ -482,17 +484,22 @@ impl<H: Host> Life<H> {
         // when the prefill worker prefills nothing else for this conductor: behind a queue, the
         // reservation would hold decode memory idle for the queue's time, so the KV is pulled
         // once the prefill is done (as it is without a KV server address).
-        let early = match (base.kv_transfer, prefill.kv_addr()) {
+        let early = match (self.settings.kv_transfer, prefill.kv_addr()) {
             (KvTransfer::Layerwise, Some(addr)) if retain_kv && !self.host.prefill_busy(&prefill) => {
                 let tokens = self.choice.valid.prompt_ids.len();
-                let kv = Some(KvSource { addr, blocks: Vec::new(), tokens, lease: None });
+                let source = KvSource { addr, blocks: Vec::new(), tokens, lease: None };
+                let work = Work::Decode { source, mode: KvTransfer::Layerwise };
                 let prefix_cache = self.settings.pd_caching >= PdCaching::Decode;
-                Some(decode.submit(WorkRequest { kv, prefix_cache, ..self.request() }))
+                Some(decode.submit(WorkRequest { work, prefix_cache, ..self.request() }))
             }
             _ => None,
         };
-        let kv_transfer = if early.is_some() { base.kv_transfer } else { base.kv_transfer.after_prefill() };
-        let events = prefill.submit(WorkRequest { stop, retain_kv, fetch, kv_transfer, ..base });
+        let work = match retain_kv {
+            true if early.is_some() => Work::Prefill { fetch, handoff: KvTransfer::Layerwise },
+            true => Work::Prefill { fetch, handoff: self.settings.kv_transfer.after_prefill() },
+            false => Work::Whole { fetch },
+        };
+        let events = prefill.submit(WorkRequest { stop, work, ..base });
         let _track = self.host.track_prefill(&prefill, self.choice.id, &self.choice.valid.prompt_ids, fetched);
         self.state = State::Prefill { prefill, decode, events, early, _track, fetching, first: Vec::new() };
     }
@@ -615,9 +622,11 @@ impl<H: Host> Life<H> {
             None => h.decode.submit(WorkRequest {
                 id,
                 generated: h.generated.clone(),
-                kv: kv.filter(|_| !on_prefill_worker),
+                work: match kv.filter(|_| !on_prefill_worker) {
+                    Some(source) => Work::Decode { source, mode: kv_transfer },
+                    None => Work::default(),
+                },
                 prefix_cache,
-                kv_transfer,
                 ..self.request()
             }),
         };
@@ -886,10 +895,7 @@ impl<H: Host> Life<H> {
             stop: v.stop.clone(),
             logprobs: v.logprobs,
             stop_token_ids: v.stop_token_ids.clone(),
-            retain_kv: false,
-            kv_transfer: self.settings.kv_transfer,
-            kv: None,
-            fetch: None,
+            work: Work::default(),
             prefix_cache: self.settings.pd_caching != PdCaching::Basic,
         }
     }
@@ -1139,6 +1145,30 @@ mod tests {
         }
     }
 
+    /// The KV a decode part receives.
+    fn received(req: &WorkRequest) -> Option<&KvSource> {
+        match &req.work {
+            Work::Decode { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+
+    /// How a decode part receives its KV.
+    fn mode(req: &WorkRequest) -> Option<KvTransfer> {
+        match req.work {
+            Work::Decode { mode, .. } => Some(mode),
+            _ => None,
+        }
+    }
+
+    /// How a prefill part hands its KV over.
+    fn handoff(req: &WorkRequest) -> Option<KvTransfer> {
+        match req.work {
+            Work::Prefill { handoff, .. } => Some(handoff),
+            _ => None,
+        }
+    }
+
     fn addr(port: u16) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], port))
     }
@@ -1322,7 +1352,7 @@ mod tests {
         let mut life = start(cluster.host(vec![]), pull(), 3, disaggregated(&p, &d));
         feed(&mut life, "p", vec![token(1), lost()]);
         let (worker, req) = cluster.submitted(1);
-        assert_eq!((worker, req.generated.as_slice(), req.kv.is_none()), ("d", &[1][..], true));
+        assert_eq!((worker, req.generated.as_slice(), received(&req).is_none()), ("d", &[1][..], true));
         feed(&mut life, "d", vec![token(2), token(3), finished(Finish::Length, 3)]);
         assert_eq!(life.host.client, ["t1", "t2", "t3", "done Length 3"]);
         assert_eq!(metric(&life.host.metrics.migrations), 1);
@@ -1337,13 +1367,18 @@ mod tests {
         let (p, d) = (cluster.worker("p"), cluster.worker("d"));
         let mut life = start(cluster.host(vec![]), pull(), 3, disaggregated(&p, &d));
         let (_, prefill) = cluster.submitted(0);
-        assert_eq!((prefill.stop.max_tokens, prefill.retain_kv), (1, true), "the prefill stops at the first token");
+        assert_eq!(
+            (prefill.stop.max_tokens, handoff(&prefill)),
+            (1, Some(KvTransfer::Pull)),
+            "the prefill stops at the first token"
+        );
         feed(&mut life, "p", vec![token(1), leased()]);
         assert_eq!(cluster.logged("prefilled"), ["prefilled"]);
         let (worker, decode) = cluster.submitted(1);
         assert_eq!(worker, "d");
         assert_eq!(decode.generated, [1]);
-        assert_eq!(decode.kv.as_ref().map(|kv| kv.blocks.clone()), Some(vec![1, 2, 3]), "it pulls the lease");
+        assert_eq!(received(&decode).map(|kv| kv.blocks.clone()), Some(vec![1, 2, 3]), "it pulls the lease");
+        assert_eq!(mode(&decode), Some(KvTransfer::Pull));
         let received = Some(Received { tokens: PROMPT, bytes: 4096, micros: 10 });
         let end = RequestEvent::Finished {
             reason: Finish::Length,
@@ -1369,7 +1404,7 @@ mod tests {
         let cluster = Cluster::new();
         let (p, d) = (cluster.worker("p"), cluster.worker("d"));
         let mut life = start(cluster.host(vec![]), pull(), 1, disaggregated(&p, &d));
-        assert!(!cluster.submitted(0).1.retain_kv, "nothing to retain");
+        assert_eq!(cluster.submitted(0).1.work, Work::default(), "nothing to retain");
         feed(&mut life, "p", vec![token(1), finished(Finish::Length, 1)]);
         assert_eq!(life.outcome(), Some(Outcome::Ok));
         assert_eq!(cluster.submissions(), 1);
@@ -1406,7 +1441,7 @@ mod tests {
         assert_eq!(*life.host.asked.borrow(), [(vec!["d".to_owned()], false)], "rerouted, never refused");
         let (worker, req) = cluster.submitted(2);
         assert_eq!(worker, "e");
-        assert!(req.kv.is_some(), "the prefill worker's lease still holds the KV: e pulls it");
+        assert!(received(&req).is_some(), "the prefill worker's lease still holds the KV: e pulls it");
         assert!(cluster.logged("release").is_empty(), "the lease stays until the hand-off is over");
         feed(&mut life, "e", vec![token(2), token(3), finished(Finish::Length, 3)]);
         assert_eq!(life.host.client, ["t1", "t2", "t3", "done Length 3"]);
@@ -1430,7 +1465,7 @@ mod tests {
         let (worker, req) = cluster.submitted(2);
         assert_eq!(worker, "e", "a colocated pick decodes too");
         assert_eq!(req.generated, [1, 2]);
-        assert!(req.kv.is_none(), "the lease's KV is the prompt's only: the rest is recomputed");
+        assert_eq!(req.work, Work::default(), "the lease's KV is the prompt's only: the rest is recomputed");
         feed(&mut life, "e", vec![token(3), token(4), finished(Finish::Length, 4)]);
         assert_eq!(life.host.client, ["t1", "t2", "t3", "t4", "done Length 4"]);
         assert_eq!(metric(&life.host.metrics.migrations), 1);
@@ -1467,7 +1502,7 @@ mod tests {
         feed(&mut life, "d", vec![lost()]);
         let (worker, req) = cluster.submitted(2);
         assert_eq!((worker, req.id), ("p", 1001));
-        assert!(req.kv.is_none(), "it recomputes what it leased, under the new id");
+        assert_eq!(req.work, Work::default(), "it recomputes what it leased, under the new id");
         assert!(cluster.at("release p 7") < cluster.at("submit p 1001"), "the old id is released first");
         feed(&mut life, "p", vec![token(2), token(3), finished(Finish::Length, 3)]);
         assert_eq!(life.outcome(), Some(Outcome::Ok));
@@ -1482,15 +1517,16 @@ mod tests {
         let (first, early) = cluster.submitted(0);
         let (second, prefill) = cluster.submitted(1);
         assert_eq!((first, second), ("d", "p"), "the decode half goes first, to reserve and register its blocks");
-        let kv = early.kv.expect("the decode half receives the prompt's KV");
+        let kv = received(&early).cloned().expect("the decode half receives the prompt's KV");
+        assert_eq!(mode(&early), Some(KvTransfer::Layerwise));
         assert_eq!((kv.addr, kv.blocks.len(), kv.tokens), (addr(9), 0, PROMPT));
-        assert_eq!(prefill.kv_transfer, KvTransfer::Layerwise);
+        assert_eq!(handoff(&prefill), Some(KvTransfer::Layerwise));
         feed(&mut life, "p", vec![token(1), leased()]);
         // The pushed KV did not arrive: d gives the request back; it gets it again, and pulls.
         feed(&mut life, "d", vec![RequestEvent::Failed(WorkerError::Handoff("no room in time".into()))]);
         let (worker, again) = cluster.submitted(2);
-        assert_eq!((worker, again.kv_transfer, again.generated.as_slice()), ("d", KvTransfer::Pull, &[1][..]));
-        assert_eq!(again.kv.map(|kv| kv.blocks), Some(vec![1, 2, 3]));
+        assert_eq!((worker, mode(&again), again.generated.as_slice()), ("d", Some(KvTransfer::Pull), &[1][..]));
+        assert_eq!(received(&again).map(|kv| kv.blocks.clone()), Some(vec![1, 2, 3]));
         assert_eq!(metric(&life.host.metrics.retries), 1);
         feed(&mut life, "d", vec![token(2), token(3), finished(Finish::Length, 3)]);
         assert_eq!(life.outcome(), Some(Outcome::Ok));
@@ -1510,7 +1546,7 @@ mod tests {
         host.prefill_busy = true;
         let _life = start(host, settings(KvTransfer::Layerwise, PdCaching::Prefill), 3, disaggregated(&p, &d));
         let (worker, prefill) = cluster.submitted(0);
-        assert_eq!((worker, prefill.kv_transfer), ("p", KvTransfer::Pull));
+        assert_eq!((worker, handoff(&prefill)), ("p", Some(KvTransfer::Pull)));
         assert_eq!(cluster.submissions(), 1, "no decode half reserved behind a queue");
     }
 
@@ -1563,7 +1599,7 @@ mod tests {
         let source = KvSource { addr: addr(2), blocks: vec![9, 9], tokens: 32, lease: None };
         life.offered(Some(source));
         let (_, req) = cluster.submitted(0);
-        assert_eq!(req.fetch.map(|f| f.tokens), Some(32));
+        assert_eq!(req.work.fetch().map(|f| f.tokens), Some(32));
         assert_eq!(cluster.logged("track prefill"), ["track prefill w 7 fetched 32"]);
         let received = Some(Received { tokens: 32, bytes: 100, micros: 5 });
         let end = RequestEvent::Finished {
@@ -1592,7 +1628,7 @@ mod tests {
         life.offered(None);
         assert_eq!(cluster.logged("release holder").len(), 1, "the lease asked for ends at once");
         let (worker, req) = cluster.submitted(0);
-        assert_eq!((worker, req.fetch.is_none()), ("p", true));
+        assert_eq!((worker, req.work.fetch().is_none()), ("p", true));
         // The holder itself computing the prompt needs no fetch; a re-route never fetches.
         let fetch = PlannedFetch { from: p.clone(), tokens: 32 };
         let mut life = Life::new(cluster.host(vec![]), pull(), choice(2), colocated(&p), Some(fetch), Instant::now());

@@ -101,6 +101,67 @@ impl std::str::FromStr for KvTransfer {
     }
 }
 
+/// What a worker is asked to do with a request: one value per part, so a request cannot ask for
+/// an impossible mix (a decode that also retains its KV for a hand-off, a fetch into received
+/// KV).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "part", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Work {
+    /// Compute the prompt and generate to the end (colocated, a migrated request, the lone-role
+    /// fallback), first pulling the prompt's cached prefix from the peer `fetch` names, if any
+    /// (a fetch that fails recomputes the prefix: it never fails the request).
+    Whole {
+        /// A cached prefix of the prompt that a peer holds.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fetch: Option<KvSource>,
+    },
+    /// Compute the prompt and the first token (the conductor sends `max_tokens` 1) and keep the
+    /// request's KV for its decode worker, handed over as `handoff` says: offered under a lease
+    /// for a pull, pushed once the decode worker registers its blocks, or pushed layer by layer
+    /// as the prompt computes.
+    Prefill {
+        /// A cached prefix of the prompt that a peer holds, pulled first.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fetch: Option<KvSource>,
+        /// How the KV leaves.
+        handoff: KvTransfer,
+    },
+    /// Receive the request's KV from `source` — pulled, or pushed into blocks this worker
+    /// reserves and registers (`mode`) — then generate from the tokens the request carries.
+    Decode {
+        /// The holder's KV (a layer-wise push names no blocks: the prefill has not started).
+        source: KvSource,
+        /// How it arrives.
+        mode: KvTransfer,
+    },
+}
+
+impl Work {
+    /// The part's name, for logs.
+    pub fn part(&self) -> &'static str {
+        match self {
+            Work::Whole { .. } => "whole",
+            Work::Prefill { .. } => "prefill",
+            Work::Decode { .. } => "decode",
+        }
+    }
+
+    /// The cached prefix to fetch before computing the prompt, if any.
+    pub fn fetch(&self) -> Option<&KvSource> {
+        match self {
+            Work::Whole { fetch } | Work::Prefill { fetch, .. } => fetch.as_ref(),
+            Work::Decode { .. } => None,
+        }
+    }
+}
+
+impl Default for Work {
+    /// The whole request, nothing fetched.
+    fn default() -> Self {
+        Work::Whole { fetch: None }
+    }
+}
+
 /// One request as a worker receives it, locally or over the control API.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -129,21 +190,10 @@ pub struct WorkRequest {
     /// Tokens that end the request (their text left out).
     #[serde(default)]
     pub stop_token_ids: Vec<u32>,
-    /// Keep the KV for a hand-off when the request ends (prefill role).
+    /// The worker's part of the request: the whole of it, its prefill, or its decode (and with
+    /// it, where the KV comes from and how it leaves).
     #[serde(default)]
-    pub retain_kv: bool,
-    /// How the hand-off moves the KV: whether a prefill worker pushes what it retains, and how
-    /// a decode worker receives `kv`.
-    #[serde(default)]
-    pub kv_transfer: KvTransfer,
-    /// KV to receive before starting (decode role).
-    #[serde(default)]
-    pub kv: Option<KvSource>,
-    /// A cached prefix of the prompt that a peer holds, pulled before the prompt's remainder is
-    /// computed here (any role; always pulled, whatever `kv_transfer` says of the hand-off). A
-    /// fetch that fails recomputes the prefix: it never fails the request.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fetch: Option<KvSource>,
+    pub work: Work,
     /// Whether the worker takes the prompt's cached prefix and caches the request's KV when it
     /// ends (`false`: MemServe's PD-Basic, [`PdCaching::Basic`]).
     #[serde(default = "yes", skip_serializing_if = "is_yes")]
@@ -199,10 +249,7 @@ impl WorkRequest {
             stop: StopParams::default(),
             logprobs: None,
             stop_token_ids: Vec::new(),
-            retain_kv: false,
-            kv_transfer: KvTransfer::default(),
-            kv: None,
-            fetch: None,
+            work: Work::default(),
             prefix_cache: true,
         }
     }
@@ -643,11 +690,27 @@ mod tests {
         req.sampling.adjust.presence_penalty = 0.5;
         req.stop.stop_strings = vec!["\n".into()];
         req.stop.max_tokens = 33;
-        req.kv =
-            Some(KvSource { addr: SocketAddr::from(([127, 0, 0, 1], 9)), blocks: vec![4, 5], tokens: 20, lease: None });
-        let json = serde_json::to_string(&req).expect("serialise");
-        let back: WorkRequest = serde_json::from_str(&json).expect("parse");
-        assert_eq!(back, req);
+        let source =
+            KvSource { addr: SocketAddr::from(([127, 0, 0, 1], 9)), blocks: vec![4, 5], tokens: 20, lease: None };
+        for work in [
+            Work::Whole { fetch: None },
+            Work::Whole { fetch: Some(source.clone()) },
+            Work::Prefill { fetch: None, handoff: KvTransfer::Layerwise },
+            Work::Decode { source: source.clone(), mode: KvTransfer::Push },
+        ] {
+            req.work = work;
+            let json = serde_json::to_string(&req).expect("serialise");
+            let back: WorkRequest = serde_json::from_str(&json).expect("parse");
+            assert_eq!(back, req, "{json}");
+        }
+        // A part is one of three, each with its own fields: a decode with a fetch, or a
+        // prefill without its hand-off mode, cannot be written.
+        let work = |w: &str| serde_json::from_str::<WorkRequest>(&format!(r#"{{"id":1,"prompt":[5],"work":{w}}}"#));
+        let kv = r#"{"addr":"127.0.0.1:9","blocks":[1],"tokens":16}"#;
+        assert!(work(&format!(r#"{{"part":"decode","source":{kv},"mode":"pull"}}"#)).is_ok());
+        assert!(work(&format!(r#"{{"part":"decode","source":{kv},"mode":"pull","fetch":{kv}}}"#)).is_err());
+        assert!(work(r#"{"part":"prefill"}"#).is_err());
+        assert!(work(r#"{"part":"restart"}"#).is_err());
         // Fields left out take their defaults; unknown ones are refused.
         let minimal: WorkRequest = serde_json::from_str(r#"{"id":1,"prompt":[5]}"#).expect("parse");
         assert_eq!(minimal, WorkRequest::new(1, vec![5]));

@@ -41,7 +41,7 @@ use baton_kv::BlockId;
 use baton_transfer::TransferStats;
 use tokio::sync::mpsc::UnboundedSender;
 
-use baton_protocol::wire::{KvSource, KvTransfer, Received, RequestEvent, WorkRequest, WorkerError};
+use baton_protocol::wire::{KvSource, KvTransfer, Received, RequestEvent, Work, WorkRequest, WorkerError};
 
 /// Where a request's events go (its client's channel). Sending never blocks.
 pub trait Sink {
@@ -131,23 +131,24 @@ pub(crate) struct Incoming {
 impl Incoming {
     /// The engine's request, and the hand-off's KV and mode.
     pub(crate) fn of(work: WorkRequest) -> (GenerationRequest, Incoming) {
-        let push = match work.kv_transfer {
-            _ if !work.retain_kv => Push::No,
-            KvTransfer::Pull => Push::No,
-            KvTransfer::Push => Push::Whole,
-            KvTransfer::Layerwise => Push::Layers,
-        };
-        let incoming = match (work.kv, work.fetch) {
+        let (incoming, retain) = match work.work {
+            Work::Whole { fetch } => (Incoming { source: fetch, mode: KvTransfer::Pull, push: Push::No }, false),
+            Work::Prefill { fetch, handoff } => {
+                let push = match handoff {
+                    KvTransfer::Pull => Push::No,
+                    KvTransfer::Push => Push::Whole,
+                    KvTransfer::Layerwise => Push::Layers,
+                };
+                (Incoming { source: fetch, mode: KvTransfer::Pull, push }, true)
+            }
             // A decode-side hand-off: received as the request says, never pushed on.
-            (Some(source), _) => Incoming { source: Some(source), mode: work.kv_transfer, push: Push::No },
-            (None, Some(source)) => Incoming { source: Some(source), mode: KvTransfer::Pull, push },
-            (None, None) => Incoming { source: None, mode: work.kv_transfer, push },
+            Work::Decode { source, mode } => (Incoming { source: Some(source), mode, push: Push::No }, false),
         };
         let req = GenerationRequest {
             generated: work.generated,
             sampling: work.sampling,
             stop: work.stop,
-            retain_kv: if work.retain_kv { KvRetention::All } else { KvRetention::None },
+            retain_kv: if retain { KvRetention::All } else { KvRetention::None },
             logprobs: work.logprobs,
             stop_token_ids: work.stop_token_ids,
             prefix_cache: work.prefix_cache,
@@ -480,6 +481,9 @@ impl<S: Sink> Sessions<S> {
     /// finishes).
     pub fn submit(&mut self, host: &mut impl Host, now: Instant, submission: Submission<S>) {
         let Submission { req, source, mode, push, sink, span } = submission;
+        // Only a prefill part pushes, and it retains its KV (`Incoming::of` makes both from one
+        // `Work`).
+        debug_assert!(push == Push::No || req.retain_kv == KvRetention::All, "a push without retained KV");
         let id = req.id;
         if self.sessions.get(&id).is_some_and(|s| s.sink.is_closed()) {
             // Its conductor gave the earlier one up (it routes the request again, and may pick
@@ -495,7 +499,6 @@ impl<S: Sink> Sessions<S> {
         }
         match source {
             None => {
-                let push = if req.retain_kv == KvRetention::All { push } else { Push::No };
                 self.start(host, req, push, sink, span);
             }
             Some(_) if !self.config.can_receive => {
@@ -514,7 +517,6 @@ impl<S: Sink> Sessions<S> {
             }
             Some(source) => {
                 let deadline = now + self.config.incoming_wait;
-                let push = if req.retain_kv == KvRetention::All { push } else { Push::No };
                 let state = State::Queued { req: Box::new(req), source, mode, push, import: false, deadline };
                 self.sessions.insert(id, Session { state, sink, span });
                 self.queue.push_back(id);

@@ -26,7 +26,7 @@
 //! Mooncake's global KV pool): [`Worker::export_prefix`] takes the longest cached prefix of a
 //! prompt from the holder's index (from any tier) and offers it under a lease of its own
 //! ([`baton_protocol::wire::fetch_lease`]), and the request sent to the worker that computes the prompt
-//! names it in [`baton_protocol::wire::WorkRequest::fetch`]: that worker pulls it, computes the rest, and
+//! names it in its [`baton_protocol::wire::Work`]'s `fetch`: that worker pulls it, computes the rest, and
 //! keeps the whole prefix in its own index afterwards. Every role receives, on a transfer thread
 //! per peer ([`crate::handoff`]'s `Transfers`), so a slow peer holds up only its own jobs.
 //!
@@ -428,8 +428,8 @@ impl Worker for WorkerHandle {
         let _entered = span.enter();
         tracing::info!(
             prompt_tokens = req.prompt.len(),
-            receives_kv = req.kv.is_some(),
-            fetches_tokens = req.fetch.as_ref().map(|f| f.tokens),
+            part = req.work.part(),
+            fetches_tokens = req.work.fetch().map(|f| f.tokens),
             "work submitted"
         );
         let (req, incoming) = crate::session::Incoming::of(req);
