@@ -7,6 +7,9 @@
 //! two so that both see the same machine noise; the report gives each path's latency and the
 //! difference, which is the conductor's added latency (validation, routing, the control API
 //! hop and re-serialising the answer).
+//!
+//! Then the load half ([`crate::bench_conductor_load`]): requests routed per second by one
+//! conductor with 16 stub workers and a 1M-block index behind it, and the latency it adds.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -34,6 +37,21 @@ pub(crate) struct ConductorBenchArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Stub workers behind the conductor for the load half (half prefill, half decode).
+    #[arg(long, default_value_t = 16)]
+    workers: usize,
+    /// Blocks the stub workers put in the conductor's KV index, in all.
+    #[arg(long, default_value_t = 1_000_000)]
+    index_blocks: usize,
+    /// Requests in flight at once in the load half.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Requests the load half sends (and a tenth of them one at a time).
+    #[arg(long, default_value_t = 20_000)]
+    load_requests: usize,
+    /// Skip the load half.
+    #[arg(long)]
+    no_load: bool,
 }
 
 fn default_model() -> PathBuf {
@@ -68,7 +86,8 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
     let model = a.model.clone().unwrap_or_else(default_model);
     anyhow::ensure!(model.exists(), "model {} not found (pass --model)", model.display());
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(async move {
+    let load_model = model.clone();
+    let latency = runtime.block_on(async move {
         let secret = ClusterSecret::new("bench-conductor")?;
         let conductor_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let conductor_url = format!("http://{}", conductor_listener.local_addr()?);
@@ -167,7 +186,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
         if a.json {
             let report = serde_json::json!({"requests": a.requests, "max_tokens": a.max_tokens, "stream": a.stream,
                 "model": model.display().to_string(), "direct": direct, "routed": routed, "added": added});
-            println!("{}", serde_json::to_string_pretty(&report)?);
+            return Ok(Some(report));
         } else {
             println!(
                 "conductor added latency, {} requests per path, {} tokens each{} ({})",
@@ -185,6 +204,27 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
                 println!("{name:<28} {:>10.0} {:>10.0} {:>10.0} {:>10.0}", s.p50_us, s.p90_us, s.p99_us, s.mean_us);
             }
         }
-        Ok(())
-    })
+        Ok(None)
+    })?;
+    drop(runtime);
+    let load = if a.no_load {
+        None
+    } else {
+        let args = crate::bench_conductor_load::LoadArgs {
+            workers: a.workers,
+            index_blocks: a.index_blocks,
+            concurrency: a.concurrency,
+            requests: a.load_requests,
+        };
+        Some(crate::bench_conductor_load::run(args, &load_model)?)
+    };
+    match (latency, load) {
+        (Some(mut report), load) => {
+            report["load"] = serde_json::to_value(load)?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        }
+        (None, Some(load)) => crate::bench_conductor_load::print(&load),
+        (None, None) => {}
+    }
+    Ok(())
 }

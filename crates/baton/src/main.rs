@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_conductor;
+mod bench_conductor_load;
 mod bench_transfer;
 mod check_device;
 mod cluster;
