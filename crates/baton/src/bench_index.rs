@@ -124,17 +124,7 @@ pub(crate) fn run(a: IndexArgs) -> anyhow::Result<()> {
     let (ndjson_rate, ndjson_bytes) = wire_rate(StateFormat::Ndjson)?;
 
     // 3. kv-centric decisions against the full index: half the prompts extend a cached one.
-    let choice: PolicyChoice = PolicyChoice::Sched {
-        policy: "kv-centric".parse()?,
-        config: baton_sched::PolicyConfig::default(),
-        admission: baton_sched::AdmissionConfig::default(),
-        cost: Box::new(baton_sched::CostProfile::llama2_70b_8xh100()),
-        seed: 1,
-        kv_fetch: true,
-        decode_affinity: true,
-        conditional_tokens: None,
-    };
-    let policy = choice.build(a.block_tokens);
+    let policy = kv_centric()?.build(a.block_tokens);
     policy.attach_index(Arc::clone(&trees));
     let snapshot = Snapshot {
         workers: (0..a.workers)
@@ -194,6 +184,21 @@ pub(crate) fn run(a: IndexArgs) -> anyhow::Result<()> {
         verdict(pct(0.99) < P99_TARGET_US)
     );
     Ok(())
+}
+
+/// The kv-centric policy with its defaults and the 70B/8×H100 cost profile: the conductor
+/// benchmarks' router.
+pub(crate) fn kv_centric() -> anyhow::Result<PolicyChoice> {
+    Ok(PolicyChoice::Sched {
+        policy: "kv-centric".parse()?,
+        config: baton_sched::PolicyConfig::default(),
+        admission: baton_sched::AdmissionConfig::default(),
+        cost: Box::new(baton_sched::CostProfile::llama2_70b_8xh100()),
+        seed: 1,
+        kv_fetch: true,
+        decode_affinity: true,
+        conditional_tokens: None,
+    })
 }
 
 fn events_of(u: &StateUpdate) -> usize {
