@@ -1,0 +1,190 @@
+//! The conductor's ledger of what runs where: each worker's requests in prefill and in decode
+//! (kept by [`Tracked`] guards), the decode room bound to admitted requests ([`Binding`]), and the
+//! measured time a request stays on its decode worker.
+
+use super::*;
+
+/// The conductor's ledger of its workers: a stable instance id per name, and the requests in
+/// prefill and in decode on each, kept by [`Tracked`] guards.
+#[derive(Debug, Default)]
+pub(super) struct Loads {
+    ids: HashMap<String, u32>,
+    next_id: u32,
+    /// Worker → request → (sent, µs; prompt tokens it computes, not cached there).
+    pub(super) prefill: HashMap<String, HashMap<u64, (u64, usize)>>,
+    /// Worker → request → (decode start, µs; context tokens).
+    pub(super) decode: HashMap<String, HashMap<u64, (u64, usize)>>,
+    /// Request → (its decode worker, KV tokens): admitted to a decode worker but not yet
+    /// decoding there (in prefill, or handing over), kept by a [`Binding`]. Counted against the
+    /// worker's room, so a burst cannot be admitted all at once against the same free blocks.
+    bound: HashMap<u64, (String, usize)>,
+    /// Worker → the sum of its `bound` tokens, kept with `bound` (a snapshot reads it per
+    /// worker on every routing decision: no walk over every request in flight).
+    bound_sums: HashMap<String, usize>,
+    /// How long requests stay on their decode worker (predictive admission's `t_d`).
+    pub(super) decode_time: MovingMean,
+}
+
+impl Loads {
+    /// KV tokens claimed on decode worker `name` by requests admitted to it and not decoding yet.
+    pub(super) fn bound_to(&self, name: &str) -> usize {
+        self.bound_sums.get(name).copied().unwrap_or(0)
+    }
+
+    /// Binds `tokens` of request `id` to decode worker `worker`.
+    pub(super) fn bind(&mut self, id: u64, worker: &str, tokens: usize) {
+        self.unbind(id);
+        *self.bound_sums.entry(worker.to_owned()).or_insert(0) += tokens;
+        self.bound.insert(id, (worker.to_owned(), tokens));
+    }
+
+    /// Ends request `id`'s binding, if it has one.
+    pub(super) fn unbind(&mut self, id: u64) {
+        if let Some((worker, tokens)) = self.bound.remove(&id)
+            && let Some(sum) = self.bound_sums.get_mut(&worker)
+        {
+            *sum -= tokens;
+            if *sum == 0 {
+                self.bound_sums.remove(&worker);
+            }
+        }
+    }
+}
+
+/// An exponential moving mean of durations, µs (weight 1/16 for each new one).
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct MovingMean(Option<f64>);
+
+impl MovingMean {
+    /// Takes a duration in; the mean now.
+    pub(super) fn observe(&mut self, us: u64) -> u64 {
+        let us = us as f64;
+        let mean = self.0.map_or(us, |m| m + (us - m) / 16.0);
+        self.0 = Some(mean);
+        mean as u64
+    }
+
+    pub(super) fn get(self) -> Option<u64> {
+        self.0.map(|m| m as u64)
+    }
+}
+
+impl Loads {
+    pub(super) fn id(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.ids.get(name) {
+            return id;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.ids.insert(name.to_owned(), id);
+        id
+    }
+}
+
+/// A request's entry in the ledger while it prefills or decodes on a worker; removed on drop.
+pub(crate) struct Tracked {
+    conductor: Arc<Conductor>,
+    worker: String,
+    id: u64,
+    decode: bool,
+}
+
+/// A request's claim on room in its decode worker's KV pool from admission until its decode
+/// starts there (which takes the claim over) or the request ends; dropping it gives the room
+/// back.
+pub(crate) struct Binding {
+    conductor: Arc<Conductor>,
+    id: u64,
+}
+
+impl Drop for Binding {
+    fn drop(&mut self) {
+        self.conductor.loads().unbind(self.id);
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        let mut loads = self.conductor.loads();
+        if self.decode {
+            let began = loads.decode.get_mut(&self.worker).and_then(|r| r.remove(&self.id));
+            if let Some((began, _)) = began {
+                let mean = loads.decode_time.observe(self.conductor.now_us().saturating_sub(began));
+                drop(loads);
+                self.conductor.policy.decode_time(mean);
+            }
+        } else {
+            loads.prefill.get_mut(&self.worker).map(|r| r.remove(&self.id));
+        }
+    }
+}
+
+impl Conductor {
+    pub(super) fn loads(&self) -> std::sync::MutexGuard<'_, Loads> {
+        self.loads.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records that request `id` prefills `prompt` on `worker` until the guard drops. The ledger
+    /// counts the tokens the worker will compute: the prompt less the prefix its KV events say
+    /// its cache holds (none with `--kv-index predicted`, which applies no events), as the
+    /// simulator's queues do. The prompt is hashed here a second time (the policy hashed it in
+    /// blocks of its own size); next to tokenising it, that is small.
+    pub(super) fn track_prefill(
+        self: &Arc<Self>,
+        worker: &dyn Worker,
+        id: RequestId,
+        prompt: &[u32],
+        fetched: usize,
+    ) -> Tracked {
+        let instance = InstanceId(self.loads().id(worker.name()));
+        let block_tokens = worker.block_tokens().max(1);
+        let hashes = baton_kv::prefix_hashes(prompt, block_tokens);
+        let cached = self
+            .view
+            .trees()
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .confirmed_prefix_len(instance, &hashes)
+            * block_tokens;
+        self.track(worker, id, false, prompt.len().saturating_sub(cached.max(fetched)))
+    }
+
+    /// Records that request `id` prefills (`decode: false`, `tokens` to compute) or decodes
+    /// (`tokens` = context) on `worker` until the guard drops.
+    pub(super) fn track(self: &Arc<Self>, worker: &dyn Worker, id: RequestId, decode: bool, tokens: usize) -> Tracked {
+        let now = self.now_us();
+        let mut loads = self.loads();
+        let name = worker.name().to_owned();
+        if decode {
+            // Decoding, the request's context counts here: its admission claim is over.
+            loads.unbind(id.0);
+            loads.decode.entry(name.clone()).or_default().insert(id.0, (now, tokens));
+        } else {
+            loads.prefill.entry(name.clone()).or_default().insert(id.0, (now, tokens));
+        }
+        Tracked { conductor: Arc::clone(self), worker: name, id: id.0, decode }
+    }
+
+    /// Claims room for `tokens` of KV on decode worker `decode` for request `id`, or refuses
+    /// (429) when what decodes there and what is already bound to it leave no room. Checked and
+    /// claimed under one lock: concurrent admissions see each other's claims, so a burst is
+    /// admitted only as far as the decode pool can hold it (the policy's check saw a snapshot).
+    pub(super) fn bind(
+        self: &Arc<Self>,
+        decode: &dyn Worker,
+        id: RequestId,
+        tokens: usize,
+    ) -> Result<Binding, ApiError> {
+        let capacity = decode.capacity_blocks() * decode.block_tokens();
+        let mut loads = self.loads();
+        let decoding: usize = loads.decode.get(decode.name()).map_or(0, |r| r.values().map(|&(_, t)| t).sum());
+        if !crate::routing::room_for(capacity, decoding + loads.bound_to(decode.name()), tokens) {
+            return Err(ApiError::Overloaded {
+                message: "no decode worker has room for the request's KV now; retry later".into(),
+                retry_after_s: 1,
+            });
+        }
+        loads.bind(id.0, decode.name(), tokens);
+        Ok(Binding { conductor: Arc::clone(self), id: id.0 })
+    }
+}
