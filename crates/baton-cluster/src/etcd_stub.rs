@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use crate::auth::ClusterSecret;
 use crate::config::EtcdConfig;
-use crate::error::ClusterError;
 use crate::registry::{Lease, MembershipWatch, Registry};
-use crate::types::WorkerInfo;
+use crate::types::{ClusterError, WorkerInfo};
 
 /// Timeouts of the etcd backend (unused in this build; kept so callers compile either way).
 #[derive(Clone, Copy, Debug)]

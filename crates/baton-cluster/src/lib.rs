@@ -47,7 +47,6 @@
 pub mod auth;
 mod config;
 mod embedded;
-mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
 #[cfg(not(feature = "etcd"))]
@@ -62,7 +61,6 @@ mod types;
 pub use auth::{AUTH_HEADER, AuthFailure, ClusterSecret, ProofId, SeenProofs};
 pub use config::{DEFAULT_CLUSTER, EtcdConfig, RegistryConfig};
 pub use embedded::{EmbeddedRegistry, MembersSnapshot};
-pub use error::ClusterError;
 pub use etcd::{EtcdOptions, EtcdRegistry};
 pub use http::{
     DEREGISTER_PATH, ErrorBody, HEARTBEAT_PATH, LeaseRequest, MEMBERS_PATH, REGISTER_PATH, RegisterRequest,
@@ -71,4 +69,6 @@ pub use http::{
 pub use registry::{Lease, LeaseStatus, MembershipWatch, Registry, connect, connect_with_ca};
 pub use remote::{RemoteOptions, RemoteRegistryClient};
 pub use table::{LeaseId, MembershipTable};
-pub use types::{KvSummary, LeftReason, MAX_WORKER_ID_LEN, MembershipEvent, Role, WorkerId, WorkerInfo, unix_millis};
+pub use types::{
+    ClusterError, KvSummary, LeftReason, MAX_WORKER_ID_LEN, MembershipEvent, Role, WorkerId, WorkerInfo, unix_millis,
+};

@@ -11,11 +11,10 @@ use tokio::task::JoinHandle;
 use crate::auth::ClusterSecret;
 use crate::config::RegistryConfig;
 use crate::embedded::EmbeddedRegistry;
-use crate::error::ClusterError;
 use crate::etcd::EtcdRegistry;
 use crate::remote::{RemoteOptions, RemoteRegistryClient};
 use crate::table::LeaseId;
-use crate::types::{MembershipEvent, WorkerId, WorkerInfo};
+use crate::types::{ClusterError, MembershipEvent, WorkerId, WorkerInfo};
 
 /// Membership: workers register with a lease, watchers see them join and leave.
 ///
