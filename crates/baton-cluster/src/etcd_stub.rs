@@ -85,7 +85,7 @@ mod tests {
     async fn etcd_url_without_the_feature_says_how_to_rebuild() {
         let config: RegistryConfig = "etcd://127.0.0.1:2379".parse().expect("parses");
         let secret = ClusterSecret::new("s").expect("secret");
-        let err = crate::registry::connect(&config, secret).await.err().expect("no etcd in this build");
+        let err = crate::connect(&config, secret).await.err().expect("no etcd in this build");
         assert!(matches!(err, ClusterError::EtcdNotBuilt), "{err:?}");
         assert!(err.to_string().contains("--features etcd"), "{err}");
     }

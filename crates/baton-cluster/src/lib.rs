@@ -46,6 +46,7 @@
 
 pub mod auth;
 mod config;
+mod connect;
 mod embedded;
 #[cfg(feature = "etcd")]
 mod etcd;
@@ -60,13 +61,14 @@ mod types;
 
 pub use auth::{AUTH_HEADER, AuthFailure, ClusterSecret, ProofId, SeenProofs};
 pub use config::{DEFAULT_CLUSTER, EtcdConfig, RegistryConfig};
+pub use connect::{connect, connect_with_ca};
 pub use embedded::{EmbeddedRegistry, MembersSnapshot};
 pub use etcd::{EtcdOptions, EtcdRegistry};
 pub use http::{
     DEREGISTER_PATH, ErrorBody, HEARTBEAT_PATH, LeaseRequest, MEMBERS_PATH, REGISTER_PATH, RegisterRequest,
     RegisterResponse, router,
 };
-pub use registry::{Lease, LeaseStatus, MembershipWatch, Registry, connect, connect_with_ca};
+pub use registry::{Lease, LeaseStatus, MembershipWatch, Registry};
 pub use remote::{RemoteOptions, RemoteRegistryClient};
 pub use table::{LeaseId, MembershipTable};
 pub use types::{
