@@ -21,8 +21,7 @@ use hmac::{Hmac, Mac};
 use rand::RngCore;
 use sha2::Sha256;
 
-use crate::error::ClusterError;
-use crate::types::WorkerId;
+use crate::types::{ClusterError, WorkerId};
 
 type HmacSha256 = Hmac<Sha256>;
 

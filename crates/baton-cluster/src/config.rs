@@ -13,7 +13,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::ClusterError;
+use crate::types::ClusterError;
 
 /// The cluster name used in etcd keys when the URL names none.
 pub const DEFAULT_CLUSTER: &str = "default";

@@ -9,10 +9,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::auth::{AuthFailure, ClusterSecret, ReplayGuard};
-use crate::error::ClusterError;
 use crate::registry::{Lease, MembershipWatch, Registry, spawn_heartbeats};
 use crate::table::{Command, LeaseId, MembershipTable};
-use crate::types::{LeftReason, MembershipEvent, WorkerId, WorkerInfo};
+use crate::types::{ClusterError, LeftReason, MembershipEvent, WorkerId, WorkerInfo};
 
 /// How long a caller waits for the registry task to answer before giving up.
 const TASK_TIMEOUT: Duration = Duration::from_secs(5);

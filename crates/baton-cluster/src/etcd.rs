@@ -28,10 +28,9 @@ use tokio::sync::{mpsc, watch};
 
 use crate::auth::ClusterSecret;
 use crate::config::EtcdConfig;
-use crate::error::ClusterError;
 use crate::registry::{Lease, LeaseStatus, MembershipWatch, Registry, heartbeat_interval};
 use crate::table::LeaseId;
-use crate::types::{LeftReason, MembershipEvent, WorkerId, WorkerInfo};
+use crate::types::{ClusterError, LeftReason, MembershipEvent, WorkerId, WorkerInfo};
 
 /// Timeouts of the etcd backend.
 #[derive(Clone, Copy, Debug)]

@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use crate::auth::ClusterSecret;
 use crate::config::EtcdConfig;
-use crate::error::ClusterError;
 use crate::registry::{Lease, MembershipWatch, Registry};
-use crate::types::WorkerInfo;
+use crate::types::{ClusterError, WorkerInfo};
 
 /// Timeouts of the etcd backend (unused in this build; kept so callers compile either way).
 #[derive(Clone, Copy, Debug)]
@@ -86,7 +85,7 @@ mod tests {
     async fn etcd_url_without_the_feature_says_how_to_rebuild() {
         let config: RegistryConfig = "etcd://127.0.0.1:2379".parse().expect("parses");
         let secret = ClusterSecret::new("s").expect("secret");
-        let err = crate::registry::connect(&config, secret).await.err().expect("no etcd in this build");
+        let err = crate::connect(&config, secret).await.err().expect("no etcd in this build");
         assert!(matches!(err, ClusterError::EtcdNotBuilt), "{err:?}");
         assert!(err.to_string().contains("--features etcd"), "{err}");
     }

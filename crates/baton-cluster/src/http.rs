@@ -22,9 +22,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::auth::{AUTH_HEADER, AuthFailure};
 use crate::embedded::{EmbeddedRegistry, MembersSnapshot};
-use crate::error::ClusterError;
 use crate::table::{Command, LeaseId};
-use crate::types::{WorkerId, WorkerInfo, unix_millis};
+use crate::types::{ClusterError, WorkerId, WorkerInfo, unix_millis};
 
 /// Path of the registration route (also the path the proof is made over).
 pub const REGISTER_PATH: &str = "/cluster/register";

@@ -46,8 +46,8 @@
 
 pub mod auth;
 mod config;
+mod connect;
 mod embedded;
-mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
 #[cfg(not(feature = "etcd"))]
@@ -61,14 +61,16 @@ mod types;
 
 pub use auth::{AUTH_HEADER, AuthFailure, ClusterSecret, ProofId, SeenProofs};
 pub use config::{DEFAULT_CLUSTER, EtcdConfig, RegistryConfig};
+pub use connect::{connect, connect_with_ca};
 pub use embedded::{EmbeddedRegistry, MembersSnapshot};
-pub use error::ClusterError;
 pub use etcd::{EtcdOptions, EtcdRegistry};
 pub use http::{
     DEREGISTER_PATH, ErrorBody, HEARTBEAT_PATH, LeaseRequest, MEMBERS_PATH, REGISTER_PATH, RegisterRequest,
     RegisterResponse, router,
 };
-pub use registry::{Lease, LeaseStatus, MembershipWatch, Registry, connect, connect_with_ca};
+pub use registry::{Lease, LeaseStatus, MembershipWatch, Registry};
 pub use remote::{RemoteOptions, RemoteRegistryClient};
 pub use table::{LeaseId, MembershipTable};
-pub use types::{KvSummary, LeftReason, MAX_WORKER_ID_LEN, MembershipEvent, Role, WorkerId, WorkerInfo, unix_millis};
+pub use types::{
+    ClusterError, KvSummary, LeftReason, MAX_WORKER_ID_LEN, MembershipEvent, Role, WorkerId, WorkerInfo, unix_millis,
+};

@@ -2,25 +2,20 @@
 //! [`MembershipWatch`] a watcher reads.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use crate::auth::ClusterSecret;
-use crate::config::RegistryConfig;
-use crate::embedded::EmbeddedRegistry;
-use crate::error::ClusterError;
-use crate::etcd::EtcdRegistry;
-use crate::remote::{RemoteOptions, RemoteRegistryClient};
 use crate::table::LeaseId;
-use crate::types::{MembershipEvent, WorkerId, WorkerInfo};
+use crate::types::{ClusterError, MembershipEvent, WorkerId, WorkerInfo};
 
 /// Membership: workers register with a lease, watchers see them join and leave.
 ///
-/// Implemented by [`EmbeddedRegistry`] (in the conductor), [`RemoteRegistryClient`] (a worker
-/// talking to the conductor's embedded registry over HTTP) and [`EtcdRegistry`].
+/// Implemented by [`EmbeddedRegistry`](crate::EmbeddedRegistry) (in the conductor),
+/// [`RemoteRegistryClient`](crate::RemoteRegistryClient) (a worker talking to the conductor's
+/// embedded registry over HTTP) and [`EtcdRegistry`](crate::EtcdRegistry); [`crate::connect`]
+/// opens the one a `--registry` value names.
 #[async_trait::async_trait]
 pub trait Registry: Send + Sync {
     /// Joins the cluster. The returned [`Lease`] heartbeats in the background (every third of
@@ -36,30 +31,6 @@ pub trait Registry: Send + Sync {
 
     /// Membership events: first one `Joined` per current member, then changes in order.
     async fn watch(&self) -> Result<MembershipWatch, ClusterError>;
-}
-
-/// Opens the registry a `--registry` value names, for a process that registers or watches.
-///
-/// `embedded` starts a fresh [`EmbeddedRegistry`] in this process (what `baton serve` uses); a
-/// conductor that also serves the `/cluster/*` routes should call [`EmbeddedRegistry::start`]
-/// itself so it keeps the concrete handle for [`crate::router`].
-pub async fn connect(config: &RegistryConfig, secret: ClusterSecret) -> Result<Arc<dyn Registry>, ClusterError> {
-    connect_with_ca(config, secret, None).await
-}
-
-/// [`connect`], trusting the certificates of `ca_pem` (PEM) for an `https://` conductor.
-pub async fn connect_with_ca(
-    config: &RegistryConfig,
-    secret: ClusterSecret,
-    ca_pem: Option<&[u8]>,
-) -> Result<Arc<dyn Registry>, ClusterError> {
-    Ok(match config {
-        RegistryConfig::Embedded => Arc::new(EmbeddedRegistry::start(secret)),
-        RegistryConfig::Remote { base_url } => {
-            Arc::new(RemoteRegistryClient::with_tls(base_url, secret, RemoteOptions::default(), ca_pem)?)
-        }
-        RegistryConfig::Etcd(etcd) => Arc::new(EtcdRegistry::connect(etcd, secret).await?),
-    })
 }
 
 /// Whether a lease is still held.

@@ -15,13 +15,12 @@ use tokio::sync::mpsc;
 
 use crate::auth::{AUTH_HEADER, ClusterSecret};
 use crate::embedded::MembersSnapshot;
-use crate::error::ClusterError;
 use crate::http::{
     DEREGISTER_PATH, ErrorBody, HEARTBEAT_PATH, LeaseRequest, MEMBERS_PATH, REGISTER_PATH, RegisterRequest,
     RegisterResponse,
 };
 use crate::registry::{Lease, MembershipWatch, Registry, spawn_heartbeats};
-use crate::types::{LeftReason, MembershipEvent, WorkerId, WorkerInfo, unix_millis};
+use crate::types::{ClusterError, LeftReason, MembershipEvent, WorkerId, WorkerInfo, unix_millis};
 
 /// Timeouts and the watch's polling period.
 #[derive(Clone, Copy, Debug)]

@@ -10,8 +10,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::ClusterError;
-use crate::types::{LeftReason, MembershipEvent, WorkerId, WorkerInfo};
+use crate::types::{ClusterError, LeftReason, MembershipEvent, WorkerId, WorkerInfo};
 
 /// Shortest lease TTL the registry accepts.
 pub const MIN_TTL: Duration = Duration::from_millis(100);

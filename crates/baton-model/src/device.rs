@@ -3,13 +3,15 @@
 //!
 //! Everything here is plain data, compiled with or without the `cuda` feature, so the packing
 //! the CUDA backend relies on is unit-tested on any machine.
+//! Which backend a device means is `model.rs`'s to say (`Model::load_on`,
+//! [`ComputeDevice::measure_limits`]): the backends build on this module, not it on them.
 
 use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
 use crate::error::{ModelError, Result};
-use crate::model::{LogitsWanted, SeqStep};
+use crate::step::{LogitsWanted, SeqStep};
 
 /// The device a model computes on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -103,38 +105,6 @@ pub struct DeviceLimits {
     /// TFLOP/s of one large bfloat16 GEMM.
     pub gemm_tflops: f64,
 }
-
-impl ComputeDevice {
-    /// Measures the device's copy bandwidth and GEMM peak; `None` for the CPU (whose benchmark
-    /// measures its memory bandwidth itself). An error where the device is missing or this
-    /// build has no support for it.
-    pub fn measure_limits(self) -> Result<Option<DeviceLimits>> {
-        match self {
-            Self::Cpu => Ok(None),
-            #[cfg(feature = "cuda")]
-            Self::Cuda(n) => crate::cuda::measure_limits(n).map(Some),
-            #[cfg(not(feature = "cuda"))]
-            Self::Cuda(_) => Err(ModelError::Device(NO_CUDA.into())),
-        }
-    }
-}
-
-impl ComputeDevice {
-    /// Checks the device's fast kernels against its plain ones on random data (see
-    /// [`crate::cuda::check_kernels`]); the CPU has none to check.
-    #[cfg(feature = "cuda")]
-    pub fn check_kernels(self) -> Result<Vec<crate::cuda::KernelCheck>> {
-        match self {
-            Self::Cpu => Ok(Vec::new()),
-            Self::Cuda(n) => crate::cuda::check_kernels(n),
-        }
-    }
-}
-
-/// The error of a CUDA request to a build without the `cuda` feature.
-#[cfg(not(feature = "cuda"))]
-pub(crate) const NO_CUDA: &str =
-    "this baton was built without CUDA support: rebuild with `cargo build --release --features cuda`";
 
 /// A batch step flattened for a device: one entry per new token (row) and one block table per
 /// sequence, as the kernels index them. Built and checked on the host.

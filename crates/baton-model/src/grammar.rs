@@ -40,7 +40,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::{ModelError, Result};
-use crate::tokenizer::Tokenizer;
 
 /// What a request's output must match.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -81,7 +80,8 @@ pub fn with_json_style(schema: &Value) -> Value {
 }
 
 /// The grammar side of one vocabulary: its token trie and llguidance's parser factory.
-/// Built once per model ([`Tokenizer::grammar_compiler`]); compiling is then per request.
+/// Built once per model ([`Tokenizer::grammar_compiler`](crate::Tokenizer::grammar_compiler));
+/// compiling is then per request.
 pub struct GrammarCompiler {
     factory: ParserFactory,
     eos: TokenId,
@@ -93,10 +93,13 @@ impl std::fmt::Debug for GrammarCompiler {
     }
 }
 
+/// How a vocabulary's tokenizer encodes text (special tokens left out); `None` where it cannot.
+type Encode = Box<dyn Fn(&str) -> Option<Vec<u32>> + Send + Sync>;
+
 /// llguidance's view of the tokenizer: the trie, and encoding for the text it forces.
 struct TokenizerEnvOf {
     trie: TokTrie,
-    tokenizer: Tokenizer,
+    encode: Encode,
 }
 
 impl TokenizerEnv for TokenizerEnvOf {
@@ -105,7 +108,7 @@ impl TokenizerEnv for TokenizerEnvOf {
     }
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        match std::str::from_utf8(s).ok().and_then(|t| self.tokenizer.encode(t, false).ok()) {
+        match std::str::from_utf8(s).ok().and_then(|t| (self.encode)(t)) {
             Some(ids) => ids,
             None => self.trie.greedy_tokenize(s),
         }
@@ -113,16 +116,20 @@ impl TokenizerEnv for TokenizerEnvOf {
 }
 
 impl GrammarCompiler {
-    /// The compiler for `tokenizer`'s vocabulary; end-of-sequence is the tokenizer's EOS.
-    pub fn new(tokenizer: &Tokenizer) -> std::result::Result<Self, String> {
-        let eos = tokenizer
-            .eos_token_id()
-            .ok_or_else(|| "the tokenizer has no end-of-sequence token, which a grammar needs to end".to_owned())?;
-        let words = tokenizer.token_bytes();
+    /// The compiler for a tokenizer's vocabulary: `eos`, its end-of-sequence token; `words`, each
+    /// token's bytes by id (as [`Tokenizer::token_bytes`](crate::Tokenizer::token_bytes) gives
+    /// them); and `encode`, how it encodes the text a grammar forces (where it gives `None`, the
+    /// trie's greedy tokenization stands in).
+    pub fn new(
+        eos: Option<u32>,
+        words: &[Vec<u8>],
+        encode: impl Fn(&str) -> Option<Vec<u32>> + Send + Sync + 'static,
+    ) -> std::result::Result<Self, String> {
+        let eos =
+            eos.ok_or_else(|| "the tokenizer has no end-of-sequence token, which a grammar needs to end".to_owned())?;
         let vocab = u32::try_from(words.len()).map_err(|_| "the vocabulary is too large".to_owned())?;
-        let trie = TokTrie::from(&TokRxInfo::new(vocab, eos), &words);
-        // The trie's own tokenizer is not the model's: a clone without this compiler's cache.
-        let env: TokEnv = Arc::new(TokenizerEnvOf { trie, tokenizer: tokenizer.without_grammar_cache() });
+        let trie = TokTrie::from(&TokRxInfo::new(vocab, eos), words);
+        let env: TokEnv = Arc::new(TokenizerEnvOf { trie, encode: Box::new(encode) });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         factory.quiet();
         Ok(Self { factory, eos })
@@ -279,6 +286,7 @@ mod tests {
 
     use super::*;
     use crate::sampling::argmax;
+    use crate::tokenizer::Tokenizer;
 
     /// The tiny fixture's byte-level BPE tokenizer, with its EOS.
     fn tokenizer() -> Tokenizer {

@@ -37,6 +37,7 @@ mod linear;
 mod model;
 mod quant;
 mod sampling;
+mod step;
 mod tokenizer;
 pub mod weights;
 
@@ -49,7 +50,8 @@ pub use config::{Architecture, ModelConfig};
 pub use device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions, PackOffsets, StepPack};
 pub use error::{ModelError, Result};
 pub use grammar::{Constraint, Grammar, GrammarCompiler};
-pub use model::{DeviceKv, LogitsWanted, Model, SeqStep, StepLogits};
+pub use model::{DeviceKv, Model};
 pub use sampling::{LogitAdjust, Sampler, SamplingParams, TokenLogprobs, argmax, token_logprobs};
+pub use step::{LogitsWanted, SeqStep, StepLogits};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 pub use weights::{DeviceRandomWeights, RandomWeights, SafetensorsWeights, WeightSource};

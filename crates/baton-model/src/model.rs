@@ -6,98 +6,24 @@
 //! at consecutive positions after what it already has in the cache — a whole prompt, a prefill
 //! chunk, or one decode token. All new tokens are flattened into one matrix for the dense
 //! layers; attention then reads each sequence's keys and values through its block table.
-
-use std::ops::Range;
+//! A step's interface ([`SeqStep`] in, [`StepLogits`] out) is `step.rs`'s, which every backend
+//! shares.
+//!
+//! The backend a [`ComputeDevice`] means is chosen here, once a model loads ([`Model::load_on`]),
+//! and for what a device is asked without a model ([`ComputeDevice::measure_limits`], and
+//! `ComputeDevice::check_kernels` with the `cuda` feature).
 
 use baton_kv::{BlockId, KvArena, KvGeometry, KvPart};
 use candle_core::{Device, Tensor};
 
 use crate::attention::{AttentionShape, RowPos, Widening, paged_attention};
 use crate::config::ModelConfig;
-use crate::device::{ComputeDevice, ComputeDtype, DeviceOptions};
+use crate::device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions};
 use crate::error::{ModelError, Result};
 use crate::kernels::{apply_rope, gated_activation, rms_norm, rope_inv_freq, rope_tables, soft_cap};
 use crate::linear::{Linear, QWeight};
+use crate::step::{LogitsWanted, SeqStep, StepLogits};
 use crate::weights::WeightSource;
-
-/// Which logits a sequence wants back from a step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogitsWanted {
-    /// None (a prefill chunk that does not end the prompt).
-    None,
-    /// The last new token's (to sample the next token).
-    Last,
-    /// Every new token's (to check a prompt's logits).
-    All,
-    /// Only which token the last new token's logits rank first ([`StepLogits::argmax`]): a
-    /// greedy request that needs nothing else of them. A GPU then picks it on the device and
-    /// copies one id back instead of a vocabulary of floats.
-    Argmax,
-}
-
-/// One sequence's part of a batch step.
-#[derive(Debug, Clone, Copy)]
-pub struct SeqStep<'a> {
-    /// Tokens of this sequence already in the KV cache; the new tokens take positions
-    /// `start_pos..start_pos + tokens.len()`.
-    pub start_pos: usize,
-    /// The new tokens.
-    pub tokens: &'a [u32],
-    /// Block table covering at least `start_pos + tokens.len()` positions.
-    pub blocks: &'a [BlockId],
-    /// Logits to return.
-    pub logits: LogitsWanted,
-}
-
-impl SeqStep<'_> {
-    /// Refuses what no backend computes: a block table too short for the positions, a token
-    /// outside the vocabulary.
-    pub(crate) fn check(&self, block_size: usize, vocab: usize) -> Result<()> {
-        let end = self.start_pos + self.tokens.len();
-        if self.blocks.len() * block_size < end {
-            return Err(ModelError::InvalidInput(format!(
-                "block table of {} blocks cannot hold {end} positions",
-                self.blocks.len()
-            )));
-        }
-        if let Some(&bad) = self.tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::InvalidInput(format!("token id {bad} is outside the vocabulary of {vocab}")));
-        }
-        Ok(())
-    }
-
-    /// Which of the new tokens' logits are wanted (indices into `tokens`).
-    pub(crate) fn logit_rows(&self) -> Range<usize> {
-        match self.logits {
-            LogitsWanted::None => 0..0,
-            LogitsWanted::Last | LogitsWanted::Argmax => self.tokens.len().saturating_sub(1)..self.tokens.len(),
-            LogitsWanted::All => 0..self.tokens.len(),
-        }
-    }
-}
-
-/// Logits of a batch step: rows in batch order, and for each sequence the rows that are its.
-#[derive(Debug, Clone)]
-pub struct StepLogits {
-    /// `[rows][vocab]`.
-    pub data: Vec<f32>,
-    /// Vocabulary size.
-    pub vocab: usize,
-    /// Row range of each sequence of the batch, in batch order (empty for a sequence that
-    /// asked for [`LogitsWanted::Argmax`] when the backend picked on the device).
-    pub rows: Vec<Range<usize>>,
-    /// For each sequence that asked for [`LogitsWanted::Argmax`], the first token of largest
-    /// logit (as [`crate::argmax`]); `None` for the others.
-    pub argmax: Vec<Option<u32>>,
-}
-
-impl StepLogits {
-    /// The logits rows of sequence `i` of the batch, `[rows][vocab]` flattened.
-    pub fn of(&self, i: usize) -> &[f32] {
-        let r = &self.rows[i];
-        &self.data[r.start * self.vocab..r.end * self.vocab]
-    }
-}
 
 struct Layer {
     input_norm: Vec<f32>,
@@ -149,6 +75,37 @@ enum Compute {
     #[cfg(feature = "cuda")]
     Cuda(Box<crate::cuda::CudaModel>),
 }
+
+impl ComputeDevice {
+    /// Measures the device's copy bandwidth and GEMM peak; `None` for the CPU (whose benchmark
+    /// measures its memory bandwidth itself). An error where the device is missing or this
+    /// build has no support for it.
+    pub fn measure_limits(self) -> Result<Option<DeviceLimits>> {
+        match self {
+            Self::Cpu => Ok(None),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(n) => crate::cuda::measure_limits(n).map(Some),
+            #[cfg(not(feature = "cuda"))]
+            Self::Cuda(_) => Err(ModelError::Device(NO_CUDA.into())),
+        }
+    }
+}
+
+impl ComputeDevice {
+    /// Checks the device's fast kernels against its plain ones on random data (see
+    /// [`crate::cuda::check_kernels`]); the CPU has none to check.
+    #[cfg(feature = "cuda")]
+    pub fn check_kernels(self) -> Result<Vec<crate::cuda::KernelCheck>> {
+        match self {
+            Self::Cpu => Ok(Vec::new()),
+            Self::Cuda(n) => crate::cuda::check_kernels(n),
+        }
+    }
+}
+
+/// The error of a CUDA request to a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA: &str = "this baton was built without CUDA support: rebuild with `cargo build --release --features cuda`";
 
 /// An engine's KV state on its model's device, beside the host arena: nothing for the CPU (the
 /// host arena is what it computes on); for a GPU, the arena's copy in device memory and the
@@ -241,7 +198,7 @@ impl Model {
             }
             #[cfg(not(feature = "cuda"))]
             ComputeDevice::Cuda(_) => {
-                return Err(ModelError::Device(crate::device::NO_CUDA.into()));
+                return Err(ModelError::Device(NO_CUDA.into()));
             }
         };
         Ok(Self { config: config.clone(), compute })

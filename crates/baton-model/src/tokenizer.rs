@@ -72,13 +72,16 @@ impl Tokenizer {
     /// The grammar compiler of this vocabulary: built once (its token trie is the costly part),
     /// then shared.
     pub fn grammar_compiler(&self) -> Result<Arc<GrammarCompiler>> {
-        self.grammar.get_or_init(|| GrammarCompiler::new(self).map(Arc::new)).clone().map_err(ModelError::Grammar)
-    }
-
-    /// A clone that does not share this tokenizer's grammar compiler (the compiler's own copy:
-    /// sharing would be a reference cycle).
-    pub(crate) fn without_grammar_cache(&self) -> Self {
-        Self { grammar: Arc::default(), ..self.clone() }
+        self.grammar
+            .get_or_init(|| {
+                // The compiler encodes with a clone that does not share this cache (sharing would
+                // be a reference cycle).
+                let own = Self { grammar: Arc::default(), ..self.clone() };
+                GrammarCompiler::new(self.eos_token_id(), &self.token_bytes(), move |text| own.encode(text, false).ok())
+                    .map(Arc::new)
+            })
+            .clone()
+            .map_err(ModelError::Grammar)
     }
 
     /// The most bytes of text one token can stand for (at least 4, a whole UTF-8 character an

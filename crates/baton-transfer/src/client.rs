@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 use baton_kv::{BlockId, ByteRange};
 
 use crate::auth::{self, Side};
-use crate::compat::{Compat, check_peer};
+use crate::compat::Compat;
 use crate::conn::Conn;
-use crate::frame::{EndpointInfo, FLAG_GATHER, Frame, TransferMode};
+use crate::frame::{EndpointInfo, FLAG_GATHER, Frame, TransferMode, check_peer};
 use crate::plan::{RangeCopy, plan};
 use crate::region::{Access, Region};
 use crate::transport::{ShmTransport, TcpLimits, TcpTransport, Transport, TransportKind};

@@ -113,22 +113,6 @@ pub(crate) fn dtype_from_code(c: u8) -> Option<KvDtype> {
     }
 }
 
-/// Checks a peer's CONNECT/ACCEPT facts against ours: fields, hash and descriptor.
-pub(crate) fn check_peer(ours: &Compat, theirs: &crate::frame::EndpointInfo) -> Result<(), String> {
-    if let Some(m) = ours.mismatch(&theirs.compat) {
-        return Err(m);
-    }
-    if theirs.compat_hash != ours.hash() {
-        return Err(format!("compatibility hash {:#x} vs ours {:#x}", theirs.compat_hash, ours.hash()));
-    }
-    ours.check_descriptor(&theirs.descriptor)?;
-    let span = theirs.descriptor.base as u64 + theirs.descriptor.num_bytes() as u64;
-    if theirs.region_len < span {
-        return Err(format!("region of {} bytes is shorter than its descriptor ({span})", theirs.region_len));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

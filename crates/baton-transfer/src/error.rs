@@ -2,7 +2,7 @@
 
 use std::io;
 
-use crate::frame::FrameError;
+use crate::frame::{ErrorCode, FrameError};
 use crate::lease::LeaseError;
 use crate::plan::PlanError;
 use crate::{PeerId, TransferId};
@@ -101,53 +101,6 @@ impl TransferError {
     /// drop its destination blocks).
     pub fn is_remote(&self) -> bool {
         matches!(self, TransferError::Remote { .. })
-    }
-}
-
-/// Codes carried by ERROR frames.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ErrorCode {
-    /// Malformed or unexpected frame.
-    Protocol,
-    /// Compatibility hash or geometry mismatch.
-    Incompatible,
-    /// Bad or missing proof of the cluster secret.
-    AuthFailed,
-    /// No lease with that transfer id (never offered, or already completed).
-    UnknownTransfer,
-    /// The lease ran out and the blocks were released: the data is gone.
-    LeaseExpired,
-    /// A read outside the blocks the lease covers.
-    OutOfBounds,
-    /// Anything else on the serving side.
-    Internal,
-}
-
-impl ErrorCode {
-    /// Wire value.
-    pub fn to_u16(self) -> u16 {
-        match self {
-            ErrorCode::Protocol => 1,
-            ErrorCode::Incompatible => 2,
-            ErrorCode::AuthFailed => 3,
-            ErrorCode::UnknownTransfer => 4,
-            ErrorCode::LeaseExpired => 5,
-            ErrorCode::OutOfBounds => 6,
-            ErrorCode::Internal => 7,
-        }
-    }
-
-    /// From the wire value; unknown values read as [`ErrorCode::Internal`].
-    pub fn from_u16(v: u16) -> Self {
-        match v {
-            1 => ErrorCode::Protocol,
-            2 => ErrorCode::Incompatible,
-            3 => ErrorCode::AuthFailed,
-            4 => ErrorCode::UnknownTransfer,
-            5 => ErrorCode::LeaseExpired,
-            6 => ErrorCode::OutOfBounds,
-            _ => ErrorCode::Internal,
-        }
     }
 }
 

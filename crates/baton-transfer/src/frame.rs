@@ -10,12 +10,14 @@
 //!
 //! All integers are little-endian, written with `to_le_bytes`. A frame with another magic or
 //! version is an error, never garbage; so is a body that does not decode exactly.
+//!
+//! Also here, as the handshake frames' own: the [`ErrorCode`]s an ERROR frame carries, and
+//! `check_peer`, whether the facts a peer sent at CONNECT or ACCEPT fit ours.
 
 use baton_kv::{ByteRange, Dim, TensorDescriptor};
 
 use crate::auth::{NONCE_LEN, PROOF_LEN};
 use crate::compat::{Compat, dtype_code, dtype_from_code};
-use crate::error::ErrorCode;
 use crate::{PeerId, TransferId};
 
 /// First four bytes of every frame: "BTKV".
@@ -94,6 +96,69 @@ pub struct EndpointInfo {
     pub region_len: u64,
     /// The region's shared-memory handle, when the sender offers one.
     pub shm: Option<ShmHandle>,
+}
+
+/// Checks a peer's CONNECT/ACCEPT facts against ours: fields, hash and descriptor.
+pub(crate) fn check_peer(ours: &Compat, theirs: &EndpointInfo) -> Result<(), String> {
+    if let Some(m) = ours.mismatch(&theirs.compat) {
+        return Err(m);
+    }
+    if theirs.compat_hash != ours.hash() {
+        return Err(format!("compatibility hash {:#x} vs ours {:#x}", theirs.compat_hash, ours.hash()));
+    }
+    ours.check_descriptor(&theirs.descriptor)?;
+    let span = theirs.descriptor.base as u64 + theirs.descriptor.num_bytes() as u64;
+    if theirs.region_len < span {
+        return Err(format!("region of {} bytes is shorter than its descriptor ({span})", theirs.region_len));
+    }
+    Ok(())
+}
+
+/// Codes carried by ERROR frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    /// Malformed or unexpected frame.
+    Protocol,
+    /// Compatibility hash or geometry mismatch.
+    Incompatible,
+    /// Bad or missing proof of the cluster secret.
+    AuthFailed,
+    /// No lease with that transfer id (never offered, or already completed).
+    UnknownTransfer,
+    /// The lease ran out and the blocks were released: the data is gone.
+    LeaseExpired,
+    /// A read outside the blocks the lease covers.
+    OutOfBounds,
+    /// Anything else on the serving side.
+    Internal,
+}
+
+impl ErrorCode {
+    /// Wire value.
+    pub fn to_u16(self) -> u16 {
+        match self {
+            ErrorCode::Protocol => 1,
+            ErrorCode::Incompatible => 2,
+            ErrorCode::AuthFailed => 3,
+            ErrorCode::UnknownTransfer => 4,
+            ErrorCode::LeaseExpired => 5,
+            ErrorCode::OutOfBounds => 6,
+            ErrorCode::Internal => 7,
+        }
+    }
+
+    /// From the wire value; unknown values read as [`ErrorCode::Internal`].
+    pub fn from_u16(v: u16) -> Self {
+        match v {
+            1 => ErrorCode::Protocol,
+            2 => ErrorCode::Incompatible,
+            3 => ErrorCode::AuthFailed,
+            4 => ErrorCode::UnknownTransfer,
+            5 => ErrorCode::LeaseExpired,
+            6 => ErrorCode::OutOfBounds,
+            _ => ErrorCode::Internal,
+        }
+    }
 }
 
 /// One protocol message. DATA and WRITE are followed on the wire by `payload_len` raw bytes.

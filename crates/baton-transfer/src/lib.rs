@@ -49,8 +49,8 @@ pub use tls::KvTls;
 pub use transport::{ShmTransport, TcpLimits, TcpTransport, Transport, TransportKind};
 
 pub use compat::{Compat, LAYOUT_VERSION};
-pub use error::{ErrorCode, Result, TransferError};
-pub use frame::{EndpointInfo, Frame, ShmHandle, TransferMode};
+pub use error::{Result, TransferError};
+pub use frame::{EndpointInfo, ErrorCode, Frame, ShmHandle, TransferMode};
 pub use lease::{LeaseError, LeaseTable, Release, ReleaseReason};
 pub use plan::{PlanError, RangeCopy, TransferPlan, plan, plan_layers};
 

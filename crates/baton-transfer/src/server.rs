@@ -18,10 +18,9 @@ use std::time::{Duration, Instant};
 use baton_kv::{BlockId, ByteRange, Dim};
 
 use crate::auth::{self, Side};
-use crate::compat::{Compat, check_peer};
+use crate::compat::Compat;
 use crate::conn::Conn;
-use crate::error::ErrorCode;
-use crate::frame::{EndpointInfo, FLAG_GATHER, Frame, TransferMode};
+use crate::frame::{EndpointInfo, ErrorCode, FLAG_GATHER, Frame, TransferMode, check_peer};
 use crate::lease::{LeaseError, LeaseTable, Release};
 use crate::plan::plan_layers;
 use crate::region::{Access, Region};

@@ -151,7 +151,7 @@ pub fn check_kernels(ordinal: usize) -> Result<Vec<KernelCheck>> {
                 start_pos: start,
                 tokens: toks,
                 blocks: t,
-                logits: crate::model::LogitsWanted::None,
+                logits: crate::step::LogitsWanted::None,
             })
             .collect();
         let pack = StepPack::new(&batch, bs, 1)?;

@@ -50,7 +50,7 @@ use crate::config::{Activation, ModelConfig};
 use crate::device::{ComputeDtype, DeviceLimits, StepPack};
 use crate::error::{ModelError, Result};
 use crate::kernels::rope_inv_freq;
-use crate::model::{SeqStep, StepLogits};
+use crate::step::{SeqStep, StepLogits};
 use crate::weights::WeightSource;
 
 mod check;
