@@ -6,7 +6,7 @@ use baton_kv::KvLayout;
 
 // Declared here rather than in main.rs: `baton bench serve` and `compare` are bench commands.
 #[path = "bench_index.rs"]
-pub(crate) mod bench_index;
+mod bench_index;
 #[path = "bench_memory.rs"]
 mod bench_memory;
 #[path = "bench_serve.rs"]

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use baton_conductor::Conductor;
 use baton_conductor::openai::Validator;
+use baton_conductor::sched::PolicyChoice;
 use baton_kv::prefix_hashes;
 use baton_protocol::wire::{CachedBlock, KvTier, LoadReport, Received, StateUpdate, Work};
 use baton_protocol::{Finish, KvSource, RequestEvent, Role, WorkRequest, Worker, WorkerStats};
@@ -198,7 +199,7 @@ pub(crate) fn run(args: LoadArgs, model: &std::path::Path) -> anyhow::Result<Loa
         tokenizer: Arc::new(front.tokenizer),
         template: None,
     };
-    let policy = crate::bench::bench_index::kv_centric()?;
+    let policy = kv_centric()?;
 
     // The conductor: one runtime thread of its own.
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
@@ -303,6 +304,21 @@ pub(crate) fn run(args: LoadArgs, model: &std::path::Path) -> anyhow::Result<Loa
     let _ = stop_tx.send(());
     server.join().map_err(|_| anyhow::anyhow!("the conductor's thread panicked"))??;
     report
+}
+
+/// The kv-centric policy with its defaults and the 70B/8×H100 cost profile: the conductor
+/// benchmarks' router.
+pub(crate) fn kv_centric() -> anyhow::Result<PolicyChoice> {
+    Ok(PolicyChoice::Sched {
+        policy: "kv-centric".parse()?,
+        config: baton_sched::PolicyConfig::default(),
+        admission: baton_sched::AdmissionConfig::default(),
+        cost: Box::new(baton_sched::CostProfile::llama2_70b_8xh100()),
+        seed: 1,
+        kv_fetch: true,
+        decode_affinity: true,
+        conditional_tokens: None,
+    })
 }
 
 fn latency(mut us: Vec<f64>) -> Latency {

@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use baton_conductor::routing::{RouteRequest, Snapshot, WorkerView};
-use baton_conductor::sched::PolicyChoice;
 use baton_conductor::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
 use baton_kv::{InstanceId, prefix_hashes};
 use baton_protocol::Role;
@@ -124,7 +123,7 @@ pub(crate) fn run(a: IndexArgs) -> anyhow::Result<()> {
     let (ndjson_rate, ndjson_bytes) = wire_rate(StateFormat::Ndjson)?;
 
     // 3. kv-centric decisions against the full index: half the prompts extend a cached one.
-    let policy = kv_centric()?.build(a.block_tokens);
+    let policy = crate::bench_conductor_load::kv_centric()?.build(a.block_tokens);
     policy.attach_index(Arc::clone(&trees));
     let snapshot = Snapshot {
         workers: (0..a.workers)
@@ -184,21 +183,6 @@ pub(crate) fn run(a: IndexArgs) -> anyhow::Result<()> {
         verdict(pct(0.99) < P99_TARGET_US)
     );
     Ok(())
-}
-
-/// The kv-centric policy with its defaults and the 70B/8×H100 cost profile: the conductor
-/// benchmarks' router.
-pub(crate) fn kv_centric() -> anyhow::Result<PolicyChoice> {
-    Ok(PolicyChoice::Sched {
-        policy: "kv-centric".parse()?,
-        config: baton_sched::PolicyConfig::default(),
-        admission: baton_sched::AdmissionConfig::default(),
-        cost: Box::new(baton_sched::CostProfile::llama2_70b_8xh100()),
-        seed: 1,
-        kv_fetch: true,
-        decode_affinity: true,
-        conditional_tokens: None,
-    })
 }
 
 fn events_of(u: &StateUpdate) -> usize {
