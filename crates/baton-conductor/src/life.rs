@@ -31,7 +31,6 @@
 //! it, or when the request ends before a hand-off.
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use baton_engine::{RequestId, StopParams};
@@ -419,7 +418,7 @@ impl<H: Host> Life<H> {
                 self.attempt_ended(result, now);
             }
             Route::Colocated(worker) => {
-                metrics.routed_colocated.fetch_add(1, Ordering::Relaxed);
+                metrics.routed_colocated.inc();
                 match self.plan_fetch(&worker) {
                     Some((lease, tokens)) => {
                         self.state = State::Offering { lease, tokens, then: Route::Colocated(worker) };
@@ -428,7 +427,7 @@ impl<H: Host> Life<H> {
                 }
             }
             Route::Disaggregated { prefill, decode } => {
-                metrics.routed_disaggregated.fetch_add(1, Ordering::Relaxed);
+                metrics.routed_disaggregated.inc();
                 match self.plan_fetch(&prefill) {
                     Some((lease, tokens)) => {
                         self.state = State::Offering { lease, tokens, then: Route::Disaggregated { prefill, decode } };
@@ -657,7 +656,7 @@ impl<H: Host> Life<H> {
         let streamed_here = relay.relayed.len();
         drop(relay.events);
         if layerwise && streamed_here > 0 {
-            self.host.metrics().layerwise_handoffs.fetch_add(1, Ordering::Relaxed);
+            self.host.metrics().layerwise_handoffs.inc();
         }
         h.generated.extend(relay.relayed);
         // A decode worker lost: hand the decode to another, before its first token (it pulls
@@ -670,7 +669,7 @@ impl<H: Host> Life<H> {
             // the prefill worker still leases it, else recomputes it.
             Err(RunError::Handoff(reason)) => {
                 tracing::warn!(request = self.choice.id.0, reason, "layer-wise hand-off failed; handing over again");
-                self.host.metrics().retries.fetch_add(1, Ordering::Relaxed);
+                self.host.metrics().retries.inc();
                 h.handoff = Some(now);
                 Ok(())
             }
@@ -818,9 +817,9 @@ impl<H: Host> Life<H> {
             RequestEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens, received, .. } => {
                 self.cached_tokens.get_or_insert(cached_tokens);
                 if let Some(rx) = received.filter(|_| !r.colocated) {
-                    metrics.transfer_tokens.fetch_add(rx.tokens as u64, Ordering::Relaxed);
+                    metrics.transfer_tokens.inc_by(rx.tokens as u64);
                     let bytes = self.settings.kv_bytes_per_token.map_or(rx.bytes, |b| (rx.tokens * b) as u64);
-                    metrics.transfer_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    metrics.transfer_bytes.inc_by(bytes);
                 }
                 if r.colocated {
                     let fetching = r.fetching.take().or_else(|| r.prefill.take().and_then(|(_, f)| f));
@@ -848,7 +847,7 @@ impl<H: Host> Life<H> {
     /// tokens the prefill computed.
     fn prefill_done(&mut self, worker: &str, prompt_tokens: usize, cached_tokens: usize) {
         let m = self.host.metrics();
-        m.prefill_tokens.fetch_add(prompt_tokens.saturating_sub(cached_tokens) as u64, Ordering::Relaxed);
+        m.prefill_tokens.inc_by(prompt_tokens.saturating_sub(cached_tokens) as u64);
         m.prefix_cache(worker, prompt_tokens, cached_tokens);
         self.host.prefilled();
     }
@@ -858,9 +857,9 @@ impl<H: Host> Life<H> {
     fn handed_on(&self, worker: &str, reason: &str, tokens: usize) {
         let m = self.host.metrics();
         self.host.trip(worker, reason);
-        m.retries.fetch_add(1, Ordering::Relaxed);
+        m.retries.inc();
         if tokens > 0 {
-            m.migrations.fetch_add(1, Ordering::Relaxed);
+            m.migrations.inc();
         }
         tracing::warn!(
             request = self.choice.id.0,
@@ -915,9 +914,9 @@ impl<H: Host> Life<H> {
         }
         let m = self.host.metrics();
         if self.choice.index == 0 {
-            m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+            m.prompt_tokens.inc_by(prompt_tokens as u64);
         }
-        m.generation_tokens.fetch_add(completion_tokens as u64, Ordering::Relaxed);
+        m.generation_tokens.inc_by(completion_tokens as u64);
         let cached_tokens = self.cached_tokens.unwrap_or(0);
         self.send(Piece::Done { reason, prompt_tokens, completion_tokens, cached_tokens })
     }
@@ -1245,8 +1244,8 @@ mod tests {
         }
     }
 
-    fn metric(m: &std::sync::atomic::AtomicU64) -> u64 {
-        m.load(Ordering::Relaxed)
+    fn metric(m: &prometheus::IntCounter) -> u64 {
+        m.get()
     }
 
     fn colocated(w: &FakeWorker) -> Route<FakeWorker> {
@@ -1273,8 +1272,8 @@ mod tests {
         feed(&mut life, "w", vec![token(1), token(2), token(3), finished(Finish::Length, 3)]);
         assert_eq!(life.outcome(), Some(Outcome::Ok));
         assert_eq!(life.host.client, ["t1", "t2", "t3", "done Length 3"]);
-        assert_eq!(life.host.metrics.ttft.count(), 1);
-        assert_eq!(life.host.metrics.tbt.count(), 2);
+        assert_eq!(life.host.metrics.ttft.get_sample_count(), 1);
+        assert_eq!(life.host.metrics.tbt.get_sample_count(), 2);
         // The prompt's ledger entry gives way to the decode's at the first token; both are gone.
         let untracked = cluster.logged("untrack");
         assert_eq!(untracked, ["untrack prefill w 7 fetched 0", "untrack decode w 7 context 41"]);
@@ -1297,7 +1296,7 @@ mod tests {
         assert_eq!(cluster.logged("trip"), ["trip a"]);
         assert_eq!(metric(&life.host.metrics.retries), 1);
         assert_eq!(metric(&life.host.metrics.migrations), 0);
-        assert_eq!(life.host.metrics.ttft.count(), 1);
+        assert_eq!(life.host.metrics.ttft.get_sample_count(), 1);
     }
 
     #[test]
@@ -1314,7 +1313,11 @@ mod tests {
         feed(&mut life, "d", vec![token(3), token(4), finished(Finish::Length, 4)]);
         assert_eq!(life.host.client, ["t1", "t2", "t3", "t4", "done Length 4"], "no gap, no duplicate");
         assert_eq!(metric(&life.host.metrics.migrations), 1);
-        assert_eq!(life.host.metrics.ttft.count(), 1, "the migrated worker's first token is not the request's");
+        assert_eq!(
+            life.host.metrics.ttft.get_sample_count(),
+            1,
+            "the migrated worker's first token is not the request's"
+        );
     }
 
     #[test]
@@ -1392,8 +1395,8 @@ mod tests {
         assert_eq!(life.outcome(), Some(Outcome::Ok));
         assert_eq!(life.host.client, ["t1", "t2", "t3", "done Length 3"]);
         assert_eq!(metric(&life.host.metrics.transfer_bytes), 4096);
-        assert_eq!(life.host.metrics.transfer.count(), 1);
-        assert_eq!(life.host.metrics.ttft.count(), 1);
+        assert_eq!(life.host.metrics.transfer.get_sample_count(), 1);
+        assert_eq!(life.host.metrics.ttft.get_sample_count(), 1);
         // The prefill side is released after the decode side is done with the lease.
         assert!(cluster.at("drop d 7") < cluster.at("release p 7"));
         assert_eq!(cluster.logged("release"), ["release p 7"]);

@@ -1,81 +1,21 @@
-//! The conductor's metrics, rendered in Prometheus' text format at `GET /metrics`.
+//! The conductor's metrics at `GET /metrics`, kept with the `prometheus` crate (its registry,
+//! counters, histograms and text encoder; Prometheus' text format 0.0.4).
 //!
-//! Counters and fixed-bucket histograms on atomics: recording never blocks a request.
+//! Recording never blocks a request: counters and histograms are atomics. What is read at scrape
+//! time — each worker's queue and blocks, the index's per-worker figures, predictive admission's
+//! `t_d`, the elastic pools' loads — goes into a registry built for that scrape
+//! ([`Scrape`]), so a worker that left leaves no stale series behind.
 
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus::{
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
 
-/// A histogram with fixed upper bounds (seconds).
-#[derive(Debug)]
-pub struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<AtomicU64>,
-    /// Sum in microseconds.
-    sum_us: AtomicU64,
-    count: AtomicU64,
-}
-
+/// Bounds of the latency histograms, seconds.
 const LATENCY_BOUNDS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
-impl Histogram {
-    fn latency() -> Self {
-        Self {
-            bounds: LATENCY_BOUNDS,
-            counts: LATENCY_BOUNDS.iter().map(|_| AtomicU64::new(0)).collect(),
-            sum_us: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }
-    }
-
-    /// Records one observation in seconds.
-    pub fn observe(&self, seconds: f64) {
-        if let Some(i) = self.bounds.iter().position(|&b| seconds <= b) {
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.sum_us.fetch_add((seconds * 1e6) as u64, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Observations so far.
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            cumulative += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "{name}_sum {}", self.sum_us.load(Ordering::Relaxed) as f64 / 1e6);
-        let _ = writeln!(out, "{name}_count {count}");
-    }
-}
-
-/// The elastic controller's view of the prefill and decode pools (`--elastic`): each pool's
-/// mean load, 1.0 being at its SLO; it switches a worker when one pool stays over 0.7 while
-/// the other stays under 0.3.
-pub fn render_pool_loads(prefill: f64, decode: f64) -> String {
-    format!(
-        "# HELP baton_elastic_pool_load Mean load of a role's workers as elastic switching weighs it (1 = at the SLO).\n\
-         # TYPE baton_elastic_pool_load gauge\n\
-         baton_elastic_pool_load{{pool=\"prefill\"}} {prefill}\n\
-         baton_elastic_pool_load{{pool=\"decode\"}} {decode}\n"
-    )
-}
-
-/// How long requests stay on their decode worker, on average (an exponential moving mean the
-/// conductor measures; predictive admission's `t_d`).
-pub fn render_decode_time(us: u64) -> String {
-    format!(
-        "# HELP baton_decode_residency_seconds Mean time a request stays on its decode worker (moving mean; predictive admission's t_d).\n\
-         # TYPE baton_decode_residency_seconds gauge\nbaton_decode_residency_seconds {}\n",
-        us as f64 / 1e6
-    )
-}
+/// The content type of what [`Metrics::render`] writes.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// How a request ended, for the `requests_total` counter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +64,7 @@ const FETCH_OUTCOMES: [&str; 3] = ["fetched", "recomputed", "unavailable"];
 /// All of the conductor's metrics.
 #[derive(Debug)]
 pub struct Metrics {
+    registry: Registry,
     /// Time to first token.
     pub ttft: Histogram,
     /// Time between tokens.
@@ -133,76 +74,176 @@ pub struct Metrics {
     /// From handing a request to its decode worker to that worker's first token: the KV
     /// hand-off, joining the batch and one decode step.
     pub transfer: Histogram,
-    outcomes: [AtomicU64; 5],
+    outcomes: IntCounterVec,
     /// Requests routed colocated.
-    pub routed_colocated: AtomicU64,
+    pub routed_colocated: IntCounter,
     /// Requests routed prefill → decode.
-    pub routed_disaggregated: AtomicU64,
+    pub routed_disaggregated: IntCounter,
     /// KV bytes handed between workers (the model's bytes per token times the tokens moved).
-    pub transfer_bytes: AtomicU64,
+    pub transfer_bytes: IntCounter,
     /// KV tokens handed between workers (a decode worker's cached prefix is not moved).
-    pub transfer_tokens: AtomicU64,
+    pub transfer_tokens: IntCounter,
     /// KV tokens decode workers sent back into prefill workers' caches (PD-Caching-3).
-    pub return_tokens: AtomicU64,
+    pub return_tokens: IntCounter,
     /// Prompt tokens.
-    pub prompt_tokens: AtomicU64,
+    pub prompt_tokens: IntCounter,
     /// Generated tokens.
-    pub generation_tokens: AtomicU64,
+    pub generation_tokens: IntCounter,
     /// Prompt tokens prefill computed (not served from a prefix cache): a request with `n`
     /// choices adds its prompt once, plus the partial last block of each later choice.
-    pub prefill_tokens: AtomicU64,
+    pub prefill_tokens: IntCounter,
     /// Requests routed again after their worker was lost, or handed over again after a failed
     /// layer-wise hand-off.
-    pub retries: AtomicU64,
+    pub retries: IntCounter,
     /// Hand-offs whose KV was pushed layer by layer while the prompt computed, and arrived.
-    pub layerwise_handoffs: AtomicU64,
+    pub layerwise_handoffs: IntCounter,
     /// Workers taken out of routing after a failure (circuit breaker trips).
-    pub breaker_trips: AtomicU64,
+    pub breaker_trips: IntCounter,
     /// Requests continued on another worker after tokens were streamed.
-    pub migrations: AtomicU64,
+    pub migrations: IntCounter,
     /// Cached prefixes fetched from another worker: how long each pull took.
     pub kv_fetch: Histogram,
     /// Bytes of cached prefixes fetched from another worker.
-    pub kv_fetch_bytes: AtomicU64,
+    pub kv_fetch_bytes: IntCounter,
     /// Tokens of cached prefixes fetched from another worker.
-    pub kv_fetch_tokens: AtomicU64,
-    kv_fetches: [AtomicU64; 3],
+    pub kv_fetch_tokens: IntCounter,
+    kv_fetches: IntCounterVec,
     /// Per prefill (or colocated) worker: prompt tokens looked up in its prefix cache, and
     /// those it found.
-    cache: std::sync::Mutex<std::collections::BTreeMap<String, (u64, u64)>>,
+    cache_queries: IntCounterVec,
+    cache_hits: IntCounterVec,
     /// Role switches (elastic prefill/decode), by (from, to).
-    role_switches: std::sync::Mutex<std::collections::BTreeMap<(&'static str, &'static str), u64>>,
-    role_switch_failures: AtomicU64,
+    role_switches: IntCounterVec,
+    role_switch_failures: IntCounter,
+}
+
+/// Registers a metric in `r` (names are constants here: a clash is a bug, caught by the tests).
+fn register<M: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: M) -> M {
+    r.register(Box::new(m.clone())).expect("a metric's name is registered once");
+    m
+}
+
+fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    register(r, IntCounter::new(name, help).expect("a valid metric name"))
+}
+
+fn counters(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    register(r, IntCounterVec::new(Opts::new(name, help), labels).expect("a valid metric name"))
+}
+
+fn latency(r: &Registry, name: &str, help: &str) -> Histogram {
+    let opts = HistogramOpts::new(name, help).buckets(LATENCY_BOUNDS.to_vec());
+    register(r, Histogram::with_opts(opts).expect("a valid metric name"))
 }
 
 impl Default for Metrics {
     fn default() -> Self {
+        let r = Registry::new();
+        let routes = counters(&r, "baton_routing_decisions_total", "Routing decisions.", &["route"]);
         Self {
-            ttft: Histogram::latency(),
-            tbt: Histogram::latency(),
-            e2e: Histogram::latency(),
-            transfer: Histogram::latency(),
-            outcomes: Default::default(),
-            routed_colocated: AtomicU64::new(0),
-            routed_disaggregated: AtomicU64::new(0),
-            transfer_bytes: AtomicU64::new(0),
-            transfer_tokens: AtomicU64::new(0),
-            return_tokens: AtomicU64::new(0),
-            prompt_tokens: AtomicU64::new(0),
-            generation_tokens: AtomicU64::new(0),
-            prefill_tokens: AtomicU64::new(0),
-            retries: AtomicU64::new(0),
-            layerwise_handoffs: AtomicU64::new(0),
-            breaker_trips: AtomicU64::new(0),
-            migrations: AtomicU64::new(0),
-            kv_fetch: Histogram::latency(),
-            kv_fetch_bytes: AtomicU64::new(0),
-            kv_fetch_tokens: AtomicU64::new(0),
-            kv_fetches: Default::default(),
-            cache: std::sync::Mutex::default(),
-            role_switches: std::sync::Mutex::default(),
-            role_switch_failures: AtomicU64::new(0),
+            ttft: latency(&r, "baton_time_to_first_token_seconds", "Time to first token."),
+            tbt: latency(&r, "baton_time_between_tokens_seconds", "Time between consecutive tokens."),
+            e2e: latency(&r, "baton_request_duration_seconds", "Request latency, end to end."),
+            transfer: latency(
+                &r,
+                "baton_kv_transfer_seconds",
+                "From handing a request to its decode worker to that worker's first token (KV hand-off, joining the \
+                 batch, one decode step).",
+            ),
+            outcomes: counters(
+                &r,
+                "baton_requests_total",
+                "Requests by outcome (each of a request's n choices counts once; refusals once).",
+                &["outcome"],
+            ),
+            routed_colocated: routes.with_label_values(&["colocated"]),
+            routed_disaggregated: routes.with_label_values(&["disaggregated"]),
+            transfer_bytes: counter(&r, "baton_kv_transfer_bytes_total", "KV bytes handed between workers."),
+            transfer_tokens: counter(
+                &r,
+                "baton_kv_transfer_tokens_total",
+                "KV tokens handed from prefill to decode workers (those a decode worker cached already are not moved).",
+            ),
+            return_tokens: counter(
+                &r,
+                "baton_kv_return_tokens_total",
+                "KV tokens decode workers sent back into prefill workers' caches after a request (PD-Caching-3).",
+            ),
+            prompt_tokens: counter(&r, "baton_prompt_tokens_total", "Prompt tokens of the requests served."),
+            generation_tokens: counter(&r, "baton_generation_tokens_total", "Tokens generated."),
+            prefill_tokens: counter(
+                &r,
+                "baton_prefill_tokens_total",
+                "Prompt tokens computed by prefill (not served from a prefix cache).",
+            ),
+            retries: counter(
+                &r,
+                "baton_retries_total",
+                "Requests routed again after their worker was lost, or handed to their decode worker again after a \
+                 failed layer-wise hand-off.",
+            ),
+            layerwise_handoffs: counter(
+                &r,
+                "baton_kv_layerwise_handoffs_total",
+                "Hand-offs whose KV was pushed layer by layer while the prompt computed, and arrived.",
+            ),
+            breaker_trips: counter(
+                &r,
+                "baton_worker_breaker_trips_total",
+                "Workers taken out of routing after a failed connect or request.",
+            ),
+            migrations: counter(
+                &r,
+                "baton_migrations_total",
+                "Requests continued on another worker after their worker was lost mid-stream.",
+            ),
+            kv_fetch: latency(
+                &r,
+                "baton_kv_fetch_seconds",
+                "Time to pull a cached prefix from another worker's pool before computing the rest of a prompt.",
+            ),
+            kv_fetch_bytes: counter(
+                &r,
+                "baton_kv_fetch_bytes_total",
+                "KV bytes of cached prefixes fetched from another worker.",
+            ),
+            kv_fetch_tokens: counter(
+                &r,
+                "baton_kv_fetch_tokens_total",
+                "KV tokens of cached prefixes fetched from another worker.",
+            ),
+            kv_fetches: counters(
+                &r,
+                "baton_kv_fetches_total",
+                "Planned fetches of a cached prefix from another worker, by how they ended.",
+                &["outcome"],
+            ),
+            cache_queries: counters(
+                &r,
+                "baton_prefix_cache_queries_tokens_total",
+                "Prompt tokens looked up in a worker's prefix cache.",
+                &["worker"],
+            ),
+            cache_hits: counters(
+                &r,
+                "baton_prefix_cache_hits_tokens_total",
+                "Prompt tokens a worker's prefix cache served (not prefilled).",
+                &["worker"],
+            ),
+            role_switches: counters(
+                &r,
+                "baton_role_switches_total",
+                "Workers switched from one role to another (--elastic).",
+                &["from", "to"],
+            ),
+            role_switch_failures: counter(
+                &r,
+                "baton_role_switch_failures_total",
+                "Role switches ordered that the worker did not carry out (--elastic).",
+            ),
+            registry: r,
         }
+        .with_zeroes()
     }
 }
 
@@ -223,240 +264,207 @@ pub struct WorkerGauges {
     pub blocks_total: usize,
 }
 
+/// What is read at scrape time, beside the counters: a registry built for one scrape.
+#[derive(Debug, Default)]
+pub struct Scrape<'a> {
+    /// Each worker's queue and blocks.
+    pub workers: &'a [WorkerGauges],
+    /// The conductor's index, per worker.
+    pub index: &'a [crate::view::IndexGauges],
+    /// Predictive admission's measured `t_d`, µs, once measured.
+    pub decode_time_us: Option<u64>,
+    /// The elastic controller's (prefill, decode) pool loads, with `--elastic`.
+    pub pool_loads: Option<(f64, f64)>,
+}
+
+impl Scrape<'_> {
+    fn registry(&self) -> prometheus::Result<Registry> {
+        let r = Registry::new();
+        let gauges = |name: &str, help: &str, labels: &[&str]| -> prometheus::Result<IntGaugeVec> {
+            let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
+            r.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
+        let as_i64 = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        let queue = gauges("baton_queue_length", "Requests per worker and state.", &["worker", "role", "state"])?;
+        let blocks = gauges("baton_kv_blocks", "KV blocks per worker, tier and state.", &["worker", "tier", "state"])?;
+        for w in self.workers {
+            queue.with_label_values(&[&w.name, w.role, "running"]).set(as_i64(w.running));
+            queue.with_label_values(&[&w.name, w.role, "waiting"]).set(as_i64(w.waiting));
+            blocks.with_label_values(&[&w.name, "device", "used"]).set(as_i64(w.blocks_used));
+            blocks.with_label_values(&[&w.name, "device", "total"]).set(as_i64(w.blocks_total));
+        }
+        let index_blocks = gauges(
+            "baton_kv_index_blocks",
+            "KV blocks the conductor's index holds per worker and tier (from the workers' KV events).",
+            &["worker", "tier"],
+        )?;
+        // Counted by the conductor's view, read here: counters whose values come from elsewhere.
+        let events = IntCounterVec::new(
+            Opts::new("baton_kv_events_total", "KV events the conductor applied, per worker."),
+            &["worker"],
+        )?;
+        let resyncs = IntCounterVec::new(
+            Opts::new(
+                "baton_kv_index_resyncs_total",
+                "Snapshots taken to resynchronise a worker's index after lost events.",
+            ),
+            &["worker"],
+        )?;
+        let lag = GaugeVec::new(
+            Opts::new(
+                "baton_kv_index_lag_seconds",
+                "Age of a worker's last state update when the conductor applied it.",
+            ),
+            &["worker"],
+        )?;
+        for m in [
+            Box::new(events.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(resyncs.clone()),
+            Box::new(lag.clone()),
+        ] {
+            r.register(m)?;
+        }
+        for g in self.index {
+            for (tier, n) in ["device", "host", "disk"].iter().zip(g.blocks) {
+                index_blocks.with_label_values(&[g.name.as_str(), tier]).set(as_i64(n));
+            }
+            events.with_label_values(&[&g.name]).inc_by(g.events);
+            resyncs.with_label_values(&[&g.name]).inc_by(g.resyncs);
+            lag.with_label_values(&[&g.name]).set(g.lag_s);
+        }
+        if let Some(us) = self.decode_time_us {
+            let g = Gauge::new(
+                "baton_decode_residency_seconds",
+                "Mean time a request stays on its decode worker (moving mean; predictive admission's t_d).",
+            )?;
+            g.set(us as f64 / 1e6);
+            r.register(Box::new(g))?;
+        }
+        if let Some((prefill, decode)) = self.pool_loads {
+            // FlowKV's controller switches a worker when one pool stays over its high watermark
+            // while the other stays under its low one.
+            let g = GaugeVec::new(
+                Opts::new(
+                    "baton_elastic_pool_load",
+                    "Mean load of a role's workers as elastic switching weighs it (1 = at the SLO).",
+                ),
+                &["pool"],
+            )?;
+            g.with_label_values(&["prefill"]).set(prefill);
+            g.with_label_values(&["decode"]).set(decode);
+            r.register(Box::new(g))?;
+        }
+        Ok(r)
+    }
+}
+
 impl Metrics {
-    /// Counts a prefill's prompt tokens and the cache hits among them on `worker`.
-    pub fn prefix_cache(&self, worker: &str, prompt_tokens: usize, cached_tokens: usize) {
-        let mut cache = self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let e = cache.entry(worker.to_owned()).or_default();
-        e.0 += prompt_tokens as u64;
-        e.1 += cached_tokens as u64;
+    /// Every label value of the fixed families at zero, so a scraper sees each series from the
+    /// start (a rate over a series that appears late misses its first increase).
+    fn with_zeroes(self) -> Self {
+        for o in OUTCOMES {
+            self.outcomes.with_label_values(&[o]);
+        }
+        for o in FETCH_OUTCOMES {
+            self.kv_fetches.with_label_values(&[o]);
+        }
+        self
     }
 
-    fn render_cache(&self, out: &mut String) {
-        let cache = self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let _ = writeln!(
-            out,
-            "# HELP baton_prefix_cache_queries_tokens_total Prompt tokens looked up in a worker's prefix cache.\n# TYPE baton_prefix_cache_queries_tokens_total counter"
-        );
-        for (w, (q, _)) in cache.iter() {
-            let _ = writeln!(out, "baton_prefix_cache_queries_tokens_total{{worker=\"{w}\"}} {q}");
-        }
-        let _ = writeln!(
-            out,
-            "# HELP baton_prefix_cache_hits_tokens_total Prompt tokens a worker's prefix cache served (not prefilled).\n# TYPE baton_prefix_cache_hits_tokens_total counter"
-        );
-        for (w, (_, h)) in cache.iter() {
-            let _ = writeln!(out, "baton_prefix_cache_hits_tokens_total{{worker=\"{w}\"}} {h}");
-        }
+    /// Counts a prefill's prompt tokens and the cache hits among them on `worker`.
+    pub fn prefix_cache(&self, worker: &str, prompt_tokens: usize, cached_tokens: usize) {
+        self.cache_queries.with_label_values(&[worker]).inc_by(prompt_tokens as u64);
+        self.cache_hits.with_label_values(&[worker]).inc_by(cached_tokens as u64);
     }
 
     /// Counts a worker's role switch.
     pub fn role_switch(&self, from: &'static str, to: &'static str) {
-        let mut switches = self.role_switches.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        *switches.entry((from, to)).or_default() += 1;
+        self.role_switches.with_label_values(&[from, to]).inc();
     }
 
     /// Counts a role switch the conductor ordered and the worker did not carry out in time.
     pub fn role_switch_failed(&self) {
-        self.role_switch_failures.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn render_role_switches(&self, out: &mut String) {
-        let switches = self.role_switches.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let _ = writeln!(
-            out,
-            "# HELP baton_role_switches_total Workers switched from one role to another (--elastic).\n# TYPE baton_role_switches_total counter"
-        );
-        for ((from, to), n) in switches.iter() {
-            let _ = writeln!(out, "baton_role_switches_total{{from=\"{from}\",to=\"{to}\"}} {n}");
-        }
-        let _ = writeln!(
-            out,
-            "# HELP baton_role_switch_failures_total Role switches ordered that the worker did not carry out (--elastic).\n# TYPE baton_role_switch_failures_total counter\nbaton_role_switch_failures_total {}",
-            self.role_switch_failures.load(Ordering::Relaxed)
-        );
+        self.role_switch_failures.inc();
     }
 
     /// Counts a planned fetch's end (with what arrived, for `Fetched`).
     pub fn fetch(&self, outcome: FetchOutcome, received: Option<baton_protocol::wire::Received>) {
-        self.kv_fetches[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        self.kv_fetches.with_label_values(&[FETCH_OUTCOMES[outcome as usize]]).inc();
         if let Some(r) = received {
-            self.kv_fetch_bytes.fetch_add(r.bytes, Ordering::Relaxed);
-            self.kv_fetch_tokens.fetch_add(r.tokens as u64, Ordering::Relaxed);
+            self.kv_fetch_bytes.inc_by(r.bytes);
+            self.kv_fetch_tokens.inc_by(r.tokens as u64);
             self.kv_fetch.observe(r.micros as f64 / 1e6);
         }
     }
 
     /// Counts a request's outcome.
     pub fn outcome(&self, o: Outcome) {
-        self.outcomes[o as usize].fetch_add(1, Ordering::Relaxed);
+        self.outcomes.with_label_values(&[OUTCOMES[o as usize]]).inc();
     }
 
-    /// Prometheus text exposition.
-    pub fn render(&self, workers: &[WorkerGauges], index: &[crate::view::IndexGauges]) -> String {
-        let mut out = String::new();
-        self.ttft.render(&mut out, "baton_time_to_first_token_seconds", "Time to first token.");
-        self.tbt.render(&mut out, "baton_time_between_tokens_seconds", "Time between consecutive tokens.");
-        self.e2e.render(&mut out, "baton_request_duration_seconds", "Request latency, end to end.");
-        self.transfer.render(
-            &mut out,
-            "baton_kv_transfer_seconds",
-            "From handing a request to its decode worker to that worker's first token \
-             (KV hand-off, joining the batch, one decode step).",
-        );
-        let _ = writeln!(
-            out,
-            "# HELP baton_requests_total Requests by outcome (each of a request's n choices counts once; refusals once).\n# TYPE baton_requests_total counter"
-        );
-        for (name, c) in OUTCOMES.iter().zip(&self.outcomes) {
-            let _ = writeln!(out, "baton_requests_total{{outcome=\"{name}\"}} {}", c.load(Ordering::Relaxed));
+    /// Requests that ended as `o` so far.
+    pub fn outcomes(&self, o: Outcome) -> u64 {
+        self.outcomes.with_label_values(&[OUTCOMES[o as usize]]).get()
+    }
+
+    /// The metrics in Prometheus' text format, with what `scrape` read.
+    pub fn render(&self, scrape: &Scrape<'_>) -> String {
+        let mut families = self.registry.gather();
+        match scrape.registry() {
+            Ok(r) => families.extend(r.gather()),
+            Err(e) => tracing::warn!(error = %e, "the scrape-time metrics could not be built"),
         }
-        let _ = writeln!(
-            out,
-            "# HELP baton_routing_decisions_total Routing decisions.\n# TYPE baton_routing_decisions_total counter"
-        );
-        let _ = writeln!(
-            out,
-            "baton_routing_decisions_total{{route=\"colocated\"}} {}",
-            self.routed_colocated.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "baton_routing_decisions_total{{route=\"disaggregated\"}} {}",
-            self.routed_disaggregated.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP baton_retries_total Requests routed again after their worker was lost, or handed to their decode worker again after a failed layer-wise hand-off.\n# TYPE baton_retries_total counter\nbaton_retries_total {}",
-            self.retries.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP baton_kv_layerwise_handoffs_total Hand-offs whose KV was pushed layer by layer while the prompt computed, and arrived.\n# TYPE baton_kv_layerwise_handoffs_total counter\nbaton_kv_layerwise_handoffs_total {}",
-            self.layerwise_handoffs.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP baton_worker_breaker_trips_total Workers taken out of routing after a failed connect or request.\n# TYPE baton_worker_breaker_trips_total counter\nbaton_worker_breaker_trips_total {}",
-            self.breaker_trips.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP baton_migrations_total Requests continued on another worker after their worker was lost mid-stream.\n# TYPE baton_migrations_total counter\nbaton_migrations_total {}",
-            self.migrations.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP baton_kv_transfer_bytes_total KV bytes handed between workers.\n# TYPE baton_kv_transfer_bytes_total counter"
-        );
-        let _ = writeln!(out, "baton_kv_transfer_bytes_total {}", self.transfer_bytes.load(Ordering::Relaxed));
-        let _ = writeln!(
-            out,
-            "# HELP baton_kv_transfer_tokens_total KV tokens handed from prefill to decode workers (those a decode worker cached already are not moved).\n# TYPE baton_kv_transfer_tokens_total counter\nbaton_kv_transfer_tokens_total {}",
-            self.transfer_tokens.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP baton_kv_return_tokens_total KV tokens decode workers sent back into prefill workers' caches after a request (PD-Caching-3).\n# TYPE baton_kv_return_tokens_total counter\nbaton_kv_return_tokens_total {}",
-            self.return_tokens.load(Ordering::Relaxed)
-        );
-        self.render_role_switches(&mut out);
-        self.kv_fetch.render(
-            &mut out,
-            "baton_kv_fetch_seconds",
-            "Time to pull a cached prefix from another worker's pool before computing the rest of a prompt.",
-        );
-        let _ = writeln!(
-            out,
-            "# HELP baton_kv_fetch_bytes_total KV bytes of cached prefixes fetched from another worker.\n# TYPE baton_kv_fetch_bytes_total counter\nbaton_kv_fetch_bytes_total {}",
-            self.kv_fetch_bytes.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP baton_kv_fetch_tokens_total KV tokens of cached prefixes fetched from another worker.\n# TYPE baton_kv_fetch_tokens_total counter\nbaton_kv_fetch_tokens_total {}",
-            self.kv_fetch_tokens.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP baton_kv_fetches_total Planned fetches of a cached prefix from another worker, by how they ended.\n# TYPE baton_kv_fetches_total counter"
-        );
-        for (name, c) in FETCH_OUTCOMES.iter().zip(&self.kv_fetches) {
-            let _ = writeln!(out, "baton_kv_fetches_total{{outcome=\"{name}\"}} {}", c.load(Ordering::Relaxed));
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&families, &mut out) {
+            tracing::warn!(error = %e, "the metrics could not be encoded");
         }
-        let _ = writeln!(
-            out,
-            "# TYPE baton_prompt_tokens_total counter\nbaton_prompt_tokens_total {}",
-            self.prompt_tokens.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# TYPE baton_generation_tokens_total counter\nbaton_generation_tokens_total {}",
-            self.generation_tokens.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP baton_prefill_tokens_total Prompt tokens computed by prefill (not served from a prefix cache).\n# TYPE baton_prefill_tokens_total counter\nbaton_prefill_tokens_total {}",
-            self.prefill_tokens.load(Ordering::Relaxed)
-        );
-        let _ =
-            writeln!(out, "# HELP baton_queue_length Requests per worker and state.\n# TYPE baton_queue_length gauge");
-        for w in workers {
-            let _ = writeln!(
-                out,
-                "baton_queue_length{{worker=\"{}\",role=\"{}\",state=\"running\"}} {}",
-                w.name, w.role, w.running
-            );
-            let _ = writeln!(
-                out,
-                "baton_queue_length{{worker=\"{}\",role=\"{}\",state=\"waiting\"}} {}",
-                w.name, w.role, w.waiting
-            );
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_series_renders_in_the_text_format_with_its_labels() {
+        let m = Metrics::default();
+        m.ttft.observe(0.02);
+        m.outcome(Outcome::Ok);
+        m.retries.inc();
+        m.prefix_cache("prefill-0", 100, 64);
+        m.role_switch("prefill", "decode");
+        m.fetch(FetchOutcome::Fetched, Some(baton_protocol::wire::Received { tokens: 32, bytes: 4096, micros: 1500 }));
+        let workers = [WorkerGauges {
+            name: "decode-1".into(),
+            role: "decode",
+            running: 3,
+            waiting: 1,
+            blocks_used: 10,
+            blocks_total: 64,
+        }];
+        let scrape = Scrape { workers: &workers, decode_time_us: Some(2_500_000), ..Scrape::default() };
+        let text = m.render(&scrape);
+        for line in [
+            "# TYPE baton_time_to_first_token_seconds histogram",
+            "baton_time_to_first_token_seconds_bucket{le=\"0.025\"} 1",
+            "baton_time_to_first_token_seconds_count 1",
+            "baton_requests_total{outcome=\"ok\"} 1",
+            "baton_requests_total{outcome=\"cancelled\"} 0",
+            "baton_retries_total 1",
+            "baton_routing_decisions_total{route=\"colocated\"} 0",
+            "baton_prefix_cache_hits_tokens_total{worker=\"prefill-0\"} 64",
+            "baton_role_switches_total{from=\"prefill\",to=\"decode\"} 1",
+            "baton_kv_fetches_total{outcome=\"fetched\"} 1",
+            "baton_kv_fetch_tokens_total 32",
+            "baton_queue_length{role=\"decode\",state=\"running\",worker=\"decode-1\"} 3",
+            "baton_kv_blocks{state=\"total\",tier=\"device\",worker=\"decode-1\"} 64",
+            "baton_decode_residency_seconds 2.5",
+        ] {
+            assert!(text.lines().any(|l| l == line), "`{line}` missing from:\n{text}");
         }
-        let _ =
-            writeln!(out, "# HELP baton_kv_blocks KV blocks per worker, tier and state.\n# TYPE baton_kv_blocks gauge");
-        for w in workers {
-            let _ = writeln!(
-                out,
-                "baton_kv_blocks{{worker=\"{}\",tier=\"device\",state=\"used\"}} {}",
-                w.name, w.blocks_used
-            );
-            let _ = writeln!(
-                out,
-                "baton_kv_blocks{{worker=\"{}\",tier=\"device\",state=\"total\"}} {}",
-                w.name, w.blocks_total
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP baton_kv_index_blocks KV blocks the conductor's index holds per worker and tier (from the workers' KV events).\n# TYPE baton_kv_index_blocks gauge"
-        );
-        for g in index {
-            for (tier, n) in ["device", "host", "disk"].iter().zip(g.blocks) {
-                let _ = writeln!(out, "baton_kv_index_blocks{{worker=\"{}\",tier=\"{tier}\"}} {n}", g.name);
-            }
-        }
-        let _ = writeln!(
-            out,
-            "# HELP baton_kv_events_total KV events the conductor applied, per worker.\n# TYPE baton_kv_events_total counter"
-        );
-        for g in index {
-            let _ = writeln!(out, "baton_kv_events_total{{worker=\"{}\"}} {}", g.name, g.events);
-        }
-        let _ = writeln!(
-            out,
-            "# HELP baton_kv_index_resyncs_total Snapshots taken to resynchronise a worker's index after lost events.\n# TYPE baton_kv_index_resyncs_total counter"
-        );
-        for g in index {
-            let _ = writeln!(out, "baton_kv_index_resyncs_total{{worker=\"{}\"}} {}", g.name, g.resyncs);
-        }
-        let _ = writeln!(
-            out,
-            "# HELP baton_kv_index_lag_seconds Age of a worker's last state update when the conductor applied it.\n# TYPE baton_kv_index_lag_seconds gauge"
-        );
-        for g in index {
-            let _ = writeln!(out, "baton_kv_index_lag_seconds{{worker=\"{}\"}} {}", g.name, g.lag_s);
-        }
-        self.render_cache(&mut out);
-        out
+        assert!(!text.contains("baton_elastic_pool_load"), "no elastic gauge without --elastic");
+        assert_eq!(m.outcomes(Outcome::Ok), 1);
     }
 }

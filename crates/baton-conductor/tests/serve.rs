@@ -709,7 +709,7 @@ async fn models_health_and_metrics_answer() {
         "baton_time_to_first_token_seconds_count 1",
         "baton_requests_total{outcome=\"ok\"} 1",
         "baton_routing_decisions_total{route=\"disaggregated\"} 1",
-        "baton_kv_blocks{worker=\"prefill-0\",tier=\"device\",state=\"total\"} 256",
+        "baton_kv_blocks{state=\"total\",tier=\"device\",worker=\"prefill-0\"} 256",
     ] {
         assert!(text.contains(needle), "metrics lack `{needle}`:\n{text}");
     }

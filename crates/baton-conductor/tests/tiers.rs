@@ -92,7 +92,7 @@ async fn a_prefix_evicted_to_disk_is_reused_and_no_block_file_is_left_behind() {
 /// The conductor's index of `worker`'s blocks in `tier` (from its KV events).
 async fn indexed(server: &Server, worker: &str, tier: &str) -> u64 {
     let text = reqwest::get(format!("{}/metrics", server.url)).await.unwrap().text().await.unwrap();
-    let series = format!("baton_kv_index_blocks{{worker=\"{worker}\",tier=\"{tier}\"}} ");
+    let series = format!("baton_kv_index_blocks{{tier=\"{tier}\",worker=\"{worker}\"}} ");
     text.lines().find_map(|l| l.strip_prefix(&series)).map_or(0, |v| v.trim().parse().unwrap())
 }
 

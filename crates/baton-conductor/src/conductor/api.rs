@@ -137,15 +137,15 @@ pub(super) async fn metrics(State(c): State<Arc<Conductor>>, headers: HeaderMap)
         }
     }
     let index = c.view.gauges();
-    let mut text = c.metrics.render(&gauges, &index);
-    if let Some(us) = c.loads().decode_time.get() {
-        text.push_str(&crate::metrics::render_decode_time(us));
-    }
-    if let Some(elastic) = &c.elastic {
-        let (prefill, decode) = elastic.lock().unwrap_or_else(std::sync::PoisonError::into_inner).loads();
-        text.push_str(&crate::metrics::render_pool_loads(prefill, decode));
-    }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+    let pool_loads = c.elastic.as_ref().map(|e| e.lock().unwrap_or_else(std::sync::PoisonError::into_inner).loads());
+    let scrape = crate::metrics::Scrape {
+        workers: &gauges,
+        index: &index,
+        decode_time_us: c.loads().decode_time.get(),
+        pool_loads,
+    };
+    let text = c.metrics.render(&scrape);
+    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
 }
 
 /// `GET /debug/kv-index`: what the conductor's index holds of each worker (confirmed blocks by

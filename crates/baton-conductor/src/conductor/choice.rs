@@ -22,7 +22,7 @@ pub(super) async fn return_kv(
     let received = prefill.import_prefix(lease, tokens, source, baton_protocol::control::IMPORT_DEADLINE).await;
     if let Some(r) = received {
         tracing::debug!(tokens = r.tokens, "the answer's KV went back to the prefill worker");
-        c.metrics.return_tokens.fetch_add(r.tokens as u64, Ordering::Relaxed);
+        c.metrics.return_tokens.inc_by(r.tokens as u64);
     }
 }
 

@@ -320,7 +320,7 @@ impl Conductor {
             }
             tripped.insert(name.clone(), generation);
         }
-        self.metrics.breaker_trips.fetch_add(1, Ordering::Relaxed);
+        self.metrics.breaker_trips.inc();
         tracing::warn!(worker = name, reason, "worker failed; out of routing until it answers a probe");
         let conductor = Arc::downgrade(self);
         let worker = worker.clone();
