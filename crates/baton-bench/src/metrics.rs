@@ -12,9 +12,14 @@
 //! - Goodput: requests per second that completed *and* met every SLO given (Mooncake's
 //!   definition: a request that misses an SLO or fails counts for nothing). SLO attainment is
 //!   the share of all requests sent that did so.
+//! - Percentiles (p50, p90, p99): [`baton_measure::percentile`], linear interpolation between
+//!   the closest ranks (numpy's default, as `vllm bench serve` reports): the one definition
+//!   `baton sim` reports too.
 
 use std::collections::BTreeMap;
 
+pub use baton_measure::Stats;
+use baton_measure::percentile;
 use serde::{Deserialize, Serialize};
 
 /// How a request ended.
@@ -172,8 +177,8 @@ impl Slo {
             let tbt_us = match self.tbt_stat {
                 TbtStat::Mean => r.tpot_us(),
                 TbtStat::P90 => {
-                    let mut v: Vec<f64> = r.itl_us.iter().map(|&x| x as f64).collect();
-                    v.sort_by(f64::total_cmp);
+                    let mut v = r.itl_us.clone();
+                    v.sort_unstable();
                     (!v.is_empty()).then(|| percentile(&v, 90.0))
                 }
                 TbtStat::Max => r.itl_us.iter().max().map(|&x| x as f64),
@@ -185,54 +190,6 @@ impl Slo {
         }
         true
     }
-}
-
-/// Distribution of one metric.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Stats {
-    /// Values.
-    pub count: usize,
-    /// Mean.
-    pub mean: f64,
-    /// Median.
-    pub p50: f64,
-    /// 90th percentile.
-    pub p90: f64,
-    /// 99th percentile.
-    pub p99: f64,
-    /// Smallest.
-    pub min: f64,
-    /// Largest.
-    pub max: f64,
-}
-
-impl Stats {
-    /// Statistics of `values` (all zero when empty).
-    pub fn of(values: &[f64]) -> Stats {
-        if values.is_empty() {
-            return Stats::default();
-        }
-        let mut v = values.to_vec();
-        v.sort_by(f64::total_cmp);
-        Stats {
-            count: v.len(),
-            mean: v.iter().sum::<f64>() / v.len() as f64,
-            p50: percentile(&v, 50.0),
-            p90: percentile(&v, 90.0),
-            p99: percentile(&v, 99.0),
-            min: v[0],
-            max: v[v.len() - 1],
-        }
-    }
-}
-
-/// The `q`-th percentile of sorted values, interpolating linearly between the two nearest ranks
-/// (numpy's default, as `vllm bench serve` reports). `sorted` must not be empty.
-pub fn percentile(sorted: &[f64], q: f64) -> f64 {
-    let rank = (q / 100.0).clamp(0.0, 1.0) * (sorted.len() - 1) as f64;
-    let lo = rank.floor() as usize;
-    let hi = rank.ceil() as usize;
-    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
 }
 
 /// SLO figures of a run.

@@ -1,6 +1,7 @@
 //! The report: the benchmark's metrics schema (TTFT, TBT, JCT percentiles, SLO attainment,
 //! goodput, rejections, wasted prefill), as JSON.
 
+use baton_measure::percentile;
 use baton_sched::{Micros, RoleChange, Slo};
 use serde::Serialize;
 
@@ -22,16 +23,18 @@ pub struct Percentiles {
 }
 
 impl Percentiles {
-    /// Of a set of samples (nearest-rank percentiles).
+    /// Of a set of samples, in any order. The percentiles are [`baton_measure::percentile`]'s,
+    /// the definition `baton bench serve` reports live, rounded to the microsecond of the
+    /// simulator's clock; the mean is truncated to it.
     pub fn of(mut v: Vec<Micros>) -> Self {
         if v.is_empty() {
             return Self::default();
         }
         v.sort_unstable();
         let n = v.len();
-        let at = |q: f64| v[((q * n as f64).ceil() as usize).clamp(1, n) - 1];
+        let at = |q: f64| percentile(&v, q).round() as Micros;
         let sum: u128 = v.iter().map(|&x| u128::from(x)).sum();
-        Self { count: n, mean: (sum / n as u128) as Micros, p50: at(0.50), p90: at(0.90), p99: at(0.99), max: v[n - 1] }
+        Self { count: n, mean: (sum / n as u128) as Micros, p50: at(50.0), p90: at(90.0), p99: at(99.0), max: v[n - 1] }
     }
 }
 
@@ -260,10 +263,14 @@ pub(crate) struct Extra {
 mod tests {
     use super::*;
 
+    /// The shared definition, rounded to the microsecond: of 1..=100, p50 is 50.5 (51), p90 90.1
+    /// and p99 99.01 (nearest rank said 50, 90, 99).
     #[test]
-    fn percentiles_use_nearest_rank() {
-        let p = Percentiles::of((1..=100).collect());
-        assert_eq!((p.count, p.mean, p.p50, p.p90, p.p99, p.max), (100, 50, 50, 90, 99, 100));
+    fn percentiles_interpolate_and_round_to_the_microsecond() {
+        let p = Percentiles::of((1..=100).rev().collect());
+        assert_eq!((p.count, p.mean, p.p50, p.p90, p.p99, p.max), (100, 50, 51, 90, 99, 100));
+        let p = Percentiles::of(vec![100, 200, 1_000]);
+        assert_eq!((p.p50, p.p90, p.p99), (200, 840, 984), "200 + 0.8 · 800; 200 + 0.98 · 800");
         assert_eq!(Percentiles::of(vec![]), Percentiles::default());
     }
 
