@@ -6,6 +6,8 @@
 //! - [`percentile`]: the one percentile definition (linear interpolation between the closest
 //!   ranks, numpy's default, as `vllm bench serve` and aiperf report; why, on the function).
 //! - [`Stats`]: count, mean, p50 / p90 / p99, min and max of a set of samples.
+//! - [`trace`]: the workload files both sides read, Mooncake-format traces and ShareGPT-format
+//!   conversations.
 //!
 //! The crate is pure and small on purpose: no I/O, no clock, no RNG of its own; both the load
 //! generator and the simulator depend on it, and it on neither.
@@ -21,5 +23,6 @@
 //! ```
 
 mod stats;
+pub mod trace;
 
 pub use stats::{Sample, Stats, percentile};

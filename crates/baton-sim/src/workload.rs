@@ -7,15 +7,14 @@
 use std::path::Path;
 
 use baton_kv::BlockHash;
+use baton_measure::trace;
+pub use baton_measure::trace::MOONCAKE_BLOCK_TOKENS;
 use baton_sched::{Micros, SessionId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::SimError;
-
-/// Tokens per block in Mooncake traces.
-pub const MOONCAKE_BLOCK_TOKENS: u64 = 512;
 
 /// One request of a workload.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,36 +31,23 @@ pub struct SimRequest {
     pub session: Option<SessionId>,
 }
 
-#[derive(Debug, Deserialize)]
-struct TraceLine {
-    timestamp: u64,
-    input_length: u64,
-    output_length: u64,
-    hash_ids: Vec<u64>,
-}
-
-/// Parses a Mooncake-format trace (one JSON object a line: `timestamp` in ms, `input_length`,
-/// `output_length`, `hash_ids`), dividing arrival times by `time_scale` (2.0 replays twice as
-/// fast).
+/// Parses a Mooncake-format trace ([`baton_measure::trace::parse_mooncake`]: one JSON object a
+/// line, `timestamp` in ms, `input_length`, `output_length`, `hash_ids`), dividing arrival
+/// times by `time_scale` (2.0 replays twice as fast).
 pub fn parse_mooncake(text: &str, time_scale: f64) -> Result<Vec<SimRequest>, SimError> {
     if !(time_scale.is_finite() && time_scale > 0.0) {
         return Err(SimError::Config(format!("time scale must be positive, got {time_scale}")));
     }
-    let mut out = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let t: TraceLine =
-            serde_json::from_str(line).map_err(|e| SimError::Parse { line: n + 1, message: e.to_string() })?;
-        out.push(SimRequest {
-            arrival_us: ((t.timestamp as f64) * 1000.0 / time_scale).round() as Micros,
-            input_tokens: t.input_length.max(1),
-            output_tokens: t.output_length.max(1),
+    let mut out: Vec<SimRequest> = trace::parse_mooncake(text)?
+        .into_iter()
+        .map(|(_, t)| SimRequest {
+            arrival_us: (t.timestamp * 1000.0 / time_scale).round() as Micros,
+            input_tokens: t.input_tokens(),
+            output_tokens: t.output_tokens(),
             hashes: t.hash_ids.into_iter().map(BlockHash).collect(),
             session: None,
-        });
-    }
+        })
+        .collect();
     out.sort_by_key(|r| r.arrival_us);
     Ok(out)
 }
@@ -73,27 +59,14 @@ pub fn read_mooncake(path: &Path, time_scale: f64) -> Result<Vec<SimRequest>, Si
     parse_mooncake(&text, time_scale)
 }
 
-#[derive(Debug, Deserialize)]
-struct ShareGptConversation {
-    #[serde(default)]
-    conversations: Vec<ShareGptTurn>,
-}
-
-#[derive(Debug, Deserialize)]
-struct ShareGptTurn {
-    #[serde(default)]
-    from: String,
-    #[serde(default)]
-    value: String,
-}
-
-/// Parses a ShareGPT-style JSON file (`[{"conversations": [{"from": "human", "value": ...},
-/// {"from": "gpt", ...}, ...]}, ...]`). Every human turn is a request whose prompt is the whole
-/// conversation so far (so later turns share the earlier turns' blocks) and whose output is the
-/// next reply. Tokens are estimated as characters / 4; arrivals are Poisson at `rate` per second.
+/// Parses a ShareGPT-style JSON file ([`baton_measure::trace::parse_sharegpt`]:
+/// `[{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}, ...]}, ...]`).
+/// Every human turn is a request whose prompt is the whole conversation so far (so later turns
+/// share the earlier turns' blocks) and whose output is the next reply. Tokens are estimated as
+/// characters / 4 ([`baton_measure::trace::estimate_tokens`]); arrivals are Poisson at `rate`
+/// per second.
 pub fn parse_sharegpt(text: &str, rate: f64, block_tokens: u64, seed: u64) -> Result<Vec<SimRequest>, SimError> {
-    let convs: Vec<ShareGptConversation> =
-        serde_json::from_str(text).map_err(|e| SimError::Parse { line: 0, message: e.to_string() })?;
+    let convs = trace::parse_sharegpt(text)?;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut out = Vec::new();
     let mut t = 0.0f64;
@@ -101,10 +74,10 @@ pub fn parse_sharegpt(text: &str, rate: f64, block_tokens: u64, seed: u64) -> Re
         let mut context = 0u64;
         let turns = &conv.conversations;
         for (i, turn) in turns.iter().enumerate() {
-            let tokens = (turn.value.chars().count() as u64).div_ceil(4).max(1);
-            if turn.from == "human" || turn.from == "user" {
+            let tokens = turn.tokens();
+            if turn.is_human() {
                 let input = context + tokens;
-                let output = turns.get(i + 1).map_or(64, |r| (r.value.chars().count() as u64).div_ceil(4).max(1));
+                let output = turns.get(i + 1).map_or(64, trace::Message::tokens);
                 t += exp_sample(&mut rng, rate);
                 out.push(SimRequest {
                     arrival_us: (t * 1e6) as Micros,
@@ -349,13 +322,8 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
 pub fn to_mooncake(requests: &[SimRequest]) -> String {
     let mut out = String::new();
     for r in requests {
-        let line = serde_json::json!({
-            "timestamp": r.arrival_us / 1000,
-            "input_length": r.input_tokens,
-            "output_length": r.output_tokens,
-            "hash_ids": r.hashes.iter().map(|h| h.0).collect::<Vec<u64>>(),
-        });
-        out.push_str(&line.to_string());
+        let hash_ids: Vec<u64> = r.hashes.iter().map(|h| h.0).collect();
+        out.push_str(&trace::mooncake_line(r.arrival_us / 1000, r.input_tokens, r.output_tokens, &hash_ids));
         out.push('\n');
     }
     out
