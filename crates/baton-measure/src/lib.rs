@@ -6,6 +6,7 @@
 //! - [`percentile`]: the one percentile definition (linear interpolation between the closest
 //!   ranks, numpy's default, as `vllm bench serve` and aiperf report; why, on the function).
 //! - [`Stats`]: count, mean, p50 / p90 / p99, min and max of a set of samples.
+//! - [`Poisson`]: Poisson arrivals, on uniforms each side draws from its own seeded stream.
 //! - [`trace`]: the workload files both sides read, Mooncake-format traces and ShareGPT-format
 //!   conversations.
 //!
@@ -22,7 +23,9 @@
 //! assert_eq!(percentile(&[1u64, 2, 3, 4], 90.0), 3.7);
 //! ```
 
+mod arrival;
 mod stats;
 pub mod trace;
 
+pub use arrival::Poisson;
 pub use stats::{Sample, Stats, percentile};

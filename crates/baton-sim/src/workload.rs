@@ -7,8 +7,8 @@
 use std::path::Path;
 
 use baton_kv::BlockHash;
-use baton_measure::trace;
 pub use baton_measure::trace::MOONCAKE_BLOCK_TOKENS;
+use baton_measure::{Poisson, trace};
 use baton_sched::{Micros, SessionId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -69,7 +69,7 @@ pub fn parse_sharegpt(text: &str, rate: f64, block_tokens: u64, seed: u64) -> Re
     let convs = trace::parse_sharegpt(text)?;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut out = Vec::new();
-    let mut t = 0.0f64;
+    let mut arrivals = poisson(rate);
     for (c, conv) in convs.iter().enumerate() {
         let mut context = 0u64;
         let turns = &conv.conversations;
@@ -78,7 +78,7 @@ pub fn parse_sharegpt(text: &str, rate: f64, block_tokens: u64, seed: u64) -> Re
             if turn.is_human() {
                 let input = context + tokens;
                 let output = turns.get(i + 1).map_or(64, trace::Message::tokens);
-                t += exp_sample(&mut rng, rate);
+                let t = arrivals.advance(uniform(&mut rng));
                 out.push(SimRequest {
                     arrival_us: (t * 1e6) as Micros,
                     input_tokens: input,
@@ -94,9 +94,14 @@ pub fn parse_sharegpt(text: &str, rate: f64, block_tokens: u64, seed: u64) -> Re
     Ok(out)
 }
 
-fn exp_sample(rng: &mut StdRng, rate: f64) -> f64 {
-    let u: f64 = rng.random_range(f64::EPSILON..1.0);
-    -u.ln() / rate.max(1e-9)
+/// The Poisson arrivals of `rate` per second (a rate of 0 or less: one in 30 years).
+fn poisson(rate: f64) -> Poisson {
+    Poisson::new(rate.max(1e-9))
+}
+
+/// A uniform in (0, 1) from the run's RNG, for [`Poisson::advance`].
+fn uniform(rng: &mut StdRng) -> f64 {
+    rng.random_range(f64::EPSILON..1.0)
 }
 
 /// Block hashes of a prompt of `tokens` tokens that is a prefix of session `session`'s
@@ -206,9 +211,9 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
     let mut out = Vec::new();
     match *spec {
         Synthetic::Poisson { requests, rate, input, output } => {
-            let mut t = 0.0;
+            let mut arrivals = poisson(rate);
             for i in 0..requests {
-                t += exp_sample(&mut rng, rate);
+                let t = arrivals.advance(uniform(&mut rng));
                 let inp = rng.random_range(input.0.max(1)..=input.1.max(input.0.max(1)));
                 let outp = rng.random_range(output.0.max(1)..=output.1.max(output.0.max(1)));
                 out.push(SimRequest {
@@ -224,7 +229,7 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
             // Interleave sessions: each arrival picks a random session that still has turns.
             let mut next_turn = vec![0usize; sessions];
             let mut live: Vec<usize> = (0..sessions).collect();
-            let mut t = 0.0;
+            let mut arrivals = poisson(rate);
             let sys_blocks = system_tokens / block_tokens.max(1);
             while !live.is_empty() {
                 let k = rng.random_range(0..live.len());
@@ -234,7 +239,7 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
                 if next_turn[s] == turns {
                     live.swap_remove(k);
                 }
-                t += exp_sample(&mut rng, rate);
+                let t = arrivals.advance(uniform(&mut rng));
                 let input = system_tokens + (turn as u64 + 1) * turn_tokens;
                 let mut hashes = session_hashes(s as u64, input, block_tokens);
                 // The system prompt's full blocks are the same in every session.
@@ -251,9 +256,9 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
             }
         }
         Synthetic::OwnContext { sessions, turns, rate, context_tokens, turn_tokens, output, think_s } => {
-            let mut start = 0.0;
+            let mut starts = poisson(rate);
             for s in 0..sessions {
-                start += exp_sample(&mut rng, rate);
+                let start = starts.advance(uniform(&mut rng));
                 for turn in 0..turns {
                     // Whole milliseconds, so the workload survives a trace file unchanged.
                     let at_ms = ((start + turn as f64 * think_s) * 1e3).round() as Micros;
@@ -283,9 +288,9 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
             let weights: Vec<f64> = (0..prefixes.max(1)).map(|k| (k as f64 + 1.0).powf(-zipf)).collect();
             let total: f64 = weights.iter().sum();
             let shared_blocks = (prefix_tokens / block_tokens.max(1)) as usize;
-            let mut start = 0.0;
+            let mut starts = poisson(rate);
             for s in 0..sessions {
-                start += exp_sample(&mut rng, rate);
+                let start = starts.advance(uniform(&mut rng));
                 let mut u = rng.random_range(0.0..total);
                 let prefix = weights.iter().position(|&w| {
                     u -= w;
@@ -412,6 +417,47 @@ mod tests {
         let hot = by_session.values().filter(|t| t[0].hashes[0] == reqs[0].hashes[0]).collect::<Vec<_>>();
         assert!(hot.iter().all(|t| t[0].hashes[..2] == hot[0][0].hashes[..2]));
         assert_ne!(hot[0][0].hashes[2], hot[1][0].hashes[2]);
+    }
+
+    /// A seed's arrivals are the ones it gave before they came from `baton_measure::Poisson`,
+    /// for every generator and ShareGPT files.
+    #[test]
+    fn a_seed_gives_the_arrivals_it_gave() {
+        let arrivals = |spec: Synthetic| synthesize(&spec, 512, 9).iter().map(|r| r.arrival_us).collect::<Vec<_>>();
+        let (rate, think_s) = (3.0, 1.0);
+        assert_eq!(
+            arrivals(Synthetic::Poisson { requests: 6, rate, input: (10, 20), output: (1, 2) }),
+            [145_295, 298_609, 301_049, 733_142, 735_104, 816_837]
+        );
+        let shared =
+            Synthetic::SharedPrefix { sessions: 3, turns: 2, rate, system_tokens: 10, turn_tokens: 5, output: 2 };
+        assert_eq!(arrivals(shared), [71_251, 166_487, 792_338, 952_535, 1_612_304, 1_646_920]);
+        let own = Synthetic::OwnContext {
+            sessions: 6,
+            turns: 1,
+            rate,
+            context_tokens: 10,
+            turn_tokens: 5,
+            output: 2,
+            think_s,
+        };
+        assert_eq!(arrivals(own), [145_000, 1_250_000, 1_345_000, 1_498_000, 1_645_000, 1_805_000]);
+        let hot = Synthetic::HotPrefixes {
+            sessions: 6,
+            turns: 1,
+            rate,
+            prefixes: 2,
+            zipf: 1.0,
+            prefix_tokens: 10,
+            turn_tokens: 5,
+            output: 2,
+            think_s,
+        };
+        assert_eq!(arrivals(hot), [145_000, 241_000, 387_000, 390_000, 424_000, 546_000]);
+        let text = r#"[{"conversations": [{"from": "human", "value": "aaaa"}, {"from": "gpt", "value": "b"},
+            {"from": "human", "value": "c"}]}, {"conversations": [{"from": "human", "value": "d"}]}]"#;
+        let sharegpt = parse_sharegpt(text, rate, 4, 9).expect("parse");
+        assert_eq!(sharegpt.iter().map(|r| r.arrival_us).collect::<Vec<_>>(), [145_295, 1_249_747, 1_344_984]);
     }
 
     #[test]
