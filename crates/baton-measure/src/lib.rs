@@ -7,6 +7,7 @@
 //!   ranks, numpy's default, as `vllm bench serve` and aiperf report; why, on the function).
 //! - [`Stats`]: count, mean, p50 / p90 / p99, min and max of a set of samples.
 //! - [`Poisson`]: Poisson arrivals, on uniforms each side draws from its own seeded stream.
+//! - [`Slo`]: TTFT and TBT targets, what meeting them means, [`attainment`].
 //! - [`trace`]: the workload files both sides read, Mooncake-format traces and ShareGPT-format
 //!   conversations.
 //!
@@ -24,8 +25,10 @@
 //! ```
 
 mod arrival;
+mod slo;
 mod stats;
 pub mod trace;
 
 pub use arrival::Poisson;
+pub use slo::{Slo, TbtStat, attainment};
 pub use stats::{Sample, Stats, percentile};
