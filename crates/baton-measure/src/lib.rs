@@ -5,7 +5,8 @@
 //!
 //! - [`percentile`]: the one percentile definition (linear interpolation between the closest
 //!   ranks, numpy's default, as `vllm bench serve` and aiperf report; why, on the function).
-//! - [`Stats`]: count, mean, p50 / p90 / p99, min and max of a set of samples.
+//! - [`Stats`]: count, mean, p50 / p90 / p99, min and max of a set of samples; [`cdf_points`],
+//!   the empirical CDF the plots of both sides draw.
 //! - [`Poisson`]: Poisson arrivals, on uniforms each side draws from its own seeded stream.
 //! - [`Slo`]: TTFT and TBT targets, what meeting them means, [`attainment`].
 //! - [`trace`]: the workload files both sides read, Mooncake-format traces and ShareGPT-format
@@ -31,4 +32,4 @@ pub mod trace;
 
 pub use arrival::Poisson;
 pub use slo::{Slo, TbtStat, attainment};
-pub use stats::{Sample, Stats, percentile};
+pub use stats::{Sample, Stats, cdf_points, percentile};

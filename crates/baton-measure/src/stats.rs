@@ -96,6 +96,20 @@ impl Stats {
     }
 }
 
+/// At most about `n` points of the empirical CDF of samples sorted in ascending order, as
+/// (value, fraction of the samples up to it), for plots: every k-th sample (k = ⌈len / n⌉) and
+/// the last, at fraction 1.
+pub fn cdf_points<T: Sample>(sorted: &[T], n: usize) -> Vec<(f64, f64)> {
+    let len = sorted.len();
+    let step = len.div_ceil(n.max(1)).max(1);
+    let mut points: Vec<(f64, f64)> =
+        (0..len).step_by(step).map(|i| (sorted[i].value(), (i + 1) as f64 / len as f64)).collect();
+    if len > 0 && !(len - 1).is_multiple_of(step) {
+        points.push((sorted[len - 1].value(), 1.0));
+    }
+    points
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,6 +147,15 @@ mod tests {
     #[should_panic(expected = "no samples")]
     fn no_samples_have_no_percentile() {
         percentile::<f64>(&[], 50.0);
+    }
+
+    #[test]
+    fn cdf_points_thin_the_samples_and_end_at_one() {
+        let v: Vec<u64> = (1..=10).collect();
+        assert_eq!(cdf_points(&v, 4), [(1.0, 0.1), (4.0, 0.4), (7.0, 0.7), (10.0, 1.0)]);
+        assert_eq!(cdf_points(&v, 3), [(1.0, 0.1), (5.0, 0.5), (9.0, 0.9), (10.0, 1.0)], "the last added");
+        assert_eq!(cdf_points(&v[..2], 2000), [(1.0, 0.5), (2.0, 1.0)]);
+        assert!(cdf_points::<f64>(&[], 10).is_empty());
     }
 
     #[test]
