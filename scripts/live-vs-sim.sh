@@ -9,7 +9,11 @@
 #   - run by `baton sim` on the same trace, profile, cluster and cache size.
 # Printed per policy: prefix hit ratio (prompt tokens served from a cache / prompt tokens; live
 # from the workers' /metrics counters, simulated from the report), mean and p90 TTFT, live and
-# simulated side by side, and the live/sim ratio of the mean TTFT. Targets (issue #15): exact
+# simulated side by side, and the live/sim ratio of the mean TTFT. Both columns of a figure come
+# from the one definition (issue #34): the p90s are `baton_measure::percentile`'s (linear
+# interpolation between the closest ranks), taken from the reports as the Rust side computed
+# them (`baton bench serve`'s in ms, `baton sim`'s rounded to the µs), never recomputed here; the
+# means per turn below are plain means of the per-request records. Targets (issue #15): exact
 # kv-centric has the highest live hit ratio and the lowest live mean TTFT of the four; live and
 # simulated mean TTFT agree within 20% for each policy. A second table sets the two side by side
 # per turn of the sessions (TTFT and prompt tokens found cached), from per-request records.
@@ -124,6 +128,7 @@ while pos < len(text):
     obj, pos = dec.raw_decode(text, pos)
     sims[obj["policy"]] = obj
 
+# Every percentile below is read from a report, computed by baton-measure on both sides.
 def live(name):
     reports = sorted(glob.glob(os.path.join(out, name, "*.json")), key=os.path.getmtime)
     rep = json.load(open(reports[-1]))

@@ -1,6 +1,7 @@
 //! Arrival processes, pure: when each chain of a workload starts, as µs offsets from the start
 //! of a run.
 
+use baton_measure::Poisson;
 use serde::{Deserialize, Serialize};
 
 use crate::BenchError;
@@ -66,7 +67,8 @@ impl Arrival {
 }
 
 /// Start offsets (µs) of the workload's chains, deterministic for `seed`. Poisson arrivals
-/// start the first chain at 0 and space the rest by exponential gaps.
+/// ([`Poisson`], on a SplitMix64 stream) start the first chain at 0 and space the rest by
+/// exponential gaps.
 pub fn schedule(arrival: &Arrival, workload: &Workload, seed: u64) -> Result<Vec<u64>, BenchError> {
     arrival.validate()?;
     let n = workload.chains.len();
@@ -74,14 +76,14 @@ pub fn schedule(arrival: &Arrival, workload: &Workload, seed: u64) -> Result<Vec
         Arrival::Burst | Arrival::Closed { .. } => Ok(vec![0; n]),
         Arrival::Poisson { rate } => {
             let mut state = mix(&[seed, 0xA11]);
-            let mut t = 0.0f64;
+            let mut clock = Poisson::new(rate);
             Ok((0..n)
                 .map(|i| {
                     if i > 0 {
-                        let u = ((splitmix(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-                        t += -u.ln() / rate;
+                        // A uniform in (0, 1] from the stream's top 53 bits.
+                        clock.advance(((splitmix(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64);
                     }
-                    (t * 1e6).round() as u64
+                    (clock.now_s() * 1e6).round() as u64
                 })
                 .collect())
         }

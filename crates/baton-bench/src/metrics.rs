@@ -12,9 +12,14 @@
 //! - Goodput: requests per second that completed *and* met every SLO given (Mooncake's
 //!   definition: a request that misses an SLO or fails counts for nothing). SLO attainment is
 //!   the share of all requests sent that did so.
+//! - Percentiles (p50, p90, p99): [`baton_measure::percentile`], linear interpolation between
+//!   the closest ranks (numpy's default, as `vllm bench serve` reports): the one definition
+//!   `baton sim` reports too.
 
 use std::collections::BTreeMap;
 
+pub use baton_measure::{Slo, Stats, TbtStat};
+use baton_measure::{attainment, percentile};
 use serde::{Deserialize, Serialize};
 
 /// How a request ended.
@@ -112,127 +117,24 @@ impl RequestRecord {
     pub fn end_us(&self) -> u64 {
         self.start_us + self.jct_us
     }
-}
 
-/// Which per-request time between tokens the TBT SLO is checked against.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TbtStat {
-    /// TPOT, the request's mean time between tokens (DistServe, vLLM's goodput).
-    #[default]
-    Mean,
-    /// The request's 90th-percentile gap between chunks.
-    P90,
-    /// The request's longest gap between chunks (the strictest reading).
-    Max,
-}
-
-impl std::str::FromStr for TbtStat {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "mean" | "tpot" => Ok(TbtStat::Mean),
-            "p90" => Ok(TbtStat::P90),
-            "max" => Ok(TbtStat::Max),
-            _ => Err(format!("expected mean, p90 or max, got {s:?}")),
-        }
-    }
-}
-
-/// Latency targets.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Slo {
-    /// Time to first token, ms.
-    pub ttft_ms: Option<f64>,
-    /// Time between tokens, ms.
-    pub tbt_ms: Option<f64>,
-    /// Which per-request statistic `tbt_ms` bounds.
-    pub tbt_stat: TbtStat,
-}
-
-impl Slo {
-    /// Whether any target is set.
-    pub fn is_set(&self) -> bool {
-        self.ttft_ms.is_some() || self.tbt_ms.is_some()
-    }
-
-    /// Whether a request completed and met every target set.
-    pub fn met(&self, r: &RequestRecord) -> bool {
-        if !r.ok() {
-            return false;
-        }
-        if let Some(limit) = self.ttft_ms {
-            match r.ttft_us {
-                Some(t) if t as f64 / 1e3 <= limit => {}
-                _ => return false,
+    /// Its time between tokens as `stat` reads it, µs, if it had two tokens or more.
+    pub fn tbt_us(&self, stat: TbtStat) -> Option<f64> {
+        match stat {
+            TbtStat::Mean => self.tpot_us(),
+            TbtStat::P90 => {
+                let mut v = self.itl_us.clone();
+                v.sort_unstable();
+                (!v.is_empty()).then(|| percentile(&v, 90.0))
             }
-        }
-        if let Some(limit) = self.tbt_ms {
-            let tbt_us = match self.tbt_stat {
-                TbtStat::Mean => r.tpot_us(),
-                TbtStat::P90 => {
-                    let mut v: Vec<f64> = r.itl_us.iter().map(|&x| x as f64).collect();
-                    v.sort_by(f64::total_cmp);
-                    (!v.is_empty()).then(|| percentile(&v, 90.0))
-                }
-                TbtStat::Max => r.itl_us.iter().max().map(|&x| x as f64),
-            };
-            // A request of one token has no time between tokens: nothing to miss.
-            if tbt_us.is_some_and(|t| t / 1e3 > limit) {
-                return false;
-            }
-        }
-        true
-    }
-}
-
-/// Distribution of one metric.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Stats {
-    /// Values.
-    pub count: usize,
-    /// Mean.
-    pub mean: f64,
-    /// Median.
-    pub p50: f64,
-    /// 90th percentile.
-    pub p90: f64,
-    /// 99th percentile.
-    pub p99: f64,
-    /// Smallest.
-    pub min: f64,
-    /// Largest.
-    pub max: f64,
-}
-
-impl Stats {
-    /// Statistics of `values` (all zero when empty).
-    pub fn of(values: &[f64]) -> Stats {
-        if values.is_empty() {
-            return Stats::default();
-        }
-        let mut v = values.to_vec();
-        v.sort_by(f64::total_cmp);
-        Stats {
-            count: v.len(),
-            mean: v.iter().sum::<f64>() / v.len() as f64,
-            p50: percentile(&v, 50.0),
-            p90: percentile(&v, 90.0),
-            p99: percentile(&v, 99.0),
-            min: v[0],
-            max: v[v.len() - 1],
+            TbtStat::Max => self.itl_us.iter().max().map(|&x| x as f64),
         }
     }
-}
 
-/// The `q`-th percentile of sorted values, interpolating linearly between the two nearest ranks
-/// (numpy's default, as `vllm bench serve` reports). `sorted` must not be empty.
-pub fn percentile(sorted: &[f64], q: f64) -> f64 {
-    let rank = (q / 100.0).clamp(0.0, 1.0) * (sorted.len() - 1) as f64;
-    let lo = rank.floor() as usize;
-    let hi = rank.ceil() as usize;
-    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+    /// Whether it completed and met every target of `slo`.
+    pub fn met(&self, slo: &Slo) -> bool {
+        self.ok() && slo.met_by(self.ttft_us, self.tbt_us(slo.tbt_stat))
+    }
 }
 
 /// SLO figures of a run.
@@ -303,13 +205,8 @@ pub fn summarize(records: &[RequestRecord], slo: &Slo, min_duration_us: u64) -> 
     let itl: Vec<f64> = ok.iter().flat_map(|r| r.itl_us.iter()).map(|&t| ms(t as f64)).collect();
     let jct: Vec<f64> = ok.iter().map(|r| ms(r.jct_us as f64)).collect();
     let slo_summary = slo.is_set().then(|| {
-        let met = records.iter().filter(|r| slo.met(r)).count();
-        SloSummary {
-            slo: *slo,
-            met,
-            attainment: if records.is_empty() { 0.0 } else { met as f64 / records.len() as f64 },
-            goodput_req_s: per_s(met as f64),
-        }
+        let met = records.iter().filter(|r| r.met(slo)).count();
+        SloSummary { slo: *slo, met, attainment: attainment(met, records.len()), goodput_req_s: per_s(met as f64) }
     });
     Summary {
         sent: records.len(),

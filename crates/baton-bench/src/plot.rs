@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
+use baton_measure::cdf_points;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
@@ -97,29 +98,16 @@ impl Canvas<'_> {
     }
 }
 
-/// At most `n` points of the empirical CDF of `values` (ms), as (value, fraction ≤ value).
-pub fn cdf_points(values: &[f64], n: usize) -> Vec<(f64, f64)> {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return Vec::new();
-    }
-    let len = v.len();
-    let step = len.div_ceil(n.max(1)).max(1);
-    let mut pts: Vec<(f64, f64)> = (0..len).step_by(step).map(|i| (v[i], (i + 1) as f64 / len as f64)).collect();
-    if pts.last().is_some_and(|p| p.1 < 1.0) {
-        pts.push((v[len - 1], 1.0));
-    }
-    pts
-}
-
+/// The values of one metric (0: TTFT, 1: ITL, else JCT) over the completed requests, ms, sorted.
 fn metric_values(records: &[RequestRecord], metric: usize) -> Vec<f64> {
     let ok = records.iter().filter(|r| r.ok());
-    match metric {
+    let mut v: Vec<f64> = match metric {
         0 => ok.filter_map(|r| r.ttft_us).map(|t| t as f64 / 1e3).collect(),
         1 => ok.flat_map(|r| r.itl_us.iter()).map(|&t| t as f64 / 1e3).collect(),
         _ => ok.map(|r| r.jct_us as f64 / 1e3).collect(),
-    }
+    };
+    v.sort_by(f64::total_cmp);
+    v
 }
 
 fn draw_cdfs<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report) -> Res {

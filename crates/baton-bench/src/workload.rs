@@ -14,13 +14,12 @@
 
 use std::path::{Path, PathBuf};
 
+use baton_measure::trace::{self, ParseError};
+pub use baton_measure::trace::{MOONCAKE_BLOCK_TOKENS, estimate_tokens};
 use serde::{Deserialize, Serialize};
 
 use crate::BenchError;
 use crate::text::{mix, splitmix, words};
-
-/// Tokens per block of a Mooncake trace's `hash_ids`.
-pub const MOONCAKE_BLOCK_TOKENS: u64 = 512;
 
 /// One request of a chain: the text it adds to the conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -303,23 +302,9 @@ pub fn sessions(
     Workload { chains, skipped: 0 }
 }
 
-#[derive(Debug, Deserialize)]
-struct ShareGptConversation {
-    #[serde(default, alias = "messages")]
-    conversations: Vec<ShareGptMessage>,
-}
-
-#[derive(Debug, Deserialize)]
-struct ShareGptMessage {
-    #[serde(default, alias = "role")]
-    from: String,
-    #[serde(default, alias = "content")]
-    value: String,
-}
-
-/// Tokens of a text as estimated without a tokenizer (4 characters a token, as common).
-pub fn estimate_tokens(text: &str) -> u64 {
-    (text.chars().count() as u64).div_ceil(4).max(1)
+/// A file's parse error, named.
+fn parse_error(what: &str) -> impl Fn(ParseError) -> BenchError + '_ {
+    move |e| BenchError::Parse { what: what.into(), line: e.line, message: e.message }
 }
 
 /// Parses a ShareGPT-format file: `[{"conversations": [{"from": "human", "value": ...},
@@ -334,11 +319,7 @@ pub fn parse_sharegpt(
     multi_turn: bool,
     seed: u64,
 ) -> Result<Workload, BenchError> {
-    let convs: Vec<ShareGptConversation> = serde_json::from_str(text).map_err(|e| BenchError::Parse {
-        what: "ShareGPT file".into(),
-        line: e.line(),
-        message: e.to_string(),
-    })?;
+    let convs = trace::parse_sharegpt(text).map_err(parse_error("ShareGPT file"))?;
     let mut order: Vec<usize> = (0..convs.len()).collect();
     let mut state = mix(&[seed, TAG_SHUFFLE]);
     for i in (1..order.len()).rev() {
@@ -351,23 +332,18 @@ pub fn parse_sharegpt(
         let mut turns = Vec::new();
         let mut context = 0;
         for (i, m) in msgs.iter().enumerate() {
-            let is_human = matches!(m.from.as_str(), "human" | "user");
-            if !is_human {
-                context += estimate_tokens(&m.value);
+            if !m.is_human() {
+                context += m.tokens();
                 continue;
             }
-            let Some(reply) = msgs.get(i + 1).filter(|r| !matches!(r.from.as_str(), "human" | "user")) else {
+            let Some(reply) = msgs.get(i + 1).filter(|r| !r.is_human()) else {
                 break;
             };
             if m.value.trim().is_empty() {
                 break;
             }
-            context += estimate_tokens(&m.value);
-            turns.push(Turn {
-                text: m.value.clone(),
-                input_tokens: context,
-                max_tokens: estimate_tokens(&reply.value),
-            });
+            context += m.tokens();
+            turns.push(Turn { text: m.value.clone(), input_tokens: context, max_tokens: reply.tokens() });
             if !multi_turn {
                 break;
             }
@@ -384,15 +360,6 @@ pub fn parse_sharegpt(
     Ok(workload)
 }
 
-#[derive(Debug, Deserialize)]
-struct TraceLine {
-    timestamp: f64,
-    input_length: u64,
-    output_length: u64,
-    #[serde(default)]
-    hash_ids: Vec<u64>,
-}
-
 /// Parses a Mooncake-format trace: one JSON object a line with `timestamp` (ms from the start),
 /// `input_length`, `output_length` and `hash_ids` (one id per 512-token block of the prompt).
 /// Block `i`'s text is 512 words generated from `hash_ids[i]` (and `seed`), so equal ids give
@@ -405,32 +372,14 @@ pub fn parse_mooncake(
     seed: impl Into<Seeds>,
 ) -> Result<Workload, BenchError> {
     let seed = seed.into().text;
-    let mut lines = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let t: TraceLine = serde_json::from_str(line).map_err(|e| BenchError::Parse {
-            what: "Mooncake trace".into(),
-            line: n + 1,
-            message: e.to_string(),
-        })?;
-        if !(t.timestamp.is_finite() && t.timestamp >= 0.0) {
-            return Err(BenchError::Parse {
-                what: "Mooncake trace".into(),
-                line: n + 1,
-                message: format!("bad timestamp {}", t.timestamp),
-            });
-        }
-        lines.push((n, t));
-    }
+    let mut lines = trace::parse_mooncake(text).map_err(parse_error("Mooncake trace"))?;
     lines.sort_by(|a, b| a.1.timestamp.total_cmp(&b.1.timestamp));
     let mut workload = Workload::default();
     for (n, t) in lines {
         if requests.is_some_and(|r| workload.chains.len() >= r) {
             break;
         }
-        let input = t.input_length.max(1);
+        let input = t.input_tokens();
         if max_input_tokens.is_some_and(|m| input > m) {
             workload.skipped += 1;
             continue;
@@ -440,7 +389,7 @@ pub fn parse_mooncake(
             turns: vec![Turn {
                 text: mooncake_prompt(input, &t.hash_ids, seed, n as u64),
                 input_tokens: input,
-                max_tokens: t.output_length.max(1),
+                max_tokens: t.output_tokens(),
             }],
         });
     }

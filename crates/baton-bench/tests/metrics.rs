@@ -1,7 +1,8 @@
 //! The metric math on hand-made timelines: percentiles, TTFT / TPOT / ITL / JCT, throughput,
 //! SLO attainment and goodput, outcomes by kind, the in-flight timeline.
 
-use baton_bench::metrics::{Outcome, RequestRecord, Slo, Stats, TbtStat, in_flight, percentile, summarize};
+use baton_bench::metrics::{Outcome, RequestRecord, Slo, Stats, TbtStat, in_flight, summarize};
+use baton_measure::percentile;
 
 /// A completed request: sent at `start` ms, first token after `ttft` ms, then tokens `gaps` ms
 /// apart (one chunk per token).
@@ -44,20 +45,29 @@ fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-9
 }
 
+/// The live side (`Stats`, in ms) and the simulated side (`baton_sim::Percentiles`, whole µs)
+/// give the same p50 / p90 / p99 for the same samples: the one definition of
+/// `baton_measure::percentile`, the simulator's rounded to its clock's microsecond. The samples
+/// are ones where nearest rank, rounded and floored ranks all give other figures.
 #[test]
-fn percentiles_interpolate_linearly() {
-    let v = [1.0, 2.0, 3.0, 4.0];
-    assert!(close(percentile(&v, 50.0), 2.5));
-    assert!(close(percentile(&v, 0.0), 1.0));
-    assert!(close(percentile(&v, 100.0), 4.0));
-    assert!(close(percentile(&v, 90.0), 3.7));
-    let ten: Vec<f64> = (1..=10).map(f64::from).collect();
-    assert!(close(percentile(&ten, 99.0), 9.91));
-    assert!(close(percentile(&[5.0], 90.0), 5.0));
-    let s = Stats::of(&[4.0, 1.0, 3.0, 2.0]);
-    assert_eq!((s.count, s.min, s.max), (4, 1.0, 4.0));
-    assert!(close(s.mean, 2.5) && close(s.p50, 2.5) && close(s.p90, 3.7));
-    assert_eq!(Stats::of(&[]), Stats::default());
+fn bench_and_sim_report_the_same_percentiles() {
+    let samples_us: Vec<u64> =
+        vec![1_000, 1_250, 1_900, 2_000, 2_500, 3_100, 4_000, 5_200, 7_700, 12_300, 20_000, 31_000, 40_001];
+    for n in [1, 2, 3, 4, 7, 10, 13] {
+        let us = &samples_us[..n];
+        let live = Stats::of(&us.iter().map(|&t| t as f64 / 1e3).collect::<Vec<_>>());
+        let sim = baton_sim::Percentiles::of(us.iter().rev().copied().collect());
+        for (q, l, s) in [(50, live.p50, sim.p50), (90, live.p90, sim.p90), (99, live.p99, sim.p99)] {
+            assert!((l * 1e3 - s as f64).abs() <= 0.5 + 1e-6, "{n} samples, p{q}: live {l} ms, sim {s} µs");
+        }
+        assert_eq!((live.count, live.max * 1e3), (sim.count, sim.max as f64));
+    }
+    // p90 of the first ten: h = 0.9 · 9 = 8.1, 7,700 + 0.1 · (12,300 − 7,700) = 8,160 µs (what
+    // `np.percentile` says); nearest rank, the floored and the rounded rank all say 7,700.
+    let ten = &samples_us[..10];
+    assert!(close(percentile(ten, 90.0), 8_160.0));
+    assert!(close(Stats::of(&ten.iter().map(|&t| t as f64 / 1e3).collect::<Vec<_>>()).p90, 8.16));
+    assert_eq!(baton_sim::Percentiles::of(ten.to_vec()).p90, 8_160);
 }
 
 #[test]

@@ -170,6 +170,12 @@ fn arrival_schedules() {
     assert!(schedule(&Arrival::Closed { concurrency: 4 }, &w, 0).expect("schedules").iter().all(|&t| t == 0));
     assert!(schedule(&Arrival::Trace { time_scale: 1.0 }, &w, 0).is_err(), "no timestamps");
     assert!(schedule(&Arrival::Poisson { rate: 0.0 }, &w, 0).is_err());
+    // A seed's arrivals are the ones it gave before they came from `baton_measure::Poisson`.
+    let six = synthetic(6, &LengthDist::Fixed(8), &LengthDist::Fixed(4), 1);
+    assert_eq!(
+        schedule(&Arrival::Poisson { rate: 3.0 }, &six, 11).expect("schedules"),
+        [0, 139_976, 997_199, 1_081_051, 1_818_935, 1_903_018]
+    );
 
     let trace = parse_mooncake(&data("mooncake_small.jsonl"), None, None, 0).expect("parses");
     let t = schedule(&Arrival::Trace { time_scale: 2.0 }, &trace, 0).expect("schedules");

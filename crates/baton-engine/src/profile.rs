@@ -108,9 +108,11 @@ impl Tokens {
     }
 }
 
+/// The median of the shared definition ([`baton_measure::percentile`]: of an even count, the
+/// mean of the middle two), to the microsecond; 0 of nothing.
 fn median(mut v: Vec<u64>) -> u64 {
     v.sort_unstable();
-    v.get(v.len() / 2).copied().unwrap_or(0)
+    if v.is_empty() { 0 } else { baton_measure::percentile(&v, 50.0).round() as u64 }
 }
 
 /// Times prefill and decode steps of `model` on the real engine, reporting each point to

@@ -27,14 +27,14 @@ fn prompt(seed: u64, tokens: usize) -> Vec<u32> {
 
 fn summary(name: &str, mut ns: Vec<f64>) {
     ns.sort_by(f64::total_cmp);
-    let at = |q: f64| ns[((ns.len() - 1) as f64 * q) as usize] / 1e3;
+    let at = |q: f64| baton_measure::percentile(&ns, q) / 1e3;
     println!(
         "{name:<7} n={:<6} min {:7.2} µs  p10 {:7.2} µs  median {:7.2} µs  p90 {:7.2} µs",
         ns.len(),
         at(0.0),
-        at(0.1),
-        at(0.5),
-        at(0.9)
+        at(10.0),
+        at(50.0),
+        at(90.0)
     );
 }
 

@@ -72,6 +72,12 @@ pub enum SimError {
     Config(String),
 }
 
+impl From<baton_measure::trace::ParseError> for SimError {
+    fn from(e: baton_measure::trace::ParseError) -> Self {
+        SimError::Parse { line: e.line, message: e.message }
+    }
+}
+
 /// The simulated cluster.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClusterConfig {

@@ -1,6 +1,7 @@
 //! The report: the benchmark's metrics schema (TTFT, TBT, JCT percentiles, SLO attainment,
 //! goodput, rejections, wasted prefill), as JSON.
 
+use baton_measure::{TbtStat, attainment, percentile};
 use baton_sched::{Micros, RoleChange, Slo};
 use serde::Serialize;
 
@@ -22,16 +23,18 @@ pub struct Percentiles {
 }
 
 impl Percentiles {
-    /// Of a set of samples (nearest-rank percentiles).
+    /// Of a set of samples, in any order. The percentiles are [`baton_measure::percentile`]'s,
+    /// the definition `baton bench serve` reports live, rounded to the microsecond of the
+    /// simulator's clock; the mean is truncated to it.
     pub fn of(mut v: Vec<Micros>) -> Self {
         if v.is_empty() {
             return Self::default();
         }
         v.sort_unstable();
         let n = v.len();
-        let at = |q: f64| v[((q * n as f64).ceil() as usize).clamp(1, n) - 1];
+        let at = |q: f64| percentile(&v, q).round() as Micros;
         let sum: u128 = v.iter().map(|&x| u128::from(x)).sum();
-        Self { count: n, mean: (sum / n as u128) as Micros, p50: at(0.50), p90: at(0.90), p99: at(0.99), max: v[n - 1] }
+        Self { count: n, mean: (sum / n as u128) as Micros, p50: at(50.0), p90: at(90.0), p99: at(99.0), max: v[n - 1] }
     }
 }
 
@@ -178,6 +181,10 @@ pub(crate) fn summarise(
 ) -> Report {
     let (mut ttft, mut tbt, mut jct) = (Vec::new(), Vec::new(), Vec::new());
     let (mut ttft_ok, mut both_ok, mut good_tokens) = (0usize, 0usize, 0u64);
+    // The scheduler's targets, met as `baton bench serve` meets them live.
+    let ms = |us: Micros| Some(us as f64 / 1e3);
+    let both = baton_measure::Slo { ttft_ms: ms(slo.ttft_us), tbt_ms: ms(slo.tbt_us), tbt_stat: TbtStat::Mean };
+    let ttft_only = baton_measure::Slo { tbt_ms: None, ..both };
     let mut last = 0;
     for (o, &(arrival, output)) in outcomes.iter().zip(arrivals) {
         let (Some(first), Some(done)) = (o.first_token_us, o.done_us) else { continue };
@@ -187,15 +194,13 @@ pub(crate) fn summarise(
         ttft.push(t);
         tbt.push(b);
         jct.push(done - arrival);
-        if t <= slo.ttft_us {
-            ttft_ok += 1;
-            if b <= slo.tbt_us {
-                both_ok += 1;
-                good_tokens += output;
-            }
+        ttft_ok += usize::from(ttft_only.met_by(Some(t), None));
+        if both.met_by(Some(t), Some(b as f64)) {
+            both_ok += 1;
+            good_tokens += output;
         }
     }
-    let n = outcomes.len().max(1) as f64;
+    let n = outcomes.len();
     let first = arrivals.first().map_or(0, |a| a.0);
     let makespan = last.saturating_sub(first);
     let secs = (makespan as f64 / 1e6).max(1e-9);
@@ -219,8 +224,8 @@ pub(crate) fn summarise(
         ttft: Percentiles::of(ttft),
         tbt: Percentiles::of(tbt),
         jct: Percentiles::of(jct),
-        ttft_slo_attainment: ttft_ok as f64 / n,
-        slo_attainment: both_ok as f64 / n,
+        ttft_slo_attainment: attainment(ttft_ok, n),
+        slo_attainment: attainment(both_ok, n),
         completed_within_slo: both_ok,
         goodput_rps: both_ok as f64 / secs,
         goodput_tokens_per_s: good_tokens as f64 / secs,
@@ -260,10 +265,14 @@ pub(crate) struct Extra {
 mod tests {
     use super::*;
 
+    /// The shared definition, rounded to the microsecond: of 1..=100, p50 is 50.5 (51), p90 90.1
+    /// and p99 99.01 (nearest rank said 50, 90, 99).
     #[test]
-    fn percentiles_use_nearest_rank() {
-        let p = Percentiles::of((1..=100).collect());
-        assert_eq!((p.count, p.mean, p.p50, p.p90, p.p99, p.max), (100, 50, 50, 90, 99, 100));
+    fn percentiles_interpolate_and_round_to_the_microsecond() {
+        let p = Percentiles::of((1..=100).rev().collect());
+        assert_eq!((p.count, p.mean, p.p50, p.p90, p.p99, p.max), (100, 50, 51, 90, 99, 100));
+        let p = Percentiles::of(vec![100, 200, 1_000]);
+        assert_eq!((p.p50, p.p90, p.p99), (200, 840, 984), "200 + 0.8 · 800; 200 + 0.98 · 800");
         assert_eq!(Percentiles::of(vec![]), Percentiles::default());
     }
 

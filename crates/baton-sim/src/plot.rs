@@ -74,17 +74,10 @@ fn draw_cdf<DB: DrawingBackend>(
         .build_cartesian_2d(0.0..xmax * 1.02, 0.0..1.0)?;
     chart.configure_mesh().x_desc("seconds").y_desc("fraction of completed requests").label_style((FONT, 14)).draw()?;
     for (i, r) in runs.iter().enumerate() {
-        let v = samples(r);
-        let n = v.len().max(1) as f64;
         let color = COLORS[i % COLORS.len()];
-        // At most ~2,000 points per line: every k-th sample.
-        let k = v.len().div_ceil(2000).max(1);
-        let points: Vec<(f64, f64)> = v
-            .iter()
-            .enumerate()
-            .filter(|(j, _)| j % k == 0 || *j + 1 == v.len())
-            .map(|(j, &x)| (secs(x), (j + 1) as f64 / n))
-            .collect();
+        // At most ~2,000 points per line.
+        let points: Vec<(f64, f64)> =
+            baton_measure::cdf_points(samples(r), 2000).into_iter().map(|(us, f)| (us / 1e6, f)).collect();
         chart
             .draw_series(LineSeries::new(points, color.stroke_width(2)))?
             .label(run_label(r))

@@ -7,15 +7,14 @@
 use std::path::Path;
 
 use baton_kv::BlockHash;
+pub use baton_measure::trace::MOONCAKE_BLOCK_TOKENS;
+use baton_measure::{Poisson, trace};
 use baton_sched::{Micros, SessionId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::SimError;
-
-/// Tokens per block in Mooncake traces.
-pub const MOONCAKE_BLOCK_TOKENS: u64 = 512;
 
 /// One request of a workload.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,36 +31,23 @@ pub struct SimRequest {
     pub session: Option<SessionId>,
 }
 
-#[derive(Debug, Deserialize)]
-struct TraceLine {
-    timestamp: u64,
-    input_length: u64,
-    output_length: u64,
-    hash_ids: Vec<u64>,
-}
-
-/// Parses a Mooncake-format trace (one JSON object a line: `timestamp` in ms, `input_length`,
-/// `output_length`, `hash_ids`), dividing arrival times by `time_scale` (2.0 replays twice as
-/// fast).
+/// Parses a Mooncake-format trace ([`baton_measure::trace::parse_mooncake`]: one JSON object a
+/// line, `timestamp` in ms, `input_length`, `output_length`, `hash_ids`), dividing arrival
+/// times by `time_scale` (2.0 replays twice as fast).
 pub fn parse_mooncake(text: &str, time_scale: f64) -> Result<Vec<SimRequest>, SimError> {
     if !(time_scale.is_finite() && time_scale > 0.0) {
         return Err(SimError::Config(format!("time scale must be positive, got {time_scale}")));
     }
-    let mut out = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let t: TraceLine =
-            serde_json::from_str(line).map_err(|e| SimError::Parse { line: n + 1, message: e.to_string() })?;
-        out.push(SimRequest {
-            arrival_us: ((t.timestamp as f64) * 1000.0 / time_scale).round() as Micros,
-            input_tokens: t.input_length.max(1),
-            output_tokens: t.output_length.max(1),
+    let mut out: Vec<SimRequest> = trace::parse_mooncake(text)?
+        .into_iter()
+        .map(|(_, t)| SimRequest {
+            arrival_us: (t.timestamp * 1000.0 / time_scale).round() as Micros,
+            input_tokens: t.input_tokens(),
+            output_tokens: t.output_tokens(),
             hashes: t.hash_ids.into_iter().map(BlockHash).collect(),
             session: None,
-        });
-    }
+        })
+        .collect();
     out.sort_by_key(|r| r.arrival_us);
     Ok(out)
 }
@@ -73,39 +59,26 @@ pub fn read_mooncake(path: &Path, time_scale: f64) -> Result<Vec<SimRequest>, Si
     parse_mooncake(&text, time_scale)
 }
 
-#[derive(Debug, Deserialize)]
-struct ShareGptConversation {
-    #[serde(default)]
-    conversations: Vec<ShareGptTurn>,
-}
-
-#[derive(Debug, Deserialize)]
-struct ShareGptTurn {
-    #[serde(default)]
-    from: String,
-    #[serde(default)]
-    value: String,
-}
-
-/// Parses a ShareGPT-style JSON file (`[{"conversations": [{"from": "human", "value": ...},
-/// {"from": "gpt", ...}, ...]}, ...]`). Every human turn is a request whose prompt is the whole
-/// conversation so far (so later turns share the earlier turns' blocks) and whose output is the
-/// next reply. Tokens are estimated as characters / 4; arrivals are Poisson at `rate` per second.
+/// Parses a ShareGPT-style JSON file ([`baton_measure::trace::parse_sharegpt`]:
+/// `[{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}, ...]}, ...]`).
+/// Every human turn is a request whose prompt is the whole conversation so far (so later turns
+/// share the earlier turns' blocks) and whose output is the next reply. Tokens are estimated as
+/// characters / 4 ([`baton_measure::trace::estimate_tokens`]); arrivals are Poisson at `rate`
+/// per second.
 pub fn parse_sharegpt(text: &str, rate: f64, block_tokens: u64, seed: u64) -> Result<Vec<SimRequest>, SimError> {
-    let convs: Vec<ShareGptConversation> =
-        serde_json::from_str(text).map_err(|e| SimError::Parse { line: 0, message: e.to_string() })?;
+    let convs = trace::parse_sharegpt(text)?;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut out = Vec::new();
-    let mut t = 0.0f64;
+    let mut arrivals = poisson(rate);
     for (c, conv) in convs.iter().enumerate() {
         let mut context = 0u64;
         let turns = &conv.conversations;
         for (i, turn) in turns.iter().enumerate() {
-            let tokens = (turn.value.chars().count() as u64).div_ceil(4).max(1);
-            if turn.from == "human" || turn.from == "user" {
+            let tokens = turn.tokens();
+            if turn.is_human() {
                 let input = context + tokens;
-                let output = turns.get(i + 1).map_or(64, |r| (r.value.chars().count() as u64).div_ceil(4).max(1));
-                t += exp_sample(&mut rng, rate);
+                let output = turns.get(i + 1).map_or(64, trace::Message::tokens);
+                let t = arrivals.advance(uniform(&mut rng));
                 out.push(SimRequest {
                     arrival_us: (t * 1e6) as Micros,
                     input_tokens: input,
@@ -121,9 +94,14 @@ pub fn parse_sharegpt(text: &str, rate: f64, block_tokens: u64, seed: u64) -> Re
     Ok(out)
 }
 
-fn exp_sample(rng: &mut StdRng, rate: f64) -> f64 {
-    let u: f64 = rng.random_range(f64::EPSILON..1.0);
-    -u.ln() / rate.max(1e-9)
+/// The Poisson arrivals of `rate` per second (a rate of 0 or less: one in 30 years).
+fn poisson(rate: f64) -> Poisson {
+    Poisson::new(rate.max(1e-9))
+}
+
+/// A uniform in (0, 1) from the run's RNG, for [`Poisson::advance`].
+fn uniform(rng: &mut StdRng) -> f64 {
+    rng.random_range(f64::EPSILON..1.0)
 }
 
 /// Block hashes of a prompt of `tokens` tokens that is a prefix of session `session`'s
@@ -233,9 +211,9 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
     let mut out = Vec::new();
     match *spec {
         Synthetic::Poisson { requests, rate, input, output } => {
-            let mut t = 0.0;
+            let mut arrivals = poisson(rate);
             for i in 0..requests {
-                t += exp_sample(&mut rng, rate);
+                let t = arrivals.advance(uniform(&mut rng));
                 let inp = rng.random_range(input.0.max(1)..=input.1.max(input.0.max(1)));
                 let outp = rng.random_range(output.0.max(1)..=output.1.max(output.0.max(1)));
                 out.push(SimRequest {
@@ -251,7 +229,7 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
             // Interleave sessions: each arrival picks a random session that still has turns.
             let mut next_turn = vec![0usize; sessions];
             let mut live: Vec<usize> = (0..sessions).collect();
-            let mut t = 0.0;
+            let mut arrivals = poisson(rate);
             let sys_blocks = system_tokens / block_tokens.max(1);
             while !live.is_empty() {
                 let k = rng.random_range(0..live.len());
@@ -261,7 +239,7 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
                 if next_turn[s] == turns {
                     live.swap_remove(k);
                 }
-                t += exp_sample(&mut rng, rate);
+                let t = arrivals.advance(uniform(&mut rng));
                 let input = system_tokens + (turn as u64 + 1) * turn_tokens;
                 let mut hashes = session_hashes(s as u64, input, block_tokens);
                 // The system prompt's full blocks are the same in every session.
@@ -278,9 +256,9 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
             }
         }
         Synthetic::OwnContext { sessions, turns, rate, context_tokens, turn_tokens, output, think_s } => {
-            let mut start = 0.0;
+            let mut starts = poisson(rate);
             for s in 0..sessions {
-                start += exp_sample(&mut rng, rate);
+                let start = starts.advance(uniform(&mut rng));
                 for turn in 0..turns {
                     // Whole milliseconds, so the workload survives a trace file unchanged.
                     let at_ms = ((start + turn as f64 * think_s) * 1e3).round() as Micros;
@@ -310,9 +288,9 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
             let weights: Vec<f64> = (0..prefixes.max(1)).map(|k| (k as f64 + 1.0).powf(-zipf)).collect();
             let total: f64 = weights.iter().sum();
             let shared_blocks = (prefix_tokens / block_tokens.max(1)) as usize;
-            let mut start = 0.0;
+            let mut starts = poisson(rate);
             for s in 0..sessions {
-                start += exp_sample(&mut rng, rate);
+                let start = starts.advance(uniform(&mut rng));
                 let mut u = rng.random_range(0.0..total);
                 let prefix = weights.iter().position(|&w| {
                     u -= w;
@@ -349,13 +327,8 @@ pub fn synthesize(spec: &Synthetic, block_tokens: u64, seed: u64) -> Vec<SimRequ
 pub fn to_mooncake(requests: &[SimRequest]) -> String {
     let mut out = String::new();
     for r in requests {
-        let line = serde_json::json!({
-            "timestamp": r.arrival_us / 1000,
-            "input_length": r.input_tokens,
-            "output_length": r.output_tokens,
-            "hash_ids": r.hashes.iter().map(|h| h.0).collect::<Vec<u64>>(),
-        });
-        out.push_str(&line.to_string());
+        let hash_ids: Vec<u64> = r.hashes.iter().map(|h| h.0).collect();
+        out.push_str(&trace::mooncake_line(r.arrival_us / 1000, r.input_tokens, r.output_tokens, &hash_ids));
         out.push('\n');
     }
     out
@@ -444,6 +417,47 @@ mod tests {
         let hot = by_session.values().filter(|t| t[0].hashes[0] == reqs[0].hashes[0]).collect::<Vec<_>>();
         assert!(hot.iter().all(|t| t[0].hashes[..2] == hot[0][0].hashes[..2]));
         assert_ne!(hot[0][0].hashes[2], hot[1][0].hashes[2]);
+    }
+
+    /// A seed's arrivals are the ones it gave before they came from `baton_measure::Poisson`,
+    /// for every generator and ShareGPT files.
+    #[test]
+    fn a_seed_gives_the_arrivals_it_gave() {
+        let arrivals = |spec: Synthetic| synthesize(&spec, 512, 9).iter().map(|r| r.arrival_us).collect::<Vec<_>>();
+        let (rate, think_s) = (3.0, 1.0);
+        assert_eq!(
+            arrivals(Synthetic::Poisson { requests: 6, rate, input: (10, 20), output: (1, 2) }),
+            [145_295, 298_609, 301_049, 733_142, 735_104, 816_837]
+        );
+        let shared =
+            Synthetic::SharedPrefix { sessions: 3, turns: 2, rate, system_tokens: 10, turn_tokens: 5, output: 2 };
+        assert_eq!(arrivals(shared), [71_251, 166_487, 792_338, 952_535, 1_612_304, 1_646_920]);
+        let own = Synthetic::OwnContext {
+            sessions: 6,
+            turns: 1,
+            rate,
+            context_tokens: 10,
+            turn_tokens: 5,
+            output: 2,
+            think_s,
+        };
+        assert_eq!(arrivals(own), [145_000, 1_250_000, 1_345_000, 1_498_000, 1_645_000, 1_805_000]);
+        let hot = Synthetic::HotPrefixes {
+            sessions: 6,
+            turns: 1,
+            rate,
+            prefixes: 2,
+            zipf: 1.0,
+            prefix_tokens: 10,
+            turn_tokens: 5,
+            output: 2,
+            think_s,
+        };
+        assert_eq!(arrivals(hot), [145_000, 241_000, 387_000, 390_000, 424_000, 546_000]);
+        let text = r#"[{"conversations": [{"from": "human", "value": "aaaa"}, {"from": "gpt", "value": "b"},
+            {"from": "human", "value": "c"}]}, {"conversations": [{"from": "human", "value": "d"}]}]"#;
+        let sharegpt = parse_sharegpt(text, rate, 4, 9).expect("parse");
+        assert_eq!(sharegpt.iter().map(|r| r.arrival_us).collect::<Vec<_>>(), [145_295, 1_249_747, 1_344_984]);
     }
 
     #[test]

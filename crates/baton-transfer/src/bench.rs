@@ -258,9 +258,11 @@ impl Drop for Prefill {
     }
 }
 
+/// The median of the shared definition ([`baton_measure::percentile`]: of an even count, the
+/// mean of the middle two); NaN of nothing.
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    if v.is_empty() { f64::NAN } else { baton_measure::percentile(&v, 50.0) }
 }
 
 /// memcpy bandwidth: copies between two 256 MiB buffers, median of 5.

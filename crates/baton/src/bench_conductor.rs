@@ -67,15 +67,9 @@ struct Summary {
     mean_us: f64,
 }
 
-fn summarize(mut xs: Vec<f64>) -> Summary {
-    xs.sort_by(f64::total_cmp);
-    let pick = |q: f64| xs[((xs.len() as f64 - 1.0) * q).round() as usize];
-    Summary {
-        p50_us: pick(0.5),
-        p90_us: pick(0.9),
-        p99_us: pick(0.99),
-        mean_us: xs.iter().sum::<f64>() / xs.len() as f64,
-    }
+fn summarize(xs: &[f64]) -> Summary {
+    let s = baton_measure::Stats::of(xs);
+    Summary { p50_us: s.p50, p90_us: s.p90, p99_us: s.p99, mean_us: s.mean }
 }
 
 /// The API key of the worker's own OpenAI API (the direct path).
@@ -182,7 +176,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
         }
         progress.finish_and_clear();
         let added: Vec<f64> = routed.iter().zip(&direct).map(|(r, d)| r - d).collect();
-        let (direct, routed, added) = (summarize(direct), summarize(routed), summarize(added));
+        let (direct, routed, added) = (summarize(&direct), summarize(&routed), summarize(&added));
         if a.json {
             let report = serde_json::json!({"requests": a.requests, "max_tokens": a.max_tokens, "stream": a.stream,
                 "model": model.display().to_string(), "direct": direct, "routed": routed, "added": added});

@@ -152,7 +152,7 @@ pub(crate) fn run(a: IndexArgs) -> anyhow::Result<()> {
         hits += usize::from(matches!(d, baton_conductor::routing::Decision::Disaggregated { .. }));
     }
     times.sort_unstable();
-    let pct = |p: f64| times[((times.len() - 1) as f64 * p) as usize] as f64 / 1e3;
+    let pct = |p: f64| baton_measure::percentile(&times, p) / 1e3;
     let indexed: usize = (0..a.workers).map(|w| trees_len(&trees, w)).sum();
 
     let verdict = |ok: bool| if ok { "ok" } else { "MISSED" };
@@ -178,9 +178,9 @@ pub(crate) fn run(a: IndexArgs) -> anyhow::Result<()> {
     println!(
         "  kv-centric decision ({} decisions, {hits} routed): p50 {:.1} us  p99 {:.1} us   target p99 < {P99_TARGET_US:.0} us   {}",
         a.decisions,
-        pct(0.5),
-        pct(0.99),
-        verdict(pct(0.99) < P99_TARGET_US)
+        pct(50.0),
+        pct(99.0),
+        verdict(pct(99.0) < P99_TARGET_US)
     );
     Ok(())
 }
