@@ -323,8 +323,7 @@ pub(crate) fn kv_centric() -> anyhow::Result<PolicyChoice> {
 
 fn latency(mut us: Vec<f64>) -> Latency {
     us.sort_by(f64::total_cmp);
-    let pick = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize];
-    Latency { p50_us: pick(0.5), p99_us: pick(0.99) }
+    Latency { p50_us: baton_measure::percentile(&us, 50.0), p99_us: baton_measure::percentile(&us, 99.0) }
 }
 
 /// Prints the load half beside its targets.
