@@ -12,44 +12,25 @@
 //! This module is the tree alone; reference counts, tiers and eviction are the
 //! [`MemPool`](crate::MemPool)'s. It does no I/O and reads no clock.
 
+use std::num::NonZeroU64;
+
+use crate::hash_table::{Backing, HashTable, Probe, Slot, prefetch};
 use crate::{BlockHash, Loc, NodeId};
 
 const NIL: u32 = u32::MAX;
 
-/// Hints the CPU to bring the cache line at `p` closer; never faults, whatever the address.
-#[inline(always)]
-pub(crate) fn prefetch<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    #[allow(unsafe_code)]
-    // SAFETY: a prefetch is only a hint: it reads nothing architecturally and cannot fault.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
+/// A node as the value of its hash in the index's [`HashTable`] (which reserves 0).
+fn value_of(node: u32) -> NonZeroU64 {
+    NonZeroU64::MIN.saturating_add(u64::from(node))
 }
 
-/// Slots of a [`HashTable`] per 64-byte cache line (the mapping is page-aligned).
-const SLOTS_PER_LINE: usize = 4;
-
-/// Open-addressing hash map from block hash to node, with linear probing and backward-shift
-/// deletion (no tombstones). The keys are already hashes, so a probe costs one multiply, and
-/// the home slot of a key is known before the probe, so callers can prefetch it while they do
-/// other work. Load stays at most 3/4 (at most 3/8 right after growing).
-///
-/// A slot is `[hash, node + 1]`, `[_, 0]` when empty. The slots live in an anonymous mapping
-/// advised to use huge pages: a probe of a large index lands on a random page, and with 4 KiB
-/// pages nearly every probe would also miss the TLB.
-#[derive(Debug)]
-struct HashTable {
-    map: memmap2::MmapMut,
-    /// `64 - log2(slots)`.
-    shift: u32,
-    len: usize,
+/// The node a value of the index's [`HashTable`] names.
+fn node_of(value: NonZeroU64) -> u32 {
+    (value.get() - 1) as u32
 }
 
 /// The index's token ids, block after block: a growable array in an anonymous mapping advised
-/// to use huge pages, like [`HashTable`] (a new block's tokens land on a random page).
+/// to use huge pages, like the index's [`HashTable`] (a new block's tokens land on a random page).
 #[derive(Debug)]
 struct TokenStore {
     map: memmap2::MmapMut,
@@ -83,143 +64,6 @@ impl TokenStore {
         let at = self.len;
         self.len += tokens.len();
         self.as_mut_slice()[at..].copy_from_slice(tokens);
-    }
-}
-
-/// Where a probe ended: at the key's slot, or at the empty slot where the key would go.
-enum Probe {
-    Found(u32),
-    Vacant(usize),
-}
-
-impl HashTable {
-    fn with_capacity(n: usize) -> Self {
-        let slots = (n.saturating_mul(4) / 3 + 1).next_power_of_two().max(16);
-        let map = memmap2::MmapMut::map_anon(slots * 16).expect("memory for the index's hash table");
-        // Only advice: without huge pages the table works the same, with more TLB misses.
-        #[cfg(target_os = "linux")]
-        let _ = map.advise(memmap2::Advice::HugePage);
-        Self { map, shift: 64 - slots.trailing_zeros(), len: 0 }
-    }
-
-    #[inline]
-    fn slots(&self) -> &[[u64; 2]] {
-        bytemuck::cast_slice(&self.map)
-    }
-
-    #[inline]
-    fn slots_mut(&mut self) -> &mut [[u64; 2]] {
-        bytemuck::cast_slice_mut(&mut self.map)
-    }
-
-    #[inline]
-    fn mask(&self) -> usize {
-        self.slots().len() - 1
-    }
-
-    /// The home slot of `hash` (Fibonacci hashing: robust even to poorly mixed keys).
-    #[inline]
-    fn home(&self, hash: u64) -> usize {
-        (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
-    }
-
-    /// Prefetches the cache line holding `hash`'s home slot and, with `to_miss` unless the home
-    /// slot starts its line, the next line too: a probe for a missing key reads past its home
-    /// slot (2.5 slots on average at half load), and a run crossing into an unfetched line
-    /// costs a full miss. A probe that finds its key reads 1.5 slots on average: one line.
-    #[inline]
-    fn prefetch(&self, hash: u64, to_miss: bool) {
-        let slots = self.slots();
-        let i = self.home(hash);
-        prefetch(&slots[i]);
-        if to_miss && !i.is_multiple_of(SLOTS_PER_LINE) {
-            prefetch(&slots[(i + SLOTS_PER_LINE - 1) & (slots.len() - 1)]);
-        }
-    }
-
-    #[inline]
-    fn probe(&self, hash: u64) -> Probe {
-        let slots = self.slots();
-        let mask = slots.len() - 1;
-        let mut i = self.home(hash);
-        loop {
-            let [h, node] = slots[i];
-            if node == 0 {
-                return Probe::Vacant(i);
-            }
-            if h == hash {
-                return Probe::Found((node - 1) as u32);
-            }
-            i = (i + 1) & mask;
-        }
-    }
-
-    #[inline]
-    fn get(&self, hash: u64) -> Option<u32> {
-        match self.probe(hash) {
-            Probe::Found(n) => Some(n),
-            Probe::Vacant(_) => None,
-        }
-    }
-
-    /// Whether one more key would push the load past 3/4.
-    #[inline]
-    fn full(&self) -> bool {
-        (self.len + 1) * 4 > self.slots().len() * 3
-    }
-
-    /// Fills the vacant slot `at` that a probe for `hash` just returned (the table unchanged since).
-    #[inline]
-    fn fill(&mut self, at: usize, hash: u64, node: u32) {
-        debug_assert!(self.slots()[at][1] == 0 && !self.full());
-        self.slots_mut()[at] = [hash, u64::from(node) + 1];
-        self.len += 1;
-    }
-
-    /// Inserts a key that is not in the table, growing it first when needed.
-    fn insert(&mut self, hash: u64, node: u32) {
-        if self.full() {
-            self.grow();
-        }
-        match self.probe(hash) {
-            Probe::Vacant(at) => self.fill(at, hash, node),
-            Probe::Found(_) => unreachable!("the key is new"),
-        }
-    }
-
-    fn grow(&mut self) {
-        let old = std::mem::replace(self, Self::with_capacity(self.slots().len()));
-        for &[hash, node] in old.slots().iter().filter(|e| e[1] != 0) {
-            self.insert(hash, (node - 1) as u32);
-        }
-    }
-
-    /// Removes a key that is in the table, shifting later entries of its run back.
-    fn remove(&mut self, hash: u64) {
-        let mask = self.mask();
-        let mut i = self.home(hash);
-        let slots = self.slots();
-        while slots[i][0] != hash || slots[i][1] == 0 {
-            debug_assert!(slots[i][1] != 0, "removed keys are in the table");
-            i = (i + 1) & mask;
-        }
-        let mut j = i;
-        loop {
-            j = (j + 1) & mask;
-            let e = self.slots()[j];
-            if e[1] == 0 {
-                break;
-            }
-            // The entry at `j` may fill the hole at `i` unless its home lies cyclically in (i, j].
-            let k = self.home(e[0]);
-            let stays = if i <= j { i < k && k <= j } else { i < k || k <= j };
-            if !stays {
-                self.slots_mut()[i] = e;
-                i = j;
-            }
-        }
-        self.slots_mut()[i] = [0, 0];
-        self.len -= 1;
     }
 }
 
@@ -307,7 +151,7 @@ impl<'a> HashStream<'a> {
 
 /// Where a [`PrefixIndex::lookup`] that missed would put the block.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Vacant(usize);
+pub(crate) struct Vacant(Slot);
 
 /// What [`PrefixIndex::lookup`] found.
 #[derive(Debug, Clone, Copy)]
@@ -343,7 +187,7 @@ impl PrefixIndex {
             nodes: Vec::with_capacity(nodes),
             tokens: TokenStore::with_capacity(nodes * block_size),
             free_nodes: Vec::new(),
-            by_hash: HashTable::with_capacity(nodes),
+            by_hash: HashTable::with_capacity_in(nodes, Backing::HugePages),
         }
     }
 
@@ -354,17 +198,17 @@ impl PrefixIndex {
 
     /// Cached blocks.
     pub fn len(&self) -> usize {
-        self.by_hash.len
+        self.by_hash.len()
     }
 
     /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
-        self.by_hash.len == 0
+        self.by_hash.is_empty()
     }
 
     /// The node whose hash is `hash`, if cached.
     pub fn get(&self, hash: BlockHash) -> Option<NodeId> {
-        self.by_hash.get(hash.0).map(NodeId)
+        self.by_hash.get(hash.0).map(|v| NodeId(node_of(v)))
     }
 
     /// Starts loading what a lookup of `hash` will read (see [`lookup`](Self::lookup)).
@@ -389,7 +233,8 @@ impl PrefixIndex {
     #[inline]
     pub(crate) fn lookup(&self, parent: Option<NodeId>, hash: BlockHash, tokens: &[u32]) -> Lookup {
         match self.by_hash.probe(hash.0) {
-            Probe::Found(n) => {
+            Probe::Found(_, v) => {
+                let n = node_of(v);
                 let p = parent.map_or(NIL, |p| p.0);
                 if self.nodes[n as usize].parent == p && self.tokens_of(n) == tokens {
                     Lookup::Hit(NodeId(n))
@@ -404,7 +249,7 @@ impl PrefixIndex {
     /// The child of `parent` holding `tokens` with key `hash`, confirmed against parent and
     /// tokens.
     pub fn find(&self, parent: Option<NodeId>, hash: BlockHash, tokens: &[u32]) -> Option<NodeId> {
-        let n = self.by_hash.get(hash.0)?;
+        let n = node_of(self.by_hash.get(hash.0)?);
         let node = &self.nodes[n as usize];
         let p = parent.map_or(NIL, |p| p.0);
         (node.parent == p && self.tokens_of(n) == tokens).then_some(NodeId(n))
@@ -514,9 +359,9 @@ impl PrefixIndex {
             self.nodes[p as usize].first_child = n;
         }
         if self.by_hash.full() {
-            self.by_hash.insert(hash.0, n);
+            self.by_hash.insert(hash.0, value_of(n));
         } else {
-            self.by_hash.fill(vacant.0, hash.0, n);
+            self.by_hash.fill(vacant.0, hash.0, value_of(n));
         }
         NodeId(n)
     }
@@ -558,31 +403,5 @@ mod table_tests {
         assert_eq!(t.as_slice(), &v[..]);
         t.as_mut_slice()[5] = 7;
         assert_eq!(t.as_slice()[5], 7);
-    }
-
-    #[test]
-    fn hash_table_agrees_with_a_hash_map_through_inserts_removes_and_growth() {
-        let mut t = HashTable::with_capacity(4);
-        let mut m = std::collections::HashMap::new();
-        let mut x = 0x1234_5678_u64;
-        for step in 0..20_000u32 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            // Few distinct keys, some of them tiny, so runs collide and wrap around.
-            let key = if step % 3 == 0 { x % 64 } else { x % 4096 };
-            if m.remove(&key).is_some() {
-                t.remove(key);
-            } else {
-                t.insert(key, step);
-                m.insert(key, step);
-            }
-            assert_eq!(t.len, m.len());
-            if step % 997 == 0 {
-                for k in 0..4096 {
-                    assert_eq!(t.get(k), m.get(&k).copied(), "key {k} at step {step}");
-                }
-            }
-        }
     }
 }

@@ -14,6 +14,8 @@
 //! - [`SegmentAllocator`]: free blocks as contiguous runs; best-fit, aligned allocation and
 //!   fragmentation figures. ([`BlockAllocator`] is the first engine's simple allocator.)
 //! - [`block_hash`]: chained, seeded, process-stable block keys ([`BlockHash`]).
+//! - [`HashTable`](hash_table::HashTable): an open-addressing map from block hashes to nonzero
+//!   values, prefetchable; the prefix index's, and the conductor's global prompt trees'.
 //! - [`PrefixIndex`]: a radix tree over token blocks whose nodes carry hash, tier and slot.
 //! - [`EvictionPolicy`]: [`Lru`] and [`Lfu`], with pinning.
 //! - [`MemPool`]: the facade: `alloc_mem`/`free_mem`, `insert`/`match_prefix`/`delete`,
@@ -65,6 +67,7 @@ mod block_table;
 mod events;
 mod geometry;
 mod hash;
+pub mod hash_table;
 mod index;
 mod policy;
 mod pool;
