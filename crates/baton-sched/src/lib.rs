@@ -80,4 +80,4 @@ pub use snapshot::{
     ClusterSnapshot, Decision, DecodeSeq, Estimate, IncomingSeq, IncomingSeqs, InstanceSnapshot, PendingPrefill,
     RejectReason, Request, RequestId, Reuse, Role, RoleChange, Route, SessionId, TierUsage, WorkerLoad,
 };
-pub use trees::{BlockHasher, BlockMap, BlockUpdate, GlobalPromptTrees, PrefixMatch};
+pub use trees::{BlockUpdate, GlobalPromptTrees, PrefixMatch};

@@ -16,53 +16,21 @@
 //! Time is passed in; nothing here reads a clock.
 //!
 //! A worker's events come in batches ([`apply_all`](GlobalPromptTrees::apply_all): one tree
-//! lookup per batch, not per event), and the maps keyed by block hash hash with
-//! [`BlockHasher`]: the key already is a hash.
+//! lookup per batch, not per event). Each tree's blocks live in an open-addressing
+//! [`HashTable`] on the heap, keyed by block hash (the key already is a hash), one 16-byte slot
+//! per block with its [`Entry`] packed into the value where `std`'s map took 24 bytes and a
+//! control byte: less memory to grow into and to probe. Walks prefetch the slots of the blocks
+//! ahead (a batch's events, a prompt's blocks), so an apply or a prefix match waits on several
+//! cache misses together, not one after another.
 
-use std::collections::{BTreeMap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::BTreeMap;
+use std::num::NonZeroU64;
 
+use baton_kv::hash_table::{HashTable, Probe};
 use baton_kv::{BlockHash, EventError, InstanceId, KvEvent, KvEventKind, Tier};
 
 use crate::Micros;
 use crate::snapshot::Role;
-
-/// The hasher of maps keyed by [`BlockHash`]. A block hash already is a well-mixed 64-bit
-/// hash (xxHash rounds and a splitmix64 avalanche, [`baton_kv::block_hash`]), so SipHash's keyed
-/// rounds bought nothing and cost most of an event's apply. One multiply by a 64-bit odd
-/// constant, folded (the high half of the 128-bit product XOR the low half), keeps both the
-/// bits the map's bucket index takes (the low ones) and those its control bytes take (the
-/// high ones) mixed, even for keys that differ in a few bits only.
-///
-/// It is not keyed: a peer that chose colliding hashes on purpose could slow its own tree's
-/// probes. Only authenticated workers feed the trees, and their hashes are checked against
-/// nothing else here, so that is the threat a worker already is.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct BlockHasher(u64);
-
-impl Hasher for BlockHasher {
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `write_u64` is used by `BlockHash`; this keeps any other key correct.
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-
-    #[inline]
-    fn write_u64(&mut self, n: u64) {
-        self.0 ^= n;
-    }
-
-    #[inline]
-    fn finish(&self) -> u64 {
-        let p = u128::from(self.0).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        (p as u64) ^ ((p >> 64) as u64)
-    }
-}
-
-/// A map keyed by block hash, hashed with [`BlockHasher`].
-pub type BlockMap<V> = HashMap<BlockHash, V, BuildHasherDefault<BlockHasher>>;
 
 /// One change to an instance's index as [`GlobalPromptTrees::apply_all`] takes it: a
 /// [`KvEventKind`] without the block's tokens, which the trees do not keep.
@@ -89,6 +57,20 @@ pub enum BlockUpdate {
     },
 }
 
+impl BlockUpdate {
+    /// The block changed.
+    pub fn hash(&self) -> BlockHash {
+        match self {
+            BlockUpdate::Stored { hash, .. } | BlockUpdate::Moved { hash, .. } | BlockUpdate::Removed { hash } => *hash,
+        }
+    }
+
+    /// Starts loading the slot of `blocks` this change will probe (past it, for a new block).
+    fn prefetch(&self, blocks: &HashTable) {
+        blocks.prefetch(self.hash().0, matches!(self, BlockUpdate::Stored { .. }));
+    }
+}
+
 impl From<&KvEventKind> for BlockUpdate {
     fn from(kind: &KvEventKind) -> Self {
         match kind {
@@ -100,20 +82,43 @@ impl From<&KvEventKind> for BlockUpdate {
 }
 
 /// What the trees know of one block on one instance: an event confirmed it (and said its
-/// tier), or the scheduler predicted it, until a time. One enum rather than two options: 16
-/// bytes, so a map slot takes 24, a quarter less memory to fill, grow and probe than 32.
+/// tier), or the scheduler predicted it, until a time. Stored packed in a [`HashTable`]
+/// value ([`pack`](Entry::pack)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Entry {
     /// Reported by the instance's events: kept until a `Removed` event.
     Confirmed(Tier),
     /// Routed there by the scheduler: lapses at `expires_at` unless an event confirms it.
     Predicted {
-        /// When the prediction lapses.
+        /// When the prediction lapses, at most [`Entry::LATEST`].
         expires_at: Micros,
     },
 }
 
 impl Entry {
+    /// The latest a prediction can lapse: a table value is an entry's code plus one (0 marks an
+    /// empty slot), predictions taking the codes up to this and confirmed entries the three
+    /// above it, one per tier. Only a prediction made within microseconds of `u64::MAX` notices.
+    const LATEST: Micros = u64::MAX - 1 - Tier::ALL.len() as u64;
+
+    /// The entry as a table value.
+    #[inline]
+    fn pack(self) -> NonZeroU64 {
+        NonZeroU64::MIN.saturating_add(match self {
+            Entry::Predicted { expires_at } => expires_at.min(Self::LATEST),
+            Entry::Confirmed(tier) => Self::LATEST + 1 + tier.index() as u64,
+        })
+    }
+
+    /// The entry a table value holds.
+    #[inline]
+    fn unpack(v: NonZeroU64) -> Self {
+        match v.get() - 1 {
+            expires_at @ ..=Self::LATEST => Entry::Predicted { expires_at },
+            code => Entry::Confirmed(Tier::ALL[(code - Self::LATEST - 1) as usize]),
+        }
+    }
+
     fn live(&self, now: Micros) -> bool {
         match self {
             Entry::Confirmed(_) => true,
@@ -138,16 +143,45 @@ impl Entry {
     }
 }
 
+/// Blocks of a prompt whose slots a walk prefetches ahead of the one it probes: enough to
+/// overlap several cache misses of a large tree.
+const AHEAD: usize = 8;
+
 #[derive(Debug, Clone)]
 struct Tree {
     role: Role,
     next_seq: u64,
-    blocks: BlockMap<Entry>,
+    blocks: HashTable,
 }
 
 impl Tree {
     fn new(role: Role, next_seq: u64) -> Self {
-        Self { role, next_seq, blocks: BlockMap::default() }
+        Self { role, next_seq, blocks: HashTable::new() }
+    }
+
+    #[inline]
+    fn get(&self, hash: BlockHash) -> Option<Entry> {
+        self.blocks.get(hash.0).map(Entry::unpack)
+    }
+
+    fn entries(&self) -> impl Iterator<Item = (BlockHash, Entry)> + '_ {
+        self.blocks.iter().map(|(h, v)| (BlockHash(h), Entry::unpack(v)))
+    }
+
+    /// Leading blocks of `hashes` held with an entry that passes `keep`. A walk that misses
+    /// the first block costs one probe; one that hits prefetches [`AHEAD`] blocks ahead.
+    fn leading(&self, hashes: &[BlockHash], keep: impl Fn(Entry) -> bool) -> usize {
+        for (i, h) in hashes.iter().enumerate() {
+            if !self.get(*h).is_some_and(&keep) {
+                return i;
+            }
+            // The walk goes on: from its first hit, keep the blocks ahead loading.
+            let (from, n) = if i == 0 { (1, AHEAD) } else { (i + AHEAD, 1) };
+            for a in hashes.iter().skip(from).take(n) {
+                self.blocks.prefetch(a.0, false);
+            }
+        }
+        hashes.len()
     }
 }
 
@@ -210,8 +244,24 @@ impl GlobalPromptTrees {
         events: impl IntoIterator<Item = (u64, BlockUpdate)>,
     ) -> Result<usize, EventError> {
         let tree = self.trees.entry(instance).or_insert_with(|| Tree::new(Role::Colocated, 0));
+        // The events [`AHEAD`] of the one being applied, their blocks' slots loading meanwhile:
+        // a large tree's slots are cache misses, and this way several are waited on at once.
+        let mut events = events.into_iter();
+        let mut ring: [Option<(u64, BlockUpdate)>; AHEAD] = [None; AHEAD];
+        for slot in &mut ring {
+            *slot = events.next();
+            if let Some((_, u)) = slot {
+                u.prefetch(&tree.blocks);
+            }
+        }
+        let mut next = 0;
         let mut applied = 0;
-        for (seq, update) in events {
+        while let Some((seq, update)) = ring[next].take() {
+            ring[next] = events.next();
+            if let Some((_, u)) = &ring[next] {
+                u.prefetch(&tree.blocks);
+            }
+            next = (next + 1) % AHEAD;
             if seq != tree.next_seq {
                 return Err(EventError::Gap { instance, expected: tree.next_seq, got: seq });
             }
@@ -219,15 +269,15 @@ impl GlobalPromptTrees {
             applied += 1;
             match update {
                 BlockUpdate::Stored { hash, tier } => {
-                    tree.blocks.insert(hash, Entry::Confirmed(tier));
+                    tree.blocks.insert(hash.0, Entry::Confirmed(tier).pack());
                 }
                 BlockUpdate::Moved { hash, tier } => {
-                    if let Some(e) = tree.blocks.get_mut(&hash) {
-                        *e = Entry::Confirmed(tier);
+                    if let Probe::Found(at, _) = tree.blocks.probe(hash.0) {
+                        tree.blocks.set(at, Entry::Confirmed(tier).pack());
                     }
                 }
                 BlockUpdate::Removed { hash } => {
-                    tree.blocks.remove(&hash);
+                    tree.blocks.remove(hash.0);
                 }
             }
         }
@@ -247,12 +297,15 @@ impl GlobalPromptTrees {
         let old = self.trees.remove(&instance);
         let blocks = blocks.into_iter();
         let mut tree = Tree::new(role, next_seq);
+        // A worker's snapshot is its whole index: the tree is sized once, for it.
         tree.blocks.reserve(blocks.size_hint().0);
         if let Some(old) = old {
-            tree.blocks.extend(old.blocks.into_iter().filter(|(_, e)| e.expires_at().is_some()));
+            for (hash, e) in old.entries().filter(|(_, e)| e.expires_at().is_some()) {
+                tree.blocks.insert(hash.0, e.pack());
+            }
         }
         for (hash, tier) in blocks {
-            tree.blocks.insert(hash, Entry::Confirmed(tier));
+            tree.blocks.insert(hash.0, Entry::Confirmed(tier).pack());
         }
         self.trees.insert(instance, tree);
     }
@@ -263,7 +316,7 @@ impl GlobalPromptTrees {
         let mut out: Vec<(BlockHash, Tier)> = self
             .trees
             .get(&instance)
-            .map(|t| t.blocks.iter().filter_map(|(h, e)| e.tier().map(|tier| (*h, tier))).collect())
+            .map(|t| t.entries().filter_map(|(h, e)| e.tier().map(|tier| (h, tier))).collect())
             .unwrap_or_default();
         out.sort_unstable();
         out
@@ -273,7 +326,7 @@ impl GlobalPromptTrees {
     pub fn confirmed_by_tier(&self, instance: InstanceId) -> [usize; 3] {
         let mut n = [0; 3];
         if let Some(t) = self.trees.get(&instance) {
-            for tier in t.blocks.values().filter_map(Entry::tier) {
+            for tier in t.entries().filter_map(|(_, e)| e.tier()) {
                 n[tier as usize] += 1;
             }
         }
@@ -284,16 +337,24 @@ impl GlobalPromptTrees {
     /// this prompt there). Confirmed entries stay confirmed; predicted ones get a fresh TTL.
     pub fn predict(&mut self, instance: InstanceId, hashes: &[BlockHash], now: Micros) {
         let Some(tree) = self.trees.get_mut(&instance) else { return };
-        let expires = now.saturating_add(self.ttl_us);
-        for h in hashes {
-            match tree.blocks.entry(*h) {
-                std::collections::hash_map::Entry::Vacant(v) => {
-                    v.insert(Entry::Predicted { expires_at: expires });
+        let expires = now.saturating_add(self.ttl_us).min(Entry::LATEST);
+        let blocks = &mut tree.blocks;
+        blocks.reserve(hashes.len());
+        for h in hashes.iter().take(AHEAD) {
+            blocks.prefetch(h.0, true);
+        }
+        for (i, h) in hashes.iter().enumerate() {
+            if let Some(a) = hashes.get(i + AHEAD) {
+                blocks.prefetch(a.0, true);
+            }
+            match blocks.probe(h.0) {
+                Probe::Vacant(at) => {
+                    blocks.fill(at, h.0, Entry::Predicted { expires_at: expires }.pack());
                     self.lapses.push_back((expires, instance, *h));
                 }
-                std::collections::hash_map::Entry::Occupied(mut o) => {
-                    if let Entry::Predicted { expires_at: t } = o.get_mut() {
-                        *t = (*t).max(expires);
+                Probe::Found(at, v) => {
+                    if let Entry::Predicted { expires_at } = Entry::unpack(v) {
+                        blocks.set(at, Entry::Predicted { expires_at: expires_at.max(expires) }.pack());
                     }
                 }
             }
@@ -311,9 +372,9 @@ impl GlobalPromptTrees {
             }
             self.lapses.pop_front();
             let Some(tree) = self.trees.get_mut(&instance) else { continue };
-            match tree.blocks.get(&hash).and_then(Entry::expires_at) {
+            match tree.get(hash).and_then(|e| e.expires_at()) {
                 Some(t) if t <= now => {
-                    tree.blocks.remove(&hash);
+                    tree.blocks.remove(hash.0);
                 }
                 Some(t) => self.lapses.push_back((t, instance, hash)),
                 None => {}
@@ -323,22 +384,18 @@ impl GlobalPromptTrees {
 
     /// Leading blocks of `hashes` that `instance` holds at `now`.
     pub fn prefix_len(&self, instance: InstanceId, hashes: &[BlockHash], now: Micros) -> usize {
-        self.trees
-            .get(&instance)
-            .map_or(0, |t| hashes.iter().take_while(|h| t.blocks.get(h).is_some_and(|e| e.live(now))).count())
+        self.trees.get(&instance).map_or(0, |t| t.leading(hashes, |e| e.live(now)))
     }
 
     /// Leading blocks of `hashes` that `instance`'s own events say it holds (predictions not
     /// counted): what a request sent there now reuses.
     pub fn confirmed_prefix_len(&self, instance: InstanceId, hashes: &[BlockHash]) -> usize {
-        self.trees.get(&instance).map_or(0, |t| {
-            hashes.iter().take_while(|h| t.blocks.get(h).is_some_and(|e| matches!(e, Entry::Confirmed(_)))).count()
-        })
+        self.trees.get(&instance).map_or(0, |t| t.leading(hashes, |e| e.tier().is_some()))
     }
 
     /// Tier of a confirmed block on an instance.
     pub fn tier_of(&self, instance: InstanceId, hash: BlockHash) -> Option<Tier> {
-        self.trees.get(&instance).and_then(|t| t.blocks.get(&hash)).and_then(Entry::tier)
+        self.trees.get(&instance).and_then(|t| t.get(hash)).and_then(|e| e.tier())
     }
 
     /// Every instance whose role passes `roles` with at least one leading block, longest first
@@ -357,7 +414,7 @@ impl GlobalPromptTrees {
 
     /// Blocks known on an instance (confirmed and live predicted).
     pub fn len(&self, instance: InstanceId, now: Micros) -> usize {
-        self.trees.get(&instance).map_or(0, |t| t.blocks.values().filter(|e| e.live(now)).count())
+        self.trees.get(&instance).map_or(0, |t| t.entries().filter(|(_, e)| e.live(now)).count())
     }
 }
 
@@ -414,23 +471,6 @@ mod tests {
     }
 
     #[test]
-    fn block_hasher_spreads_keys_that_differ_in_few_bits() {
-        use std::hash::{BuildHasher, BuildHasherDefault};
-        let build = BuildHasherDefault::<BlockHasher>::default();
-        // Keys differing only in their high bits (or only in their low bits) land in many
-        // buckets of a 1024-bucket table (the low bits) and carry varied control bytes (the
-        // top seven).
-        for keys in [(0..1024u64).map(|i| i << 54).collect::<Vec<_>>(), (0..1024u64).collect()] {
-            let buckets: std::collections::HashSet<u64> =
-                keys.iter().map(|&k| build.hash_one(BlockHash(k)) & 1023).collect();
-            let tops: std::collections::HashSet<u64> =
-                keys.iter().map(|&k| build.hash_one(BlockHash(k)) >> 57).collect();
-            assert!(buckets.len() > 500, "{} buckets", buckets.len());
-            assert!(tops.len() > 100, "{} control bytes", tops.len());
-        }
-    }
-
-    #[test]
     fn a_snapshot_replaces_an_instance_and_events_continue_from_it() {
         let mut t = GlobalPromptTrees::new(1000);
         t.set_role(InstanceId(1), Role::Prefill);
@@ -469,5 +509,142 @@ mod tests {
         let m = t.matches(&hashes, 5000, Role::prefills);
         assert_eq!(m, vec![PrefixMatch { instance: InstanceId(1), role: Role::Prefill, blocks: 1 }]);
         assert_eq!(t.matches(&hashes, 5000, |_| true)[0].instance, InstanceId(2));
+    }
+
+    #[test]
+    fn entries_pack_into_nonzero_values_and_back() {
+        let entries = [
+            Entry::Confirmed(Tier::Device),
+            Entry::Confirmed(Tier::Host),
+            Entry::Confirmed(Tier::Disk),
+            Entry::Predicted { expires_at: 0 },
+            Entry::Predicted { expires_at: 120_000_000 },
+            Entry::Predicted { expires_at: Entry::LATEST },
+        ];
+        for e in entries {
+            assert_eq!(Entry::unpack(e.pack()), e);
+        }
+        let packed: std::collections::HashSet<u64> = entries.iter().map(|e| e.pack().get()).collect();
+        assert_eq!(packed.len(), entries.len(), "distinct entries, distinct values");
+        // A later expiry is clamped, and lapses only at the end of time.
+        let end = Entry::unpack(Entry::Predicted { expires_at: u64::MAX }.pack());
+        assert_eq!(end, Entry::Predicted { expires_at: Entry::LATEST });
+        assert!(end.live(u64::MAX - 5) && !end.live(u64::MAX));
+    }
+
+    /// What the trees should answer, kept the plainest way: a map per instance.
+    #[derive(Default)]
+    struct Model {
+        trees: BTreeMap<InstanceId, (u64, std::collections::HashMap<BlockHash, Entry>)>,
+    }
+
+    /// Random events (in order, and now and then out of order), predictions, expiries and
+    /// snapshots of a few instances over few distinct blocks, through the trees' growth:
+    /// every answer agrees with the model's. (A lapsed prediction may linger until an
+    /// [`expire`](GlobalPromptTrees::expire) reaches it, where the model drops it at once; only
+    /// a `Moved` event could tell, so blocks that may hold one, predicted blocks (below 2000)
+    /// without a live entry, are not moved.)
+    #[test]
+    fn random_operations_agree_with_a_plain_model() {
+        let ttl = 50;
+        let mut t = GlobalPromptTrees::new(ttl);
+        let mut m = Model::default();
+        let mut x = 0x9E37_79B9_7F4A_7C15_u64;
+        let mut rand = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let tiers = Tier::ALL;
+        let mut now = 0;
+        for step in 0..30_000u64 {
+            let inst = InstanceId(rand(3) as u32);
+            let hash = BlockHash(rand(3000));
+            now += rand(3);
+            let (next_seq, blocks) = m.trees.entry(inst).or_default();
+            match rand(100) {
+                0..=59 => {
+                    let seq = if rand(50) == 0 { *next_seq + 1 } else { *next_seq };
+                    let update = match rand(4) {
+                        0 | 1 => BlockUpdate::Stored { hash, tier: tiers[rand(3) as usize] },
+                        2 => BlockUpdate::Moved { hash, tier: tiers[rand(3) as usize] },
+                        _ => BlockUpdate::Removed { hash },
+                    };
+                    let may_linger = hash.0 < 2000 && !blocks.get(&hash).is_some_and(|e| e.live(now));
+                    if matches!(update, BlockUpdate::Moved { .. }) && may_linger {
+                        continue;
+                    }
+                    let got = t.apply_all(inst, [(seq, update)]);
+                    if seq != *next_seq {
+                        assert!(got.is_err(), "a gap is refused");
+                        continue;
+                    }
+                    assert_eq!(got, Ok(1));
+                    *next_seq += 1;
+                    match update {
+                        BlockUpdate::Stored { hash, tier } => {
+                            blocks.insert(hash, Entry::Confirmed(tier));
+                        }
+                        BlockUpdate::Moved { hash, tier } => {
+                            if let Some(e) = blocks.get_mut(&hash) {
+                                *e = Entry::Confirmed(tier);
+                            }
+                        }
+                        BlockUpdate::Removed { hash } => {
+                            blocks.remove(&hash);
+                        }
+                    }
+                }
+                60..=84 => {
+                    let hashes: Vec<BlockHash> = (0..rand(20)).map(|i| BlockHash((hash.0 + i) % 2000)).collect();
+                    t.predict(inst, &hashes, now);
+                    if t.trees.contains_key(&inst) {
+                        for h in hashes {
+                            let e = blocks.entry(h).or_insert(Entry::Predicted { expires_at: 0 });
+                            if let Entry::Predicted { expires_at } = e {
+                                *expires_at = (*expires_at).max(now + ttl);
+                            }
+                        }
+                    }
+                }
+                85..=94 => {
+                    t.expire(now);
+                    for (_, blocks) in m.trees.values_mut() {
+                        blocks.retain(|_, e| e.expires_at().is_none_or(|at| at > now));
+                    }
+                }
+                95..=97 => {
+                    let snapshot: Vec<(BlockHash, Tier)> =
+                        (0..rand(400)).map(|i| (BlockHash(rand(3000) + i % 2), tiers[rand(3) as usize])).collect();
+                    *next_seq = rand(1000);
+                    t.replace_instance(inst, Role::Prefill, *next_seq, snapshot.iter().copied());
+                    blocks.retain(|_, e| e.expires_at().is_some());
+                    blocks.extend(snapshot.iter().map(|&(h, tier)| (h, Entry::Confirmed(tier))));
+                }
+                _ => {
+                    t.remove_instance(inst);
+                    m.trees.remove(&inst);
+                }
+            }
+            if step % 101 == 0 {
+                for (&inst, (_, blocks)) in &m.trees {
+                    let mut confirmed: Vec<(BlockHash, Tier)> =
+                        blocks.iter().filter_map(|(&h, e)| Some((h, e.tier()?))).collect();
+                    confirmed.sort_unstable();
+                    assert_eq!(t.confirmed(inst), confirmed, "step {step}");
+                    assert_eq!(t.len(inst, now), blocks.values().filter(|e| e.live(now)).count());
+                    let prompt: Vec<BlockHash> = (0..40).map(|i| BlockHash((step + i) % 3000)).collect();
+                    let leading = |ok: &dyn Fn(&Entry) -> bool| {
+                        prompt.iter().take_while(|h| blocks.get(h).is_some_and(ok)).count()
+                    };
+                    assert_eq!(t.prefix_len(inst, &prompt, now), leading(&|e| e.live(now)));
+                    assert_eq!(t.confirmed_prefix_len(inst, &prompt), leading(&|e| e.tier().is_some()));
+                    for h in &prompt {
+                        assert_eq!(t.tier_of(inst, *h), blocks.get(h).and_then(Entry::tier));
+                    }
+                }
+            }
+        }
     }
 }
