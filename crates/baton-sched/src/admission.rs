@@ -444,6 +444,9 @@ impl Scheduler {
         req: &Request,
         rng: &mut dyn RngCore,
     ) -> (Decision, Option<DecodeCheck>) {
+        // Every cache-affine policy looks the prompt up in each instance's tree: start loading
+        // the slots of its first block in all of them at once.
+        snap.trees.prefetch_prompt(&req.block_hashes);
         let mut d = self.policy.route(snap, req, rng);
         if let (Some(max), Decision::Route(r)) = (self.conditional, &mut d)
             && let Some(local) = run_on_decode(snap, req, r, max)

@@ -20,8 +20,10 @@
 //! [`HashTable`] on the heap, keyed by block hash (the key already is a hash), one 16-byte slot
 //! per block with its [`Entry`] packed into the value where `std`'s map took 24 bytes and a
 //! control byte: less memory to grow into and to probe. Walks prefetch the slots of the blocks
-//! ahead (a batch's events, a prompt's blocks), so an apply or a prefix match waits on several
-//! cache misses together, not one after another.
+//! ahead (a batch's events, a prompt's blocks), and
+//! [`prefetch_prompt`](GlobalPromptTrees::prefetch_prompt) starts every tree's first probe of a
+//! prompt at once, so a decision waits on several cache misses together, not one after
+//! another.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU64;
@@ -378,6 +380,18 @@ impl GlobalPromptTrees {
                 }
                 Some(t) => self.lapses.push_back((t, instance, hash)),
                 None => {}
+            }
+        }
+    }
+
+    /// Starts loading, in every instance's tree, the slot of the prompt's first block, which
+    /// each [`prefix_len`](Self::prefix_len) of the prompt probes first: the cache misses of
+    /// a policy's walk over the instances then overlap instead of coming one after another.
+    /// Only a hint: nothing changes.
+    pub fn prefetch_prompt(&self, hashes: &[BlockHash]) {
+        if let Some(first) = hashes.first() {
+            for tree in self.trees.values() {
+                tree.blocks.prefetch(first.0, false);
             }
         }
     }
