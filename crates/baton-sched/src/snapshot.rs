@@ -140,16 +140,41 @@ type IncomingKey = (Micros, u64, Option<u64>);
 /// // One more, ready at 6 with 10 tokens to generate: at steps of 1, gone by 16.
 /// inc.push(IncomingSeq { ready_at: 6, context: 50, output: Some(10) });
 /// assert_eq!((inc.staying_at(15, 1), inc.staying_at(16, 1)), ((3, 450), (2, 400)));
+/// // None coming is none coming, whether some came and left or none ever came.
+/// let mut gone = IncomingSeqs::new();
+/// gone.push(IncomingSeq::new(1, 10));
+/// assert!(gone.remove(IncomingSeq::new(1, 10)) && !gone.remove(IncomingSeq::new(1, 10)));
+/// assert_eq!(gone, IncomingSeqs::new());
+/// assert!(!IncomingSeqs::new().remove(IncomingSeq::new(1, 10)));
 /// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct IncomingSeqs {
     len: u64,
     context: u64,
-    /// How many sequences of each (ready time, context, output).
-    by_ready: Arc<BTreeMap<IncomingKey, u64>>,
+    /// How many sequences of each (ready time, context, output); `None` until one comes, so
+    /// the snapshot of an instance with none coming (most, most of the time: a conductor builds
+    /// one per worker per decision) allocates nothing for it.
+    by_ready: Option<Arc<BTreeMap<IncomingKey, u64>>>,
 }
 
+/// The sequences coming to an instance whose `by_ready` is `None`: none.
+static NONE_COMING: BTreeMap<IncomingKey, u64> = BTreeMap::new();
+
+/// Equal when the same sequences are coming, however they came to be held.
+impl PartialEq for IncomingSeqs {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len && self.context == other.context && self.by_ready() == other.by_ready()
+    }
+}
+
+impl Eq for IncomingSeqs {}
+
 impl IncomingSeqs {
+    /// How many sequences of each (ready time, context, output).
+    fn by_ready(&self) -> &BTreeMap<IncomingKey, u64> {
+        self.by_ready.as_deref().unwrap_or(&NONE_COMING)
+    }
+
     /// None coming.
     pub fn new() -> Self {
         Self::default()
@@ -172,14 +197,16 @@ impl IncomingSeqs {
 
     /// One more coming.
     pub fn push(&mut self, s: IncomingSeq) {
-        *Arc::make_mut(&mut self.by_ready).entry((s.ready_at, s.context, s.output)).or_insert(0) += 1;
+        let map = Arc::make_mut(self.by_ready.get_or_insert_with(Default::default));
+        *map.entry((s.ready_at, s.context, s.output)).or_insert(0) += 1;
         self.len += 1;
         self.context += s.context;
     }
 
     /// One fewer coming (arrived, or dropped); false if no such sequence was coming.
     pub fn remove(&mut self, s: IncomingSeq) -> bool {
-        let map = Arc::make_mut(&mut self.by_ready);
+        let Some(map) = self.by_ready.as_mut() else { return false };
+        let map = Arc::make_mut(map);
         let key = (s.ready_at, s.context, s.output);
         match map.get_mut(&key) {
             None => return false,
@@ -197,7 +224,7 @@ impl IncomingSeqs {
     /// all. Walks those sequences' distinct (time, context) pairs: what predictive admission asks
     /// of one decode instance per request, whose TTFT check bounds the prefill queues ahead.
     pub fn ready_by(&self, at: Micros) -> (u64, u64) {
-        self.by_ready
+        self.by_ready()
             .range(..=(at, u64::MAX, Some(u64::MAX)))
             .fold((0, 0), |(n, ctx), (&(_, c, _), &k)| (n + k, ctx + c * k))
     }
@@ -206,7 +233,7 @@ impl IncomingSeqs {
     /// (a sequence of known output leaves that many steps after it is ready; one of unknown
     /// output stays): how many, and their context in all.
     pub fn staying_at(&self, at: Micros, step_us: Micros) -> (u64, u64) {
-        self.by_ready
+        self.by_ready()
             .range(..=(at, u64::MAX, Some(u64::MAX)))
             .filter(|&(&(ready, _, out), _)| out.is_none_or(|o| ready.saturating_add(o.saturating_mul(step_us)) > at))
             .fold((0, 0), |(n, ctx), (&(_, c, _), &k)| (n + k, ctx + c * k))
@@ -214,7 +241,7 @@ impl IncomingSeqs {
 
     /// Every sequence coming, by ready time (then context).
     pub fn iter(&self) -> impl Iterator<Item = IncomingSeq> + '_ {
-        self.by_ready.iter().flat_map(|(&(ready_at, context, output), &k)| {
+        self.by_ready().iter().flat_map(|(&(ready_at, context, output), &k)| {
             std::iter::repeat_n(IncomingSeq { ready_at, context, output }, k as usize)
         })
     }
