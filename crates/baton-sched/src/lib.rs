@@ -60,6 +60,7 @@ pub mod admission;
 mod cost;
 mod fit;
 pub mod policy;
+mod role;
 mod snapshot;
 mod trees;
 

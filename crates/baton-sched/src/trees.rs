@@ -32,7 +32,7 @@ use baton_kv::hash_table::{HashTable, Probe};
 use baton_kv::{BlockHash, EventError, InstanceId, KvEvent, KvEventKind, Tier};
 
 use crate::Micros;
-use crate::snapshot::Role;
+use crate::role::Role;
 
 /// One change to an instance's index as [`GlobalPromptTrees::apply_all`] takes it: a
 /// [`KvEventKind`] without the block's tokens, which the trees do not keep.
