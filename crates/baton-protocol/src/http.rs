@@ -21,7 +21,7 @@
 //! 415, 422, a broken chunked body) included: [`json_errors`] rewrites any error response that is
 //! not JSON. The errors hyper answers itself before any handler runs — a request line or header
 //! block it cannot parse (a negative or doubled `Content-Length`), a URI or header block past its
-//! buffer — are bare status lines; [`JsonBareErrors`], between hyper and the socket, rewrites
+//! buffer — are bare status lines; `JsonBareErrors`, between hyper and the socket, rewrites
 //! those into the same JSON.
 //!
 //! Streams (server-sent events) have no deadline here: a generation ends on its own, and a client

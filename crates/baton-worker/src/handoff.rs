@@ -20,7 +20,7 @@
 //!   The conductor hands the decode worker its half when it hands the prefill worker the prompt,
 //!   naming the prefill worker's KV server and the prompt's length but no blocks (there are none
 //!   yet). The decode worker reserves and registers its blocks as in push mode. The prefill
-//!   worker's engine streams the KV ([`baton_engine::KvStream`], [`LayerPusher`]): as each layer
+//!   worker's engine streams the KV ([`baton_engine::KvStream`], `LayerPusher`): as each layer
 //!   of each prompt chunk is written, that layer of the blocks the chunk completed goes out
 //!   ([`KvServer::push_blocks`]), while the later layers compute. When the prefill is done its
 //!   KV is offered under a lease as in the other modes, and the last write (a PUSHED with a
