@@ -74,7 +74,8 @@ pub struct Metrics {
     /// From handing a request to its decode worker to that worker's first token: the KV
     /// hand-off, joining the batch and one decode step.
     pub transfer: Histogram,
-    outcomes: IntCounterVec,
+    /// Requests by outcome, one series per [`Outcome`] (resolved once: no label lookup per request).
+    outcomes: [IntCounter; 5],
     /// Requests routed colocated.
     pub routed_colocated: IntCounter,
     /// Requests routed prefill → decode.
@@ -107,7 +108,8 @@ pub struct Metrics {
     pub kv_fetch_bytes: IntCounter,
     /// Tokens of cached prefixes fetched from another worker.
     pub kv_fetch_tokens: IntCounter,
-    kv_fetches: IntCounterVec,
+    /// Planned fetches by how they ended, one series per [`FetchOutcome`].
+    kv_fetches: [IntCounter; 3],
     /// Per prefill (or colocated) worker: prompt tokens looked up in its prefix cache, and
     /// those it found.
     cache_queries: IntCounterVec,
@@ -131,6 +133,12 @@ fn counters(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounter
     register(r, IntCounterVec::new(Opts::new(name, help), labels).expect("a valid metric name"))
 }
 
+/// One counter per value of a family's single label, every one present (at zero) from the start,
+/// so a scraper sees each series before its first increase.
+fn series<const N: usize>(family: IntCounterVec, values: [&str; N]) -> [IntCounter; N] {
+    values.map(|v| family.with_label_values(&[v]))
+}
+
 fn latency(r: &Registry, name: &str, help: &str) -> Histogram {
     let opts = HistogramOpts::new(name, help).buckets(LATENCY_BOUNDS.to_vec());
     register(r, Histogram::with_opts(opts).expect("a valid metric name"))
@@ -150,11 +158,14 @@ impl Default for Metrics {
                 "From handing a request to its decode worker to that worker's first token (KV hand-off, joining the \
                  batch, one decode step).",
             ),
-            outcomes: counters(
-                &r,
-                "baton_requests_total",
-                "Requests by outcome (each of a request's n choices counts once; refusals once).",
-                &["outcome"],
+            outcomes: series(
+                counters(
+                    &r,
+                    "baton_requests_total",
+                    "Requests by outcome (each of a request's n choices counts once; refusals once).",
+                    &["outcome"],
+                ),
+                OUTCOMES,
             ),
             routed_colocated: routes.with_label_values(&["colocated"]),
             routed_disaggregated: routes.with_label_values(&["disaggregated"]),
@@ -212,11 +223,14 @@ impl Default for Metrics {
                 "baton_kv_fetch_tokens_total",
                 "KV tokens of cached prefixes fetched from another worker.",
             ),
-            kv_fetches: counters(
-                &r,
-                "baton_kv_fetches_total",
-                "Planned fetches of a cached prefix from another worker, by how they ended.",
-                &["outcome"],
+            kv_fetches: series(
+                counters(
+                    &r,
+                    "baton_kv_fetches_total",
+                    "Planned fetches of a cached prefix from another worker, by how they ended.",
+                    &["outcome"],
+                ),
+                FETCH_OUTCOMES,
             ),
             cache_queries: counters(
                 &r,
@@ -243,7 +257,6 @@ impl Default for Metrics {
             ),
             registry: r,
         }
-        .with_zeroes()
     }
 }
 
@@ -360,18 +373,6 @@ impl Scrape<'_> {
 }
 
 impl Metrics {
-    /// Every label value of the fixed families at zero, so a scraper sees each series from the
-    /// start (a rate over a series that appears late misses its first increase).
-    fn with_zeroes(self) -> Self {
-        for o in OUTCOMES {
-            self.outcomes.with_label_values(&[o]);
-        }
-        for o in FETCH_OUTCOMES {
-            self.kv_fetches.with_label_values(&[o]);
-        }
-        self
-    }
-
     /// Counts a prefill's prompt tokens and the cache hits among them on `worker`.
     pub fn prefix_cache(&self, worker: &str, prompt_tokens: usize, cached_tokens: usize) {
         self.cache_queries.with_label_values(&[worker]).inc_by(prompt_tokens as u64);
@@ -390,7 +391,7 @@ impl Metrics {
 
     /// Counts a planned fetch's end (with what arrived, for `Fetched`).
     pub fn fetch(&self, outcome: FetchOutcome, received: Option<baton_protocol::wire::Received>) {
-        self.kv_fetches.with_label_values(&[FETCH_OUTCOMES[outcome as usize]]).inc();
+        self.kv_fetches[outcome as usize].inc();
         if let Some(r) = received {
             self.kv_fetch_bytes.inc_by(r.bytes);
             self.kv_fetch_tokens.inc_by(r.tokens as u64);
@@ -400,12 +401,12 @@ impl Metrics {
 
     /// Counts a request's outcome.
     pub fn outcome(&self, o: Outcome) {
-        self.outcomes.with_label_values(&[OUTCOMES[o as usize]]).inc();
+        self.outcomes[o as usize].inc();
     }
 
     /// Requests that ended as `o` so far.
     pub fn outcomes(&self, o: Outcome) -> u64 {
-        self.outcomes.with_label_values(&[OUTCOMES[o as usize]]).get()
+        self.outcomes[o as usize].get()
     }
 
     /// The metrics in Prometheus' text format, with what `scrape` read.
