@@ -820,6 +820,7 @@ impl<H: Host> Life<H> {
                     metrics.transfer_tokens.inc_by(rx.tokens as u64);
                     let bytes = self.settings.kv_bytes_per_token.map_or(rx.bytes, |b| (rx.tokens * b) as u64);
                     metrics.transfer_bytes.inc_by(bytes);
+                    metrics.transferred(&rx);
                 }
                 if r.colocated {
                     let fetching = r.fetching.take().or_else(|| r.prefill.take().and_then(|(_, f)| f));
@@ -1382,7 +1383,7 @@ mod tests {
         assert_eq!(decode.generated, [1]);
         assert_eq!(received(&decode).map(|kv| kv.blocks.clone()), Some(vec![1, 2, 3]), "it pulls the lease");
         assert_eq!(mode(&decode), Some(KvTransfer::Pull));
-        let received = Some(Received { tokens: PROMPT, bytes: 4096, micros: 10 });
+        let received = Some(Received { tokens: PROMPT, bytes: 4096, micros: 10, transport: None });
         let end = RequestEvent::Finished {
             reason: Finish::Length,
             prompt_tokens: PROMPT,
@@ -1604,7 +1605,7 @@ mod tests {
         let (_, req) = cluster.submitted(0);
         assert_eq!(req.work.fetch().map(|f| f.tokens), Some(32));
         assert_eq!(cluster.logged("track prefill"), ["track prefill w 7 fetched 32"]);
-        let received = Some(Received { tokens: 32, bytes: 100, micros: 5 });
+        let received = Some(Received { tokens: 32, bytes: 100, micros: 5, transport: None });
         let end = RequestEvent::Finished {
             reason: Finish::Length,
             prompt_tokens: PROMPT,

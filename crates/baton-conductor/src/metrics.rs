@@ -61,6 +61,18 @@ pub enum FetchOutcome {
 
 const FETCH_OUTCOMES: [&str; 3] = ["fetched", "recomputed", "unavailable"];
 
+/// The transports KV moves by, in [`transport_series`] order.
+const TRANSPORTS: [&str; 3] = ["device", "shm", "tcp"];
+
+/// The index of `kind`'s series in [`TRANSPORTS`].
+fn transport_series(kind: baton_transfer::TransportKind) -> usize {
+    match kind {
+        baton_transfer::TransportKind::Device => 0,
+        baton_transfer::TransportKind::Shm => 1,
+        baton_transfer::TransportKind::Tcp => 2,
+    }
+}
+
 /// All of the conductor's metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -110,6 +122,8 @@ pub struct Metrics {
     pub kv_fetch_tokens: IntCounter,
     /// Planned fetches by how they ended, one series per [`FetchOutcome`].
     kv_fetches: [IntCounter; 3],
+    /// KV transfers that arrived (hand-offs and fetches), by the transport that moved them.
+    transfers_by_transport: [IntCounter; 3],
     /// Per prefill (or colocated) worker: prompt tokens looked up in its prefix cache, and
     /// those it found.
     cache_queries: IntCounterVec,
@@ -170,6 +184,16 @@ impl Default for Metrics {
             routed_colocated: routes.with_label_values(&["colocated"]),
             routed_disaggregated: routes.with_label_values(&["disaggregated"]),
             transfer_bytes: counter(&r, "baton_kv_transfer_bytes_total", "KV bytes handed between workers."),
+            transfers_by_transport: series(
+                counters(
+                    &r,
+                    "baton_kv_transfers_total",
+                    "KV transfers between workers that arrived (hand-offs and fetches), by the transport that moved \
+                     them: device to device, shared memory or TCP.",
+                    &["transport"],
+                ),
+                TRANSPORTS,
+            ),
             transfer_tokens: counter(
                 &r,
                 "baton_kv_transfer_tokens_total",
@@ -393,9 +417,18 @@ impl Metrics {
     pub fn fetch(&self, outcome: FetchOutcome, received: Option<baton_protocol::wire::Received>) {
         self.kv_fetches[outcome as usize].inc();
         if let Some(r) = received {
+            self.transferred(&r);
             self.kv_fetch_bytes.inc_by(r.bytes);
             self.kv_fetch_tokens.inc_by(r.tokens as u64);
             self.kv_fetch.observe(r.micros as f64 / 1e6);
+        }
+    }
+
+    /// Counts a transfer that arrived by the transport that moved it (one of a worker that
+    /// does not say is not counted).
+    pub fn transferred(&self, received: &baton_protocol::wire::Received) {
+        if let Some(kind) = received.transport {
+            self.transfers_by_transport[transport_series(kind)].inc();
         }
     }
 
@@ -436,7 +469,10 @@ mod tests {
         m.retries.inc();
         m.prefix_cache("prefill-0", 100, 64);
         m.role_switch("prefill", "decode");
-        m.fetch(FetchOutcome::Fetched, Some(baton_protocol::wire::Received { tokens: 32, bytes: 4096, micros: 1500 }));
+        m.fetch(
+            FetchOutcome::Fetched,
+            Some(baton_protocol::wire::Received { tokens: 32, bytes: 4096, micros: 1500, transport: None }),
+        );
         let workers = [WorkerGauges {
             name: "decode-1".into(),
             role: "decode",

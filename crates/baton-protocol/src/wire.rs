@@ -270,6 +270,9 @@ pub struct Received {
     pub bytes: u64,
     /// How long the transfer took, µs.
     pub micros: u64,
+    /// The transport that moved it (`None` from a worker that does not say).
+    #[serde(default)]
+    pub transport: Option<baton_transfer::TransportKind>,
 }
 
 /// Why a request ended, as it travels between processes.

@@ -408,7 +408,7 @@ pub fn run(config: &TransferBenchConfig) -> Result<TransferBenchReport> {
                 let bulk = tcp_bulk.iter().find(|(t, _)| *t == tokens).map_or(f64::NAN, |x| x.1);
                 for v in &todo {
                     let mut cc = ClientConfig::new(PeerId(2), compat.clone(), SECRET);
-                    cc.transport = v.transport;
+                    cc.transport = v.transport.into();
                     cc.io_timeout = Duration::from_secs(60);
                     let mut client = KvClient::connect(prefill.addr, cc, Arc::clone(&dst))?;
                     let mut times = Vec::new();
@@ -486,10 +486,7 @@ pub fn format_table(report: &TransferBenchReport) -> String {
         "vs block"
     ));
     for v in &report.variants {
-        let via = match v.transport {
-            TransportKind::Shm => "shm",
-            TransportKind::Tcp => "tcp",
-        };
+        let via = v.transport.to_string();
         out.push_str(&format!(
             "{:>6} {:<16} {:<4} {:<26} {:>8.0} {:>9.1} {:>7.2} {:>6} {:>6} {:>7.2} {:>6.2} {:>7.1}x {:>7.1}x\n",
             v.tokens,

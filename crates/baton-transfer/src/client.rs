@@ -20,10 +20,12 @@ use baton_kv::{BlockId, ByteRange};
 use crate::auth::{self, Side};
 use crate::compat::Compat;
 use crate::conn::Conn;
+use crate::device::DeviceArena;
 use crate::frame::{EndpointInfo, FLAG_GATHER, Frame, TransferMode, check_peer};
+use crate::location::{HostId, Location, Reach, TransportChoice, choose};
 use crate::plan::{RangeCopy, plan};
 use crate::region::{Access, Region};
-use crate::transport::{ShmTransport, TcpLimits, TcpTransport, Transport, TransportKind};
+use crate::transport::{DeviceTransport, ShmTransport, TcpLimits, TcpTransport, Transport, TransportKind};
 use crate::{PeerId, Result, TransferError, TransferId, TransferStats};
 
 /// Configuration of a [`KvClient`].
@@ -35,9 +37,14 @@ pub struct ClientConfig {
     pub compat: Compat,
     /// The cluster secret.
     pub secret: Vec<u8>,
-    /// How data moves.
-    pub transport: TransportKind,
-    /// TCP data connections (ignored for shared memory).
+    /// How data moves: a transport to insist on, or the fastest the two sides share
+    /// ([`TransportChoice::Auto`]). This side offers the peer (for pushes) only the handles the
+    /// choice allows.
+    pub transport: TransportChoice,
+    /// This side's KV arena in device memory, if its engine keeps one a peer may open (the
+    /// device transport's destination).
+    pub device: Option<Arc<dyn DeviceArena>>,
+    /// TCP data connections (ignored for the other transports).
     pub connections: usize,
     /// Bound on every socket read and write, and on connecting.
     pub io_timeout: Duration,
@@ -49,13 +56,25 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
+    /// This side's facts as CONNECT says them: its host, where its KV lives, and the handles
+    /// `transport` lets it offer.
+    fn reach(&self, local: &Region) -> Reach {
+        Reach {
+            host: Some(HostId::this()),
+            location: self.device.as_ref().map_or(Location::Host, |d| d.location()),
+            shm: if self.transport.offers_shm() { local.shm_handle() } else { None },
+            device: self.device.as_ref().filter(|_| self.transport.offers_device()).map(|d| d.handle()),
+        }
+    }
+
     /// Defaults: TCP, one data connection, 10 s I/O timeout, no TLS.
     pub fn new(peer: PeerId, compat: Compat, secret: impl Into<Vec<u8>>) -> Self {
         Self {
             peer,
             compat,
             secret: secret.into(),
-            transport: TransportKind::Tcp,
+            transport: TransportChoice::Tcp,
+            device: None,
             connections: 1,
             io_timeout: Duration::from_secs(10),
             tcp: TcpLimits::default(),
@@ -77,6 +96,13 @@ pub enum NaiveUnit {
     Slab,
 }
 
+impl PushState {
+    /// Bytes the push moved: what its WRITEs carried, or, one-sided, the blocks registered.
+    fn moved(&self) -> u64 {
+        if self.bytes == 0 && self.done { self.registered } else { self.bytes }
+    }
+}
+
 #[derive(Debug, Default, Clone)]
 struct PushState {
     /// The reservation this push writes into.
@@ -89,6 +115,8 @@ struct PushState {
     pushed: u64,
     /// What the last PUSHED handed over with the data.
     trailer: Vec<u32>,
+    /// Bytes of the blocks registered.
+    registered: u64,
 }
 
 /// A decode worker's link to one prefill worker (see the module docs).
@@ -120,23 +148,25 @@ impl KvClient {
         if !local.is_writable() {
             return Err(TransferError::Unavailable("the destination region is mapped read-only"));
         }
-        let share = config.transport == TransportKind::Shm;
-        let (control, remote) = dial(addr, &config, &local, share)?;
-        let transport: Box<dyn Transport> = match config.transport {
-            TransportKind::Shm => {
-                let h = remote.shm.ok_or(TransferError::Unavailable("the peer offers no shared memory"))?;
-                let src = Region::open(&h, remote.descriptor.clone(), Access::ReadOnly)
-                    .map_err(TransferError::io("mapping the peer's region"))?;
-                Box::new(ShmTransport::new(src))
+        let ours = config.reach(&local);
+        let (control, remote) = dial(addr, &config, &local, &ours)?;
+        let kinds = choose(&ours, &remote.reach, config.transport).map_err(TransferError::Unreachable)?;
+        // The fastest first; a transport that cannot be opened (a peer in another IPC or mount
+        // namespace, a device that cannot map the other's memory) falls back to the next.
+        let mut last = None;
+        for kind in kinds {
+            match open_transport(kind, addr, &config, &local, &remote) {
+                Ok(transport) => {
+                    let (pushes, stale_writes) = (HashMap::new(), 0);
+                    return Ok(KvClient { config, control, remote, local, transport, pushes, stale_writes });
+                }
+                Err(e) => {
+                    tracing::info!(peer = %addr, transport = %kind, error = %e, "transport unavailable; trying the next");
+                    last = Some(e);
+                }
             }
-            TransportKind::Tcp => {
-                let conns = (0..config.connections.max(1))
-                    .map(|_| dial(addr, &config, &local, false).map(|(c, _)| c))
-                    .collect::<Result<Vec<_>>>()?;
-                Box::new(TcpTransport::new(remote.peer, conns, config.tcp))
-            }
-        };
-        Ok(KvClient { config, control, remote, local, transport, pushes: HashMap::new(), stale_writes: 0 })
+        }
+        Err(last.unwrap_or(TransferError::Unavailable("no transport reaches the peer")))
     }
 
     /// The prefill side's facts (descriptor, geometry, peer id).
@@ -173,7 +203,13 @@ impl KvClient {
         let start = Instant::now();
         let p = plan(&self.remote.descriptor, remote, self.local.descriptor(), local)?;
         let calls = self.transport.read(id, &p.copies, &self.local)?;
-        Ok(TransferStats { bytes: p.bytes() as u64, copies: p.len(), calls, elapsed: start.elapsed() })
+        Ok(TransferStats {
+            bytes: p.bytes() as u64,
+            copies: p.len(),
+            calls,
+            elapsed: start.elapsed(),
+            transport: self.transport(),
+        })
     }
 
     /// COMPLETE: the prefill side releases the blocks. An error here (the lease ran out) means
@@ -236,7 +272,7 @@ impl KvClient {
             copies += p.len();
         }
         self.complete(id)?;
-        Ok(TransferStats { bytes, copies, calls, elapsed: start.elapsed() })
+        Ok(TransferStats { bytes, copies, calls, elapsed: start.elapsed(), transport: TransportKind::Tcp })
     }
 
     /// One naive round trip: READ (gathered) of the copies' sources, DATA into `buf`, scattered
@@ -265,13 +301,10 @@ impl KvClient {
     /// that names another generation, or a push no longer registered, is refused, its bytes
     /// read and dropped, so a late frame of an aborted push can never land in blocks reused since.
     pub fn begin_push(&mut self, id: TransferId, generation: u64, local: &[BlockId]) -> Result<()> {
-        // Over shared memory the writes are one-sided, with no frame to count: the push fills
-        // every layer of the blocks registered.
-        let bytes = match self.config.transport {
-            TransportKind::Shm => self.local.descriptor().byte_ranges(local).iter().map(|r| r.len as u64).sum(),
-            TransportKind::Tcp => 0,
-        };
-        self.pushes.insert(id, PushState { generation, bytes, ..PushState::default() });
+        // One-sided writes (device or shared memory) send no frame to count: a push that ends
+        // with no WRITE received filled every layer of the blocks registered.
+        let registered = self.local.descriptor().byte_ranges(local).iter().map(|r| r.len as u64).sum();
+        self.pushes.insert(id, PushState { generation, registered, ..PushState::default() });
         let frame = Frame::Transfer { id, mode: TransferMode::Push, remote: Vec::new(), local: ids(local), generation };
         let registered = self.control.send(&frame).and_then(|()| self.expect(id, "TRANSFER_OK"));
         if registered.is_err() {
@@ -304,7 +337,8 @@ impl KvClient {
         // Finished or refused, the push is over on both sides.
         let p = self.pushes.remove(&id).unwrap_or_default();
         completed?;
-        Ok(TransferStats { bytes: p.bytes, copies: p.frames, calls: p.frames, elapsed: start.elapsed() })
+        let transport = if p.bytes > 0 { TransportKind::Tcp } else { self.transport() };
+        Ok(TransferStats { bytes: p.moved(), copies: p.frames, calls: p.frames, elapsed: start.elapsed(), transport })
     }
 
     /// Push mode, for many pushes in flight: applies the prefill side's writes that arrive
@@ -412,7 +446,7 @@ impl KvClient {
                     state.done = true;
                     state.trailer = trailer;
                 }
-                if self.config.transport == TransportKind::Shm {
+                if self.transport.kind() != TransportKind::Tcp {
                     state.frames += 1;
                 }
                 Ok(())
@@ -429,8 +463,41 @@ fn ids(blocks: &[BlockId]) -> Vec<u32> {
     blocks.iter().map(|b| b.0).collect()
 }
 
-/// Opens one authenticated connection; returns it and the server's facts.
-fn dial(addr: SocketAddr, config: &ClientConfig, local: &Region, share: bool) -> Result<(Conn, EndpointInfo)> {
+/// Opens the transport `kind` to the server at `addr`, whose facts are `remote`.
+fn open_transport(
+    kind: TransportKind,
+    addr: SocketAddr,
+    config: &ClientConfig,
+    local: &Region,
+    remote: &EndpointInfo,
+) -> Result<Box<dyn Transport>> {
+    Ok(match kind {
+        TransportKind::Device => {
+            let (Some(ours), Some(theirs)) = (&config.device, &remote.reach.device) else {
+                return Err(TransferError::Unavailable("no device arena on one side"));
+            };
+            Box::new(DeviceTransport::new(ours.open(theirs, &remote.descriptor)?))
+        }
+        TransportKind::Shm => {
+            let h = remote.reach.shm.ok_or(TransferError::Unavailable("the peer offers no shared memory"))?;
+            let src = Region::open(&h, remote.descriptor.clone(), Access::ReadOnly)
+                .map_err(TransferError::io("mapping the peer's region"))?;
+            Box::new(ShmTransport::new(src))
+        }
+        TransportKind::Tcp => {
+            // Data connections offer nothing: pushes go over the control connection.
+            let bare = Reach { host: Some(HostId::this()), ..Reach::default() };
+            let conns = (0..config.connections.max(1))
+                .map(|_| dial(addr, config, local, &bare).map(|(c, _)| c))
+                .collect::<Result<Vec<_>>>()?;
+            Box::new(TcpTransport::new(remote.peer, conns, config.tcp))
+        }
+    })
+}
+
+/// Opens one authenticated connection, saying `reach` of this side; returns it and the
+/// server's facts.
+fn dial(addr: SocketAddr, config: &ClientConfig, local: &Region, reach: &Reach) -> Result<(Conn, EndpointInfo)> {
     let stream = TcpStream::connect_timeout(&addr, config.io_timeout).map_err(TransferError::io("connecting"))?;
     let mut conn = Conn::new(stream, config.io_timeout)?;
     if let Some(tls) = &config.tls {
@@ -443,7 +510,7 @@ fn dial(addr: SocketAddr, config: &ClientConfig, local: &Region, share: bool) ->
         compat_hash: config.compat.hash(),
         descriptor: local.descriptor().clone(),
         region_len: local.len() as u64,
-        shm: if share { local.shm_handle() } else { None },
+        reach: reach.clone(),
     };
     let client_nonce = auth::nonce();
     conn.send(&Frame::Connect { info, nonce: client_nonce })?;

@@ -78,6 +78,10 @@ pub enum TransferError {
     /// The requested transport needs something this peer or region does not offer.
     #[error("transport unavailable: {0}")]
     Unavailable(&'static str),
+    /// The transport insisted on cannot reach this peer (the reason names which side lacks
+    /// what: another host, no device arena, no shared memory offered).
+    #[error("the transport asked for cannot reach the peer: {0}")]
+    Unreachable(String),
 }
 
 impl TransferError {

@@ -18,12 +18,14 @@ use baton_kv::{ByteRange, Dim, TensorDescriptor};
 
 use crate::auth::{NONCE_LEN, PROOF_LEN};
 use crate::compat::{Compat, dtype_code, dtype_from_code};
+use crate::location::{DeviceHandle, DeviceHandleKind, HostId, Location, MAX_DEVICE_HANDLE, Reach, ShmHandle};
 use crate::{PeerId, TransferId};
 
 /// First four bytes of every frame: "BTKV".
 pub const MAGIC: u32 = u32::from_le_bytes(*b"BTKV");
-/// Protocol version this build speaks (3: PUSHED carries a trailer).
-pub const VERSION: u16 = 3;
+/// Protocol version this build speaks (3: PUSHED carries a trailer; 4: CONNECT and ACCEPT say
+/// where the sender's KV lives, [`Reach`]).
+pub const VERSION: u16 = 4;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 24;
 /// Largest metadata body accepted (range lists of a big READ fit easily).
@@ -70,17 +72,6 @@ pub enum TransferMode {
     Push,
 }
 
-/// Where a peer's region can be mapped from on the same host (`/proc/<pid>/fd/<fd>`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ShmHandle {
-    /// Owning process.
-    pub pid: u32,
-    /// The memfd's descriptor number there.
-    pub fd: i32,
-    /// Bytes of the region.
-    pub len: u64,
-}
-
 /// What each side tells the other at CONNECT.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EndpointInfo {
@@ -94,8 +85,9 @@ pub struct EndpointInfo {
     pub descriptor: TensorDescriptor,
     /// Bytes of the sender's region.
     pub region_len: u64,
-    /// The region's shared-memory handle, when the sender offers one.
-    pub shm: Option<ShmHandle>,
+    /// Where the sender's KV lives and how a peer on its host may reach it (its shared-memory
+    /// and device handles, when it offers them).
+    pub reach: Reach,
 }
 
 /// Checks a peer's CONNECT/ACCEPT facts against ours: fields, hash and descriptor.
@@ -564,13 +556,38 @@ impl Writer {
         self.u64(d.elem_size as u64);
         self.u64(d.base as u64);
         self.u64(info.region_len);
-        match info.shm {
+        let reach = &info.reach;
+        match reach.shm {
             None => self.u8(0),
             Some(h) => {
                 self.u8(1);
                 self.u32(h.pid);
                 self.i32(h.fd);
                 self.u64(h.len);
+            }
+        }
+        match reach.host {
+            None => self.u8(0),
+            Some(HostId(id)) => {
+                self.u8(1);
+                self.0.extend_from_slice(&id);
+            }
+        }
+        match reach.location {
+            Location::Host => self.u8(0),
+            Location::Device { ordinal, uuid } => {
+                self.u8(1);
+                self.u32(ordinal);
+                self.0.extend_from_slice(&uuid);
+            }
+        }
+        match &reach.device {
+            None => self.u8(0),
+            Some(h) => {
+                self.u8(h.kind.code());
+                self.u64(h.len);
+                self.u16(h.bytes.len() as u16);
+                self.0.extend_from_slice(&h.bytes);
             }
         }
     }
@@ -676,6 +693,29 @@ impl Reader<'_> {
             1 => Some(ShmHandle { pid: self.u32()?, fd: self.i32()?, len: self.u64()? }),
             x => return Err(self.bad(format!("shm tag {x}"))),
         };
+        let host = match self.u8()? {
+            0 => None,
+            1 => Some(HostId(self.array()?)),
+            x => return Err(self.bad(format!("host tag {x}"))),
+        };
+        let location = match self.u8()? {
+            0 => Location::Host,
+            1 => Location::Device { ordinal: self.u32()?, uuid: self.array()? },
+            x => return Err(self.bad(format!("location tag {x}"))),
+        };
+        let device = match self.u8()? {
+            0 => None,
+            code => {
+                let kind =
+                    DeviceHandleKind::from_code(code).ok_or_else(|| self.bad(format!("device handle kind {code}")))?;
+                let len = self.u64()?;
+                let n = self.u16()? as usize;
+                if n > MAX_DEVICE_HANDLE {
+                    return Err(self.bad(format!("device handle of {n} bytes")));
+                }
+                Some(DeviceHandle { kind, bytes: self.take(n)?.to_vec(), len })
+            }
+        };
         let geometry = baton_kv::KvGeometry { layers, kv_heads, head_dim, block_size, dtype };
         Ok(EndpointInfo {
             peer,
@@ -683,7 +723,7 @@ impl Reader<'_> {
             compat_hash,
             descriptor,
             region_len,
-            shm,
+            reach: Reach { host, location, shm, device },
         })
     }
 }
@@ -703,7 +743,12 @@ mod tests {
             compat,
             descriptor: TensorDescriptor::new(&g, KvLayout::LayerMajor, 10),
             region_len: 12345,
-            shm: Some(ShmHandle { pid: 42, fd: 5, len: 12345 }),
+            reach: Reach {
+                host: Some(HostId([4; 16])),
+                location: Location::Device { ordinal: 1, uuid: [9; 16] },
+                shm: Some(ShmHandle { pid: 42, fd: 5, len: 12345 }),
+                device: Some(DeviceHandle { kind: DeviceHandleKind::CudaIpc, bytes: vec![5; 64], len: 12345 }),
+            },
         }
     }
 
@@ -723,7 +768,7 @@ mod tests {
             Frame::Connect { info: info(), nonce: [3; NONCE_LEN] },
             Frame::Challenge { nonce: [1; NONCE_LEN], proof: [2; PROOF_LEN] },
             Frame::Auth { proof: [9; PROOF_LEN] },
-            Frame::Accept { info: EndpointInfo { shm: None, ..info() } },
+            Frame::Accept { info: EndpointInfo { reach: Reach::default(), ..info() } },
             Frame::Transfer { id, mode: TransferMode::Push, remote: vec![], local: vec![4, 5, 6], generation: 9 },
             Frame::TransferOk { id },
             Frame::Read { id, seq: 3, ranges: vec![ByteRange { offset: 10, len: 20 }], flags: FLAG_GATHER },

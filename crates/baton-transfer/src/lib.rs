@@ -6,8 +6,10 @@
 //! side proves it knows the cluster secret), then for every request pulls the prefill side's
 //! blocks into its own (TRANSFER, reads, one COMPLETE). The [planner](mod@plan) turns two block lists
 //! into the fewest byte-range copies for any pair of layouts; a [transport] executes
-//! them: one-sided `memcpy` from the peer's mapped region on the same host, or vectored range
-//! reads over TCP. Blocks the prefill side holds for a transfer are under a [lease]: COMPLETE
+//! them: device-to-device copies between two arenas on GPUs of one host, one-sided `memcpy`
+//! from the peer's mapped region on the same host, or vectored range reads over TCP. Which one
+//! a pair uses follows from what each side says at CONNECT: its host, where its KV lives, the
+//! handles it offers ([`location`]). Blocks the prefill side holds for a transfer are under a [lease]: COMPLETE
 //! releases them, and so does the lease running out, after which reads are refused.
 //! In push mode the decode side registers blocks it reserved and the prefill side writes into
 //! them ([`KvServer::push_offered`]); the decode side watches many such pushes at once
@@ -21,6 +23,8 @@
 //! | [`mod@plan`] | block lists → coalesced `(src, dst)` byte-range copies | none |
 //! | [`lease`] | the lease table, time passed in | none |
 //! | [`compat`], [`auth`] | compatibility hash, HMAC proofs | none |
+//! | [`location`] | where each side's KV lives, how a peer reaches it, the transport a pair uses | none |
+//! | [`device`] | device arenas a peer opens and copies between; host memory standing in for one | copies |
 //! | [`region`] | a KV region in a memfd: created, or a second mapping of an arena or a peer's | mmap |
 //! | [`transport`] | the `Transport` trait; shared memory and TCP | copies, sockets |
 //! | [`tls`] | TLS sessions over the blocking sockets, shared by a reader and a writer | sockets |
@@ -33,9 +37,11 @@ pub mod bench;
 mod client;
 pub mod compat;
 mod conn;
+pub mod device;
 mod error;
 pub mod frame;
 pub mod lease;
+pub mod location;
 pub mod plan;
 pub mod region;
 mod server;
@@ -46,11 +52,14 @@ pub use client::{ClientConfig, KvClient, NaiveUnit};
 pub use region::{Access, Region};
 pub use server::{BlockOwner, HANDSHAKE_MAX_META, KvServer, ServerConfig};
 pub use tls::KvTls;
-pub use transport::{ShmTransport, TcpLimits, TcpTransport, Transport, TransportKind};
+pub use transport::{DeviceTransport, ShmTransport, TcpLimits, TcpTransport, Transport, TransportKind};
+
+pub use device::{DeviceArena, DeviceLink, StandInArena};
+pub use location::{DeviceHandle, DeviceHandleKind, HostId, Location, Reach, ShmHandle, TransportChoice};
 
 pub use compat::{Compat, LAYOUT_VERSION};
 pub use error::{Result, TransferError};
-pub use frame::{EndpointInfo, ErrorCode, Frame, ShmHandle, TransferMode};
+pub use frame::{EndpointInfo, ErrorCode, Frame, TransferMode};
 pub use lease::{LeaseError, LeaseTable, Release, ReleaseReason};
 pub use plan::{PlanError, RangeCopy, TransferPlan, plan, plan_layers};
 
@@ -85,4 +94,6 @@ pub struct TransferStats {
     pub calls: usize,
     /// Wall time.
     pub elapsed: std::time::Duration,
+    /// The transport that moved the bytes.
+    pub transport: TransportKind,
 }

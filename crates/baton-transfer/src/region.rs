@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use baton_kv::{ArenaHandle, ByteRange, TensorDescriptor};
 use memmap2::{MmapOptions, MmapRaw};
 
-use crate::frame::ShmHandle;
+use crate::location::ShmHandle;
 use crate::{Result, TransferError};
 
 /// How a mapping of someone else's region may be used.

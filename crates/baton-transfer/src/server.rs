@@ -20,10 +20,13 @@ use baton_kv::{BlockId, ByteRange, Dim};
 use crate::auth::{self, Side};
 use crate::compat::Compat;
 use crate::conn::Conn;
+use crate::device::{DeviceArena, DeviceLink};
 use crate::frame::{EndpointInfo, ErrorCode, FLAG_GATHER, Frame, TransferMode, check_peer};
 use crate::lease::{LeaseError, LeaseTable, Release};
+use crate::location::{HostId, Location, Reach, TransportChoice, choose};
 use crate::plan::plan_layers;
 use crate::region::{Access, Region};
+use crate::transport::TransportKind;
 use crate::{PeerId, Result, TransferError, TransferId, TransferStats};
 
 /// Whoever owns the blocks the server leases (the prefill engine's pool): gets them back when a
@@ -58,6 +61,10 @@ pub struct ServerConfig {
     pub io_timeout: Duration,
     /// Offer the region's shared-memory handle to peers on this host.
     pub share_memory: bool,
+    /// This side's KV arena in device memory, if its engine keeps one: its handle is offered
+    /// to peers on this host, and pushes to a peer whose arena is on a device too go device
+    /// to device.
+    pub device: Option<Arc<dyn DeviceArena>>,
     /// Longest a peer may take over its whole handshake (CONNECT and AUTH) before it has proved
     /// it knows the secret.
     pub handshake_timeout: Duration,
@@ -92,6 +99,7 @@ impl ServerConfig {
             lease: Duration::from_secs(30),
             io_timeout: Duration::from_secs(10),
             share_memory: true,
+            device: None,
             handshake_timeout: Duration::from_secs(5),
             max_connections: 256,
             max_handshakes: 16,
@@ -120,7 +128,7 @@ struct PushTarget {
     dst_blocks: Vec<BlockId>,
     peer: EndpointInfo,
     writer: Arc<Mutex<Conn>>,
-    shm: Option<Arc<Region>>,
+    way: PushWay,
 }
 
 struct Shared {
@@ -167,9 +175,57 @@ impl Shared {
             compat_hash: self.config.compat.hash(),
             descriptor: self.region.descriptor().clone(),
             region_len: self.region.len() as u64,
-            shm: if self.config.share_memory { self.region.shm_handle() } else { None },
+            reach: Reach {
+                host: Some(HostId::this()),
+                location: self.config.device.as_ref().map_or(Location::Host, |d| d.location()),
+                shm: if self.config.share_memory { self.region.shm_handle() } else { None },
+                device: self.config.device.as_ref().map(|d| d.handle()),
+            },
         }
     }
+
+    /// How this server writes a push into `peer`'s blocks: the fastest way the peer offered
+    /// ([`choose`] over what it sent at CONNECT), falling back when one cannot be opened. Found
+    /// once per connection, at its first push.
+    fn push_way(&self, peer: &EndpointInfo) -> PushWay {
+        let ours = self.info().reach;
+        let kinds = choose(&ours, &peer.reach, TransportChoice::Auto).unwrap_or_else(|_| vec![TransportKind::Tcp]);
+        for kind in kinds {
+            let opened = match kind {
+                TransportKind::Device => match (&self.config.device, &peer.reach.device) {
+                    (Some(ours), Some(theirs)) => {
+                        ours.open(theirs, &peer.descriptor).map(|l| PushWay::Device(l.into()))
+                    }
+                    _ => continue,
+                },
+                TransportKind::Shm => match peer.reach.shm {
+                    Some(h) => Region::open(&h, peer.descriptor.clone(), Access::ReadWrite)
+                        .map(|r| PushWay::Shm(Arc::new(r)))
+                        .map_err(TransferError::io("mapping the decode side's region")),
+                    None => continue,
+                },
+                TransportKind::Tcp => return PushWay::Tcp,
+            };
+            match opened {
+                Ok(way) => return way,
+                Err(e) => {
+                    tracing::info!(peer = %peer.peer, transport = %kind, error = %e, "cannot push this way; trying the next")
+                }
+            }
+        }
+        PushWay::Tcp
+    }
+}
+
+/// How a push reaches the decode side's blocks.
+#[derive(Debug, Clone)]
+enum PushWay {
+    /// Device to device, into the peer's device arena.
+    Device(Arc<dyn DeviceLink>),
+    /// `memcpy` into the peer's region, mapped here.
+    Shm(Arc<Region>),
+    /// WRITE frames on the control connection.
+    Tcp,
 }
 
 /// A prefill worker's KV server (see the module docs). Dropping it stops its threads.
@@ -338,7 +394,7 @@ impl KvServer {
         let start = Instant::now();
         let s = &self.shared;
         let deadline = Instant::now() + wait;
-        let (src_blocks, (serial, generation), dst_blocks, descriptor, writer, shm) = {
+        let (src_blocks, (serial, generation), dst_blocks, descriptor, writer, way) = {
             let mut pushes = lock(&s.pushes);
             loop {
                 // Lock order: pushes, then leases.
@@ -348,7 +404,7 @@ impl KvServer {
                 };
                 if let Some(t) = pushes.get(&id) {
                     let target = ((t.serial, t.generation), t.dst_blocks.clone(), t.peer.descriptor.clone());
-                    break (src, target.0, target.1, target.2, Arc::clone(&t.writer), t.shm.clone());
+                    break (src, target.0, target.1, target.2, Arc::clone(&t.writer), t.way.clone());
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
@@ -386,14 +442,23 @@ impl KvServer {
                 message: "the decode side withdrew its reservation".into(),
             });
         }
-        let calls = match &shm {
-            Some(dst) => {
+        let transport = match &way {
+            PushWay::Device(_) => TransportKind::Device,
+            PushWay::Shm(_) => TransportKind::Shm,
+            PushWay::Tcp => TransportKind::Tcp,
+        };
+        let calls = match &way {
+            PushWay::Device(link) => {
+                link.push(&p.copies)?;
+                p.copies.len()
+            }
+            PushWay::Shm(dst) => {
                 for c in &p.copies {
                     dst.copy_from(&s.region, c.src, c.dst)?;
                 }
                 p.copies.len()
             }
-            None => {
+            PushWay::Tcp => {
                 let batches = p.copies.chunks(4096);
                 let n = batches.len();
                 for batch in batches {
@@ -408,7 +473,7 @@ impl KvServer {
         let trailer = last.map(<[u32]>::to_vec).unwrap_or_default();
         let pushed = Frame::Pushed { id, generation, layers_done: layers.end as u32, done: last.is_some(), trailer };
         w.send(&pushed)?;
-        Ok(TransferStats { bytes: p.bytes() as u64, copies: p.len(), calls, elapsed: start.elapsed() })
+        Ok(TransferStats { bytes: p.bytes() as u64, copies: p.len(), calls, elapsed: start.elapsed(), transport })
     }
 
     /// Stops accepting, closes every connection and joins the server's threads.
@@ -584,6 +649,7 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64, slot: HandshakeSlot
     let send = |f: &Frame| lock(&writer).send(f);
     let mut allowed: HashMap<TransferId, Vec<ByteRange>> = HashMap::new();
     let mut gather: Vec<u8> = Vec::new();
+    let mut push_way: Option<PushWay> = None;
     loop {
         if shared.stop.load(Ordering::Acquire) {
             return Ok(());
@@ -605,17 +671,7 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64, slot: HandshakeSlot
                 }
             }
             Frame::Transfer { id, mode: TransferMode::Push, local, generation, .. } => {
-                let shm = match peer.shm {
-                    Some(h) => match Region::open(&h, peer.descriptor.clone(), Access::ReadWrite) {
-                        Ok(r) => Some(Arc::new(r)),
-                        Err(e) => {
-                            let message = format!("cannot map the decode side's region: {e}");
-                            send(&Frame::Error { id, code: ErrorCode::Internal, message })?;
-                            continue;
-                        }
-                    },
-                    None => None,
-                };
+                let way = push_way.get_or_insert_with(|| shared.push_way(&peer)).clone();
                 let target = PushTarget {
                     conn_no,
                     serial: shared.next_push.fetch_add(1, Ordering::Relaxed),
@@ -623,7 +679,7 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64, slot: HandshakeSlot
                     dst_blocks: local.into_iter().map(BlockId).collect(),
                     peer: peer.clone(),
                     writer: Arc::clone(&writer),
-                    shm,
+                    way,
                 };
                 lock(&shared.pushes).insert(id, target);
                 shared.push_ready.notify_all();

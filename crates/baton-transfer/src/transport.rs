@@ -1,24 +1,29 @@
 //! Transports: how planned copies move from the peer's region into ours.
 //!
-//! [`Transport::read`] executes a [`TransferPlan`](crate::TransferPlan)'s copies for one transfer. The shared-memory
-//! transport is one-sided — a `memcpy` per copy out of the peer's region mapped read-only, the
-//! prefill side not involved — and the TCP transport sends READ frames of many ranges each and
-//! receives the DATA straight into the destination blocks. An RDMA-class transport fits the same
-//! trait: one posted one-sided read per copy against the peer's registered region.
+//! [`Transport::read`] executes a [`TransferPlan`](crate::TransferPlan)'s copies for one transfer. The device
+//! transport copies device to device between the two sides' device arenas (a [`DeviceLink`]:
+//! CUDA IPC on one host); the shared-memory transport is one-sided — a `memcpy` per copy out of
+//! the peer's region mapped read-only, the prefill side not involved — and the TCP transport
+//! sends READ frames of many ranges each and receives the DATA straight into the destination
+//! blocks. An RDMA-class transport fits the same trait: one posted one-sided read per copy
+//! against the peer's registered region.
 
 use std::collections::VecDeque;
 
 use baton_kv::ByteRange;
 
 use crate::conn::Conn;
+use crate::device::DeviceLink;
 use crate::frame::Frame;
 use crate::plan::RangeCopy;
 use crate::region::Region;
 use crate::{PeerId, Result, TransferError, TransferId};
 
 /// Which transport a client uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
 pub enum TransportKind {
+    /// Copy between the two sides' device arenas (both on devices of one host).
+    Device,
     /// Map the peer's region (same host only).
     Shm,
     /// READ / DATA frames over TCP.
@@ -31,10 +36,21 @@ impl std::str::FromStr for TransportKind {
 
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         match s {
+            "device" => Ok(TransportKind::Device),
             "shm" => Ok(TransportKind::Shm),
             "tcp" => Ok(TransportKind::Tcp),
-            other => Err(format!("unknown transport `{other}` (expected shm or tcp)")),
+            other => Err(format!("unknown transport `{other}` (expected device, shm or tcp)")),
         }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportKind::Device => "device",
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        })
     }
 }
 
@@ -70,6 +86,32 @@ impl Transport for ShmTransport {
         for c in copies {
             dst.copy_from(&self.src, c.src, c.dst)?;
         }
+        Ok(copies.len())
+    }
+}
+
+/// Same-host transport between device arenas: the peer's arena opened from its handle, each
+/// copy device to device. The destination is this side's device arena, not the host region
+/// `read` is handed.
+#[derive(Debug)]
+pub struct DeviceTransport {
+    link: Box<dyn DeviceLink>,
+}
+
+impl DeviceTransport {
+    /// Copies over `link` (this side's arena and the peer's, opened).
+    pub fn new(link: Box<dyn DeviceLink>) -> Self {
+        Self { link }
+    }
+}
+
+impl Transport for DeviceTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Device
+    }
+
+    fn read(&mut self, _id: TransferId, copies: &[RangeCopy], _dst: &Region) -> Result<usize> {
+        self.link.pull(copies)?;
         Ok(copies.len())
     }
 }

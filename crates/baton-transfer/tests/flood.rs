@@ -41,7 +41,7 @@ fn a_flood_of_idle_and_garbage_connections_holds_few_threads_and_the_server_stil
     let dst = Arc::new(Region::create(TensorDescriptor::new(&geometry(), KvLayout::BlockMajor, 16)).expect("r"));
     server.offer(TransferId(7), vec![BlockId(0), BlockId(1)]).expect("offer");
     let mut config = ClientConfig::new(PeerId(2), Compat::new("m", geometry()), "s3cret");
-    config.transport = baton_transfer::TransportKind::Tcp;
+    config.transport = baton_transfer::TransportChoice::Tcp;
     let mut client = None;
     for _ in 0..50 {
         // (A connection may still find the handshake slots full while the flood drains.)

@@ -51,7 +51,7 @@ fn a_flood_from_one_address_leaves_handshake_slots_for_the_others() {
     std::thread::sleep(Duration::from_millis(200));
     let dst = Arc::new(Region::create(TensorDescriptor::new(&geometry(), KvLayout::BlockMajor, 16)).expect("r"));
     let mut config = ClientConfig::new(PeerId(2), Compat::new("m", geometry()), "s3cret");
-    config.transport = baton_transfer::TransportKind::Tcp;
+    config.transport = baton_transfer::TransportChoice::Tcp;
     for round in 0..10u64 {
         server.offer(TransferId(round), vec![BlockId(0), BlockId(1)]).expect("offer");
         let mut client = KvClient::connect(addr, config.clone(), Arc::clone(&dst))

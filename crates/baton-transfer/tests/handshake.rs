@@ -73,7 +73,7 @@ fn many_transfers_in_flight_on_one_connection() {
     }
     let dst = local();
     let mut c = config("s3cret", Compat::new("m", geometry()));
-    c.transport = TransportKind::Tcp;
+    c.transport = TransportKind::Tcp.into();
     let mut client = KvClient::connect(server.addr(), c, Arc::clone(&dst)).expect("connect");
     let remote = |id: u64| (0..3).map(|k| BlockId((id as u32 - 1) * 3 + k)).collect::<Vec<_>>();
     let local_of = |id: u64| (0..3).map(|k| BlockId(15 - ((id as u32 - 1) * 3 + k))).collect::<Vec<_>>();
@@ -120,7 +120,7 @@ fn same_bytes(server: &KvServer, dst: &Region, remote: &[BlockId], local: &[Bloc
 
 fn push_client(server: &KvServer, transport: TransportKind, dst: &Arc<Region>) -> KvClient {
     let mut c = config("s3cret", Compat::new("m", geometry()));
-    c.transport = transport;
+    c.transport = transport.into();
     KvClient::connect(server.addr(), c, Arc::clone(dst)).expect("connect")
 }
 

@@ -49,7 +49,7 @@ fn accept(s: &mut TcpStream) {
         compat,
         region_len: (descriptor.num_elems() * 2) as u64,
         descriptor,
-        shm: None,
+        reach: baton_transfer::Reach::default(),
     };
     send(s, &Frame::Accept { info }, &[]);
 }
@@ -102,7 +102,7 @@ fn a_late_write_of_an_aborted_push_is_refused_and_the_reused_blocks_keep_their_c
 
     let mut config = ClientConfig::new(PeerId(2), Compat::new("m", geometry()), SECRET);
     config.io_timeout = Duration::from_secs(5);
-    config.transport = baton_transfer::TransportKind::Tcp;
+    config.transport = baton_transfer::TransportChoice::Tcp;
     let mut client = KvClient::connect(addr, config, Arc::clone(&local)).expect("connect");
     client.begin_push(id, 1, &blocks).expect("first registration");
     client.cancel_push(id).expect("withdrawn");

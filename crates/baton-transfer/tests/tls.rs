@@ -54,7 +54,7 @@ fn server(tls: Option<&KvTls>) -> KvServer {
 
 fn client_config(tls: Option<&KvTls>) -> ClientConfig {
     ClientConfig {
-        transport: TransportKind::Tcp,
+        transport: TransportKind::Tcp.into(),
         io_timeout: Duration::from_secs(2),
         tls: tls.map(|t| Arc::clone(&t.client)),
         ..ClientConfig::new(PeerId(2), Compat::new("m", geometry()), "s3cret")

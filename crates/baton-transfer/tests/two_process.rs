@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use baton_kv::{BlockId, InstanceId, KvGeometry, KvLayout, KvPart, MemPool, PoolConfig};
 use baton_transfer::{
     Access, BlockOwner, ClientConfig, Compat, ErrorCode, KvClient, KvServer, NaiveUnit, PeerId, Region, Release,
-    ServerConfig, TransferError, TransferId, TransportKind,
+    ServerConfig, StandInArena, TransferError, TransferId, TransportChoice, TransportKind,
 };
 
 const CHILD_ENV: &str = "BATON_TRANSFER_TEST_PREFILL";
@@ -86,6 +86,10 @@ fn prefill_child() {
     let pool = Arc::new(Mutex::new(pool));
     let mut config = ServerConfig::new(PeerId(1), compat(), SECRET);
     config.lease = Duration::from_millis(lease_ms);
+    // Its arena poses as a device arena too: a decode side with one of its own reaches it
+    // device to device (host memory standing in), one without by shared memory or TCP.
+    let device = Region::from_arena(&handle, Access::ReadWrite).expect("map own arena");
+    config.device = Some(Arc::new(StandInArena::new(Arc::new(device), 0).expect("stand-in")));
     let server = KvServer::start(config, region, PoolOwner(Arc::clone(&pool))).expect("server");
     for (req, blocks) in &requests {
         if opts.get("mode") != Some(&"push") {
@@ -248,10 +252,20 @@ impl Decode {
     }
 
     fn client(&self, addr: SocketAddr, transport: TransportKind) -> KvClient {
+        self.connect(addr, transport.into(), transport == TransportKind::Device).expect("connect")
+    }
+
+    /// A client choosing `transport`, with this side's arena posing as a device arena when
+    /// `device`.
+    fn connect(&self, addr: SocketAddr, transport: TransportChoice, device: bool) -> Result<KvClient, TransferError> {
         let mut config = ClientConfig::new(PeerId(2), compat(), SECRET);
         config.transport = transport;
         config.io_timeout = Duration::from_secs(5);
-        KvClient::connect(addr, config, Arc::clone(&self.region)).expect("connect")
+        if device {
+            let arena = StandInArena::new(Arc::clone(&self.region), 0).expect("stand-in");
+            config.device = Some(Arc::new(arena));
+        }
+        KvClient::connect(addr, config, Arc::clone(&self.region))
     }
 
     /// Allocates `n` blocks, deliberately not in one run.
@@ -333,6 +347,26 @@ fn pull_shm_layer_major_to_block_major() {
 }
 
 #[test]
+fn pull_device_block_major_to_layer_major() {
+    pull_case("block-major", KvLayout::LayerMajor, TransportKind::Device);
+}
+
+#[test]
+fn auto_takes_the_device_path_when_both_arenas_are_on_devices_and_a_forced_one_says_why_not() {
+    let prefill = Prefill::spawn(&spec("block-major", "pull", 10_000));
+    let decode = Decode::new(KvLayout::BlockMajor);
+    let client = decode.connect(prefill.addr, TransportChoice::Auto, true).expect("connect");
+    assert_eq!(client.transport(), TransportKind::Device);
+    // This side's KV in host memory: the pair shares a host, so shared memory.
+    let client = decode.connect(prefill.addr, TransportChoice::Auto, false).expect("connect");
+    assert_eq!(client.transport(), TransportKind::Shm);
+    match decode.connect(prefill.addr, TransportChoice::Device, false) {
+        Err(TransferError::Unreachable(why)) => assert!(why.contains("no device handle"), "{why}"),
+        other => panic!("expected the device path refused, got {other:?}"),
+    }
+}
+
+#[test]
 fn pull_tcp_block_major_to_block_major() {
     pull_case("block-major", KvLayout::BlockMajor, TransportKind::Tcp);
 }
@@ -410,6 +444,12 @@ fn push_case(src_layout: &str, dst_layout: KvLayout, transport: TransportKind) {
     client.begin_push(TransferId(req), req, &local).expect("reserve");
     let pushed = prefill.cmd(&format!("push {req} 1"));
     assert!(pushed.starts_with("PUSHED"), "{pushed}");
+    if transport != TransportKind::Tcp {
+        // One-sided: a copy per contiguous run (the decode side's blocks are not one run), where
+        // TCP sends the layer group in one WRITE. So the push went the way the client offered.
+        let calls: usize = pushed.split_whitespace().nth(1).and_then(|c| c.parse().ok()).expect("calls");
+        assert!(calls > 1, "{transport:?} push took {calls} call(s): not one-sided? {pushed}");
+    }
     let stats = client.finish_push(TransferId(req), Duration::from_secs(5)).expect("push");
     assert_eq!(client.pushed_layers(TransferId(req)), None, "finished pushes are forgotten");
     assert!(stats.calls >= 2, "two layer groups, at least one call each");
@@ -453,6 +493,16 @@ fn layerwise_push_shm_block_major_to_layer_major() {
 }
 
 #[test]
+fn layerwise_push_device_layer_major_to_block_major() {
+    layerwise_case("layer-major", KvLayout::BlockMajor, TransportKind::Device);
+}
+
+#[test]
+fn push_device_layer_by_layer_block_major_to_block_major() {
+    push_case("block-major", KvLayout::BlockMajor, TransportKind::Device);
+}
+
+#[test]
 fn push_tcp_layer_by_layer_layer_major_to_block_major() {
     push_case("layer-major", KvLayout::BlockMajor, TransportKind::Tcp);
 }
@@ -468,7 +518,9 @@ fn expired_lease_releases_blocks_and_refuses_reads() {
     let (free_before, _) = prefill.free();
     let mut decode = Decode::new(KvLayout::BlockMajor);
     let mut open = Vec::new();
-    for (transport, (req, n)) in [(TransportKind::Tcp, REQUESTS[0]), (TransportKind::Shm, REQUESTS[1])] {
+    let clients =
+        [(TransportKind::Tcp, REQUESTS[0]), (TransportKind::Shm, REQUESTS[1]), (TransportKind::Device, REQUESTS[2])];
+    for (transport, (req, n)) in clients {
         let mut client = decode.client(prefill.addr, transport);
         let local = decode.alloc(n);
         client.open(TransferId(req), &prefill.blocks(req), &local).expect("open within the lease");
@@ -476,7 +528,8 @@ fn expired_lease_releases_blocks_and_refuses_reads() {
     }
     std::thread::sleep(Duration::from_millis(500));
     for (transport, req, mut client, local) in open {
-        // TCP refuses the read itself; shared memory reads are one-sided, so COMPLETE refuses.
+        // TCP refuses the read itself; shared-memory and device reads are one-sided, so
+        // COMPLETE refuses.
         let r =
             client.read(TransferId(req), &prefill.blocks(req), &local).and_then(|_| client.complete(TransferId(req)));
         match r {

@@ -72,35 +72,14 @@ use std::time::{Duration, Instant};
 
 use baton_engine::{KvPiece, KvStream, RequestId};
 use baton_kv::{BlockId, Dim};
-use baton_transfer::{ClientConfig, KvClient, KvServer, Region, TransferId, TransferStats, TransportKind};
+use baton_transfer::{ClientConfig, KvClient, KvServer, Region, TransferId, TransferStats};
 
 use crate::session::{KvJob, TransferDone, TransferFailure};
 pub use baton_protocol::wire::KvTransfer;
 
-/// How a decode worker reaches prefill workers' KV.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TransportChoice {
-    /// Shared memory when the peer's KV server is on a loopback address, else TCP.
-    #[default]
-    Auto,
-    /// Always shared memory (fails for peers on other hosts).
-    Shm,
-    /// Always TCP.
-    Tcp,
-}
-
-impl std::str::FromStr for TransportChoice {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "shm" => Ok(Self::Shm),
-            "tcp" => Ok(Self::Tcp),
-            other => Err(format!("unknown transport `{other}` (expected auto, shm or tcp)")),
-        }
-    }
-}
+/// How a decode worker reaches prefill workers' KV: the transfer plane's choice (the fastest
+/// path the two workers share, found at CONNECT, unless one is insisted on).
+pub use baton_transfer::TransportChoice;
 
 /// An emulated worker's network link (`--emulate-link-gbps`): the KV an emulated worker
 /// receives is the emulated arena's few bytes a token, which shared memory copies in
@@ -446,22 +425,10 @@ impl TransferThread {
         if self.clients.contains_key(&addr) {
             return Ok(());
         }
-        let kind = match self.transport {
-            TransportChoice::Shm => TransportKind::Shm,
-            TransportChoice::Tcp => TransportKind::Tcp,
-            TransportChoice::Auto if addr.ip().is_loopback() => TransportKind::Shm,
-            TransportChoice::Auto => TransportKind::Tcp,
-        };
-        let config = ClientConfig { transport: kind, ..self.config.clone() };
-        let client = match KvClient::connect(addr, config, self.local.clone()) {
-            Err(e) if self.transport == TransportChoice::Auto && kind == TransportKind::Shm => {
-                tracing::info!(peer = %addr, error = %e, "shared memory unavailable; using TCP");
-                let config = ClientConfig { transport: TransportKind::Tcp, ..self.config.clone() };
-                KvClient::connect(addr, config, self.local.clone())
-            }
-            other => other,
-        }
-        .map_err(|e| format!("connecting to the KV server at {addr}: {e}"))?;
+        let config = ClientConfig { transport: self.transport, ..self.config.clone() };
+        let client = KvClient::connect(addr, config, self.local.clone())
+            .map_err(|e| format!("connecting to the KV server at {addr}: {e}"))?;
+        tracing::info!(peer = %addr, transport = %client.transport(), "KV from a new peer: over {}", client.transport());
         self.clients.insert(addr, client);
         Ok(())
     }

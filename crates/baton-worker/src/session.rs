@@ -714,11 +714,12 @@ impl<S: Sink> Sessions<S> {
                 if mode == KvTransfer::Layerwise {
                     req.generated.extend_from_slice(&trailer);
                 }
-                tracing::info!(bytes = stats.bytes, calls = stats.calls, "received KV");
+                tracing::info!(bytes = stats.bytes, calls = stats.calls, transport = %stats.transport, "received KV");
                 received = Some(Received {
                     tokens: kv.tokens().saturating_sub(skip * host.block_size()),
                     bytes: stats.bytes,
                     micros: u64::try_from(stats.elapsed.as_micros()).unwrap_or(u64::MAX),
+                    transport: Some(stats.transport),
                 });
                 req.prefix = kv.into_prefix();
             }

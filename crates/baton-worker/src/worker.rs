@@ -101,6 +101,11 @@ pub struct WorkerOptions {
     /// tests; `BATON_FAULT_REFUSE_ROLE_SWITCHES` for `baton worker` processes), so that a test
     /// can watch a switch fail.
     pub refuse_role_switches: u32,
+    /// Test seam: the worker's host arena poses as a device arena (`false` outside tests;
+    /// `BATON_FAULT_KV_DEVICE_STAND_IN=1` for `baton worker` processes), so that the device
+    /// transport's protocol (the choice at CONNECT, device-to-device pulls and pushes) runs
+    /// between real worker processes on a machine with no GPU.
+    pub device_stand_in: bool,
 }
 
 /// A role switch the worker refused (fault injection).
@@ -223,6 +228,17 @@ impl WorkerHandle {
         let peer = PeerId(u64::from(engine.config().instance.0));
         // Every role serves KV: prefill workers their hand-offs, any worker its cache to a peer
         // that fetches from it.
+        // A device arena peers on this host may open, when the engine keeps one (the test seam
+        // stands the host arena in for one).
+        let device: Option<Arc<dyn baton_transfer::DeviceArena>> = match (&arena, options.device_stand_in) {
+            (Some(arena), true) => {
+                let region = Arc::new(Region::from_arena(arena, Access::ReadWrite)?);
+                let stand_in =
+                    baton_transfer::StandInArena::new(region, 0).map_err(|e| io_error("stand-in device", e))?;
+                Some(Arc::new(stand_in))
+            }
+            _ => None,
+        };
         let server = {
             let arena = arena.as_ref().ok_or_else(|| io_error("KV server", "the engine's arena cannot be shared"))?;
             let region = Region::from_arena(arena, Access::ReadOnly)?;
@@ -231,6 +247,7 @@ impl WorkerHandle {
                 lease: options.lease,
                 io_timeout: options.io_timeout,
                 tls: options.kv_tls.as_ref().map(|t| Arc::clone(&t.server)),
+                device: device.clone(),
                 ..ServerConfig::new(peer, options.compat.clone(), options.secret.expose())
             };
             let owner = LoopOwner(std::sync::Mutex::new(tx.clone()));
@@ -244,6 +261,7 @@ impl WorkerHandle {
             let config = ClientConfig {
                 io_timeout: options.io_timeout,
                 tls: options.kv_tls.as_ref().map(|t| Arc::clone(&t.client)),
+                device,
                 ..ClientConfig::new(peer, options.compat.clone(), options.secret.expose())
             };
             let engine_thread = std::sync::Mutex::new(tx.clone());

@@ -83,7 +83,9 @@ impl Worker for StubWorker {
                 let addr = SocketAddr::from(([127, 0, 0, 1], 9));
                 (Some(KvSource { addr, blocks, tokens: prompt_tokens, lease: None }), None)
             }
-            Work::Decode { source, .. } => (None, Some(Received { tokens: source.tokens, bytes: 0, micros: 0 })),
+            Work::Decode { source, .. } => {
+                (None, Some(Received { tokens: source.tokens, bytes: 0, micros: 0, transport: None }))
+            }
             Work::Whole { .. } => (None, None),
         };
         let _ = tx.send(RequestEvent::Token { token: 1, text: " x".into(), logprobs: None });

@@ -40,7 +40,8 @@ pub(crate) enum RoleArg {
 /// How KV reaches a decode worker.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub(crate) enum TransportArg {
-    /// Shared memory for peers on loopback addresses, TCP for others.
+    /// The fastest path both workers have: shared memory for a peer on this host (the same
+    /// kernel and PID namespace, as each says at CONNECT), TCP for others.
     Auto,
     /// Shared memory only (same host).
     Shm,

@@ -569,6 +569,40 @@ fn push_mode_over_tcp_matches_pull_mode_and_generate() {
     }
 }
 
+/// Two worker processes whose KV arenas pose as device arenas (host memory standing in for GPU
+/// memory, `BATON_FAULT_KV_DEVICE_STAND_IN`): the transfer plane finds at CONNECT that both
+/// arenas are on devices of one host, and hand-offs pulled, pushed and pushed layer by layer go
+/// device to device, with the texts `baton generate` gives and nothing left held.
+#[cfg(feature = "fault-injection")] // The stand-in through the environment.
+#[test]
+fn hand_offs_between_device_arenas_go_device_to_device_in_every_mode() {
+    let dir = model("tiny-llama");
+    let env = [("BATON_FAULT_KV_DEVICE_STAND_IN", "1")];
+    let (_pull, pull_url) = conductor_with(&dir, "embedded", &["--kv-transfer", "pull"]);
+    let p = worker_env(&dir, "prefill", &pull_url, &[], SECRET, &env);
+    let d = worker_env(&dir, "decode", &pull_url, &[], SECRET, &env);
+    let (_push, push_url) = conductor_with(&dir, &pull_url, &["--kv-transfer", "push"]);
+    let (_layers, layers_url) = conductor_with(&dir, &pull_url, &["--kv-transfer", "layerwise"]);
+    // A prompt of its own for each mode, so that no hand-off finds its prompt cached already.
+    let modes = [
+        (&pull_url, "pull", LONG),
+        (&push_url, "push", "Once upon a time, in a quiet village by the sea"),
+        (&layers_url, "layerwise", "Write a short note about rivers, mountains and the long roads between them"),
+    ];
+    for (url, _, _) in &modes {
+        wait_members(url, 2, Duration::from_secs(10));
+    }
+    for (url, mode, prompt) in modes {
+        let expected = generate(&dir, prompt, 12);
+        assert_eq!(text(&complete(url, prompt, 12)), expected, "{mode}: device-to-device hand-off vs baton generate");
+        let device = metric(url, "baton_kv_transfers_total{transport=\"device\"}");
+        let others = metric(url, "baton_kv_transfers_total{transport=\"shm\"}")
+            + metric(url, "baton_kv_transfers_total{transport=\"tcp\"}");
+        assert_eq!((device, others), (1.0, 0.0), "{mode}: the hand-off did not go device to device");
+    }
+    assert_no_leak(&[&p, &d]);
+}
+
 /// A client that leaves mid-stream frees what its request held on remote workers: the
 /// conductor drops its streams from them, and each worker's stream task (which also sends the
 /// keep-alives) ends at once and aborts the request.
