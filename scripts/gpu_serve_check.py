@@ -61,26 +61,38 @@ for layout in (["--colocated", "1"], ["--prefill", "1", "--decode", "1", "--kv-t
             print(storm.stdout[-2000:], storm.stderr[-2000:])
     finally:
         proc.terminate(); proc.wait(timeout=30)
-# The same as separate processes: a conductor, and a prefill and a decode `baton worker --device cuda`.
+# The same as separate processes: a conductor, and a prefill and a decode `baton worker --device cuda`,
+# whose KV moves device to device (CUDA IPC: the workers find at CONNECT that both arenas are on
+# this host's GPU); two more conductors over the same workers hand off by push and layer-wise push.
 env = dict(os.environ, BATON_CLUSTER_SECRET="gpu-check")
 port = free_port()
 log = open(os.path.join(out, "cluster.log"), "a")
 procs = [subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)]
+ports = {"pull": port}
 try:
     for role in ("prefill", "decode"):
         procs.append(subprocess.Popen([bin_, "worker", "--role", role, "--registry", f"http://127.0.0.1:{port}", "--model", model,
                                        "--device", "cuda", "--num-blocks", "64", "--port", str(free_port()), "--kv-port", str(free_port())],
                                       env=env, stdout=log, stderr=subprocess.STDOUT))
-    answer, deadline = None, time.time() + 90
-    while answer is None and time.time() < deadline:
-        try:
-            answer = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": prompts[0], "max_tokens": 16, "temperature": 0})
-        except Exception:
-            time.sleep(0.5)
-    same = sum(post(port, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0})["choices"][0]["text"] == expected[p]
-               for p in prompts) if answer else 0
-    print(f"  baton conductor + baton worker --device cuda (prefill, decode): {same}/{len(prompts)} completions equal `baton generate --device cuda`")
-    ok &= same == len(prompts)
+    for mode in ("push", "layerwise"):
+        ports[mode] = free_port()
+        procs.append(subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(ports[mode]), "--registry",
+                                       f"http://127.0.0.1:{port}", "--kv-transfer", mode], env=env, stdout=log, stderr=subprocess.STDOUT))
+    for mode, p_ in ports.items():
+        answer, deadline = None, time.time() + 90
+        while answer is None and time.time() < deadline:
+            try:
+                answer = post(p_, "/v1/completions", {"model": "tiny-llama", "prompt": prompts[0], "max_tokens": 16, "temperature": 0})
+            except Exception:
+                time.sleep(0.5)
+        same = sum(post(p_, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0})["choices"][0]["text"] == expected[p]
+                   for p in prompts) if answer else 0
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{p_}/metrics", timeout=5).read().decode() if answer else ""
+        moved = {t: sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith(f'baton_kv_transfers_total{{transport="{t}"}}'))
+                 for t in ("device", "shm", "tcp")}
+        print(f"  baton conductor ({mode}) + baton worker --device cuda (prefill, decode): {same}/{len(prompts)} completions equal "
+              f"`baton generate --device cuda`; hand-offs by transport: {moved} (device to device expected)")
+        ok &= same == len(prompts) and moved["device"] > 0 and moved["shm"] == moved["tcp"] == 0
 finally:
     for p in procs:
         p.terminate()

@@ -329,6 +329,34 @@ impl Engine {
         self.device_kv.invalidated_blocks()
     }
 
+    /// Blocks this engine has marked as arrived on its model's device (KV a peer's GPU wrote
+    /// device to device), and blocks it has settled (both copies made to agree before others
+    /// read them: at a request's end, an import, an offer). Counted on every backend.
+    pub fn device_kv_marks(&self) -> (u64, u64) {
+        (self.device_kv.arrived_blocks(), self.device_kv.settled_blocks())
+    }
+
+    /// Tells the engine that KV for `blocks` (reserved with [`Self::reserve_kv`]) arrived in its
+    /// device arena device to device, not in the host arena: the device copy is the newer one
+    /// until the blocks are settled.
+    pub fn kv_arrived_on_device(&mut self, blocks: &[BlockId]) {
+        self.device_kv.arrived_on_device(blocks);
+    }
+
+    /// Makes the host and device copies of `blocks` agree before a peer reads them (blocks this
+    /// engine offers on its KV server: the peer may read either copy).
+    pub fn settle_kv(&mut self, blocks: &[BlockId]) -> Result<(), EngineError> {
+        self.device_kv.settle(blocks, self.pool.arena_mut())?;
+        Ok(())
+    }
+
+    /// This engine's device KV arena as the transfer plane opens it, for peers on this host to
+    /// copy device to device (`None` on the CPU, or for a host arena the device's is not laid
+    /// out as).
+    pub fn device_arena(&self) -> Option<Result<std::sync::Arc<dyn baton_transfer::DeviceArena>, EngineError>> {
+        self.device_kv.device_arena(self.pool.arena()).map(|r| r.map_err(EngineError::from))
+    }
+
     /// The KV arena (read-only; for inspection and transfer).
     pub fn kv(&self) -> &KvArena {
         self.pool.arena()
@@ -579,6 +607,8 @@ impl Engine {
     /// up here); its whole blocks are cached under those tokens. Returns the blocks cached.
     pub fn import_kv(&mut self, tokens: &[u32], kv: KvPrefix) -> Result<usize, EngineError> {
         let cached = if self.config.prefix_caching {
+            // The cache's blocks are read from the host (tiers, peers): bring it up to date.
+            self.device_kv.settle(&kv.blocks, self.pool.arena_mut())?;
             let whole = kv.tokens.min(tokens.len());
             self.pool.insert(&tokens[..whole], &kv.blocks, self.clock)?
         } else {
@@ -962,7 +992,13 @@ impl Engine {
     fn finish(&mut self, id: RequestId, reason: FinishReason) -> Result<Finished, EngineError> {
         let mut seq = self.seqs.remove(&id).expect("finished sequences exist");
         let mut blocks = seq.table.take();
-        if self.config.prefix_caching && seq.prefix_cache && reason != FinishReason::Aborted {
+        let caches = self.config.prefix_caching && seq.prefix_cache && reason != FinishReason::Aborted;
+        if caches || (seq.retain_kv != KvRetention::None && reason != FinishReason::Aborted) {
+            // What stays (in the prefix cache, or for a peer) is read from the host arena by
+            // tiers and peers: a block whose KV arrived device to device is brought down first.
+            self.device_kv.settle(&blocks, self.pool.arena_mut())?;
+        }
+        if caches {
             // Every whole block with computed KV goes into the index (which takes its own hold).
             self.pool.insert(&seq.tokens[..seq.computed], &blocks, self.clock)?;
         }

@@ -189,3 +189,52 @@ fn a_streamed_prefill_hands_over_every_layer_of_every_block_once() {
         }
     }
 }
+
+/// KV that arrived in the decode engine's device arena device to device (not in its host arena)
+/// is settled — brought down to the host arena — before anything reads it there: when the
+/// request ends and its blocks enter the prefix cache. With nothing kept (no prefix cache, no
+/// retention) nothing is settled. Counted on the CPU too, where settling copies nothing.
+#[test]
+fn kv_that_arrived_on_the_device_is_settled_before_the_host_reads_it() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-llama");
+    let ckpt = Checkpoint::open(&dir).expect("fixture loads");
+    let tokenizer = Arc::new(ckpt.tokenizer.clone());
+    let model = Arc::new(ckpt.model);
+    let prompt = tokenizer.encode("Disaggregated inference separates prefill and decode.", true).expect("encodes");
+    let stop = StopParams { max_tokens: 4, ignore_eos: true, stop_strings: vec![] };
+    for prefix_caching in [true, false] {
+        let config = EngineConfig { block_size: 4, num_blocks: 128, prefix_caching, ..EngineConfig::default() };
+        let engine = || Engine::new(model.clone(), Some(tokenizer.clone()), config.clone()).expect("engine");
+        let mut prefill = engine();
+        prefill
+            .add_request(GenerationRequest {
+                stop: StopParams { max_tokens: 1, ..stop.clone() },
+                retain_kv: KvRetention::All,
+                ..GenerationRequest::new(RequestId(1), prompt.clone())
+            })
+            .expect("valid");
+        let first = prefill.run_to_completion().expect("runs").remove(0);
+        let held = first.kv.expect("the prefill keeps the request's KV");
+        let mut decode = engine();
+        let reserved = decode.reserve_kv(held.tokens).expect("room");
+        decode.kv_mut().copy_blocks_from(prefill.kv(), &held.blocks, &reserved.blocks);
+        decode.kv_arrived_on_device(&reserved.blocks);
+        let n = reserved.blocks.len() as u64;
+        assert_eq!(decode.device_kv_marks(), (n, 0), "marked, nothing settled while the request runs");
+        decode
+            .add_request(GenerationRequest {
+                stop: stop.clone(),
+                generated: first.token_ids.clone(),
+                prefix: Some(reserved),
+                ..GenerationRequest::new(RequestId(1), prompt.clone())
+            })
+            .expect("valid");
+        decode.run_to_completion().expect("runs");
+        let (_, settled) = decode.device_kv_marks();
+        if prefix_caching {
+            assert!(settled >= n, "the blocks entering the prefix cache were settled: {settled} of {n}");
+        } else {
+            assert_eq!(settled, 0, "nothing kept, nothing to settle");
+        }
+    }
+}

@@ -28,6 +28,7 @@ pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod device;
+mod device_kv;
 mod error;
 pub mod gemv;
 pub mod gguf;
@@ -48,9 +49,10 @@ pub use checkpoint::{
 };
 pub use config::{Architecture, ModelConfig};
 pub use device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions, PackOffsets, StepPack};
+pub use device_kv::DeviceKv;
 pub use error::{ModelError, Result};
 pub use grammar::{Constraint, Grammar, GrammarCompiler};
-pub use model::{DeviceKv, Model};
+pub use model::Model;
 pub use sampling::{LogitAdjust, Sampler, SamplingParams, TokenLogprobs, argmax, token_logprobs};
 pub use step::{LogitsWanted, SeqStep, StepLogits};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};

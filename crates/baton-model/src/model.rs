@@ -13,12 +13,13 @@
 //! and for what a device is asked without a model ([`ComputeDevice::measure_limits`], and
 //! `ComputeDevice::check_kernels` with the `cuda` feature).
 
-use baton_kv::{BlockId, KvArena, KvGeometry, KvPart};
+use baton_kv::{KvArena, KvGeometry, KvPart};
 use candle_core::{Device, Tensor};
 
 use crate::attention::{AttentionShape, RowPos, Widening, paged_attention};
 use crate::config::ModelConfig;
 use crate::device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions};
+use crate::device_kv::DeviceKv;
 use crate::error::{ModelError, Result};
 use crate::kernels::{apply_rope, gated_activation, rms_norm, rope_inv_freq, rope_tables, soft_cap};
 use crate::linear::{Linear, QWeight};
@@ -107,45 +108,6 @@ impl ComputeDevice {
 #[cfg(not(feature = "cuda"))]
 const NO_CUDA: &str = "this baton was built without CUDA support: rebuild with `cargo build --release --features cuda`";
 
-/// An engine's KV state on its model's device, beside the host arena: nothing for the CPU (the
-/// host arena is what it computes on); for a GPU, the arena's copy in device memory and the
-/// engine's stream and workspace. Made by [`Model::device_kv`], one per engine (per arena).
-#[derive(Debug, Default)]
-pub struct DeviceKv {
-    #[cfg(feature = "cuda")]
-    cuda: Option<crate::cuda::CudaKv>,
-    /// Blocks marked stale so far, on any backend (what a test of the caller can count).
-    invalidated: u64,
-}
-
-impl DeviceKv {
-    /// Tells the device that the host bytes of `blocks` were written by someone else than the
-    /// forward pass (KV received from a peer, copied back from a slower tier): their device
-    /// copy is refreshed before a step reads them.
-    pub fn invalidate(&mut self, blocks: &[BlockId]) {
-        self.invalidated += blocks.len() as u64;
-        #[cfg(feature = "cuda")]
-        if let Some(c) = &mut self.cuda {
-            c.invalidate(blocks);
-        }
-    }
-
-    /// Blocks marked stale since this state was made (counted on the CPU too, where marking
-    /// costs nothing: the engine's marking is tested without a GPU).
-    pub fn invalidated_blocks(&self) -> u64 {
-        self.invalidated
-    }
-
-    /// Device memory this engine's state takes: (KV arena, workspace) bytes; zeros on the CPU.
-    pub fn device_bytes(&self) -> (usize, usize) {
-        #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
-            return c.device_bytes();
-        }
-        (0, 0)
-    }
-}
-
 /// The CPU backend's weights.
 struct CpuModel {
     embed: Embedding,
@@ -225,7 +187,7 @@ impl Model {
         match &self.compute {
             Compute::Cpu(_) => Ok(DeviceKv::default()),
             #[cfg(feature = "cuda")]
-            Compute::Cuda(m) => Ok(DeviceKv { cuda: Some(m.new_kv(arena, fresh)?), invalidated: 0 }),
+            Compute::Cuda(m) => Ok(DeviceKv::cuda(m.new_kv(arena, fresh)?)),
         }
     }
 
@@ -376,8 +338,7 @@ impl Model {
             #[cfg(feature = "cuda")]
             Compute::Cuda(m) => {
                 let state = device
-                    .cuda
-                    .as_mut()
+                    .cuda_mut()
                     .ok_or_else(|| ModelError::Device("this DeviceKv was not made by the model's device".into()))?;
                 m.forward(batch, kv, state, layer_written)
             }

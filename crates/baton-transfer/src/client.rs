@@ -117,6 +117,8 @@ struct PushState {
     trailer: Vec<u32>,
     /// Bytes of the blocks registered.
     registered: u64,
+    /// How the pusher wrote, as its last PUSHED said.
+    via: Option<TransportKind>,
 }
 
 /// A decode worker's link to one prefill worker (see the module docs).
@@ -337,7 +339,7 @@ impl KvClient {
         // Finished or refused, the push is over on both sides.
         let p = self.pushes.remove(&id).unwrap_or_default();
         completed?;
-        let transport = if p.bytes > 0 { TransportKind::Tcp } else { self.transport() };
+        let transport = p.via.unwrap_or(TransportKind::Tcp);
         Ok(TransferStats { bytes: p.moved(), copies: p.frames, calls: p.frames, elapsed: start.elapsed(), transport })
     }
 
@@ -436,17 +438,18 @@ impl KvClient {
                 state.frames += 1;
                 self.control.recv_into(&self.local, &ranges)
             }
-            Frame::Pushed { id, generation, layers_done, done, trailer } => {
+            Frame::Pushed { id, generation, layers_done, done, trailer, via } => {
                 let Some(state) = self.pushes.get_mut(&id).filter(|p| p.generation == generation) else {
                     return Ok(());
                 };
+                state.via = Some(via);
                 state.layers_done = layers_done;
                 state.pushed += 1;
                 if done {
                     state.done = true;
                     state.trailer = trailer;
                 }
-                if self.transport.kind() != TransportKind::Tcp {
+                if via != TransportKind::Tcp {
                     state.frames += 1;
                 }
                 Ok(())

@@ -82,6 +82,9 @@ pub enum TransferError {
     /// what: another host, no device arena, no shared memory offered).
     #[error("the transport asked for cannot reach the peer: {0}")]
     Unreachable(String),
+    /// A device call failed (opening a peer's device arena, a device-to-device copy).
+    #[error("device: {0}")]
+    Device(String),
 }
 
 impl TransferError {

@@ -19,12 +19,12 @@ use baton_kv::{ByteRange, Dim, TensorDescriptor};
 use crate::auth::{NONCE_LEN, PROOF_LEN};
 use crate::compat::{Compat, dtype_code, dtype_from_code};
 use crate::location::{DeviceHandle, DeviceHandleKind, HostId, Location, MAX_DEVICE_HANDLE, Reach, ShmHandle};
-use crate::{PeerId, TransferId};
+use crate::{PeerId, TransferId, TransportKind};
 
 /// First four bytes of every frame: "BTKV".
 pub const MAGIC: u32 = u32::from_le_bytes(*b"BTKV");
 /// Protocol version this build speaks (3: PUSHED carries a trailer; 4: CONNECT and ACCEPT say
-/// where the sender's KV lives, [`Reach`]).
+/// where the sender's KV lives, [`Reach`], and PUSHED how the layers were written).
 pub const VERSION: u16 = 4;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 24;
@@ -245,6 +245,9 @@ pub enum Frame {
         /// PUSHED of a layer-wise push, the token the prefill sampled, which did not exist when
         /// the decode side registered); empty otherwise.
         trailer: Vec<u32>,
+        /// How the layers were written: device to device, into the mapped region, or in WRITE
+        /// frames (the receiver's engine must know which copy of its blocks is the newer).
+        via: TransportKind,
     },
     /// Client → server: all data of the transfer is read; release the blocks.
     Complete {
@@ -390,12 +393,17 @@ impl Frame {
                 w.u64(*generation);
                 w.ranges(ranges);
             }
-            Frame::Pushed { id, generation, layers_done, done, trailer } => {
+            Frame::Pushed { id, generation, layers_done, done, trailer, via } => {
                 w.u64(id.0);
                 w.u64(*generation);
                 w.u32(*layers_done);
                 w.u8(u8::from(*done));
                 w.ids(trailer);
+                w.u8(match via {
+                    TransportKind::Device => 0,
+                    TransportKind::Shm => 1,
+                    TransportKind::Tcp => 2,
+                });
             }
             Frame::Error { id, code, message } => {
                 w.u64(id.0);
@@ -457,6 +465,12 @@ impl Frame {
                 layers_done: r.u32()?,
                 done: r.u8()? != 0,
                 trailer: r.ids()?,
+                via: match r.u8()? {
+                    0 => TransportKind::Device,
+                    1 => TransportKind::Shm,
+                    2 => TransportKind::Tcp,
+                    x => return Err(r.bad(format!("push transport {x}"))),
+                },
             },
             kind::ERROR => {
                 Frame::Error { id: TransferId(r.u64()?), code: ErrorCode::from_u16(r.u16()?), message: r.string()? }
@@ -774,8 +788,22 @@ mod tests {
             Frame::Read { id, seq: 3, ranges: vec![ByteRange { offset: 10, len: 20 }], flags: FLAG_GATHER },
             Frame::Data { id, seq: 3, payload_len: 20 },
             Frame::Write { id, generation: 9, ranges: vec![ByteRange { offset: 1, len: 2 }], payload_len: 2 },
-            Frame::Pushed { id, generation: 9, layers_done: 2, done: false, trailer: Vec::new() },
-            Frame::Pushed { id, generation: 9, layers_done: 2, done: true, trailer: vec![7, 1 << 31] },
+            Frame::Pushed {
+                id,
+                generation: 9,
+                layers_done: 2,
+                done: false,
+                trailer: Vec::new(),
+                via: TransportKind::Tcp,
+            },
+            Frame::Pushed {
+                id,
+                generation: 9,
+                layers_done: 2,
+                done: true,
+                trailer: vec![7, 1 << 31],
+                via: TransportKind::Device,
+            },
             Frame::Complete { id },
             Frame::CompleteAck { id },
             Frame::Error { id, code: ErrorCode::LeaseExpired, message: "gone".into() },

@@ -471,7 +471,14 @@ impl KvServer {
             }
         };
         let trailer = last.map(<[u32]>::to_vec).unwrap_or_default();
-        let pushed = Frame::Pushed { id, generation, layers_done: layers.end as u32, done: last.is_some(), trailer };
+        let pushed = Frame::Pushed {
+            id,
+            generation,
+            layers_done: layers.end as u32,
+            done: last.is_some(),
+            trailer,
+            via: transport,
+        };
         w.send(&pushed)?;
         Ok(TransferStats { bytes: p.bytes() as u64, copies: p.len(), calls, elapsed: start.elapsed(), transport })
     }

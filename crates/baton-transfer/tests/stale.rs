@@ -90,11 +90,33 @@ fn a_late_write_of_an_aborted_push_is_refused_and_the_reused_blocks_keep_their_c
         send(&mut s, &Frame::TransferOk { id: got }, &[]);
         // A write of the first push arrives late: it must be refused.
         send(&mut s, &Frame::Write { id: got, generation: 1, ranges: vec![slab], payload_len: 64 }, &[0xAA; 64]);
-        send(&mut s, &Frame::Pushed { id: got, generation: 1, layers_done: 2, done: true, trailer: Vec::new() }, &[]);
+        send(
+            &mut s,
+            &Frame::Pushed {
+                id: got,
+                generation: 1,
+                layers_done: 2,
+                done: true,
+                trailer: Vec::new(),
+                via: baton_transfer::TransportKind::Tcp,
+            },
+            &[],
+        );
         wait.recv().expect("go on");
         // Then the live push writes and finishes.
         send(&mut s, &Frame::Write { id: got, generation: 2, ranges: vec![slab], payload_len: 64 }, &[0xBB; 64]);
-        send(&mut s, &Frame::Pushed { id: got, generation: 2, layers_done: 2, done: true, trailer: Vec::new() }, &[]);
+        send(
+            &mut s,
+            &Frame::Pushed {
+                id: got,
+                generation: 2,
+                layers_done: 2,
+                done: true,
+                trailer: Vec::new(),
+                via: baton_transfer::TransportKind::Tcp,
+            },
+            &[],
+        );
         assert!(matches!(recv(&mut s), Frame::Complete { .. }));
         send(&mut s, &Frame::CompleteAck { id: got }, &[]);
         s

@@ -451,6 +451,8 @@ fn push_case(src_layout: &str, dst_layout: KvLayout, transport: TransportKind) {
         assert!(calls > 1, "{transport:?} push took {calls} call(s): not one-sided? {pushed}");
     }
     let stats = client.finish_push(TransferId(req), Duration::from_secs(5)).expect("push");
+    assert_eq!(stats.transport, transport, "the PUSHED frames say how the layers were written");
+    assert_eq!(stats.bytes as usize, n * geometry().block_elems() * 4);
     assert_eq!(client.pushed_layers(TransferId(req)), None, "finished pushes are forgotten");
     assert!(stats.calls >= 2, "two layer groups, at least one call each");
     check_subset(&decode, req, &local, &[]);
@@ -475,7 +477,8 @@ fn layerwise_case(src_layout: &str, dst_layout: KvLayout, transport: TransportKi
     assert_eq!(done, vec![id], "the last PUSHED ends the push");
     assert_eq!(client.push_progress(id), Some(3 * geometry().layers as u64 + 1), "one PUSHED a piece, one last");
     assert_eq!(client.push_trailer(id), &[42, 7]);
-    client.finish_push(id, Duration::from_secs(5)).expect("complete");
+    let stats = client.finish_push(id, Duration::from_secs(5)).expect("complete");
+    assert_eq!(stats.transport, transport, "the PUSHED frames say how the layers were written");
     assert_eq!(client.push_trailer(id), &[] as &[u32], "finished pushes are forgotten");
     check_subset(&decode, req, &local, &[]);
     let (free_after, leases) = prefill.free();

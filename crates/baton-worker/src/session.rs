@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use baton_engine::{GenerationRequest, KvPrefix, KvRetention, RequestId, StepOutput};
 use baton_kv::BlockId;
-use baton_transfer::TransferStats;
+use baton_transfer::{TransferStats, TransportKind};
 use tokio::sync::mpsc::UnboundedSender;
 
 use baton_protocol::wire::{KvSource, KvTransfer, Received, RequestEvent, Work, WorkRequest, WorkerError};
@@ -87,6 +87,9 @@ pub trait Host {
     /// Offers a finished request's retained blocks on the KV server under a lease; the server's
     /// address, or `None` (no server, or it refused) and the blocks are released.
     fn offer(&mut self, id: RequestId, blocks: &[BlockId]) -> Option<SocketAddr>;
+    /// Tells the engine that KV for `blocks` arrived in its device arena, device to device,
+    /// not in its host arena.
+    fn arrived_on_device(&mut self, blocks: &[BlockId]);
 }
 
 /// Work for the drivers other than the engine.
@@ -715,6 +718,10 @@ impl<S: Sink> Sessions<S> {
                     req.generated.extend_from_slice(&trailer);
                 }
                 tracing::info!(bytes = stats.bytes, calls = stats.calls, transport = %stats.transport, "received KV");
+                if stats.transport == TransportKind::Device {
+                    // The blocks this worker cached already did not travel.
+                    host.arrived_on_device(kv.blocks().get(skip..).unwrap_or_default());
+                }
                 received = Some(Received {
                     tokens: kv.tokens().saturating_sub(skip * host.block_size()),
                     bytes: stats.bytes,
@@ -1004,6 +1011,8 @@ mod tests {
         imported: usize,
         /// Tokens generated elsewhere that requests came with.
         generated: HashMap<RequestId, Vec<u32>>,
+        /// Blocks told they arrived device to device.
+        on_device: Vec<BlockId>,
     }
 
     impl FakeHost {
@@ -1018,6 +1027,7 @@ mod tests {
                 cached_blocks: 0,
                 imported: 0,
                 generated: HashMap::new(),
+                on_device: Vec::new(),
             }
         }
 
@@ -1118,6 +1128,10 @@ mod tests {
 
         fn offer(&mut self, _id: RequestId, _blocks: &[BlockId]) -> Option<SocketAddr> {
             self.offer.then(addr)
+        }
+
+        fn arrived_on_device(&mut self, blocks: &[BlockId]) {
+            self.on_device.extend_from_slice(blocks);
         }
     }
 
@@ -1278,6 +1292,25 @@ mod tests {
         };
         s.submit(&mut h, Instant::now(), submission);
         assert_eq!(take_job(&mut s).skip, 0);
+        assert!(h.on_device.is_empty(), "nothing arrived device to device");
+    }
+
+    #[test]
+    fn kv_that_arrived_device_to_device_is_marked_so_in_the_engine_and_only_what_travelled() {
+        let (mut s, mut h) = (sessions(), FakeHost::new(16));
+        h.cached_blocks = 2;
+        submit_kv(&mut s, &mut h, Instant::now(), 1, 3 * BS);
+        let job = take_job(&mut s);
+        let travelled = job.kv.blocks()[2..].to_vec();
+        let stats = TransferStats { transport: TransportKind::Device, bytes: 64, ..TransferStats::default() };
+        s.transfer_done(&mut h, job.done(Ok(stats)));
+        assert_eq!(h.on_device, travelled, "the block that travelled, not those cached here");
+        // Over shared memory or TCP the host arena got the bytes: nothing to mark.
+        submit_kv(&mut s, &mut h, Instant::now(), 2, 3 * BS);
+        let stats = TransferStats { transport: TransportKind::Shm, bytes: 64, ..TransferStats::default() };
+        let job = take_job(&mut s);
+        s.transfer_done(&mut h, job.done(Ok(stats)));
+        assert_eq!(h.on_device, travelled);
     }
 
     #[test]

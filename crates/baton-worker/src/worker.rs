@@ -228,8 +228,8 @@ impl WorkerHandle {
         let peer = PeerId(u64::from(engine.config().instance.0));
         // Every role serves KV: prefill workers their hand-offs, any worker its cache to a peer
         // that fetches from it.
-        // A device arena peers on this host may open, when the engine keeps one (the test seam
-        // stands the host arena in for one).
+        // The engine's device arena, which peers on this host may open and copy device to
+        // device (a GPU engine's; the test seam stands the host arena in for one).
         let device: Option<Arc<dyn baton_transfer::DeviceArena>> = match (&arena, options.device_stand_in) {
             (Some(arena), true) => {
                 let region = Arc::new(Region::from_arena(arena, Access::ReadWrite)?);
@@ -237,7 +237,14 @@ impl WorkerHandle {
                     baton_transfer::StandInArena::new(region, 0).map_err(|e| io_error("stand-in device", e))?;
                 Some(Arc::new(stand_in))
             }
-            _ => None,
+            _ => match engine.device_arena() {
+                Some(Ok(device)) => Some(device),
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "the device KV arena cannot be shared: KV moves through host memory");
+                    None
+                }
+                None => None,
+            },
         };
         let server = {
             let arena = arena.as_ref().ok_or_else(|| io_error("KV server", "the engine's arena cannot be shared"))?;
@@ -601,6 +608,10 @@ impl Host for EngineHost {
         }
     }
 
+    fn arrived_on_device(&mut self, blocks: &[BlockId]) {
+        self.engine.kv_arrived_on_device(blocks);
+    }
+
     fn import_kv(&mut self, tokens: &[u32], kv: KvPrefix) {
         match self.engine.import_kv(tokens, kv) {
             Ok(blocks) => tracing::info!(blocks, "imported KV into the prefix cache"),
@@ -622,6 +633,12 @@ impl Host for EngineHost {
 
     fn offer(&mut self, id: RequestId, blocks: &[BlockId]) -> Option<SocketAddr> {
         let (server, addr) = (self.server.as_ref()?, self.kv_addr?);
+        // A peer may read either copy of the blocks (the host's over shared memory or TCP, the
+        // device's device to device): both must hold the KV.
+        if let Err(e) = self.engine.settle_kv(blocks) {
+            tracing::error!(request = id.0, error = %e, "cannot settle KV for transfer");
+            return None;
+        }
         match server.offer(TransferId(id.0), blocks.to_vec()) {
             Ok(()) => Some(addr),
             Err(e) => {

@@ -39,10 +39,16 @@ pub struct CudaKv {
     pub(super) k: Arc<Kernels>,
     pub(super) stream: Arc<CudaStream>,
     pub(super) blas: CudaBlas,
-    /// Block-major `[blocks][layers][2][block_size][kv_heads · head_dim]`.
-    pub(super) cache: DevBuf,
-    /// Blocks whose device copy may differ from the host arena's bytes.
+    /// Block-major `[blocks][layers][2][block_size][kv_heads · head_dim]`; shared with the
+    /// transfer plane's handle on it ([`super::ipc::CudaArena`]), so the allocation lives as
+    /// long as either holds it.
+    pub(super) cache: Arc<DevBuf>,
+    /// Blocks whose host copy is the newer one (written there by someone else than the forward
+    /// pass): uploaded before a step reads them.
     pub(super) stale: Vec<bool>,
+    /// Blocks whose device copy is the newer one (arrived device to device): downloaded by
+    /// [`CudaKv::settle`]. Never set together with `stale`.
+    pub(super) host_stale: Vec<bool>,
     pub(super) ws: Option<Workspace>,
     pub(super) words: Option<DevBuf>,
     pub(super) kv_kind: Kind,
@@ -155,8 +161,94 @@ impl CudaKv {
         for b in blocks {
             if let Some(s) = self.stale.get_mut(b.0 as usize) {
                 *s = true;
+                self.host_stale[b.0 as usize] = false;
             }
         }
+    }
+
+    /// Marks blocks that arrived device to device: the device copy is the newer one.
+    pub(crate) fn arrived_on_device(&mut self, blocks: &[BlockId]) {
+        for b in blocks {
+            if let Some(h) = self.host_stale.get_mut(b.0 as usize) {
+                *h = true;
+                self.stale[b.0 as usize] = false;
+            }
+        }
+    }
+
+    /// Makes both copies of `blocks` agree: downloads those the device has newer into the host
+    /// arena, uploads those the host has newer. Returns the blocks copied.
+    pub(crate) fn settle(&mut self, blocks: &[BlockId], arena: &mut KvArena) -> Result<usize> {
+        let mut down: Vec<u32> = Vec::new();
+        let mut copied = 0;
+        for b in blocks {
+            let i = b.0 as usize;
+            if self.host_stale.get_mut(i).is_some_and(std::mem::take) {
+                down.push(b.0);
+            } else if self.stale.get_mut(i).is_some_and(std::mem::take) {
+                self.upload_block(i, arena)?;
+                copied += 1;
+            }
+        }
+        if !down.is_empty() {
+            // Only a block-major arena is offered device to device (`device_arena`), so only
+            // its blocks arrive there: at the same offsets in both arenas.
+            down.sort_unstable();
+            self.copy_whole_blocks(&down, arena)?;
+            copied += down.len();
+        }
+        if copied > 0 {
+            self.stream.synchronize().map_err(err)?;
+        }
+        Ok(copied)
+    }
+
+    /// The device arena as the transfer plane opens it, when it is laid out as the host's (a
+    /// block-major host arena from offset 0: a block at the same offset in both).
+    pub(crate) fn device_arena(&self, arena: &KvArena) -> Option<Result<Arc<dyn baton_transfer::DeviceArena>>> {
+        let desc = arena.descriptor();
+        if desc.dims != KvLayout::BlockMajor.dims() || desc.base != 0 {
+            return None;
+        }
+        Some(
+            super::ipc::CudaArena::new(Arc::clone(&self.cache))
+                .map(|a| Arc::new(a) as Arc<dyn baton_transfer::DeviceArena>),
+        )
+    }
+
+    /// Enqueues the upload of block `i` from the host arena (the caller synchronises the
+    /// stream before the host bytes may change).
+    fn upload_block(&self, i: usize, arena: &KvArena) -> Result<()> {
+        let g = *arena.geometry();
+        let size = g.dtype.size();
+        let desc = arena.descriptor();
+        let bytes = arena.as_bytes();
+        let slab = g.slab_elems() * size;
+        if desc.dims == KvLayout::BlockMajor.dims() {
+            // The host's block is contiguous and laid out as the device's: one copy.
+            let (src, len) = (desc.offset(0, KvPart::Key, i, 0, 0) * size, g.block_elems() * size);
+            // SAFETY: one block inside each arena.
+            return unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    self.cache.at(i * len),
+                    &bytes[src..src + len],
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(err);
+        }
+        for l in 0..g.layers {
+            for (pi, part) in [KvPart::Key, KvPart::Value].into_iter().enumerate() {
+                let src = desc.offset(l, part, i, 0, 0) * size;
+                let dst = self.cache.at(((i * g.layers + l) * 2 + pi) * slab);
+                // SAFETY: both ranges are one slab inside their arenas.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(dst, &bytes[src..src + slab], self.stream.cu_stream())
+                }
+                .map_err(err)?;
+            }
+        }
+        Ok(())
     }
 
     /// Device memory the arena and the workspace take.
@@ -186,12 +278,6 @@ impl CudaKv {
 
     /// Uploads the stale blocks this step reads.
     pub(super) fn upload_stale(&mut self, pack: &StepPack, arena: &KvArena) -> Result<()> {
-        let g = *arena.geometry();
-        let size = g.dtype.size();
-        let desc = arena.descriptor();
-        let bytes = arena.as_bytes();
-        let slab = g.slab_elems() * size;
-        let block_major = desc.dims == KvLayout::BlockMajor.dims();
         let mut uploaded = false;
         for &b in &pack.tables {
             let i = b as usize;
@@ -200,31 +286,7 @@ impl CudaKv {
                 continue;
             }
             uploaded = true;
-            if block_major {
-                // The host's block is contiguous and laid out as the device's: one copy.
-                let (src, len) = (desc.offset(0, KvPart::Key, i, 0, 0) * size, g.block_elems() * size);
-                // SAFETY: one block inside each arena.
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(
-                        self.cache.at(i * len),
-                        &bytes[src..src + len],
-                        self.stream.cu_stream(),
-                    )
-                }
-                .map_err(err)?;
-                continue;
-            }
-            for l in 0..g.layers {
-                for (pi, part) in [KvPart::Key, KvPart::Value].into_iter().enumerate() {
-                    let src = desc.offset(l, part, i, 0, 0) * size;
-                    let dst = self.cache.at(((i * g.layers + l) * 2 + pi) * slab);
-                    // SAFETY: both ranges are one slab inside their arenas.
-                    unsafe {
-                        cudarc::driver::result::memcpy_htod_async(dst, &bytes[src..src + slab], self.stream.cu_stream())
-                    }
-                    .map_err(err)?;
-                }
-            }
+            self.upload_block(i, arena)?;
         }
         // The host bytes must stay put until the copies read them.
         if uploaded { self.stream.synchronize().map_err(err) } else { Ok(()) }

@@ -55,6 +55,7 @@ use crate::weights::WeightSource;
 
 mod check;
 mod compile;
+mod ipc;
 mod kv;
 mod memory;
 mod profile;
@@ -617,7 +618,7 @@ impl CudaModel {
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
         let blocks = arena.num_blocks();
         // One block more than the pool's: the scratch block padded decode rows write to.
-        let cache = DevBuf::new(&self.ctx, (blocks + 1) * g.block_elems() * kv_kind.size())?;
+        let cache = Arc::new(DevBuf::new(&self.ctx, (blocks + 1) * g.block_elems() * kv_kind.size())?);
         let blas_workspace = DevBuf::new(&self.ctx, 32 << 20)?;
         // SAFETY: the workspace outlives the handle (both are the CudaKv's; fields drop in
         // declaration order, the handle first).
@@ -666,6 +667,7 @@ impl CudaModel {
             blas,
             cache,
             stale: vec![!fresh; blocks],
+            host_stale: vec![false; blocks],
             ws: None,
             words: None,
             kv_kind,

@@ -1,0 +1,172 @@
+//! An engine's device KV arena as the transfer plane opens it ([`baton_transfer::DeviceArena`]):
+//! a CUDA IPC handle of the allocation, which a worker process on the same host opens once, and
+//! device-to-device copies of a transfer's runs on a stream of the link's own, beside the
+//! engine's steps. The arena is one `cuMemAlloc` allocation (IPC handles need one), block-major
+//! like the host arena it mirrors, so a run's offsets are the host descriptor's.
+
+use std::mem::MaybeUninit;
+
+use baton_transfer::plan::RangeCopy;
+use baton_transfer::{DeviceArena, DeviceHandle, DeviceHandleKind, DeviceLink, Location, TransferError};
+
+use super::*;
+
+/// Bytes of a CUDA IPC memory handle.
+const IPC_HANDLE_LEN: usize = 64;
+
+fn device_error(context: &'static str) -> impl Fn(cudarc::driver::DriverError) -> TransferError {
+    move |e| TransferError::Device(format!("{context}: {e}"))
+}
+
+/// An engine's device arena, shared with its transfer threads.
+#[derive(Debug)]
+pub(super) struct CudaArena {
+    cache: Arc<DevBuf>,
+    location: Location,
+    handle: DeviceHandle,
+}
+
+impl CudaArena {
+    /// The arena `cache` (an engine's, from `cuMemAlloc`), with its IPC handle made once.
+    pub(super) fn new(cache: Arc<DevBuf>) -> Result<Self> {
+        let ctx = &cache.ctx;
+        ctx.bind_to_thread().map_err(err)?;
+        let uuid = ctx.uuid().map_err(err)?;
+        let mut handle = MaybeUninit::<sys::CUipcMemHandle>::uninit();
+        // SAFETY: `cache.ptr` is the base of a live `cuMemAlloc` allocation; the driver fills
+        // the handle.
+        let handle = unsafe {
+            sys::cuIpcGetMemHandle(handle.as_mut_ptr(), cache.ptr).result().map_err(err)?;
+            handle.assume_init()
+        };
+        let location = Location::Device { ordinal: ctx.ordinal() as u32, uuid: uuid.bytes.map(|b| b as u8) };
+        let handle = DeviceHandle {
+            kind: DeviceHandleKind::CudaIpc,
+            bytes: handle.reserved.iter().map(|&b| b as u8).collect(),
+            len: cache.bytes as u64,
+        };
+        Ok(Self { cache, location, handle })
+    }
+}
+
+impl DeviceArena for CudaArena {
+    fn location(&self) -> Location {
+        self.location
+    }
+
+    fn handle(&self) -> DeviceHandle {
+        self.handle.clone()
+    }
+
+    fn open(
+        &self,
+        handle: &DeviceHandle,
+        descriptor: &baton_kv::TensorDescriptor,
+    ) -> baton_transfer::Result<Box<dyn DeviceLink>> {
+        if handle.kind != DeviceHandleKind::CudaIpc || handle.bytes.len() != IPC_HANDLE_LEN {
+            return Err(TransferError::Protocol(format!(
+                "a CUDA IPC handle of {} bytes ({:?})",
+                handle.bytes.len(),
+                handle.kind
+            )));
+        }
+        let span = (descriptor.base + descriptor.num_bytes()) as u64;
+        if span > handle.len {
+            return Err(TransferError::Protocol(format!(
+                "the peer's device arena of {} bytes is shorter than its descriptor ({span})",
+                handle.len
+            )));
+        }
+        let ctx = &self.cache.ctx;
+        ctx.bind_to_thread().map_err(device_error("binding the device"))?;
+        let mut raw = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_LEN] };
+        for (r, &b) in raw.reserved.iter_mut().zip(&handle.bytes) {
+            *r = b as _;
+        }
+        let mut theirs: sys::CUdeviceptr = 0;
+        // SAFETY: the handle came from a peer's `cuIpcGetMemHandle`; the driver maps its
+        // allocation into this context (peer access enabled lazily when it is another device),
+        // or fails (the same process, another IPC namespace).
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut theirs,
+                raw,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+            )
+        }
+        .result()
+        .map_err(device_error("opening the peer's device arena (CUDA IPC)"))?;
+        let stream = match ctx.new_stream() {
+            Ok(s) => s,
+            Err(e) => {
+                // SAFETY: opened just above, closed once.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(theirs) };
+                return Err(device_error("a copy stream")(e));
+            }
+        };
+        Ok(Box::new(CudaLink { ours: Arc::clone(&self.cache), theirs, theirs_len: handle.len, stream }))
+    }
+}
+
+/// An open link: the peer's arena mapped here, copies on a stream of the link's own.
+#[derive(Debug)]
+struct CudaLink {
+    ours: Arc<DevBuf>,
+    theirs: sys::CUdeviceptr,
+    theirs_len: u64,
+    stream: Arc<CudaStream>,
+}
+
+// SAFETY: the peer's pointer is the context's, valid on any thread that binds it (every call
+// does); copies on the link's stream are serialised by its owner (a transfer thread, or the
+// server's writer lock).
+unsafe impl Send for CudaLink {}
+unsafe impl Sync for CudaLink {}
+
+impl CudaLink {
+    /// Enqueues each run from `(src, src_len)` into `(dst, dst_len)` and waits for them.
+    fn copy(&self, copies: &[RangeCopy], pull: bool) -> baton_transfer::Result<()> {
+        self.ours.ctx.bind_to_thread().map_err(device_error("binding the device"))?;
+        let ours = (self.ours.ptr, self.ours.bytes as u64);
+        let theirs = (self.theirs, self.theirs_len);
+        let (src, dst) = if pull { (theirs, ours) } else { (ours, theirs) };
+        for c in copies {
+            let (s, d) = (c.src, c.dst);
+            if s.len != d.len || (s.offset + s.len) as u64 > src.1 || (d.offset + d.len) as u64 > dst.1 {
+                return Err(TransferError::OutOfBounds { offset: d.offset, len: d.len, region_len: dst.1 as usize });
+            }
+            // SAFETY: both runs lie inside their allocations (checked); the destination blocks
+            // are reserved for this transfer, so nothing else writes them meanwhile.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    dst.0 + d.offset as u64,
+                    src.0 + s.offset as u64,
+                    s.len,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(device_error("a device-to-device copy"))?;
+        }
+        self.stream.synchronize().map_err(device_error("waiting for device-to-device copies"))
+    }
+}
+
+impl DeviceLink for CudaLink {
+    fn pull(&self, copies: &[RangeCopy]) -> baton_transfer::Result<()> {
+        self.copy(copies, true)
+    }
+
+    fn push(&self, copies: &[RangeCopy]) -> baton_transfer::Result<()> {
+        self.copy(copies, false)
+    }
+}
+
+impl Drop for CudaLink {
+    fn drop(&mut self) {
+        if self.ours.ctx.bind_to_thread().is_ok() {
+            let _ = self.stream.synchronize();
+            // SAFETY: opened by `CudaArena::open`, closed once, no copy in flight (synchronised).
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.theirs) };
+        }
+    }
+}
