@@ -162,9 +162,16 @@ impl Policy for LoadAware {
 
     fn rebalance(&mut self, snap: &ClusterSnapshot<'_>) -> Option<RoleChange> {
         let (pl, dl) = self.pool_loads(snap);
-        let direction = if dl > self.cfg.high && pl < self.cfg.low {
+        // The low watermark keeps the idle pool from giving away an instance it needs. With no
+        // single-role instance of its own left, the idle pool gives nothing: the switch makes a
+        // single-role instance of the busy pool colocated, which adds to the idle pool's
+        // instances (and takes work off the colocated ones, which prefill between their decode
+        // steps): that needs only the idle pool not to be overloaded itself.
+        let has_single = |role: Role| snap.instances.iter().any(|i| i.accepting && i.role == role);
+        let can_spare = |load: f64, role: Role| load < self.cfg.low || (!has_single(role) && load <= self.cfg.high);
+        let direction = if dl > self.cfg.high && can_spare(pl, Role::Prefill) {
             Some(true)
-        } else if pl > self.cfg.high && dl < self.cfg.low {
+        } else if pl > self.cfg.high && can_spare(dl, Role::Decode) {
             Some(false)
         } else {
             None
@@ -411,6 +418,20 @@ mod tests {
         let cfg = LoadAwareConfig { persist_us: 0, ..LoadAwareConfig::default() };
         let change = LoadAware::new(cfg).rebalance(&snap(inst.clone(), &trees, &cost));
         assert_eq!(change, Some(RoleChange { instance: InstanceId(0), from: Role::Prefill, to: Role::Colocated }));
+
+        // 1C+1D, still decode-heavy, with the colocated instance's prefill queue between the
+        // watermarks (it takes every prompt between its decode steps): no single-role prefill
+        // instance is left to give, so the decode instance becomes colocated too (2C), which
+        // takes nothing from the prefill pool.
+        let mut one_c = inst.clone();
+        one_c[0].role = Role::Colocated;
+        hot_decode(&mut one_c, 0);
+        one_c[0].queued_prefill_us = cfg.ttft_slo_us / 2;
+        let change = LoadAware::new(cfg).rebalance(&snap(one_c.clone(), &trees, &cost));
+        assert_eq!(change, Some(RoleChange { instance: InstanceId(1), from: Role::Decode, to: Role::Colocated }));
+        // Over the high watermark itself, the prefill pool is hot too: nothing moves.
+        one_c[0].queued_prefill_us = cfg.ttft_slo_us;
+        assert_eq!(LoadAware::new(cfg).rebalance(&snap(one_c, &trees, &cost)), None);
 
         // 1C+1D. The load turns prefill-heavy: the colocated instance prefills, so the decode
         // instance can be given, to prefill (1C+1P).
