@@ -8,7 +8,8 @@
 //! Entries come from two sources:
 //! - [`KvEvent`]s of the instance's pool ([`apply`](GlobalPromptTrees::apply)): confirmed, kept
 //!   until a `Removed` event;
-//! - the scheduler's own routing ([`predict`](GlobalPromptTrees::predict)): after sending a request
+//! - the scheduler's own routing ([`apply_predict`](GlobalPromptTrees::apply_predict) of a
+//!   decision's [`Predict`], applied by whoever carries the decision out): after sending a request
 //!   to an instance it expects the prompt's blocks to be cached there. Such entries are
 //!   unconfirmed and expire after a TTL unless an event confirms them (MemServe §6: "global prompt
 //!   trees with a time-to-live").
@@ -187,6 +188,20 @@ impl Tree {
     }
 }
 
+/// What carrying a routed request out changes in the global prompt trees: its prompt's blocks
+/// are expected at its prefill instance once the prefill ends (an unconfirmed entry, dropped at
+/// the trees' TTL unless a KV event confirms it). A decision only reads the trees; the caller
+/// applies this to them ([`GlobalPromptTrees::apply_predict`]) once it acts on the decision, so
+/// the simulator and the conductor run the same decision with no lock or write inside it.
+/// [`Predict::of`] makes one from a decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Predict {
+    /// The instance expected to cache the prompt.
+    pub instance: InstanceId,
+    /// The prompt's chained block hashes.
+    pub hashes: Vec<BlockHash>,
+}
+
 /// How much of a prompt one instance holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefixMatch {
@@ -361,6 +376,12 @@ impl GlobalPromptTrees {
                 }
             }
         }
+    }
+
+    /// Applies a decision's [`Predict`]: [`predict`](Self::predict) of its prompt at its
+    /// instance. The caller does this once it acts on the decision (the decision never writes).
+    pub fn apply_predict(&mut self, p: &Predict, now: Micros) {
+        self.predict(p.instance, &p.hashes, now);
     }
 
     /// Drops predicted entries whose TTL has passed. Costs what lapsed, not the index's size:
