@@ -83,4 +83,4 @@ pub use snapshot::{
     ClusterSnapshot, Decision, DecodeSeq, Estimate, IncomingSeq, IncomingSeqs, InstanceSnapshot, Ledger,
     PendingPrefill, RejectReason, Request, RequestId, Reuse, Role, RoleChange, Route, SessionId, TierUsage, WorkerLoad,
 };
-pub use trees::{BlockUpdate, GlobalPromptTrees, Predict, PrefixMatch};
+pub use trees::{BlockUpdate, GlobalPromptTrees, InstancePrefix, Predict};

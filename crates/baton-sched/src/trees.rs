@@ -204,7 +204,7 @@ pub struct Predict {
 
 /// How much of a prompt one instance holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PrefixMatch {
+pub struct InstancePrefix {
     /// The instance.
     pub instance: InstanceId,
     /// Its role.
@@ -435,12 +435,12 @@ impl GlobalPromptTrees {
 
     /// Every instance whose role passes `roles` with at least one leading block, longest first
     /// (ties by id).
-    pub fn matches(&self, hashes: &[BlockHash], now: Micros, roles: impl Fn(Role) -> bool) -> Vec<PrefixMatch> {
-        let mut out: Vec<PrefixMatch> = self
+    pub fn matches(&self, hashes: &[BlockHash], now: Micros, roles: impl Fn(Role) -> bool) -> Vec<InstancePrefix> {
+        let mut out: Vec<InstancePrefix> = self
             .trees
             .iter()
             .filter(|(_, t)| roles(t.role))
-            .map(|(&id, t)| PrefixMatch { instance: id, role: t.role, blocks: self.prefix_len(id, hashes, now) })
+            .map(|(&id, t)| InstancePrefix { instance: id, role: t.role, blocks: self.prefix_len(id, hashes, now) })
             .filter(|m| m.blocks > 0)
             .collect();
         out.sort_by(|a, b| b.blocks.cmp(&a.blocks).then(a.instance.cmp(&b.instance)));
@@ -542,7 +542,7 @@ mod tests {
         assert_eq!(t.len(InstanceId(1), 0), 1);
         t.predict(InstanceId(2), &hashes, 5000);
         let m = t.matches(&hashes, 5000, Role::prefills);
-        assert_eq!(m, vec![PrefixMatch { instance: InstanceId(1), role: Role::Prefill, blocks: 1 }]);
+        assert_eq!(m, vec![InstancePrefix { instance: InstanceId(1), role: Role::Prefill, blocks: 1 }]);
         assert_eq!(t.matches(&hashes, 5000, |_| true)[0].instance, InstanceId(2));
     }
 
