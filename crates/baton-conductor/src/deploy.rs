@@ -442,7 +442,7 @@ pub async fn run_conductor(
     let validator = tokio::task::spawn_blocking(move || crate::load_frontend(&path, model_id.as_deref()))
         .await
         .map_err(|e| ServeError::Config(format!("loading the model's tokenizer: {e}")))??;
-    let elastic = config.elastic.clone().map(|e| crate::elastic::Elastic::new(e, config.block_tokens));
+    let elastic = config.elastic.clone().map(crate::elastic::Elastic::new);
     let conductor = Arc::new(
         Conductor::new(validator, Vec::new(), config.policy.build(config.block_tokens), config.api_key.clone(), None)
             .with_kv_transfer(config.kv_transfer)

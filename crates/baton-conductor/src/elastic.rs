@@ -1,8 +1,9 @@
 //! Elastic prefill/decode (`--elastic`): the conductor switches workers' roles as FlowKV's
 //! load-aware policy decides (§3.3), live.
 //!
-//! [`Elastic`] is the pure core: given the conductor's [`Snapshot`] (the workers' load reports
-//! and the conductor's ledger, the same figures the routing policies see) it answers which worker
+//! [`Elastic`] is the pure core: given the conductor's [`ClusterSnapshot`] (built from the
+//! workers' load reports and the conductor's ledger, as the routing policies' is, with the
+//! controller's own cost profile: [`Elastic::cost`]) it answers which worker
 //! should switch to which role, if any. baton-sched's [`LoadAware::rebalance`] makes the call —
 //! one pool over its high watermark while the other is under its low one, for the whole
 //! hysteresis (`hold`), with a pause of `hold` after a switch and at least `min_per_role`
@@ -17,12 +18,8 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use baton_kv::InstanceId;
-use baton_sched::{CostProfile, GlobalPromptTrees, LoadAware, LoadAwareConfig, Micros, Policy};
-
-use crate::routing::Snapshot;
-use crate::sched::SchedPolicy;
 use baton_protocol::Role;
+use baton_sched::{ClusterSnapshot, CostProfile, LoadAware, LoadAwareConfig, Micros, Policy};
 
 /// Settings of elastic role switching.
 #[derive(Debug, Clone)]
@@ -63,7 +60,7 @@ pub fn default_slos(cost: &CostProfile) -> (Micros, Micros) {
 /// A switch to carry out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Switch {
-    /// The worker's index in the snapshot.
+    /// The worker's position in the snapshot's instances.
     pub worker: usize,
     /// Its role now.
     pub from: Role,
@@ -76,7 +73,6 @@ pub struct Switch {
 pub struct Elastic {
     policy: LoadAware,
     config: ElasticConfig,
-    block_tokens: usize,
     /// When the switches of the last minute were made.
     recent: VecDeque<Micros>,
     /// The pools' mean loads at the last look (prefill, decode; 1.0 = at the SLO).
@@ -86,9 +82,15 @@ pub struct Elastic {
 const MINUTE_US: Micros = 60_000_000;
 
 impl Elastic {
-    /// A controller for workers whose KV blocks hold `block_tokens` tokens.
-    pub fn new(config: ElasticConfig, block_tokens: usize) -> Self {
-        Self { policy: LoadAware::new(config.policy), config, block_tokens, recent: VecDeque::new(), loads: (0.0, 0.0) }
+    /// A controller with these settings.
+    pub fn new(config: ElasticConfig) -> Self {
+        Self { policy: LoadAware::new(config.policy), config, recent: VecDeque::new(), loads: (0.0, 0.0) }
+    }
+
+    /// The cost model that turns queued work into time: the snapshot [`decide`](Self::decide)
+    /// reads is built with it.
+    pub fn cost(&self) -> &CostProfile {
+        &self.config.cost
     }
 
     /// How often to look.
@@ -103,24 +105,20 @@ impl Elastic {
         self.loads
     }
 
-    /// Whether a worker should switch now, and which.
-    pub fn decide(&mut self, snapshot: &Snapshot) -> Option<Switch> {
-        let now = snapshot.now_us;
+    /// Whether a worker should switch now, and which. Rebalancing reads no prompt tree.
+    pub fn decide(&mut self, snapshot: &ClusterSnapshot<'_>) -> Option<Switch> {
+        let now = snapshot.now;
         while self.recent.front().is_some_and(|&t| t + MINUTE_US <= now) {
             self.recent.pop_front();
         }
-        // The snapshot the routing policies see (queues from the ledger and the load reports);
-        // rebalancing reads no prompt tree.
-        let trees = GlobalPromptTrees::new(0);
-        let snap = SchedPolicy::cluster_snapshot(snapshot, &trees, &self.config.cost, self.block_tokens, now, false);
-        self.loads = self.policy.pool_loads(&snap);
-        let change = self.policy.rebalance(&snap)?;
+        self.loads = self.policy.pool_loads(snapshot);
+        let change = self.policy.rebalance(snapshot)?;
         if self.recent.len() >= self.config.max_per_minute {
             return None;
         }
-        let view = snapshot.workers.iter().find(|w| InstanceId(w.instance) == change.instance)?;
+        let worker = snapshot.instances.iter().position(|i| i.id == change.instance)?;
         self.recent.push_back(now);
-        Some(Switch { worker: view.index, from: view.role, to: change.to })
+        Some(Switch { worker, from: snapshot.instances[worker].role, to: change.to })
     }
 
     /// The last switch [`decide`](Self::decide) asked for did not happen (the worker did not
@@ -132,21 +130,28 @@ impl Elastic {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::routing::WorkerView;
+    use baton_sched::GlobalPromptTrees;
 
-    fn view(index: usize, role: Role, prefilling: Vec<(u64, usize)>) -> WorkerView {
-        WorkerView {
-            index,
-            instance: index as u32,
-            role,
-            in_flight: 0,
-            prefilling,
-            decoding: Vec::new(),
-            bound_tokens: 0,
-            capacity_blocks: 1000,
-            capacity_tokens: 16_000,
-            report: None,
+    use super::*;
+    use crate::loads::WorkerFigures;
+
+    fn view(index: usize, role: Role, prefilling: Vec<(u64, usize)>) -> WorkerFigures {
+        WorkerFigures { prefilling, capacity_blocks: 1000, ..WorkerFigures::new(index as u32, role, 0) }
+    }
+
+    /// The conductor's ledger at some instant.
+    struct Snapshot {
+        workers: Vec<WorkerFigures>,
+        now_us: u64,
+    }
+
+    impl Elastic {
+        /// A look at the ledger, as the conductor takes it: the snapshot built with the
+        /// controller's cost profile, over no prompt trees.
+        fn look(&mut self, snapshot: &Snapshot) -> Option<Switch> {
+            let loads: Vec<_> = snapshot.workers.iter().map(|w| w.clone().load(self.cost(), snapshot.now_us)).collect();
+            let (trees, cost) = (GlobalPromptTrees::new(0), self.cost().clone());
+            self.decide(&ClusterSnapshot::from_workers(snapshot.now_us, &loads, &trees, &cost).with_kv_fetch(false))
         }
     }
 
@@ -177,18 +182,18 @@ mod tests {
 
     #[test]
     fn an_imbalance_shorter_than_the_hold_switches_nothing() {
-        let mut e = Elastic::new(config(Duration::from_secs(10)), 16);
-        assert_eq!(e.decide(&prefill_hot(0)), None);
+        let mut e = Elastic::new(config(Duration::from_secs(10)));
+        assert_eq!(e.look(&prefill_hot(0)), None);
         // The hold, scaled by how far over its watermark the prefill pool is.
         let due = (10_000_000.0 / e.policy.pace(e.loads().0)) as u64;
         assert!(due < 10_000_000, "the queue is deep: sooner than the 10 s hold");
         let mut t = 0;
         while t + 100_000 < due {
-            assert_eq!(e.decide(&prefill_hot(t)), None, "at {t} us (due at {due})");
+            assert_eq!(e.look(&prefill_hot(t)), None, "at {t} us (due at {due})");
             t += 100_000;
         }
         // Once due, the idlest decode worker becomes a prefill worker.
-        let s = e.decide(&prefill_hot(due + 1)).expect("a switch");
+        let s = e.look(&prefill_hot(due + 1)).expect("a switch");
         assert_eq!((s.worker, s.from, s.to), (1, Role::Decode, Role::Prefill));
     }
 
@@ -197,11 +202,11 @@ mod tests {
         let mut cfg = config(Duration::ZERO);
         cfg.max_per_minute = 1;
         cfg.policy.min_per_role = 0;
-        let mut e = Elastic::new(cfg, 16);
-        assert!(e.decide(&prefill_hot(1)).is_some());
+        let mut e = Elastic::new(cfg);
+        assert!(e.look(&prefill_hot(1)).is_some());
         // The policy would switch again (no hold), but the cap holds it back for a minute.
-        assert_eq!(e.decide(&prefill_hot(2)), None);
-        assert!(e.decide(&prefill_hot(MINUTE_US + 2)).is_some());
+        assert_eq!(e.look(&prefill_hot(2)), None);
+        assert!(e.look(&prefill_hot(MINUTE_US + 2)).is_some());
     }
 
     #[test]
@@ -209,22 +214,22 @@ mod tests {
         let mut cfg = config(Duration::ZERO);
         cfg.max_per_minute = 1;
         cfg.policy.min_per_role = 0;
-        let mut e = Elastic::new(cfg, 16);
-        assert!(e.decide(&prefill_hot(1)).is_some());
+        let mut e = Elastic::new(cfg);
+        assert!(e.look(&prefill_hot(1)).is_some());
         e.switch_failed();
         // The worker did not switch: the next look may order it again within the minute.
-        assert!(e.decide(&prefill_hot(2)).is_some());
-        assert_eq!(e.decide(&prefill_hot(3)), None, "the one that succeeded spends the cap");
+        assert!(e.look(&prefill_hot(2)).is_some());
+        assert_eq!(e.look(&prefill_hot(3)), None, "the one that succeeded spends the cap");
     }
 
     #[test]
     fn a_prefill_queue_the_worker_reports_counts_though_the_ledger_thinks_it_done() {
-        // (The snapshot's queue is the longer of the ledger's and the report's: sched.rs.)
-        let mut e = Elastic::new(config(Duration::ZERO), 16);
+        // (The snapshot's queue is the longer of the ledger's and the report's: loads.rs.)
+        let mut e = Elastic::new(config(Duration::ZERO));
         let mut snap = prefill_hot(100_000_000);
         // The ledger sent these long ago: by its estimates they are done.
         snap.workers[0].prefilling.iter_mut().for_each(|p| p.0 = 0);
-        assert_eq!(e.decide(&snap), None);
+        assert_eq!(e.look(&snap), None);
         assert_eq!(e.loads().0, 0.0);
         // The worker says 8 prompts of 4,000 tokens wait.
         snap.workers[0].report = Some(baton_protocol::wire::LoadReport {
@@ -232,16 +237,16 @@ mod tests {
             queued_prefill_tokens: 32_000,
             ..baton_protocol::wire::LoadReport::default()
         });
-        assert!(e.decide(&snap).is_some(), "loads {:?}", e.loads());
+        assert!(e.look(&snap).is_some(), "loads {:?}", e.loads());
     }
 
     #[test]
     fn a_balanced_cluster_keeps_its_roles() {
-        let mut e = Elastic::new(config(Duration::ZERO), 16);
+        let mut e = Elastic::new(config(Duration::ZERO));
         let idle = Snapshot {
             workers: vec![view(0, Role::Prefill, vec![]), view(1, Role::Decode, vec![]), view(2, Role::Decode, vec![])],
             now_us: 1,
         };
-        assert_eq!(e.decide(&idle), None);
+        assert_eq!(e.look(&idle), None);
     }
 }

@@ -27,6 +27,7 @@ pub mod conductor;
 pub mod deploy;
 pub mod elastic;
 mod life;
+mod loads;
 pub mod metrics;
 pub mod openai;
 pub mod remote;
@@ -279,7 +280,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
     }
     let bytes_per_token =
         config.emulate.as_ref().map(|profile| usize::try_from(profile.kv_bytes_per_token).unwrap_or(usize::MAX));
-    let elastic = config.elastic.clone().map(|e| elastic::Elastic::new(e, config.engine.block_size));
+    let elastic = config.elastic.clone().map(elastic::Elastic::new);
     Ok(Arc::new(
         Conductor::new(
             loaded.validator,

@@ -1,64 +1,15 @@
 //! The routing seam: a pure policy over a snapshot of the workers.
 //!
-//! The conductor builds a [`Snapshot`] per request and calls [`RoutePolicy::route`]; the
-//! scheduling crate's policies plug in here. The default is least-load: the prefill and decode
-//! workers (or the colocated worker) with the fewest requests in flight.
+//! The conductor builds baton-sched's [`ClusterSnapshot`] per request from its ledger (the type
+//! the simulator's policies see, built by the same [`ClusterSnapshot::from_workers`]:
+//! [`cluster_snapshot`]) and calls [`RoutePolicy::plan`]; the scheduling crate's policies plug in
+//! here ([`crate::sched::SchedPolicy`]). A policy reads the snapshot and writes nothing shared:
+//! the prompt it expects cached where it routed the request comes back in the [`Plan`] as a
+//! [`Predict`], which the conductor applies to the global prompt trees after the decision. The
+//! default is least-load: the prefill and decode workers (or the colocated worker) with the
+//! fewest requests in flight.
 
-/// What a policy sees of one worker.
-#[derive(Debug, Clone, PartialEq)]
-pub struct WorkerView {
-    /// Index into the snapshot's worker list.
-    pub index: usize,
-    /// A stable id of the worker for as long as the conductor knows it (policies with memory,
-    /// such as prompt trees, key on it).
-    pub instance: u32,
-    /// Its role.
-    pub role: crate::Role,
-    /// Requests in flight on it.
-    pub in_flight: usize,
-    /// Each request waiting for or in prefill on it: (when it was sent there, µs since the
-    /// conductor started; prompt tokens it computes, net of its cached prefix).
-    pub prefilling: Vec<(u64, usize)>,
-    /// Each request decoding on it: (when decoding started, µs since the conductor started;
-    /// context tokens).
-    pub decoding: Vec<(u64, usize)>,
-    /// KV tokens claimed on it by requests admitted to decode here that have not started
-    /// decoding yet (still in prefill, or handing over).
-    pub bound_tokens: usize,
-    /// KV blocks of its pool (0: unknown).
-    pub capacity_blocks: usize,
-    /// Tokens of KV its pool holds (0: unknown).
-    pub capacity_tokens: usize,
-    /// Its last load report (`None` before the first arrives).
-    pub report: Option<baton_protocol::wire::LoadReport>,
-}
-
-impl WorkerView {
-    /// A view with only a load figure.
-    pub fn new(index: usize, role: crate::Role, in_flight: usize) -> Self {
-        Self {
-            index,
-            instance: index as u32,
-            role,
-            in_flight,
-            prefilling: Vec::new(),
-            decoding: Vec::new(),
-            bound_tokens: 0,
-            capacity_blocks: 0,
-            capacity_tokens: 0,
-            report: None,
-        }
-    }
-}
-
-/// The cluster as a policy sees it.
-#[derive(Debug, Clone, Default)]
-pub struct Snapshot {
-    /// Every live worker.
-    pub workers: Vec<WorkerView>,
-    /// The conductor's clock when the snapshot was taken (µs since it started).
-    pub now_us: u64,
-}
+use baton_sched::{ClusterSnapshot, CostProfile, GlobalPromptTrees, InstanceSnapshot, Micros, Predict, WorkerLoad};
 
 /// What a policy sees of a request.
 #[derive(Debug, Clone, Copy)]
@@ -76,7 +27,7 @@ pub fn session_id(key: &str) -> u64 {
     baton_kv::fnv1a_64(key.as_bytes())
 }
 
-/// A routing decision.
+/// A routing decision. Workers are named by their position in the snapshot's instances.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     /// One colocated worker does everything.
@@ -102,19 +53,76 @@ pub enum Decision {
 /// KV beats recomputing it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fetch {
-    /// The worker holding it (index into the snapshot's worker list).
+    /// The worker holding it (its position in the snapshot's instances).
     pub from: usize,
     /// The prompt's first `tokens` tokens (whole blocks).
     pub tokens: usize,
 }
 
-/// A routing decision with the fetch it counts on.
+/// A routing decision with the fetch it counts on and what it changes in the prompt trees.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
     /// Where the request runs.
     pub decision: Decision,
     /// A prefix to fetch first, if the policy planned one.
     pub fetch: Option<Fetch>,
+    /// The prompt the policy expects cached where it routed the request, for the conductor to
+    /// apply to the global prompt trees after the decision (the policy never writes them).
+    pub predict: Option<Predict>,
+}
+
+impl Plan {
+    /// A decision alone: no fetch, no prediction.
+    pub fn of(decision: Decision) -> Self {
+        Self { decision, fetch: None, predict: None }
+    }
+}
+
+/// How the conductor builds the snapshot a policy reads ([`RoutePolicy::snapshot_config`]).
+#[derive(Debug, Clone)]
+pub struct SnapshotConfig {
+    /// The cost model that turns the ledger's queued prompts into time.
+    pub cost: CostProfile,
+    /// Whether a prompt's worker may fetch a prefix cached on another worker
+    /// ([`ClusterSnapshot::kv_fetch`]).
+    pub kv_fetch: bool,
+    /// Whether a request prefers the decode worker caching its history
+    /// ([`ClusterSnapshot::decode_affinity`]).
+    pub decode_affinity: bool,
+    /// Whether the policy reads the global prompt trees. The conductor then holds their lock
+    /// around the decision, expiring old predictions first and applying the plan's [`Predict`]
+    /// after; a policy that does not read them gets empty trees, and no lock is taken.
+    pub prompt_trees: bool,
+}
+
+impl Default for SnapshotConfig {
+    fn default() -> Self {
+        Self { cost: CostProfile::llama2_70b_8xa800(), kv_fetch: false, decode_affinity: false, prompt_trees: true }
+    }
+}
+
+/// The snapshot a policy sees at `now`: the workers' figures from the conductor's ledger through
+/// [`ClusterSnapshot::from_workers`] (instances in id order), with `config`'s fetch and affinity.
+pub fn cluster_snapshot<'a>(
+    now: Micros,
+    workers: &[WorkerLoad],
+    trees: &'a GlobalPromptTrees,
+    config: &'a SnapshotConfig,
+) -> ClusterSnapshot<'a> {
+    ClusterSnapshot::from_workers(now, workers, trees, &config.cost)
+        .with_kv_fetch(config.kv_fetch)
+        .with_decode_affinity(config.decode_affinity)
+}
+
+/// Readies the global prompt trees for a decision at `now` over `workers`: drops predictions
+/// whose TTL has passed and registers each worker's role. The conductor calls it under the
+/// trees' lock, then builds the snapshot ([`cluster_snapshot`]), asks the policy, and applies the
+/// plan's [`Predict`] ([`GlobalPromptTrees::apply_predict`]).
+pub fn ready_trees(trees: &mut GlobalPromptTrees, now: Micros, workers: &[WorkerLoad]) {
+    trees.expire(now);
+    for w in workers {
+        trees.set_role(w.id, w.role);
+    }
 }
 
 /// The worker to run a request whole on when a role has no live worker: with no worker that
@@ -123,29 +131,35 @@ pub struct Plan {
 /// run whole whatever the worker's role), the least loaded first. `None` when both roles are
 /// present (the policy decides) or no worker is (HTTP 503). So no role is a single point of
 /// failure, and disaggregation resumes as soon as the missing role returns.
-pub fn lone_role_fallback(snapshot: &Snapshot) -> Option<usize> {
+pub fn lone_role_fallback(snapshot: &ClusterSnapshot<'_>) -> Option<usize> {
     use crate::Role;
-    let workers = &snapshot.workers;
+    let workers = &snapshot.instances;
     let prefills = workers.iter().any(|w| w.role != Role::Decode);
     let decodes = workers.iter().any(|w| w.role != Role::Prefill);
     if prefills && decodes {
         return None;
     }
-    workers.iter().min_by_key(|w| (w.in_flight, w.index)).map(|w| w.index)
+    (0..workers.len()).min_by_key(|&i| (workers[i].ledger.in_flight, i))
 }
 
-/// A routing policy: pure, a function of the snapshot and the request.
+/// A routing policy: pure, a function of the snapshot and the request. It may keep state of its
+/// own (a scheduler, a random stream) behind its own lock, but writes nothing the conductor
+/// shares: what it expects of the prompt trees comes back in the [`Plan`].
 pub trait RoutePolicy: Send + Sync {
-    /// Decides where a request runs.
-    fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision;
-    /// Decides where a request runs and whether its prompt's worker fetches a cached prefix
-    /// from another worker first. The default plans no fetch.
-    fn plan(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Plan {
-        Plan { decision: self.route(snapshot, request), fetch: None }
+    /// How the conductor builds the snapshot this policy reads (asked once, when the conductor is
+    /// built). The default: the default cost profile, no fetch, no decode affinity, prompt trees
+    /// read.
+    fn snapshot_config(&self) -> SnapshotConfig {
+        SnapshotConfig::default()
     }
-    /// Hands the policy the conductor's global prompt trees (fed by the workers' KV events), for
-    /// a policy that routes by where KV is cached. The default ignores them.
-    fn attach_index(&self, _trees: crate::view::SharedTrees) {}
+    /// Decides where a request runs.
+    fn route(&self, snapshot: &ClusterSnapshot<'_>, request: &RouteRequest<'_>) -> Decision;
+    /// Decides where a request runs, whether its prompt's worker fetches a cached prefix from
+    /// another worker first, and what the prompt trees should expect. The default plans no fetch
+    /// and predicts nothing.
+    fn plan(&self, snapshot: &ClusterSnapshot<'_>, request: &RouteRequest<'_>) -> Plan {
+        Plan::of(self.route(snapshot, request))
+    }
     /// Tells the policy how long a request now stays on its decode worker, on average, as the
     /// conductor measures it (predictive admission's `t_d`). The default ignores it.
     fn decode_time(&self, _mean_us: u64) {}
@@ -172,9 +186,9 @@ pub struct LeastLoad {
 /// fits in its KV pool. When
 /// it does not, the hand-off would have to wait for room after the prefill (and the client would
 /// have its first token and then wait): refusing before the prefill is the honest answer.
-pub fn decode_has_room(w: &WorkerView, prompt: usize) -> bool {
-    let used = w.decoding.iter().map(|&(_, ctx)| ctx).sum::<usize>() + w.bound_tokens;
-    room_for(w.capacity_tokens, used, prompt)
+pub fn decode_has_room(w: &InstanceSnapshot, prompt: usize) -> bool {
+    let l = &w.ledger;
+    room_for(l.capacity_tokens as usize, (l.decoding_tokens + l.bound_tokens) as usize, prompt)
 }
 
 /// Whether `tokens` more fit a pool of `capacity` tokens holding `used` (0: capacity unknown,
@@ -184,39 +198,44 @@ pub fn room_for(capacity: usize, used: usize, tokens: usize) -> bool {
 }
 
 impl RoutePolicy for LeastLoad {
-    fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision {
+    /// Least-load reads the ledger's counts only: no prompt trees (and so no lock on them).
+    fn snapshot_config(&self) -> SnapshotConfig {
+        SnapshotConfig { prompt_trees: false, ..SnapshotConfig::default() }
+    }
+
+    fn route(&self, snapshot: &ClusterSnapshot<'_>, request: &RouteRequest<'_>) -> Decision {
         use crate::Role;
-        let full = |w: &WorkerView| self.max_in_flight.is_some_and(|m| w.in_flight >= m);
-        let least =
-            |ws: &mut dyn Iterator<Item = &WorkerView>| ws.min_by_key(|w| (w.in_flight, w.index)).map(|w| w.index);
-        // (`index` names a worker; the snapshot may leave some out, so it is not a position.)
+        // A worker is its position in the snapshot's instances.
+        let workers: &[InstanceSnapshot] = &snapshot.instances;
+        let in_flight = |i: usize| workers[i].ledger.in_flight as usize;
+        let full = |i: usize| self.max_in_flight.is_some_and(|m| in_flight(i) >= m);
+        let least = |ws: &mut dyn Iterator<Item = usize>| ws.min_by_key(|&i| (in_flight(i), i));
         let busy = || Decision::Reject {
             reason: format!(
                 "every worker has {} requests in flight; retry later",
                 self.max_in_flight.unwrap_or_default()
             ),
         };
-        let workers = &snapshot.workers;
-        let prefills = || workers.iter().filter(|w| w.role != Role::Decode);
+        let prefills = || (0..workers.len()).filter(|&i| workers[i].role != Role::Decode);
         if prefills().next().is_none() {
             return Decision::NoWorkers;
         }
-        let Some(prefill) = least(&mut prefills().filter(|w| !full(w))) else { return busy() };
-        let colocated = workers.iter().any(|w| w.index == prefill && w.role == Role::Colocated);
+        let Some(prefill) = least(&mut prefills().filter(|&i| !full(i))) else { return busy() };
+        let colocated = workers[prefill].role == Role::Colocated;
         // The decode: any worker that decodes, from a prefill worker; this one or a decode
         // worker, from a colocated one.
         let decodes = || {
-            workers.iter().filter(move |w| match w.role {
+            (0..workers.len()).filter(move |&i| match workers[i].role {
                 Role::Decode => true,
-                Role::Colocated => !colocated || w.index == prefill,
+                Role::Colocated => !colocated || i == prefill,
                 Role::Prefill => false,
             })
         };
         if decodes().next().is_none() {
             return Decision::NoWorkers;
         }
-        let room = |w: &&WorkerView| w.index == prefill || decode_has_room(w, request.prompt.len());
-        if !decodes().any(|w| room(&w)) {
+        let room = |i: &usize| *i == prefill || decode_has_room(&workers[*i], request.prompt.len());
+        if !decodes().any(|i| room(&i)) {
             return Decision::Reject {
                 reason: "no decode worker has room for the request's KV now; retry later".to_owned(),
             };
@@ -226,9 +245,8 @@ impl RoutePolicy for LeastLoad {
         // zero in flight (nothing has reached them yet) and would all go to the first.
         let decode = decodes()
             .filter(room)
-            .filter(|w| w.index == prefill || !full(w))
-            .min_by_key(|w| (w.in_flight, w.bound_tokens, w.index))
-            .map(|w| w.index);
+            .filter(|&i| i == prefill || !full(i))
+            .min_by_key(|&i| (in_flight(i), workers[i].ledger.bound_tokens, i));
         match decode {
             Some(decode) if decode == prefill => Decision::Colocated(prefill),
             Some(decode) => Decision::Disaggregated { prefill, decode },
@@ -239,26 +257,47 @@ impl RoutePolicy for LeastLoad {
 
 #[cfg(test)]
 mod tests {
+    use baton_kv::InstanceId;
+    use baton_sched::Ledger;
+
     use super::*;
     use crate::Role;
 
-    fn view(index: usize, role: Role, in_flight: usize) -> WorkerView {
-        WorkerView::new(index, role, in_flight)
+    /// Worker `index` (its instance id too) with `in_flight` requests.
+    fn view(index: usize, role: Role, in_flight: usize) -> WorkerLoad {
+        let mut w = WorkerLoad::idle(InstanceId(index as u32), role);
+        w.ledger.in_flight = in_flight as u32;
+        w
+    }
+
+    /// Worker `index` with `in_flight` requests and a pool of `capacity` tokens, `decoding` of
+    /// them held by its decodes.
+    fn with_room(index: usize, role: Role, in_flight: usize, capacity: u64, decoding: u64) -> WorkerLoad {
+        let mut w = view(index, role, in_flight);
+        w.ledger = Ledger { capacity_tokens: capacity, decoding_tokens: decoding, ..w.ledger };
+        w
+    }
+
+    /// The conductor's snapshot of `workers` (no prompt trees: least-load reads none).
+    fn snap<T>(workers: &[WorkerLoad], f: impl FnOnce(&ClusterSnapshot<'_>) -> T) -> T {
+        let (trees, config) = (GlobalPromptTrees::new(0), SnapshotConfig::default());
+        f(&cluster_snapshot(0, workers, &trees, &config))
+    }
+
+    fn route(policy: LeastLoad, workers: &[WorkerLoad], r: &RouteRequest<'_>) -> Decision {
+        snap(workers, |s| policy.route(s, r))
+    }
+
+    fn fallback(workers: Vec<WorkerLoad>) -> Option<usize> {
+        snap(&workers, lone_role_fallback)
     }
 
     #[test]
     fn least_load_picks_the_idlest_of_each_role() {
-        let s = Snapshot {
-            now_us: 0,
-            workers: vec![
-                view(0, Role::Prefill, 3),
-                view(1, Role::Prefill, 1),
-                view(2, Role::Decode, 0),
-                view(3, Role::Decode, 5),
-            ],
-        };
+        let workers =
+            [view(0, Role::Prefill, 3), view(1, Role::Prefill, 1), view(2, Role::Decode, 0), view(3, Role::Decode, 5)];
         let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
-        assert_eq!(LeastLoad::default().route(&s, &r), Decision::Disaggregated { prefill: 1, decode: 2 });
+        assert_eq!(route(LeastLoad::default(), &workers, &r), Decision::Disaggregated { prefill: 1, decode: 2 });
     }
 
     /// A burst sees every decode worker at zero in flight; the KV bound to each by the burst's
@@ -266,41 +305,37 @@ mod tests {
     #[test]
     fn a_burst_spreads_over_decode_workers_by_the_kv_bound_to_them() {
         let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
-        let mut s = Snapshot {
-            now_us: 0,
-            workers: vec![view(0, Role::Prefill, 0), view(1, Role::Decode, 0), view(2, Role::Decode, 0)],
-        };
+        let mut workers = vec![view(0, Role::Prefill, 0), view(1, Role::Decode, 0), view(2, Role::Decode, 0)];
         let mut split = [0; 3];
         for _ in 0..6 {
-            let Decision::Disaggregated { decode, .. } = LeastLoad::default().route(&s, &r) else { panic!() };
+            let Decision::Disaggregated { decode, .. } = route(LeastLoad::default(), &workers, &r) else { panic!() };
             split[decode] += 1;
-            s.workers[decode].bound_tokens += 10;
+            workers[decode].ledger.bound_tokens += 10;
         }
         assert_eq!(split, [0, 3, 3]);
     }
 
     #[test]
     fn with_a_role_missing_the_idlest_worker_left_runs_requests_whole() {
-        let snap = |workers| Snapshot { now_us: 0, workers };
         // Both roles present (a colocated worker is both): the policy decides.
-        assert_eq!(lone_role_fallback(&snap(vec![view(0, Role::Prefill, 0), view(1, Role::Decode, 0)])), None);
-        assert_eq!(lone_role_fallback(&snap(vec![view(0, Role::Colocated, 0)])), None);
-        assert_eq!(lone_role_fallback(&snap(vec![view(0, Role::Prefill, 0), view(1, Role::Colocated, 0)])), None);
+        assert_eq!(fallback(vec![view(0, Role::Prefill, 0), view(1, Role::Decode, 0)]), None);
+        assert_eq!(fallback(vec![view(0, Role::Colocated, 0)]), None);
+        assert_eq!(fallback(vec![view(0, Role::Prefill, 0), view(1, Role::Colocated, 0)]), None);
         // No prefill worker, or no decode worker: the least loaded of the rest.
-        assert_eq!(lone_role_fallback(&snap(vec![view(0, Role::Decode, 4), view(1, Role::Decode, 2)])), Some(1));
-        assert_eq!(lone_role_fallback(&snap(vec![view(0, Role::Prefill, 1), view(1, Role::Prefill, 1)])), Some(0));
+        assert_eq!(fallback(vec![view(0, Role::Decode, 4), view(1, Role::Decode, 2)]), Some(1));
+        assert_eq!(fallback(vec![view(0, Role::Prefill, 1), view(1, Role::Prefill, 1)]), Some(0));
         // None at all: nothing to fall back on (a 503).
-        assert_eq!(lone_role_fallback(&Snapshot::default()), None);
+        assert_eq!(fallback(Vec::new()), None);
     }
 
     #[test]
     fn colocated_workers_run_requests_whole_and_nothing_routes_when_empty() {
         let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
-        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Colocated, 3), view(1, Role::Colocated, 2)] };
-        assert_eq!(LeastLoad::default().route(&s, &r), Decision::Colocated(1));
-        assert_eq!(LeastLoad::default().route(&Snapshot::default(), &r), Decision::NoWorkers);
-        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 0)] };
-        assert_eq!(LeastLoad::default().route(&s, &r), Decision::NoWorkers, "nothing decodes");
+        let workers = [view(0, Role::Colocated, 3), view(1, Role::Colocated, 2)];
+        assert_eq!(route(LeastLoad::default(), &workers, &r), Decision::Colocated(1));
+        assert_eq!(route(LeastLoad::default(), &[], &r), Decision::NoWorkers);
+        let workers = [view(0, Role::Prefill, 0)];
+        assert_eq!(route(LeastLoad::default(), &workers, &r), Decision::NoWorkers, "nothing decodes");
     }
 
     /// An elastic pair after its switch uses both workers: with a prefill and a colocated
@@ -310,8 +345,7 @@ mod tests {
     #[test]
     fn a_mixed_pair_uses_both_workers() {
         let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
-        let route =
-            |a: WorkerView, b: WorkerView| LeastLoad::default().route(&Snapshot { now_us: 0, workers: vec![a, b] }, &r);
+        let route = |a: WorkerLoad, b: WorkerLoad| route(LeastLoad::default(), &[a, b], &r);
         assert_eq!(
             route(view(0, Role::Prefill, 0), view(1, Role::Colocated, 2)),
             Decision::Disaggregated { prefill: 0, decode: 1 }
@@ -327,29 +361,28 @@ mod tests {
     #[test]
     fn a_decode_worker_without_room_is_not_chosen_and_none_means_429() {
         let r = RouteRequest { prompt: &[1; 100], max_tokens: 10, session: None };
-        let busy = WorkerView { capacity_tokens: 1000, decoding: vec![(0, 950)], ..view(1, Role::Decode, 0) };
-        let idle = WorkerView { capacity_tokens: 1000, decoding: vec![(0, 300)], ..view(2, Role::Decode, 3) };
-        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 0), busy.clone(), idle] };
-        assert_eq!(LeastLoad::default().route(&s, &r), Decision::Disaggregated { prefill: 0, decode: 2 });
-        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 0), busy] };
-        assert!(matches!(LeastLoad::default().route(&s, &r), Decision::Reject { reason } if reason.contains("room")));
+        let busy = with_room(1, Role::Decode, 0, 1000, 950);
+        let idle = with_room(2, Role::Decode, 3, 1000, 300);
+        let workers = [view(0, Role::Prefill, 0), busy.clone(), idle];
+        assert_eq!(route(LeastLoad::default(), &workers, &r), Decision::Disaggregated { prefill: 0, decode: 2 });
+        let workers = [view(0, Role::Prefill, 0), busy];
+        assert!(
+            matches!(route(LeastLoad::default(), &workers, &r), Decision::Reject { reason } if reason.contains("room"))
+        );
     }
 
     #[test]
     fn a_full_cluster_rejects_and_a_free_colocated_worker_still_prefills() {
         let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
         let capped = LeastLoad { max_in_flight: Some(2) };
-        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Prefill, 2), view(1, Role::Decode, 0)] };
-        assert!(matches!(capped.route(&s, &r), Decision::Reject { .. }));
+        let workers = [view(0, Role::Prefill, 2), view(1, Role::Decode, 0)];
+        assert!(matches!(route(capped, &workers, &r), Decision::Reject { .. }));
         // The prefill worker is full: the colocated one prefills, and the idle decode worker
         // decodes.
-        let s = Snapshot {
-            now_us: 0,
-            workers: vec![view(0, Role::Prefill, 2), view(1, Role::Decode, 0), view(2, Role::Colocated, 1)],
-        };
-        assert_eq!(capped.route(&s, &r), Decision::Disaggregated { prefill: 2, decode: 1 });
-        let s = Snapshot { now_us: 0, workers: vec![view(0, Role::Colocated, 2)] };
-        assert!(matches!(capped.route(&s, &r), Decision::Reject { .. }));
-        assert_eq!(LeastLoad::default().route(&s, &r), Decision::Colocated(0));
+        let workers = [view(0, Role::Prefill, 2), view(1, Role::Decode, 0), view(2, Role::Colocated, 1)];
+        assert_eq!(route(capped, &workers, &r), Decision::Disaggregated { prefill: 2, decode: 1 });
+        let workers = [view(0, Role::Colocated, 2)];
+        assert!(matches!(route(capped, &workers, &r), Decision::Reject { .. }));
+        assert_eq!(route(LeastLoad::default(), &workers, &r), Decision::Colocated(0));
     }
 }

@@ -1,37 +1,35 @@
 //! The scheduling crate's policies in the conductor: the same [`Scheduler::decide`] the
-//! simulator calls, on a [`ClusterSnapshot`] built from the conductor's view of its workers.
+//! simulator calls, on the same [`ClusterSnapshot`], which the conductor builds from its view of
+//! its workers ([`crate::routing::cluster_snapshot`]).
 //!
-//! [`SchedPolicy`] implements the conductor's [`RoutePolicy`] seam. Per request it turns the
-//! routing [`Snapshot`] (the conductor's ledger: requests prefilling and decoding on each
-//! worker, pool sizes) into a [`ClusterSnapshot`], hashes the prompt into the chained block
-//! hashes the pool uses, asks the scheduler, and maps the instances it names back to workers.
+//! [`SchedPolicy`] implements the conductor's [`RoutePolicy`] seam. Per request it hashes the
+//! prompt into the chained block hashes the pool uses, asks the scheduler, and maps the
+//! instances it names back to positions in the snapshot.
 //!
 //! Prompt trees: the conductor's [`ClusterView`](crate::view::ClusterView) feeds the trees with
-//! every worker's KV events (an exact index); the policy also records each routed prompt's
-//! blocks at its prefill instance ([`GlobalPromptTrees::predict`]) when it routes it — an
-//! entry the trees' TTL drops unless an event confirms it — so the window between routing a
-//! request and its events arriving is covered. Load reports, when a worker has sent one,
-//! replace the ledger's guesses of its decode batch, queue and memory.
+//! every worker's KV events (an exact index). The decision reads them and writes nothing: the
+//! prompt it routed is expected cached at its prefill instance, a [`Predict`] in the [`Plan`],
+//! which the conductor applies to the trees after the decision ([`GlobalPromptTrees::predict`]) —
+//! an entry the trees' TTL drops unless an event confirms it — so the window between routing a
+//! request and its events arriving is covered. The scheduler and its random stream sit behind
+//! this adapter's own lock, held for the decision alone.
 
 use std::sync::Mutex;
 
 use baton_kv::{InstanceId, prefix_hashes};
-use baton_sched::{
-    ClusterSnapshot, CostProfile, DecodeSeq, GlobalPromptTrees, Micros, PendingPrefill, Request, RequestId, Scheduler,
-    TierUsage, WorkerLoad,
-};
+#[cfg(doc)]
+use baton_sched::GlobalPromptTrees;
+use baton_sched::{ClusterSnapshot, CostProfile, Predict, Request, RequestId, Scheduler};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use crate::routing::{Decision, Fetch, Plan, RoutePolicy, RouteRequest, Snapshot};
+use crate::routing::{Decision, Fetch, Plan, RoutePolicy, RouteRequest, SnapshotConfig};
 
 pub use crate::view::PREDICTED_TTL_US;
-use crate::view::SharedTrees;
 
-/// Live state behind the lock.
+/// A scheduler's state across requests, behind the adapter's lock.
 struct State {
     scheduler: Scheduler,
-    trees: SharedTrees,
     rng: StdRng,
     next_request: u64,
 }
@@ -39,12 +37,9 @@ struct State {
 /// A baton-sched [`Scheduler`] behind the conductor's routing seam.
 pub struct SchedPolicy {
     state: Mutex<State>,
-    cost: CostProfile,
+    /// How the conductor builds the snapshot the scheduler reads.
+    config: SnapshotConfig,
     block_tokens: usize,
-    /// Whether routes may fetch a prefix cached on another worker.
-    kv_fetch: bool,
-    /// Whether a request prefers the decode worker caching its history.
-    decode_affinity: bool,
     /// The measured mean time requests stay on their decode worker (0: none yet). Kept outside
     /// the state's lock: every request's end writes it; the next decision reads it.
     decode_time_us: std::sync::atomic::AtomicU64,
@@ -60,18 +55,11 @@ impl SchedPolicy {
     /// A policy deciding with `scheduler`, costing with `cost`, hashing prompts in blocks of
     /// `block_tokens` (the workers' block size).
     pub fn new(scheduler: Scheduler, cost: CostProfile, block_tokens: usize, seed: u64) -> Self {
-        let state = State {
-            scheduler,
-            trees: std::sync::Arc::new(Mutex::new(GlobalPromptTrees::new(PREDICTED_TTL_US))),
-            rng: StdRng::seed_from_u64(seed),
-            next_request: 0,
-        };
+        let state = State { scheduler, rng: StdRng::seed_from_u64(seed), next_request: 0 };
         Self {
             state: Mutex::new(state),
-            cost,
+            config: SnapshotConfig { cost, kv_fetch: false, decode_affinity: false, prompt_trees: true },
             block_tokens: block_tokens.max(1),
-            kv_fetch: false,
-            decode_affinity: false,
             decode_time_us: std::sync::atomic::AtomicU64::new(0),
         }
     }
@@ -80,86 +68,8 @@ impl SchedPolicy {
     /// (off by default: the conductor must carry the fetch out).
     #[must_use]
     pub fn with_kv_fetch(mut self, on: bool) -> Self {
-        self.kv_fetch = on;
+        self.config.kv_fetch = on;
         self
-    }
-
-    /// The per-worker figures baton-sched's snapshot builder takes, from the conductor's
-    /// ledger: queued prefills with their predicted compute time, running decodes with their
-    /// contexts, device blocks in use (estimated from the tokens in flight).
-    pub fn worker_loads(snapshot: &Snapshot, cost: &CostProfile, block_tokens: usize) -> Vec<WorkerLoad> {
-        snapshot
-            .workers
-            .iter()
-            .map(|w| {
-                let mut load = WorkerLoad::idle(InstanceId(w.instance), w.role);
-                load.prefills = prefill_queue(&w.prefilling, cost, snapshot.now_us);
-                load.decode_running =
-                    w.decoding.iter().map(|&(started_at, ctx)| DecodeSeq::new(started_at, ctx as u64)).collect();
-                let tokens: usize =
-                    w.prefilling.iter().map(|p| p.1).sum::<usize>() + w.decoding.iter().map(|d| d.1).sum::<usize>();
-                load.kv_device = TierUsage {
-                    used: tokens.div_ceil(block_tokens) as u64,
-                    total: if w.capacity_blocks == 0 { u64::MAX } else { w.capacity_blocks as u64 },
-                };
-                // What the worker measured replaces the ledger's guesses of its decode side
-                // and memory (the ledger still has the prefills it routed, with estimates).
-                if let Some(r) = &w.report {
-                    // The ledger's queue is this conductor's estimate of the prefills it sent;
-                    // the report says what the worker has still to compute, whoever sent it
-                    // (another conductor replica too) and however long it really takes (the
-                    // cost profile may under-predict the worker). The queue is the longer of the
-                    // two: what the report has beyond the ledger waits as one more prefill.
-                    let ledger_us = load.queued_prefill_us(snapshot.now_us);
-                    let reported_us = reported_prefill_us(cost, r);
-                    if reported_us > ledger_us {
-                        load.prefills.push(PendingPrefill { est_us: reported_us - ledger_us, started_at: None });
-                    }
-                    // The report has the contexts, the ledger when this conductor's decodes began:
-                    // the oldest sequences get the oldest start times; any more (another
-                    // replica's) began now, as far as this conductor knows.
-                    let now = snapshot.now_us;
-                    let mut starts: Vec<u64> = w.decoding.iter().map(|d| d.0).collect();
-                    starts.sort_unstable();
-                    load.decode_running = r
-                        .decode_contexts
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &c)| DecodeSeq::new(starts.get(i).copied().unwrap_or(now), c as u64))
-                        .collect();
-                    load.decode_waiting = u32::try_from(r.waiting).unwrap_or(u32::MAX);
-                    load.decode_incoming =
-                        (0..r.incoming + r.receiving).map(|_| baton_sched::IncomingSeq::new(now, 0)).collect();
-                    if let Some(scale) = decode_step_scale(cost, r) {
-                        load.decode_step_scale = scale;
-                    }
-                    load.mean_step_us = r.step_time_us;
-                    if r.total_blocks > 0 {
-                        let reclaimable = r.free_blocks + r.evictable_blocks;
-                        load.kv_device = TierUsage {
-                            used: r.total_blocks.saturating_sub(reclaimable) as u64,
-                            total: r.total_blocks as u64,
-                        };
-                    }
-                }
-                load
-            })
-            .collect()
-    }
-
-    /// The scheduler's view of the conductor's snapshot at `now`: [`Self::worker_loads`]
-    /// through [`ClusterSnapshot::from_workers`], the builder the simulator uses too. With
-    /// `kv_fetch` off no route counts on fetching a prefix from another worker.
-    pub fn cluster_snapshot<'a>(
-        snapshot: &Snapshot,
-        trees: &'a GlobalPromptTrees,
-        cost: &'a CostProfile,
-        block_tokens: usize,
-        now: Micros,
-        kv_fetch: bool,
-    ) -> ClusterSnapshot<'a> {
-        ClusterSnapshot::from_workers(now, &Self::worker_loads(snapshot, cost, block_tokens), trees, cost)
-            .with_kv_fetch(kv_fetch)
     }
 
     /// The scheduler's request for a prompt.
@@ -178,24 +88,25 @@ impl SchedPolicy {
     /// fast as the fastest (MemServe's PD-Caching-2; off by default).
     #[must_use]
     pub fn with_decode_affinity(mut self, on: bool) -> Self {
-        self.decode_affinity = on;
+        self.config.decode_affinity = on;
         self
     }
 
     /// Maps a scheduler decision back onto the snapshot's workers.
-    pub fn to_route(snapshot: &Snapshot, decision: &baton_sched::Decision) -> Decision {
+    pub fn to_route(snapshot: &ClusterSnapshot<'_>, decision: &baton_sched::Decision) -> Decision {
         Self::to_plan(snapshot, decision, 1).decision
     }
 
     /// Maps a scheduler decision back onto the snapshot's workers, with the blocks its route
     /// reuses from another worker's cache as a [`Fetch`] of the prompt's first blocks (the
-    /// holder has all of them: a cached block's ancestors are cached with it).
-    pub fn to_plan(snapshot: &Snapshot, decision: &baton_sched::Decision, block_tokens: usize) -> Plan {
-        let index = |id: InstanceId| snapshot.workers.iter().find(|w| w.instance == id.0).map(|w| w.index);
+    /// holder has all of them: a cached block's ancestors are cached with it). Predicts nothing:
+    /// [`RoutePolicy::plan`] adds the decision's [`Predict`].
+    pub fn to_plan(snapshot: &ClusterSnapshot<'_>, decision: &baton_sched::Decision, block_tokens: usize) -> Plan {
+        let index = |id: InstanceId| snapshot.instances.iter().position(|i| i.id == id);
         let route = match decision {
             baton_sched::Decision::Route(r) => r,
             baton_sched::Decision::Reject { reason } => {
-                return Plan { decision: Decision::Reject { reason: reason.to_string() }, fetch: None };
+                return Plan::of(Decision::Reject { reason: reason.to_string() });
             }
         };
         let decision = match (index(route.prefill), index(route.decode)) {
@@ -209,97 +120,36 @@ impl SchedPolicy {
             .filter(|r| r.from != route.prefill && r.end > r.start)
             .max_by_key(|r| r.end)
             .and_then(|r| Some(Fetch { from: index(r.from)?, tokens: r.end as usize * block_tokens }));
-        Plan { decision, fetch }
+        Plan { decision, fetch, predict: None }
     }
-}
-
-/// How a worker's decode steps compare with the cost profile's, from its load report: its
-/// measured decode-only steps (moving means of time, batch and context: the model is linear in
-/// batch and context, so the prediction for the mean work is the mean prediction), or, from a
-/// worker that predates those, its mean over every step against the batch it reports now (which
-/// a colocated worker's prefill chunks inflate). Clamped to [0.25, 4]; `None` before a measure.
-fn decode_step_scale(cost: &CostProfile, r: &baton_protocol::wire::LoadReport) -> Option<f64> {
-    let (measured, predicted) = if r.decode_step_us > 0 && r.decode_step_batch > 0.0 {
-        let d = &cost.decode;
-        let predicted =
-            d.fixed_us + d.per_seq_us * r.decode_step_batch + d.per_context_token_us * r.decode_step_context;
-        (r.decode_step_us as f64, predicted)
-    } else if r.step_time_us > 0 && !r.decode_contexts.is_empty() {
-        let ctx: usize = r.decode_contexts.iter().sum();
-        (r.step_time_us as f64, cost.decode_step(r.decode_contexts.len() as u64, ctx as u64) as f64)
-    } else {
-        return None;
-    };
-    (predicted > 0.0).then(|| (measured / predicted).clamp(0.25, 4.0))
-}
-
-/// The compute time of the prompt tokens a worker reports still to compute, as prefills of
-/// their mean length (the report has their sum and the number of waiting sequences).
-fn reported_prefill_us(cost: &CostProfile, r: &baton_protocol::wire::LoadReport) -> Micros {
-    let tokens = r.queued_prefill_tokens as u64;
-    if tokens == 0 {
-        return 0;
-    }
-    let prompts = (r.waiting as u64).clamp(1, tokens);
-    cost.prefill_time(tokens / prompts, 0.0) * prompts
-}
-
-/// A worker's queued prefills as the policies see them: each costs its estimate, and the worker
-/// runs them one after another in the order they were sent, so the oldest started when it was
-/// sent (or when the one before it ended) and only its remainder is still to wait for. Without
-/// start times every prefill counted whole, and a worker about to finish one looked as busy as
-/// one that had just begun it: cache-affine policies sent the next turn of a conversation away
-/// from the worker holding its cache (the simulator always knew how far a prefill had got).
-fn prefill_queue(prefilling: &[(u64, usize)], cost: &CostProfile, now: Micros) -> Vec<PendingPrefill> {
-    let mut sent: Vec<(u64, usize)> = prefilling.to_vec();
-    sent.sort_unstable();
-    let mut free_at = 0;
-    sent.into_iter()
-        .map(|(at, tokens)| {
-            let est_us = cost.prefill_time(tokens as u64, 0.0);
-            let start = free_at.max(at);
-            free_at = start + est_us;
-            PendingPrefill { est_us, started_at: (start <= now).then_some(start) }
-        })
-        .collect()
 }
 
 impl RoutePolicy for SchedPolicy {
-    fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision {
+    fn snapshot_config(&self) -> SnapshotConfig {
+        self.config.clone()
+    }
+
+    fn route(&self, snapshot: &ClusterSnapshot<'_>, request: &RouteRequest<'_>) -> Decision {
         self.plan(snapshot, request).decision
     }
 
-    fn plan(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Plan {
-        if snapshot.workers.is_empty() {
-            return Plan { decision: Decision::NoWorkers, fetch: None };
+    fn plan(&self, snapshot: &ClusterSnapshot<'_>, request: &RouteRequest<'_>) -> Plan {
+        if snapshot.instances.is_empty() {
+            return Plan::of(Decision::NoWorkers);
         }
-        let now = snapshot.now_us;
-        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let State { scheduler, trees, rng, next_request } = &mut *state;
-        match self.decode_time_us.load(std::sync::atomic::Ordering::Relaxed) {
-            0 => {}
-            measured => scheduler.admission.decode_time_us = measured,
-        }
-        let mut trees = trees.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        trees.expire(now);
-        for w in &snapshot.workers {
-            trees.set_role(InstanceId(w.instance), w.role);
-        }
-        *next_request += 1;
-        let req = Self::request(*next_request, request, self.block_tokens);
-        let decision = {
-            let cluster = Self::cluster_snapshot(snapshot, &trees, &self.cost, self.block_tokens, now, self.kv_fetch)
-                .with_decode_affinity(self.decode_affinity);
-            scheduler.decide(&cluster, &req, rng)
+        let (decision, req) = {
+            let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let State { scheduler, rng, next_request } = &mut *state;
+            match self.decode_time_us.load(std::sync::atomic::Ordering::Relaxed) {
+                0 => {}
+                measured => scheduler.admission.decode_time_us = measured,
+            }
+            *next_request += 1;
+            let req = Self::request(*next_request, request, self.block_tokens);
+            (scheduler.decide(snapshot, &req, rng), req)
         };
-        if let baton_sched::Decision::Route(r) = &decision {
-            trees.predict(r.prefill, &req.block_hashes, now);
-        }
-        Self::to_plan(snapshot, &decision, self.block_tokens)
-    }
-
-    fn attach_index(&self, trees: SharedTrees) {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).trees = trees;
+        let plan = Self::to_plan(snapshot, &decision, self.block_tokens);
+        Plan { predict: Predict::of(&decision, req), ..plan }
     }
 
     /// Predictive admission's `t_d` becomes the measured mean (the configured one stands until
@@ -355,16 +205,20 @@ impl std::fmt::Debug for CustomPolicy {
 }
 
 impl RoutePolicy for CustomPolicy {
-    fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision {
+    fn snapshot_config(&self) -> SnapshotConfig {
+        self.0.snapshot_config()
+    }
+
+    fn route(&self, snapshot: &ClusterSnapshot<'_>, request: &RouteRequest<'_>) -> Decision {
         self.0.route(snapshot, request)
     }
 
-    fn plan(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Plan {
+    fn plan(&self, snapshot: &ClusterSnapshot<'_>, request: &RouteRequest<'_>) -> Plan {
         self.0.plan(snapshot, request)
     }
 
-    fn attach_index(&self, trees: SharedTrees) {
-        self.0.attach_index(trees);
+    fn decode_time(&self, mean_us: u64) {
+        self.0.decode_time(mean_us);
     }
 }
 
@@ -404,16 +258,60 @@ impl PolicyChoice {
 mod tests {
     use baton_sched::{AdmissionConfig, PolicyConfig, PolicyKind};
 
+    use baton_sched::{GlobalPromptTrees, WorkerLoad};
+
     use super::*;
     use crate::Role;
-    use crate::routing::WorkerView;
+    use crate::loads::WorkerFigures;
+    use crate::routing::{cluster_snapshot, ready_trees};
+
+    /// The conductor's ledger at some instant: its workers' figures, and the time.
+    struct Snapshot {
+        workers: Vec<WorkerFigures>,
+        now_us: u64,
+    }
+
+    impl Snapshot {
+        /// The figures the policies' snapshot is built from, costed by `config`.
+        fn loads(&self, config: &SnapshotConfig) -> Vec<WorkerLoad> {
+            self.workers.iter().map(|w| w.clone().load(&config.cost, self.now_us)).collect()
+        }
+    }
+
+    /// A policy as the conductor runs it: over prompt trees it keeps across requests, readied
+    /// before each decision, the plan's prediction applied after.
+    struct Live {
+        policy: SchedPolicy,
+        trees: GlobalPromptTrees,
+    }
+
+    impl Live {
+        fn new(policy: SchedPolicy) -> Self {
+            Self { policy, trees: GlobalPromptTrees::new(PREDICTED_TTL_US) }
+        }
+
+        fn route(&mut self, snap: &Snapshot, request: &RouteRequest<'_>) -> Decision {
+            let config = self.policy.snapshot_config();
+            let loads = snap.loads(&config);
+            ready_trees(&mut self.trees, snap.now_us, &loads);
+            let plan = self.policy.plan(&cluster_snapshot(snap.now_us, &loads, &self.trees, &config), request);
+            if let Some(p) = &plan.predict {
+                self.trees.apply_predict(p, snap.now_us);
+            }
+            plan.decision
+        }
+
+        fn decode_time(&self, mean_us: u64) {
+            self.policy.decode_time(mean_us);
+        }
+    }
 
     fn snapshot() -> Snapshot {
         let mut workers = vec![
-            WorkerView::new(0, Role::Prefill, 3),
-            WorkerView::new(1, Role::Prefill, 0),
-            WorkerView::new(2, Role::Decode, 1),
-            WorkerView::new(3, Role::Decode, 4),
+            WorkerFigures::new(0, Role::Prefill, 3),
+            WorkerFigures::new(1, Role::Prefill, 0),
+            WorkerFigures::new(2, Role::Decode, 1),
+            WorkerFigures::new(3, Role::Decode, 4),
         ];
         workers[0].prefilling = vec![(0, 4000), (0, 2000), (0, 900)];
         workers[2].decoding = vec![(10, 700)];
@@ -425,66 +323,13 @@ mod tests {
         Snapshot { workers, now_us: 1_000_000 }
     }
 
-    /// A worker runs its prefills in the order they were sent: the oldest has been running since
-    /// it was sent and only its remainder is left; the others wait whole, each after the one
-    /// before it.
-    #[test]
-    fn a_prefill_sent_long_ago_counts_only_what_is_left_of_it() {
-        let cost = CostProfile::llama2_70b_8xh100();
-        let full = cost.prefill_time(4000, 0.0);
-        let now = 10 * full;
-        let queue = |prefilling: &[(u64, usize)]| {
-            WorkerLoad {
-                prefills: prefill_queue(prefilling, &cost, now),
-                ..WorkerLoad::idle(InstanceId(0), Role::Prefill)
-            }
-            .queued_prefill_us(now)
-        };
-        assert_eq!(queue(&[(now, 4000)]), full, "sent just now: all of it");
-        assert_eq!(queue(&[(now - full / 2, 4000)]), full - full / 2, "half done");
-        assert_eq!(queue(&[(now - 2 * full, 4000)]), 0, "overdue: nothing left to wait for");
-        // Sent one after the other half a prefill ago: the first is half done, the second waits.
-        assert_eq!(queue(&[(now - full / 2, 4000), (now - full / 2, 4000)]), full - full / 2 + full);
-    }
-
-    /// A worker's load report shows prompt tokens it has yet to compute: beyond the prefills
-    /// this conductor sent it (another replica's), or left of prefills the ledger thinks done
-    /// (the worker is slower than the cost profile). The queue is the longer of the ledger's and
-    /// the report's; what the ledger already counts is not counted twice.
-    #[test]
-    fn prefills_another_conductor_sent_queue_too() {
-        let cost = CostProfile::llama2_70b_8xh100();
-        let mut w = WorkerView { instance: 0, ..WorkerView::new(0, Role::Prefill, 0) };
-        let report =
-            |tokens| Some(baton_protocol::wire::LoadReport { queued_prefill_tokens: tokens, ..Default::default() });
-        let queued = |w: &WorkerView| {
-            let snap = Snapshot { workers: vec![w.clone()], now_us: 0 };
-            SchedPolicy::worker_loads(&snap, &cost, 16)[0].queued_prefill_us(0)
-        };
-        assert_eq!(queued(&w), 0);
-        w.report = report(3000);
-        assert_eq!(queued(&w), cost.prefill_time(3000, 0.0), "another replica's prefill");
-        w.prefilling = vec![(0, 3000)];
-        assert_eq!(queued(&w), cost.prefill_time(3000, 0.0), "its own: counted once");
-        w.report = report(5000);
-        assert_eq!(queued(&w), cost.prefill_time(5000, 0.0), "the report's, the longer");
-        // Sent long ago: the ledger thinks it done, the worker says it is not.
-        w.prefilling = vec![(0, 3000)];
-        w.report = report(3000);
-        let later = Snapshot { workers: vec![w.clone()], now_us: 100_000_000 };
-        assert_eq!(
-            SchedPolicy::worker_loads(&later, &cost, 16)[0].queued_prefill_us(100_000_000),
-            cost.prefill_time(3000, 0.0)
-        );
-    }
-
     /// Least-load with `kind` admission, a TBT target of `tbt_us`, a TTFT target of a minute and
     /// a `t_d` of 10 s.
-    fn admitting(kind: baton_sched::AdmissionKind, tbt_us: u64, cost: CostProfile) -> SchedPolicy {
+    fn admitting(kind: baton_sched::AdmissionKind, tbt_us: u64, cost: CostProfile) -> Live {
         let slo = baton_sched::Slo { ttft_us: 60_000_000, tbt_us };
         let admission = AdmissionConfig { kind, slo, decode_time_us: 10_000_000, tbt_headroom: 0.0 };
         let policy = PolicyKind::LeastLoad.build(&PolicyConfig::default());
-        SchedPolicy::new(Scheduler::new(policy, admission), cost, 16, 1)
+        Live::new(SchedPolicy::new(Scheduler::new(policy, admission), cost, 16, 1))
     }
 
     /// Predictive admission on the live snapshot: a decode worker's running requests began when
@@ -497,16 +342,13 @@ mod tests {
         use baton_sched::AdmissionKind;
         let cost = CostProfile::llama2_70b_8xa800();
         let now = 20_000_000;
-        let mut decode = WorkerView { instance: 1, capacity_blocks: 1 << 20, ..WorkerView::new(1, Role::Decode, 64) };
+        let mut decode = WorkerFigures { capacity_blocks: 1 << 20, ..WorkerFigures::new(1, Role::Decode, 64) };
         decode.decoding = (0..64).map(|_| (0, 2000)).collect();
         decode.report =
             Some(baton_protocol::wire::LoadReport { decode_contexts: vec![2000; 64], ..Default::default() });
-        let snap = Snapshot {
-            workers: vec![WorkerView { instance: 0, ..WorkerView::new(0, Role::Prefill, 0) }, decode],
-            now_us: now,
-        };
+        let snap = Snapshot { workers: vec![WorkerFigures::new(0, Role::Prefill, 0), decode], now_us: now };
         let busy = cost.decode_step(65, 64 * 2000 + 100);
-        let policy = admitting(AdmissionKind::Predictive, busy - 1, cost);
+        let mut policy = admitting(AdmissionKind::Predictive, busy - 1, cost);
         let prompt: Vec<u32> = (0..100).collect();
         let request = RouteRequest { prompt: &prompt, max_tokens: 16, session: None };
         assert!(matches!(policy.route(&snap, &request), Decision::Disaggregated { .. }));
@@ -521,21 +363,18 @@ mod tests {
     fn admission_scales_the_predicted_step_by_what_the_worker_measures() {
         use baton_sched::AdmissionKind;
         let cost = CostProfile::llama2_70b_8xh100();
-        let mut decode = WorkerView { instance: 1, capacity_blocks: 1 << 20, ..WorkerView::new(1, Role::Decode, 8) };
+        let mut decode = WorkerFigures { capacity_blocks: 1 << 20, ..WorkerFigures::new(1, Role::Decode, 8) };
         let predicted = cost.decode_step(8, 8 * 500);
         let report = |step_time_us| baton_protocol::wire::LoadReport {
             decode_contexts: vec![500; 8],
             step_time_us,
             ..Default::default()
         };
-        let policy = admitting(AdmissionKind::EarlyRejection, predicted * 3 / 2, cost);
+        let mut policy = admitting(AdmissionKind::EarlyRejection, predicted * 3 / 2, cost);
         let prompt: Vec<u32> = (0..100).collect();
         let request = RouteRequest { prompt: &prompt, max_tokens: 16, session: None };
-        let route = |decode: &WorkerView| {
-            let snap = Snapshot {
-                workers: vec![WorkerView { instance: 0, ..WorkerView::new(0, Role::Prefill, 0) }, decode.clone()],
-                now_us: 1,
-            };
+        let mut route = |decode: &WorkerFigures| {
+            let snap = Snapshot { workers: vec![WorkerFigures::new(0, Role::Prefill, 0), decode.clone()], now_us: 1 };
             policy.route(&snap, &request)
         };
         decode.report = Some(report(predicted));
@@ -565,12 +404,12 @@ mod tests {
         let prompt: Vec<u32> = (0..300).collect();
         let cost = CostProfile::llama2_70b_8xa800();
         for kind in PolicyKind::ALL {
-            let live = SchedPolicy::new(
+            let mut live = Live::new(SchedPolicy::new(
                 Scheduler::new(kind.build(&PolicyConfig::default()), AdmissionConfig::default()),
                 cost.clone(),
                 16,
                 7,
-            );
+            ));
             let routed = live.route(&snap, &RouteRequest { prompt: &prompt, max_tokens: 64, session: None });
 
             let mut direct = Scheduler::new(kind.build(&PolicyConfig::default()), AdmissionConfig::default());
@@ -578,10 +417,12 @@ mod tests {
             for w in &snap.workers {
                 trees.set_role(InstanceId(w.instance), w.role);
             }
-            let cluster = SchedPolicy::cluster_snapshot(&snap, &trees, &cost, 16, snap.now_us, false);
+            let config = SnapshotConfig { cost: cost.clone(), ..SnapshotConfig::default() };
+            let loads = snap.loads(&config);
+            let cluster = cluster_snapshot(snap.now_us, &loads, &trees, &config);
             let req = SchedPolicy::request(1, &RouteRequest { prompt: &prompt, max_tokens: 64, session: None }, 16);
             let decision = direct.decide(&cluster, &req, &mut StdRng::seed_from_u64(7));
-            assert_eq!(routed, SchedPolicy::to_route(&snap, &decision), "{}", kind.name());
+            assert_eq!(routed, SchedPolicy::to_route(&cluster, &decision), "{}", kind.name());
             assert!(matches!(routed, Decision::Disaggregated { .. }), "{}: {routed:?}", kind.name());
         }
     }
@@ -589,12 +430,12 @@ mod tests {
     /// Least-load sees the ledger: the idle prefill worker and the lighter decode worker.
     #[test]
     fn the_ledger_reaches_the_policy() {
-        let live = SchedPolicy::new(
+        let mut live = Live::new(SchedPolicy::new(
             Scheduler::new(PolicyKind::LeastLoad.build(&PolicyConfig::default()), AdmissionConfig::default()),
             CostProfile::llama2_70b_8xa800(),
             16,
             0,
-        );
+        ));
         let d = live.route(&snapshot(), &RouteRequest { prompt: &[1, 2, 3], max_tokens: 8, session: None });
         assert_eq!(d, Decision::Disaggregated { prefill: 1, decode: 2 });
     }
@@ -603,14 +444,14 @@ mod tests {
     /// colocated worker even when another is as idle.
     #[test]
     fn prompt_tree_sends_a_repeated_prompt_back() {
-        let live = SchedPolicy::new(
+        let mut live = Live::new(SchedPolicy::new(
             Scheduler::new(PolicyKind::PromptTree.build(&PolicyConfig::default()), AdmissionConfig::default()),
             CostProfile::llama2_70b_8xa800(),
             16,
             0,
-        );
+        ));
         let snap = Snapshot {
-            workers: vec![WorkerView::new(0, Role::Colocated, 0), WorkerView::new(1, Role::Colocated, 0)],
+            workers: vec![WorkerFigures::new(0, Role::Colocated, 0), WorkerFigures::new(1, Role::Colocated, 0)],
             now_us: 0,
         };
         let a: Vec<u32> = (0..64).collect();
@@ -628,18 +469,18 @@ mod tests {
     /// another worker would start them sooner.
     #[test]
     fn session_affinity_keeps_a_session_on_one_worker() {
-        let live = SchedPolicy::new(
+        let mut live = Live::new(SchedPolicy::new(
             Scheduler::new(PolicyKind::SessionAffinity.build(&PolicyConfig::default()), AdmissionConfig::default()),
             CostProfile::llama2_70b_8xa800(),
             16,
             0,
-        );
+        ));
         // All but worker `idle` have prompts queued.
         let snap = |idle: usize| Snapshot {
             workers: (0..4)
-                .map(|i| WorkerView {
+                .map(|i| WorkerFigures {
                     prefilling: if i == idle { Vec::new() } else { vec![(0, 2000); 3] },
-                    ..WorkerView::new(i, Role::Colocated, 0)
+                    ..WorkerFigures::new(i as u32, Role::Colocated, 0)
                 })
                 .collect(),
             now_us: 0,
@@ -652,7 +493,10 @@ mod tests {
             // Every worker equally busy: the session stays on its own.
             let even = Snapshot {
                 workers: (0..4)
-                    .map(|i| WorkerView { prefilling: vec![(0, 2000); 3], ..WorkerView::new(i, Role::Colocated, 0) })
+                    .map(|i| WorkerFigures {
+                        prefilling: vec![(0, 2000); 3],
+                        ..WorkerFigures::new(i as u32, Role::Colocated, 0)
+                    })
                     .collect(),
                 now_us: 0,
             };

@@ -10,11 +10,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use baton_conductor::ServeConfig;
-use baton_conductor::routing::{Decision, Fetch, Plan, RoutePolicy, RouteRequest, Snapshot};
+use baton_conductor::routing::{Decision, Fetch, Plan, RoutePolicy, RouteRequest};
 use baton_conductor::sched::{CustomPolicy, PolicyChoice};
 use baton_engine::EngineConfig;
 use baton_protocol::wire::{KvSource, PdCaching, RequestEvent, StateUpdate, WorkRequest, WorkerStats};
 use baton_protocol::{KvTransfer, Worker};
+use baton_sched::ClusterSnapshot;
 use serde_json::{Value, json};
 
 mod common;
@@ -51,19 +52,20 @@ impl Scripted {
 }
 
 impl RoutePolicy for Scripted {
-    fn route(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Decision {
+    fn route(&self, snapshot: &ClusterSnapshot<'_>, request: &RouteRequest<'_>) -> Decision {
         self.plan(snapshot, request).decision
     }
 
-    fn plan(&self, snapshot: &Snapshot, request: &RouteRequest<'_>) -> Plan {
+    fn plan(&self, snapshot: &ClusterSnapshot<'_>, request: &RouteRequest<'_>) -> Plan {
         let s = self.script.lock().expect("not poisoned");
         let index = |instance: usize| {
-            snapshot.workers.iter().find(|w| w.instance as usize == instance).expect("a known worker").index
+            snapshot.instances.iter().position(|w| w.id.0 as usize == instance).expect("a known worker")
         };
         Plan {
             decision: Decision::Disaggregated { prefill: index(s.prefill), decode: index(self.decode) },
             // The whole prompt: the holder offers the longest prefix of it that it caches.
             fetch: s.fetch_from.map(|from| Fetch { from: index(from), tokens: request.prompt.len() }),
+            predict: None,
         }
     }
 }

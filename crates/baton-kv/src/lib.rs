@@ -85,7 +85,7 @@ pub use index::{NodeInfo, PrefixIndex};
 pub use policy::{EvictionPolicy, Lfu, Lru, NodeId, PolicyKind, Ranked};
 pub use pool::{
     DevicePrefix, MAX_BUFFERED_EVENTS, MemPool, PoolConfig, PoolError, PrefixMatch, SwapCopier, SwapIn, SwapJob,
-    TierUsage,
+    TierOwners,
 };
 pub use ranges::ByteRange;
 pub use segment::{FragmentationStats, Segment, SegmentAllocator, count_runs, segments_of};

@@ -140,7 +140,7 @@ pub struct DevicePrefix {
 
 /// Blocks of each kind of owner in one tier: they add up to the tier's size.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TierUsage {
+pub struct TierOwners {
     /// On the free list.
     pub free: usize,
     /// Held by requests only.
@@ -1163,9 +1163,9 @@ impl MemPool {
     // ---- accounting ------------------------------------------------------------------------
 
     /// Blocks of each owner kind in a tier.
-    pub fn usage(&self, tier: Tier) -> TierUsage {
+    pub fn usage(&self, tier: Tier) -> TierOwners {
         let t = &self.tiers[tier.index()];
-        let mut u = TierUsage { free: t.alloc.num_free(), evictable: t.policy.evictable(), ..TierUsage::default() };
+        let mut u = TierOwners { free: t.alloc.num_free(), evictable: t.policy.evictable(), ..TierOwners::default() };
         for (i, &o) in t.owner.iter().enumerate() {
             match o {
                 NO_OWNER if t.refs[i] > 0 => u.held += 1,

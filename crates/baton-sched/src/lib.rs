@@ -16,7 +16,9 @@
 //!   Mooncake's Algorithm 1 ([`KvCentric`]), FlowKV's [`LoadAware`] with role switching.
 //! - [`admission`]: none, Mooncake's baseline, early rejection, prediction-based early rejection.
 //! - [`Scheduler`]: a policy plus an admission control; [`Scheduler::decide`] is the one call
-//!   per request, for the simulator and the conductor alike.
+//!   per request, for the simulator and the conductor alike. It reads the trees and writes
+//!   nothing shared: the prompt a route expects cached is a [`Predict`] ([`Predict::of`]), which
+//!   the caller applies to the trees once it sends the request.
 //! - [`WorkerLoad`] and [`ClusterSnapshot::from_workers`]: how both build the snapshot from
 //!   per-worker figures (the conductor from load reports and its own routing records, the
 //!   simulator from its virtual instances), with [`GlobalPromptTrees`] fed by KV events.
@@ -78,7 +80,7 @@ pub use policy::{
     RandomPolicy, RoundRobin, SessionAffinity,
 };
 pub use snapshot::{
-    ClusterSnapshot, Decision, DecodeSeq, Estimate, IncomingSeq, IncomingSeqs, InstanceSnapshot, PendingPrefill,
-    RejectReason, Request, RequestId, Reuse, Role, RoleChange, Route, SessionId, TierUsage, WorkerLoad,
+    ClusterSnapshot, Decision, DecodeSeq, Estimate, IncomingSeq, IncomingSeqs, InstanceSnapshot, Ledger,
+    PendingPrefill, RejectReason, Request, RequestId, Reuse, Role, RoleChange, Route, SessionId, TierUsage, WorkerLoad,
 };
-pub use trees::{BlockUpdate, GlobalPromptTrees, PrefixMatch};
+pub use trees::{BlockUpdate, GlobalPromptTrees, InstancePrefix, Predict};

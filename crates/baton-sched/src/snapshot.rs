@@ -1,4 +1,5 @@
-//! What a policy sees ([`ClusterSnapshot`], [`Request`]) and what it answers ([`Decision`]).
+//! What a policy sees ([`ClusterSnapshot`], [`Request`]) and what it answers ([`Decision`],
+//! and the [`Predict`] its caller applies to the prompt trees).
 //!
 //! The conductor fills a snapshot from its registry and the workers' load reports; the simulator
 //! fills the same struct from its virtual instances. Neither the snapshot nor the decision holds
@@ -13,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::Micros;
 use crate::cost::{CostProfile, Link};
 pub use crate::role::Role;
-use crate::trees::GlobalPromptTrees;
+use crate::trees::{GlobalPromptTrees, Predict};
 
 /// A request's id, unique within a conductor (or a simulation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -223,6 +224,24 @@ impl From<Vec<IncomingSeq>> for IncomingSeqs {
     }
 }
 
+/// What a router counts of an instance itself, beside the figures the policies estimate from:
+/// requests it has in flight there and the KV its admissions claim. The conductor fills it from
+/// its ledger (its least-in-flight routing and its check that a decode worker has room for a
+/// prompt read it); the simulator, whose policies estimate from queues and batches, leaves it
+/// at its default (nothing counted, capacity unknown).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ledger {
+    /// Requests in flight on the instance.
+    pub in_flight: u32,
+    /// KV tokens of the requests decoding on it.
+    pub decoding_tokens: u64,
+    /// KV tokens claimed on it by requests admitted to decode there and not decoding yet (in
+    /// prefill elsewhere, or handing over).
+    pub bound_tokens: u64,
+    /// Tokens of KV its pool holds (0: unknown).
+    pub capacity_tokens: u64,
+}
+
 /// One instance as the scheduler sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InstanceSnapshot {
@@ -254,6 +273,8 @@ pub struct InstanceSnapshot {
     /// decodes of a colocated instance wait for its prefill chunks too, so this, not the
     /// decode-only step, is the gap between their tokens.
     pub mean_step_us: Micros,
+    /// What the router counts of it ([`Ledger`]).
+    pub ledger: Ledger,
 }
 
 impl InstanceSnapshot {
@@ -272,6 +293,7 @@ impl InstanceSnapshot {
             nic_bytes_per_s: 0,
             decode_step_scale: 1.0,
             mean_step_us: 0,
+            ledger: Ledger::default(),
         }
     }
 
@@ -339,6 +361,8 @@ pub struct WorkerLoad {
     pub decode_step_scale: f64,
     /// Its measured mean step, every step (0: unknown; see [`InstanceSnapshot::mean_step_us`]).
     pub mean_step_us: Micros,
+    /// What the router counts of it ([`Ledger`]).
+    pub ledger: Ledger,
 }
 
 impl WorkerLoad {
@@ -356,6 +380,7 @@ impl WorkerLoad {
             kv_host: TierUsage::default(),
             decode_step_scale: 1.0,
             mean_step_us: 0,
+            ledger: Ledger::default(),
         }
     }
 
@@ -386,6 +411,7 @@ impl WorkerLoad {
             nic_bytes_per_s: 0,
             decode_step_scale: self.decode_step_scale,
             mean_step_us: self.mean_step_us,
+            ledger: self.ledger,
         }
     }
 }
@@ -623,6 +649,15 @@ impl Decision {
             Decision::Route(r) => Some(r),
             Decision::Reject { .. } => None,
         }
+    }
+}
+
+/// The [`Predict`] of a decision (the type is the trees' own: they apply it).
+impl Predict {
+    /// What `decision` on `req` predicts: the prompt cached at the prefill instance of a route,
+    /// nothing for a rejection. Takes the request, whose hashes move into the prediction.
+    pub fn of(decision: &Decision, req: Request) -> Option<Self> {
+        decision.route().map(|r| Self { instance: r.prefill, hashes: req.block_hashes })
     }
 }
 

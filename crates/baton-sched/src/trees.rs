@@ -8,7 +8,8 @@
 //! Entries come from two sources:
 //! - [`KvEvent`]s of the instance's pool ([`apply`](GlobalPromptTrees::apply)): confirmed, kept
 //!   until a `Removed` event;
-//! - the scheduler's own routing ([`predict`](GlobalPromptTrees::predict)): after sending a request
+//! - the scheduler's own routing ([`apply_predict`](GlobalPromptTrees::apply_predict) of a
+//!   decision's [`Predict`], applied by whoever carries the decision out): after sending a request
 //!   to an instance it expects the prompt's blocks to be cached there. Such entries are
 //!   unconfirmed and expire after a TTL unless an event confirms them (MemServe §6: "global prompt
 //!   trees with a time-to-live").
@@ -187,9 +188,23 @@ impl Tree {
     }
 }
 
+/// What carrying a routed request out changes in the global prompt trees: its prompt's blocks
+/// are expected at its prefill instance once the prefill ends (an unconfirmed entry, dropped at
+/// the trees' TTL unless a KV event confirms it). A decision only reads the trees; the caller
+/// applies this to them ([`GlobalPromptTrees::apply_predict`]) once it acts on the decision, so
+/// the simulator and the conductor run the same decision with no lock or write inside it.
+/// [`Predict::of`] makes one from a decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Predict {
+    /// The instance expected to cache the prompt.
+    pub instance: InstanceId,
+    /// The prompt's chained block hashes.
+    pub hashes: Vec<BlockHash>,
+}
+
 /// How much of a prompt one instance holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PrefixMatch {
+pub struct InstancePrefix {
     /// The instance.
     pub instance: InstanceId,
     /// Its role.
@@ -363,6 +378,12 @@ impl GlobalPromptTrees {
         }
     }
 
+    /// Applies a decision's [`Predict`]: [`predict`](Self::predict) of its prompt at its
+    /// instance. The caller does this once it acts on the decision (the decision never writes).
+    pub fn apply_predict(&mut self, p: &Predict, now: Micros) {
+        self.predict(p.instance, &p.hashes, now);
+    }
+
     /// Drops predicted entries whose TTL has passed. Costs what lapsed, not the index's size:
     /// each live prediction has one place in a queue ordered by when it was made; one refreshed
     /// since goes to the back with its new time (lookups check the time anyway, so a late
@@ -414,12 +435,12 @@ impl GlobalPromptTrees {
 
     /// Every instance whose role passes `roles` with at least one leading block, longest first
     /// (ties by id).
-    pub fn matches(&self, hashes: &[BlockHash], now: Micros, roles: impl Fn(Role) -> bool) -> Vec<PrefixMatch> {
-        let mut out: Vec<PrefixMatch> = self
+    pub fn matches(&self, hashes: &[BlockHash], now: Micros, roles: impl Fn(Role) -> bool) -> Vec<InstancePrefix> {
+        let mut out: Vec<InstancePrefix> = self
             .trees
             .iter()
             .filter(|(_, t)| roles(t.role))
-            .map(|(&id, t)| PrefixMatch { instance: id, role: t.role, blocks: self.prefix_len(id, hashes, now) })
+            .map(|(&id, t)| InstancePrefix { instance: id, role: t.role, blocks: self.prefix_len(id, hashes, now) })
             .filter(|m| m.blocks > 0)
             .collect();
         out.sort_by(|a, b| b.blocks.cmp(&a.blocks).then(a.instance.cmp(&b.instance)));
@@ -521,7 +542,7 @@ mod tests {
         assert_eq!(t.len(InstanceId(1), 0), 1);
         t.predict(InstanceId(2), &hashes, 5000);
         let m = t.matches(&hashes, 5000, Role::prefills);
-        assert_eq!(m, vec![PrefixMatch { instance: InstanceId(1), role: Role::Prefill, blocks: 1 }]);
+        assert_eq!(m, vec![InstancePrefix { instance: InstanceId(1), role: Role::Prefill, blocks: 1 }]);
         assert_eq!(t.matches(&hashes, 5000, |_| true)[0].instance, InstanceId(2));
     }
 

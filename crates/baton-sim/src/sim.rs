@@ -20,8 +20,8 @@ use std::collections::{BinaryHeap, VecDeque};
 use baton_kv::{InstanceId, KvEvent};
 use baton_sched::{
     AdmissionKind, ClusterSnapshot, Decision, DecodeSeq, GlobalPromptTrees, IncomingSeq, IncomingSeqs,
-    InstanceSnapshot, LoadAware, Micros, PendingPrefill, Policy, Request, RequestId, Role, Route, Scheduler, TierUsage,
-    WorkerLoad,
+    InstanceSnapshot, Ledger, LoadAware, Micros, PendingPrefill, Policy, Predict, Request, RequestId, Role, Route,
+    Scheduler, TierUsage, WorkerLoad,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -279,6 +279,7 @@ impl Simulator {
             kv_host: TierUsage { used: host_cache as u64, total: inst.host_blocks },
             decode_step_scale: 1.0,
             mean_step_us: inst.mean_step_us as Micros,
+            ledger: Ledger::default(),
         }
     }
 
@@ -319,6 +320,7 @@ impl Simulator {
             nic_bytes_per_s: 0,
             decode_step_scale: 1.0,
             mean_step_us: inst.mean_step_us as Micros,
+            ledger: Ledger::default(),
         }
     }
 
@@ -349,6 +351,12 @@ impl Simulator {
     /// The scheduler's decision for request `i` now (consumes randomness and policy state, as the
     /// live conductor would).
     pub fn decide(&mut self, i: usize) -> Decision {
+        self.decide_predicting(i).0
+    }
+
+    /// [`Self::decide`], with the prompt the decision expects cached where it routed it, for
+    /// [`Self::on_arrival`] to apply to the trees (the decision only reads them).
+    fn decide_predicting(&mut self, i: usize) -> (Decision, Option<Predict>) {
         let req = self.request_view(i);
         let snap = cluster_snapshot(self.now, self.instance_snapshots(), &self.trees, &self.cfg);
         let (decision, check) = self.scheduler.decide_explained(&snap, &req, &mut self.rng);
@@ -363,7 +371,8 @@ impl Simulator {
                 admitted: decision.route().is_some(),
             });
         }
-        decision
+        let predict = Predict::of(&decision, req);
+        (decision, predict)
     }
 
     /// Samples every instance at each sample time up to `until` (exclusive): nothing changes
@@ -469,7 +478,7 @@ impl Simulator {
 
     fn on_arrival(&mut self, i: usize) {
         self.trees.expire(self.now);
-        let decision = self.decide(i);
+        let (decision, predict) = self.decide_predicting(i);
         let route = match decision {
             Decision::Route(r) => r,
             Decision::Reject { .. } => {
@@ -481,9 +490,11 @@ impl Simulator {
         if p == d && self.instances[d].role == Role::Decode {
             self.extra.run_on_decode += 1;
         }
-        let req = &self.requests[i];
         // The scheduler expects the prompt to be cached at p after this prefill.
-        self.trees.predict(route.prefill, &req.hashes, self.now);
+        if let Some(predict) = &predict {
+            self.trees.apply_predict(predict, self.now);
+        }
+        let req = &self.requests[i];
         let est = self
             .cfg
             .cost

@@ -9,13 +9,13 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use baton_conductor::routing::{RouteRequest, Snapshot, WorkerView};
+use baton_conductor::routing::{RouteRequest, cluster_snapshot, ready_trees};
 use baton_conductor::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
 use baton_kv::{InstanceId, prefix_hashes};
 use baton_protocol::Role;
 use baton_protocol::state_codec::{StateFormat, StateReader};
 use baton_protocol::wire::{BlockChange, BlockEvent, CachedBlock, KvTier, LoadReport, StateUpdate};
-use baton_sched::GlobalPromptTrees;
+use baton_sched::{GlobalPromptTrees, TierUsage, WorkerLoad};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -124,18 +124,15 @@ pub(crate) fn run(a: IndexArgs) -> anyhow::Result<()> {
 
     // 3. kv-centric decisions against the full index: half the prompts extend a cached one.
     let policy = crate::bench_conductor_load::kv_centric()?.build(a.block_tokens);
-    policy.attach_index(Arc::clone(&trees));
-    let snapshot = Snapshot {
-        workers: (0..a.workers)
-            .map(|w| WorkerView {
-                instance: w as u32,
-                capacity_blocks: a.blocks / a.workers * 2,
-                report: Some(LoadReport { total_blocks: a.blocks / a.workers * 2, ..LoadReport::default() }),
-                ..WorkerView::new(w, role(w), 0)
-            })
-            .collect(),
-        now_us: 1,
-    };
+    let config = policy.snapshot_config();
+    // Every worker's pool is full (its report: no block free), nothing queued or decoding.
+    let total = (a.blocks / a.workers * 2) as u64;
+    let loads: Vec<WorkerLoad> = (0..a.workers)
+        .map(|w| WorkerLoad {
+            kv_device: TierUsage { used: total, total },
+            ..WorkerLoad::idle(InstanceId(w as u32), role(w))
+        })
+        .collect();
     let mut times = Vec::with_capacity(a.decisions);
     let mut hits = 0usize;
     for i in 0..a.decisions {
@@ -146,8 +143,18 @@ pub(crate) fn run(a: IndexArgs) -> anyhow::Result<()> {
         };
         prompt.extend((0..a.block_tokens * 4).map(|_| rng.random_range(0..32_000u32)));
         let request = RouteRequest { prompt: &prompt, max_tokens: 128, session: None };
+        // A decision as the conductor makes it: the trees held still, the snapshot built over
+        // them, the policy's plan, its prediction applied.
         let start = Instant::now();
-        let d = policy.route(&snapshot, &request);
+        let d = {
+            let mut trees = trees.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            ready_trees(&mut trees, 1, &loads);
+            let plan = policy.plan(&cluster_snapshot(1, &loads, &trees, &config), &request);
+            if let Some(p) = &plan.predict {
+                trees.apply_predict(p, 1);
+            }
+            plan.decision
+        };
         times.push(start.elapsed().as_nanos() as u64);
         hits += usize::from(matches!(d, baton_conductor::routing::Decision::Disaggregated { .. }));
     }

@@ -38,17 +38,21 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use baton_engine::RequestId;
 use baton_kv::InstanceId;
-use baton_sched::GlobalPromptTrees;
+use baton_sched::{CostProfile, GlobalPromptTrees, WorkerLoad};
 use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use crate::elastic::Elastic;
 use crate::life::{self, Choice, FetchLease, Life, Settings, Waiting};
+use crate::loads::WorkerFigures;
 use crate::metrics::{Metrics, Outcome, WorkerGauges};
 use crate::openai::{Endpoint, ValidRequest, Validator};
 use crate::response::{Piece, full_response, sse_response};
-use crate::routing::{Decision, RoutePolicy, RouteRequest, Snapshot, WorkerView, decode_has_room, lone_role_fallback};
+use crate::routing::{
+    Decision, Plan, RoutePolicy, RouteRequest, SnapshotConfig, cluster_snapshot, decode_has_room, lone_role_fallback,
+    ready_trees,
+};
 use crate::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
 use baton_protocol::error::ApiError;
 use baton_protocol::wire::{KvSource, PdCaching};
@@ -93,6 +97,8 @@ pub struct Conductor {
     tokenizers: Arc<tokio::sync::Semaphore>,
     workers: RwLock<Workers>,
     policy: Box<dyn RoutePolicy>,
+    /// How the policy's snapshot is built (the policy's answer, asked once).
+    snapshot_config: SnapshotConfig,
     metrics: Metrics,
     api_key: Option<String>,
     /// Whether `/metrics` and `/health` want the API key too (the OpenAI routes always do).
@@ -141,8 +147,8 @@ impl Conductor {
     ) -> Self {
         let tokenizers = std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get);
         let trees = Arc::new(Mutex::new(GlobalPromptTrees::new(PREDICTED_TTL_US)));
-        policy.attach_index(Arc::clone(&trees));
         Self {
+            snapshot_config: policy.snapshot_config(),
             view: Arc::new(ClusterView::new(trees, KvIndexMode::Exact)),
             validator,
             tokenizers: Arc::new(tokio::sync::Semaphore::new(tokenizers)),
@@ -213,10 +219,15 @@ impl Conductor {
     /// One look of the elastic loop: carries out the switch the controller asks for, if any.
     async fn rebalance(&self) {
         let Some(elastic) = &self.elastic else { return };
-        let (workers, snapshot) = self.snapshot(&[]);
-        let Some(switch) = elastic.lock().unwrap_or_else(std::sync::PoisonError::into_inner).decide(&snapshot) else {
-            return;
+        let switch = {
+            let mut elastic = elastic.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let (workers, loads, now) = self.snapshot(&[], elastic.cost());
+            // Rebalancing reads no prompt tree.
+            let (trees, cost) = (GlobalPromptTrees::new(0), elastic.cost().clone());
+            let snapshot = baton_sched::ClusterSnapshot::from_workers(now, &loads, &trees, &cost).with_kv_fetch(false);
+            elastic.decide(&snapshot).map(|s| (workers, s))
         };
+        let Some((workers, switch)) = switch else { return };
         let worker = &workers[switch.worker];
         match worker.set_role(switch.to, SWITCH_DEADLINE).await {
             Ok(()) => {
@@ -376,38 +387,39 @@ impl Conductor {
         &self.validator.model_id
     }
 
-    /// The workers a policy may pick (all but `excluded` and those whose breaker tripped) and
-    /// the snapshot it sees of them.
-    fn snapshot(&self, excluded: &[String]) -> (Workers, Snapshot) {
+    /// The workers a policy may pick (all but `excluded` and those whose breaker tripped), in
+    /// the order of their instance ids (the snapshot's order: a decision's positions name them),
+    /// their figures from the ledger with queued prompts costed by `cost`, and the time.
+    fn snapshot(&self, excluded: &[String], cost: &CostProfile) -> (Workers, Vec<WorkerLoad>, u64) {
         let tripped = self.tripped().clone();
-        let workers: Workers = self
+        let mut workers: Workers = self
             .workers()
             .into_iter()
             .filter(|w| !excluded.iter().any(|e| e == w.name()) && !tripped.contains_key(w.name()))
             .collect();
+        let now = self.now_us();
         let mut loads = self.loads();
-        let views = workers
+        workers.sort_by_key(|w| loads.id(w.name()));
+        let figures = workers
             .iter()
-            .enumerate()
-            .map(|(index, w)| {
+            .map(|w| {
                 let name = w.name();
-                let instance = loads.id(name);
-                WorkerView {
-                    index,
-                    instance,
+                WorkerFigures {
+                    instance: loads.id(name),
                     role: w.role(),
                     in_flight: w.in_flight(),
                     prefilling: loads.prefill.get(name).map(|t| t.values().copied().collect()).unwrap_or_default(),
                     decoding: loads.decode.get(name).map(|t| t.values().copied().collect()).unwrap_or_default(),
                     bound_tokens: loads.bound_to(name),
                     capacity_blocks: w.capacity_blocks(),
-                    capacity_tokens: w.capacity_blocks() * w.block_tokens(),
+                    block_tokens: w.block_tokens(),
                     report: self.view.report(name),
                 }
+                .load(cost, now)
             })
             .collect();
         drop(loads);
-        (workers, Snapshot { workers: views, now_us: self.now_us() })
+        (workers, figures, now)
     }
 
     /// Routes a request among the workers not `excluded`.
@@ -428,29 +440,58 @@ impl Conductor {
         excluded: &[String],
         admit: bool,
     ) -> Result<(Route, Option<PlannedFetch>), ApiError> {
-        let (workers, snapshot) = self.snapshot(excluded);
-        if let Some(w) = lone_role_fallback(&snapshot) {
-            // A role has no live worker (its last one died, hung or left): the others run
-            // requests whole until it is back, rather than refusing them all.
-            tracing::debug!(worker = workers[w].name(), "a role has no live worker; running the request whole");
-            return Ok((Route::Colocated(workers[w].clone()), None));
-        }
+        let config = &self.snapshot_config;
+        let (workers, loads, now) = self.snapshot(excluded, &config.cost);
         let session = valid.session.as_deref().map(crate::routing::session_id);
         let request = RouteRequest { prompt: &valid.prompt_ids, max_tokens: valid.stop.max_tokens, session };
-        let plan = self.policy.plan(&snapshot, &request);
+        // The decision over the snapshot: the lone-role fallback first, then the policy, and
+        // whether the decode worker it chose has room (its plan's prediction is applied after).
+        let decide = |trees: &GlobalPromptTrees| {
+            let snapshot = cluster_snapshot(now, &loads, trees, config);
+            if let Some(w) = lone_role_fallback(&snapshot) {
+                return (Err(w), None);
+            }
+            let mut plan = self.policy.plan(&snapshot, &request);
+            let room = match plan.decision {
+                Decision::Disaggregated { decode, .. } => {
+                    decode_has_room(&snapshot.instances[decode], valid.prompt_ids.len())
+                }
+                _ => true,
+            };
+            let predict = plan.predict.take();
+            (Ok((plan, room)), predict)
+        };
+        let decided = if config.prompt_trees {
+            // The policy reads the trees: they hold still for the decision, and take what it
+            // predicts after it.
+            let mut trees = self.view.trees().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            ready_trees(&mut trees, now, &loads);
+            let (decided, predict) = decide(&trees);
+            if let Some(p) = &predict {
+                trees.apply_predict(p, now);
+            }
+            decided
+        } else {
+            decide(&GlobalPromptTrees::new(0)).0
+        };
+        let (plan, room): (Plan, bool) = match decided {
+            Ok(decided) => decided,
+            Err(w) => {
+                // A role has no live worker (its last one died, hung or left): the others run
+                // requests whole until it is back, rather than refusing them all.
+                tracing::debug!(worker = workers[w].name(), "a role has no live worker; running the request whole");
+                return Ok((Route::Colocated(workers[w].clone()), None));
+            }
+        };
         let fetch = plan
             .fetch
             .map(|f| PlannedFetch { from: workers[f.from].clone(), tokens: f.tokens.min(valid.prompt_ids.len()) });
         let route = match plan.decision {
             Decision::Colocated(w) => Ok(Route::Colocated(workers[w].clone())),
-            Decision::Disaggregated { decode, .. }
-                if admit && !decode_has_room(&snapshot.workers[decode], valid.prompt_ids.len()) =>
-            {
-                Err(ApiError::Overloaded {
-                    message: "no decode worker has room for the request's KV now; retry later".into(),
-                    retry_after_s: 1,
-                })
-            }
+            Decision::Disaggregated { .. } if admit && !room => Err(ApiError::Overloaded {
+                message: "no decode worker has room for the request's KV now; retry later".into(),
+                retry_after_s: 1,
+            }),
             Decision::Disaggregated { prefill, decode } => {
                 Ok(Route::Disaggregated { prefill: workers[prefill].clone(), decode: workers[decode].clone() })
             }
