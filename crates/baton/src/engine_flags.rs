@@ -265,16 +265,17 @@ pub(crate) struct RoutingFlags {
     /// --slo-ttft-ms, or decode step time above its floor over --slo-tbt-ms, KV memory, waiting
     /// requests) while the other is idle (under 0.3), for a time that scales with how far over
     /// it is (--elastic-hold-s), with the cost profile of --cost-profile. A worker whose pool cannot spare it (one prefill and one decode worker)
-    /// becomes colocated instead: it keeps its work and takes the busy kind too (and if the
-    /// imbalance lasts, a worker of the busy pool becomes colocated as well). The worker
+    /// becomes colocated instead: it keeps its work and takes the busy kind too (and if a
+    /// decode-heavy imbalance lasts, the decode worker becomes colocated as well). The worker
     /// finishes what it holds; nothing is dropped. Switches show as
     /// `baton_role_switches_total` and in the role label of `baton_queue_length`.
     #[arg(long)]
     elastic: bool,
     /// With --elastic: how long an imbalance whose busy pool is at twice the high watermark must
     /// last before a switch, in seconds; one ten times over acts in a ninth of it, one just over
-    /// in four times it (the hysteresis starts again after each switch).
-    #[arg(long, default_value_t = 10.0, requires = "elastic")]
+    /// in four times it (the hysteresis starts again after each switch, except that a pair's
+    /// second step to two colocated workers follows at once while the imbalance lasts).
+    #[arg(long, default_value_t = 2.0, requires = "elastic")]
     elastic_hold_s: f64,
     /// With --elastic: at most this many switches in any minute.
     #[arg(long, default_value_t = 2, requires = "elastic")]

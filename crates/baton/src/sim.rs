@@ -123,7 +123,7 @@ pub(crate) struct SimArgs {
     #[arg(long)]
     network_gbps: Option<f64>,
     /// Load-aware: how long an imbalance with its busy pool at its SLO must last before a role
-    /// changes, in milliseconds (default 10,000, as `--elastic-hold-s` live; deeper imbalances
+    /// changes, in milliseconds (default 2,000, as `--elastic-hold-s` live; deeper imbalances
     /// act sooner, shallower ones later).
     #[arg(long)]
     persist_ms: Option<u64>,

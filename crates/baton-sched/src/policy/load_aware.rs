@@ -21,7 +21,10 @@
 //! seconds, a small one slowly. A lull drains the accrual at pace 1 (a noisy load that dips
 //! under the watermark now and then still accrues; a balanced one does not), a change of
 //! direction or a switch starts it again, so the policy never flaps faster than
-//! `persist_us / MAX_PACE`.
+//! `persist_us / MAX_PACE` — except that a switch to colocated keeps what the imbalance accrued,
+//! so the pair's second step to two colocated instances follows at the next look while the
+//! same imbalance lasts (both steps are towards colocation: nothing to flap between). The
+//! default hold, 2 s, was chosen on `scripts/disagg-vs-colocated.sh emulated` (README).
 //!
 //! Decode load counts the step above its floor: a decode step reads the weights once whatever
 //! the batch, so a lone request's step (5.2 ms for a 70B model on 8×H100) is no load; the load
@@ -33,7 +36,7 @@
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
 
-use super::{Policy, PrefillPlan, least_loaded_decode, least_ttft};
+use super::{Policy, PrefillPlan, least_loaded_decode, least_ttft, spread, tbt_with};
 use crate::snapshot::{ClusterSnapshot, Decision, InstanceSnapshot, RejectReason, Request, Role};
 use crate::{Micros, RoleChange};
 
@@ -62,7 +65,7 @@ impl Default for LoadAwareConfig {
             tbt_slo_us: 100_000,
             high: 0.7,
             low: 0.3,
-            persist_us: 10_000_000,
+            persist_us: 2_000_000,
             min_per_role: 1,
         }
     }
@@ -148,11 +151,28 @@ impl Policy for LoadAware {
 
     fn route(&mut self, snap: &ClusterSnapshot<'_>, req: &Request, _rng: &mut dyn RngCore) -> Decision {
         // Local prefixes only: FlowKV does not fetch KV between prefill instances.
-        let plans = snap
+        let plans: Vec<PrefillPlan<'_>> = snap
             .prefill_pool()
-            .map(|i| PrefillPlan::new(snap, req, i, snap.trees.prefix_len(i.id, &req.block_hashes, snap.now), None));
-        let Some(plan) = least_ttft(plans, req) else {
+            .map(|i| PrefillPlan::new(snap, req, i, snap.trees.prefix_len(i.id, &req.block_hashes, snap.now), None))
+            .collect();
+        let Some(fastest) = least_ttft(plans.iter().copied(), req) else {
             return Decision::Reject { reason: RejectReason::NoInstance };
+        };
+        // A colocated instance decodes what it prefills: among colocated instances whose TTFT is
+        // within a quarter of the fastest, the one the request slows least (by the TTFT alone,
+        // requests that find the queues empty would land by chance, and one instance's decode
+        // batch would grow while the other's shrank).
+        let plan = if fastest.inst.role == Role::Colocated {
+            let near =
+                |p: &&PrefillPlan<'_>| p.inst.role == Role::Colocated && p.ttft <= fastest.ttft + fastest.ttft / 4;
+            plans
+                .iter()
+                .filter(near)
+                .min_by_key(|p| (tbt_with(snap, p.inst, req), spread(req, p.inst.id)))
+                .copied()
+                .unwrap_or(fastest)
+        } else {
+            fastest
         };
         match least_loaded_decode(snap, req, plan.inst) {
             Some(d) => Decision::Route(plan.route(d)),
@@ -162,16 +182,19 @@ impl Policy for LoadAware {
 
     fn rebalance(&mut self, snap: &ClusterSnapshot<'_>) -> Option<RoleChange> {
         let (pl, dl) = self.pool_loads(snap);
-        // The low watermark keeps the idle pool from giving away an instance it needs. With no
-        // single-role instance of its own left, the idle pool gives nothing: the switch makes a
-        // single-role instance of the busy pool colocated, which adds to the idle pool's
-        // instances (and takes work off the colocated ones, which prefill between their decode
-        // steps): that needs only the idle pool not to be overloaded itself.
-        let has_single = |role: Role| snap.instances.iter().any(|i| i.accepting && i.role == role);
-        let can_spare = |load: f64, role: Role| load < self.cfg.low || (!has_single(role) && load <= self.cfg.high);
-        let direction = if dl > self.cfg.high && can_spare(pl, Role::Prefill) {
+        // The low watermark keeps the idle pool from giving away an instance it needs. Under a
+        // decode-heavy load with no single-role prefill instance left, the prefill pool gives
+        // nothing: the switch makes a decode instance colocated, which adds to the prefill pool
+        // and spreads the decode batch; that needs only the prefill pool not overloaded itself
+        // (its colocated instances prefill every prompt between their decode steps, so it sits
+        // between the watermarks). Not the other way: under a prefill-heavy load the last
+        // prefill instance made colocated would put long prefill chunks between every decode
+        // step of both instances, and 1P+1C measured better than 2C there (README).
+        let no_single_prefill = !snap.instances.iter().any(|i| i.accepting && i.role == Role::Prefill);
+        let prefill_spares = pl < self.cfg.low || (no_single_prefill && pl <= self.cfg.high);
+        let direction = if dl > self.cfg.high && prefill_spares {
             Some(true)
-        } else if pl > self.cfg.high && can_spare(dl, Role::Decode) {
+        } else if pl > self.cfg.high && dl < self.cfg.low {
             Some(false)
         } else {
             None
@@ -220,10 +243,14 @@ impl Policy for LoadAware {
         let idlest_decode = |it: &mut dyn Iterator<Item = &InstanceSnapshot>| {
             it.min_by_key(|i| (i.decode_batch() + u64::from(i.decode_waiting), i.id)).map(|i| i.id)
         };
+        // Under a prefill-heavy load the last prefill instance stays one: made colocated it
+        // would put long prefill chunks between every decode step of both instances, and 1P+1C
+        // measured better than 2C there (`scripts/disagg-vs-colocated.sh emulated`, long
+        // prompts at 16 and 20 req/s: README).
         let (from_idle, from_busy) = if decode_hot {
             (idlest_prefill(&mut single(Role::Prefill)), idlest_decode(&mut single(Role::Decode)))
         } else {
-            (idlest_decode(&mut single(Role::Decode)), idlest_prefill(&mut single(Role::Prefill)))
+            (idlest_decode(&mut single(Role::Decode)), None)
         };
         let change = match (from_idle, from_busy) {
             (Some(id), _) => {
@@ -233,7 +260,14 @@ impl Policy for LoadAware {
             (None, Some(id)) => RoleChange { instance: id, from: busy_role, to: Role::Colocated },
             (None, None) => return None,
         };
-        self.imbalance = None;
+        // A switch starts the hold again, so the policy never flaps, except on the way to
+        // colocation: an instance made colocated is the middle step of meeting this imbalance
+        // (the pair's other instance follows when it lasts), so the imbalance keeps what it
+        // accrued: if it still holds at the next look, the next step follows at once, and a
+        // lull drains it as before. A 1P+1D pair under a steady decode-heavy load reaches 2C
+        // in one hold, not two, and spends less time in 1C+1D, where the colocated instance
+        // prefills every prompt between its decode steps.
+        self.imbalance = (change.to == Role::Colocated).then_some(imbalance);
         Some(change)
     }
 }
@@ -368,13 +402,11 @@ mod tests {
             Some(RoleChange { instance: InstanceId(1), from: Role::Decode, to: Role::Colocated })
         );
         // Colocated, it prefills too, and no single-role decode instance is left to give: the
-        // prefill instance becomes colocated as well, to share the prompts.
+        // prefill instance stays one (made colocated, both would interleave long prefill chunks
+        // with their decode steps; 1P+1C measured better than 2C on prefill-heavy loads).
         one[1].role = Role::Colocated;
         let mut p = LoadAware::new(LoadAwareConfig { persist_us: 0, ..LoadAwareConfig::default() });
-        assert_eq!(
-            p.rebalance(&snap(one.clone(), &trees, &cost)),
-            Some(RoleChange { instance: InstanceId(0), from: Role::Prefill, to: Role::Colocated })
-        );
+        assert_eq!(p.rebalance(&snap(one.clone(), &trees, &cost)), None);
         // Two colocated instances: nothing is left to move.
         one[0].role = Role::Colocated;
         let mut p = LoadAware::new(LoadAwareConfig { persist_us: 0, ..LoadAwareConfig::default() });
@@ -418,6 +450,29 @@ mod tests {
         let cfg = LoadAwareConfig { persist_us: 0, ..LoadAwareConfig::default() };
         let change = LoadAware::new(cfg).rebalance(&snap(inst.clone(), &trees, &cost));
         assert_eq!(change, Some(RoleChange { instance: InstanceId(0), from: Role::Prefill, to: Role::Colocated }));
+
+        // The same imbalance lasting: the policy that made the first switch makes the second at
+        // its next look, with no second hold.
+        let held = LoadAwareConfig { persist_us: 10_000_000, ..cfg };
+        let mut p = LoadAware::new(held);
+        assert_eq!(p.rebalance(&snap(inst.clone(), &trees, &cost)), None, "the hold starts");
+        let mut later = snap(inst.clone(), &trees, &cost);
+        later.now += 10_000_000;
+        assert_eq!(
+            p.rebalance(&later),
+            Some(RoleChange { instance: InstanceId(0), from: Role::Prefill, to: Role::Colocated }),
+            "the hold passed"
+        );
+        let mut next = inst.clone();
+        next[0].role = Role::Colocated;
+        hot_decode(&mut next, 0);
+        next[0].queued_prefill_us = held.ttft_slo_us / 2;
+        let mut next_look = snap(next, &trees, &cost);
+        next_look.now = later.now + 250_000;
+        assert_eq!(
+            p.rebalance(&next_look),
+            Some(RoleChange { instance: InstanceId(1), from: Role::Decode, to: Role::Colocated })
+        );
 
         // 1C+1D, still decode-heavy, with the colocated instance's prefill queue between the
         // watermarks (it takes every prompt between its decode steps): no single-role prefill

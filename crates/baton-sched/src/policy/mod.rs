@@ -232,7 +232,10 @@ pub(crate) fn spread(req: &Request, inst: InstanceId) -> u64 {
 const AFFINITY_SLACK_DIV: u64 = 4;
 
 /// The decode instance with the least predicted TBT (ties by id), with that TBT. A colocated
-/// prefill instance decodes its own requests. With decode affinity, the instance caching the
+/// prefill instance decodes its own requests (no hand-off) unless another instance would be
+/// faster by more than a quarter: a colocated instance beside single-role decode instances (an
+/// elastic pair's middle state, 1C+1D) hands the decode of what it prefills to them while they
+/// are the lighter, instead of leaving them idle. With decode affinity, the instance caching the
 /// longest prefix of the prompt among those within a quarter of the least TBT: a session's next
 /// turn goes where its history is, so the hand-off moves only the blocks it lacks.
 pub(crate) fn least_loaded_decode(
@@ -240,11 +243,14 @@ pub(crate) fn least_loaded_decode(
     req: &Request,
     prefill: &InstanceSnapshot,
 ) -> Option<(InstanceId, Micros)> {
-    if prefill.role == crate::Role::Colocated {
-        return Some((prefill.id, tbt_with(snap, prefill, req)));
-    }
     let pool: Vec<(InstanceId, Micros)> = snap.decode_pool().map(|d| (d.id, tbt_with(snap, d, req))).collect();
     let fastest = pool.iter().map(|&(_, t)| t).min()?;
+    if prefill.role == crate::Role::Colocated {
+        let own = tbt_with(snap, prefill, req);
+        if own <= fastest + fastest / AFFINITY_SLACK_DIV {
+            return Some((prefill.id, own));
+        }
+    }
     let cached = |id: InstanceId| {
         if snap.decode_affinity { snap.trees.prefix_len(id, &req.block_hashes, snap.now) } else { 0 }
     };
