@@ -1,12 +1,22 @@
-//! `cargo run --release -p baton-transfer --example bench_transfer [-- --json] [--tokens 8192,2048] [--reps 3]`
+//! `cargo run --release -p baton-transfer --example bench_transfer [-- --json] [--tokens 8192,2048] [--reps 3] [--stand-in-device]`
 //!
 //! Moves one request's KV (Llama-3-8B geometry, f16, 16-token blocks) between two processes and
 //! prints GB/s, transport calls and the ratio to this machine's limits for every variant.
+//! `--stand-in-device` adds the device variants with host memory standing in for GPU memory
+//! (the protocol and checks of `baton bench transfer --device cuda`, at memcpy speed).
 
-use baton_transfer::bench::{TransferBenchConfig, format_table, run, serve_if_child};
+use std::sync::Arc;
+
+use baton_transfer::bench::{
+    BenchDevice, StandInBenchDevice, TransferBenchConfig, format_table, run, serve_if_child_with,
+};
+
+fn stand_in(_ordinal: usize) -> baton_transfer::Result<Arc<dyn BenchDevice>> {
+    Ok(Arc::new(StandInBenchDevice))
+}
 
 fn main() {
-    if serve_if_child() {
+    if serve_if_child_with(&stand_in) {
         return;
     }
     let mut config = TransferBenchConfig::default();
@@ -24,10 +34,11 @@ fn main() {
                     .collect();
             }
             "--reps" => config.reps = args.next().and_then(|r| r.parse().ok()).expect("--reps N"),
-            other => panic!("unknown argument `{other}` (expected --json, --tokens A,B, --reps N)"),
+            "--stand-in-device" => config.device = Some(0),
+            other => panic!("unknown argument `{other}` (expected --json, --tokens A,B, --reps N, --stand-in-device)"),
         }
     }
-    match run(&config) {
+    match run(&config, &stand_in) {
         Ok(report) if json => println!("{}", serde_json::to_string_pretty(&report).expect("report serializes")),
         Ok(report) => print!("{}", format_table(&report)),
         Err(e) => {

@@ -19,6 +19,12 @@
 //! - **per-block** on a block-major cache: one message per whole 16-token block (all layers,
 //!   2 MiB at that geometry) — a stronger baseline than the paper's, kept for comparison: its
 //!   messages are big enough to fill loopback TCP on their own.
+//!
+//! With a [`BenchDevice`] (a GPU: `baton bench transfer --device cuda`) both processes also put
+//! the KV in device arenas, and two more variants move it device to device through the same
+//! client and server (CUDA IPC): the coalesced pull, and per-slab (one copy a slab, each waited
+//! for: KVDirect's baseline on the device path), against the device's own device-to-device copy
+//! bandwidth (`cudaMemcpy`) measured in the same run.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -30,9 +36,55 @@ use baton_kv::{BlockId, ByteRange, KvDtype, KvGeometry, KvLayout, TensorDescript
 use serde::Serialize;
 
 use crate::{
-    ClientConfig, Compat, KvClient, KvServer, NaiveUnit, PeerId, Region, Result, ServerConfig, TransferError,
-    TransferId, TransportKind,
+    ClientConfig, Compat, DeviceArena, KvClient, KvServer, NaiveUnit, PeerId, Region, Result, ServerConfig,
+    TransferError, TransferId, TransportKind,
 };
+
+/// A device the benchmark puts arenas on (a GPU backend provides one).
+pub trait BenchDevice: Send + Sync {
+    /// What it is, for the report.
+    fn name(&self) -> String;
+    /// A device arena laid out as `descriptor` (its bytes from offset 0), holding `fill`
+    /// repeated.
+    fn arena(&self, descriptor: &TensorDescriptor, fill: &[u8]) -> Result<Arc<dyn DeviceArena>>;
+    /// Its device-to-device copy bandwidth for `len` bytes between two of its allocations, GB/s:
+    /// the device path's limit.
+    fn memcpy_gb_per_s(&self, len: usize) -> Result<f64>;
+}
+
+/// Host memory standing in for a device ([`crate::StandInArena`]): the device variants' protocol
+/// and checks run where there is no GPU; its limit is `memcpy`.
+#[derive(Debug, Default)]
+pub struct StandInBenchDevice;
+
+impl BenchDevice for StandInBenchDevice {
+    fn name(&self) -> String {
+        "host memory standing in for a device".into()
+    }
+
+    fn arena(&self, descriptor: &TensorDescriptor, fill: &[u8]) -> Result<Arc<dyn DeviceArena>> {
+        let region = Region::create(descriptor.clone()).map_err(TransferError::io("creating a stand-in arena"))?;
+        let mut at = 0;
+        while at < region.len() && !fill.is_empty() {
+            let n = fill.len().min(region.len() - at);
+            region.write(at, &fill[..n])?;
+            at += n;
+        }
+        Ok(Arc::new(crate::StandInArena::new(Arc::new(region), 0)?))
+    }
+
+    fn memcpy_gb_per_s(&self, _len: usize) -> Result<f64> {
+        Ok(memcpy_gb_per_s())
+    }
+}
+
+/// Makes the device with an ordinal (in the prefill-side process too).
+pub type DeviceFactory<'a> = &'a dyn Fn(usize) -> Result<Arc<dyn BenchDevice>>;
+
+/// The pattern both processes fill KV with: the decode side spot-checks it.
+fn pattern() -> Vec<u8> {
+    (0..(1 << 20)).map(|i: usize| (i.wrapping_mul(31) >> 3) as u8).collect()
+}
 
 /// Environment variable that makes [`serve_if_child`] run the prefill side.
 pub const CHILD_ENV: &str = "BATON_TRANSFER_BENCH_PREFILL";
@@ -54,11 +106,13 @@ pub struct TransferBenchConfig {
     pub block_size: usize,
     /// Timed repetitions per variant (after one warm-up); the median is reported.
     pub reps: usize,
+    /// Also move the KV device to device on the device with this ordinal (a [`BenchDevice`]).
+    pub device: Option<usize>,
 }
 
 impl Default for TransferBenchConfig {
     fn default() -> Self {
-        Self { tokens: vec![8192, 2048], layers: 32, kv_heads: 8, head_dim: 128, block_size: 16, reps: 3 }
+        Self { tokens: vec![8192, 2048], layers: 32, kv_heads: 8, head_dim: 128, block_size: 16, reps: 3, device: None }
     }
 }
 
@@ -123,6 +177,8 @@ pub struct TransferBenchReport {
     pub memcpy_gb_per_s: f64,
     /// Plain bulk TCP send over loopback of each request size, GB/s.
     pub tcp_bulk_gb_per_s: Vec<(usize, f64)>,
+    /// The device moved to and from, and its device-to-device copy bandwidth, GB/s.
+    pub device: Option<(String, f64)>,
     /// Every variant.
     pub variants: Vec<VariantReport>,
 }
@@ -130,15 +186,20 @@ pub struct TransferBenchReport {
 /// If this process was started by [`run`] as the prefill side, serves until its parent closes
 /// stdin and returns `true` (the caller then exits); otherwise returns `false` at once.
 pub fn serve_if_child() -> bool {
+    serve_if_child_with(&|_| Err(TransferError::Unavailable("this binary has no benchmark device")))
+}
+
+/// [`serve_if_child`], making a device arena with `device` when the run asks for one.
+pub fn serve_if_child_with(device: DeviceFactory<'_>) -> bool {
     let Ok(spec) = std::env::var(CHILD_ENV) else { return false };
-    if let Err(e) = child(&spec) {
+    if let Err(e) = child(&spec, device) {
         eprintln!("prefill side failed: {e}");
         std::process::exit(1);
     }
     true
 }
 
-fn child(spec: &str) -> Result<()> {
+fn child(spec: &str, device: DeviceFactory<'_>) -> Result<()> {
     let config: ChildSpec = serde_json::from_str(spec).map_err(|e| TransferError::Protocol(e.to_string()))?;
     let bench = TransferBenchConfig { tokens: config.tokens.clone(), ..TransferBenchConfig::default() };
     let g =
@@ -148,7 +209,7 @@ fn child(spec: &str) -> Result<()> {
     let desc = TensorDescriptor::new(&g, layout, config.arena_blocks);
     let region = Region::create(desc).map_err(TransferError::io("creating the source region"))?;
     // Touch and fill every page: a deterministic pattern the decode side can spot-check.
-    let chunk: Vec<u8> = (0..(1 << 20)).map(|i: usize| (i.wrapping_mul(31) >> 3) as u8).collect();
+    let chunk = pattern();
     let mut at = 0;
     while at < region.len() {
         let n = chunk.len().min(region.len() - at);
@@ -158,6 +219,9 @@ fn child(spec: &str) -> Result<()> {
     let mut sc = ServerConfig::new(PeerId(1), Compat::new(MODEL, g), SECRET);
     sc.lease = Duration::from_secs(600);
     sc.io_timeout = Duration::from_secs(60);
+    if let Some(ordinal) = config.device {
+        sc.device = Some(device(ordinal)?.arena(region.descriptor(), &chunk)?);
+    }
     let bulk = TcpListener::bind("127.0.0.1:0").map_err(TransferError::io("binding"))?;
     let bulk_addr = bulk.local_addr().map_err(TransferError::io("binding"))?;
     let server = KvServer::start(sc, region, std::sync::mpsc::channel().0)?;
@@ -198,6 +262,7 @@ fn child(spec: &str) -> Result<()> {
 #[derive(Debug, Serialize, serde::Deserialize)]
 struct ChildSpec {
     layout: String,
+    device: Option<usize>,
     tokens: Vec<usize>,
     layers: usize,
     kv_heads: usize,
@@ -213,9 +278,10 @@ struct Prefill {
 }
 
 impl Prefill {
-    fn spawn(config: &TransferBenchConfig, layout: &str) -> Result<Prefill> {
+    fn spawn(config: &TransferBenchConfig, layout: &str, device: Option<usize>) -> Result<Prefill> {
         let spec = ChildSpec {
             layout: layout.into(),
+            device,
             tokens: config.tokens.clone(),
             layers: config.layers,
             kv_heads: config.kv_heads,
@@ -377,15 +443,16 @@ fn layout_name(l: KvLayout) -> &'static str {
     }
 }
 
-/// Runs the benchmark (see the module docs).
-pub fn run(config: &TransferBenchConfig) -> Result<TransferBenchReport> {
+/// Runs the benchmark (see the module docs); `device` makes the device of
+/// [`TransferBenchConfig::device`].
+pub fn run(config: &TransferBenchConfig, device: DeviceFactory<'_>) -> Result<TransferBenchReport> {
     let g = config.geometry();
     let compat = Compat::new(MODEL, g);
     let memcpy = memcpy_gb_per_s();
     let mut variants: Vec<VariantReport> = Vec::new();
     let mut tcp_bulk: Vec<(usize, f64)> = Vec::new();
     for src_layout in ["block-major", "layer-major"] {
-        let prefill = Prefill::spawn(config, src_layout)?;
+        let prefill = Prefill::spawn(config, src_layout, None)?;
         // Transfer ids the child offered: 64 per size, each used once.
         let mut next_id = vec![0u64; config.tokens.len()];
         for dst_layout in [KvLayout::BlockMajor, KvLayout::LayerMajor] {
@@ -449,16 +516,111 @@ pub fn run(config: &TransferBenchConfig) -> Result<TransferBenchReport> {
         }
         drop(prefill);
     }
+    let device_report = match config.device {
+        Some(ordinal) => Some(device_variants(config, device(ordinal)?.as_ref(), ordinal, &mut variants)?),
+        None => None,
+    };
     for t in &config.tokens {
-        let naive = |name: &str| variants.iter().find(|v| v.tokens == *t && v.variant == name).map(|v| v.gb_per_s);
+        let naive = |name: &str| {
+            let host = |v: &&VariantReport| v.tokens == *t && v.variant == name && v.transport != TransportKind::Device;
+            variants.iter().find(host).map(|v| v.gb_per_s)
+        };
         let (block, slab) = (naive(NAIVE_BLOCK), naive(NAIVE_SLAB));
+        // Device rows are compared with the device's per-slab transfer (the same path).
+        let device_slab = variants
+            .iter()
+            .find(|v| v.tokens == *t && v.variant == NAIVE_SLAB && v.transport == TransportKind::Device)
+            .map(|v| v.gb_per_s);
         for v in variants.iter_mut().filter(|v| v.tokens == *t) {
+            let slab = if v.transport == TransportKind::Device { device_slab } else { slab };
             v.speedup_vs_naive = block.map_or(f64::NAN, |n| v.gb_per_s / n);
             v.speedup_vs_naive_slab = slab.map_or(f64::NAN, |n| v.gb_per_s / n);
         }
     }
     variants.sort_by_key(|v| std::cmp::Reverse(v.tokens));
-    Ok(TransferBenchReport { config: config.clone(), memcpy_gb_per_s: memcpy, tcp_bulk_gb_per_s: tcp_bulk, variants })
+    Ok(TransferBenchReport {
+        config: config.clone(),
+        memcpy_gb_per_s: memcpy,
+        tcp_bulk_gb_per_s: tcp_bulk,
+        device: device_report,
+        variants,
+    })
+}
+
+/// The device variants: both sides' KV in device arenas (block-major), pulled device to device
+/// through the client and server, coalesced and per slab, each request spot-checked against the
+/// pattern; the limit is the device's own copy bandwidth. Returns the device's name and limit.
+fn device_variants(
+    config: &TransferBenchConfig,
+    device: &dyn BenchDevice,
+    ordinal: usize,
+    variants: &mut Vec<VariantReport>,
+) -> Result<(String, f64)> {
+    let g = config.geometry();
+    let prefill = Prefill::spawn(config, "block-major", Some(ordinal))?;
+    let desc = TensorDescriptor::new(&g, KvLayout::BlockMajor, config.arena_blocks());
+    let host = Arc::new(Region::create(desc).map_err(TransferError::io("creating the destination region"))?);
+    let arena = device.arena(host.descriptor(), &[0])?;
+    let largest = config.tokens.iter().map(|&t| g.blocks_for(t) * g.block_size * g.bytes_per_token()).max();
+    let limit = device.memcpy_gb_per_s(largest.unwrap_or(1 << 20))?;
+    let want = pattern();
+    let mut next_id = vec![0u64; config.tokens.len()];
+    for (k, &tokens) in config.tokens.iter().enumerate() {
+        let n = g.blocks_for(tokens);
+        let remote: Vec<BlockId> = (0..n as u32).map(BlockId).collect();
+        let local: Vec<BlockId> = (64..64 + n as u32).map(BlockId).collect();
+        for (name, naive) in [("coalesced pull", None), (NAIVE_SLAB, Some(NaiveUnit::Slab))] {
+            let mut cc = ClientConfig::new(PeerId(2), Compat::new(MODEL, g), SECRET);
+            cc.transport = crate::TransportChoice::Device;
+            cc.device = Some(Arc::clone(&arena));
+            cc.io_timeout = Duration::from_secs(60);
+            let mut client = KvClient::connect(prefill.addr, cc, Arc::clone(&host))?;
+            let mut times = Vec::new();
+            let mut last = crate::TransferStats::default();
+            for rep in 0..config.reps + 1 {
+                let id = TransferId(k as u64 * 1000 + next_id[k]);
+                next_id[k] += 1;
+                let stats = match naive {
+                    Some(unit) => client.pull_naive_by(id, &remote, &local, unit)?,
+                    None => client.pull(id, &remote, &local)?,
+                };
+                if rep > 0 {
+                    times.push(stats.elapsed.as_secs_f64());
+                }
+                last = stats;
+            }
+            // The first and last bytes of the request arrived where they belong.
+            let block_bytes = g.block_size * g.bytes_per_token();
+            for (src, dst) in [(0, 64 * block_bytes), (n * block_bytes - 64, (64 + n) * block_bytes - 64)] {
+                let mut got = [0u8; 64];
+                arena.read_back(dst, &mut got)?;
+                let expected: Vec<u8> = (src..src + 64).map(|i| want[i % want.len()]).collect();
+                if got[..] != expected[..] {
+                    return Err(TransferError::Protocol(format!("{name}: the device copy differs at byte {dst}")));
+                }
+            }
+            let seconds = median(times);
+            let gbps = last.bytes as f64 / seconds / 1e9;
+            variants.push(VariantReport {
+                tokens,
+                variant: name.into(),
+                transport: last.transport,
+                src_layout: "block-major".into(),
+                dst_layout: "block-major".into(),
+                bytes: last.bytes,
+                seconds,
+                gb_per_s: gbps,
+                calls: last.calls,
+                runs: last.copies,
+                limit_gb_per_s: limit,
+                ratio_to_limit: gbps / limit,
+                speedup_vs_naive: f64::NAN,
+                speedup_vs_naive_slab: f64::NAN,
+            });
+        }
+    }
+    drop(prefill);
+    Ok((device.name(), limit))
 }
 
 /// The human-readable table.
@@ -469,8 +631,11 @@ pub fn format_table(report: &TransferBenchReport) -> String {
         report.memcpy_gb_per_s,
         report.tcp_bulk_gb_per_s.iter().map(|(t, g)| format!("{t} tokens {g:.2} GB/s")).collect::<Vec<_>>().join(", ")
     ));
+    if let Some((name, gbps)) = &report.device {
+        out.push_str(&format!("device: {name}, device-to-device copy (cudaMemcpy) {gbps:.1} GB/s\n"));
+    }
     out.push_str(&format!(
-        "{:>6} {:<16} {:<4} {:<26} {:>8} {:>9} {:>7} {:>6} {:>6} {:>7} {:>6} {:>8} {:>8}\n",
+        "{:>6} {:<16} {:<6} {:<26} {:>8} {:>9} {:>7} {:>6} {:>6} {:>7} {:>6} {:>8} {:>8}\n",
         "tokens",
         "variant",
         "via",
@@ -488,7 +653,7 @@ pub fn format_table(report: &TransferBenchReport) -> String {
     for v in &report.variants {
         let via = v.transport.to_string();
         out.push_str(&format!(
-            "{:>6} {:<16} {:<4} {:<26} {:>8.0} {:>9.1} {:>7.2} {:>6} {:>6} {:>7.2} {:>6.2} {:>7.1}x {:>7.1}x\n",
+            "{:>6} {:<16} {:<6} {:<26} {:>8.0} {:>9.1} {:>7.2} {:>6} {:>6} {:>7.2} {:>6.2} {:>7.1}x {:>7.1}x\n",
             v.tokens,
             v.variant,
             via,
@@ -508,7 +673,9 @@ pub fn format_table(report: &TransferBenchReport) -> String {
         "vs slab: speed-up over naive per-slab, KVDirect's baseline (one request/response message per \
          (block, layer, K/V) slab of a layer-major cache, as the paper's UCX transfer moves vLLM's KV).\n\
          vs block: speed-up over naive per-block (one message per whole block, all layers: a stronger \
-         baseline than the paper's).\n",
+         baseline than the paper's).\n\
+         Device rows (via device): limit = the device's own cudaMemcpy; vs slab = over the device path's \
+         per-slab transfer (one device-to-device copy a slab, each waited for).\n",
     );
     out
 }

@@ -232,6 +232,8 @@ impl KvClient {
     /// buffer and sends it, this side receives it into a buffer and scatters it — then
     /// COMPLETE. Over the control connection, one message in flight at a time (KVDirect §3,
     /// Fig. 3 and Fig. 7a). [`NaiveUnit::Slab`] on a layer-major cache is KVDirect's baseline.
+    /// Over a one-sided transport (device, shared memory) a unit is one transport call, each
+    /// waited for before the next.
     pub fn pull_naive_by(
         &mut self,
         id: TransferId,
@@ -250,6 +252,10 @@ impl KvClient {
         for (&r, &l) in remote.iter().zip(local) {
             let p = plan(&self.remote.descriptor, &[r], self.local.descriptor(), &[l])?;
             match unit {
+                // One-sided transports: one transport call a block, waited for.
+                NaiveUnit::Block if self.transport.kind() != TransportKind::Tcp => {
+                    calls += self.transport.read(id, &p.copies, &self.local)?;
+                }
                 NaiveUnit::Block => {
                     self.naive_message(id, calls as u64, &p.copies, &mut buf)?;
                     calls += 1;
@@ -264,8 +270,12 @@ impl KvClient {
                                 src: ByteRange { offset: c.src.offset + at, len },
                                 dst: ByteRange { offset: c.dst.offset + at, len },
                             };
-                            self.naive_message(id, calls as u64, &[piece], &mut buf)?;
-                            calls += 1;
+                            if self.transport.kind() == TransportKind::Tcp {
+                                self.naive_message(id, calls as u64, &[piece], &mut buf)?;
+                                calls += 1;
+                            } else {
+                                calls += self.transport.read(id, &[piece], &self.local)?;
+                            }
                         }
                     }
                 }
@@ -274,7 +284,7 @@ impl KvClient {
             copies += p.len();
         }
         self.complete(id)?;
-        Ok(TransferStats { bytes, copies, calls, elapsed: start.elapsed(), transport: TransportKind::Tcp })
+        Ok(TransferStats { bytes, copies, calls, elapsed: start.elapsed(), transport: self.transport() })
     }
 
     /// One naive round trip: READ (gathered) of the copies' sources, DATA into `buf`, scattered

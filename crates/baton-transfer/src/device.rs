@@ -27,6 +27,8 @@ pub trait DeviceArena: Send + Sync + std::fmt::Debug {
     /// between it and this one. Called once per peer; what it maps stays mapped until the
     /// returned link drops.
     fn open(&self, handle: &DeviceHandle, descriptor: &TensorDescriptor) -> Result<Box<dyn DeviceLink>>;
+    /// Copies `buf.len()` bytes at `offset` of the arena to the host (checks and benchmarks).
+    fn read_back(&self, offset: usize, buf: &mut [u8]) -> Result<()>;
 }
 
 /// An open link between this side's device arena and a peer's.
@@ -89,6 +91,10 @@ impl DeviceArena for StandInArena {
         let peer = Region::open(&shm, descriptor.clone(), Access::ReadWrite)
             .map_err(TransferError::io("opening the peer's stand-in device arena"))?;
         Ok(Box::new(StandInLink { ours: Arc::clone(&self.region), theirs: peer }))
+    }
+
+    fn read_back(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
+        self.region.read(offset, buf)
     }
 }
 

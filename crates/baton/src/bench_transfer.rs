@@ -3,7 +3,26 @@
 //! two naive message-passing transfers: per-slab on a layer-major cache (KVDirect's baseline)
 //! and per-block (a stronger one); see `baton_transfer::bench`.
 
-use baton_transfer::bench::{TransferBenchConfig, format_table, run};
+use std::sync::Arc;
+
+use baton_transfer::bench::{BenchDevice, TransferBenchConfig, format_table, run};
+
+/// The benchmark's device with this ordinal: a CUDA GPU, in a build with the `cuda` feature.
+pub(crate) fn bench_device(ordinal: usize) -> baton_transfer::Result<Arc<dyn BenchDevice>> {
+    #[cfg(feature = "cuda")]
+    {
+        let device = baton_model::cuda::CudaBenchDevice::new(ordinal)
+            .map_err(|e| baton_transfer::TransferError::Device(e.to_string()))?;
+        Ok(Arc::new(device))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err(baton_transfer::TransferError::Unavailable(
+            "this baton was built without CUDA support: rebuild with `cargo build --release --features cuda`",
+        ))
+    }
+}
 
 /// Arguments of `baton bench transfer`.
 #[derive(Debug, clap::Args)]
@@ -17,11 +36,23 @@ pub(crate) struct TransferArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Also move the KV device to device between two processes' arenas on this GPU (CUDA IPC),
+    /// coalesced and per slab, against the GPU's own copy bandwidth: `cuda` or `cuda:N` (a
+    /// build with the `cuda` feature).
+    #[arg(long)]
+    device: Option<String>,
 }
 
 pub(crate) fn transfer(a: TransferArgs) -> anyhow::Result<()> {
-    let config = TransferBenchConfig { tokens: a.tokens, reps: a.reps, ..TransferBenchConfig::default() };
-    let report = run(&config)?;
+    let device = match a.device.as_deref() {
+        None | Some("cpu") => None,
+        Some(d) => match d.parse::<baton_model::ComputeDevice>().map_err(anyhow::Error::msg)? {
+            baton_model::ComputeDevice::Cuda(n) => Some(n),
+            baton_model::ComputeDevice::Cpu => None,
+        },
+    };
+    let config = TransferBenchConfig { tokens: a.tokens, reps: a.reps, device, ..TransferBenchConfig::default() };
+    let report = run(&config, &bench_device)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -64,7 +64,7 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     // `baton bench transfer` re-runs this binary as its prefill-side process.
-    if baton_transfer::bench::serve_if_child() {
+    if baton_transfer::bench::serve_if_child_with(&bench_transfer::bench_device) {
         return Ok(());
     }
     let cli = Cli::parse();

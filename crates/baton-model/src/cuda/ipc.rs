@@ -106,6 +106,74 @@ impl DeviceArena for CudaArena {
         };
         Ok(Box::new(CudaLink { ours: Arc::clone(&self.cache), theirs, theirs_len: handle.len, stream }))
     }
+
+    fn read_back(&self, offset: usize, buf: &mut [u8]) -> baton_transfer::Result<()> {
+        if offset + buf.len() > self.cache.bytes {
+            return Err(TransferError::OutOfBounds { offset, len: buf.len(), region_len: self.cache.bytes });
+        }
+        self.cache.ctx.bind_to_thread().map_err(device_error("binding the device"))?;
+        // SAFETY: the range lies inside the allocation (checked); a synchronous copy.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(buf, self.cache.at(offset)) }
+            .map_err(device_error("reading the device arena back"))
+    }
+}
+
+/// The transfer benchmark's device (`baton bench transfer --device cuda`): arenas of any size
+/// on one GPU, and its device-to-device copy bandwidth, the device path's limit.
+#[derive(Debug)]
+pub struct CudaBenchDevice {
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaBenchDevice {
+    /// The GPU with this ordinal.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        check_libraries()?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| err(format!("CUDA device {ordinal}: {e}")))?;
+        Ok(Self { ctx })
+    }
+}
+
+impl baton_transfer::bench::BenchDevice for CudaBenchDevice {
+    fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "a CUDA device".into())
+    }
+
+    fn arena(
+        &self,
+        descriptor: &baton_kv::TensorDescriptor,
+        fill: &[u8],
+    ) -> baton_transfer::Result<Arc<dyn DeviceArena>> {
+        let to_transfer = |e: ModelError| TransferError::Device(e.to_string());
+        let len = descriptor.base + descriptor.num_bytes();
+        let buf = DevBuf::new(&self.ctx, len).map_err(to_transfer)?;
+        let mut at = 0;
+        while at < len && !fill.is_empty() {
+            let n = fill.len().min(len - at);
+            // SAFETY: `n` bytes inside the allocation; a synchronous copy.
+            unsafe { cudarc::driver::result::memcpy_htod_sync(buf.at(at), &fill[..n]) }
+                .map_err(device_error("filling a device arena"))?;
+            at += n;
+        }
+        Ok(Arc::new(CudaArena::new(Arc::new(buf)).map_err(to_transfer)?))
+    }
+
+    fn memcpy_gb_per_s(&self, len: usize) -> baton_transfer::Result<f64> {
+        let to_transfer = |e: ModelError| TransferError::Device(e.to_string());
+        let (a, b) =
+            (DevBuf::new(&self.ctx, len).map_err(to_transfer)?, DevBuf::new(&self.ctx, len).map_err(to_transfer)?);
+        let mut times = Vec::new();
+        for _ in 0..6 {
+            let t = std::time::Instant::now();
+            // SAFETY: two allocations of `len` bytes; `cuMemcpyDtoD` is synchronous for the host.
+            unsafe { sys::cuMemcpyDtoD_v2(b.ptr, a.ptr, len) }.result().map_err(device_error("cudaMemcpy D2D"))?;
+            self.ctx.synchronize().map_err(device_error("synchronising"))?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        times.remove(0);
+        times.sort_by(f64::total_cmp);
+        Ok(len as f64 / times[times.len() / 2] / 1e9)
+    }
 }
 
 /// An open link: the peer's arena mapped here, copies on a stream of the link's own.

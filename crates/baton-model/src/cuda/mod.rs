@@ -64,6 +64,7 @@ pub(crate) use check::measure_limits;
 pub use check::{KernelCheck, check_kernels};
 pub use compile::compile_kernels_for;
 use compile::{Kernels, Shape, check_libraries, compile};
+pub use ipc::CudaBenchDevice;
 pub use kv::CudaKv;
 use kv::Graph;
 use memory::{DevBuf, HostPinned, Pinned};
