@@ -436,6 +436,67 @@ const VARIANTS: [Variant; 8] = [
     },
 ];
 
+/// One request pulled `reps` timed times after a warm-up, under the transfer ids the prefill
+/// side offered for request size `k` (`k * 1000 + n`, each used once).
+struct Pulls<'a> {
+    k: usize,
+    remote: &'a [BlockId],
+    local: &'a [BlockId],
+    naive: Option<NaiveUnit>,
+    reps: usize,
+}
+
+impl Pulls<'_> {
+    /// The median seconds of the timed pulls, and the last one's figures.
+    fn time(&self, client: &mut KvClient, next_id: &mut u64) -> Result<(f64, crate::TransferStats)> {
+        let mut times = Vec::new();
+        let mut last = crate::TransferStats::default();
+        for rep in 0..self.reps + 1 {
+            let id = TransferId(self.k as u64 * 1000 + *next_id);
+            *next_id += 1;
+            let stats = match self.naive {
+                Some(unit) => client.pull_naive_by(id, self.remote, self.local, unit)?,
+                None => client.pull(id, self.remote, self.local)?,
+            };
+            if rep > 0 {
+                times.push(stats.elapsed.as_secs_f64());
+            }
+            last = stats;
+        }
+        Ok((median(times), last))
+    }
+}
+
+impl VariantReport {
+    /// A variant's row from its timed pulls (speed-ups filled in once every row is in).
+    fn new(
+        tokens: usize,
+        variant: &str,
+        layouts: (&str, &str),
+        seconds: f64,
+        last: &crate::TransferStats,
+        limit: f64,
+    ) -> Self {
+        let gbps = last.bytes as f64 / seconds / 1e9;
+        VariantReport {
+            tokens,
+            variant: variant.into(),
+            transport: last.transport,
+            src_layout: layouts.0.into(),
+            dst_layout: layouts.1.into(),
+            bytes: last.bytes,
+            seconds,
+            gb_per_s: gbps,
+            calls: last.calls,
+            runs: last.copies,
+            limit_gb_per_s: limit,
+            ratio_to_limit: gbps / limit,
+            speedup_vs_naive: f64::NAN,
+            speedup_vs_naive_slab: f64::NAN,
+        }
+    }
+}
+
 fn layout_name(l: KvLayout) -> &'static str {
     match l {
         KvLayout::LayerMajor => "layer-major",
@@ -478,39 +539,11 @@ pub fn run(config: &TransferBenchConfig, device: DeviceFactory<'_>) -> Result<Tr
                     cc.transport = v.transport.into();
                     cc.io_timeout = Duration::from_secs(60);
                     let mut client = KvClient::connect(prefill.addr, cc, Arc::clone(&dst))?;
-                    let mut times = Vec::new();
-                    let mut last = crate::TransferStats::default();
-                    for rep in 0..config.reps + 1 {
-                        let id = TransferId(k as u64 * 1000 + next_id[k]);
-                        next_id[k] += 1;
-                        let stats = match v.naive {
-                            Some(unit) => client.pull_naive_by(id, &remote, &local, unit)?,
-                            None => client.pull(id, &remote, &local)?,
-                        };
-                        if rep > 0 {
-                            times.push(stats.elapsed.as_secs_f64());
-                        }
-                        last = stats;
-                    }
-                    let seconds = median(times);
-                    let gbps = last.bytes as f64 / seconds / 1e9;
+                    let pulls = Pulls { k, remote: &remote, local: &local, naive: v.naive, reps: config.reps };
+                    let (seconds, last) = pulls.time(&mut client, &mut next_id[k])?;
                     let limit = if v.transport == TransportKind::Shm { memcpy } else { bulk };
-                    variants.push(VariantReport {
-                        tokens,
-                        variant: v.name.into(),
-                        transport: v.transport,
-                        src_layout: src_layout.into(),
-                        dst_layout: layout_name(dst_layout).into(),
-                        bytes: last.bytes,
-                        seconds,
-                        gb_per_s: gbps,
-                        calls: last.calls,
-                        runs: last.copies,
-                        limit_gb_per_s: limit,
-                        ratio_to_limit: gbps / limit,
-                        speedup_vs_naive: f64::NAN,
-                        speedup_vs_naive_slab: f64::NAN,
-                    });
+                    let layouts = (src_layout, layout_name(dst_layout));
+                    variants.push(VariantReport::new(tokens, v.name, layouts, seconds, &last, limit));
                 }
             }
         }
@@ -575,20 +608,8 @@ fn device_variants(
             cc.device = Some(Arc::clone(&arena));
             cc.io_timeout = Duration::from_secs(60);
             let mut client = KvClient::connect(prefill.addr, cc, Arc::clone(&host))?;
-            let mut times = Vec::new();
-            let mut last = crate::TransferStats::default();
-            for rep in 0..config.reps + 1 {
-                let id = TransferId(k as u64 * 1000 + next_id[k]);
-                next_id[k] += 1;
-                let stats = match naive {
-                    Some(unit) => client.pull_naive_by(id, &remote, &local, unit)?,
-                    None => client.pull(id, &remote, &local)?,
-                };
-                if rep > 0 {
-                    times.push(stats.elapsed.as_secs_f64());
-                }
-                last = stats;
-            }
+            let pulls = Pulls { k, remote: &remote, local: &local, naive, reps: config.reps };
+            let (seconds, last) = pulls.time(&mut client, &mut next_id[k])?;
             // The first and last bytes of the request arrived where they belong.
             let block_bytes = g.block_size * g.bytes_per_token();
             for (src, dst) in [(0, 64 * block_bytes), (n * block_bytes - 64, (64 + n) * block_bytes - 64)] {
@@ -599,24 +620,8 @@ fn device_variants(
                     return Err(TransferError::Protocol(format!("{name}: the device copy differs at byte {dst}")));
                 }
             }
-            let seconds = median(times);
-            let gbps = last.bytes as f64 / seconds / 1e9;
-            variants.push(VariantReport {
-                tokens,
-                variant: name.into(),
-                transport: last.transport,
-                src_layout: "block-major".into(),
-                dst_layout: "block-major".into(),
-                bytes: last.bytes,
-                seconds,
-                gb_per_s: gbps,
-                calls: last.calls,
-                runs: last.copies,
-                limit_gb_per_s: limit,
-                ratio_to_limit: gbps / limit,
-                speedup_vs_naive: f64::NAN,
-                speedup_vs_naive_slab: f64::NAN,
-            });
+            let layouts = ("block-major", "block-major");
+            variants.push(VariantReport::new(tokens, name, layouts, seconds, &last, limit));
         }
     }
     drop(prefill);
