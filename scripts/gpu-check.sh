@@ -99,6 +99,11 @@ done
 section "serving: baton serve --device cuda, colocated and 1 prefill + 1 decode on the one GPU; then as a cluster"
 "$PY" scripts/gpu_serve_check.py "$BIN" "$OUT" || FAILED=1
 
+section "KV between GPU workers: an 8,192-token prompt's KV (8B shape) device to device between two processes"
+# Targets (issue #33): coalesced >= 0.8 of cudaMemcpy D2D, >= 10x the per-slab transfer.
+timeout 240 "$BIN" bench transfer --device cuda --tokens 8192 --reps 3 2>&1 | tee "$OUT/transfer.txt" \
+    | grep -E '^device:|device |^memcpy' || fail "bench transfer --device cuda"
+
 section "speed: decode and prefill on random-weight Llama shapes (bf16 weights, activations and KV)"
 LLAMA_1B="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256"
 LLAMA_8B="--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --vocab 128256"
