@@ -252,9 +252,14 @@ impl Policy for LoadAware {
         } else {
             (idlest_decode(&mut single(Role::Decode)), None)
         };
+        // Under a decode-heavy load the prefill pool keeps `min_per_role` prefill instances of
+        // its own: a colocated one prefills between its decode steps, so beside it the last
+        // prefill instance becomes colocated too (2C) rather than a decode instance (1C+1D,
+        // where one instance would prefill every prompt).
+        let idle_keeps = if decode_hot { single(Role::Prefill).count() } else { idle_pool };
         let change = match (from_idle, from_busy) {
             (Some(id), _) => {
-                let to = if idle_pool > self.cfg.min_per_role { busy_role } else { Role::Colocated };
+                let to = if idle_keeps > self.cfg.min_per_role { busy_role } else { Role::Colocated };
                 RoleChange { instance: id, from: idle_role, to }
             }
             (None, Some(id)) => RoleChange { instance: id, from: busy_role, to: Role::Colocated },
@@ -497,11 +502,12 @@ mod tests {
         let change = LoadAware::new(cfg).rebalance(&snap(inst.clone(), &trees, &cost));
         assert_eq!(change, Some(RoleChange { instance: InstanceId(1), from: Role::Decode, to: Role::Prefill }));
 
-        // 1C+1P, decode-heavy again: the prefill instance goes to decode (1C+1D).
+        // 1C+1P, decode-heavy again: the prefill instance becomes colocated too (2C), not a
+        // decode instance (1C+1D would leave one instance to prefill every prompt).
         inst[1].role = Role::Prefill;
         inst[0].queued_prefill_us = 0;
         hot_decode(&mut inst, 0);
         let change = LoadAware::new(cfg).rebalance(&snap(inst, &trees, &cost));
-        assert_eq!(change, Some(RoleChange { instance: InstanceId(1), from: Role::Prefill, to: Role::Decode }));
+        assert_eq!(change, Some(RoleChange { instance: InstanceId(1), from: Role::Prefill, to: Role::Colocated }));
     }
 }
