@@ -216,7 +216,7 @@ impl StepPack {
     }
 
     /// How attention takes the rows: with `tile_rows` (the device's tiled kernel and its rows a
-    /// tile), each sequence of at least [`TILE_MIN_ROWS`] new tokens in tiles of consecutive rows,
+    /// tile), each sequence of at least `TILE_MIN_ROWS` new tokens in tiles of consecutive rows,
     /// `(first row, rows)`, and every other row one by one; without, every row one by one.
     /// Returns (the rows taken one by one, the tiles).
     pub fn attention_split(&self, tile_rows: Option<usize>) -> (Vec<i32>, Vec<[i32; 2]>) {

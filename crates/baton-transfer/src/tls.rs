@@ -2,10 +2,10 @@
 //!
 //! A connection of this crate is read by one thread and written by another (the prefill side's
 //! connection thread reads READs while pushes write from the engine's side), and every socket
-//! call is bounded by the socket's timeouts. [`Session`] keeps that shape: the rustls state sits
+//! call is bounded by the socket's timeouts. `Session` keeps that shape: the rustls state sits
 //! behind a lock shared by the handles of one connection, the socket is read *outside* the lock
 //! (a reader waiting for bytes never stalls a writer), and what arrives is handed to rustls under
-//! it. A writer encrypts and sends under the lock, in slices of [`WRITE_SLICE`] bytes, so a large
+//! it. A writer encrypts and sends under the lock, in slices of `WRITE_SLICE` bytes, so a large
 //! payload is never buffered whole.
 //!
 //! The cluster secret's proofs still run inside TLS: TLS hides and protects the bytes and checks
