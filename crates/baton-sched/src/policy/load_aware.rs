@@ -439,6 +439,29 @@ mod tests {
         assert!((load(&inst) - expected).abs() < 1e-9, "colocated: its whole steps, {}", load(&inst));
     }
 
+    /// A colocated prefill instance hands a decode to a single-role decode instance much
+    /// lighter than itself (1C+1D), never to another colocated instance (2C runs requests
+    /// whole), and keeps it when the decode instance is not much lighter.
+    #[test]
+    fn a_colocated_instance_hands_decodes_only_to_a_much_lighter_decode_instance() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        let busy = vec![DecodeSeq::new(0, 8_000); 64];
+        let mut inst = instances(1, 1);
+        inst[0].role = Role::Colocated;
+        inst[0].decode_running = busy.clone();
+        let trees = trees_for(&inst);
+        let route = |inst: &[InstanceSnapshot]| {
+            let s = snap(inst.to_vec(), &trees, &cost);
+            super::least_loaded_decode(&s, &request(8), &inst[0]).map(|d| d.0)
+        };
+        assert_eq!(route(&inst), Some(InstanceId(1)), "1C+1D: the idle decode instance takes it");
+        inst[1].decode_running = busy.clone();
+        assert_eq!(route(&inst), Some(InstanceId(0)), "as loaded: it stays home");
+        inst[1].decode_running.clear();
+        inst[1].role = Role::Colocated;
+        assert_eq!(route(&inst), Some(InstanceId(0)), "2C: never handed to another colocated instance");
+    }
+
     /// Two instances, one of each role: the idle one becomes colocated, and from that middle
     /// state a change of load moves the other single-role instance, never back to 1P+1D's
     /// shortage.

@@ -232,10 +232,11 @@ pub(crate) fn spread(req: &Request, inst: InstanceId) -> u64 {
 const AFFINITY_SLACK_DIV: u64 = 4;
 
 /// The decode instance with the least predicted TBT (ties by id), with that TBT. A colocated
-/// prefill instance decodes its own requests (no hand-off) unless another instance would be
-/// faster by more than a quarter: a colocated instance beside single-role decode instances (an
-/// elastic pair's middle state, 1C+1D) hands the decode of what it prefills to them while they
-/// are the lighter, instead of leaving them idle. With decode affinity, the instance caching the
+/// prefill instance decodes its own requests (no hand-off) unless a single-role decode instance
+/// would be faster by more than a quarter: beside decode instances (an elastic pair's middle
+/// state, 1C+1D) it hands them the decode of what it prefills while they are the lighter,
+/// instead of leaving them idle; colocated instances never hand decodes to one another (a
+/// colocated cluster runs every request whole, as vLLM does). With decode affinity, the instance caching the
 /// longest prefix of the prompt among those within a quarter of the least TBT: a session's next
 /// turn goes where its history is, so the hand-off moves only the blocks it lacks.
 pub(crate) fn least_loaded_decode(
@@ -243,14 +244,19 @@ pub(crate) fn least_loaded_decode(
     req: &Request,
     prefill: &InstanceSnapshot,
 ) -> Option<(InstanceId, Micros)> {
-    let pool: Vec<(InstanceId, Micros)> = snap.decode_pool().map(|d| (d.id, tbt_with(snap, d, req))).collect();
-    let fastest = pool.iter().map(|&(_, t)| t).min()?;
-    if prefill.role == crate::Role::Colocated {
-        let own = tbt_with(snap, prefill, req);
-        if own <= fastest + fastest / AFFINITY_SLACK_DIV {
-            return Some((prefill.id, own));
-        }
-    }
+    let colocated = prefill.role == crate::Role::Colocated;
+    let pool: Vec<(InstanceId, Micros)> = snap
+        .decode_pool()
+        .filter(|d| !colocated || d.role == crate::Role::Decode)
+        .map(|d| (d.id, tbt_with(snap, d, req)))
+        .collect();
+    let own = colocated.then(|| tbt_with(snap, prefill, req));
+    let fastest = match (pool.iter().map(|&(_, t)| t).min(), own) {
+        (Some(f), Some(own)) if own <= f + f / AFFINITY_SLACK_DIV => return Some((prefill.id, own)),
+        (None, Some(own)) => return Some((prefill.id, own)),
+        (Some(f), _) => f,
+        (None, None) => return None,
+    };
     let cached = |id: InstanceId| {
         if snap.decode_affinity { snap.trees.prefix_len(id, &req.block_hashes, snap.now) } else { 0 }
     };
