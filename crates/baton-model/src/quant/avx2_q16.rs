@@ -15,6 +15,7 @@
 use std::arch::x86_64::*;
 
 use super::BlockFormat;
+use super::panel16::Panel16;
 use super::q16::{Q16View, q16_block};
 
 /// `out[i·m + r] = w[first + i] · x[r]` for every weight row `i` that `out` has room for,
@@ -548,5 +549,117 @@ fn q6k<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_
             }
         }
         store(&acc, &[0.0; M], out);
+    }
+}
+
+/// Weight rows per packed panel of [`panel_gemm`]: two registers of int32 lanes.
+pub(super) const PANEL16: usize = 16;
+
+/// Activation rows per register tile of [`panel_gemm`] (the 16 registers hold `2·MR` int32
+/// accumulators and the weights; the float32 ones live in memory between groups).
+const PANEL16_MR: usize = 4;
+
+/// `y[i·ldy + c] = Σ_t x[i][t] · w[c][t]` for every activation row `i` of `x` and weight row
+/// `c < cols` of the panel `p` (packed by [`super::panel16::pack`] with [`PANEL16`] rows):
+/// each pair of activations is broadcast against the panel's two registers of value pairs
+/// (`vpmaddwd`), a group summed in int32 (at most 16 pairs of 8-bit by 16-bit products a
+/// lane) and scaled once in float32.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn panel_gemm(p: Panel16<'_>, x: Q16View<'_>, y: &mut [f32], ldy: usize, cols: usize) {
+    p.check(PANEL16, &x, y, ldy, cols);
+    let (rows, g) = (x.m(), p.group);
+    if rows == 0 {
+        return;
+    }
+    macro_rules! tiles {
+        ($g:literal, $mins:literal) => {{
+            let mut r = 0;
+            while r + PANEL16_MR <= rows {
+                tile16::<PANEL16_MR, $g, $mins>(p, x, r, &mut y[r * ldy..], ldy, cols);
+                r += PANEL16_MR;
+            }
+            if r == rows {
+                return;
+            }
+            let yr = &mut y[r * ldy..];
+            match rows - r {
+                1 => tile16::<1, $g, $mins>(p, x, r, yr, ldy, cols),
+                2 => tile16::<2, $g, $mins>(p, x, r, yr, ldy, cols),
+                _ => tile16::<3, $g, $mins>(p, x, r, yr, ldy, cols),
+            }
+        }};
+    }
+    match (g, p.mn.is_empty()) {
+        (16, true) => tiles!(16, false),
+        (16, false) => tiles!(16, true),
+        (_, true) => tiles!(32, false),
+        (_, false) => tiles!(32, true),
+    }
+}
+
+/// Activation rows `r0..r0 + MR` of `x` against the panel, into the first `cols` floats of
+/// `MR` rows of `y` (`ldy` apart), in groups of `G` values; `MINS` when the panel has minimums.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn tile16<const MR: usize, const G: usize, const MINS: bool>(
+    p: Panel16<'_>,
+    x: Q16View<'_>,
+    r0: usize,
+    y: &mut [f32],
+    ldy: usize,
+    cols: usize,
+) {
+    let (k, groups, per_scale) = (p.k, p.k / G, x.block / G);
+    let blocks = k / x.block;
+    let sums = super::panel16::group_sums(&x, G);
+    // `panel_gemm` checked the panel's sizes and the scales' and sums' against `x`'s rows.
+    assert!(x.q.len() >= (r0 + MR) * k && y.len() >= (MR - 1) * ldy + cols);
+    let (pq, pf, pm, xq) = (p.q.as_ptr(), p.f.as_ptr(), p.mn.as_ptr(), x.q.as_ptr());
+    let mut facc = [[_mm256_setzero_ps(); 2]; MR];
+    for g in 0..groups {
+        let mut iacc = [[_mm256_setzero_si256(); 2]; MR];
+        for t in 0..G / 2 {
+            let pair = g * G / 2 + t;
+            // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values) and of rows
+            // `r0..r0 + MR` of `x`, which the asserts bound.
+            unsafe {
+                let w0 = _mm256_loadu_si256(pq.add(pair * 2 * PANEL16).cast());
+                let w1 = _mm256_loadu_si256(pq.add(pair * 2 * PANEL16 + 16).cast());
+                for (i, acc) in iacc.iter_mut().enumerate() {
+                    let xv = _mm256_set1_epi32(xq.add((r0 + i) * k + 2 * pair).cast::<i32>().read_unaligned());
+                    acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(xv, w0));
+                    acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(xv, w1));
+                }
+            }
+        }
+        // SAFETY: group `g < k / G` of the panel's factors and minimums and of each row's
+        // scales and sums, which the asserts bound.
+        unsafe {
+            let f = [_mm256_loadu_ps(pf.add(g * PANEL16)), _mm256_loadu_ps(pf.add(g * PANEL16 + 8))];
+            for (i, (facc, iacc)) in facc.iter_mut().zip(&iacc).enumerate() {
+                let sx = _mm256_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + g / per_scale));
+                for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
+                    *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_mul_ps(f, sx), *facc);
+                }
+                if MINS {
+                    let s = _mm256_set1_ps(*sums.get_unchecked((r0 + i) * groups + g));
+                    for (h, facc) in facc.iter_mut().enumerate() {
+                        *facc = _mm256_fmadd_ps(_mm256_loadu_ps(pm.add(g * PANEL16 + 8 * h)), s, *facc);
+                    }
+                }
+            }
+        }
+    }
+    let mut row = [0f32; PANEL16];
+    for (i, acc) in facc.iter().enumerate() {
+        // SAFETY: `row` holds the 16 floats stored.
+        unsafe {
+            _mm256_storeu_ps(row.as_mut_ptr(), acc[0]);
+            _mm256_storeu_ps(row.as_mut_ptr().add(8), acc[1]);
+        }
+        y[i * ldy..i * ldy + cols].copy_from_slice(&row[..cols]);
     }
 }

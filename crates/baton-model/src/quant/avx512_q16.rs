@@ -10,6 +10,7 @@
 use std::arch::x86_64::*;
 
 use super::BlockFormat;
+use super::panel16::Panel16;
 use super::q16::{Q16View, q16_block};
 
 /// `out[i·m + r] = w[first + i] · x[r]` for every weight row `i` that `out` has room for,
@@ -394,5 +395,122 @@ fn q6k<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_
             }
         }
         store(&acc, &[0.0; M], out);
+    }
+}
+
+/// Weight rows per packed panel of [`panel_gemm`]: two registers of int32 lanes.
+pub(super) const PANEL16: usize = 32;
+
+/// Activation rows per register tile of [`panel_gemm`]: `2·MR` int32 and `2·MR` float32
+/// accumulators.
+const PANEL16_MR: usize = 6;
+
+/// `y[i·ldy + c] = Σ_t x[i][t] · w[c][t]` for every activation row `i` of `x` and weight row
+/// `c < cols` of the panel `p` (packed by [`super::panel16::pack`] with [`PANEL16`] rows):
+/// each pair of activations is broadcast against the panel's two registers of value pairs
+/// (`vpdpwssd`), a group summed in int32 and scaled once in float32.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX-512BW, AVX-512VL, AVX-512 VNNI and FMA.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+pub(super) unsafe fn panel_gemm(p: Panel16<'_>, x: Q16View<'_>, y: &mut [f32], ldy: usize, cols: usize) {
+    p.check(PANEL16, &x, y, ldy, cols);
+    let (rows, g) = (x.m(), p.group);
+    if rows == 0 {
+        return;
+    }
+    let masks = [((1u32 << cols.min(16)) - 1) as u16, ((1u32 << cols.saturating_sub(16)) - 1) as u16];
+    macro_rules! tiles {
+        ($g:literal, $mins:literal) => {{
+            let mut r = 0;
+            while r + PANEL16_MR <= rows {
+                tile16::<PANEL16_MR, $g, $mins>(p, x, r, &mut y[r * ldy..], ldy, masks);
+                r += PANEL16_MR;
+            }
+            if r == rows {
+                return;
+            }
+            let yr = &mut y[r * ldy..];
+            match rows - r {
+                1 => tile16::<1, $g, $mins>(p, x, r, yr, ldy, masks),
+                2 => tile16::<2, $g, $mins>(p, x, r, yr, ldy, masks),
+                3 => tile16::<3, $g, $mins>(p, x, r, yr, ldy, masks),
+                4 => tile16::<4, $g, $mins>(p, x, r, yr, ldy, masks),
+                _ => tile16::<5, $g, $mins>(p, x, r, yr, ldy, masks),
+            }
+        }};
+    }
+    match (g, p.mn.is_empty()) {
+        (16, true) => tiles!(16, false),
+        (16, false) => tiles!(16, true),
+        (_, true) => tiles!(32, false),
+        (_, false) => tiles!(32, true),
+    }
+}
+
+/// Activation rows `r0..r0 + MR` of `x` against the panel, into `y` (rows `ldy` apart), in
+/// groups of `G` values; `MINS` when the panel has minimums.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[inline]
+fn tile16<const MR: usize, const G: usize, const MINS: bool>(
+    p: Panel16<'_>,
+    x: Q16View<'_>,
+    r0: usize,
+    y: &mut [f32],
+    ldy: usize,
+    masks: [u16; 2],
+) {
+    let (k, groups, per_scale) = (p.k, p.k / G, x.block / G);
+    let blocks = k / x.block;
+    let sums = super::panel16::group_sums(&x, G);
+    // `panel_gemm` checked the panel's sizes and the scales' and sums' against `x`'s rows.
+    assert!(
+        x.q.len() >= (r0 + MR) * k
+            && y.len() >= (MR - 1) * ldy + (masks[0].count_ones() + masks[1].count_ones()) as usize
+    );
+    let (pq, pf, pm, xq) = (p.q.as_ptr(), p.f.as_ptr(), p.mn.as_ptr(), x.q.as_ptr());
+    let mut facc = [[_mm512_setzero_ps(); 2]; MR];
+    for g in 0..groups {
+        let mut iacc = [[_mm512_setzero_si512(); 2]; MR];
+        for t in 0..G / 2 {
+            let pair = g * G / 2 + t;
+            // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values) and of rows
+            // `r0..r0 + MR` of `x`, which the asserts bound.
+            unsafe {
+                let w0 = _mm512_loadu_si512(pq.add(pair * 2 * PANEL16).cast());
+                let w1 = _mm512_loadu_si512(pq.add(pair * 2 * PANEL16 + 32).cast());
+                for (i, acc) in iacc.iter_mut().enumerate() {
+                    let xv = _mm512_set1_epi32(xq.add((r0 + i) * k + 2 * pair).cast::<i32>().read_unaligned());
+                    acc[0] = _mm512_dpwssd_epi32(acc[0], xv, w0);
+                    acc[1] = _mm512_dpwssd_epi32(acc[1], xv, w1);
+                }
+            }
+        }
+        // SAFETY: group `g < k / G` of the panel's factors and minimums and of each row's
+        // scales and sums, which the asserts bound.
+        unsafe {
+            let f = [_mm512_loadu_ps(pf.add(g * PANEL16)), _mm512_loadu_ps(pf.add(g * PANEL16 + 16))];
+            for (i, (facc, iacc)) in facc.iter_mut().zip(&iacc).enumerate() {
+                let sx = _mm512_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + g / per_scale));
+                for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
+                    *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(f, sx), *facc);
+                }
+                if MINS {
+                    let s = _mm512_set1_ps(*sums.get_unchecked((r0 + i) * groups + g));
+                    for (h, facc) in facc.iter_mut().enumerate() {
+                        *facc = _mm512_fmadd_ps(_mm512_loadu_ps(pm.add(g * PANEL16 + 16 * h)), s, *facc);
+                    }
+                }
+            }
+        }
+    }
+    for (i, acc) in facc.iter().enumerate() {
+        let row = &mut y[i * ldy..];
+        // SAFETY: the masks select the first `cols` floats, which the assert above shows the
+        // row holds; masked-off lanes are not accessed.
+        unsafe {
+            _mm512_mask_storeu_ps(row.as_mut_ptr(), masks[0], acc[0]);
+            _mm512_mask_storeu_ps(row.as_mut_ptr().wrapping_add(16), masks[1], acc[1]);
+        }
     }
 }
