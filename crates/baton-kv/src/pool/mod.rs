@@ -871,8 +871,9 @@ impl MemPool {
         removed
     }
 
-    /// Every cached block with its parent and tier, ordered by hash (what a [`crate::RemoteIndex`]
-    /// fed by this pool's events holds).
+    /// Every cached block with its parent and tier, ordered by hash: what an index that applies
+    /// this pool's events from its first holds (a follower's snapshot, with
+    /// [`next_event_seq`](Self::next_event_seq)).
     pub fn index_entries(&self) -> std::collections::BTreeMap<BlockHash, IndexEntry> {
         self.index
             .iter()
