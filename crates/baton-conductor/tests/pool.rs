@@ -116,6 +116,19 @@ impl Server {
             .unwrap_or_else(|| panic!("no {series} in /metrics"))
     }
 
+    /// Waits (up to 5 s) until the conductor has a load report of `worker` decoding a request.
+    /// A policy sees a worker through its last report, which replaces the conductor's own count
+    /// of what it sent there: until the report comes, a worker just handed a request looks idle.
+    async fn wait_decoding(&self, worker: &str) -> bool {
+        for _ in 0..1000 {
+            if self.conductor.view().report(worker).is_some_and(|r| !r.decode_contexts.is_empty()) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        false
+    }
+
     /// Waits (up to 5 s) until the conductor's index shows `worker` caching at least `blocks`.
     async fn wait_index(&self, worker: &str, blocks: usize) -> usize {
         let mut seen = 0;
@@ -413,6 +426,10 @@ async fn a_sessions_next_turn_goes_to_the_decode_worker_holding_its_history() {
         let r = reqwest::Client::new().post(format!("{}/v1/completions", server.url)).json(&body).send().await;
         let mut other = common::SseReader::new(r.expect("sends"));
         other.next().await.expect("a first chunk");
+        // The first chunk comes from the prefill worker, before decode-1 has the request (or has
+        // said so): without this wait turn 2 could be routed while decode-1 still looks idle, and
+        // go there without affinity too (seen under load: 19 tokens moved, not 75).
+        assert!(server.wait_decoding("decode-1").await, "the other request decodes on decode-1");
         // ... while turn 2 arrives.
         let moved_before = server.metric("baton_kv_transfer_tokens_total").await;
         let (text_2, _) = server.complete_ids(&ids_2, 6).await;

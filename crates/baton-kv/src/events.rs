@@ -1,12 +1,14 @@
-//! KV events and the remote index that applies them.
+//! KV events: how a pool reports the changes to its index.
 //!
 //! A [`MemPool`](crate::MemPool) reports every change to its index as a [`KvEvent`] with a
-//! per-instance sequence number: a block stored, moved to another tier, or removed. A
-//! [`RemoteIndex`] (the conductor's global prompt tree, or a simulator's) applies the stream and
-//! ends equal to the source's index; a gap in the sequence is reported, so the consumer knows to
-//! resynchronise rather than drift.
+//! per-instance sequence number: a block stored, moved to another tier, or removed. Whoever
+//! follows an instance's cache applies the stream in order from a snapshot (the pool's
+//! [`index_entries`](crate::MemPool::index_entries) and
+//! [`next_event_seq`](crate::MemPool::next_event_seq)) and holds what the pool holds: in Baton
+//! that is baton-sched's `GlobalPromptTrees`, the index the conductor and the simulator route
+//! by. A gap in the sequence is an [`EventError::Gap`], so the follower knows to resynchronise
+//! rather than drift.
 
-use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -134,76 +136,4 @@ pub enum EventError {
         /// The one it got.
         got: u64,
     },
-    /// The event names a block this index does not hold.
-    #[error("{instance}: block {hash} is not in the index")]
-    Unknown {
-        /// The instance.
-        instance: InstanceId,
-        /// The block.
-        hash: BlockHash,
-    },
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct InstanceIndex {
-    next_seq: u64,
-    entries: HashMap<BlockHash, IndexEntry>,
-}
-
-/// An index of other instances' caches, kept by applying their events (MemServe's global prompt
-/// trees; Mooncake's conductor view). Keyed by chained hash, so matching a prompt needs only its
-/// block hashes.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RemoteIndex {
-    instances: BTreeMap<InstanceId, InstanceIndex>,
-}
-
-impl RemoteIndex {
-    /// An empty index.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Applies one event. Events of an instance must come in sequence order.
-    pub fn apply(&mut self, event: &KvEvent) -> Result<(), EventError> {
-        let inst = self.instances.entry(event.instance).or_default();
-        if event.seq != inst.next_seq {
-            return Err(EventError::Gap { instance: event.instance, expected: inst.next_seq, got: event.seq });
-        }
-        let unknown = |hash| EventError::Unknown { instance: event.instance, hash };
-        match &event.kind {
-            KvEventKind::Stored { hash, parent, tier, .. } => {
-                inst.entries.insert(*hash, IndexEntry { parent: *parent, tier: *tier });
-            }
-            KvEventKind::Moved { hash, tier } => inst.entries.get_mut(hash).ok_or_else(|| unknown(*hash))?.tier = *tier,
-            KvEventKind::Removed { hash } => {
-                inst.entries.remove(hash).ok_or_else(|| unknown(*hash))?;
-            }
-        }
-        inst.next_seq += 1;
-        Ok(())
-    }
-
-    /// Forgets an instance (it left the cluster, or is being resynchronised).
-    pub fn remove_instance(&mut self, instance: InstanceId) {
-        self.instances.remove(&instance);
-    }
-
-    /// The cached blocks of one instance, ordered by hash.
-    pub fn entries(&self, instance: InstanceId) -> BTreeMap<BlockHash, IndexEntry> {
-        self.instances.get(&instance).map(|i| i.entries.iter().map(|(h, e)| (*h, *e)).collect()).unwrap_or_default()
-    }
-
-    /// For each instance holding at least one block, how many leading blocks of the prompt
-    /// whose block hashes are `hashes` it holds (on any tier). Longest first.
-    pub fn overlaps(&self, hashes: &[BlockHash]) -> Vec<(InstanceId, usize)> {
-        let mut out: Vec<(InstanceId, usize)> = self
-            .instances
-            .iter()
-            .map(|(&id, inst)| (id, hashes.iter().take_while(|h| inst.entries.contains_key(h)).count()))
-            .filter(|&(_, n)| n > 0)
-            .collect();
-        out.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        out
-    }
 }

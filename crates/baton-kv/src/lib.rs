@@ -20,13 +20,14 @@
 //! - [`EvictionPolicy`]: [`Lru`] and [`Lfu`], with pinning.
 //! - [`MemPool`]: the facade: `alloc_mem`/`free_mem`, `insert`/`match_prefix`/`delete`,
 //!   `swap_out`/`swap_in` over device, host and disk tiers, reference counts, and
-//!   [`KvEvent`]s that a [`RemoteIndex`] applies to stay in sync.
+//!   [`KvEvent`]s that an index elsewhere (the conductor's: baton-sched's `GlobalPromptTrees`)
+//!   applies to stay in sync.
 //! - [`BlockTable`]: the blocks of one sequence, in token order.
 //!
 //! An engine's life with the pool:
 //!
 //! ```
-//! use baton_kv::{InstanceId, KvGeometry, KvLayout, KvPart, MemPool, PoolConfig, RemoteIndex};
+//! use baton_kv::{InstanceId, KvEventKind, KvGeometry, KvLayout, KvPart, MemPool, PoolConfig};
 //!
 //! let geometry = KvGeometry::new(2, 2, 8, 4);
 //! let mut pool = MemPool::new(PoolConfig {
@@ -51,12 +52,13 @@
 //! assert_eq!(pool.arena().block(0, KvPart::Key, again[0])[0], 1.0);
 //! pool.free_blocks(&again)?;
 //!
-//! // A conductor following the pool's events sees the same index.
-//! let mut remote = RemoteIndex::new();
-//! for e in pool.drain_events() {
-//!     remote.apply(&e)?;
-//! }
-//! assert_eq!(remote.entries(InstanceId(1)), pool.index_entries());
+//! // Each change to the index was an event, numbered from 0: two blocks stored, then moved to
+//! // the host and back. A conductor follows the pool by them, from a snapshot of the index.
+//! let events = pool.drain_events();
+//! assert!(events.iter().zip(0..).all(|(e, seq)| e.seq == seq));
+//! let stored = events.iter().filter(|e| matches!(e.kind, KvEventKind::Stored { .. })).count();
+//! assert_eq!((stored, pool.index_entries().len()), (2, 2));
+//! assert_eq!(pool.next_event_seq(), events.len() as u64);
 //! pool.check_invariants()?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -78,7 +80,7 @@ mod tier;
 pub use allocator::{AllocatorError, BlockAllocator};
 pub use arena::{ArenaHandle, KvArena, MappedArena, Slab};
 pub use block_table::BlockTable;
-pub use events::{BlockTokens, EventError, IndexEntry, KvEvent, KvEventKind, RemoteIndex};
+pub use events::{BlockTokens, EventError, IndexEntry, KvEvent, KvEventKind};
 pub use geometry::{Dim, KvDtype, KvGeometry, KvLayout, KvPart, TensorDescriptor};
 pub use hash::{BlockHash, HASH_SEED, block_hash, fnv1a_32, fnv1a_64, prefix_hashes};
 pub use index::{NodeInfo, PrefixIndex};

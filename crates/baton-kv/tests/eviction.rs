@@ -64,3 +64,19 @@ fn a_prompt_too_big_for_the_room_left_keeps_the_head_of_the_coldest() {
     serve(&mut p, &[500, 501, 502, 503], 3);
     assert_eq!([&a, &b, &c].map(|x| cached_blocks(&p, x)), [2, 4, 4]);
 }
+
+/// A cached chain no request holds is reclaimable whole, though only its last block is
+/// evictable at a time; a block a request holds is neither.
+#[test]
+fn a_cached_chain_no_one_holds_counts_as_reclaimable_whole() {
+    let mut a = pool(8, PolicyKind::Lru);
+    let prompt: Vec<u32> = (0..8).collect();
+    serve(&mut a, &prompt, 1);
+    let u = a.usage(Tier::Device);
+    assert_eq!((u.cached, u.evictable, u.unheld_cached), (4, 1, 4));
+    let (held, _) = a.acquire_prefix(&prompt[..4], 2).expect("acquire");
+    let u = a.usage(Tier::Device);
+    assert_eq!((u.cached, u.unheld_cached), (4, 2), "the two held blocks are in use");
+    a.free_blocks(&held).expect("held");
+    assert_eq!(a.usage(Tier::Device).unheld_cached, 4);
+}

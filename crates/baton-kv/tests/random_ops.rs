@@ -4,13 +4,13 @@
 //! requests holding references. After every step it checks that every block of every tier has
 //! exactly one owner, that reference counts equal what the simulated requests hold, that the
 //! maintained `available()` counter equals a scan, that match agrees with the index the event
-//! stream describes, and that KV bytes survive every move.
+//! stream describes (`Replay`, the stream folded by itself), and that KV bytes survive every move.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use baton_kv::{
-    BlockHash, BlockId, InstanceId, KvAddr, KvDtype, KvGeometry, KvLayout, KvPart, Loc, MemPool, PolicyKind,
-    PoolConfig, PoolError, RemoteIndex, SwapCopier, SwapIn, SwapJob, Tier, prefix_hashes,
+    BlockHash, BlockId, IndexEntry, InstanceId, KvAddr, KvDtype, KvEvent, KvEventKind, KvGeometry, KvLayout, KvPart,
+    Loc, MemPool, PolicyKind, PoolConfig, PoolError, SwapCopier, SwapIn, SwapJob, Tier, prefix_hashes,
 };
 
 /// splitmix64: a seeded generator, so a failure replays exactly.
@@ -27,6 +27,46 @@ impl Rng {
 
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
+    }
+}
+
+/// What a pool's stream of KV events says its index holds, folded from the events alone (each
+/// instance's cached blocks and the number of its next event): the stream's contract. The index
+/// the conductor keeps from the stream is baton-sched's `GlobalPromptTrees`, whose
+/// `tests/kv_events.rs` feeds it pools' events.
+#[derive(Debug, Default)]
+struct Replay {
+    instances: BTreeMap<InstanceId, (u64, BTreeMap<BlockHash, IndexEntry>)>,
+}
+
+impl Replay {
+    /// Takes one event in, asserting that it is the instance's next (numbered from 0, no gap)
+    /// and that a move or a removal names a block the stream stored.
+    fn apply(&mut self, event: &KvEvent) {
+        let (next, entries) = self.instances.entry(event.instance).or_default();
+        assert_eq!(event.seq, *next, "{}: events come numbered in sequence", event.instance);
+        *next += 1;
+        match &event.kind {
+            KvEventKind::Stored { hash, parent, tier, .. } => {
+                entries.insert(*hash, IndexEntry { parent: *parent, tier: *tier });
+            }
+            KvEventKind::Moved { hash, tier } => {
+                entries.get_mut(hash).unwrap_or_else(|| panic!("{hash} moved before it was stored")).tier = *tier;
+            }
+            KvEventKind::Removed { hash } => {
+                entries.remove(hash).unwrap_or_else(|| panic!("{hash} removed before it was stored"));
+            }
+        }
+    }
+
+    /// The cached blocks of one instance, ordered by hash (`MemPool::index_entries`' form).
+    fn entries(&self, instance: InstanceId) -> BTreeMap<BlockHash, IndexEntry> {
+        self.instances.get(&instance).map(|(_, e)| e.clone()).unwrap_or_default()
+    }
+
+    /// Leading blocks of the prompt whose block hashes are `hashes` that `instance` caches.
+    fn prefix_len(&self, instance: InstanceId, hashes: &[BlockHash]) -> usize {
+        self.instances.get(&instance).map_or(0, |(_, e)| hashes.iter().take_while(|h| e.contains_key(h)).count())
     }
 }
 
@@ -49,7 +89,8 @@ struct Request {
 
 struct Sim {
     pool: MemPool,
-    remote: RemoteIndex,
+    /// The index the pool's events describe.
+    stream: Replay,
     requests: Vec<Request>,
     job: Option<SwapJob>,
     /// A swap-in under way, and the request it brings blocks to.
@@ -105,15 +146,15 @@ impl Sim {
         }
     }
 
-    /// The longest prefix of `prompt` the event-fed remote index holds.
-    fn remote_overlap(&self, prompt: &[u32]) -> usize {
-        let hashes = prefix_hashes(prompt, BS);
-        self.remote.overlaps(&hashes).first().map_or(0, |&(_, n)| n)
+    /// The longest prefix of `prompt` the pool's events say it caches.
+    fn stream_overlap(&self, prompt: &[u32]) -> usize {
+        self.stream.prefix_len(InstanceId(3), &prefix_hashes(prompt, BS))
     }
 
+    /// Takes the pool's events in (they come in order and name known blocks: `Replay` asserts it).
     fn sync_events(&mut self) {
         for e in self.pool.drain_events() {
-            self.remote.apply(&e).expect("events arrive in order and name known blocks");
+            self.stream.apply(&e);
         }
     }
 
@@ -124,7 +165,7 @@ impl Sim {
             // A request arrives: reuse its cached prefix, allocate the rest, write its KV.
             0..=19 => {
                 let prompt = self.prompt();
-                let expect = self.remote_overlap(&prompt);
+                let expect = self.stream_overlap(&prompt);
                 self.disk_hits += usize::from(self.pool.peek_prefix(&prompt)[Tier::Disk.index()] > 0);
                 let (mut blocks, tokens) = self.pool.acquire_prefix(&prompt, now).expect("acquire never fails");
                 assert!(tokens <= expect * BS, "match returned more than was cached");
@@ -161,7 +202,7 @@ impl Sim {
             // Match only, holding blocks wherever they are (they must not move or vanish).
             45..=52 => {
                 let prompt = self.prompt();
-                let expect = self.remote_overlap(&prompt);
+                let expect = self.stream_overlap(&prompt);
                 let m = self.pool.match_prefix(&prompt, now);
                 assert_eq!(m.len(), expect, "match disagrees with the event-fed index");
                 for h in prefix_hashes(&prompt, BS).iter().take(m.len()) {
@@ -324,7 +365,7 @@ fn run_of(seed: u64, policy: PolicyKind, steps: usize, dtype: KvDtype) {
         copier,
         swapping: None,
         pool,
-        remote: RemoteIndex::new(),
+        stream: Replay::default(),
         requests: Vec::new(),
         job: None,
         rng: Rng(seed),
@@ -338,7 +379,7 @@ fn run_of(seed: u64, policy: PolicyKind, steps: usize, dtype: KvDtype) {
         sim.step();
         sim.check();
         if i % 1000 == 0 {
-            assert_eq!(sim.remote.entries(InstanceId(3)), sim.pool.index_entries(), "event-fed index diverged");
+            assert_eq!(sim.stream.entries(InstanceId(3)), sim.pool.index_entries(), "event-fed index diverged");
         }
         moved_lower += usize::from(sim.pool.index_entries().values().any(|e| e.tier == Tier::Disk));
     }
@@ -369,7 +410,7 @@ fn run_of(seed: u64, policy: PolicyKind, steps: usize, dtype: KvDtype) {
         assert_eq!((u.held, u.in_flight), (0, 0), "{tier}: leaked blocks");
         assert_eq!(u.free + u.cached, sim.pool.num_blocks(tier));
     }
-    assert_eq!(sim.remote.entries(InstanceId(3)), sim.pool.index_entries());
+    assert_eq!(sim.stream.entries(InstanceId(3)), sim.pool.index_entries());
     drop(sim);
     let _ = std::fs::remove_dir_all(dir);
 }
