@@ -273,6 +273,12 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 const DOT_ROWS: usize = 8;
 /// Weight rows decoded per task of the dot path.
 const ROWS_PER_TASK: usize = 64;
+thread_local! {
+    /// [`QuantMatrix::matmul_panels16`]'s panels, kept between products on each thread (taken
+    /// out while in use: a product nested in another's wait on rayon's pool gets its own).
+    static PANEL_SCRATCH: std::cell::Cell<(Vec<i16>, Vec<f32>, Vec<f32>)> = const { std::cell::Cell::new((Vec::new(), Vec::new(), Vec::new())) };
+}
+
 /// Float32 elements of one decoded tile on the GEMM paths.
 const TILE_ELEMS: usize = 1 << 20;
 /// Activation rows per task of the AVX-512 GEMM path (two register tiles of 12).
@@ -427,8 +433,13 @@ impl QuantMatrix {
         let (qs, fs) = (nr * k, nr * (k / g));
         let most = chunk.min(n.next_multiple_of(nr)) / nr;
         let mins = panel16::has_mins(self.format);
-        let (mut q, mut f) = (vec![0i16; most * qs], vec![0f32; most * fs]);
-        let mut mn = vec![0f32; if mins { most * fs } else { 0 }];
+        // The panels' storage, this thread's from its last product (fresh pages cost a fault
+        // and a clearing each, a tenth of a product this size); `pack` writes all it reads.
+        let mut scratch = PANEL_SCRATCH.take();
+        let (q, f, mn) = (&mut scratch.0, &mut scratch.1, &mut scratch.2);
+        q.resize(q.len().max(most * qs), 0);
+        f.resize(f.len().max(most * fs), 0.0);
+        mn.resize(mn.len().max(if mins { most * fs } else { 0 }), 0.0);
         let mut y = vec![0f32; m * n];
         for j0 in (0..n).step_by(chunk) {
             let rows = chunk.min(n - j0);
@@ -473,6 +484,7 @@ impl QuantMatrix {
                 }
             });
         }
+        PANEL_SCRATCH.set(scratch);
         y
     }
 
@@ -1220,6 +1232,110 @@ mod speed {
                     weights / best / 1e9,
                     w.byte_len() as f64 / best / 1e9
                 );
+            }
+        }
+    }
+
+    /// Single-threaded prefill products (512 activation rows) at Gemma 3 270M's shapes, in
+    /// multiply-adds per second: the int16 panels of each ISA this CPU runs against the float32
+    /// panels (`cargo test --release -p baton-model prefill_path -- --ignored --nocapture`).
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn prefill_path_throughput() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a pool");
+        for (dtype, rows, cols) in [
+            (GgmlDType::Q5_0, 2048, 640),
+            (GgmlDType::Q8_0, 1024, 640),
+            (GgmlDType::Q4K, 640, 1024),
+            (GgmlDType::Q6K, 640, 2048),
+            (GgmlDType::Q4_1, 1536, 576),
+        ] {
+            let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+            let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
+            let q = QTensor::quantize(&t, dtype).expect("quantizes");
+            let w = QuantMatrix::new(dtype, &q.data().expect("bytes"), rows, cols).expect("decodable");
+            let m = 512;
+            let x: Vec<f32> = (0..m * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
+            type Run = Box<dyn Fn() -> Vec<f32> + Send + Sync>;
+            let mut runs: Vec<(String, Run)> = Vec::new();
+            #[cfg(target_arch = "x86_64")]
+            for kernel in DotKernel::available() {
+                if let Some(isa) = kernel.panel16() {
+                    let (w, x) = (w.clone(), x.clone());
+                    runs.push((format!("{isa:?} int16 panels"), Box::new(move || w.matmul_panels16(&x, m, isa))));
+                }
+                if kernel == DotKernel::Avx512 {
+                    let (w, x) = (w.clone(), x.clone());
+                    runs.push(("float32 panels".into(), Box::new(move || w.matmul_panels(&x, m))));
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx512vnni") {
+                // The kernel alone: the panels packed and the activations rounded beforehand.
+                use avx512_q16::PANEL16 as NR;
+                let (g, mins) = (panel16::group(w.format), panel16::has_mins(w.format));
+                let (qs, fs) = (NR * cols, NR * (cols / g));
+                let panels = rows.div_ceil(NR);
+                let (mut q, mut f) = (vec![0i16; panels * qs], vec![0f32; panels * fs]);
+                let mut mn = vec![0f32; if mins { panels * fs } else { 0 }];
+                let mut buf = panel16::PackBuf::default();
+                for p in 0..panels {
+                    let mnp = if mins { &mut mn[p * fs..(p + 1) * fs] } else { &mut [][..] };
+                    let out =
+                        panel16::PanelMut { q: &mut q[p * qs..(p + 1) * qs], f: &mut f[p * fs..(p + 1) * fs], mn: mnp };
+                    panel16::pack::<NR>(&w, p * NR, NR.min(rows - p * NR), out, &mut buf);
+                }
+                let xq = Q16Rows::new(&x, cols, q16::q16_block(w.format));
+                let mut y = vec![0f32; m * rows];
+                let mut best = f64::MAX;
+                for _ in 0..5 {
+                    let t = std::time::Instant::now();
+                    for r0 in (0..m).step_by(GEMM_ROW_BLOCK) {
+                        let xv = xq.rows(r0, GEMM_ROW_BLOCK.min(m - r0));
+                        for p in 0..panels {
+                            let mnp = if mins { &mn[p * fs..(p + 1) * fs] } else { &[][..] };
+                            let panel = panel16::Panel16 {
+                                q: &q[p * qs..(p + 1) * qs],
+                                f: &f[p * fs..(p + 1) * fs],
+                                mn: mnp,
+                                k: cols,
+                                group: g,
+                            };
+                            #[allow(unsafe_code)]
+                            // SAFETY: the CPU has AVX-512 VNNI (checked above), and the rest
+                            // `available` requires of the AVX-512 int16 kernel.
+                            unsafe {
+                                avx512_q16::panel_gemm(
+                                    panel,
+                                    xv,
+                                    &mut y[r0 * rows + p * NR..],
+                                    rows,
+                                    NR.min(rows - p * NR),
+                                )
+                            };
+                        }
+                    }
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                let macs = (m * rows * cols) as f64;
+                println!(
+                    "{dtype:?} {rows}x{cols} m={m} Avx512Vnni kernel alone: {:.2} ms, {:.1} GMAC/s",
+                    best * 1e3,
+                    macs / best / 1e9
+                );
+            }
+            for (name, run) in runs {
+                let best = pool.install(|| {
+                    (0..5)
+                        .map(|_| {
+                            let t = std::time::Instant::now();
+                            std::hint::black_box(run());
+                            t.elapsed().as_secs_f64()
+                        })
+                        .fold(f64::MAX, f64::min)
+                });
+                let macs = (m * rows * cols) as f64;
+                println!("{dtype:?} {rows}x{cols} m={m} {name}: {:.2} ms, {:.1} GMAC/s", best * 1e3, macs / best / 1e9);
             }
         }
     }

@@ -612,7 +612,8 @@ fn tile16<const MR: usize, const G: usize, const MINS: bool>(
     ldy: usize,
     cols: usize,
 ) {
-    let (k, groups, per_scale) = (p.k, p.k / G, x.block / G);
+    // Groups per activation scale, a power of two: a shift, not a division per group.
+    let (k, groups, scale_shift) = (p.k, p.k / G, (x.block / G).trailing_zeros());
     let blocks = k / x.block;
     let sums = super::panel16::group_sums(&x, G);
     // `panel_gemm` checked the panel's sizes and the scales' and sums' against `x`'s rows.
@@ -640,7 +641,7 @@ fn tile16<const MR: usize, const G: usize, const MINS: bool>(
         unsafe {
             let f = [_mm256_loadu_ps(pf.add(g * PANEL16)), _mm256_loadu_ps(pf.add(g * PANEL16 + 8))];
             for (i, (facc, iacc)) in facc.iter_mut().zip(&iacc).enumerate() {
-                let sx = _mm256_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + g / per_scale));
+                let sx = _mm256_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + (g >> scale_shift)));
                 for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
                     *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_mul_ps(f, sx), *facc);
                 }

@@ -460,7 +460,8 @@ fn tile16<const MR: usize, const G: usize, const MINS: bool>(
     ldy: usize,
     masks: [u16; 2],
 ) {
-    let (k, groups, per_scale) = (p.k, p.k / G, x.block / G);
+    // Groups per activation scale, a power of two: a shift, not a division per group.
+    let (k, groups, scale_shift) = (p.k, p.k / G, (x.block / G).trailing_zeros());
     let blocks = k / x.block;
     let sums = super::panel16::group_sums(&x, G);
     // `panel_gemm` checked the panel's sizes and the scales' and sums' against `x`'s rows.
@@ -468,19 +469,22 @@ fn tile16<const MR: usize, const G: usize, const MINS: bool>(
         x.q.len() >= (r0 + MR) * k
             && y.len() >= (MR - 1) * ldy + (masks[0].count_ones() + masks[1].count_ones()) as usize
     );
-    let (pq, pf, pm, xq) = (p.q.as_ptr(), p.f.as_ptr(), p.mn.as_ptr(), x.q.as_ptr());
+    let (pf, pm) = (p.f.as_ptr(), p.mn.as_ptr());
+    // Each row's activations as pairs (one 32-bit broadcast each), and the panel's pairs.
+    let xr: [*const i32; MR] = std::array::from_fn(|i| x.q[(r0 + i) * k..].as_ptr().cast());
+    let mut pq = p.q.as_ptr().cast::<__m512i>();
     let mut facc = [[_mm512_setzero_ps(); 2]; MR];
     for g in 0..groups {
         let mut iacc = [[_mm512_setzero_si512(); 2]; MR];
         for t in 0..G / 2 {
             let pair = g * G / 2 + t;
-            // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values) and of rows
-            // `r0..r0 + MR` of `x`, which the asserts bound.
+            // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values, two registers a
+            // pair) and of rows `r0..r0 + MR` of `x`, which the asserts bound.
             unsafe {
-                let w0 = _mm512_loadu_si512(pq.add(pair * 2 * PANEL16).cast());
-                let w1 = _mm512_loadu_si512(pq.add(pair * 2 * PANEL16 + 32).cast());
-                for (i, acc) in iacc.iter_mut().enumerate() {
-                    let xv = _mm512_set1_epi32(xq.add((r0 + i) * k + 2 * pair).cast::<i32>().read_unaligned());
+                let (w0, w1) = (_mm512_loadu_si512(pq), _mm512_loadu_si512(pq.add(1)));
+                pq = pq.add(2);
+                for (acc, xr) in iacc.iter_mut().zip(&xr) {
+                    let xv = _mm512_set1_epi32(xr.add(pair).read_unaligned());
                     acc[0] = _mm512_dpwssd_epi32(acc[0], xv, w0);
                     acc[1] = _mm512_dpwssd_epi32(acc[1], xv, w1);
                 }
@@ -491,7 +495,7 @@ fn tile16<const MR: usize, const G: usize, const MINS: bool>(
         unsafe {
             let f = [_mm512_loadu_ps(pf.add(g * PANEL16)), _mm512_loadu_ps(pf.add(g * PANEL16 + 16))];
             for (i, (facc, iacc)) in facc.iter_mut().zip(&iacc).enumerate() {
-                let sx = _mm512_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + g / per_scale));
+                let sx = _mm512_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + (g >> scale_shift)));
                 for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
                     *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(f, sx), *facc);
                 }

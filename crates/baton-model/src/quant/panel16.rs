@@ -257,7 +257,13 @@ impl Panel16<'_> {
     /// outputs of each of `x`'s rows, `ldy` apart.
     pub(super) fn check(&self, nr: usize, x: &Q16View<'_>, y: &[f32], ldy: usize, cols: usize) {
         let (rows, k, g) = (x.m(), self.k, self.group);
-        assert!(k == x.k && k.is_multiple_of(x.block) && x.block.is_multiple_of(g) && (g == 16 || g == 32));
+        assert!(
+            k == x.k
+                && k.is_multiple_of(x.block)
+                && x.block.is_multiple_of(g)
+                && (x.block / g).is_power_of_two()
+                && (g == 16 || g == 32)
+        );
         assert!(self.q.len() == k * nr && self.f.len() == k / g * nr);
         assert!(self.mn.is_empty() || self.mn.len() == self.f.len());
         assert!(
