@@ -36,20 +36,22 @@ pub(super) fn has_mins(format: BlockFormat) -> bool {
 #[inline(always)]
 pub(super) fn decode_ints(format: BlockFormat, b: &[u8], q: &mut [i16], f: &mut [f32], mn: &mut [f32]) {
     let half = |i: usize| half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
-    // 32 values from 16 bytes: their low nibbles, then their high ones, less `off`.
-    let nibbles = |qs: &[u8], q: &mut [i16], off: i16| {
+    /// 32 values from 16 bytes: their low nibbles, then their high ones, less `off`.
+    #[inline(always)]
+    fn nibbles(qs: &[u8], q: &mut [i16], off: i16) {
         let (lo, hi) = q[..32].split_at_mut(16);
         for ((lo, hi), &v) in lo.iter_mut().zip(hi).zip(&qs[..16]) {
             (*lo, *hi) = (i16::from(v & 0x0f) - off, i16::from(v >> 4) - off);
         }
-    };
-    // Adds the fifth bits of Q5_0 and Q5_1 (bit `j` of the little-endian `qh`) to `q`.
-    let fifth = |qh: &[u8], q: &mut [i16]| {
+    }
+    /// Adds the fifth bits of Q5_0 and Q5_1 (bit `j` of the little-endian `qh`) to `q`.
+    #[inline(always)]
+    fn fifth(qh: &[u8], q: &mut [i16]) {
         let bits = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
         for (j, q) in q[..32].iter_mut().enumerate() {
             *q |= (((bits >> j) & 1) << 4) as i16;
         }
-    };
+    }
     match format {
         BlockFormat::Q8_0 => {
             f[0] = half(0);
