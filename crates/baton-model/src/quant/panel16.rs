@@ -7,8 +7,9 @@
 //! activation pair multiplies a whole register of weight rows. Every *group* of [`group`]
 //! values (a block, or a K format's sub-block) has one float factor per weight row (`d`, times
 //! the sub-block's integer scale) and, for formats with minimums, one coefficient of the
-//! group's float activation sum. The kernels sum a group in int32 — at most 32 products of a
-//! 6-bit magnitude and an int16, far from overflow — then scale it once in float32.
+//! group's float activation sum. The kernels sum a group in int32 — a lane adds at most 32
+//! products of an integer of at most 8 bits (Q8_0's ±128; the others' are smaller) and an
+//! int16, under 2²⁸ — then scale it once in float32.
 //!
 //! Against the float32 panels of [`super::avx512`] this does half the instructions per
 //! product (an int16 pair per lane); against float32 the activations are rounded to 1/65534 of
