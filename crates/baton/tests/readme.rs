@@ -280,8 +280,18 @@ fn every_flag_and_script_the_readme_names_exists() {
         assert!(out.status.success(), "baton {c} --help");
         help.push_str(&String::from_utf8_lossy(&out.stdout));
     }
-    // Cargo's own flags, in the build and install commands.
-    let cargo = ["--all-features", "--features", "--locked", "--path", "--release", "--workspace", "--no-fail-fast"];
+    // Cargo's own flags, in the build, install and test commands, and the test harness's.
+    let cargo = [
+        "--all-features",
+        "--features",
+        "--locked",
+        "--path",
+        "--release",
+        "--workspace",
+        "--no-fail-fast",
+        "--ignored",
+        "--nocapture",
+    ];
     let text = readme();
     let mut missing = Vec::new();
     for (i, _) in text.match_indices("--") {
