@@ -221,10 +221,18 @@ fn pack_rows<const NR: usize>(w: &QuantMatrix, first: usize, rows: usize, out: P
             let s = i * bl / g..(i + 1) * bl / g;
             decode_ints(format, b, &mut bq[i * bl..(i + 1) * bl], &mut bf[s.clone()], &mut bm[s]);
         }
-        // Value pairs into the row's column of pairs.
+        // Value pairs into the row's column of pairs, one 32-bit store each (the pair's first
+        // value at the lower address, as the kernels' little-endian lanes read it).
+        assert!(2 * c + 1 < 2 * NR && (k / 2 - 1) * 2 * NR + 2 * c + 1 < q.len());
+        let column = q[2 * c..].as_mut_ptr();
         for (t2, pair) in bq.chunks_exact(2).enumerate() {
-            q[t2 * 2 * NR + 2 * c] = pair[0];
-            q[t2 * 2 * NR + 2 * c + 1] = pair[1];
+            let v = u32::from(pair[0] as u16) | (u32::from(pair[1] as u16) << 16);
+            #[allow(unsafe_code)]
+            // SAFETY: values `t2·2·NR + 2c` and `+ 1` of `q`, `t2 < k / 2`: the assert above
+            // bounds the last of them.
+            unsafe {
+                column.add(t2 * 2 * NR).cast::<u32>().write_unaligned(v)
+            };
         }
         for s in 0..groups {
             f[s * NR + c] = bf[s];
