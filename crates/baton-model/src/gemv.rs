@@ -204,26 +204,64 @@ macro_rules! simd_band {
                 rows: usize,
                 d: usize,
             ) {
-                let dv = d - d % $lanes;
-                for q in 0..g {
-                    let o = &mut out[q * d..(q + 1) * d];
-                    let mut c = 0;
-                    while c < dv {
-                        // SAFETY: `c + lanes <= dv <= d`; the caller checked `v` holds `rows`
-                        // rows of `d` floats `ldv` apart and `p` holds `rows · g` weights.
-                        unsafe {
-                            let mut acc = $load(o.as_ptr().add(c));
-                            for t in 0..rows {
-                                let weight = $set1(*p.get_unchecked(t * g + q));
-                                acc = $fma(weight, $load(v.as_ptr().add(t * ldv + c)), acc);
-                            }
-                            $store(o.as_mut_ptr().add(c), acc);
-                        }
-                        c += $lanes;
+                // Up to four query heads at a time: each value row is loaded once for all of
+                // them (it was once per head).
+                let mut q0 = 0;
+                while q0 < g {
+                    match g - q0 {
+                        1 => pv_tile::<1>(out, g, q0, p, v, ldv, rows, d),
+                        2 => pv_tile::<2>(out, g, q0, p, v, ldv, rows, d),
+                        3 => pv_tile::<3>(out, g, q0, p, v, ldv, rows, d),
+                        _ => pv_tile::<4>(out, g, q0, p, v, ldv, rows, d),
                     }
+                    q0 += 4;
+                }
+            }
+
+            /// Query heads `q0..q0 + Q` of [`pv`], in `Q` accumulators a chunk of `d`; each
+            /// output sums its rows in order, as the portable loop does.
+            #[allow(clippy::too_many_arguments)]
+            #[target_feature(enable = $feat)]
+            #[inline]
+            fn pv_tile<const Q: usize>(
+                out: &mut [f32],
+                g: usize,
+                q0: usize,
+                p: &[f32],
+                v: &[f32],
+                ldv: usize,
+                rows: usize,
+                d: usize,
+            ) {
+                assert!((q0 + Q) * d <= out.len() && q0 + Q <= g && rows * g <= p.len());
+                assert!(rows == 0 || (rows - 1) * ldv + d <= v.len());
+                let dv = d - d % $lanes;
+                let mut c = 0;
+                while c < dv {
+                    // SAFETY: `c + lanes <= dv <= d`; the asserts above bound `out` to heads
+                    // `..q0 + Q` of `d` floats, `p` to `rows · g` weights and `v` to `rows`
+                    // rows of `d` floats `ldv` apart.
+                    unsafe {
+                        let mut acc: [$vec; Q] = [$zero(); Q];
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            *a = $load(out.as_ptr().add((q0 + i) * d + c));
+                        }
+                        for t in 0..rows {
+                            let vt = $load(v.as_ptr().add(t * ldv + c));
+                            for (i, a) in acc.iter_mut().enumerate() {
+                                *a = $fma($set1(*p.get_unchecked(t * g + q0 + i)), vt, *a);
+                            }
+                        }
+                        for (i, a) in acc.iter().enumerate() {
+                            $store(out.as_mut_ptr().add((q0 + i) * d + c), *a);
+                        }
+                    }
+                    c += $lanes;
+                }
+                for q in q0..q0 + Q {
                     for t in 0..rows {
                         for c in dv..d {
-                            o[c] += p[t * g + q] * v[t * ldv + c];
+                            out[q * d + c] += p[t * g + q] * v[t * ldv + c];
                         }
                     }
                 }
@@ -360,7 +398,13 @@ mod tests {
 
     #[test]
     fn strided_rows_and_weighted_sums_agree_with_naive_loops() {
-        let (m, rows, k, ldw) = (4, 13, 40, 71);
+        for m in [1, 2, 3, 4, 5, 8, 9] {
+            strided_rows_and_weighted_sums_agree_for(m);
+        }
+    }
+
+    fn strided_rows_and_weighted_sums_agree_for(m: usize) {
+        let (rows, k, ldw) = (13, 40, 71);
         let x: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
         let w: Vec<f32> = (0..rows * ldw).map(|i| ((i * 5) % 13) as f32 * 0.1 - 0.6).collect();
         let p: Vec<f32> = (0..rows * m).map(|i| (i % 5) as f32 * 0.25).collect();
