@@ -1198,6 +1198,14 @@ mod speed {
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
 
+    /// A `rows × cols` matrix of fixed values quantized to `dtype` by candle.
+    fn quantized(dtype: GgmlDType, rows: usize, cols: usize) -> QuantMatrix {
+        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
+        let q = QTensor::quantize(&t, dtype).expect("quantizes");
+        QuantMatrix::new(dtype, &q.data().expect("bytes"), rows, cols).expect("decodable")
+    }
+
     /// Single-threaded throughput of the decode path for each format at Gemma 3 270M's shapes
     /// (`cargo test --release -p baton-model speed -- --ignored --nocapture`).
     #[test]
@@ -1210,10 +1218,7 @@ mod speed {
             (GgmlDType::Q4K, 640, 1024),
             (GgmlDType::Q6K, 640, 2048),
         ] {
-            let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
-            let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
-            let q = QTensor::quantize(&t, dtype).expect("quantizes");
-            let w = QuantMatrix::new(dtype, &q.data().expect("bytes"), rows, cols).expect("decodable");
+            let w = quantized(dtype, rows, cols);
             for m in [1, 4] {
                 let x: Vec<f32> = (0..m * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
                 let mut out = vec![0f32; rows * m];
@@ -1250,10 +1255,7 @@ mod speed {
             (GgmlDType::Q6K, 640, 2048),
             (GgmlDType::Q4_1, 1536, 576),
         ] {
-            let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
-            let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
-            let q = QTensor::quantize(&t, dtype).expect("quantizes");
-            let w = QuantMatrix::new(dtype, &q.data().expect("bytes"), rows, cols).expect("decodable");
+            let w = quantized(dtype, rows, cols);
             let m = 512;
             let x: Vec<f32> = (0..m * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
             type Run = Box<dyn Fn() -> Vec<f32> + Send + Sync>;
