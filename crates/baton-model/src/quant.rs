@@ -7,10 +7,10 @@
 //! stay float32, or are rounded to int16 with a scale per block of 32 or 256 ([`q16`]), 250
 //! times finer than 8 bits: the held-out reference checks pass either way.
 //!
-//! Few rows (decode), in parallel over weight rows: each block is decoded into registers and
-//! multiplied into every activation row right there, in int16 ([`avx512_q16`], [`avx2_q16`])
-//! or float32 ([`avx512`]); elsewhere each weight row is decoded into a small buffer and dotted
-//! with every activation row.
+//! Few rows (decode), in parallel over weight rows (about eight tasks a thread): each block is
+//! decoded into registers and multiplied into every activation row right there, in int16
+//! ([`avx512_q16`], [`avx2_q16`]) or float32 ([`avx512`]); elsewhere each weight row is
+//! decoded into a small buffer and dotted with every activation row.
 //!
 //! More rows (prefill), where the products are compute-bound: a chunk of weight rows is decoded
 //! once, then multiplied with all activation rows. With the int16 kernels (AVX2, or AVX-512
@@ -271,8 +271,12 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 
 /// Up to this many activation rows take the decode-and-dot path.
 const DOT_ROWS: usize = 8;
-/// Weight rows decoded per task of the dot path.
-const ROWS_PER_TASK: usize = 64;
+/// Tasks per thread of the dot path: enough that a thread that finishes early takes more work,
+/// and that the tasks split evenly between the threads (a product of 9 tasks of 64 rows left
+/// one of two threads idle a ninth of it).
+const TASKS_PER_THREAD: usize = 8;
+/// Fewest weight rows per task of the dot path.
+const MIN_ROWS_PER_TASK: usize = 16;
 thread_local! {
     /// [`QuantMatrix::matmul_panels16`]'s panels, kept between products on each thread (taken
     /// out while in use: a product nested in another's wait on rayon's pool gets its own).
@@ -497,10 +501,11 @@ impl QuantMatrix {
         let kernel = DotKernel::detect().for_format(self.format);
         // Rounded once per product, not per task.
         let q16 = kernel.q16(self, x);
+        let rows = n.div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD).max(MIN_ROWS_PER_TASK);
         // The row buffer is only the fallback kernels' (one per rayon job, not per task).
-        yt.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each_init(
+        yt.par_chunks_mut(rows * m).enumerate().for_each_init(
             || if kernel.decodes_rows() { vec![0f32; k] } else { Vec::new() },
-            |w, (task, out)| kernel.run(self, task * ROWS_PER_TASK, x, q16.as_ref(), m, out, w),
+            |w, (task, out)| kernel.run(self, task * rows, x, q16.as_ref(), m, out, w),
         );
         if m == 1 {
             return yt;
@@ -707,7 +712,11 @@ impl DotKernel {
         {
             let fma_f16c = std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c");
             if fma_f16c && std::is_x86_feature_detected!("avx512f") {
-                if std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vl") {
+                // AVX2 too: the 32-value formats take AVX2's kernels (every AVX-512 CPU has it).
+                if std::is_x86_feature_detected!("avx512bw")
+                    && std::is_x86_feature_detected!("avx512vl")
+                    && std::is_x86_feature_detected!("avx2")
+                {
                     kernels.push(Self::Avx512Q16);
                 }
                 kernels.push(Self::Avx512);
@@ -759,7 +768,7 @@ impl DotKernel {
                 let (format, bytes, row_bytes, cols, x) = (w.format, &w.bytes, w.row_bytes, w.cols, q.view());
                 if self == Self::Avx512Q16 {
                     // SAFETY: `available` lists this kernel only on a CPU with AVX-512F,
-                    // AVX-512BW, AVX-512VL, FMA and F16C.
+                    // AVX-512BW, AVX-512VL, AVX2, FMA and F16C.
                     unsafe { avx512_q16::band(format, bytes, row_bytes, cols, first, x, out) }
                 } else {
                     // SAFETY: `available` lists this kernel only on a CPU with AVX2, FMA and F16C.
@@ -1094,12 +1103,13 @@ mod tests {
 
     proptest::proptest! {
         /// The int16 kernels on random bits: any integer in every field (so every sub-block
-        /// scale, minimum, high bit and sign pattern), random float16 scales, 1 to 9 activation
-        /// rows (past every register-count split) with outliers and all-zero rows.
+        /// scale, minimum, high bit and sign pattern), random float16 scales, 1 to 14 activation
+        /// rows (past every register-count split) with outliers and all-zero rows, 1 to 11
+        /// blocks a row (the 32-value formats' kernels sum eight at a time, the rest alone).
         #[test]
         fn int16_kernels_match_the_portable_decoder_on_random_blocks(
             format in 0..CLAIMED.len(),
-            blocks in 1..5usize,
+            blocks in 1..12usize,
             rows in 1..70usize,
             m in 1..=14usize,
             seed: u64,
@@ -1136,7 +1146,8 @@ mod tests {
         for dtype in CLAIMED {
             let format = BlockFormat::of(dtype).expect("claimed");
             for fill in [0x00, 0xff, 0x80, 0x55] {
-                let mat = raw_matrix(format, 5, 3, || fill, || 1.0);
+                // 11 blocks: a group of eight and three alone in the 32-value formats' kernels.
+                let mat = raw_matrix(format, 5, 11, || fill, || 1.0);
                 for sign in [1.0f32, -1.0] {
                     let x = vec![sign; 4 * mat.cols];
                     if let Err(e) = check_int16_kernels(&mat, &x, 4) {
@@ -1207,7 +1218,8 @@ mod speed {
     }
 
     /// Single-threaded throughput of the decode path for each format at Gemma 3 270M's shapes
-    /// (`cargo test --release -p baton-model speed -- --ignored --nocapture`).
+    /// and SmolLM2's
+    /// (`cargo test --release -p baton-model --lib decode_path -- --ignored --nocapture`).
     #[test]
     #[ignore = "a measurement, not a check"]
     fn decode_path_throughput() {
@@ -1217,6 +1229,9 @@ mod speed {
             (GgmlDType::Q5_0, 4096, 640),
             (GgmlDType::Q4K, 640, 1024),
             (GgmlDType::Q6K, 640, 2048),
+            // SmolLM2-135M's MLP, and a Q4_1 matrix larger than the caches.
+            (GgmlDType::Q4_1, 3072, 576),
+            (GgmlDType::Q4_1, 131_072, 576),
         ] {
             let w = quantized(dtype, rows, cols);
             for m in [1, 4] {
@@ -1225,7 +1240,7 @@ mod speed {
                 let mut row = vec![0f32; cols];
                 let q16 = DotKernel::detect().q16(&w, &x);
                 let mut best = f64::MAX;
-                for _ in 0..20 {
+                for _ in 0..100 {
                     let t = std::time::Instant::now();
                     DotKernel::detect().run(&w, 0, &x, q16.as_ref(), m, &mut out, &mut row);
                     best = best.min(t.elapsed().as_secs_f64());
