@@ -291,6 +291,7 @@ fn every_flag_and_script_the_readme_names_exists() {
         "--no-fail-fast",
         "--ignored",
         "--nocapture",
+        "--lib",
     ];
     let text = readme();
     let mut missing = Vec::new();
