@@ -1217,9 +1217,9 @@ mod speed {
         QuantMatrix::new(dtype, &q.data().expect("bytes"), rows, cols).expect("decodable")
     }
 
-    /// Single-threaded throughput of the decode path for each format at Gemma 3 270M's shapes
-    /// and SmolLM2's
-    /// (`cargo test --release -p baton-model --lib decode_path -- --ignored --nocapture`).
+    /// Single-threaded throughput of the decode path for each format at Gemma 3 270M's and
+    /// SmolLM2's shapes, best of 100 (this VM's quiet windows are short): `cargo test --release
+    /// -p baton-model --lib decode_path -- --ignored --nocapture`.
     #[test]
     #[ignore = "a measurement, not a check"]
     fn decode_path_throughput() {

@@ -43,7 +43,8 @@ pub(super) unsafe fn band(
     assert!(bytes.len() >= (first + rows) * row_bytes && out.len() == rows * m);
     let w = &bytes[first * row_bytes..(first + rows) * row_bytes];
     // Two accumulators per activation row hide the FMA latency when `M` is small; with 16
-    // registers, more rows take one each.
+    // registers, more rows take one each. (The 32-value formats' kernels ignore `A`: they sum
+    // eight blocks into one register before scaling.)
     macro_rules! by_rows {
         ($kernel:ident) => {
             match m {
@@ -223,7 +224,7 @@ fn halves(g: &[u8], bytes: usize) -> (__m256, __m256) {
 /// thread on Zen 4 multiplies Q4_1 at 24 Gweights/s (was 19.4) and Q8_0 at 29 (was 21.7),
 /// faster than the AVX-512 kernels those formats had (17 and 19; `cargo test --release -p
 /// baton-model --lib decode_path -- --ignored --nocapture`). The last blocks of a row (fewer
-/// than eight) are scaled one at a time. A block's sum is at most 32 products of 127 · 32767
+/// than eight) are scaled one at a time. A block's sum is at most 32 products of 128 · 32767
 /// < 2³¹; its conversion to float32 rounds only past 2²⁴ (by at most 2⁻²⁴ of it).
 macro_rules! small_blocks {
     ($(#[$doc:meta])* $name:ident, $bytes:literal, $min:literal, $decode:expr) => {

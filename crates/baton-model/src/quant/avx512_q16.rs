@@ -88,7 +88,8 @@ pub(super) unsafe fn band(
     }
 }
 
-/// Whether this module has a kernel for `format` (the others take float32 activations).
+/// Whether [`band`] multiplies `format` (its own kernel, or for the 32-value formats AVX2's); the
+/// others take float32 activations.
 pub(crate) fn supports(format: BlockFormat) -> bool {
     !matches!(format, BlockFormat::Q2K | BlockFormat::Q3K | BlockFormat::Q5K)
 }
