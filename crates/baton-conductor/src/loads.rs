@@ -5,8 +5,10 @@
 //! [`WorkerFigures`] is internal to the conductor (its ledger's entries and the worker's last load
 //! report, gathered under the ledger's lock); no policy sees it. [`WorkerFigures::load`] turns it
 //! into a [`WorkerLoad`]: queued prefills with their predicted compute time, running decodes with
-//! their contexts, device blocks in use, and the ledger's own counts ([`Ledger`]). Load reports,
-//! when a worker has sent one, replace the ledger's guesses of its decode batch, queue and memory.
+//! their contexts, decodes routed to it and not begun (coming), device blocks in use, and the
+//! ledger's own counts ([`Ledger`]). Load reports, when a worker has sent one, replace the
+//! ledger's guesses of its decode batch and memory; the prefill queue and the decodes coming are
+//! the larger of the ledger's and the report's (a report lags the routing).
 
 use baton_kv::InstanceId;
 use baton_protocol::wire::LoadReport;
@@ -29,9 +31,9 @@ pub(crate) struct WorkerFigures {
     /// Each request decoding on it: (when decoding started, µs since the conductor started;
     /// context tokens).
     pub(crate) decoding: Vec<(u64, usize)>,
-    /// KV tokens claimed on it by requests admitted to decode here that have not started
-    /// decoding yet (still in prefill, or handing over).
-    pub(crate) bound_tokens: usize,
+    /// The KV tokens of each request admitted to decode here that has not started decoding yet
+    /// (still in prefill, or handing over): claimed against its room, and coming to it.
+    pub(crate) bound: Vec<usize>,
     /// KV blocks of its pool (0: unknown).
     pub(crate) capacity_blocks: usize,
     /// Tokens a KV block of its pool holds.
@@ -50,7 +52,7 @@ impl WorkerFigures {
             in_flight,
             prefilling: Vec::new(),
             decoding: Vec::new(),
-            bound_tokens: 0,
+            bound: Vec::new(),
             capacity_blocks: 0,
             block_tokens: 16,
             report: None,
@@ -66,6 +68,10 @@ impl WorkerFigures {
         load.prefills = prefill_queue(&self.prefilling, cost, now);
         load.decode_running =
             self.decoding.iter().map(|&(started_at, ctx)| DecodeSeq::new(started_at, ctx as u64)).collect();
+        // Requests routed here to decode count as coming from the moment they are routed (as the
+        // simulator counts them), with their prompts as context; when their KV will be ready is
+        // not known here, so now.
+        load.decode_incoming = self.bound.iter().map(|&tokens| IncomingSeq::new(now, tokens as u64)).collect();
         let decoding_tokens: usize = self.decoding.iter().map(|d| d.1).sum();
         let tokens: usize = self.prefilling.iter().map(|p| p.1).sum::<usize>() + decoding_tokens;
         load.kv_device = TierUsage {
@@ -75,7 +81,7 @@ impl WorkerFigures {
         load.ledger = Ledger {
             in_flight: u32::try_from(self.in_flight).unwrap_or(u32::MAX),
             decoding_tokens: decoding_tokens as u64,
-            bound_tokens: self.bound_tokens as u64,
+            bound_tokens: self.bound.iter().sum::<usize>() as u64,
             capacity_tokens: (self.capacity_blocks * block_tokens) as u64,
         };
         // What the worker measured replaces the ledger's guesses of its decode side and memory
@@ -103,7 +109,15 @@ impl WorkerFigures {
                 .map(|(i, &c)| DecodeSeq::new(starts.get(i).copied().unwrap_or(now), c as u64))
                 .collect();
             load.decode_waiting = u32::try_from(r.waiting).unwrap_or(u32::MAX);
-            load.decode_incoming = (0..r.incoming + r.receiving).map(|_| IncomingSeq::new(now, 0)).collect();
+            // The worker's count of sequences coming to it includes this conductor's that it has
+            // heard of; any beyond the ledger's are another replica's. The ledger's come first:
+            // the report lags the routing (a burst's requests are invisible to it until the
+            // worker's next report, and the lowest-id decode worker took the whole burst).
+            // A request the report already shows decoding while the ledger still has it bound
+            // counts twice until the ledger hears: an over-count, briefly, not an under-count.
+            let reported = r.incoming + r.receiving;
+            let others = reported.saturating_sub(self.bound.len());
+            load.decode_incoming.extend((0..others).map(|_| IncomingSeq::new(now, 0)));
             if let Some(scale) = decode_step_scale(cost, r) {
                 load.decode_step_scale = scale;
             }
@@ -192,6 +206,32 @@ mod tests {
         assert_eq!(queue(&[(now - 2 * full, 4000)]), 0, "overdue: nothing left to wait for");
         // Sent one after the other half a prefill ago: the first is half done, the second waits.
         assert_eq!(queue(&[(now - full / 2, 4000), (now - full / 2, 4000)]), full - full / 2 + full);
+    }
+
+    /// Decodes just routed to a worker count as coming to it at once, with their prompts as
+    /// context, whether or not its last load report has heard of them (a report lags the
+    /// routing: a burst routed before the next report all went to the lowest-id decode worker);
+    /// a report that shows them does not count them twice; a report's count beyond the ledger's
+    /// (another replica's) adds to them.
+    #[test]
+    fn decodes_routed_here_count_before_the_worker_reports_them() {
+        use baton_protocol::wire::LoadReport;
+        let cost = CostProfile::llama2_70b_8xh100();
+        let mut w = WorkerFigures::new(0, Role::Decode, 2);
+        w.bound = vec![1000, 3000];
+        let load = |w: &WorkerFigures| w.clone().load(&cost, 5);
+        let coming = |w: &WorkerFigures| load(w).decode_incoming.len();
+        assert_eq!(coming(&w), 2, "no report yet");
+        let contexts: u64 = load(&w).decode_incoming.iter().map(|s| s.context).sum();
+        assert_eq!((contexts, load(&w).ledger.bound_tokens), (4000, 4000));
+        w.report = Some(LoadReport::default());
+        assert_eq!(coming(&w), 2, "a report from before the routing does not hide them");
+        w.report = Some(LoadReport { incoming: 1, receiving: 1, ..Default::default() });
+        assert_eq!(coming(&w), 2, "a report that shows them: counted once");
+        w.report = Some(LoadReport { incoming: 3, receiving: 1, ..Default::default() });
+        assert_eq!(coming(&w), 4, "two more from another replica");
+        w.bound.clear();
+        assert_eq!(coming(&w), 4, "the ledger's done: the report's");
     }
 
     /// A worker's load report shows prompt tokens it has yet to compute: beyond the prefills

@@ -14,38 +14,45 @@ pub(super) struct Loads {
     pub(super) prefill: HashMap<String, HashMap<u64, (u64, usize)>>,
     /// Worker → request → (decode start, µs; context tokens).
     pub(super) decode: HashMap<String, HashMap<u64, (u64, usize)>>,
-    /// Request → (its decode worker, KV tokens): admitted to a decode worker but not yet
-    /// decoding there (in prefill, or handing over), kept by a [`Binding`]. Counted against the
-    /// worker's room, so a burst cannot be admitted all at once against the same free blocks.
-    bound: HashMap<u64, (String, usize)>,
-    /// Worker → the sum of its `bound` tokens, kept with `bound` (a snapshot reads it per
-    /// worker on every routing decision: no walk over every request in flight).
-    bound_sums: HashMap<String, usize>,
+    /// Request → its decode worker: admitted to a decode worker but not yet decoding there (in
+    /// prefill, or handing over), kept by a [`Binding`].
+    bound: HashMap<u64, String>,
+    /// Worker → request → KV tokens, for the requests in `bound`: counted against the worker's
+    /// room, so a burst cannot be admitted all at once against the same free blocks, and as
+    /// sequences coming to it, so a burst does not pile onto one decode worker before its load
+    /// reports show them. Kept per worker: a snapshot reads it per worker on every routing
+    /// decision (no walk over every request in flight).
+    bound_on: HashMap<String, HashMap<u64, usize>>,
     /// How long requests stay on their decode worker (predictive admission's `t_d`).
     pub(super) decode_time: MovingMean,
 }
 
 impl Loads {
-    /// KV tokens claimed on decode worker `name` by requests admitted to it and not decoding yet.
-    pub(super) fn bound_to(&self, name: &str) -> usize {
-        self.bound_sums.get(name).copied().unwrap_or(0)
+    /// The KV tokens of each request admitted to decode worker `name` and not decoding yet.
+    pub(super) fn bound_to(&self, name: &str) -> Vec<usize> {
+        self.bound_on.get(name).map(|b| b.values().copied().collect()).unwrap_or_default()
+    }
+
+    /// Their sum: the KV tokens claimed on decode worker `name` by requests not decoding yet.
+    pub(super) fn bound_tokens(&self, name: &str) -> usize {
+        self.bound_on.get(name).map_or(0, |b| b.values().sum())
     }
 
     /// Binds `tokens` of request `id` to decode worker `worker`.
     pub(super) fn bind(&mut self, id: u64, worker: &str, tokens: usize) {
         self.unbind(id);
-        *self.bound_sums.entry(worker.to_owned()).or_insert(0) += tokens;
-        self.bound.insert(id, (worker.to_owned(), tokens));
+        self.bound_on.entry(worker.to_owned()).or_default().insert(id, tokens);
+        self.bound.insert(id, worker.to_owned());
     }
 
     /// Ends request `id`'s binding, if it has one.
     pub(super) fn unbind(&mut self, id: u64) {
-        if let Some((worker, tokens)) = self.bound.remove(&id)
-            && let Some(sum) = self.bound_sums.get_mut(&worker)
+        if let Some(worker) = self.bound.remove(&id)
+            && let Some(on) = self.bound_on.get_mut(&worker)
         {
-            *sum -= tokens;
-            if *sum == 0 {
-                self.bound_sums.remove(&worker);
+            on.remove(&id);
+            if on.is_empty() {
+                self.bound_on.remove(&worker);
             }
         }
     }
@@ -178,7 +185,7 @@ impl Conductor {
         let capacity = decode.capacity_blocks() * decode.block_tokens();
         let mut loads = self.loads();
         let decoding: usize = loads.decode.get(decode.name()).map_or(0, |r| r.values().map(|&(_, t)| t).sum());
-        if !crate::routing::room_for(capacity, decoding + loads.bound_to(decode.name()), tokens) {
+        if !crate::routing::room_for(capacity, decoding + loads.bound_tokens(decode.name()), tokens) {
             return Err(ApiError::Overloaded {
                 message: "no decode worker has room for the request's KV now; retry later".into(),
                 retry_after_s: 1,

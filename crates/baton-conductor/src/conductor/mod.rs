@@ -410,7 +410,7 @@ impl Conductor {
                     in_flight: w.in_flight(),
                     prefilling: loads.prefill.get(name).map(|t| t.values().copied().collect()).unwrap_or_default(),
                     decoding: loads.decode.get(name).map(|t| t.values().copied().collect()).unwrap_or_default(),
-                    bound_tokens: loads.bound_to(name),
+                    bound: loads.bound_to(name),
                     capacity_blocks: w.capacity_blocks(),
                     block_tokens: w.block_tokens(),
                     report: self.view.report(name),
