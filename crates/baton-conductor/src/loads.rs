@@ -84,8 +84,8 @@ impl WorkerFigures {
             bound_tokens: self.bound.iter().sum::<usize>() as u64,
             capacity_tokens: (self.capacity_blocks * block_tokens) as u64,
         };
-        // What the worker measured replaces the ledger's guesses of its decode side and memory
-        // (the ledger still has the prefills it routed, with estimates).
+        // What the worker measured replaces the ledger's guesses of its decode batch and memory,
+        // and adds to its queue and the decodes coming what the ledger does not know of.
         if let Some(r) = &self.report {
             // The ledger's queue is this conductor's estimate of the prefills it sent; the report
             // says what the worker has still to compute, whoever sent it (another conductor
