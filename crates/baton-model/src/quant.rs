@@ -1217,6 +1217,17 @@ mod speed {
         QuantMatrix::new(dtype, &q.data().expect("bytes"), rows, cols).expect("decodable")
     }
 
+    /// The shortest of `n` runs of `f`, in seconds.
+    fn best_secs(n: usize, mut f: impl FnMut()) -> f64 {
+        (0..n)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::MAX, f64::min)
+    }
+
     /// Single-threaded throughput of the decode path for each format at Gemma 3 270M's and
     /// SmolLM2's shapes, best of 100 (this VM's quiet windows are short): `cargo test --release
     /// -p baton-model --lib decode_path -- --ignored --nocapture`.
@@ -1239,12 +1250,7 @@ mod speed {
                 let mut out = vec![0f32; rows * m];
                 let mut row = vec![0f32; cols];
                 let q16 = DotKernel::detect().q16(&w, &x);
-                let mut best = f64::MAX;
-                for _ in 0..100 {
-                    let t = std::time::Instant::now();
-                    DotKernel::detect().run(&w, 0, &x, q16.as_ref(), m, &mut out, &mut row);
-                    best = best.min(t.elapsed().as_secs_f64());
-                }
+                let best = best_secs(100, || DotKernel::detect().run(&w, 0, &x, q16.as_ref(), m, &mut out, &mut row));
                 let weights = (rows * cols) as f64;
                 println!(
                     "{dtype:?} {rows}x{cols} m={m}: {:.3} ms, {:.2} Gweights/s, {:.1} GB/s",
@@ -1286,8 +1292,9 @@ mod speed {
                     runs.push(("float32 panels".into(), Box::new(move || w.matmul_panels(&x, m))));
                 }
             }
+            // Where prefill takes them (`panel16()`): a CPU with what `panel_gemm` requires.
             #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx512vnni") {
+            if DotKernel::available().iter().any(|k| k.panel16() == Some(panel16::PanelIsa::Avx512Vnni)) {
                 // The kernel alone: the panels packed and the activations rounded beforehand.
                 use avx512_q16::PANEL16 as NR;
                 let (g, mins) = (panel16::group(w.format), panel16::has_mins(w.format));
@@ -1304,9 +1311,7 @@ mod speed {
                 }
                 let xq = Q16Rows::new(&x, cols, q16::q16_block(w.format));
                 let mut y = vec![0f32; m * rows];
-                let mut best = f64::MAX;
-                for _ in 0..5 {
-                    let t = std::time::Instant::now();
+                let best = best_secs(5, || {
                     for r0 in (0..m).step_by(GEMM_ROW_BLOCK) {
                         let xv = xq.rows(r0, GEMM_ROW_BLOCK.min(m - r0));
                         for p in 0..panels {
@@ -1319,8 +1324,8 @@ mod speed {
                                 group: g,
                             };
                             #[allow(unsafe_code)]
-                            // SAFETY: the CPU has AVX-512 VNNI (checked above), and the rest
-                            // `available` requires of the AVX-512 int16 kernel.
+                            // SAFETY: the CPU has what prefill's VNNI panels need (checked
+                            // above): AVX-512F, BW, VL, VNNI and FMA.
                             unsafe {
                                 avx512_q16::panel_gemm(
                                     panel,
@@ -1332,8 +1337,7 @@ mod speed {
                             };
                         }
                     }
-                    best = best.min(t.elapsed().as_secs_f64());
-                }
+                });
                 let macs = (m * rows * cols) as f64;
                 println!(
                     "{dtype:?} {rows}x{cols} m={m} Avx512Vnni kernel alone: {:.2} ms, {:.1} GMAC/s",
@@ -1343,13 +1347,9 @@ mod speed {
             }
             for (name, run) in runs {
                 let best = pool.install(|| {
-                    (0..5)
-                        .map(|_| {
-                            let t = std::time::Instant::now();
-                            std::hint::black_box(run());
-                            t.elapsed().as_secs_f64()
-                        })
-                        .fold(f64::MAX, f64::min)
+                    best_secs(5, || {
+                        std::hint::black_box(run());
+                    })
                 });
                 let macs = (m * rows * cols) as f64;
                 println!("{dtype:?} {rows}x{cols} m={m} {name}: {:.2} ms, {:.1} GMAC/s", best * 1e3, macs / best / 1e9);
