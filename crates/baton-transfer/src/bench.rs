@@ -64,10 +64,11 @@ impl BenchDevice for StandInBenchDevice {
 
     fn arena(&self, descriptor: &TensorDescriptor, fill: &[u8]) -> Result<Arc<dyn DeviceArena>> {
         let region = Region::create(descriptor.clone()).map_err(TransferError::io("creating a stand-in arena"))?;
+        let chunk = fill_chunk(fill);
         let mut at = 0;
-        while at < region.len() && !fill.is_empty() {
-            let n = fill.len().min(region.len() - at);
-            region.write(at, &fill[..n])?;
+        while at < region.len() && !chunk.is_empty() {
+            let n = chunk.len().min(region.len() - at);
+            region.write(at, &chunk[..n])?;
             at += n;
         }
         Ok(Arc::new(crate::StandInArena::new(Arc::new(region), 0)?))
@@ -80,6 +81,16 @@ impl BenchDevice for StandInBenchDevice {
 
 /// Makes the device with an ordinal (in the prefill-side process too).
 pub type DeviceFactory<'a> = &'a dyn Fn(usize) -> Result<Arc<dyn BenchDevice>>;
+
+/// `fill` repeated to 16 MiB or more, a whole number of times: a [`BenchDevice::arena`] fills
+/// with it in a few large copies (byte `i` of the arena is `fill[i % fill.len()]` still), not
+/// one copy per repeat, which for a fill of one byte is a copy per byte of a GiB arena.
+pub fn fill_chunk(fill: &[u8]) -> Vec<u8> {
+    if fill.is_empty() {
+        return Vec::new();
+    }
+    fill.repeat((16usize << 20).div_ceil(fill.len()))
+}
 
 /// The pattern both processes fill KV with: the decode side spot-checks it.
 fn pattern() -> Vec<u8> {
@@ -610,9 +621,11 @@ fn device_variants(
             let mut client = KvClient::connect(prefill.addr, cc, Arc::clone(&host))?;
             let pulls = Pulls { k, remote: &remote, local: &local, naive, reps: config.reps };
             let (seconds, last) = pulls.time(&mut client, &mut next_id[k])?;
-            // The first and last bytes of the request arrived where they belong.
+            // Bytes from the start, the end and 62 points between arrived where they belong.
             let block_bytes = g.block_size * g.bytes_per_token();
-            for (src, dst) in [(0, 64 * block_bytes), (n * block_bytes - 64, (64 + n) * block_bytes - 64)] {
+            let span = n * block_bytes - 64;
+            for src in (0..64).map(|i| (span / 63 * i) & !15).chain([span]) {
+                let dst = 64 * block_bytes + src;
                 let mut got = [0u8; 64];
                 arena.read_back(dst, &mut got)?;
                 let expected: Vec<u8> = (src..src + 64).map(|i| want[i % want.len()]).collect();
@@ -683,4 +696,43 @@ pub fn format_table(report: &TransferBenchReport) -> String {
          per-slab transfer (one device-to-device copy a slab, each waited for).\n",
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fill_chunk_is_whole_repeats_of_the_fill() {
+        assert!(fill_chunk(&[]).is_empty());
+        let one = fill_chunk(&[7]);
+        assert!(one.len() >= 16 << 20 && one.iter().all(|&b| b == 7));
+        let pattern = [1u8, 2, 3];
+        let chunk = fill_chunk(&pattern);
+        assert_eq!(chunk.len() % pattern.len(), 0);
+        assert!(chunk.iter().enumerate().all(|(i, &b)| b == pattern[i % pattern.len()]));
+    }
+
+    // An arena several chunks long, filled with one byte (as the benchmark's destination is)
+    // and with a pattern whose length does not divide a chunk's: each byte continues the fill.
+    #[test]
+    fn a_stand_in_arena_holds_its_fill_repeated() {
+        let g = KvGeometry {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            block_size: 16,
+            ..TransferBenchConfig::default().geometry()
+        };
+        let desc = TensorDescriptor::new(&g, KvLayout::BlockMajor, (40 << 20) / (g.block_size * g.bytes_per_token()));
+        let len = desc.num_bytes();
+        for fill in [vec![9u8], (0..1000u32).map(|i| (i * 7) as u8).collect()] {
+            let arena = StandInBenchDevice.arena(&desc, &fill).expect("a stand-in arena");
+            for at in [0, (16 << 20) - 3, len - 64] {
+                let mut got = [0u8; 64];
+                arena.read_back(at, &mut got).expect("read back");
+                assert!(got.iter().enumerate().all(|(i, &b)| b == fill[(at + i) % fill.len()]), "at {at}");
+            }
+        }
+    }
 }

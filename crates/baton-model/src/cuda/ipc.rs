@@ -147,11 +147,12 @@ impl baton_transfer::bench::BenchDevice for CudaBenchDevice {
         let to_transfer = |e: ModelError| TransferError::Device(e.to_string());
         let len = descriptor.base + descriptor.num_bytes();
         let buf = DevBuf::new(&self.ctx, len).map_err(to_transfer)?;
+        let chunk = baton_transfer::bench::fill_chunk(fill);
         let mut at = 0;
-        while at < len && !fill.is_empty() {
-            let n = fill.len().min(len - at);
+        while at < len && !chunk.is_empty() {
+            let n = chunk.len().min(len - at);
             // SAFETY: `n` bytes inside the allocation; a synchronous copy.
-            unsafe { cudarc::driver::result::memcpy_htod_sync(buf.at(at), &fill[..n]) }
+            unsafe { cudarc::driver::result::memcpy_htod_sync(buf.at(at), &chunk[..n]) }
                 .map_err(device_error("filling a device arena"))?;
             at += n;
         }
