@@ -560,14 +560,16 @@ fn dead_decode_peer_mid_transfer_leaves_no_blocks_held() {
         client.open(TransferId(req), &prefill.blocks(req), &local).expect("open");
         // The decode side vanishes without COMPLETE.
     }
+    // The connection's end drops its leases, then gives their blocks back to the pool: a
+    // look in between sees no lease and the blocks not yet free, so wait for both.
+    let want = free_before + REQUESTS.iter().map(|r| r.1).sum::<usize>();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let (free, leases) = prefill.free();
-        if leases == 0 {
-            assert_eq!(free, free_before + REQUESTS.iter().map(|r| r.1).sum::<usize>());
+        if leases == 0 && free == want {
             break;
         }
-        assert!(Instant::now() < deadline, "leases still held: {leases}");
+        assert!(Instant::now() < deadline, "leases still held: {leases}, free blocks {free} of {want}");
         std::thread::sleep(Duration::from_millis(100));
     }
 }
