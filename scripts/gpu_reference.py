@@ -9,6 +9,10 @@ Every subcommand prints exactly one JSON object on stdout; progress and notes go
     hf-decode --shape 1b|8b [--batch 32 --context 512 --new-tokens 64 --device cuda]
                                     transformers' greedy decode speed on a random-weight Llama of
                                     Llama-3.2-1B / Llama-3.1-8B shape in bf16
+    checkpoint --shape 1b|8b --out DIR --tokenizer-from DIR [--device cuda]
+                                    writes a random-weight Llama of that shape (bf16 safetensors)
+                                    with another checkpoint's tokenizer and vocabulary, for
+                                    `baton serve` on real sizes where no weights can travel
 
 Decode speed is batch * (N - 1) / (t_N - t_1): a run with N new tokens less a run with one (the
 prefill alone), so prefill and generate() overhead cancel. transformers auto-compiles decoding
@@ -147,6 +151,39 @@ def cmd_hf_decode(args):
           "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None})
 
 
+def cmd_checkpoint(args):
+    import os
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with open(os.path.join(args.tokenizer_from, "config.json")) as f:
+        base = json.load(f)
+    shape = dict(LLAMA_SHAPES[args.shape])
+    config = LlamaConfig(
+        vocab_size=base["vocab_size"], max_position_embeddings=args.max_position, rms_norm_eps=1e-5,
+        hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"),
+        pad_token_id=base.get("pad_token_id"), **shape,
+    )
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.device(args.device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(args.out)
+    for name in os.listdir(args.tokenizer_from):
+        if name.startswith("tokenizer") or name in ("chat_template.jinja", "generation_config.json"):
+            shutil.copy(os.path.join(args.tokenizer_from, name), args.out)
+    params = sum(p.numel() for p in model.parameters())
+    log(f"wrote a random {args.shape} Llama ({params / 1e9:.2f} B params) to {args.out} in {time.perf_counter() - t0:.1f} s")
+    emit({"shape": args.shape, "out": args.out, "params": params, "vocab_size": base["vocab_size"]})
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -168,6 +205,14 @@ def main():
                    help="auto: let generate() torch.compile the static-cache decode (default off)")
     s.add_argument("--layers", type=int, default=0, help=argparse.SUPPRESS)  # shrink for smoke tests
     s.set_defaults(fn=cmd_hf_decode)
+
+    s = sub.add_parser("checkpoint", help="a random-weight Llama checkpoint of a real shape")
+    s.add_argument("--shape", choices=sorted(LLAMA_SHAPES), required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--tokenizer-from", required=True, help="a checkpoint directory whose tokenizer to use")
+    s.add_argument("--max-position", type=int, default=16384)
+    s.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    s.set_defaults(fn=cmd_checkpoint)
 
     args = p.parse_args()
     if args.cmd == "hf-decode" and args.new_tokens < 2:

@@ -3,12 +3,15 @@
 push, layer-wise), then a conductor with a prefill and a decode `baton worker --device cuda`:
 each layout's completions against `baton generate --device cuda`, a chat answer, and a
 64-stream storm on a 64-block pool that must end with 0 failures after the first token, 0
-hangs and every KV block back. Part of scripts/gpu-check.sh; runs alone too:
+hangs and every KV block back; and the host tier under a full device arena (same answers when a
+prefix comes back from host memory). Part of scripts/gpu-check.sh; runs alone too:
 
     python3 scripts/gpu_serve_check.py BATON_BIN OUT_DIR
 """
 import json, os, socket, subprocess, sys, time, urllib.request
 bin_, out = sys.argv[1], sys.argv[2]
+# BATON_CHECK_DEVICE=cpu runs the same checks on the CPU (a dry run of this script without a GPU).
+device = os.environ.get("BATON_CHECK_DEVICE", "cuda")
 model = "fixtures/models/tiny-llama"
 prompts = ["Disaggregated inference separates prefill and decode.", "Mooncake", "A"]
 def free_port():
@@ -16,24 +19,28 @@ def free_port():
 def post(port, path, body):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), {"content-type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=60))
+def serve(args, log):
+    """Starts `baton serve --device DEVICE --model MODEL ARGS` on a free port, waits for /health."""
+    port = free_port()
+    proc = subprocess.Popen([bin_, "serve", "--device", device, "--model", model, "--port", str(port), *args],
+                            stdout=open(os.path.join(out, log), "a"), stderr=subprocess.STDOUT)
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1); break
+        except Exception:
+            time.sleep(0.1)
+    return proc, port
 expected = {}
 for p in prompts:
-    r = subprocess.run([bin_, "generate", "--device", "cuda", "--model", model, "--prompt", p, "--max-tokens", "16", "--json"],
+    r = subprocess.run([bin_, "generate", "--device", device, "--model", model, "--prompt", p, "--max-tokens", "16", "--json"],
                        capture_output=True, text=True, timeout=120)
     expected[p] = json.loads(r.stdout)["text"]
 ok = True
 for layout in (["--colocated", "1"], ["--prefill", "1", "--decode", "1", "--kv-transfer", "pull"],
                ["--prefill", "1", "--decode", "1", "--kv-transfer", "push"],
                ["--prefill", "1", "--decode", "1", "--kv-transfer", "layerwise"]):
-    port = free_port()
-    proc = subprocess.Popen([bin_, "serve", "--device", "cuda", "--model", model, "--port", str(port), "--num-blocks", "64", *layout],
-                            stdout=open(os.path.join(out, "serve.log"), "a"), stderr=subprocess.STDOUT)
+    proc, port = serve(["--num-blocks", "64", *layout], "serve.log")
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1); break
-            except Exception:
-                time.sleep(0.1)
         same = 0
         for p in prompts:
             r = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0})
@@ -61,6 +68,33 @@ for layout in (["--colocated", "1"], ["--prefill", "1", "--decode", "1", "--kv-t
             print(storm.stdout[-2000:], storm.stderr[-2000:])
     finally:
         proc.terminate(); proc.wait(timeout=30)
+# The host tier under a full device arena: 32 device blocks, 512 host blocks, six prompts of
+# ~15 blocks each, twice. The second round finds each prompt's prefix evicted to host memory and
+# copied back beside the step; its answers must equal the first round's (float32, so that a
+# prefix served from the cache and one computed afresh cannot round apart).
+words = ["Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot"]
+tier_prompts = [w + ": " + "the prefill worker computes the prompt and the decode worker continues it, " * 8 for w in words]
+proc, port = serve(["--dtype", "float32", "--num-blocks", "32", "--host-kv-blocks", "512", "--colocated", "1"], "serve-tiers.log")
+try:
+    def metric_sum(text, name, label=""):
+        return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name + "{") and label in l)
+    rounds, prompt_tokens = [], 0
+    for _ in range(2):
+        answers = []
+        for p in tier_prompts:
+            r = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 8, "temperature": 0})
+            answers.append(r["choices"][0]["text"]); prompt_tokens = r["usage"]["prompt_tokens"]
+        m = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        rounds.append((answers, metric_sum(m, "baton_prefix_cache_hits_tokens_total"), metric_sum(m, "baton_kv_index_blocks", 'tier="host"')))
+    same = sum(a == b for a, b in zip(rounds[0][0], rounds[1][0]))
+    hits = rounds[1][1] - rounds[0][1]
+    print(f"  host tier under a 32-block device arena: {len(tier_prompts)} prompts of {prompt_tokens} tokens, twice: "
+          f"{same}/{len(tier_prompts)} second-round answers equal the first; prompt tokens served from the cache in "
+          f"the second round {hits:.0f} of {len(tier_prompts) * prompt_tokens}; blocks in the host tier after the first "
+          f"round {rounds[0][2]:.0f}")
+    ok &= same == len(tier_prompts) and hits > 0 and rounds[0][2] > 0
+finally:
+    proc.terminate(); proc.wait(timeout=30)
 # The same as separate processes: a conductor, and a prefill and a decode `baton worker --device cuda`,
 # whose KV moves device to device (CUDA IPC: the workers find at CONNECT that both arenas are on
 # this host's GPU); two more conductors over the same workers hand off by push and layer-wise push.
@@ -72,7 +106,7 @@ ports = {"pull": port}
 try:
     for role in ("prefill", "decode"):
         procs.append(subprocess.Popen([bin_, "worker", "--role", role, "--registry", f"http://127.0.0.1:{port}", "--model", model,
-                                       "--device", "cuda", "--num-blocks", "64", "--port", str(free_port()), "--kv-port", str(free_port())],
+                                       "--device", device, "--num-blocks", "64", "--port", str(free_port()), "--kv-port", str(free_port())],
                                       env=env, stdout=log, stderr=subprocess.STDOUT))
     for mode in ("push", "layerwise"):
         ports[mode] = free_port()

@@ -27,9 +27,16 @@
 #   OUT          output directory (default: .bench/kv-handoff)
 #   PORT         server port (default: 8170)
 #   BATON_BIN    a baton binary to use instead of building one (release)
-#   EMULATE      cost profile (default h100)
+#   EMULATE      cost profile (default h100); empty: run the model itself (on a GPU, with
+#                SERVE_ARGS="--device cuda": scripts/gpu-check.sh does, on a random-weight
+#                Llama-1B-shaped checkpoint, with the KV moving device to device)
 #   MODEL        the model (tokenizer and context; default Gemma 3 270M's GGUF)
-#   GBPS         the link's speed (default 100)
+#   GBPS         the emulated link's speed (default 100; empty: no emulated link)
+#   NUM_BLOCKS   KV blocks of each worker (default 65536)
+#   SERVE_ARGS   more `baton serve` (or worker) flags, e.g. "--device cuda"
+#   CLUSTER      1: a `baton conductor` and two `baton worker` processes instead of one `baton
+#                serve` (on one GPU their KV then moves device to device, CUDA IPC; `baton
+#                serve` is one process and hands KV over through host shared memory)
 #   INPUT        prompt tokens (default 8192); OUTPUT output tokens (default 16)
 #   REQUESTS     requests per mode, sent one after another (default 20)
 #   MODES        which (default "pull push layerwise nolink")
@@ -39,9 +46,11 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$repo_root/.bench/kv-handoff}"
 port="${PORT:-8170}"
 url="http://127.0.0.1:$port"
-emulate="${EMULATE:-h100}"
+emulate="${EMULATE-h100}"
 model="${MODEL:-${BATON_MODELS_DIR:-$repo_root/.models}/gemma-3-270m-q4_k_m.gguf}"
-gbps="${GBPS:-100}"
+gbps="${GBPS-100}"
+num_blocks="${NUM_BLOCKS:-65536}"
+read -r -a serve_extra <<<"${SERVE_ARGS:-}"
 input="${INPUT:-8192}"
 output="${OUTPUT:-16}"
 requests="${REQUESTS:-20}"
@@ -50,7 +59,7 @@ modes="${MODES:-pull push layerwise nolink}"
 info() { echo "kv-handoff: $*" >&2; }
 die() { echo "kv-handoff: error: $*" >&2; exit 1; }
 
-[[ -f "$model" ]] || die "$model is missing: run scripts/fetch-model.sh gemma3-270m"
+[[ -e "$model" ]] || die "$model is missing: run scripts/fetch-model.sh gemma3-270m"
 
 # shellcheck source=lib/serve-common.sh
 source "$repo_root/scripts/lib/serve-common.sh"
@@ -59,35 +68,47 @@ find_baton
 mkdir -p "$out"
 # The emulated arena is tiny, so the KV capacity can be a GPU instance's (1M tokens); prompts
 # in chunks of 2,048 tokens (vLLM's default token budget on H100s).
-serve_args=(--model "$model" --emulate "$emulate" --prefill 1 --decode 1 --num-blocks 65536
-  --max-num-seqs 128 --max-batch-tokens 2048 --prefill-chunk 2048)
+engine_args=(--model "$model" --num-blocks "$num_blocks"
+  --max-num-seqs 128 --max-batch-tokens 2048 --prefill-chunk 2048 "${serve_extra[@]}")
+[[ -n "$emulate" ]] && engine_args+=(--emulate "$emulate")
+link=()
+[[ -n "$gbps" ]] && link=(--emulate-link-gbps "$gbps")
 for mode in $modes; do
   case "$mode" in
-    pull) extra=(--kv-transfer pull --emulate-link-gbps "$gbps") ;;
-    push) extra=(--kv-transfer push --emulate-link-gbps "$gbps") ;;
-    layerwise) extra=(--kv-transfer layerwise --emulate-link-gbps "$gbps") ;;
+    pull) extra=(--kv-transfer pull "${link[@]}") ;;
+    push) extra=(--kv-transfer push "${link[@]}") ;;
+    layerwise) extra=(--kv-transfer layerwise "${link[@]}") ;;
     nolink) extra=(--kv-transfer push) ;;
     *) die "unknown mode '$mode' (pull, push, layerwise or nolink)" ;;
   esac
   info "$mode: $requests prompts of $input tokens, $output out, one at a time"
-  start_server "$out/$mode.serve.log" "${serve_args[@]}" "${extra[@]}"
+  if [[ "${CLUSTER:-0}" == 1 ]]; then
+    # extra = (--kv-transfer MODE [link flags]): the mode is the conductor's, the link the workers'.
+    start_cluster "$out/$mode" 1 1 1 --model "$model" "${extra[@]:0:2}" -- "${engine_args[@]}" "${extra[@]:2}"
+  else
+    start_server "$out/$mode.serve.log" --prefill 1 --decode 1 "${engine_args[@]}" "${extra[@]}"
+  fi
   "$baton" bench serve --url "$url" --concurrency 1 --num-requests "$requests" \
     --input-len "$input" --output-len "$output" --ignore-eos --request-timeout-s 120 --seed 0 \
     --no-progress --no-plots --out-dir "$out/$mode" >"$out/$mode.txt"
+  curl -sf "$url/metrics" >"$out/$mode.metrics.txt" || true
   stop_server
 done
 
-python3 - "$out" "$emulate" "$gbps" "$input" $modes <<'EOF'
+python3 - "$out" "$emulate" "${gbps:-0}" "$input" $modes <<'EOF'
 import json, statistics, sys
 
 out, emulate, gbps, input_len, modes = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
 kv_bytes = {"h100": 327_680, "a800": 327_680}.get(emulate)
-link_ms = kv_bytes * input_len / (gbps * 1e9 / 8) * 1e3 if kv_bytes else float("nan")
-print(f"## KV hand-off, emulated {emulate}: {input_len}-token prompts one at a time; link {gbps:g} Gb/s "
-      f"(the prompt's KV over it: {link_ms:.1f} ms)")
+if gbps and kv_bytes:
+    link_ms = kv_bytes * input_len / (gbps * 1e9 / 8) * 1e3
+    print(f"## KV hand-off, emulated {emulate}: {input_len}-token prompts one at a time; link {gbps:g} Gb/s "
+          f"(the prompt's KV over it: {link_ms:.1f} ms)")
+else:
+    print(f"## KV hand-off, {'emulated ' + emulate if emulate else 'the model itself'}: {input_len}-token prompts one at a time; no emulated link")
 print()
-print("| mode | TTFT ms | first gap ms | decode step ms | exposed transfer ms | share of time to 2nd token | target | requests |")
-print("|---|---|---|---|---|---|---|---|")
+print("| mode | prompt tokens | TTFT ms | first gap ms | decode step ms | exposed transfer ms | share of time to 2nd token | target | requests | hand-offs by transport |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for mode in modes:
     report = json.load(open(f"{out}/{mode}/report.json"))
     records = [r for run in report["runs"] for r in run["records"] if r.get("ttft_us") is not None and len(r["itl_us"]) >= 2]
@@ -98,5 +119,16 @@ for mode in modes:
     exposed = max(gap - step, 0.0)
     share = exposed / (ttft + gap)
     target = "< 2%" + (" met" if share < 0.02 else " MISSED") if mode == "layerwise" else ""
-    print(f"| {mode} | {ttft:.1f} | {gap:.1f} | {step:.1f} | {exposed:.1f} | {share:.1%} | {target} | {len(records)} |")
+    # The server's own counts: prompt tokens as its tokenizer made them, hand-offs per transport.
+    try:
+        metrics = open(f"{out}/{mode}.metrics.txt").read().splitlines()
+    except OSError:
+        metrics = []
+    def total(prefix):
+        return sum(float(l.rsplit(" ", 1)[1]) for l in metrics if l.startswith(prefix))
+    ok = total('baton_requests_total{outcome="ok"}')
+    tokens = f"{total('baton_prompt_tokens_total') / ok:.0f}" if ok else "?"
+    moved = {t: total('baton_kv_transfers_total{transport="%s"}' % t) for t in ("device", "shm", "tcp")}
+    via = ", ".join("%s %.0f" % kv for kv in moved.items())
+    print(f"| {mode} | {tokens} | {ttft:.1f} | {gap:.1f} | {step:.1f} | {exposed:.1f} | {share:.1%} | {target} | {len(records)} | {via} |")
 EOF

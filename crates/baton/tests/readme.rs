@@ -280,6 +280,15 @@ fn every_flag_and_script_the_readme_names_exists() {
         assert!(out.status.success(), "baton {c} --help");
         help.push_str(&String::from_utf8_lossy(&out.stdout));
     }
+    // The scripts' own flags, as their usage lines give them.
+    let scripts = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts");
+    for entry in std::fs::read_dir(&scripts).expect("scripts/") {
+        let path = entry.expect("an entry").path();
+        if path.extension().is_some_and(|e| e == "sh") {
+            let text = std::fs::read_to_string(&path).expect("a script");
+            text.lines().filter(|l| l.contains("usage: ")).for_each(|l| help.push_str(l));
+        }
+    }
     // Cargo's own flags, in the build, install and test commands, and the test harness's.
     let cargo = [
         "--all-features",
