@@ -183,11 +183,41 @@ impl KvClient {
 
     /// Pull mode, all of it: TRANSFER, coalesced reads of `remote` blocks into `local` blocks,
     /// COMPLETE.
+    ///
+    /// Over a one-sided transport (device, shared memory) the reads do not wait for
+    /// TRANSFER_OK, nor COMPLETE for the reads' answer: TRANSFER, the reads and COMPLETE go out
+    /// back to back and the two answers are awaited after, one round trip on the control
+    /// connection instead of two (a GiB device to device is a 0.5 ms copy beside ~0.1 ms
+    /// round trips). Safe because the blocks were leased when the prefill side offered them:
+    /// TRANSFER succeeds only while that lease lives (it renews it; an ended lease is gone,
+    /// and TRANSFER of it fails), and COMPLETE only while the renewed one does, so two
+    /// successes mean the blocks were held from the offer until after the reads, and
+    /// anything else discards what was read (the local blocks are this transfer's own).
     pub fn pull(&mut self, id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Result<TransferStats> {
         let start = Instant::now();
-        self.open(id, remote, local)?;
-        let mut stats = self.read(id, remote, local)?;
-        self.complete(id)?;
+        if self.transport.kind() == TransportKind::Tcp {
+            // The reads are frames on the control connection, answered after TRANSFER_OK.
+            self.open(id, remote, local)?;
+            let mut stats = self.read(id, remote, local)?;
+            self.complete(id)?;
+            stats.elapsed = start.elapsed();
+            return Ok(stats);
+        }
+        let frame =
+            Frame::Transfer { id, mode: TransferMode::Pull, remote: ids(remote), local: ids(local), generation: 0 };
+        self.control.send(&frame)?;
+        let read = self.read(id, remote, local);
+        // Once TRANSFER is out, its answer must be taken off the connection whatever happens.
+        let Ok(mut stats) = read else {
+            let opened = self.expect(id, "TRANSFER_OK");
+            return opened.and(read);
+        };
+        let completed = self.control.send(&Frame::Complete { id });
+        let opened = self.expect(id, "TRANSFER_OK");
+        // COMPLETE's answer too, so that the connection stays in step when TRANSFER failed
+        // (the server answers both; a COMPLETE after a refused TRANSFER releases the offer).
+        let acked = completed.and_then(|()| self.expect(id, "COMPLETE_ACK"));
+        opened.and(acked)?;
         stats.elapsed = start.elapsed();
         Ok(stats)
     }

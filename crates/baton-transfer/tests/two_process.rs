@@ -548,6 +548,50 @@ fn expired_lease_releases_blocks_and_refuses_reads() {
     assert_eq!(decode.pool.num_free(), POOL_BLOCKS);
 }
 
+// A one-sided pull sends TRANSFER, reads and sends COMPLETE before it hears TRANSFER_OK: what it
+// read must still be refused when the lease is unknown or has ended, and each refusal must take
+// both answers off the connection, so that the next pull on it works.
+#[test]
+fn a_one_sided_pull_is_refused_without_a_live_lease_and_stays_in_step() {
+    let mut prefill = Prefill::spawn(&spec("block-major", "pull", 1000));
+    let (free_before, _) = prefill.free();
+    let mut decode = Decode::new(KvLayout::BlockMajor);
+    let mut clients = Vec::new();
+    for (transport, (req, n)) in [(TransportKind::Shm, REQUESTS[0]), (TransportKind::Device, REQUESTS[1])] {
+        let mut client = decode.client(prefill.addr, transport);
+        let local = decode.alloc(n);
+        match client.pull(TransferId(999), &prefill.blocks(req), &local) {
+            Err(TransferError::Remote { code: ErrorCode::UnknownTransfer, .. }) => {}
+            other => panic!("{transport:?}: expected an unknown-transfer refusal, got {other:?}"),
+        }
+        client
+            .pull(TransferId(req), &prefill.blocks(req), &local)
+            .expect("a pull within the lease, after a refused one");
+        clients.push((transport, client, req, local));
+    }
+    let done: Vec<(u64, Vec<BlockId>)> = clients.iter().map(|(_, _, r, l)| (*r, l.clone())).collect();
+    for (req, local) in &done {
+        let others: Vec<BlockId> = done.iter().filter(|(r, _)| r != req).flat_map(|(_, b)| b.clone()).collect();
+        check_subset(&decode, *req, local, &others);
+    }
+    std::thread::sleep(Duration::from_millis(1300));
+    let (req, n) = REQUESTS[2];
+    for (transport, client, _, _) in &mut clients {
+        let local = decode.alloc(n);
+        match client.pull(TransferId(req), &prefill.blocks(req), &local) {
+            Err(TransferError::Remote { code: ErrorCode::LeaseExpired, .. }) => {}
+            other => panic!("{transport:?}: expected a lease-expired refusal, got {other:?}"),
+        }
+        decode.pool.free_blocks(&local).expect("free");
+    }
+    let want = free_before + REQUESTS.iter().map(|r| r.1).sum::<usize>();
+    assert_eq!(prefill.free(), (want, 0), "two pulls completed, the third lease ran out");
+    for (_, local) in done {
+        decode.pool.free_blocks(&local).expect("free");
+    }
+    decode.pool.check_invariants().expect("decode accounting");
+}
+
 #[test]
 fn dead_decode_peer_mid_transfer_leaves_no_blocks_held() {
     let mut prefill = Prefill::spawn(&spec("block-major", "pull", 300));
