@@ -3,8 +3,9 @@
 push, layer-wise), then a conductor with a prefill and a decode `baton worker --device cuda`:
 each layout's completions against `baton generate --device cuda`, a chat answer, and a
 64-stream storm on a 64-block pool that must end with 0 failures after the first token, 0
-hangs and every KV block back; and the host tier under a full device arena (same answers when a
-prefix comes back from host memory). Part of scripts/gpu-check.sh; runs alone too:
+hangs and every KV block back; the host tier under a full device arena (same answers when a
+prefix comes back from host memory); and a CPU prefill worker handing KV to a GPU decode worker
+of the same KV type (answers equal `baton generate --device cpu`). Part of scripts/gpu-check.sh; runs alone too:
 
     python3 scripts/gpu_serve_check.py BATON_BIN OUT_DIR
 """
@@ -95,41 +96,61 @@ try:
     ok &= same == len(tier_prompts) and hits > 0 and rounds[0][2] > 0
 finally:
     proc.terminate(); proc.wait(timeout=30)
+def cluster(label, worker_args, modes, want, transport):
+    """A conductor (pull) and a prefill and a decode `baton worker` (`worker_args[role]`), plus a
+    conductor per other mode over the same workers; each mode's completions must equal `want`
+    and its hand-offs all go by `transport`. Returns whether they did."""
+    env = dict(os.environ, BATON_CLUSTER_SECRET="gpu-check")
+    port = free_port()
+    log = open(os.path.join(out, "cluster.log"), "a")
+    procs = [subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)]
+    ports, passed = {"pull": port}, True
+    try:
+        for role in ("prefill", "decode"):
+            procs.append(subprocess.Popen([bin_, "worker", "--role", role, "--registry", f"http://127.0.0.1:{port}", "--model", model,
+                                           "--num-blocks", "64", "--port", str(free_port()), "--kv-port", str(free_port()),
+                                           *worker_args[role]], env=env, stdout=log, stderr=subprocess.STDOUT))
+        for mode in modes[1:]:
+            ports[mode] = free_port()
+            procs.append(subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(ports[mode]), "--registry",
+                                           f"http://127.0.0.1:{port}", "--kv-transfer", mode], env=env, stdout=log, stderr=subprocess.STDOUT))
+        for mode, p_ in ports.items():
+            answer, deadline = None, time.time() + 90
+            while answer is None and time.time() < deadline:
+                try:
+                    answer = post(p_, "/v1/completions", {"model": "tiny-llama", "prompt": prompts[0], "max_tokens": 16, "temperature": 0})
+                except Exception:
+                    time.sleep(0.5)
+            same = sum(post(p_, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0})["choices"][0]["text"] == want[p]
+                       for p in prompts) if answer else 0
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{p_}/metrics", timeout=5).read().decode() if answer else ""
+            moved = {t: sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith(f'baton_kv_transfers_total{{transport="{t}"}}'))
+                     for t in ("device", "shm", "tcp")}
+            print(f"  baton conductor ({mode}) + {label}: {same}/{len(prompts)} completions equal the reference; "
+                  f"hand-offs by transport: {moved} ({transport} expected)")
+            passed &= same == len(prompts) and moved[transport] > 0 and sum(moved.values()) == moved[transport]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+    return passed
+
+
 # The same as separate processes: a conductor, and a prefill and a decode `baton worker --device cuda`,
 # whose KV moves device to device (CUDA IPC: the workers find at CONNECT that both arenas are on
 # this host's GPU); two more conductors over the same workers hand off by push and layer-wise push.
-env = dict(os.environ, BATON_CLUSTER_SECRET="gpu-check")
-port = free_port()
-log = open(os.path.join(out, "cluster.log"), "a")
-procs = [subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)]
-ports = {"pull": port}
-try:
-    for role in ("prefill", "decode"):
-        procs.append(subprocess.Popen([bin_, "worker", "--role", role, "--registry", f"http://127.0.0.1:{port}", "--model", model,
-                                       "--device", device, "--num-blocks", "64", "--port", str(free_port()), "--kv-port", str(free_port())],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
-    for mode in ("push", "layerwise"):
-        ports[mode] = free_port()
-        procs.append(subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(ports[mode]), "--registry",
-                                       f"http://127.0.0.1:{port}", "--kv-transfer", mode], env=env, stdout=log, stderr=subprocess.STDOUT))
-    for mode, p_ in ports.items():
-        answer, deadline = None, time.time() + 90
-        while answer is None and time.time() < deadline:
-            try:
-                answer = post(p_, "/v1/completions", {"model": "tiny-llama", "prompt": prompts[0], "max_tokens": 16, "temperature": 0})
-            except Exception:
-                time.sleep(0.5)
-        same = sum(post(p_, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0})["choices"][0]["text"] == expected[p]
-                   for p in prompts) if answer else 0
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{p_}/metrics", timeout=5).read().decode() if answer else ""
-        moved = {t: sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith(f'baton_kv_transfers_total{{transport="{t}"}}'))
-                 for t in ("device", "shm", "tcp")}
-        print(f"  baton conductor ({mode}) + baton worker --device cuda (prefill, decode): {same}/{len(prompts)} completions equal "
-              f"`baton generate --device cuda`; hand-offs by transport: {moved} (device to device expected)")
-        ok &= same == len(prompts) and moved["device"] > 0 and moved["shm"] == moved["tcp"] == 0
-finally:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        p.wait(timeout=30)
+gpu = ["--device", device]
+ok &= cluster("baton worker --device cuda (prefill, decode), against `baton generate --device cuda`",
+              {"prefill": gpu, "decode": gpu}, ("pull", "push", "layerwise"), expected, "device")
+# A CPU prefill worker handing KV to a GPU decode worker of the same model and KV type (float32):
+# through host shared memory (the CPU side has no device arena), then uploaded; the answers must
+# be the CPU engine's (float32 on the GPU matches it token for token: the correctness part).
+cpu_expected = {}
+for p in prompts:
+    r = subprocess.run([bin_, "generate", "--device", "cpu", "--model", model, "--prompt", p, "--max-tokens", "16", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    cpu_expected[p] = json.loads(r.stdout)["text"]
+ok &= cluster("baton worker --device cpu (prefill) and --device cuda --dtype float32 (decode), against `baton generate --device cpu`",
+              {"prefill": ["--device", "cpu"], "decode": [*gpu, "--dtype", "float32"]}, ("pull", "push"), cpu_expected, "shm")
 sys.exit(0 if ok else 1)
