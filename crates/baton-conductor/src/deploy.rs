@@ -230,9 +230,17 @@ pub async fn run_worker(
         None => None,
     };
     let registry = baton_cluster::connect_with_ca(&config.registry, config.secret.clone(), ca.as_deref()).await?;
-    let mut lease = registry.register(info.clone(), config.ttl).await?;
-    on_ready(WorkerReady { name: id.to_string(), url, kv_addr: handle.kv_addr() });
     let mut shutdown = std::pin::pin!(shutdown);
+    // A worker started beside its conductor (a compose file, a pod, a script) may come up
+    // first: it waits for the registry, saying so, rather than exiting.
+    let mut lease = match join(registry.as_ref(), &info, config.ttl, &mut shutdown).await {
+        Some(joined) => joined?,
+        None => {
+            server.abort();
+            return Ok(());
+        }
+    };
+    on_ready(WorkerReady { name: id.to_string(), url, kv_addr: handle.kv_addr() });
     let outcome = loop {
         tokio::select! {
             () = &mut shutdown => break Ok(()),
@@ -243,7 +251,7 @@ pub async fn run_worker(
                 // Join again as soon as the registry answers: the conductor takes a rejoining
                 // worker clean and reads its cache from a fresh snapshot of its state stream.
                 tracing::warn!(worker = %id, "lost cluster membership ({reason}); joining again");
-                match rejoin(registry.as_ref(), &info, config.ttl, &mut shutdown).await {
+                match join(registry.as_ref(), &info, config.ttl, &mut shutdown).await {
                     Some(Ok(l)) => {
                         tracing::info!(worker = %id, "joined the cluster again");
                         lease = l;
@@ -282,10 +290,11 @@ pub async fn run_worker(
     Ok(())
 }
 
-/// Registers `info` again after its lease was lost, retrying with back-off (250 ms doubling
-/// to 5 s, jittered) while the registry cannot be reached; `None` when `shutdown` came first. An error the
-/// registry gives (a refused proof, a conflicting member) ends the retries.
-async fn rejoin(
+/// Registers `info` (at start, or again after its lease was lost), retrying with back-off
+/// (250 ms doubling to 5 s, jittered) while the registry cannot be reached; `None` when
+/// `shutdown` came first. An error the registry gives (a refused proof, a conflicting member)
+/// ends the retries.
+async fn join(
     registry: &dyn baton_cluster::Registry,
     info: &WorkerInfo,
     ttl: Duration,

@@ -913,6 +913,26 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A worker started before its conductor (a compose file or a script starting both at once)
+/// waits for the registry, saying so, and joins once it answers, instead of exiting.
+#[test]
+fn a_worker_started_before_its_conductor_joins_when_the_registry_comes_up() {
+    let dir = model("tiny-llama");
+    let port = free_port().to_string();
+    let registry = format!("http://127.0.0.1:{port}");
+    let args = ["worker", "--role", "colocated", "--model", dir.to_str().unwrap(), "--model-id", "tiny", "--registry"];
+    let mut w = Proc::spawn("early worker", &[&args[..], &[registry.as_str(), "--num-blocks", "64"]].concat(), SECRET);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(w.child.try_wait().unwrap().is_none(), "the worker exited while its registry was down");
+    let model = dir.to_str().unwrap();
+    let c_args = ["conductor", "--model", model, "--model-id", "tiny", "--port", &port, "--registry", "embedded"];
+    let mut c = Proc::spawn("conductor", &c_args, SECRET);
+    c.wait_line("listening on", Duration::from_secs(60));
+    w.wait_line("ready:", Duration::from_secs(30));
+    wait_members(&registry, 1, Duration::from_secs(10));
+    assert_eq!(text(&complete(&registry, LONG, 8)), generate(&dir, LONG, 8));
+}
+
 /// A hand-off the conductor gave up on is released (#19): the prefill worker is reached through
 /// a relay that, mid-request, stops passing its answers back (the conductor's calls still reach
 /// it). It computes the prompt and offers the KV under a 60 s lease, but the conductor never
