@@ -5,7 +5,9 @@ each layout's completions against `baton generate --device cuda`, a chat answer,
 64-stream storm on a 64-block pool that must end with 0 failures after the first token, 0
 hangs and every KV block back; the host tier under a full device arena (same answers when a
 prefix comes back from host memory); and a CPU prefill worker handing KV to a GPU decode worker
-of the same KV type (answers equal `baton generate --device cpu`). Part of scripts/gpu-check.sh; runs alone too:
+of the same KV type (answers equal `baton generate --device cpu`); and MemServe's PD-Caching 3
+across two GPU workers (a two-turn session: both answers equal `baton generate`'s, turn 2
+computing and handing over only what each side lacks). Part of scripts/gpu-check.sh; runs alone too:
 
     python3 scripts/gpu_serve_check.py BATON_BIN OUT_DIR
 """
@@ -123,9 +125,15 @@ def cluster(label, worker_args, modes, want, transport):
                     time.sleep(0.5)
             same = sum(post(p_, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0})["choices"][0]["text"] == want[p]
                        for p in prompts) if answer else 0
-            metrics = urllib.request.urlopen(f"http://127.0.0.1:{p_}/metrics", timeout=5).read().decode() if answer else ""
-            moved = {t: sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith(f'baton_kv_transfers_total{{transport="{t}"}}'))
-                     for t in ("device", "shm", "tcp")}
+            # Each of the 1 + len(prompts) requests handed over once; the counts reach the
+            # conductor with the workers' reports, which may come just after the answers.
+            moved, deadline = {}, time.time() + 5
+            while answer and sum(moved.values()) < 1 + len(prompts) and time.time() < deadline:
+                metrics = urllib.request.urlopen(f"http://127.0.0.1:{p_}/metrics", timeout=5).read().decode()
+                moved = {t: sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith(f'baton_kv_transfers_total{{transport="{t}"}}'))
+                         for t in ("device", "shm", "tcp")}
+                time.sleep(0.05)
+            moved = {t: moved.get(t, 0.0) for t in ("device", "shm", "tcp")}
             print(f"  baton conductor ({mode}) + {label}: {same}/{len(prompts)} completions equal the reference; "
                   f"hand-offs by transport: {moved} ({transport} expected)")
             passed &= same == len(prompts) and moved[transport] > 0 and sum(moved.values()) == moved[transport]
@@ -153,4 +161,64 @@ for p in prompts:
     cpu_expected[p] = json.loads(r.stdout)["text"]
 ok &= cluster("baton worker --device cpu (prefill) and --device cuda --dtype float32 (decode), against `baton generate --device cpu`",
               {"prefill": ["--device", "cpu"], "decode": [*gpu, "--dtype", "float32"]}, ("pull", "push"), cpu_expected, "shm")
+
+
+def pd_caching_3():
+    """MemServe's PD-Caching 3 across GPU worker processes (float32, 4-token blocks): a two-turn
+    session whose turn 2 computes only what the prefill worker lacks (turn 1's answer came back
+    into its cache) and hands over only what the decode worker lacks, device to device; both
+    turns' answers must equal `baton generate`'s. Returns whether they did."""
+    f32 = [*gpu, "--dtype", "float32"]
+    def generate(prompt):
+        r = subprocess.run([bin_, "generate", *f32, "--model", model, "--prompt", prompt, "--max-tokens", "8", "--json"],
+                           capture_output=True, text=True, timeout=120)
+        return json.loads(r.stdout)["text"]
+    turn_1 = prompts[0] + " " + tier_prompts[0]
+    want_1 = generate(turn_1)
+    turn_2 = turn_1 + want_1 + " And then the story goes on."
+    want_2 = generate(turn_2)
+    env = dict(os.environ, BATON_CLUSTER_SECRET="gpu-check")
+    port = free_port()
+    log = open(os.path.join(out, "cluster.log"), "a")
+    procs = [subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(port), "--pd-caching", "3", "--block-size", "4"],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)]
+    try:
+        for role in ("prefill", "decode"):
+            procs.append(subprocess.Popen([bin_, "worker", "--role", role, "--registry", f"http://127.0.0.1:{port}", "--model", model,
+                                           "--block-size", "4", "--port", str(free_port()), "--kv-port", str(free_port()), *f32],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+        got_1, deadline = None, time.time() + 90
+        while got_1 is None and time.time() < deadline:
+            try:
+                got_1 = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": turn_1, "max_tokens": 8, "temperature": 0})
+            except Exception:
+                time.sleep(0.5)
+        def metric(name):
+            m = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            return sum(float(l.rsplit(" ", 1)[1]) for l in m.splitlines() if l.startswith(name))
+        deadline = time.time() + 10
+        while metric("baton_kv_return_tokens_total") == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        computed, moved, returned = (metric(n) for n in ("baton_prefill_tokens_total", "baton_kv_transfer_tokens_total",
+                                                         "baton_kv_return_tokens_total"))
+        got_2 = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": turn_2, "max_tokens": 8, "temperature": 0})
+        computed_2, moved_2 = metric("baton_prefill_tokens_total") - computed, metric("baton_kv_transfer_tokens_total") - moved
+        deadline = time.time() + 5
+        while metric('baton_kv_transfers_total{transport="device"}') < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        device = metric('baton_kv_transfers_total{transport="device"}')
+        same = (got_1 or {}).get("choices", [{}])[0].get("text") == want_1, got_2["choices"][0]["text"] == want_2
+        prompt_2 = got_2["usage"]["prompt_tokens"]
+        print(f"  PD-Caching 3, conductor + baton worker --device cuda --dtype float32 (prefill, decode): turns equal "
+              f"`baton generate` {sum(same)}/2; turn 1's answer returned to the prefill worker ({returned:.0f} tokens); turn 2 of "
+              f"{prompt_2} tokens computed {computed_2:.0f} and handed over {moved_2:.0f}; device-to-device hand-offs {device:.0f}")
+        return all(same) and returned > 0 and computed_2 < prompt_2 and moved_2 < prompt_2 and device > 0
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+
+
+ok &= pd_caching_3()
 sys.exit(0 if ok else 1)
