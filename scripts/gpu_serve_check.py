@@ -98,24 +98,39 @@ try:
     ok &= same == len(tier_prompts) and hits > 0 and rounds[0][2] > 0
 finally:
     proc.terminate(); proc.wait(timeout=30)
+def spawn_cluster(conductor_args, worker_args, more_modes=()):
+    """A conductor (serving the registry) with `conductor_args`, a prefill and a decode `baton
+    worker` with `worker_args[role]`, and a conductor per mode in `more_modes` following the
+    first's registry. Returns the processes (for `stop`) and each conductor's port by mode."""
+    env = dict(os.environ, BATON_CLUSTER_SECRET="gpu-check")
+    log = open(os.path.join(out, "cluster.log"), "a")
+    run = lambda args: subprocess.Popen([bin_, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+    port = free_port()
+    procs, ports = [run(["conductor", "--model", model, "--port", str(port), *conductor_args])], {"pull": port}
+    registry = f"http://127.0.0.1:{port}"
+    for role in ("prefill", "decode"):
+        procs.append(run(["worker", "--role", role, "--registry", registry, "--model", model, "--port", str(free_port()),
+                          "--kv-port", str(free_port()), *worker_args[role]]))
+    for mode in more_modes:
+        ports[mode] = free_port()
+        procs.append(run(["conductor", "--model", model, "--port", str(ports[mode]), "--registry", registry, "--kv-transfer", mode]))
+    return procs, ports
+
+
+def stop(procs):
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=30)
+
+
 def cluster(label, worker_args, modes, want, transport):
     """A conductor (pull) and a prefill and a decode `baton worker` (`worker_args[role]`), plus a
     conductor per other mode over the same workers; each mode's completions must equal `want`
     and its hand-offs all go by `transport`. Returns whether they did."""
-    env = dict(os.environ, BATON_CLUSTER_SECRET="gpu-check")
-    port = free_port()
-    log = open(os.path.join(out, "cluster.log"), "a")
-    procs = [subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)]
-    ports, passed = {"pull": port}, True
+    procs, ports = spawn_cluster([], {r: ["--num-blocks", "64", *a] for r, a in worker_args.items()}, modes[1:])
+    passed = True
     try:
-        for role in ("prefill", "decode"):
-            procs.append(subprocess.Popen([bin_, "worker", "--role", role, "--registry", f"http://127.0.0.1:{port}", "--model", model,
-                                           "--num-blocks", "64", "--port", str(free_port()), "--kv-port", str(free_port()),
-                                           *worker_args[role]], env=env, stdout=log, stderr=subprocess.STDOUT))
-        for mode in modes[1:]:
-            ports[mode] = free_port()
-            procs.append(subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(ports[mode]), "--registry",
-                                           f"http://127.0.0.1:{port}", "--kv-transfer", mode], env=env, stdout=log, stderr=subprocess.STDOUT))
         for mode, p_ in ports.items():
             answer, deadline = None, time.time() + 90
             while answer is None and time.time() < deadline:
@@ -138,10 +153,7 @@ def cluster(label, worker_args, modes, want, transport):
                   f"hand-offs by transport: {moved} ({transport} expected)")
             passed &= same == len(prompts) and moved[transport] > 0 and sum(moved.values()) == moved[transport]
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+        stop(procs)
     return passed
 
 
@@ -177,16 +189,10 @@ def pd_caching_3():
     want_1 = generate(turn_1)
     turn_2 = turn_1 + want_1 + " And then the story goes on."
     want_2 = generate(turn_2)
-    env = dict(os.environ, BATON_CLUSTER_SECRET="gpu-check")
-    port = free_port()
-    log = open(os.path.join(out, "cluster.log"), "a")
-    procs = [subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(port), "--pd-caching", "3", "--block-size", "4"],
-                              env=env, stdout=log, stderr=subprocess.STDOUT)]
+    workers = ["--block-size", "4", *f32]
+    procs, ports = spawn_cluster(["--pd-caching", "3", "--block-size", "4"], {"prefill": workers, "decode": workers})
+    port = ports["pull"]
     try:
-        for role in ("prefill", "decode"):
-            procs.append(subprocess.Popen([bin_, "worker", "--role", role, "--registry", f"http://127.0.0.1:{port}", "--model", model,
-                                           "--block-size", "4", "--port", str(free_port()), "--kv-port", str(free_port()), *f32],
-                                          env=env, stdout=log, stderr=subprocess.STDOUT))
         got_1, deadline = None, time.time() + 90
         while got_1 is None and time.time() < deadline:
             try:
@@ -214,10 +220,7 @@ def pd_caching_3():
               f"{prompt_2} tokens computed {computed_2:.0f} and handed over {moved_2:.0f}; device-to-device hand-offs {device:.0f}")
         return all(same) and returned > 0 and computed_2 < prompt_2 and moved_2 < prompt_2 and device > 0
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+        stop(procs)
 
 
 ok &= pd_caching_3()
