@@ -933,6 +933,25 @@ fn a_worker_started_before_its_conductor_joins_when_the_registry_comes_up() {
     assert_eq!(text(&complete(&registry, LONG, 8)), generate(&dir, LONG, 8));
 }
 
+/// The same with etcd as the registry: a worker started before etcd listens waits for it and
+/// joins once it answers.
+#[cfg(feature = "etcd")]
+#[test]
+fn a_worker_started_before_etcd_joins_when_etcd_comes_up() {
+    let dir = model("tiny-llama");
+    let port = free_port();
+    let registry = format!("etcd://127.0.0.1:{port}");
+    let args = ["worker", "--role", "colocated", "--model", dir.to_str().unwrap(), "--model-id", "tiny", "--registry"];
+    let mut w = Proc::spawn("early worker", &[&args[..], &[registry.as_str(), "--num-blocks", "64"]].concat(), SECRET);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(w.child.try_wait().unwrap().is_none(), "the worker exited while etcd was down");
+    let _etcd = etcd_common::TestEtcd::start_on(port);
+    let (_c, url) = conductor(&dir, &registry);
+    w.wait_line("ready:", Duration::from_secs(30));
+    wait_members(&url, 1, Duration::from_secs(10));
+    assert_eq!(text(&complete(&url, LONG, 8)), generate(&dir, LONG, 8));
+}
+
 /// A hand-off the conductor gave up on is released (#19): the prefill worker is reached through
 /// a relay that, mid-request, stops passing its answers back (the conductor's calls still reach
 /// it). It computes the prompt and offers the KV under a 60 s lease, but the conductor never

@@ -68,8 +68,13 @@ impl TestEtcd {
     /// Starts etcd and waits (up to 15 s) until it answers. Fails the test, naming
     /// `scripts/install-deps.sh`, when etcd is not installed.
     pub fn start() -> Self {
+        Self::start_on(free_port())
+    }
+
+    /// [`start`](Self::start) on the client port `client_port` (a port a test chose earlier,
+    /// for a process told to use it before etcd was up).
+    pub fn start_on(client_port: u16) -> Self {
         let binary = std::env::var("BATON_ETCD").unwrap_or_else(|_| "etcd".into());
-        let client_port = free_port();
         let peer_port = free_port();
         let data_dir = std::env::temp_dir().join(format!("baton-etcd-{}-{client_port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&data_dir);
