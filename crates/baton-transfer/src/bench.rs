@@ -64,13 +64,7 @@ impl BenchDevice for StandInBenchDevice {
 
     fn arena(&self, descriptor: &TensorDescriptor, fill: &[u8]) -> Result<Arc<dyn DeviceArena>> {
         let region = Region::create(descriptor.clone()).map_err(TransferError::io("creating a stand-in arena"))?;
-        let chunk = fill_chunk(fill);
-        let mut at = 0;
-        while at < region.len() && !chunk.is_empty() {
-            let n = chunk.len().min(region.len() - at);
-            region.write(at, &chunk[..n])?;
-            at += n;
-        }
+        fill_region(&region, fill)?;
         Ok(Arc::new(crate::StandInArena::new(Arc::new(region), 0)?))
     }
 
@@ -90,6 +84,18 @@ pub fn fill_chunk(fill: &[u8]) -> Vec<u8> {
         return Vec::new();
     }
     fill.repeat((16usize << 20).div_ceil(fill.len()))
+}
+
+/// Writes `fill` repeated over the whole of `region` (touching every page).
+fn fill_region(region: &Region, fill: &[u8]) -> Result<()> {
+    let chunk = fill_chunk(fill);
+    let mut at = 0;
+    while at < region.len() && !chunk.is_empty() {
+        let n = chunk.len().min(region.len() - at);
+        region.write(at, &chunk[..n])?;
+        at += n;
+    }
+    Ok(())
 }
 
 /// The pattern both processes fill KV with: the decode side spot-checks it.
@@ -221,12 +227,7 @@ fn child(spec: &str, device: DeviceFactory<'_>) -> Result<()> {
     let region = Region::create(desc).map_err(TransferError::io("creating the source region"))?;
     // Touch and fill every page: a deterministic pattern the decode side can spot-check.
     let chunk = pattern();
-    let mut at = 0;
-    while at < region.len() {
-        let n = chunk.len().min(region.len() - at);
-        region.write(at, &chunk[..n])?;
-        at += n;
-    }
+    fill_region(&region, &chunk)?;
     let mut sc = ServerConfig::new(PeerId(1), Compat::new(MODEL, g), SECRET);
     sc.lease = Duration::from_secs(600);
     sc.io_timeout = Duration::from_secs(60);
