@@ -184,28 +184,27 @@ impl KvClient {
     /// Pull mode, all of it: TRANSFER, coalesced reads of `remote` blocks into `local` blocks,
     /// COMPLETE.
     ///
-    /// Over a one-sided transport (device, shared memory) the reads do not wait for
-    /// TRANSFER_OK, nor COMPLETE for the reads' answer: TRANSFER, the reads and COMPLETE go out
-    /// back to back and the two answers are awaited after, one round trip on the control
-    /// connection instead of two (a GiB device to device is a 0.5 ms copy beside ~0.1 ms
-    /// round trips). Safe because the blocks were leased when the prefill side offered them:
-    /// TRANSFER succeeds only while that lease lives (it renews it; an ended lease is gone,
-    /// and TRANSFER of it fails), and COMPLETE only while the renewed one does, so two
-    /// successes mean the blocks were held from the offer until after the reads, and
-    /// anything else discards what was read (the local blocks are this transfer's own).
+    /// Over shared memory the reads do not wait for TRANSFER_OK, nor COMPLETE for the reads:
+    /// TRANSFER, the reads and COMPLETE go out back to back and the two answers are awaited
+    /// after, one round trip on the control connection instead of two. Safe because the blocks
+    /// were leased when the prefill side offered them: TRANSFER succeeds only while that lease
+    /// lives (it renews it; an ended lease is gone, and TRANSFER of it fails), and COMPLETE only
+    /// while the renewed one does, so two successes mean the blocks were held from the offer
+    /// until after the reads, and anything else discards what was read (the local blocks are
+    /// this transfer's own); a dead peer's mapped region stays readable until unmapped.
+    /// Not over a device link: a dead exporter's CUDA IPC memory is undefined to touch, and
+    /// TRANSFER_OK is what says the peer is alive before the copy. Not over TCP: the reads are
+    /// frames on the control connection, answered after TRANSFER_OK.
     pub fn pull(&mut self, id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Result<TransferStats> {
         let start = Instant::now();
-        if self.transport.kind() == TransportKind::Tcp {
-            // The reads are frames on the control connection, answered after TRANSFER_OK.
+        if self.transport.kind() != TransportKind::Shm {
             self.open(id, remote, local)?;
             let mut stats = self.read(id, remote, local)?;
             self.complete(id)?;
             stats.elapsed = start.elapsed();
             return Ok(stats);
         }
-        let frame =
-            Frame::Transfer { id, mode: TransferMode::Pull, remote: ids(remote), local: ids(local), generation: 0 };
-        self.control.send(&frame)?;
+        self.control.send(&pull_frame(id, remote, local))?;
         let read = self.read(id, remote, local);
         // Once TRANSFER is out, its answer must be taken off the connection whatever happens.
         let Ok(mut stats) = read else {
@@ -224,9 +223,7 @@ impl KvClient {
 
     /// TRANSFER: opens (and renews the lease of) transfer `id`. Many may be open at once.
     pub fn open(&mut self, id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Result<()> {
-        let frame =
-            Frame::Transfer { id, mode: TransferMode::Pull, remote: ids(remote), local: ids(local), generation: 0 };
-        self.control.send(&frame)?;
+        self.control.send(&pull_frame(id, remote, local))?;
         self.expect(id, "TRANSFER_OK")
     }
 
@@ -500,6 +497,11 @@ impl KvClient {
             other => Err(TransferError::Protocol(format!("unexpected {}", other.name()))),
         }
     }
+}
+
+/// The TRANSFER frame of pull `id`.
+fn pull_frame(id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Frame {
+    Frame::Transfer { id, mode: TransferMode::Pull, remote: ids(remote), local: ids(local), generation: 0 }
 }
 
 fn ids(blocks: &[BlockId]) -> Vec<u32> {
