@@ -913,6 +913,17 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A colocated worker started against `registry` while nothing answers there, still up 1.5 s
+/// later (not yet ready: `wait_line("ready:")` tells when it joined).
+fn early_worker(dir: &Path, registry: &str) -> Proc {
+    let args = ["worker", "--role", "colocated", "--model", dir.to_str().unwrap(), "--model-id", "tiny"];
+    let mut w =
+        Proc::spawn("early worker", &[&args[..], &["--registry", registry, "--num-blocks", "64"]].concat(), SECRET);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(w.child.try_wait().unwrap().is_none(), "the worker exited while its registry was down");
+    w
+}
+
 /// A worker started before its conductor (a compose file or a script starting both at once)
 /// waits for the registry, saying so, and joins once it answers, instead of exiting.
 #[test]
@@ -920,10 +931,7 @@ fn a_worker_started_before_its_conductor_joins_when_the_registry_comes_up() {
     let dir = model("tiny-llama");
     let port = free_port().to_string();
     let registry = format!("http://127.0.0.1:{port}");
-    let args = ["worker", "--role", "colocated", "--model", dir.to_str().unwrap(), "--model-id", "tiny", "--registry"];
-    let mut w = Proc::spawn("early worker", &[&args[..], &[registry.as_str(), "--num-blocks", "64"]].concat(), SECRET);
-    std::thread::sleep(Duration::from_millis(1500));
-    assert!(w.child.try_wait().unwrap().is_none(), "the worker exited while its registry was down");
+    let mut w = early_worker(&dir, &registry);
     let model = dir.to_str().unwrap();
     let c_args = ["conductor", "--model", model, "--model-id", "tiny", "--port", &port, "--registry", "embedded"];
     let mut c = Proc::spawn("conductor", &c_args, SECRET);
@@ -941,10 +949,7 @@ fn a_worker_started_before_etcd_joins_when_etcd_comes_up() {
     let dir = model("tiny-llama");
     let port = free_port();
     let registry = format!("etcd://127.0.0.1:{port}");
-    let args = ["worker", "--role", "colocated", "--model", dir.to_str().unwrap(), "--model-id", "tiny", "--registry"];
-    let mut w = Proc::spawn("early worker", &[&args[..], &[registry.as_str(), "--num-blocks", "64"]].concat(), SECRET);
-    std::thread::sleep(Duration::from_millis(1500));
-    assert!(w.child.try_wait().unwrap().is_none(), "the worker exited while etcd was down");
+    let mut w = early_worker(&dir, &registry);
     let _etcd = etcd_common::TestEtcd::start_on(port);
     let (_c, url) = conductor(&dir, &registry);
     w.wait_line("ready:", Duration::from_secs(30));
