@@ -83,6 +83,16 @@ pub struct KvSummary {
     pub dtype: String,
 }
 
+impl fmt::Display for KvSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} KV: {} layers, {} KV heads of {}, {}-token blocks",
+            self.dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.block_tokens
+        )
+    }
+}
+
 /// A worker's registration: who it is and where to reach it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct WorkerInfo {

@@ -509,6 +509,21 @@ pub async fn follow(
                     );
                     continue;
                 }
+                // Said once, here; routing then keeps such pairs' requests whole.
+                let kind = Some(info.kv.to_string());
+                if let Some(other) =
+                    remotes.iter().find_map(|(id, w)| (*id != info.id && w.kv_kind() != kind).then_some(w))
+                {
+                    tracing::warn!(
+                        worker = %info.id,
+                        kv = %info.kv,
+                        other = other.name(),
+                        other_kv = other.kv_kind().unwrap_or_default(),
+                        "a worker joined whose KV cache differs from another's: no KV moves between them, and \
+                         requests routed across the pair run whole on the decode worker (start every worker with \
+                         the same --kv-dtype and --block-size)"
+                    );
+                }
                 match RemoteWorker::with_ca(info.clone(), secret.clone(), ca_pem.as_deref()) {
                     Ok(w) => {
                         let w = Arc::new(w.with_idle_timeout(worker_timeout));

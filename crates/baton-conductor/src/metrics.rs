@@ -110,6 +110,9 @@ pub struct Metrics {
     pub retries: IntCounter,
     /// Hand-offs whose KV was pushed layer by layer while the prompt computed, and arrived.
     pub layerwise_handoffs: IntCounter,
+    /// Requests run whole on their decode worker because its KV cache and the prefill worker's
+    /// differ (type or shape): KV cannot move between them.
+    pub kv_incompatible: IntCounter,
     /// Workers taken out of routing after a failure (circuit breaker trips).
     pub breaker_trips: IntCounter,
     /// Requests continued on another worker after tokens were streamed.
@@ -221,6 +224,12 @@ impl Default for Metrics {
                 &r,
                 "baton_kv_layerwise_handoffs_total",
                 "Hand-offs whose KV was pushed layer by layer while the prompt computed, and arrived.",
+            ),
+            kv_incompatible: counter(
+                &r,
+                "baton_kv_incompatible_routes_total",
+                "Requests run whole on their decode worker because its KV cache differs from the prefill worker's \
+                 (element type or shape: start every worker with the same --kv-dtype and --block-size).",
             ),
             breaker_trips: counter(
                 &r,

@@ -279,6 +279,10 @@ impl Worker for RemoteWorker {
         self.info.kv_addr.parse().ok()
     }
 
+    fn kv_kind(&self) -> Option<String> {
+        Some(self.info.kv.to_string())
+    }
+
     fn subscribe_state(&self) -> Option<mpsc::Receiver<StateUpdate>> {
         let (tx, rx) = mpsc::channel(64);
         let request = self.signed(reqwest::Method::GET, STATE_PATH, Vec::new());

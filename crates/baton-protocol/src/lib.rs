@@ -18,4 +18,4 @@ pub mod worker;
 
 pub use error::ApiError;
 pub use wire::{Finish, KvSource, KvTransfer, RequestEvent, Role, StateUpdate, WorkRequest, WorkerError, WorkerStats};
-pub use worker::Worker;
+pub use worker::{Worker, kv_exchangeable};

@@ -44,6 +44,14 @@ pub trait Worker: Send + Sync + std::fmt::Debug {
     fn block_tokens(&self) -> usize {
         0
     }
+    /// Its KV cache as far as exchanging KV goes (layers, heads, block size, element type), when
+    /// known: two workers that know theirs and differ cannot hand KV to each other (their KV
+    /// servers refuse at CONNECT), so the conductor runs a request it would split between them
+    /// whole on the decode worker instead. `None` (the default: the workers of one process share
+    /// one engine configuration) matches any.
+    fn kv_kind(&self) -> Option<String> {
+        None
+    }
     /// Where its KV server listens, when known: a layer-wise hand-off's decode worker registers
     /// there before the prefill starts.
     fn kv_addr(&self) -> Option<SocketAddr> {
@@ -74,6 +82,14 @@ pub trait Worker: Send + Sync + std::fmt::Debug {
     /// is how a reader that saw a gap resynchronises. `None` when the worker has no stream.
     fn subscribe_state(&self) -> Option<mpsc::Receiver<StateUpdate>> {
         None
+    }
+}
+
+/// Whether KV can move between `a` and `b`: their [`Worker::kv_kind`]s agree, or one is unknown.
+pub fn kv_exchangeable(a: &dyn Worker, b: &dyn Worker) -> bool {
+    match (a.kv_kind(), b.kv_kind()) {
+        (Some(a), Some(b)) => a == b,
+        _ => true,
     }
 }
 

@@ -319,6 +319,30 @@ fn one_prefill_one_decode_over_tcp_matches_colocated_and_generate() {
     }
 }
 
+/// A prefill worker with float32 KV and a decode worker with float16 KV cannot exchange KV (their
+/// KV servers refuse each other): the conductor runs what it would split between them whole on
+/// the decode worker, counted, instead of prefilling on one and recomputing on the other.
+#[test]
+fn workers_whose_kv_types_differ_run_requests_whole_on_the_decode_worker() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    let p = worker(&dir, "prefill", &url, &[]);
+    let d = worker(&dir, "decode", &url, &["--kv-dtype", "f16"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let expected = generate_with(&dir, LONG, 12, &["--kv-dtype", "f16"]);
+    for _ in 0..2 {
+        assert_eq!(text(&complete(&url, LONG, 12)), expected, "against baton generate --kv-dtype f16");
+    }
+    let metrics = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
+    let value = |name: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name} in /metrics"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(value("baton_kv_incompatible_routes_total"), 2.0, "each request ran whole on the decode worker");
+    assert_eq!(value("baton_kv_transfer_bytes_total"), 0.0, "no KV moved");
+    assert_no_leak(&[&p, &d]);
+}
+
 #[test]
 fn concurrent_streams_across_processes_over_shared_memory() {
     let dir = model("tiny-llama");

@@ -483,20 +483,40 @@ impl Conductor {
                 return Ok((Route::Colocated(workers[w].clone()), None));
             }
         };
-        let fetch = plan
-            .fetch
-            .map(|f| PlannedFetch { from: workers[f.from].clone(), tokens: f.tokens.min(valid.prompt_ids.len()) });
         let route = match plan.decision {
             Decision::Colocated(w) => Ok(Route::Colocated(workers[w].clone())),
             Decision::Disaggregated { .. } if admit && !room => Err(ApiError::Overloaded {
                 message: "no decode worker has room for the request's KV now; retry later".into(),
                 retry_after_s: 1,
             }),
+            Decision::Disaggregated { prefill, decode }
+                if !baton_protocol::kv_exchangeable(&*workers[prefill], &*workers[decode]) =>
+            {
+                // Their KV servers would refuse each other: the decode worker runs the request
+                // whole rather than recompute the prompt after the prefill worker computed it.
+                self.metrics.kv_incompatible.inc();
+                tracing::debug!(
+                    prefill = workers[prefill].name(),
+                    decode = workers[decode].name(),
+                    "the workers' KV caches differ; running the request whole on the decode worker"
+                );
+                Ok(Route::Colocated(workers[decode].clone()))
+            }
             Decision::Disaggregated { prefill, decode } => {
                 Ok(Route::Disaggregated { prefill: workers[prefill].clone(), decode: workers[decode].clone() })
             }
             Decision::Reject { reason } => Err(ApiError::Overloaded { message: reason, retry_after_s: 1 }),
             Decision::NoWorkers => Err(ApiError::Unavailable("no worker is available".into())),
+        };
+        // A cached prefix is fetched only from a worker whose KV the prompt's worker can take.
+        let fetch = plan
+            .fetch
+            .map(|f| PlannedFetch { from: workers[f.from].clone(), tokens: f.tokens.min(valid.prompt_ids.len()) });
+        let fetch = match &route {
+            Ok(Route::Colocated(w) | Route::Disaggregated { prefill: w, .. }) => {
+                fetch.filter(|f| baton_protocol::kv_exchangeable(&*f.from, &**w))
+            }
+            Err(_) => fetch,
         };
         if let Ok(r) = &route {
             let (prefill, decode) = match r {
