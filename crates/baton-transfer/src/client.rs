@@ -184,20 +184,23 @@ impl KvClient {
     /// Pull mode, all of it: TRANSFER, coalesced reads of `remote` blocks into `local` blocks,
     /// COMPLETE.
     ///
-    /// Over shared memory the reads do not wait for TRANSFER_OK, nor COMPLETE for the reads:
+    /// Over shared memory, and over a device link while the exporting process lives, the reads
+    /// do not wait for TRANSFER_OK, nor COMPLETE for the reads:
     /// TRANSFER, the reads and COMPLETE go out back to back and the two answers are awaited
     /// after, one round trip on the control connection instead of two. Safe because the blocks
     /// were leased when the prefill side offered them: TRANSFER succeeds only while that lease
     /// lives (it renews it; an ended lease is gone, and TRANSFER of it fails), and COMPLETE only
     /// while the renewed one does, so two successes mean the blocks were held from the offer
     /// until after the reads, and anything else discards what was read (the local blocks are
-    /// this transfer's own); a dead peer's mapped region stays readable until unmapped.
-    /// Not over a device link: a dead exporter's CUDA IPC memory is undefined to touch, and
-    /// TRANSFER_OK is what says the peer is alive before the copy. Not over TCP: the reads are
-    /// frames on the control connection, answered after TRANSFER_OK.
+    /// this transfer's own); a dead peer's mapped region stays readable until unmapped. A dead
+    /// exporter's CUDA IPC memory is undefined to touch: the device link checks its pidfd just
+    /// before the copy, a liveness proof as good as TRANSFER_OK (which also comes before the
+    /// copy, and older), without the round trip; where it has none, the reads wait for
+    /// TRANSFER_OK. Not over TCP: the reads are frames on the control connection, answered
+    /// after TRANSFER_OK.
     pub fn pull(&mut self, id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Result<TransferStats> {
         let start = Instant::now();
-        if self.transport.kind() != TransportKind::Shm {
+        if !self.transport.reads_before_answer() {
             self.open(id, remote, local)?;
             let mut stats = self.read(id, remote, local)?;
             self.complete(id)?;
@@ -521,7 +524,7 @@ fn open_transport(
             let (Some(ours), Some(theirs)) = (&config.device, &remote.reach.device) else {
                 return Err(TransferError::Unavailable("no device arena on one side"));
             };
-            Box::new(DeviceTransport::new(ours.open(theirs, &remote.descriptor)?))
+            Box::new(DeviceTransport::new(ours.open(theirs, &remote.descriptor)?, theirs.pid))
         }
         TransportKind::Shm => {
             let h = remote.reach.shm.ok_or(TransferError::Unavailable("the peer offers no shared memory"))?;

@@ -74,7 +74,7 @@ impl DeviceArena for StandInArena {
         bytes.extend_from_slice(&h.pid.to_le_bytes());
         bytes.extend_from_slice(&h.fd.to_le_bytes());
         bytes.extend_from_slice(&h.len.to_le_bytes());
-        DeviceHandle { kind: DeviceHandleKind::StandIn, bytes, len: h.len }
+        DeviceHandle { kind: DeviceHandleKind::StandIn, bytes, len: h.len, pid: h.pid }
     }
 
     fn open(&self, handle: &DeviceHandle, descriptor: &TensorDescriptor) -> Result<Box<dyn DeviceLink>> {

@@ -24,8 +24,9 @@ use crate::{PeerId, TransferId, TransportKind};
 /// First four bytes of every frame: "BTKV".
 pub const MAGIC: u32 = u32::from_le_bytes(*b"BTKV");
 /// Protocol version this build speaks (3: PUSHED carries a trailer; 4: CONNECT and ACCEPT say
-/// where the sender's KV lives, [`Reach`], and PUSHED how the layers were written).
-pub const VERSION: u16 = 4;
+/// where the sender's KV lives, [`Reach`], and PUSHED how the layers were written; 5: a device
+/// handle names the process that exported it).
+pub const VERSION: u16 = 5;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 24;
 /// Largest metadata body accepted (range lists of a big READ fit easily).
@@ -602,6 +603,7 @@ impl Writer {
                 self.u64(h.len);
                 self.u16(h.bytes.len() as u16);
                 self.0.extend_from_slice(&h.bytes);
+                self.u32(h.pid);
             }
         }
     }
@@ -727,7 +729,8 @@ impl Reader<'_> {
                 if n > MAX_DEVICE_HANDLE {
                     return Err(self.bad(format!("device handle of {n} bytes")));
                 }
-                Some(DeviceHandle { kind, bytes: self.take(n)?.to_vec(), len })
+                let bytes = self.take(n)?.to_vec();
+                Some(DeviceHandle { kind, bytes, len, pid: self.u32()? })
             }
         };
         let geometry = baton_kv::KvGeometry { layers, kv_heads, head_dim, block_size, dtype };
@@ -761,7 +764,12 @@ mod tests {
                 host: Some(HostId([4; 16])),
                 location: Location::Device { ordinal: 1, uuid: [9; 16] },
                 shm: Some(ShmHandle { pid: 42, fd: 5, len: 12345 }),
-                device: Some(DeviceHandle { kind: DeviceHandleKind::CudaIpc, bytes: vec![5; 64], len: 12345 }),
+                device: Some(DeviceHandle {
+                    kind: DeviceHandleKind::CudaIpc,
+                    bytes: vec![5; 64],
+                    len: 12345,
+                    pid: 4321,
+                }),
             },
         }
     }

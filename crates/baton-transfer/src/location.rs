@@ -121,6 +121,9 @@ pub struct DeviceHandle {
     pub bytes: Vec<u8>,
     /// Bytes of the arena behind it.
     pub len: u64,
+    /// The process that exported it (0: not said). A peer on the same host watches it
+    /// ([`crate::transport::DeviceTransport`]): a dead exporter's memory must not be read.
+    pub pid: u32,
 }
 
 /// Where a side's KV is and how a peer may reach it: what CONNECT and ACCEPT carry besides the
@@ -247,7 +250,10 @@ mod tests {
     }
 
     fn gpu(kind: DeviceHandleKind) -> (Location, Option<DeviceHandle>) {
-        (Location::Device { ordinal: 0, uuid: [7; 16] }, Some(DeviceHandle { kind, bytes: vec![1; 64], len: 64 }))
+        (
+            Location::Device { ordinal: 0, uuid: [7; 16] },
+            Some(DeviceHandle { kind, bytes: vec![1; 64], len: 64, pid: 1 }),
+        )
     }
 
     fn reach(host_n: u8, device: Option<DeviceHandleKind>) -> Reach {

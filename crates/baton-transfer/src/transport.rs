@@ -62,6 +62,13 @@ pub trait Transport: Send {
     /// Executes `copies` (source: the peer's region, destination: `dst`) for transfer `id`;
     /// returns the number of transport calls it took (memcpys, READ round trips, posted reads).
     fn read(&mut self, id: TransferId, copies: &[RangeCopy], dst: &Region) -> Result<usize>;
+
+    /// Whether a pull may read before the peer has answered its TRANSFER (see
+    /// [`crate::KvClient::pull`]): the reads must not depend on that answer, and touching the
+    /// peer's memory must be safe now. No by default.
+    fn reads_before_answer(&self) -> bool {
+        false
+    }
 }
 
 /// Same-host transport: the peer's region, mapped read-only.
@@ -88,20 +95,45 @@ impl Transport for ShmTransport {
         }
         Ok(copies.len())
     }
+
+    /// A mapped region stays readable whatever becomes of its owner.
+    fn reads_before_answer(&self) -> bool {
+        true
+    }
 }
 
 /// Same-host transport between device arenas: the peer's arena opened from its handle, each
 /// copy device to device. The destination is this side's device arena, not the host region
 /// `read` is handed.
+///
+/// A dead exporter's CUDA IPC memory is undefined to touch, so the link watches the exporting
+/// process through a pidfd (the handle names it): a pull reads before TRANSFER's answer only
+/// while the exporter lives. Without a pidfd (an exporter that did not say, a kernel without
+/// `pidfd_open`), TRANSFER_OK is what says it lives, one round trip more.
 #[derive(Debug)]
 pub struct DeviceTransport {
     link: Box<dyn DeviceLink>,
+    exporter: Option<std::os::fd::OwnedFd>,
 }
 
 impl DeviceTransport {
-    /// Copies over `link` (this side's arena and the peer's, opened).
-    pub fn new(link: Box<dyn DeviceLink>) -> Self {
-        Self { link }
+    /// Copies over `link` (this side's arena and the peer's, opened), watching process
+    /// `exporter` (0: not said) while it lives.
+    pub fn new(link: Box<dyn DeviceLink>, exporter: u32) -> Self {
+        let exporter = i32::try_from(exporter)
+            .ok()
+            .and_then(rustix::process::Pid::from_raw)
+            .and_then(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok());
+        Self { link, exporter }
+    }
+
+    /// Whether the exporter is known to be alive now: its pidfd is not readable (it becomes so
+    /// when the process exits, zombie or reaped).
+    fn exporter_alive(&self) -> bool {
+        use rustix::event::{PollFd, PollFlags, Timespec, poll};
+        let Some(fd) = &self.exporter else { return false };
+        let mut fds = [PollFd::new(fd, PollFlags::IN)];
+        matches!(poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(0))
     }
 }
 
@@ -113,6 +145,10 @@ impl Transport for DeviceTransport {
     fn read(&mut self, _id: TransferId, copies: &[RangeCopy], _dst: &Region) -> Result<usize> {
         self.link.pull(copies)?;
         Ok(copies.len())
+    }
+
+    fn reads_before_answer(&self) -> bool {
+        self.exporter_alive()
     }
 }
 
@@ -240,4 +276,42 @@ fn drain(conn: &mut Conn, n: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A link that copies nothing (the liveness rule is the transport's, not the link's).
+    #[derive(Debug)]
+    struct NoLink;
+
+    impl DeviceLink for NoLink {
+        fn pull(&self, _copies: &[RangeCopy]) -> Result<()> {
+            Ok(())
+        }
+        fn push(&self, _copies: &[RangeCopy]) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A device pull reads before TRANSFER's answer only while the exporting process lives: not
+    /// once it has exited (reaped or not), and never for an exporter that did not say who it is.
+    #[test]
+    fn a_device_link_reads_ahead_only_while_its_exporter_lives() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("sleep");
+        let link = DeviceTransport::new(Box::new(NoLink), child.id());
+        assert!(link.reads_before_answer(), "the exporter lives");
+        child.kill().expect("kill");
+        // Exited but not yet reaped (a zombie): already dead to the link, once the kill lands.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while link.reads_before_answer() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!link.reads_before_answer(), "the exporter exited");
+        child.wait().expect("wait");
+        assert!(!link.reads_before_answer(), "the exporter was reaped");
+        assert!(!DeviceTransport::new(Box::new(NoLink), 0).reads_before_answer(), "an exporter that did not say");
+        assert!(DeviceTransport::new(Box::new(NoLink), std::process::id()).reads_before_answer());
+    }
 }

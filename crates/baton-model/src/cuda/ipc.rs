@@ -44,6 +44,7 @@ impl CudaArena {
             kind: DeviceHandleKind::CudaIpc,
             bytes: handle.reserved.iter().map(|&b| b as u8).collect(),
             len: cache.bytes as u64,
+            pid: std::process::id(),
         };
         Ok(Self { cache, location, handle })
     }
