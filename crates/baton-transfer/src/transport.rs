@@ -142,7 +142,12 @@ impl Transport for DeviceTransport {
         TransportKind::Device
     }
 
+    /// Refuses, touching nothing, once the exporter is known to have exited (whichever way the
+    /// pull was opened: a transfer held open across a pause may outlive its exporter).
     fn read(&mut self, _id: TransferId, copies: &[RangeCopy], _dst: &Region) -> Result<usize> {
+        if self.exporter.is_some() && !self.exporter_alive() {
+            return Err(TransferError::Unavailable("the process that exported the device arena has exited"));
+        }
         self.link.pull(copies)?;
         Ok(copies.len())
     }
@@ -296,12 +301,18 @@ mod tests {
     }
 
     /// A device pull reads before TRANSFER's answer only while the exporting process lives: not
-    /// once it has exited (reaped or not), and never for an exporter that did not say who it is.
+    /// once it has exited (reaped or not), and never for an exporter that did not say who it is;
+    /// and a read after the exporter exited is refused.
     #[test]
     fn a_device_link_reads_ahead_only_while_its_exporter_lives() {
+        let g =
+            baton_kv::KvGeometry { layers: 1, kv_heads: 1, head_dim: 4, block_size: 2, dtype: baton_kv::KvDtype::F32 };
+        let dst =
+            Region::create(baton_kv::TensorDescriptor::new(&g, baton_kv::KvLayout::BlockMajor, 2)).expect("region");
         let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("sleep");
-        let link = DeviceTransport::new(Box::new(NoLink), child.id());
+        let mut link = DeviceTransport::new(Box::new(NoLink), child.id());
         assert!(link.reads_before_answer(), "the exporter lives");
+        assert_eq!(link.read(TransferId(1), &[], &dst).ok(), Some(0));
         child.kill().expect("kill");
         // Exited but not yet reaped (a zombie): already dead to the link, once the kill lands.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -309,6 +320,7 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert!(!link.reads_before_answer(), "the exporter exited");
+        assert!(link.read(TransferId(2), &[], &dst).is_err(), "a read from an exporter that exited");
         child.wait().expect("wait");
         assert!(!link.reads_before_answer(), "the exporter was reaped");
         assert!(!DeviceTransport::new(Box::new(NoLink), 0).reads_before_answer(), "an exporter that did not say");
