@@ -5,9 +5,12 @@ each layout's completions against `baton generate --device cuda`, a chat answer,
 64-stream storm on a 64-block pool that must end with 0 failures after the first token, 0
 hangs and every KV block back; the host tier under a full device arena (same answers when a
 prefix comes back from host memory); and a CPU prefill worker handing KV to a GPU decode worker
-of the same KV type (answers equal `baton generate --device cpu`); and MemServe's PD-Caching 3
+of the same KV type (answers equal `baton generate --device cpu`), and one of another KV type
+(every request run whole on the decode worker, none split); and MemServe's PD-Caching 3
 across two GPU workers (a two-turn session: both answers equal `baton generate`'s, turn 2
-computing and handing over only what each side lacks). Part of scripts/gpu-check.sh; runs alone too:
+computing and handing over only what each side lacks); cross-instance fetch of a cached prefix
+between GPU workers, then again with the worker holding it killed while a pull of its device
+memory is open (every answer still right, the survivors still serving). Part of scripts/gpu-check.sh; runs alone too:
 
     python3 scripts/gpu_serve_check.py BATON_BIN OUT_DIR
 """
@@ -22,6 +25,16 @@ def free_port():
 def post(port, path, body):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), {"content-type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=60))
+def first_answer(port, prompt, max_tokens):
+    """A completion from a cluster that may still be coming up (its workers joining): retried for
+    up to 90 s; None if it never answered."""
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            return post(port, "/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        except Exception:
+            time.sleep(0.5)
+    return None
 def serve(args, log):
     """Starts `baton serve --device DEVICE --model MODEL ARGS` on a free port, waits for /health."""
     port = free_port()
@@ -132,12 +145,7 @@ def cluster(label, worker_args, modes, want, transport):
     passed = True
     try:
         for mode, p_ in ports.items():
-            answer, deadline = None, time.time() + 90
-            while answer is None and time.time() < deadline:
-                try:
-                    answer = post(p_, "/v1/completions", {"model": "tiny-llama", "prompt": prompts[0], "max_tokens": 16, "temperature": 0})
-                except Exception:
-                    time.sleep(0.5)
+            answer = first_answer(p_, prompts[0], 16)
             same = sum(post(p_, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0})["choices"][0]["text"] == want[p]
                        for p in prompts) if answer else 0
             # Each of the 1 + len(prompts) requests handed over once; the counts reach the
@@ -175,6 +183,31 @@ ok &= cluster("baton worker --device cpu (prefill) and --device cuda --dtype flo
               {"prefill": ["--device", "cpu"], "decode": [*gpu, "--dtype", "float32"]}, ("pull", "push"), cpu_expected, "shm")
 
 
+def kv_types_differ():
+    """A CPU prefill worker (float32 KV) and a GPU decode worker (bfloat16 KV) cannot exchange KV:
+    the conductor must run each request whole on the decode worker (counted in
+    `baton_kv_incompatible_routes_total`), its answers those of `baton generate --device cuda`,
+    and nothing moved. Returns whether it did."""
+    procs, ports = spawn_cluster([], {"prefill": ["--device", "cpu"], "decode": gpu})
+    port = ports["pull"]
+    try:
+        answer = first_answer(port, prompts[0], 16)
+        same = sum(post(port, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0})["choices"][0]["text"] == expected[p]
+                   for p in prompts) if answer else 0
+        m = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        value = lambda name: sum(float(l.rsplit(" ", 1)[1]) for l in m.splitlines() if l.startswith(name))
+        whole, moved = value("baton_kv_incompatible_routes_total"), value("baton_kv_transfers_total")
+        print(f"  conductor + baton worker --device cpu (prefill, float32 KV) and --device cuda (decode, bfloat16 KV): "
+              f"{same}/{len(prompts)} completions equal `baton generate --device cuda`; requests run whole on the decode "
+              f"worker {whole:.0f} of {1 + len(prompts)}; KV transfers {moved:.0f}")
+        return same == len(prompts) and whole == 1 + len(prompts) and moved == 0
+    finally:
+        stop(procs)
+
+
+ok &= kv_types_differ()
+
+
 def pd_caching_3():
     """MemServe's PD-Caching 3 across GPU worker processes (float32, 4-token blocks): a two-turn
     session whose turn 2 computes only what the prefill worker lacks (turn 1's answer came back
@@ -193,12 +226,7 @@ def pd_caching_3():
     procs, ports = spawn_cluster(["--pd-caching", "3", "--block-size", "4"], {"prefill": workers, "decode": workers})
     port = ports["pull"]
     try:
-        got_1, deadline = None, time.time() + 90
-        while got_1 is None and time.time() < deadline:
-            try:
-                got_1 = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": turn_1, "max_tokens": 8, "temperature": 0})
-            except Exception:
-                time.sleep(0.5)
+        got_1 = first_answer(port, turn_1, 8)
         def metric(name):
             m = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             return sum(float(l.rsplit(" ", 1)[1]) for l in m.splitlines() if l.startswith(name))
@@ -224,4 +252,90 @@ def pd_caching_3():
 
 
 ok &= pd_caching_3()
+
+
+fetch_want = {}
+
+
+def fetches(kill_holder):
+    """Mooncake's cross-instance fetch between GPU workers (float32, so a fetched prefix and one
+    computed afresh cannot round apart): a conductor (kv-centric) with two prefill `baton worker
+    --device cuda` and a decode one; one prefill worker caches a long prefix, then six requests
+    sharing it arrive together and the other prefill worker takes some, pulling the prefix device
+    to device. Every answer must equal `baton generate`'s. With `kill_holder` (a build with
+    `--features fault-injection`: every fetch pauses 2 s after TRANSFER), the worker holding the
+    prefix is killed while a pull of its device memory is open: every answer must still be right
+    (the fetcher recomputes) and the survivors' CUDA contexts must go on serving. Returns whether
+    all that held, or None when the build has no fault injection."""
+    env = dict(os.environ, BATON_CLUSTER_SECRET="gpu-check")
+    if kill_holder:
+        env["BATON_FAULT_FETCH_DELAY_MS"] = "2000"
+    log = open(os.path.join(out, "fetch.log"), "a")
+    f32 = [*gpu, "--dtype", "float32"]
+    port = free_port()
+    registry = f"http://127.0.0.1:{port}"
+    procs = {"conductor": subprocess.Popen([bin_, "conductor", "--model", model, "--port", str(port), "--policy", "kv-centric"],
+                                           env=env, stdout=log, stderr=subprocess.STDOUT)}
+    for name, role in (("p1", "prefill"), ("p2", "prefill"), ("d", "decode")):
+        procs[name] = subprocess.Popen([bin_, "worker", "--role", role, "--name", name, "--registry", registry, "--model", model,
+                                        "--port", str(free_port()), "--kv-port", str(free_port()), "--num-blocks", "256", *f32],
+                                       env=env, stdout=log, stderr=subprocess.STDOUT)
+    def metric(name):
+        m = urllib.request.urlopen(f"{registry}/metrics", timeout=5).read().decode()
+        return sum(float(l.rsplit(" ", 1)[1]) for l in m.splitlines() if l.startswith(name))
+    def holding(worker):
+        v = json.load(urllib.request.urlopen(f"{registry}/debug/kv-index", timeout=5))
+        return bool((v.get("workers", {}).get(worker) or {}).get("blocks"))
+    try:
+        prefix = tier_prompts[1]
+        first = first_answer(port, prefix, 4)
+        if kill_holder and "every pull of a fetched prefix pauses" not in open(os.path.join(out, "fetch.log")).read():
+            print("  fetch with the holder killed mid-pull: skipped (this build has no fault injection: "
+                  "scripts/gpu-pack.sh builds it with --features cuda,fault-injection)")
+            return None
+        deadline = time.time() + 5
+        while not (holding("p1") or holding("p2")) and time.time() < deadline:
+            time.sleep(0.02)
+        holder = "p1" if holding("p1") else "p2"
+        asks = [f"{prefix} and then, in turn {i}, the story goes on" for i in range(6)]
+        for a in asks:
+            if a not in fetch_want:
+                r = subprocess.run([bin_, "generate", *f32, "--model", model, "--prompt", a, "--max-tokens", "8", "--json"],
+                                   capture_output=True, text=True, timeout=120)
+                fetch_want[a] = json.loads(r.stdout)["text"]
+        want = [fetch_want[a] for a in asks]
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+            futures = [pool.submit(post, port, "/v1/completions", {"model": "tiny-llama", "prompt": a, "max_tokens": 8, "temperature": 0})
+                       for a in asks]
+            if kill_holder:
+                time.sleep(0.7)
+                procs[holder].kill()
+            got = []
+            for f in futures:
+                try:
+                    got.append(f.result()["choices"][0]["text"])
+                except Exception as e:
+                    got.append(f"error: {e}")
+        same = sum(g == w for g, w in zip(got, want))
+        fetched = metric('baton_kv_fetches_total{outcome="fetched"}')
+        recomputed = metric('baton_kv_fetches_total{outcome="recomputed"}')
+        device = metric('baton_kv_transfers_total{transport="device"}')
+        # The survivors still serve: one more request after it all.
+        after = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": asks[0], "max_tokens": 8, "temperature": 0})
+        after_ok = after["choices"][0]["text"] == want[0]
+        what = "with the holder killed mid-pull" if kill_holder else "between GPU workers"
+        print(f"  cross-instance fetch {what} (conductor kv-centric + two prefill and a decode baton worker --device cuda "
+              f"--dtype float32): {same}/{len(asks)} answers equal `baton generate`; fetches fetched {fetched:.0f}, "
+              f"recomputed {recomputed:.0f}; device-to-device transfers {device:.0f}; a request after it all "
+              f"{'answered right' if after_ok else 'went wrong'}")
+        if kill_holder:
+            return same == len(asks) and recomputed >= 1 and after_ok
+        return same == len(asks) and fetched >= 1 and recomputed == 0 and device >= 1 and after_ok
+    finally:
+        stop(list(procs.values()))
+
+
+ok &= fetches(False)
+ok &= fetches(True) is not False
 sys.exit(0 if ok else 1)

@@ -1700,16 +1700,24 @@ fn requests_sharing_a_hot_prefix_fetch_it_into_an_idle_prefill_worker() {
 /// A prefill worker killed mid-fetch (kill -9 while another worker's pull of its cached prefix
 /// is open: the fetcher pauses there, by fault injection) costs no request: the fetcher
 /// recomputes the prefix, the killed worker's own requests run again elsewhere, every output
-/// equals `baton generate`'s, and the survivors hold no KV.
+/// equals `baton generate`'s, and the survivors hold no KV. Over shared memory, and between
+/// stand-in device arenas (the device link, which refuses to read once its exporter is dead:
+/// a dead process's CUDA IPC memory is undefined to touch; `transport.rs` tests the refusal).
 #[cfg(feature = "fault-injection")] // Fault injection through the environment.
 #[test]
 fn a_prefill_worker_killed_mid_fetch_leaves_every_request_complete() {
+    killed_mid_fetch(&[]);
+    killed_mid_fetch(&[(baton_conductor::deploy::DEVICE_STAND_IN_ENV, "1")]);
+}
+
+#[cfg(feature = "fault-injection")]
+fn killed_mid_fetch(env: &[(&str, &str)]) {
     let dir = model("tiny-llama");
     let (_c, url) = conductor_with(&dir, "embedded", &["--policy", "kv-centric"]);
-    let pause = [(baton_conductor::deploy::FETCH_DELAY_ENV, "2000")];
+    let pause = [&[(baton_conductor::deploy::FETCH_DELAY_ENV, "2000")], env].concat();
     let mut p1 = worker_env(&dir, "prefill", &url, &["--name", "p1"], SECRET, &pause);
     let mut p2 = worker_env(&dir, "prefill", &url, &["--name", "p2"], SECRET, &pause);
-    let d = worker(&dir, "decode", &url, &["--name", "d"]);
+    let d = worker_env(&dir, "decode", &url, &["--name", "d"], SECRET, env);
     let (prompts, want) = hot_prefix(&dir, &url);
     let holder_is_p1 = indexed(&url, "p1").is_some_and(|b| !b.is_empty());
     let got: Vec<Value> = std::thread::scope(|s| {
@@ -1730,6 +1738,10 @@ fn a_prefill_worker_killed_mid_fetch_leaves_every_request_complete() {
     eprintln!("{recomputed} fetch(es) recomputed after the holder died");
     assert!(recomputed >= 1.0, "a fetch was under way when the holder died");
     assert_eq!(metric(&url, "baton_kv_fetches_total{outcome=\"fetched\"}"), 0.0);
+    if !env.is_empty() {
+        let device = metric(&url, "baton_kv_transfers_total{transport=\"device\"}");
+        assert!(device >= 1.0, "the stand-in arenas did not hand KV over device to device");
+    }
     let survivor = if holder_is_p1 { &p2 } else { &p1 };
     assert_no_leak(&[survivor, &d]);
 }
