@@ -105,8 +105,9 @@ pub(crate) struct DeviceFlags {
     #[arg(long, default_value = "auto", value_name = "auto|bfloat16|float16|float32")]
     dtype: ComputeDtype,
     /// Element type of the KV cache: `f16` or `bf16` take half the memory and half the bytes
-    /// of a hand-off of `f32`. Every worker of a cluster must use the same (peers refuse to
-    /// exchange KV of another type). Default: f32 on the CPU, the compute type on a GPU.
+    /// of a hand-off of `f32`. Workers hand KV only to workers of the same type: the conductor
+    /// runs a request whole on the decode worker when its prefill worker's type differs. Default:
+    /// f32 on the CPU, the compute type on a GPU.
     #[arg(long, value_name = "f32|f16|bf16")]
     kv_dtype: Option<KvDtype>,
 }
