@@ -340,6 +340,11 @@ fn workers_whose_kv_types_differ_run_requests_whole_on_the_decode_worker() {
     };
     assert_eq!(value("baton_kv_incompatible_routes_total"), 2.0, "each request ran whole on the decode worker");
     assert_eq!(value("baton_kv_transfer_bytes_total"), 0.0, "no KV moved");
+    // /health says each worker's KV kind, so an operator can see which pair differs.
+    let health: Value = http().get(format!("{url}/health")).send().unwrap().json().unwrap();
+    let kinds: Vec<&str> = health["workers"].as_array().unwrap().iter().filter_map(|w| w["kv"].as_str()).collect();
+    assert_eq!(kinds.len(), 2, "{health}");
+    assert!(kinds.iter().any(|k| k.starts_with("f32 KV")) && kinds.iter().any(|k| k.starts_with("f16 KV")), "{health}");
     assert_no_leak(&[&p, &d]);
 }
 

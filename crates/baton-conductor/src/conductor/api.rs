@@ -113,7 +113,17 @@ pub(super) async fn health(State(c): State<Arc<Conductor>>, headers: HeaderMap) 
     if workers.is_empty() {
         return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "no workers"}))).into_response();
     }
-    let names: Vec<_> = workers.iter().map(|w| json!({"name": w.name(), "role": w.role().as_str()})).collect();
+    // Each worker's KV kind where it said one (remote workers): KV moves only between equal ones.
+    let names: Vec<_> = workers
+        .iter()
+        .map(|w| {
+            let mut entry = json!({"name": w.name(), "role": w.role().as_str()});
+            if let Some(kv) = w.kv_kind() {
+                entry["kv"] = json!(kv);
+            }
+            entry
+        })
+        .collect();
     Json(json!({"status": "ok", "workers": names})).into_response()
 }
 
