@@ -26,7 +26,7 @@ use crate::lease::{LeaseError, LeaseTable, Release};
 use crate::location::{HostId, Location, Reach, TransportChoice, choose};
 use crate::plan::plan_layers;
 use crate::region::{Access, Region};
-use crate::transport::TransportKind;
+use crate::transport::{ProcessWatch, TransportKind};
 use crate::{PeerId, Result, TransferError, TransferId, TransferStats};
 
 /// Whoever owns the blocks the server leases (the prefill engine's pool): gets them back when a
@@ -193,9 +193,9 @@ impl Shared {
         for kind in kinds {
             let opened = match kind {
                 TransportKind::Device => match (&self.config.device, &peer.reach.device) {
-                    (Some(ours), Some(theirs)) => {
-                        ours.open(theirs, &peer.descriptor).map(|l| PushWay::Device(l.into()))
-                    }
+                    (Some(ours), Some(theirs)) => ours
+                        .open(theirs, &peer.descriptor)
+                        .map(|l| PushWay::Device(l.into(), ProcessWatch::new(theirs.pid).map(Arc::new))),
                     _ => continue,
                 },
                 TransportKind::Shm => match peer.reach.shm {
@@ -220,8 +220,9 @@ impl Shared {
 /// How a push reaches the decode side's blocks.
 #[derive(Debug, Clone)]
 enum PushWay {
-    /// Device to device, into the peer's device arena.
-    Device(Arc<dyn DeviceLink>),
+    /// Device to device, into the peer's device arena, while the process that exported it
+    /// lives (without a watch, while its connection does).
+    Device(Arc<dyn DeviceLink>, Option<Arc<ProcessWatch>>),
     /// `memcpy` into the peer's region, mapped here.
     Shm(Arc<Region>),
     /// WRITE frames on the control connection.
@@ -443,12 +444,16 @@ impl KvServer {
             });
         }
         let transport = match &way {
-            PushWay::Device(_) => TransportKind::Device,
+            PushWay::Device(..) => TransportKind::Device,
             PushWay::Shm(_) => TransportKind::Shm,
             PushWay::Tcp => TransportKind::Tcp,
         };
         let calls = match &way {
-            PushWay::Device(link) => {
+            PushWay::Device(link, watch) => {
+                // Writing into a dead process's device memory could land in another's.
+                if watch.as_ref().is_some_and(|w| !w.alive()) {
+                    return Err(TransferError::Unavailable("the decode side's process has exited"));
+                }
                 link.push(&p.copies)?;
                 p.copies.len()
             }

@@ -113,26 +113,41 @@ impl Transport for ShmTransport {
 #[derive(Debug)]
 pub struct DeviceTransport {
     link: Box<dyn DeviceLink>,
-    exporter: Option<std::os::fd::OwnedFd>,
+    exporter: Option<ProcessWatch>,
 }
 
 impl DeviceTransport {
     /// Copies over `link` (this side's arena and the peer's, opened), watching process
     /// `exporter` (0: not said) while it lives.
     pub fn new(link: Box<dyn DeviceLink>, exporter: u32) -> Self {
-        let exporter = i32::try_from(exporter)
-            .ok()
-            .and_then(rustix::process::Pid::from_raw)
-            .and_then(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok());
-        Self { link, exporter }
+        Self { link, exporter: ProcessWatch::new(exporter) }
     }
 
-    /// Whether the exporter is known to be alive now: its pidfd is not readable (it becomes so
-    /// when the process exits, zombie or reaped).
+    /// Whether the exporter is known to be alive now.
     fn exporter_alive(&self) -> bool {
+        self.exporter.as_ref().is_some_and(ProcessWatch::alive)
+    }
+}
+
+/// A peer process on this host, watched through a pidfd: whether it still lives, asked without
+/// waiting. What makes touching its exported device memory safe to attempt (a dead process's
+/// CUDA IPC memory is undefined to read or write: the allocation may already serve another).
+#[derive(Debug)]
+pub(crate) struct ProcessWatch(std::os::fd::OwnedFd);
+
+impl ProcessWatch {
+    /// A watch of process `pid` (0: not said); `None` when it cannot be opened (the process is
+    /// gone already, or the kernel has no `pidfd_open`).
+    pub(crate) fn new(pid: u32) -> Option<Self> {
+        let pid = rustix::process::Pid::from_raw(i32::try_from(pid).ok()?)?;
+        rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok().map(Self)
+    }
+
+    /// Whether the process lives: its pidfd is not readable (it becomes so when the process
+    /// exits, zombie or reaped).
+    pub(crate) fn alive(&self) -> bool {
         use rustix::event::{PollFd, PollFlags, Timespec, poll};
-        let Some(fd) = &self.exporter else { return false };
-        let mut fds = [PollFd::new(fd, PollFlags::IN)];
+        let mut fds = [PollFd::new(&self.0, PollFlags::IN)];
         matches!(poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(0))
     }
 }
@@ -325,5 +340,6 @@ mod tests {
         assert!(!link.reads_before_answer(), "the exporter was reaped");
         assert!(!DeviceTransport::new(Box::new(NoLink), 0).reads_before_answer(), "an exporter that did not say");
         assert!(DeviceTransport::new(Box::new(NoLink), std::process::id()).reads_before_answer());
+        assert!(ProcessWatch::new(child.id()).is_none(), "a reaped process cannot be watched");
     }
 }

@@ -801,7 +801,16 @@ fn concurrent_streams_in_push_mode_over_shared_memory() {
 #[test]
 fn a_worker_killed_mid_push_fails_or_recomputes_and_the_survivor_holds_nothing() {
     // Every push of the prefill worker first waits 1.5 s: the window to kill a worker in.
-    kill_mid_push("push", "1500");
+    kill_mid_push("push", "1500", false);
+}
+
+/// The same between stand-in device arenas: the prefill worker writes into the decode worker's
+/// arena through the device link, which must stop writing once that process is dead (a dead
+/// process's CUDA IPC memory may already serve another).
+#[cfg(feature = "fault-injection")] // Fault injection through the environment.
+#[test]
+fn a_worker_killed_mid_push_between_device_arenas_fails_or_recomputes_and_the_survivor_holds_nothing() {
+    kill_mid_push("push", "1500", true);
 }
 
 /// Layer-wise push across processes, and a worker killed in the middle of one (#17): the decode
@@ -810,7 +819,7 @@ fn a_worker_killed_mid_push_fails_or_recomputes_and_the_survivor_holds_nothing()
 #[cfg(feature = "fault-injection")] // Fault injection through the environment.
 #[test]
 fn a_worker_killed_mid_layerwise_push_fails_or_hands_over_again_and_the_survivor_holds_nothing() {
-    kill_mid_push("layerwise", "600");
+    kill_mid_push("layerwise", "600", false);
 }
 
 /// A push in `mode` whose writes are delayed `delay_ms`: works; the decode worker killed
@@ -818,15 +827,19 @@ fn a_worker_killed_mid_layerwise_push_fails_or_hands_over_again_and_the_survivor
 /// client has the first token and gets the rest); the prefill worker killed
 /// mid-push leaves the decode worker to finish the request (it recomputes the prompt; a
 /// layer-wise one is first given back and handed over again with the first token). The
-/// survivor holds nothing after either.
+/// survivor holds nothing after either. With `device`, every worker's arena poses as a device
+/// arena and every hand-off goes through the device link; else the decode workers take TCP,
+/// then shared memory.
 #[cfg(feature = "fault-injection")]
-fn kill_mid_push(mode: &str, delay_ms: &str) {
+fn kill_mid_push(mode: &str, delay_ms: &str, device: bool) {
     let layerwise = mode == "layerwise";
     let dir = model("tiny-llama");
     let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", mode]);
-    let delay = [(baton_conductor::deploy::PUSH_DELAY_ENV, delay_ms)];
+    let stand_in: &[(&str, &str)] = if device { &[(baton_conductor::deploy::DEVICE_STAND_IN_ENV, "1")] } else { &[] };
+    let delay = [&[(baton_conductor::deploy::PUSH_DELAY_ENV, delay_ms)], stand_in].concat();
+    let (first, second) = if device { ("auto", "auto") } else { ("tcp", "shm") };
     let p = worker_env(&dir, "prefill", &url, &["--name", "prefill-1"], SECRET, &delay);
-    let mut d1 = worker(&dir, "decode", &url, &["--transport", "tcp", "--name", "decode-1"]);
+    let mut d1 = worker_env(&dir, "decode", &url, &["--transport", first, "--name", "decode-1"], SECRET, stand_in);
     wait_members(&url, 2, Duration::from_secs(10));
     let expected = generate(&dir, LONG, 4);
     assert_eq!(text(&complete(&url, LONG, 4)), expected, "{mode}: pushes work, if slowly");
@@ -838,6 +851,9 @@ fn kill_mid_push(mode: &str, delay_ms: &str) {
             .unwrap_or_else(|| panic!("no {name} in\n{text}"))
     };
     assert_eq!(metric("baton_kv_layerwise_handoffs_total"), usize::from(layerwise), "{mode}");
+    if device {
+        assert_eq!(metric("baton_kv_transfers_total{transport=\"device\"}"), 1, "{mode}: not device to device");
+    }
 
     // The decode worker dies after registering its blocks, before the push wrote them all: no
     // decode worker is left, so the prefill worker runs the rest of the request whole from the
@@ -852,7 +868,7 @@ fn kill_mid_push(mode: &str, delay_ms: &str) {
     // The prefill worker dies while the decode worker waits for its push: the decode worker
     // gives its reserved blocks back and, holding the prompt and the first token (layer-wise:
     // handed over again with it), recomputes the prompt's KV itself: the whole answer.
-    let d2 = worker(&dir, "decode", &url, &["--transport", "shm", "--name", "decode-2"]);
+    let d2 = worker_env(&dir, "decode", &url, &["--transport", second, "--name", "decode-2"], SECRET, stand_in);
     wait_members(&url, 2, Duration::from_secs(10));
     let mut p = p;
     let body = stream_with_hook(&url, 40, 1, || p.proc.kill());
