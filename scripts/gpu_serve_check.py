@@ -25,6 +25,13 @@ def free_port():
 def post(port, path, body):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), {"content-type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=60))
+def metric(port, name, label=""):
+    """The sum of metric `name` (bare, over its labels, or one labelled series such as
+    'baton_kv_transfers_total{transport="device"}') on the server at `port`, over the lines that
+    also contain `label`."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+               if l.startswith(name) and l[len(name):len(name) + 1] in ("{", " ") and label in l)
 def first_answer(port, prompt, max_tokens):
     """A completion from a cluster that may still be coming up (its workers joining): retried for
     up to 90 s; None if it never answered."""
@@ -92,16 +99,13 @@ words = ["Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot"]
 tier_prompts = [w + ": " + "the prefill worker computes the prompt and the decode worker continues it, " * 8 for w in words]
 proc, port = serve(["--dtype", "float32", "--num-blocks", "32", "--host-kv-blocks", "512", "--colocated", "1"], "serve-tiers.log")
 try:
-    def metric_sum(text, name, label=""):
-        return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name + "{") and label in l)
     rounds, prompt_tokens = [], 0
     for _ in range(2):
         answers = []
         for p in tier_prompts:
             r = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 8, "temperature": 0})
             answers.append(r["choices"][0]["text"]); prompt_tokens = r["usage"]["prompt_tokens"]
-        m = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        rounds.append((answers, metric_sum(m, "baton_prefix_cache_hits_tokens_total"), metric_sum(m, "baton_kv_index_blocks", 'tier="host"')))
+        rounds.append((answers, metric(port, "baton_prefix_cache_hits_tokens_total"), metric(port, "baton_kv_index_blocks", 'tier="host"')))
     same = sum(a == b for a, b in zip(rounds[0][0], rounds[1][0]))
     hits = rounds[1][1] - rounds[0][1]
     print(f"  host tier under a 32-block device arena: {len(tier_prompts)} prompts of {prompt_tokens} tokens, twice: "
@@ -152,9 +156,7 @@ def cluster(label, worker_args, modes, want, transport):
             # conductor with the workers' reports, which may come just after the answers.
             moved, deadline = {}, time.time() + 5
             while answer and sum(moved.values()) < 1 + len(prompts) and time.time() < deadline:
-                metrics = urllib.request.urlopen(f"http://127.0.0.1:{p_}/metrics", timeout=5).read().decode()
-                moved = {t: sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith(f'baton_kv_transfers_total{{transport="{t}"}}'))
-                         for t in ("device", "shm", "tcp")}
+                moved = {t: metric(p_, f'baton_kv_transfers_total{{transport="{t}"}}') for t in ("device", "shm", "tcp")}
                 time.sleep(0.05)
             moved = {t: moved.get(t, 0.0) for t in ("device", "shm", "tcp")}
             print(f"  baton conductor ({mode}) + {label}: {same}/{len(prompts)} completions equal the reference; "
@@ -194,9 +196,7 @@ def kv_types_differ():
         answer = first_answer(port, prompts[0], 16)
         same = sum(post(port, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0})["choices"][0]["text"] == expected[p]
                    for p in prompts) if answer else 0
-        m = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        value = lambda name: sum(float(l.rsplit(" ", 1)[1]) for l in m.splitlines() if l.startswith(name))
-        whole, moved = value("baton_kv_incompatible_routes_total"), value("baton_kv_transfers_total")
+        whole, moved = metric(port, "baton_kv_incompatible_routes_total"), metric(port, "baton_kv_transfers_total")
         print(f"  conductor + baton worker --device cpu (prefill, float32 KV) and --device cuda (decode, bfloat16 KV): "
               f"{same}/{len(prompts)} completions equal `baton generate --device cuda`; requests run whole on the decode "
               f"worker {whole:.0f} of {1 + len(prompts)}; KV transfers {moved:.0f}")
@@ -227,20 +227,17 @@ def pd_caching_3():
     port = ports["pull"]
     try:
         got_1 = first_answer(port, turn_1, 8)
-        def metric(name):
-            m = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            return sum(float(l.rsplit(" ", 1)[1]) for l in m.splitlines() if l.startswith(name))
         deadline = time.time() + 10
-        while metric("baton_kv_return_tokens_total") == 0 and time.time() < deadline:
+        while metric(port, "baton_kv_return_tokens_total") == 0 and time.time() < deadline:
             time.sleep(0.05)
-        computed, moved, returned = (metric(n) for n in ("baton_prefill_tokens_total", "baton_kv_transfer_tokens_total",
+        computed, moved, returned = (metric(port, n) for n in ("baton_prefill_tokens_total", "baton_kv_transfer_tokens_total",
                                                          "baton_kv_return_tokens_total"))
         got_2 = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": turn_2, "max_tokens": 8, "temperature": 0})
-        computed_2, moved_2 = metric("baton_prefill_tokens_total") - computed, metric("baton_kv_transfer_tokens_total") - moved
+        computed_2, moved_2 = metric(port, "baton_prefill_tokens_total") - computed, metric(port, "baton_kv_transfer_tokens_total") - moved
         deadline = time.time() + 5
-        while metric('baton_kv_transfers_total{transport="device"}') < 2 and time.time() < deadline:
+        while metric(port, 'baton_kv_transfers_total{transport="device"}') < 2 and time.time() < deadline:
             time.sleep(0.05)
-        device = metric('baton_kv_transfers_total{transport="device"}')
+        device = metric(port, 'baton_kv_transfers_total{transport="device"}')
         same = (got_1 or {}).get("choices", [{}])[0].get("text") == want_1, got_2["choices"][0]["text"] == want_2
         prompt_2 = got_2["usage"]["prompt_tokens"]
         print(f"  PD-Caching 3, conductor + baton worker --device cuda --dtype float32 (prefill, decode): turns equal "
@@ -280,9 +277,6 @@ def fetches(kill_holder):
         procs[name] = subprocess.Popen([bin_, "worker", "--role", role, "--name", name, "--registry", registry, "--model", model,
                                         "--port", str(free_port()), "--kv-port", str(free_port()), "--num-blocks", "256", *f32],
                                        env=env, stdout=log, stderr=subprocess.STDOUT)
-    def metric(name):
-        m = urllib.request.urlopen(f"{registry}/metrics", timeout=5).read().decode()
-        return sum(float(l.rsplit(" ", 1)[1]) for l in m.splitlines() if l.startswith(name))
     def holding(worker):
         v = json.load(urllib.request.urlopen(f"{registry}/debug/kv-index", timeout=5))
         return bool((v.get("workers", {}).get(worker) or {}).get("blocks"))
@@ -318,9 +312,9 @@ def fetches(kill_holder):
                 except Exception as e:
                     got.append(f"error: {e}")
         same = sum(g == w for g, w in zip(got, want))
-        fetched = metric('baton_kv_fetches_total{outcome="fetched"}')
-        recomputed = metric('baton_kv_fetches_total{outcome="recomputed"}')
-        device = metric('baton_kv_transfers_total{transport="device"}')
+        fetched = metric(port, 'baton_kv_fetches_total{outcome="fetched"}')
+        recomputed = metric(port, 'baton_kv_fetches_total{outcome="recomputed"}')
+        device = metric(port, 'baton_kv_transfers_total{transport="device"}')
         # The survivors still serve: one more request after it all.
         after = post(port, "/v1/completions", {"model": "tiny-llama", "prompt": asks[0], "max_tokens": 8, "temperature": 0})
         after_ok = after["choices"][0]["text"] == want[0]

@@ -510,9 +510,9 @@ pub async fn follow(
                     continue;
                 }
                 // Said once, here; routing then keeps such pairs' requests whole.
-                let kind = Some(info.kv.to_string());
+                let kind = info.kv.to_string();
                 if let Some(other) =
-                    remotes.iter().find_map(|(id, w)| (*id != info.id && w.kv_kind() != kind).then_some(w))
+                    remotes.iter().find_map(|(id, w)| (*id != info.id && w.kv_kind() != Some(&kind)).then_some(w))
                 {
                     tracing::warn!(
                         worker = %info.id,

@@ -52,6 +52,8 @@ pub struct RemoteWorker {
     gone: watch::Sender<bool>,
     /// The longest silence on a generate stream (its response headers included).
     idle_timeout: Duration,
+    /// [`Worker::kv_kind`]: its registered KV summary, written out once (routing compares it).
+    kv_kind: String,
 }
 
 impl std::fmt::Debug for RemoteWorker {
@@ -87,6 +89,7 @@ impl RemoteWorker {
         Ok(Self {
             role: baton_protocol::worker::SharedRole::new(info.role),
             base: info.control_url.trim_end_matches('/').to_owned(),
+            kv_kind: info.kv.to_string(),
             info,
             client,
             secret,
@@ -279,8 +282,8 @@ impl Worker for RemoteWorker {
         self.info.kv_addr.parse().ok()
     }
 
-    fn kv_kind(&self) -> Option<String> {
-        Some(self.info.kv.to_string())
+    fn kv_kind(&self) -> Option<&str> {
+        Some(&self.kv_kind)
     }
 
     fn subscribe_state(&self) -> Option<mpsc::Receiver<StateUpdate>> {

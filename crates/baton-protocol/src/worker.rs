@@ -49,7 +49,7 @@ pub trait Worker: Send + Sync + std::fmt::Debug {
     /// servers refuse at CONNECT), so the conductor runs a request it would split between them
     /// whole on the decode worker instead. `None` (the default: the workers of one process share
     /// one engine configuration) matches any.
-    fn kv_kind(&self) -> Option<String> {
+    fn kv_kind(&self) -> Option<&str> {
         None
     }
     /// Where its KV server listens, when known: a layer-wise hand-off's decode worker registers

@@ -548,10 +548,10 @@ fn expired_lease_releases_blocks_and_refuses_reads() {
     assert_eq!(decode.pool.num_free(), POOL_BLOCKS);
 }
 
-// A pull over shared memory sends TRANSFER, reads and sends COMPLETE before it hears
-// TRANSFER_OK: what it read must still be refused when the lease is unknown or has ended, and
-// each refusal must take both answers off the connection, so that the next pull on it works.
-// (The device link, which waits for TRANSFER_OK, is held to the same.)
+// A pull over shared memory, or over a device link whose exporter lives (here the child
+// process), sends TRANSFER, reads and sends COMPLETE before it hears TRANSFER_OK: what it read
+// must still be refused when the lease is unknown or has ended, and each refusal must take both
+// answers off the connection, so that the next pull on it works.
 #[test]
 fn a_one_sided_pull_is_refused_without_a_live_lease_and_stays_in_step() {
     let mut prefill = Prefill::spawn(&spec("block-major", "pull", 1000));

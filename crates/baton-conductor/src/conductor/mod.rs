@@ -511,13 +511,13 @@ impl Conductor {
         // A cached prefix is fetched only from a worker whose KV the prompt's worker can take.
         let fetch = plan
             .fetch
-            .map(|f| PlannedFetch { from: workers[f.from].clone(), tokens: f.tokens.min(valid.prompt_ids.len()) });
-        let fetch = match &route {
-            Ok(Route::Colocated(w) | Route::Disaggregated { prefill: w, .. }) => {
-                fetch.filter(|f| baton_protocol::kv_exchangeable(&*f.from, &**w))
-            }
-            Err(_) => fetch,
-        };
+            .map(|f| PlannedFetch { from: workers[f.from].clone(), tokens: f.tokens.min(valid.prompt_ids.len()) })
+            .filter(|f| match &route {
+                Ok(Route::Colocated(w) | Route::Disaggregated { prefill: w, .. }) => {
+                    baton_protocol::kv_exchangeable(&*f.from, &**w)
+                }
+                Err(_) => false,
+            });
         if let Ok(r) = &route {
             let (prefill, decode) = match r {
                 Route::Colocated(w) => (w.name(), w.name()),
