@@ -36,6 +36,7 @@ pub mod grammar;
 mod kernels;
 mod linear;
 mod model;
+mod pool;
 mod quant;
 mod sampling;
 mod step;

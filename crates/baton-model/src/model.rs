@@ -23,6 +23,7 @@ use crate::device_kv::DeviceKv;
 use crate::error::{ModelError, Result};
 use crate::kernels::{apply_rope, gated_activation, rms_norm, rope_inv_freq, rope_tables, soft_cap};
 use crate::linear::{Linear, QWeight};
+use crate::pool::step_in_pool;
 use crate::step::{LogitsWanted, SeqStep, StepLogits};
 use crate::weights::WeightSource;
 
@@ -333,8 +334,9 @@ impl Model {
         let _ = &device;
         match &self.compute {
             // The step runs on one of rayon's threads: its hundred-odd parallel products are
-            // then forks within the pool, not a caller blocking on a condition variable each time.
-            Compute::Cpu(m) => in_pool(|| m.forward_in_pool(&self.config, batch, kv, layer_written)),
+            // then forks within the pool, not a caller blocking on a condition variable each
+            // time, and the pool's other threads stay awake between them (`pool`).
+            Compute::Cpu(m) => step_in_pool(|| m.forward_in_pool(&self.config, batch, kv, layer_written)),
             #[cfg(feature = "cuda")]
             Compute::Cuda(m) => {
                 let state = device
@@ -473,13 +475,4 @@ impl CpuModel {
             .collect();
         Ok(StepLogits { data, vocab: c.vocab_size, rows: ranges, argmax })
     }
-}
-
-/// Runs `f` on a thread of rayon's global pool (right here when this already is one).
-fn in_pool<T: Send>(f: impl FnOnce() -> T + Send) -> T {
-    if rayon::current_thread_index().is_some() {
-        return f();
-    }
-    // A scope's body runs on a worker thread, the caller waiting once for the whole of it.
-    rayon::scope(|_| f())
 }

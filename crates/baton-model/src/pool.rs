@@ -1,0 +1,161 @@
+//! A model step on rayon's pool, with the pool's other threads kept awake until it ends.
+//!
+//! A batch-1 decode step of a small model is a hundred-odd parallel products of tens of
+//! microseconds each, with a few microseconds of serial work between them (norms, rotary
+//! embeddings, one row's attention). Rayon puts a thread that finds no work for a few
+//! microseconds to sleep, and waking it again (a futex, an inter-processor interrupt on a VM)
+//! takes about as long as the gap: until it is up, the stepping thread does the product's other
+//! half itself. Keeping them awake (two threads, `baton bench engine --batches 1,1,1,1`, eight
+//! runs each way alternating with `BATON_CPU_POLL=0`): SmolLM2 135M Q4_1 decodes at a median of
+//! 202 tokens/s, was 192; Gemma 3 270M Q4_K_M at 89, was 80. `perf` put a seventh of SmolLM2-135M's decode step, two threads, in sleeping
+//! and waking (issue #38). llama.cpp avoids it the same way: its threads spin between the
+//! operations of a graph.
+//!
+//! [`step_in_pool`] runs the step on a pool thread (the caller blocks once, for the whole step)
+//! and gives every other thread of the pool a job that keeps it awake: it runs whatever work
+//! the pool has ([`rayon::yield_now`]) and spins between, until the step ends.
+//!
+//! **No waits in a cycle.** A keep-awake job never holds a thread the step needs: it runs the
+//! step's work itself, and it gives its thread back once the step is over *or* once it has found
+//! no work for [`IDLE_LIMIT`]. The second exit matters when two steps share the pool (two
+//! engines in one process): a thread that picks up step A's keep-awake job while it waits,
+//! inside a job of step B, for part of that job would otherwise hold step B until step A ends,
+//! and if step A waited on step B the same way neither would. With the limit such a wait costs
+//! at most [`IDLE_LIMIT`] of one thread.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a keep-awake job spins with nothing to do before it gives its thread back: far
+/// longer than the serial gaps of a step, short enough that a thread held by it by mistake
+/// (above) costs little.
+pub(crate) const IDLE_LIMIT: Duration = Duration::from_millis(1);
+
+/// Runs `step` on a thread of the current rayon pool (right here when this is one), with the
+/// pool's other threads kept awake until it returns.
+pub(crate) fn step_in_pool<T: Send>(step: impl FnOnce() -> T + Send) -> T {
+    if !keep_awake() {
+        return rayon::scope(|_| step());
+    }
+    let done = AtomicBool::new(false);
+    // A scope's body runs on a pool thread, the caller waiting once for the whole of it; the
+    // scope also waits for the keep-awake jobs, which end once `done` is set.
+    rayon::scope(|s| {
+        let stepping = rayon::current_thread_index();
+        let done = &done;
+        s.spawn_broadcast(move |_, ctx| {
+            // The stepping thread's own copy returns at once: it may come to it while it waits,
+            // inside the step, for work another thread took.
+            if Some(ctx.index()) != stepping {
+                stay_awake(done);
+            }
+        });
+        let out = step();
+        done.store(true, Ordering::Release);
+        out
+    })
+}
+
+/// Whether steps keep the pool's threads awake: yes, unless `BATON_CPU_POLL=0` (read once per
+/// process; llama.cpp's `--poll 0`): for a CPU shared with other busy processes, where a
+/// spinning thread takes time they need, and to measure what spinning gains.
+fn keep_awake() -> bool {
+    static KEEP_AWAKE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *KEEP_AWAKE.get_or_init(|| std::env::var("BATON_CPU_POLL").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Runs the pool's pending work, spinning when there is none, until `done` is set or nothing
+/// has come for [`IDLE_LIMIT`].
+fn stay_awake(done: &AtomicBool) {
+    let mut idle_since = Instant::now();
+    while !done.load(Ordering::Acquire) {
+        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+            idle_since = Instant::now();
+        } else if idle_since.elapsed() > IDLE_LIMIT {
+            return;
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Duration;
+
+    use rayon::prelude::*;
+
+    use super::*;
+
+    /// A step shaped like a decode step: many small parallel products with serial work between.
+    fn fake_step(seed: u64) -> u64 {
+        let mut acc = seed;
+        for layer in 0..50u64 {
+            let v: u64 = (0..4096usize)
+                .into_par_iter()
+                .with_min_len(256)
+                .map(|i| (i as u64 ^ layer).wrapping_mul(acc | 1))
+                .sum();
+            acc = acc.wrapping_add(v).rotate_left(7);
+        }
+        acc
+    }
+
+    #[test]
+    fn a_step_returns_what_it_computes_from_inside_and_outside_the_pool() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a pool");
+        let expected = fake_step(7);
+        // From outside the pool: the step runs on one of its threads.
+        assert_eq!(pool.install(|| step_in_pool(|| fake_step(7))), expected);
+        // From a pool thread, and nested in another step.
+        let nested = pool.install(|| step_in_pool(|| step_in_pool(|| fake_step(7))));
+        assert_eq!(nested, expected);
+        // A one-thread pool has no one to keep awake.
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a pool");
+        assert_eq!(one.install(|| step_in_pool(|| fake_step(7))), expected);
+    }
+
+    #[test]
+    fn the_other_threads_run_the_steps_work() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+        let seen = AtomicUsize::new(0);
+        let stepping = pool.install(|| {
+            step_in_pool(|| {
+                let me = rayon::current_thread_index();
+                (0..64).into_par_iter().for_each(|_| {
+                    std::thread::sleep(Duration::from_millis(1));
+                    if rayon::current_thread_index() != me {
+                        seen.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+                me
+            })
+        });
+        assert!(stepping.is_some());
+        assert!(seen.load(Ordering::Relaxed) > 0, "the second thread took none of the step's work");
+    }
+
+    /// Two steps at once on one pool, each waiting on its own parallel work, from several
+    /// callers: the case where a keep-awake job can land above another step's wait. Every step
+    /// must finish (a deadlock here hangs the test) with its own answer.
+    #[test]
+    fn concurrent_steps_on_one_pool_all_finish() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().expect("a pool");
+        let expected: Vec<u64> = (0..4).map(fake_step).collect();
+        std::thread::scope(|s| {
+            let callers: Vec<_> = (0..4u64)
+                .map(|seed| {
+                    let pool = &pool;
+                    s.spawn(move || {
+                        (0..20).map(|_| pool.install(|| step_in_pool(|| fake_step(seed)))).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            for (seed, caller) in callers.into_iter().enumerate() {
+                let answers = caller.join().expect("a caller");
+                assert!(answers.iter().all(|&a| a == expected[seed]), "step {seed} answered wrongly");
+            }
+        });
+    }
+}
