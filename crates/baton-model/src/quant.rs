@@ -35,6 +35,7 @@ mod avx512;
 mod avx512_q16;
 mod panel16;
 mod q16;
+mod x8;
 
 use q16::Q16Rows;
 
@@ -293,10 +294,14 @@ const GEMM_ROW_BLOCK: usize = 24;
 #[derive(Debug, Clone)]
 pub(crate) struct QuantMatrix {
     format: BlockFormat,
+    /// Rows `row_bytes` apart: GGUF's blocks, or with `interleaved` [`x8`]'s groups.
     bytes: Vec<u8>,
     rows: usize,
     cols: usize,
     row_bytes: usize,
+    /// Q4_1 rows regrouped eight blocks at a time for the int16 decode kernels ([`x8`]); only
+    /// where the process's kernel is one of those, and the rows have a whole group.
+    interleaved: bool,
 }
 
 impl QuantMatrix {
@@ -308,7 +313,37 @@ impl QuantMatrix {
             return None;
         }
         let row_bytes = cols / format.block_len() * format.block_bytes();
-        (bytes.len() == rows * row_bytes).then(|| Self { format, bytes: bytes.to_vec(), rows, cols, row_bytes })
+        if bytes.len() != rows * row_bytes {
+            return None;
+        }
+        let interleaved = format == BlockFormat::Q4_1
+            && cols / format.block_len() >= x8::BLOCKS
+            && DotKernel::detect().for_format(format).int16();
+        let mut bytes = bytes.to_vec();
+        if interleaved {
+            bytes.par_chunks_mut(row_bytes).for_each(x8::interleave_row);
+        }
+        Some(Self { format, bytes, rows, cols, row_bytes, interleaved })
+    }
+
+    /// Calls `f(i, block)` for each block of row `r` in turn, its bytes as GGUF lays them out.
+    #[inline(always)]
+    fn gguf_blocks(&self, r: usize, mut f: impl FnMut(usize, &[u8])) {
+        let bb = self.format.block_bytes();
+        let row = &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes];
+        if !self.interleaved {
+            row.chunks_exact(bb).enumerate().for_each(|(i, b)| f(i, b));
+            return;
+        }
+        let mut gguf = [0u8; x8::GROUP_BYTES];
+        let groups = row.chunks_exact(x8::GROUP_BYTES);
+        let tail = groups.remainder();
+        for (g, group) in groups.enumerate() {
+            x8::gguf_row(group, &mut gguf);
+            gguf.chunks_exact(bb).enumerate().for_each(|(j, b)| f(g * x8::BLOCKS + j, b));
+        }
+        let first = (row.len() - tail.len()) / bb;
+        tail.chunks_exact(bb).enumerate().for_each(|(j, b)| f(first + j, b));
     }
 
     pub(crate) fn rows(&self) -> usize {
@@ -328,6 +363,7 @@ impl QuantMatrix {
         if self.format != other.format || self.cols != other.cols {
             return None;
         }
+        // Both laid out alike (the same format and width, the same process's kernel).
         let mut bytes = self.bytes.clone();
         bytes.extend_from_slice(&other.bytes);
         Some(Self { bytes, rows: self.rows + other.rows, ..*self })
@@ -336,11 +372,8 @@ impl QuantMatrix {
     /// Decodes row `r` into `out` (`cols` values).
     #[inline(always)]
     fn decode_row(&self, r: usize, out: &mut [f32]) {
-        let (n, bb) = (self.format.block_len(), self.format.block_bytes());
-        let row = &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes];
-        for (b, y) in row.chunks_exact(bb).zip(out.chunks_exact_mut(n)) {
-            self.format.decode(b, y);
-        }
+        let n = self.format.block_len();
+        self.gguf_blocks(r, |i, b| self.format.decode(b, &mut out[i * n..(i + 1) * n]));
     }
 
     /// Decodes the rows listed in `ids` into `[ids.len()][cols]` (an embedding gather).
@@ -702,7 +735,13 @@ impl DotKernel {
 
     /// The activations rounded to int16 as this kernel takes them, for the int16 kernels.
     fn q16(self, w: &QuantMatrix, x: &[f32]) -> Option<Q16Rows> {
-        self.for_format(w.format).int16().then(|| Q16Rows::new(x, w.cols, q16::q16_block(w.format)))
+        self.for_format(w.format).int16().then(|| {
+            let mut q = Q16Rows::new(x, w.cols, q16::q16_block(w.format));
+            if w.interleaved {
+                x8::permute_activations(&mut q.q, w.cols);
+            }
+            q
+        })
     }
 
     /// The kernels this CPU runs, fastest first.
@@ -766,19 +805,25 @@ impl DotKernel {
                 };
                 debug_assert_eq!(q.view().m(), m);
                 let (format, bytes, row_bytes, cols, x) = (w.format, &w.bytes, w.row_bytes, w.cols, q.view());
-                if self == Self::Avx512Q16 {
+                // Interleaved rows go to the AVX2 kernel straight (the AVX-512 one hands it
+                // every 32-value format anyway).
+                if self == Self::Avx512Q16 && !w.interleaved {
                     // SAFETY: `available` lists this kernel only on a CPU with AVX-512F,
                     // AVX-512BW, AVX-512VL, AVX2, FMA and F16C.
                     unsafe { avx512_q16::band(format, bytes, row_bytes, cols, first, x, out) }
                 } else {
                     // SAFETY: `available` lists this kernel only on a CPU with AVX2, FMA and F16C.
-                    unsafe { avx2_q16::band(format, bytes, row_bytes, cols, first, x, out) }
+                    unsafe { avx2_q16::band(format, w.interleaved, bytes, row_bytes, cols, first, x, out) }
                 }
             }
             #[cfg(target_arch = "x86_64")]
             #[allow(unsafe_code)]
             // SAFETY: `detect` picked this kernel only on a CPU with AVX-512F, FMA and F16C.
-            Self::Avx512 => unsafe { avx512::band(w.format, &w.bytes, w.row_bytes, w.cols, first, x, m, out) },
+            Self::Avx512 => {
+                // Interleaved rows are Q4_1's, which this kernel hands to a decode-a-row one.
+                debug_assert!(!w.interleaved);
+                unsafe { avx512::band(w.format, &w.bytes, w.row_bytes, w.cols, first, x, m, out) }
+            }
             #[cfg(target_arch = "x86_64")]
             #[allow(unsafe_code)]
             // SAFETY: `detect` picked this kernel only on a CPU with AVX2, FMA and F16C.
@@ -1043,17 +1088,21 @@ mod tests {
         let all: Vec<u32> = (0..rows as u32).collect();
         let w = mat.gather(&all);
         // The same blocks with their minimums zeroed: the scaled integer part of each weight.
-        let mut no_min = mat.clone();
         let min_field = match mat.format {
             BlockFormat::Q4_1 | BlockFormat::Q5_1 | BlockFormat::Q4K | BlockFormat::Q5K => Some(2),
             BlockFormat::Q2K => Some(82),
             _ => None,
         };
+        let mut gguf = Vec::with_capacity(mat.bytes.len());
+        for r in 0..rows {
+            mat.gguf_blocks(r, |_, b| gguf.extend_from_slice(b));
+        }
         if let Some(i) = min_field {
-            for b in no_min.bytes.chunks_exact_mut(mat.format.block_bytes()) {
+            for b in gguf.chunks_exact_mut(mat.format.block_bytes()) {
                 b[i..i + 2].fill(0);
             }
         }
+        let no_min = QuantMatrix::new(dtype_of(mat.format), &gguf, rows, cols).expect("the same shape");
         let w_int = no_min.gather(&all);
         let kernels: Vec<DotKernel> = DotKernel::available().into_iter().filter(|k| k.int16()).collect();
         if kernels.is_empty() {

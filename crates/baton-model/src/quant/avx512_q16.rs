@@ -78,7 +78,7 @@ pub(super) unsafe fn band(
             // scaling them together: faster than 512-bit kernels that scale every block (on
             // Zen 4, 24 against 17 Gweights/s for Q4_1; see `avx2_q16`).
             // SAFETY: this function's CPU features include AVX2, FMA and F16C.
-            unsafe { super::avx2_q16::band(format, bytes, row_bytes, cols, first, x, out) }
+            unsafe { super::avx2_q16::band(format, false, bytes, row_bytes, cols, first, x, out) }
         }
         BlockFormat::Q4K => by_rows!(q4k),
         BlockFormat::Q6K => by_rows!(q6k),

@@ -215,12 +215,11 @@ fn pack_rows<const NR: usize>(w: &QuantMatrix, first: usize, rows: usize, out: P
         mn.fill(0.0);
     }
     for c in 0..rows {
-        let row = &w.bytes[(first + c) * w.row_bytes..(first + c + 1) * w.row_bytes];
         let (bq, bf, bm) = (&mut buf.q[..], &mut buf.f[..], &mut buf.mn[..]);
-        for (i, b) in row.chunks_exact(format.block_bytes()).enumerate() {
+        w.gguf_blocks(first + c, |i, b| {
             let s = i * bl / g..(i + 1) * bl / g;
             decode_ints(format, b, &mut bq[i * bl..(i + 1) * bl], &mut bf[s.clone()], &mut bm[s]);
-        }
+        });
         // Value pairs into the row's column of pairs, one 32-bit store each (the pair's first
         // value at the lower address, as the kernels' little-endian lanes read it).
         assert!(2 * c + 1 < 2 * NR && (k / 2 - 1) * 2 * NR + 2 * c + 1 < q.len());
