@@ -92,11 +92,11 @@ mod tests {
     fn fake_step(seed: u64) -> u64 {
         let mut acc = seed;
         for layer in 0..50u64 {
-            let v: u64 = (0..4096usize)
+            let v = (0..4096usize)
                 .into_par_iter()
                 .with_min_len(256)
                 .map(|i| (i as u64 ^ layer).wrapping_mul(acc | 1))
-                .sum();
+                .reduce(|| 0, u64::wrapping_add);
             acc = acc.wrapping_add(v).rotate_left(7);
         }
         acc
