@@ -509,7 +509,7 @@ pub async fn follow(
                     );
                     continue;
                 }
-                // Said once, here; routing then keeps such pairs' requests whole.
+                // Said once, here; routing then pairs workers only of one KV kind.
                 let kind = info.kv.to_string();
                 if let Some(other) =
                     remotes.iter().find_map(|(id, w)| (*id != info.id && w.kv_kind() != Some(&kind)).then_some(w))
@@ -519,9 +519,10 @@ pub async fn follow(
                         kv = %info.kv,
                         other = other.name(),
                         other_kv = other.kv_kind().unwrap_or_default(),
-                        "a worker joined whose KV cache differs from another's: no KV moves between them, and \
-                         requests routed across the pair run whole on the decode worker (start every worker with \
-                         the same --kv-dtype and --block-size)"
+                        "a worker joined whose KV cache differs from another's: no KV moves between them, so \
+                         requests pair prefill and decode workers of one KV kind only, and run whole on a decode \
+                         worker where no prefill worker shares its kind (start every worker with the same \
+                         --kv-dtype and --block-size)"
                     );
                 }
                 match RemoteWorker::with_ca(info.clone(), secret.clone(), ca_pem.as_deref()) {

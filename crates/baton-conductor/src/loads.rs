@@ -40,6 +40,8 @@ pub(crate) struct WorkerFigures {
     pub(crate) block_tokens: usize,
     /// Its last load report (`None` before the first arrives).
     pub(crate) report: Option<LoadReport>,
+    /// Its KV group ([`baton_sched::InstanceSnapshot::kv_group`]).
+    pub(crate) kv_group: Option<u32>,
 }
 
 impl WorkerFigures {
@@ -56,6 +58,7 @@ impl WorkerFigures {
             capacity_blocks: 0,
             block_tokens: 16,
             report: None,
+            kv_group: None,
         }
     }
 
@@ -64,6 +67,7 @@ impl WorkerFigures {
     pub(crate) fn load(mut self, cost: &CostProfile, now: Micros) -> WorkerLoad {
         let block_tokens = self.block_tokens.max(1);
         let mut load = WorkerLoad::idle(InstanceId(self.instance), self.role);
+        load.kv_group = self.kv_group;
         self.prefilling.sort_unstable();
         load.prefills = prefill_queue(&self.prefilling, cost, now);
         load.decode_running =

@@ -131,15 +131,44 @@ pub fn ready_trees(trees: &mut GlobalPromptTrees, now: Micros, workers: &[Worker
 /// run whole whatever the worker's role), the least loaded first. `None` when both roles are
 /// present (the policy decides) or no worker is (HTTP 503). So no role is a single point of
 /// failure, and disaggregation resumes as soon as the missing role returns.
-pub fn lone_role_fallback(snapshot: &ClusterSnapshot<'_>) -> Option<usize> {
+///
+/// Both roles present but no prefill worker whose KV a decode worker can take (a CPU prefill
+/// worker beside GPU decode workers: [`InstanceSnapshot::shares_kv`]) counts as a role missing
+/// too, and the decode workers run requests whole ([`Fallback::KvMismatch`]): a prefill there
+/// would be computed for nothing.
+pub fn lone_role_fallback(snapshot: &ClusterSnapshot<'_>) -> Option<(usize, Fallback)> {
     use crate::Role;
     let workers = &snapshot.instances;
+    let least = |ws: &mut dyn Iterator<Item = usize>| ws.min_by_key(|&i| (workers[i].ledger.in_flight, i));
     let prefills = workers.iter().any(|w| w.role != Role::Decode);
     let decodes = workers.iter().any(|w| w.role != Role::Prefill);
-    if prefills && decodes {
+    if !(prefills && decodes) {
+        return least(&mut (0..workers.len())).map(|w| (w, Fallback::LoneRole));
+    }
+    if workers.iter().any(|p| can_hand_off(workers, p)) {
         return None;
     }
-    (0..workers.len()).min_by_key(|&i| (workers[i].ledger.in_flight, i))
+    least(&mut (0..workers.len()).filter(|&i| workers[i].role != Role::Prefill)).map(|w| (w, Fallback::KvMismatch))
+}
+
+/// Why [`lone_role_fallback`] runs a request whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// No worker prefills, or none decodes.
+    LoneRole,
+    /// No prefill worker's KV can go to a decode worker.
+    KvMismatch,
+}
+
+/// Whether `p` prefills and some worker decodes what it prefills: itself when colocated, else a
+/// decode or colocated worker that can take its KV.
+fn can_hand_off(workers: &[InstanceSnapshot], p: &InstanceSnapshot) -> bool {
+    use crate::Role;
+    match p.role {
+        Role::Colocated => true,
+        Role::Decode => false,
+        Role::Prefill => workers.iter().any(|d| d.role != Role::Prefill && d.shares_kv(p)),
+    }
 }
 
 /// A routing policy: pure, a function of the snapshot and the request. It may keep state of its
@@ -216,7 +245,9 @@ impl RoutePolicy for LeastLoad {
                 self.max_in_flight.unwrap_or_default()
             ),
         };
-        let prefills = || (0..workers.len()).filter(|&i| workers[i].role != Role::Decode);
+        // Prefill workers whose KV some decode worker can take (`lone_role_fallback` runs
+        // requests whole when there is none).
+        let prefills = || (0..workers.len()).filter(|&i| can_hand_off(workers, &workers[i]));
         if prefills().next().is_none() {
             return Decision::NoWorkers;
         }
@@ -226,8 +257,8 @@ impl RoutePolicy for LeastLoad {
         // worker, from a colocated one.
         let decodes = || {
             (0..workers.len()).filter(move |&i| match workers[i].role {
-                Role::Decode => true,
-                Role::Colocated => !colocated || i == prefill,
+                Role::Decode => workers[i].shares_kv(&workers[prefill]),
+                Role::Colocated => !colocated && workers[i].shares_kv(&workers[prefill]) || i == prefill,
                 Role::Prefill => false,
             })
         };
@@ -289,7 +320,7 @@ mod tests {
     }
 
     fn fallback(workers: Vec<WorkerLoad>) -> Option<usize> {
-        snap(&workers, lone_role_fallback)
+        snap(&workers, |s| lone_role_fallback(s).map(|(w, _)| w))
     }
 
     #[test]
@@ -313,6 +344,35 @@ mod tests {
             workers[decode].ledger.bound_tokens += 10;
         }
         assert_eq!(split, [0, 3, 3]);
+    }
+
+    /// Worker `index` of KV group `group`.
+    fn grouped(index: usize, role: Role, in_flight: usize, group: u32) -> WorkerLoad {
+        WorkerLoad { kv_group: Some(group), ..view(index, role, in_flight) }
+    }
+
+    /// A prefill worker whose KV no decode worker can take is as good as none: with no such
+    /// pair at all, the decode workers run requests whole; with one, least-load takes it even
+    /// where another decode worker is idler.
+    #[test]
+    fn prefill_and_decode_pair_only_within_a_kv_group() {
+        let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
+        let mismatched =
+            vec![grouped(0, Role::Prefill, 0, 0), grouped(1, Role::Decode, 3, 1), grouped(2, Role::Decode, 1, 1)];
+        assert_eq!(snap(&mismatched, lone_role_fallback), Some((2, Fallback::KvMismatch)));
+        let workers = vec![
+            grouped(0, Role::Prefill, 0, 0),
+            grouped(1, Role::Prefill, 0, 1),
+            grouped(2, Role::Decode, 0, 1),
+            grouped(3, Role::Decode, 5, 0),
+        ];
+        assert_eq!(fallback(workers.clone()), None);
+        // Worker 2 is the idler decode worker, but only worker 3 takes worker 0's KV.
+        assert_eq!(route(LeastLoad::default(), &workers, &r), Decision::Disaggregated { prefill: 0, decode: 3 });
+        // Group 1's prefill worker idler: it hands to group 1's decode worker.
+        let mut idle1 = workers;
+        idle1[0].ledger.in_flight = 1;
+        assert_eq!(route(LeastLoad::default(), &idle1, &r), Decision::Disaggregated { prefill: 1, decode: 2 });
     }
 
     #[test]

@@ -275,6 +275,11 @@ pub struct InstanceSnapshot {
     pub mean_step_us: Micros,
     /// What the router counts of it ([`Ledger`]).
     pub ledger: Ledger,
+    /// Which instances it can exchange KV with: those of the same group, or any when either is
+    /// `None` (unknown). Workers whose KV caches differ (a CPU worker's float32 arena, a GPU
+    /// worker's bfloat16 one) cannot take each other's blocks: the policies pair a prefill
+    /// instance only with decode instances of its group and fetch a prefix only within it.
+    pub kv_group: Option<u32>,
 }
 
 impl InstanceSnapshot {
@@ -294,6 +299,15 @@ impl InstanceSnapshot {
             decode_step_scale: 1.0,
             mean_step_us: 0,
             ledger: Ledger::default(),
+            kv_group: None,
+        }
+    }
+
+    /// Whether it and `other` can exchange KV ([`Self::kv_group`]).
+    pub fn shares_kv(&self, other: &InstanceSnapshot) -> bool {
+        match (self.kv_group, other.kv_group) {
+            (Some(a), Some(b)) => a == b,
+            _ => true,
         }
     }
 
@@ -363,6 +377,8 @@ pub struct WorkerLoad {
     pub mean_step_us: Micros,
     /// What the router counts of it ([`Ledger`]).
     pub ledger: Ledger,
+    /// Which workers it can exchange KV with ([`InstanceSnapshot::kv_group`]).
+    pub kv_group: Option<u32>,
 }
 
 impl WorkerLoad {
@@ -381,6 +397,7 @@ impl WorkerLoad {
             decode_step_scale: 1.0,
             mean_step_us: 0,
             ledger: Ledger::default(),
+            kv_group: None,
         }
     }
 
@@ -412,6 +429,7 @@ impl WorkerLoad {
             decode_step_scale: self.decode_step_scale,
             mean_step_us: self.mean_step_us,
             ledger: self.ledger,
+            kv_group: self.kv_group,
         }
     }
 }
@@ -514,8 +532,24 @@ impl<'a> ClusterSnapshot<'a> {
     }
 
     /// Instances that take prefills now.
+    ///
+    /// A prefill-only instance counts only while some decode instance can take its KV
+    /// ([`InstanceSnapshot::shares_kv`]): with none, every policy would pick a pair that cannot
+    /// hand off.
     pub fn prefill_pool(&self) -> impl Iterator<Item = &InstanceSnapshot> {
-        self.instances.iter().filter(|i| i.accepting && i.role.prefills())
+        // One KV group (every cluster of one worker build) skips the search for a partner.
+        let mixed = self.kv_groups_mixed();
+        self.instances.iter().filter(move |i| {
+            i.accepting
+                && i.role.prefills()
+                && (!mixed || i.role == crate::Role::Colocated || self.decode_pool().any(|d| d.shares_kv(i)))
+        })
+    }
+
+    /// Whether two instances are of different KV groups ([`InstanceSnapshot::kv_group`]).
+    pub fn kv_groups_mixed(&self) -> bool {
+        let mut groups = self.instances.iter().filter_map(|i| i.kv_group);
+        groups.next().is_some_and(|first| groups.any(|g| g != first))
     }
 
     /// Instances that take decodes now.

@@ -280,6 +280,7 @@ impl Simulator {
             decode_step_scale: 1.0,
             mean_step_us: inst.mean_step_us as Micros,
             ledger: Ledger::default(),
+            kv_group: None,
         }
     }
 
@@ -321,6 +322,7 @@ impl Simulator {
             decode_step_scale: 1.0,
             mean_step_us: inst.mean_step_us as Micros,
             ledger: Ledger::default(),
+            kv_group: None,
         }
     }
 

@@ -344,6 +344,28 @@ fn workers_whose_kv_types_differ_run_requests_whole_on_the_decode_worker() {
     assert_no_leak(&[&p, &d]);
 }
 
+/// With a decode worker of each KV type, a prefill worker hands off only to the one that can
+/// take its KV, though the other is every policy's first pick (it joined first: the lower id,
+/// and both are idle). Before the snapshot carried KV groups the policy picked that one and the
+/// conductor ran each request whole on it.
+#[test]
+fn a_prefill_worker_hands_off_only_to_a_decode_worker_of_its_kv_type() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    let d32 = worker(&dir, "decode", &url, &[]);
+    wait_members(&url, 1, Duration::from_secs(10));
+    let p = worker(&dir, "prefill", &url, &["--kv-dtype", "f16"]);
+    let d16 = worker(&dir, "decode", &url, &["--kv-dtype", "f16"]);
+    wait_members(&url, 3, Duration::from_secs(10));
+    let expected = generate_with(&dir, LONG, 12, &["--kv-dtype", "f16"]);
+    for _ in 0..3 {
+        assert_eq!(text(&complete(&url, LONG, 12)), expected, "against baton generate --kv-dtype f16");
+    }
+    assert_eq!(metric(&url, "baton_kv_incompatible_routes_total "), 0.0, "a request ran whole");
+    assert!(metric_sum(&url, "baton_kv_transfers_total") > 0.0, "no KV moved");
+    assert_no_leak(&[&p, &d32, &d16]);
+}
+
 #[test]
 fn concurrent_streams_across_processes_over_shared_memory() {
     let dir = model("tiny-llama");

@@ -50,8 +50,8 @@ use crate::metrics::{Metrics, Outcome, WorkerGauges};
 use crate::openai::{Endpoint, ValidRequest, Validator};
 use crate::response::{Piece, full_response, sse_response};
 use crate::routing::{
-    Decision, Plan, RoutePolicy, RouteRequest, SnapshotConfig, cluster_snapshot, decode_has_room, lone_role_fallback,
-    ready_trees,
+    Decision, Fallback, Plan, RoutePolicy, RouteRequest, SnapshotConfig, cluster_snapshot, decode_has_room,
+    lone_role_fallback, ready_trees,
 };
 use crate::view::{ClusterView, KvIndexMode, PREDICTED_TTL_US};
 use baton_protocol::error::ApiError;
@@ -400,9 +400,22 @@ impl Conductor {
         let now = self.now_us();
         let mut loads = self.loads();
         workers.sort_by_key(|w| loads.id(w.name()));
+        // Each KV kind a group, numbered as first met: the policies pair and fetch within one.
+        let mut kinds: Vec<&str> = Vec::new();
+        let mut groups: Vec<Option<u32>> = Vec::with_capacity(workers.len());
+        for kind in workers.iter().map(|w| w.kv_kind()) {
+            groups.push(kind.map(|kind| match kinds.iter().position(|k| *k == kind) {
+                Some(g) => g as u32,
+                None => {
+                    kinds.push(kind);
+                    (kinds.len() - 1) as u32
+                }
+            }));
+        }
         let figures = workers
             .iter()
-            .map(|w| {
+            .zip(groups)
+            .map(|(w, kv_group)| {
                 let name = w.name();
                 WorkerFigures {
                     instance: loads.id(name),
@@ -414,6 +427,7 @@ impl Conductor {
                     capacity_blocks: w.capacity_blocks(),
                     block_tokens: w.block_tokens(),
                     report: self.view.report(name),
+                    kv_group,
                 }
                 .load(cost, now)
             })
@@ -476,10 +490,20 @@ impl Conductor {
         };
         let (plan, room): (Plan, bool) = match decided {
             Ok(decided) => decided,
-            Err(w) => {
+            Err((w, Fallback::LoneRole)) => {
                 // A role has no live worker (its last one died, hung or left): the others run
                 // requests whole until it is back, rather than refusing them all.
                 tracing::debug!(worker = workers[w].name(), "a role has no live worker; running the request whole");
+                return Ok((Route::Colocated(workers[w].clone()), None));
+            }
+            Err((w, Fallback::KvMismatch)) => {
+                // No prefill worker's KV can go to a decode worker: a decode worker runs the
+                // request whole rather than recompute a prompt the prefill worker computed.
+                self.metrics.kv_incompatible.inc();
+                tracing::debug!(
+                    worker = workers[w].name(),
+                    "no prefill worker shares a decode worker's KV type; running the request whole"
+                );
                 return Ok((Route::Colocated(workers[w].clone()), None));
             }
         };
@@ -492,8 +516,10 @@ impl Conductor {
             Decision::Disaggregated { prefill, decode }
                 if !baton_protocol::kv_exchangeable(&*workers[prefill], &*workers[decode]) =>
             {
-                // Their KV servers would refuse each other: the decode worker runs the request
-                // whole rather than recompute the prompt after the prefill worker computed it.
+                // Their KV servers would refuse each other (the snapshot's KV groups keep every
+                // policy from such a pair; a custom one may not): the decode worker runs the
+                // request whole rather than recompute the prompt after the prefill worker
+                // computed it.
                 self.metrics.kv_incompatible.inc();
                 tracing::debug!(
                     prefill = workers[prefill].name(),

@@ -29,6 +29,7 @@ impl Policy for RoundRobin {
         }
         let p = prefills[self.next_prefill % prefills.len()];
         self.next_prefill = self.next_prefill.wrapping_add(1);
+        let decodes: Vec<&InstanceSnapshot> = decodes.into_iter().filter(|d| d.shares_kv(p)).collect();
         let d = if p.role == crate::Role::Colocated || decodes.is_empty() {
             p
         } else {
@@ -60,6 +61,7 @@ impl Policy for RandomPolicy {
             return Decision::Reject { reason: RejectReason::NoInstance };
         }
         let p = prefills[rng.random_range(0..prefills.len())];
+        let decodes: Vec<&InstanceSnapshot> = decodes.into_iter().filter(|d| d.shares_kv(p)).collect();
         let d = if p.role == crate::Role::Colocated || decodes.is_empty() {
             p
         } else {

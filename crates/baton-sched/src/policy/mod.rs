@@ -247,7 +247,7 @@ pub(crate) fn least_loaded_decode(
     let colocated = prefill.role == crate::Role::Colocated;
     let pool: Vec<(InstanceId, Micros)> = snap
         .decode_pool()
-        .filter(|d| !colocated || d.role == crate::Role::Decode)
+        .filter(|d| (!colocated || d.role == crate::Role::Decode) && d.shares_kv(prefill))
         .map(|d| (d.id, tbt_with(snap, d, req)))
         .collect();
     let own = colocated.then(|| tbt_with(snap, prefill, req));
@@ -294,7 +294,9 @@ impl<'s> PrefillPlan<'s> {
         holder: Option<(InstanceId, usize)>,
     ) -> Self {
         let mut plan = Self { inst, local, fetch: None, ttft: ttft_on(snap, inst, req, local) };
-        let holder = holder.filter(|&(from, end)| snap.kv_fetch && end > local && from != inst.id);
+        let holder = holder.filter(|&(from, end)| {
+            snap.kv_fetch && end > local && from != inst.id && snap.instance(from).is_some_and(|h| h.shares_kv(inst))
+        });
         if let Some((from, end)) = holder {
             let tokens = req.cached_tokens(end) - req.cached_tokens(local);
             // The holder brings the prefix onto its device to export it.
@@ -430,6 +432,48 @@ mod tests {
         inst[2].decode_running = (0..64).map(|_| crate::DecodeSeq::new(0, 8192)).collect();
         let s = snap(inst, &trees, &cost).with_decode_affinity(true);
         assert_eq!(least_loaded_decode(&s, &req, &prefill(&s)).map(|d| d.0), Some(InstanceId(1)), "too busy");
+    }
+
+    /// Workers whose KV caches differ (a CPU worker's float32 arena, a GPU worker's bfloat16
+    /// one) cannot hand KV to each other. Every policy pairs a prefill instance only with a
+    /// decode instance of its group, never picks a prefill instance no decode instance can take
+    /// from, and fetches a cached prefix only within the group: instances 0 and 3 are group 0,
+    /// 1 and 4 group 1, prefill instance 2 has a group no decode instance shares, and the
+    /// prompt's prefix sits on instance 1 (group 1), behind a long queue.
+    #[test]
+    fn every_policy_pairs_and_fetches_only_within_a_kv_group() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        let mut inst = instances(3, 2);
+        for (i, group) in [0, 1, 2, 0, 1].into_iter().enumerate() {
+            inst[i].kv_group = Some(group);
+        }
+        // Instance 1's queue is long: fetching its prefix would beat waiting for it.
+        inst[1].queued_prefill_us = 100_000_000;
+        let mut trees = trees_for(&inst);
+        let hashes = request(8).block_hashes;
+        trees.predict(InstanceId(1), &hashes[..6], 0);
+        let s = snap(inst, &trees, &cost);
+        assert_eq!(s.prefill_pool().map(|i| i.id.0).collect::<Vec<_>>(), [0, 1], "no partner for instance 2");
+        for kind in PolicyKind::ALL {
+            let mut policy = kind.build(&PolicyConfig::default());
+            let mut rng = StdRng::seed_from_u64(0);
+            for id in 0..100 {
+                let req = Request { id: RequestId(id), ..request(8) };
+                let decision = policy.route(&s, &req, &mut rng);
+                let route = decision.route().expect("routed");
+                let group = |i: InstanceId| s.instance(i).and_then(|i| i.kv_group);
+                assert_ne!(route.prefill, InstanceId(2), "{}: a prefill no decode can take", kind.name());
+                assert_eq!(group(route.prefill), group(route.decode), "{}: {route:?}", kind.name());
+                for reuse in &route.reuse {
+                    assert_eq!(group(reuse.from), group(route.prefill), "{}: fetched across groups", kind.name());
+                }
+            }
+        }
+        // Unknown groups (`None`) share with every instance, as before groups existed.
+        let mut inst = instances(1, 1);
+        inst[1].kv_group = Some(5);
+        let s = snap(inst, &trees, &cost);
+        assert_eq!(least_loaded_decode(&s, &request(8), &s.instances[0]).map(|d| d.0), Some(InstanceId(1)));
     }
 
     /// Nothing cached, no queues: every instance ties, for every policy. Lowest-id-first sent
