@@ -106,8 +106,9 @@ pub(crate) struct DeviceFlags {
     dtype: ComputeDtype,
     /// Element type of the KV cache: `f16` or `bf16` take half the memory and half the bytes
     /// of a hand-off of `f32`. Workers hand KV only to workers of the same type: the conductor
-    /// runs a request whole on the decode worker when its prefill worker's type differs. Default:
-    /// f32 on the CPU, the compute type on a GPU.
+    /// pairs prefill and decode workers of one type, and runs a request whole on a decode worker
+    /// when no prefill worker shares its type. Default: f32 on the CPU, the compute type on a
+    /// GPU.
     #[arg(long, value_name = "f32|f16|bf16")]
     kv_dtype: Option<KvDtype>,
 }
