@@ -15,26 +15,49 @@
 //! and gives every other thread of the pool a job that keeps it awake: it runs whatever work
 //! the pool has ([`rayon::yield_now`]) and spins between, until the step ends.
 //!
-//! **No waits in a cycle.** A keep-awake job never holds a thread the step needs: it runs the
-//! step's work itself, and it gives its thread back once the step is over *or* once it has found
-//! no work for [`IDLE_LIMIT`]. The second exit matters when two steps share the pool (two
-//! engines in one process): a thread that picks up step A's keep-awake job while it waits,
-//! inside a job of step B, for part of that job would otherwise hold step B until step A ends,
-//! and if step A waited on step B the same way neither would. With the limit such a wait costs
-//! at most [`IDLE_LIMIT`] of one thread.
+//! **One step at a time.** A keep-awake job never holds a thread its own step needs: it runs
+//! the step's work itself, and every other thread takes it (from rayon's per-thread broadcast
+//! queue) before it could steal any of the step's work. Two steps at once on one pool are
+//! another matter — `baton serve`'s prefill and decode workers share the process's pool: a
+//! thread that picks up step A's keep-awake job while it waits, inside step B's work, for part
+//! of it holds step B until step A ends (a decode step stalled behind a whole prefill step), and
+//! if step A waited on step B the same way neither would end. So threads are kept awake only
+//! while one step runs in the process: a step that starts beside another keeps no one awake,
+//! and every keep-awake job gives its thread back as soon as a second step starts, once its
+//! step is over, or after [`IDLE_LIMIT`] without work.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long a keep-awake job spins with nothing to do before it gives its thread back: far
-/// longer than the serial gaps of a step, short enough that a thread held by it by mistake
-/// (above) costs little.
+/// longer than the serial gaps of a step, short enough that a thread it holds past need (a
+/// caller of the pool other than a step) waits little.
 pub(crate) const IDLE_LIMIT: Duration = Duration::from_millis(1);
 
+/// Steps running in this process now (every pool).
+static STEPS: AtomicUsize = AtomicUsize::new(0);
+
+/// A step counted in [`STEPS`] while it lives.
+struct Counted;
+
+impl Counted {
+    /// Counts a step; also says whether it is the only one.
+    fn new() -> (Self, bool) {
+        (Self, STEPS.fetch_add(1, Ordering::AcqRel) == 0)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        STEPS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Runs `step` on a thread of the current rayon pool (right here when this is one), with the
-/// pool's other threads kept awake until it returns.
+/// pool's other threads kept awake until it returns when no other step runs in the process.
 pub(crate) fn step_in_pool<T: Send>(step: impl FnOnce() -> T + Send) -> T {
-    if !keep_awake() {
+    let (_counted, alone) = Counted::new();
+    if !alone || !keep_awake() {
         return rayon::scope(|_| step());
     }
     let done = AtomicBool::new(false);
@@ -64,11 +87,11 @@ fn keep_awake() -> bool {
     *KEEP_AWAKE.get_or_init(|| std::env::var("BATON_CPU_POLL").map_or(true, |v| v.trim() != "0"))
 }
 
-/// Runs the pool's pending work, spinning when there is none, until `done` is set or nothing
-/// has come for [`IDLE_LIMIT`].
+/// Runs the pool's pending work, spinning when there is none, until `done` is set, another
+/// step starts, or nothing has come for [`IDLE_LIMIT`].
 fn stay_awake(done: &AtomicBool) {
     let mut idle_since = Instant::now();
-    while !done.load(Ordering::Acquire) {
+    while !done.load(Ordering::Acquire) && STEPS.load(Ordering::Acquire) == 1 {
         if rayon::yield_now() == Some(rayon::Yield::Executed) {
             idle_since = Instant::now();
         } else if idle_since.elapsed() > IDLE_LIMIT {
