@@ -145,7 +145,7 @@ pub fn lone_role_fallback(snapshot: &ClusterSnapshot<'_>) -> Option<(usize, Fall
     if !(prefills && decodes) {
         return least(&mut (0..workers.len())).map(|w| (w, Fallback::LoneRole));
     }
-    if workers.iter().any(|p| can_hand_off(workers, p)) {
+    if workers.iter().any(|p| snapshot.hands_off(p)) {
         return None;
     }
     least(&mut (0..workers.len()).filter(|&i| workers[i].role != Role::Prefill)).map(|w| (w, Fallback::KvMismatch))
@@ -158,17 +158,6 @@ pub enum Fallback {
     LoneRole,
     /// No prefill worker's KV can go to a decode worker.
     KvMismatch,
-}
-
-/// Whether `p` prefills and some worker decodes what it prefills: itself when colocated, else a
-/// decode or colocated worker that can take its KV.
-fn can_hand_off(workers: &[InstanceSnapshot], p: &InstanceSnapshot) -> bool {
-    use crate::Role;
-    match p.role {
-        Role::Colocated => true,
-        Role::Decode => false,
-        Role::Prefill => workers.iter().any(|d| d.role != Role::Prefill && d.shares_kv(p)),
-    }
 }
 
 /// A routing policy: pure, a function of the snapshot and the request. It may keep state of its
@@ -247,7 +236,7 @@ impl RoutePolicy for LeastLoad {
         };
         // Prefill workers whose KV some decode worker can take (`lone_role_fallback` runs
         // requests whole when there is none).
-        let prefills = || (0..workers.len()).filter(|&i| can_hand_off(workers, &workers[i]));
+        let prefills = || (0..workers.len()).filter(|&i| snapshot.hands_off(&workers[i]));
         if prefills().next().is_none() {
             return Decision::NoWorkers;
         }

@@ -539,11 +539,17 @@ impl<'a> ClusterSnapshot<'a> {
     pub fn prefill_pool(&self) -> impl Iterator<Item = &InstanceSnapshot> {
         // One KV group (every cluster of one worker build) skips the search for a partner.
         let mixed = self.kv_groups_mixed();
-        self.instances.iter().filter(move |i| {
-            i.accepting
-                && i.role.prefills()
-                && (!mixed || i.role == crate::Role::Colocated || self.decode_pool().any(|d| d.shares_kv(i)))
-        })
+        self.instances.iter().filter(move |i| i.accepting && i.role.prefills() && (!mixed || self.hands_off(i)))
+    }
+
+    /// Whether `p` prefills and some instance decodes what it prefills: itself when colocated,
+    /// else a decode instance that can take its KV ([`InstanceSnapshot::shares_kv`]).
+    pub fn hands_off(&self, p: &InstanceSnapshot) -> bool {
+        match p.role {
+            crate::Role::Colocated => true,
+            crate::Role::Decode => false,
+            crate::Role::Prefill => self.decode_pool().any(|d| d.shares_kv(p)),
+        }
     }
 
     /// Whether two instances are of different KV groups ([`InstanceSnapshot::kv_group`]).
