@@ -224,6 +224,25 @@ impl KvArena {
         }
     }
 
+    /// Asks the CPU to bring kv head `head`'s keys and values of one block in one layer into
+    /// cache (a hint: nothing is read, nothing can fault). Decode attention calls it for the
+    /// next block while it works on one: a step's context is never in cache (the step's weights
+    /// have passed through since the last), and one head's rows are short strided runs that the
+    /// hardware prefetchers do not follow from block to block.
+    pub fn prefetch_head(&self, layer: usize, block: BlockId, head: usize) {
+        let g = &self.geometry;
+        let elem = g.dtype.size();
+        let base = self.as_bytes().as_ptr();
+        for part in [KvPart::Key, KvPart::Value] {
+            for slot in 0..g.block_size {
+                let start = self.descriptor.offset(layer, part, block.index(), slot, head) * elem;
+                for line in (0..g.head_dim * elem).step_by(64) {
+                    crate::hash_table::prefetch(base.wrapping_add(start + line));
+                }
+            }
+        }
+    }
+
     /// Stores the `[H][D]` keys or values of one token slot in one layer (rounded to nearest
     /// in a 16-bit arena).
     pub fn write_token(&mut self, layer: usize, part: KvPart, block: BlockId, slot: usize, values: &[f32]) {

@@ -42,13 +42,16 @@ pub(crate) fn paged_attention(
     widening: Option<&Widening>,
 ) -> Vec<f32> {
     // Work too small to share runs on this thread: handing it to the pool (a heap-allocated job
-    // a task, threads woken) costs more than the work, once a layer a step.
+    // a task, threads woken) costs more than the work, once a layer a step — unless the pool's
+    // threads are kept awake through the step, when a few microseconds are worth sharing.
     let work = rows.iter().map(|r| r.pos + 1).sum::<usize>() * shape.num_heads * shape.head_dim;
-    attend_rows(q, rows, kv, layer, shape, widening, work >= PARALLEL_WORK)
+    let tasks = rows.len() * shape.num_kv_heads;
+    let parallel = tasks > 1 && (work >= PARALLEL_WORK || crate::pool::threads_awake());
+    attend_rows(q, rows, kv, layer, shape, widening, parallel)
 }
 
 /// Query-key products (positions × heads × head dimension) below which a layer's attention
-/// runs on the calling thread.
+/// runs on the calling thread, unless the pool's threads are kept awake.
 const PARALLEL_WORK: usize = 1 << 16;
 
 /// [`paged_attention`], its (row, kv head) tasks on rayon's pool or in turn on this thread.
@@ -180,7 +183,12 @@ fn attend_group(
     } else {
         (Vec::new(), Vec::new())
     };
-    for b in first / block_size..=row.pos / block_size {
+    let last = row.pos / block_size;
+    for b in first / block_size..=last {
+        // The next block's rows come from memory while this one's are worked on.
+        if b < last {
+            kv.prefetch_head(layer, row.blocks[b + 1], kv_head);
+        }
         let lo = (b * block_size).max(first) - b * block_size;
         let hi = (row.pos + 1 - b * block_size).min(block_size);
         let n = hi - lo;

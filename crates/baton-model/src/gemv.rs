@@ -148,7 +148,7 @@ fn portable_pv(out: &mut [f32], g: usize, p: &[f32], v: &[f32], ldv: usize, rows
 /// the ISA's intrinsics.
 macro_rules! simd_band {
     ($name:ident, $feat:literal, $lanes:literal, $mr:literal, $nr:literal,
-     $vec:ty, $zero:ident, $load:ident, $fma:ident, $store:ident, $set1:ident) => {
+     $vec:ty, $zero:ident, $load:ident, $fma:ident, $store:ident, $hsum:path, $set1:ident) => {
         #[cfg(target_arch = "x86_64")]
         #[allow(unsafe_code)]
         mod $name {
@@ -168,6 +168,10 @@ macro_rules! simd_band {
                 k: usize,
                 out: &mut [f32],
             ) {
+                // The rows left after whole tiles of `MR` go in one tile of as many (the query
+                // heads sharing a kv head in decode attention are often 2 or 3 of them): each
+                // weight row is then loaded once for all of them.
+                const _: () = assert!($mr == 4, "the remainder tiles below are for MR = 4");
                 let s = Shape { k, ldw, m };
                 let mut j = 0;
                 while j + $nr <= rows {
@@ -176,15 +180,25 @@ macro_rules! simd_band {
                         tile::<$mr, $nr>(x, r, w, j, s, out);
                         r += $mr;
                     }
-                    while r < m {
-                        tile::<1, $nr>(x, r, w, j, s, out);
-                        r += 1;
+                    match m - r {
+                        1 => tile::<1, $nr>(x, r, w, j, s, out),
+                        2 => tile::<2, $nr>(x, r, w, j, s, out),
+                        3 => tile::<3, $nr>(x, r, w, j, s, out),
+                        _ => {}
                     }
                     j += $nr;
                 }
                 while j < rows {
-                    for r in 0..m {
-                        tile::<1, 1>(x, r, w, j, s, out);
+                    let mut r = 0;
+                    while r + $mr <= m {
+                        tile::<$mr, 1>(x, r, w, j, s, out);
+                        r += $mr;
+                    }
+                    match m - r {
+                        1 => tile::<1, 1>(x, r, w, j, s, out),
+                        2 => tile::<2, 1>(x, r, w, j, s, out),
+                        3 => tile::<3, 1>(x, r, w, j, s, out),
+                        _ => {}
                     }
                     j += 1;
                 }
@@ -309,10 +323,7 @@ macro_rules! simd_band {
                 }
                 for (a, accr) in acc.iter().enumerate() {
                     for (c, &v) in accr.iter().enumerate() {
-                        let mut lanes = [0f32; $lanes];
-                        // SAFETY: `lanes` holds exactly one register of floats.
-                        unsafe { $store(lanes.as_mut_ptr(), v) };
-                        let mut s = lanes.iter().sum::<f32>();
+                        let mut s = $hsum(v);
                         let (xr, wr) = (&x[(r0 + a) * k..(r0 + a + 1) * k], &w[(j0 + c) * ldw..(j0 + c) * ldw + k]);
                         for t in kv..k {
                             s += xr[t] * wr[t];
@@ -323,6 +334,17 @@ macro_rules! simd_band {
             }
         }
     };
+}
+
+/// The sum of the 8 lanes of `v`, pairwise (AVX2 has no one-instruction reduction).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn hsum256(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
 // AVX2: 16 registers of 8 floats; a 4×3 tile uses 12 accumulators + 3 weights + 1 x.
@@ -337,6 +359,7 @@ simd_band!(
     _mm256_loadu_ps,
     _mm256_fmadd_ps,
     _mm256_storeu_ps,
+    super::hsum256,
     _mm256_set1_ps
 );
 // AVX-512: 32 registers of 16 floats; a 4×4 tile uses 16 accumulators + 4 weights + 1 x.
@@ -351,6 +374,7 @@ simd_band!(
     _mm512_loadu_ps,
     _mm512_fmadd_ps,
     _mm512_storeu_ps,
+    _mm512_reduce_add_ps,
     _mm512_set1_ps
 );
 

@@ -13,7 +13,9 @@
 //!
 //! [`step_in_pool`] runs the step on a pool thread (the caller blocks once, for the whole step)
 //! and gives every other thread of the pool a job that keeps it awake: it runs whatever work
-//! the pool has ([`rayon::yield_now`]) and spins between, until the step ends.
+//! the pool has ([`rayon::yield_now`]) and spins between, until the step ends. Work too small
+//! to hand to sleeping threads (one decode row's attention over a short context) asks
+//! [`threads_awake`] whether they are up, and shares itself when they are.
 //!
 //! **One step at a time.** A keep-awake job never holds a thread its own step needs: it runs
 //! the step's work itself, and every other thread takes it (from rayon's per-thread broadcast
@@ -37,6 +39,36 @@ pub(crate) const IDLE_LIMIT: Duration = Duration::from_millis(1);
 /// Steps running in this process now (every pool).
 static STEPS: AtomicUsize = AtomicUsize::new(0);
 
+thread_local! {
+    /// Set on the thread running a step that keeps the pool's other threads awake, for the
+    /// whole of that step ([`threads_awake`]).
+    static STEPPING_AWAKE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread runs a step that keeps the pool's other threads awake, and no other
+/// step runs beside it (the keep-awake jobs have then left). Work too small to wake a sleeping
+/// thread for (a few microseconds: one decode row's attention at a short context) is worth
+/// sharing then.
+pub(crate) fn threads_awake() -> bool {
+    STEPPING_AWAKE.get() && STEPS.load(Ordering::Acquire) == 1
+}
+
+/// [`STEPPING_AWAKE`] set while it lives.
+struct SteppingAwake;
+
+impl SteppingAwake {
+    fn new() -> Self {
+        STEPPING_AWAKE.set(true);
+        Self
+    }
+}
+
+impl Drop for SteppingAwake {
+    fn drop(&mut self) {
+        STEPPING_AWAKE.set(false);
+    }
+}
+
 /// A step counted in [`STEPS`] while it lives.
 struct Counted;
 
@@ -57,7 +89,8 @@ impl Drop for Counted {
 /// pool's other threads kept awake until it returns when no other step runs in the process.
 pub(crate) fn step_in_pool<T: Send>(step: impl FnOnce() -> T + Send) -> T {
     let (_counted, alone) = Counted::new();
-    if !alone || !keep_awake() {
+    // A one-thread pool has no one to keep awake.
+    if !alone || !keep_awake() || rayon::current_num_threads() < 2 {
         return rayon::scope(|_| step());
     }
     let done = AtomicBool::new(false);
@@ -73,7 +106,10 @@ pub(crate) fn step_in_pool<T: Send>(step: impl FnOnce() -> T + Send) -> T {
                 stay_awake(done);
             }
         });
-        let out = step();
+        let out = {
+            let _awake = SteppingAwake::new();
+            step()
+        };
         done.store(true, Ordering::Release);
         out
     })
@@ -157,6 +193,20 @@ mod tests {
         });
         assert!(stepping.is_some());
         assert!(seen.load(Ordering::Relaxed) > 0, "the second thread took none of the step's work");
+    }
+
+    #[test]
+    fn only_a_keep_awake_step_counts_its_threads_awake() {
+        // Outside any step, on this thread: never (whatever other tests run beside).
+        assert!(!threads_awake());
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+        // A step runs alone unless another test steps at that moment: one of a few tries is.
+        let awake = (0..20).any(|_| pool.install(|| step_in_pool(threads_awake)));
+        assert_eq!(awake, keep_awake());
+        // A one-thread pool keeps no one awake.
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a pool");
+        assert!(!one.install(|| step_in_pool(threads_awake)));
+        assert!(!threads_awake());
     }
 
     /// Two steps at once on one pool, each waiting on its own parallel work, from several
