@@ -4,7 +4,8 @@
 //!
 //! Decode at small batch is bound by reading the weights once per step, so the figure of merit
 //! is the weight bytes read per second as a fraction of the bandwidth a plain parallel read of
-//! memory achieves on the same machine, in the same run.
+//! memory achieves on the same machine, in the same run: on a CPU, measured again next to
+//! each batch (a shared machine's bandwidth moves within minutes).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -125,7 +126,8 @@ pub struct ModelSummary {
 pub struct MemoryBandwidth {
     /// Threads used (rayon's pool).
     pub threads: usize,
-    /// GB/s reading a 1 GiB buffer (sum of floats), best of three.
+    /// GB/s reading a 1 GiB buffer (sum of floats), best of three, at the run's start (on a
+    /// CPU each batch has its own, [`BatchResult::read_gb_s`]).
     pub read_gb_s: f64,
     /// GB/s copying 512 MiB (bytes read + bytes written counted once: bytes copied / time).
     pub memcpy_gb_s: f64,
@@ -144,6 +146,9 @@ pub struct BatchResult {
     pub decode_steps_per_s: f64,
     /// Weight bytes read per second during decode (one read of every matrix per step).
     pub decode_weight_gb_s: f64,
+    /// The machine's read bandwidth this batch's decode is set beside, GB/s: on a CPU the
+    /// higher of two probes, just before and just after the batch; elsewhere the run's.
+    pub read_gb_s: f64,
     /// `decode_weight_gb_s / read_gb_s`.
     pub decode_fraction_of_read_bw: f64,
     /// Mean decode step, ms.
@@ -180,37 +185,66 @@ pub struct EngineBenchReport {
     pub device_memory: Option<[usize; 3]>,
 }
 
-/// Measures the machine's read and copy bandwidth with rayon's threads.
-pub fn measure_memory_bandwidth() -> MemoryBandwidth {
-    use rayon::prelude::*;
-    let threads = rayon::current_num_threads();
-    let n = (1usize << 30) / 4;
-    let buf: Vec<f32> = (0..n).into_par_iter().map(|i| (i % 7) as f32).collect();
-    let chunk = n.div_ceil(threads * 4);
-    let mut read = 0f64;
-    for _ in 0..3 {
-        let t = Instant::now();
-        let s: f32 = buf.par_chunks(chunk).map(baton_model::gemv::sum).sum();
-        std::hint::black_box(s);
-        read = read.max((n * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
+/// A 1 GiB buffer of floats read with all of rayon's threads: the machine's read bandwidth,
+/// measurable again next to each batch (a shared machine's bandwidth moves by half within
+/// minutes: a figure from the start of a long run is not the one its last batch had).
+struct ReadProbe {
+    buf: Vec<f32>,
+}
+
+impl ReadProbe {
+    fn new() -> Self {
+        use rayon::prelude::*;
+        Self { buf: (0..(1usize << 30) / 4).into_par_iter().map(|i| (i % 7) as f32).collect() }
     }
-    let half = n / 2;
-    let mut dst = vec![0f32; half];
-    let mut copy = 0f64;
-    for _ in 0..3 {
-        let t = Instant::now();
-        dst.par_chunks_mut(chunk).zip(buf[..half].par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
-        std::hint::black_box(&dst);
-        copy = copy.max((half * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
+
+    fn chunk(&self) -> usize {
+        self.buf.len().div_ceil(rayon::current_num_threads() * 4)
     }
-    MemoryBandwidth { threads, read_gb_s: read, memcpy_gb_s: copy }
+
+    /// GB/s summing the buffer, best of three.
+    fn read_gb_s(&self) -> f64 {
+        use rayon::prelude::*;
+        let n = self.buf.len();
+        let mut read = 0f64;
+        for _ in 0..3 {
+            let t = Instant::now();
+            let s: f32 = self.buf.par_chunks(self.chunk()).map(baton_model::gemv::sum).sum();
+            std::hint::black_box(s);
+            read = read.max((n * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+        read
+    }
+
+    /// GB/s copying half the buffer into a new one (bytes copied / time), best of three.
+    fn memcpy_gb_s(&self) -> f64 {
+        use rayon::prelude::*;
+        let (half, chunk) = (self.buf.len() / 2, self.chunk());
+        let mut dst = vec![0f32; half];
+        let mut copy = 0f64;
+        for _ in 0..3 {
+            let t = Instant::now();
+            dst.par_chunks_mut(chunk).zip(self.buf[..half].par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
+            std::hint::black_box(&dst);
+            copy = copy.max((half * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+        copy
+    }
 }
 
 /// Runs the benchmark; `progress` is told what is happening.
 pub fn run(config: EngineBenchConfig, progress: &mut dyn FnMut(&str)) -> Result<EngineBenchReport, EngineError> {
     progress("measuring memory bandwidth");
-    let memory = measure_memory_bandwidth();
-    if config.device.device != ComputeDevice::Cpu {
+    let probe = ReadProbe::new();
+    let memory = MemoryBandwidth {
+        threads: rayon::current_num_threads(),
+        read_gb_s: probe.read_gb_s(),
+        memcpy_gb_s: probe.memcpy_gb_s(),
+    };
+    let cpu = config.device.device == ComputeDevice::Cpu;
+    // A GPU's figures are set beside its own limits: its run frees the buffer now.
+    let probe = cpu.then_some(probe);
+    if !cpu {
         progress("measuring the device's copy bandwidth and GEMM peak");
     }
     let device_limits = config.device.device.measure_limits()?;
@@ -248,8 +282,16 @@ pub fn run(config: EngineBenchConfig, progress: &mut dyn FnMut(&str)) -> Result<
             "batch {batch}: prefill {} tokens each, then {} decode steps",
             config.prompt_len, config.decode_steps
         ));
-        let limits = Limits { read_gb_s: memory.read_gb_s, device: device_limits, params };
-        let (result, engine_memory) = run_batch(&model, &config, batch, weight_bytes, limits)?;
+        // On a CPU, each batch's decode is set beside the read bandwidth measured just before
+        // and just after it (the higher of the two), not the one of the run's start.
+        let before = probe.as_ref().map_or(memory.read_gb_s, ReadProbe::read_gb_s);
+        let limits = Limits { read_gb_s: before, device: device_limits, params };
+        let (mut result, engine_memory) = run_batch(&model, &config, batch, weight_bytes, limits)?;
+        if let Some(probe) = &probe {
+            let read = before.max(probe.read_gb_s());
+            result.read_gb_s = read;
+            result.decode_fraction_of_read_bw = result.decode_weight_gb_s / read;
+        }
         results.push(result);
         if device_limits.is_some() {
             device_memory = Some([model.device_weight_bytes(), engine_memory.0, engine_memory.1]);
@@ -367,6 +409,7 @@ fn run_batch(
         decode_tokens_per_s: generated as f64 / decode_s,
         decode_steps_per_s: steps_per_s,
         decode_weight_gb_s: weight_gb_s,
+        read_gb_s,
         decode_fraction_of_read_bw: weight_gb_s / read_gb_s,
         decode_step_ms: 1e3 / steps_per_s,
         decode_roofline_ms: limits.device.map(|d| (weight_bytes + kv_bytes) as f64 / (d.copy_gb_s * 1e9) * 1e3),
