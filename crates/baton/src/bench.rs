@@ -162,20 +162,23 @@ fn engine(a: EngineArgs) -> anyhow::Result<()> {
     );
     println!("KV cache: {:?}, {} prompt tokens a sequence", report.config.kv_dtype, report.config.prompt_len);
     // Each batch beside the read bandwidth measured next to it (the higher of a probe just
-    // before and one just after).
+    // before and one just after), and the threads' hand-off round trip just after it (a VM
+    // whose vCPUs sit on two core complexes reads faster and hands off slower).
     println!(
-        "{:>6} {:>14} {:>13} {:>15} {:>10} {:>18}",
-        "batch", "prefill tok/s", "decode tok/s", "weights GB/s", "read GB/s", "of read bandwidth"
+        "{:>6} {:>14} {:>13} {:>15} {:>10} {:>18} {:>12}",
+        "batch", "prefill tok/s", "decode tok/s", "weights GB/s", "read GB/s", "of read bandwidth", "hand-off ns"
     );
     for r in &report.results {
+        let handoff = r.handoff_ns.map_or_else(|| "-".to_string(), |ns| format!("{ns:.0}"));
         println!(
-            "{:>6} {:>14.1} {:>13.1} {:>15.1} {:>10.1} {:>17.0}%",
+            "{:>6} {:>14.1} {:>13.1} {:>15.1} {:>10.1} {:>17.0}% {:>12}",
             r.batch,
             r.prefill_tokens_per_s,
             r.decode_tokens_per_s,
             r.decode_weight_gb_s,
             r.read_gb_s,
-            r.decode_fraction_of_read_bw * 100.0
+            r.decode_fraction_of_read_bw * 100.0,
+            handoff
         );
     }
     if let Some(s) = report.batch_speedup {
