@@ -235,9 +235,10 @@ impl ReplayGuard {
 
 /// Refuses a signed request seen before: every proof accepted in the last [`MAX_SKEW_MS`] is
 /// remembered (older ones are refused as stale anyway), so a captured request cannot be played
-/// again. Unlike [`ReplayGuard`] it does not need a caller's requests to arrive in timestamp
-/// order, which concurrent requests from one conductor do not; every proof carries a random
-/// nonce ([`ClusterSecret::sign_request`]), so two identical calls never share one. Thread-safe.
+/// again. Unlike the per-worker `ReplayGuard` (newest timestamp only) it does not need a
+/// caller's requests to arrive in timestamp order, which concurrent requests from one conductor
+/// do not; every proof carries a random nonce ([`ClusterSecret::sign_request`]), so two
+/// identical calls never share one. Thread-safe.
 #[derive(Debug, Default)]
 pub struct SeenProofs {
     seen: std::sync::Mutex<std::collections::BTreeSet<ProofId>>,

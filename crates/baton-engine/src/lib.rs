@@ -20,7 +20,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! The same engine runs without weights as an [emulated](emulated) backend: the loop, the planner
+//! The same engine runs without weights as an [emulated] backend: the loop, the planner
 //! and the KV pool are real, a step takes the time a cost profile predicts, and tokens are
 //! deterministic (never end-of-sequence), so a request produces exactly `max_tokens` tokens.
 //!

@@ -5,7 +5,7 @@
 //! several cached fractions (the cached part comes from the engine's own prefix cache, so the
 //! step is exactly what serving a partly cached prompt costs), and decode steps of several batch
 //! sizes and contexts — and returns the samples; [`fit`] turns them into a
-//! [`CostProfile`](baton_sched::CostProfile) with [`baton_sched::fit_prefill`] and
+//! [`CostProfile`] with [`baton_sched::fit_prefill`] and
 //! [`baton_sched::fit_decode`]. [`ProfileFile`] is what the command writes: the profile's fields
 //! (so [`CostProfile::from_json`] reads the file as it is) plus the samples and the fit's error.
 //! [`load_profile`] reads a profile by name or file for `baton sim --profile` and emulated workers.
