@@ -145,7 +145,8 @@ pub fn lone_role_fallback(snapshot: &ClusterSnapshot<'_>) -> Option<(usize, Fall
     if !(prefills && decodes) {
         return least(&mut (0..workers.len())).map(|w| (w, Fallback::LoneRole));
     }
-    if workers.iter().any(|p| snapshot.hands_off(p)) {
+    let hand_off = snapshot.hand_off();
+    if workers.iter().any(|p| hand_off.hands_off(p)) {
         return None;
     }
     least(&mut (0..workers.len()).filter(|&i| workers[i].role != Role::Prefill)).map(|w| (w, Fallback::KvMismatch))
@@ -236,7 +237,8 @@ impl RoutePolicy for LeastLoad {
         };
         // Prefill workers whose KV some decode worker can take (`lone_role_fallback` runs
         // requests whole when there is none).
-        let prefills = || (0..workers.len()).filter(|&i| snapshot.hands_off(&workers[i]));
+        let hand_off = snapshot.hand_off();
+        let prefills = || (0..workers.len()).filter(|&i| hand_off.hands_off(&workers[i]));
         if prefills().next().is_none() {
             return Decision::NoWorkers;
         }

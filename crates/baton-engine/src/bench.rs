@@ -259,15 +259,10 @@ impl ReadProbe {
     /// GB/s summing the buffer, best of three.
     fn read_gb_s(&self) -> f64 {
         use rayon::prelude::*;
-        let n = self.buf.len();
-        let mut read = 0f64;
-        for _ in 0..3 {
-            let t = Instant::now();
+        best_of_three_gb_s(self.buf.len() * 4, || {
             let s: f32 = self.buf.par_chunks(self.chunk()).map(baton_model::gemv::sum).sum();
             std::hint::black_box(s);
-            read = read.max((n * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
-        }
-        read
+        })
     }
 
     /// GB/s copying half the buffer into a new one (bytes copied / time), best of three.
@@ -275,15 +270,22 @@ impl ReadProbe {
         use rayon::prelude::*;
         let (half, chunk) = (self.buf.len() / 2, self.chunk());
         let mut dst = vec![0f32; half];
-        let mut copy = 0f64;
-        for _ in 0..3 {
-            let t = Instant::now();
+        best_of_three_gb_s(half * 4, || {
             dst.par_chunks_mut(chunk).zip(self.buf[..half].par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
             std::hint::black_box(&dst);
-            copy = copy.max((half * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
-        }
-        copy
+        })
     }
+}
+
+/// `bytes` over the shortest of three runs of `run`, in GB/s.
+fn best_of_three_gb_s(bytes: usize, mut run: impl FnMut()) -> f64 {
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            run();
+            bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .fold(0.0, f64::max)
 }
 
 /// Runs the benchmark; `progress` is told what is happening.

@@ -80,7 +80,7 @@ pub use policy::{
     RandomPolicy, RoundRobin, SessionAffinity,
 };
 pub use snapshot::{
-    ClusterSnapshot, Decision, DecodeSeq, Estimate, IncomingSeq, IncomingSeqs, InstanceSnapshot, Ledger,
+    ClusterSnapshot, Decision, DecodeSeq, Estimate, HandOff, IncomingSeq, IncomingSeqs, InstanceSnapshot, Ledger,
     PendingPrefill, RejectReason, Request, RequestId, Reuse, Role, RoleChange, Route, SessionId, TierUsage, WorkerLoad,
 };
 pub use trees::{BlockUpdate, GlobalPromptTrees, InstancePrefix, Predict};

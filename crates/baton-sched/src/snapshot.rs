@@ -456,6 +456,34 @@ pub struct ClusterSnapshot<'a> {
     pub decode_affinity: bool,
 }
 
+/// Whether a prefilling instance has someone to decode what it prefills: itself when
+/// colocated, else a decode instance of the snapshot that can take its KV
+/// ([`InstanceSnapshot::shares_kv`]). Built once per decision by [`ClusterSnapshot::hand_off`]
+/// (the decode pool's KV groups, a handful), then asked of each candidate in O(groups).
+#[derive(Debug, Clone)]
+pub struct HandOff {
+    /// Some instance decodes.
+    any: bool,
+    /// A decoding instance of unknown group (`None`): it takes every group's KV.
+    any_group: bool,
+    /// The decoding instances' known groups.
+    groups: Vec<u32>,
+}
+
+impl HandOff {
+    /// Whether `p` prefills and what it prefills can be decoded.
+    pub fn hands_off(&self, p: &InstanceSnapshot) -> bool {
+        match p.role {
+            crate::Role::Colocated => true,
+            crate::Role::Decode => false,
+            crate::Role::Prefill => match p.kv_group {
+                None => self.any,
+                Some(g) => self.any_group || self.groups.contains(&g),
+            },
+        }
+    }
+}
+
 impl<'a> ClusterSnapshot<'a> {
     /// The snapshot a conductor (or the simulator) builds at `now` from its workers' figures and
     /// its global prompt trees (fed by the workers' KV events): instances in id order, no special
@@ -537,27 +565,24 @@ impl<'a> ClusterSnapshot<'a> {
     /// ([`InstanceSnapshot::shares_kv`]): with none, every policy would pick a pair that cannot
     /// hand off.
     pub fn prefill_pool(&self) -> impl Iterator<Item = &InstanceSnapshot> {
-        // One KV group (every cluster of one worker build) skips the search for a partner.
-        let mixed = self.kv_groups_mixed();
-        self.instances.iter().filter(move |i| i.accepting && i.role.prefills() && (!mixed || self.hands_off(i)))
+        let hand_off = self.hand_off();
+        self.instances.iter().filter(move |i| i.accepting && hand_off.hands_off(i))
     }
 
-    /// Whether `p` prefills and some instance decodes what it prefills: itself when colocated,
-    /// else a decode instance that can take its KV ([`InstanceSnapshot::shares_kv`]).
-    pub fn hands_off(&self, p: &InstanceSnapshot) -> bool {
-        match p.role {
-            crate::Role::Colocated => true,
-            crate::Role::Decode => false,
-            crate::Role::Prefill => self.decode_pool().any(|d| d.shares_kv(p)),
+    /// Which prefilling instances some instance decodes for ([`HandOff`]), from one pass over
+    /// the decode pool: ask it of every candidate in a routing decision.
+    pub fn hand_off(&self) -> HandOff {
+        let mut rule = HandOff { any: false, any_group: false, groups: Vec::new() };
+        for d in self.decode_pool() {
+            rule.any = true;
+            match d.kv_group {
+                None => rule.any_group = true,
+                Some(g) if !rule.groups.contains(&g) => rule.groups.push(g),
+                Some(_) => {}
+            }
         }
+        rule
     }
-
-    /// Whether two instances are of different KV groups ([`InstanceSnapshot::kv_group`]).
-    pub fn kv_groups_mixed(&self) -> bool {
-        let mut groups = self.instances.iter().filter_map(|i| i.kv_group);
-        groups.next().is_some_and(|first| groups.any(|g| g != first))
-    }
-
     /// Instances that take decodes now.
     pub fn decode_pool(&self) -> impl Iterator<Item = &InstanceSnapshot> {
         self.instances.iter().filter(|i| i.accepting && i.role.decodes())

@@ -476,6 +476,36 @@ mod tests {
         assert_eq!(least_loaded_decode(&s, &request(8), &s.instances[0]).map(|d| d.0), Some(InstanceId(1)));
     }
 
+    /// The hand-off rule gathered once from the decode pool answers as asking every decode
+    /// instance would: a prefill instance is in the pool only while an accepting decode
+    /// instance of its group (or of none) is; a colocated one always.
+    #[test]
+    fn a_prefill_instance_is_in_the_pool_only_while_someone_decodes_for_it() {
+        let cost = CostProfile::llama2_70b_8xa800();
+        let pool = |inst: Vec<InstanceSnapshot>| {
+            let trees = trees_for(&inst);
+            snap(inst, &trees, &cost).prefill_pool().map(|i| i.id.0).collect::<Vec<_>>()
+        };
+        let mut inst = instances(2, 2);
+        assert_eq!(pool(inst.clone()), [0, 1]);
+        // Neither decode instance accepting: no one decodes for them.
+        inst[2].accepting = false;
+        inst[3].accepting = false;
+        assert_eq!(pool(inst.clone()), Vec::<u32>::new());
+        // A colocated instance decodes for itself, and takes the prefill instance's KV too.
+        inst[1].role = crate::Role::Colocated;
+        assert_eq!(pool(inst.clone()), [0, 1]);
+        // Groups: instance 0 (group 3) has an accepting decode instance of group 3; an
+        // ungrouped decode instance takes any group.
+        let mut inst = instances(3, 2);
+        for (i, g) in [Some(3), Some(4), None, Some(3), Some(5)].into_iter().enumerate() {
+            inst[i].kv_group = g;
+        }
+        assert_eq!(pool(inst.clone()), [0, 2], "group 4 has no decode instance");
+        inst[4].kv_group = None;
+        assert_eq!(pool(inst), [0, 1, 2]);
+    }
+
     /// Nothing cached, no queues: every instance ties, for every policy. Lowest-id-first sent
     /// every new conversation to instance 0, whose cache then thrashed while the others' stayed
     /// empty (live: one of four prefill workers took 64% of the prompt tokens).
