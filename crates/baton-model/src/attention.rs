@@ -6,7 +6,6 @@
 use std::collections::HashMap;
 
 use baton_kv::{BlockId, KvArena, KvDtype, KvGeometry, KvLayout, KvPart, Slab};
-use rayon::prelude::*;
 
 use crate::gemv::{weighted_rows_add, xwt_strided};
 
@@ -54,7 +53,8 @@ pub(crate) fn paged_attention(
 /// runs on the calling thread, unless the pool's threads are kept awake.
 const PARALLEL_WORK: usize = 1 << 16;
 
-/// [`paged_attention`], its (row, kv head) tasks on rayon's pool or in turn on this thread.
+/// [`paged_attention`], its (row, kv head) tasks shared with the pool's threads
+/// ([`crate::pool::for_each_chunk`]) or in turn on this thread.
 fn attend_rows(
     q: &[f32],
     rows: &[RowPos<'_>],
@@ -82,7 +82,7 @@ fn attend_rows(
         }
     };
     if parallel {
-        out.par_chunks_mut(group * head_dim).enumerate().for_each(task);
+        crate::pool::for_each_chunk(&mut out, group * head_dim, || (), |_, i, piece| task((i, piece)));
     } else {
         out.chunks_mut(group * head_dim).enumerate().for_each(task);
     }

@@ -9,8 +9,6 @@
 //! and a portable path elsewhere. The AVX-512 and AVX2 kernels come from one macro so they
 //! cannot drift apart.
 
-use rayon::prelude::*;
-
 /// Weight rows per rayon task: enough work to amortise scheduling (at 32 rows, batch-16 decode
 /// was 3.8x batch 1 in `baton bench engine`; at 128, 5.4-5.9x), small enough to balance.
 const ROWS_PER_TASK: usize = 128;
@@ -22,11 +20,16 @@ pub fn matmul_xwt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32
     // Computed transposed (`[n][m]`, one contiguous band per task), then transposed back.
     let mut yt = vec![0f32; n * m];
     let kernel = Kernel::detect();
-    yt.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(task, out)| {
-        let j0 = task * ROWS_PER_TASK;
-        let rows = out.len() / m;
-        kernel.band(x, m, &w[j0 * k..(j0 + rows) * k], k, rows, k, out);
-    });
+    crate::pool::for_each_chunk(
+        &mut yt,
+        ROWS_PER_TASK * m,
+        || (),
+        |_, task, out| {
+            let j0 = task * ROWS_PER_TASK;
+            let rows = out.len() / m;
+            kernel.band(x, m, &w[j0 * k..(j0 + rows) * k], k, rows, k, out);
+        },
+    );
     if m == 1 {
         return yt;
     }

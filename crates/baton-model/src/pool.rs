@@ -17,6 +17,16 @@
 //! to hand to sleeping threads (one decode row's attention over a short context) asks
 //! [`threads_awake`] whether they are up, and shares itself when they are.
 //!
+//! **The step's team.** The awake threads also form a team for the step's products
+//! ([`for_each_chunk`]): a product is published once, each thread works through its own
+//! contiguous share of the pieces and then takes what is left of the others', and the
+//! stepping thread waits for one completion count. A rayon product instead pushes jobs that
+//! the other thread steals one at a time, each steal and each join a round trip between the
+//! two cores' caches (60–340 ns on this VM, `baton bench engine`'s `hand-off ns`), a few per
+//! product, ~150 products a SmolLM2 step. In-process A/B (batches alternating team on and off,
+//! `baton bench engine --batches 1,1,1,1,1,1,1,1`, two threads, SmolLM2 135M Q4_1): 250 against
+//! 241 tokens/s with the two vCPUs on one core complex, 236 against 232 on two.
+//!
 //! **One step at a time.** A keep-awake job never holds a thread its own step needs: it runs
 //! the step's work itself, and every other thread takes it (from rayon's per-thread broadcast
 //! queue) before it could steal any of the step's work. Two steps at once on one pool are
@@ -28,8 +38,13 @@
 //! and every keep-awake job gives its thread back as soon as a second step starts, once its
 //! step is over, or after [`IDLE_LIMIT`] without work.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::any::Any;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
 
 /// How long a keep-awake job spins with nothing to do before it gives its thread back: far
 /// longer than the serial gaps of a step, short enough that a thread it holds past need (a
@@ -40,32 +55,43 @@ pub(crate) const IDLE_LIMIT: Duration = Duration::from_millis(1);
 static STEPS: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
-    /// Set on the thread running a step that keeps the pool's other threads awake, for the
-    /// whole of that step ([`threads_awake`]).
-    static STEPPING_AWAKE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The team of the step this thread runs while it keeps the pool's other threads awake
+    /// (null otherwise, and while this thread runs one of the team's jobs).
+    static TEAM: std::cell::Cell<*const Team> = const { std::cell::Cell::new(std::ptr::null()) };
 }
 
-/// Whether this thread runs a step that keeps the pool's other threads awake, and no other
-/// step runs beside it (the keep-awake jobs have then left). Work too small to wake a sleeping
+/// This thread's team, when it runs a step that keeps the pool's other threads awake, no other
+/// step runs beside it, and at least one of those threads is still there.
+fn team() -> Option<&'static Team> {
+    let team = TEAM.get();
+    // SAFETY: `TEAM` is set only by `OnTeam`, which clears it before the team it points to is
+    // dropped (both live in `step_in_pool`'s frame, the guard declared after the team).
+    #[allow(unsafe_code)]
+    let team = unsafe { team.as_ref() }?;
+    (STEPS.load(Ordering::Acquire) == 1 && team.present.0.load(Ordering::Acquire) > 0).then_some(team)
+}
+
+/// Whether this thread runs a step that keeps the pool's other threads awake, and they are
+/// still there for it (no other step runs beside it). Work too small to wake a sleeping
 /// thread for (a few microseconds: one decode row's attention at a short context) is worth
 /// sharing then.
 pub(crate) fn threads_awake() -> bool {
-    STEPPING_AWAKE.get() && STEPS.load(Ordering::Acquire) == 1
+    team().is_some()
 }
 
-/// [`STEPPING_AWAKE`] set while it lives.
-struct SteppingAwake;
+/// [`TEAM`] set while it lives.
+struct OnTeam;
 
-impl SteppingAwake {
-    fn new() -> Self {
-        STEPPING_AWAKE.set(true);
+impl OnTeam {
+    fn new(team: &Team) -> Self {
+        TEAM.set(team);
         Self
     }
 }
 
-impl Drop for SteppingAwake {
+impl Drop for OnTeam {
     fn drop(&mut self) {
-        STEPPING_AWAKE.set(false);
+        TEAM.set(std::ptr::null());
     }
 }
 
@@ -96,18 +122,19 @@ pub(crate) fn step_in_pool<T: Send>(step: impl FnOnce() -> T + Send) -> T {
     let done = AtomicBool::new(false);
     // A scope's body runs on a pool thread, the caller waiting once for the whole of it; the
     // scope also waits for the keep-awake jobs, which end once `done` is set.
+    let team = Team::new(rayon::current_num_threads());
     rayon::scope(|s| {
         let stepping = rayon::current_thread_index();
-        let done = &done;
+        let (done, team) = (&done, &team);
         s.spawn_broadcast(move |_, ctx| {
             // The stepping thread's own copy returns at once: it may come to it while it waits,
             // inside the step, for work another thread took.
             if Some(ctx.index()) != stepping {
-                stay_awake(done);
+                stay_awake(done, team, ctx.index());
             }
         });
         let out = {
-            let _awake = SteppingAwake::new();
+            let _on_team = OnTeam::new(team);
             step()
         };
         done.store(true, Ordering::Release);
@@ -123,19 +150,238 @@ fn keep_awake() -> bool {
     *KEEP_AWAKE.get_or_init(|| std::env::var("BATON_CPU_POLL").map_or(true, |v| v.trim() != "0"))
 }
 
-/// Runs the pool's pending work, spinning when there is none, until `done` is set, another
-/// step starts, or nothing has come for [`IDLE_LIMIT`].
-fn stay_awake(done: &AtomicBool) {
+/// Runs the team's jobs and the pool's pending work, spinning when there is none, until `done`
+/// is set, another step starts, or nothing has come for [`IDLE_LIMIT`].
+fn stay_awake(done: &AtomicBool, team: &Team, member: usize) {
+    team.present.0.fetch_add(1, Ordering::AcqRel);
+    let mut seen = 0;
     let mut idle_since = Instant::now();
     while !done.load(Ordering::Acquire) && STEPS.load(Ordering::Acquire) == 1 {
-        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+        let generation = team.generation.0.load(Ordering::SeqCst);
+        if generation != seen {
+            seen = generation;
+            team.work(generation, member);
+            idle_since = Instant::now();
+        } else if rayon::yield_now() == Some(rayon::Yield::Executed) {
             idle_since = Instant::now();
         } else if idle_since.elapsed() > IDLE_LIMIT {
-            return;
+            break;
         } else {
             std::hint::spin_loop();
         }
     }
+    team.present.0.fetch_sub(1, Ordering::AcqRel);
+}
+
+/// Runs `f(state, i, chunk)` for every `chunk`-long piece of `out` (the last may be shorter),
+/// `i` counting from 0, in parallel; each thread taking part makes its own `state` with `init`
+/// (once per call, and only if it runs a piece).
+///
+/// Inside a step that keeps the pool's threads awake (a decode step) the pieces go to the
+/// step's team: each thread starts on its own contiguous share and takes what is left of the
+/// others' when it is done, so a product costs one publication and one completion count
+/// between the threads, not a rayon job per stolen half. Elsewhere they go to rayon.
+pub(crate) fn for_each_chunk<T: Send, S>(
+    out: &mut [T],
+    chunk: usize,
+    init: impl Fn() -> S + Sync + Send,
+    f: impl Fn(&mut S, usize, &mut [T]) + Sync + Send,
+) {
+    assert!(chunk > 0, "pieces of at least one element");
+    let tasks = out.len().div_ceil(chunk);
+    match team() {
+        Some(_) if tasks <= 1 => {
+            if let Some(piece) = (!out.is_empty()).then_some(out) {
+                f(&mut init(), 0, piece);
+            }
+        }
+        Some(team) if tasks <= MAX_TASKS => {
+            let len = out.len();
+            let base = SendPtr(out.as_mut_ptr());
+            let job = |first: usize, claim: &mut dyn FnMut() -> Option<usize>| {
+                let mut state = init();
+                let mut task = Some(first);
+                while let Some(i) = task {
+                    let start = i * chunk;
+                    let n = chunk.min(len - start);
+                    // SAFETY: every task index below `tasks` is claimed exactly once in a job
+                    // (`Team::claim`), so the pieces handed out are disjoint, and `out` is
+                    // borrowed mutably until `Team::run` has seen every task complete.
+                    #[allow(unsafe_code)]
+                    let piece = unsafe { std::slice::from_raw_parts_mut(base.get().add(start), n) };
+                    f(&mut state, i, piece);
+                    task = claim();
+                }
+            };
+            team.run(tasks, &job);
+        }
+        _ => out.par_chunks_mut(chunk).enumerate().for_each_init(init, |s, (i, piece)| f(s, i, piece)),
+    }
+}
+
+/// A raw pointer to the pieces of a slice handed to the team's threads.
+struct SendPtr<T>(*mut T);
+
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
+    /// The pointer (through a method, so closures capture the whole `Send` wrapper).
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+// SAFETY: the pointer is only turned into disjoint pieces of a slice of `Send` elements, each
+// used by one thread (`for_each_chunk`).
+#[allow(unsafe_code)]
+unsafe impl<T: Send> Send for SendPtr<T> {}
+// SAFETY: as above.
+#[allow(unsafe_code)]
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+
+/// Most pieces a team job takes (a task index fits in 16 bits of a share's state).
+const MAX_TASKS: usize = u16::MAX as usize;
+
+/// One cache line (two on parts that fetch lines in pairs) for each value the team's threads
+/// write, so that one thread's writes do not take another's line from it.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+/// A job for the team: called with the first piece its thread claimed and a way to claim the
+/// next.
+type Job<'a> = dyn Fn(usize, &mut dyn FnMut() -> Option<usize>) + Sync + 'a;
+
+/// The pool's threads working together on a step's parallel products, without rayon's queues.
+///
+/// The stepping thread publishes a job (its pieces split into one contiguous share per pool
+/// thread, a new generation) and works on it too; the other threads, spinning in
+/// [`stay_awake`], see the generation change and join. Each thread takes pieces from its own
+/// share first, then from the others'; a share's state (generation, next piece, end) is one
+/// word changed by compare-and-swap, so a piece is claimed once, and a claim from a stale
+/// generation fails. A thread that has left the team (or never came) has its share taken by
+/// the others; the job is over when the completed count reaches the pieces. The job and the
+/// pieces live in the stepping thread's frame: it waits for that count before it returns, and
+/// a thread touches the job only after a claim in its generation succeeded.
+struct Team {
+    /// The current job's generation; published last (the stepping thread alone writes it).
+    generation: Padded<AtomicU64>,
+    /// The current job: a pointer to a `&Job` in the stepping thread's frame.
+    job: Padded<AtomicPtr<()>>,
+    /// Each pool thread's share of the current job: generation (32 bits), next piece (16 bits),
+    /// end (16 bits).
+    shares: Box<[Padded<AtomicU64>]>,
+    /// Pieces of the current job done (or given up after a panic).
+    completed: Padded<AtomicUsize>,
+    /// The pool's other threads taking part now.
+    present: Padded<AtomicUsize>,
+    /// The first panic of a piece on another thread, re-raised on the stepping thread.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
+}
+
+impl Team {
+    fn new(threads: usize) -> Self {
+        Self {
+            generation: Padded(AtomicU64::new(0)),
+            job: Padded(AtomicPtr::new(std::ptr::null_mut())),
+            shares: (0..threads).map(|_| Padded(AtomicU64::new(0))).collect(),
+            completed: Padded(AtomicUsize::new(0)),
+            present: Padded(AtomicUsize::new(0)),
+            panic: Mutex::new(None),
+        }
+    }
+
+    /// Runs `job` over `tasks` pieces with whichever of the team's threads are there; returns
+    /// once every piece is done. On the stepping thread only.
+    fn run(&self, tasks: usize, job: &Job<'_>) {
+        let threads = self.shares.len();
+        let generation = self.generation.0.load(Ordering::Relaxed) + 1;
+        for (t, share) in self.shares.iter().enumerate() {
+            share.0.store(pack(generation, t * tasks / threads, (t + 1) * tasks / threads), Ordering::SeqCst);
+        }
+        self.completed.0.store(0, Ordering::SeqCst);
+        let job_ref: &Job<'_> = job;
+        self.job.0.store((&raw const job_ref).cast_mut().cast(), Ordering::SeqCst);
+        self.generation.0.store(generation, Ordering::SeqCst);
+        // The pieces' work may itself ask for parallel work: not of this team while it runs.
+        let team = TEAM.replace(std::ptr::null());
+        let member = rayon::current_thread_index().unwrap_or(0) % threads;
+        self.work(generation, member);
+        TEAM.set(team);
+        while self.completed.0.load(Ordering::Acquire) < tasks {
+            std::hint::spin_loop();
+        }
+        if let Some(panic) = self.panic.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            resume_unwind(panic);
+        }
+    }
+
+    /// Claims and runs pieces of the job of `generation` as thread `member` until none is left,
+    /// then counts them completed.
+    fn work(&self, generation: u64, member: usize) {
+        let mut claimed = 0;
+        let mut share = member;
+        let mut claim = || {
+            let next = self.claim(generation, &mut share);
+            claimed += usize::from(next.is_some());
+            next
+        };
+        if let Some(first) = claim() {
+            // SAFETY: a claim in `generation` succeeded, so the stepping thread is inside
+            // `run` for this generation and the `&Job` it published lives until every claimed
+            // piece is counted completed.
+            #[allow(unsafe_code)]
+            let job: &Job<'_> = unsafe { *self.job.0.load(Ordering::SeqCst).cast::<&Job<'_>>() };
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| job(first, &mut claim))) {
+                self.panic.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(panic);
+                // The rest is claimed and given up, so the job ends.
+                while claim().is_some() {}
+            }
+        }
+        if claimed > 0 {
+            self.completed.0.fetch_add(claimed, Ordering::AcqRel);
+        }
+    }
+
+    /// The next piece of the job of `generation`, from share `*share` onwards (moving on when
+    /// one is used up), or `None` once every share is used up or the job is over.
+    fn claim(&self, generation: u64, share: &mut usize) -> Option<usize> {
+        let threads = self.shares.len();
+        for _ in 0..threads {
+            let state = &self.shares[*share].0;
+            let mut now = state.load(Ordering::SeqCst);
+            loop {
+                let (g, next, end) = unpack(now);
+                if g != generation & 0xffff_ffff {
+                    return None;
+                }
+                if next >= end {
+                    break;
+                }
+                match state.compare_exchange_weak(now, now + (1 << 16), Ordering::SeqCst, Ordering::SeqCst) {
+                    Ok(_) => return Some(next),
+                    Err(seen) => now = seen,
+                }
+            }
+            *share = (*share + 1) % threads;
+        }
+        None
+    }
+}
+
+/// A share's state as one word: generation (low 32 bits of it), next piece, end.
+fn pack(generation: u64, next: usize, end: usize) -> u64 {
+    ((generation & 0xffff_ffff) << 32) | ((next as u64) << 16) | end as u64
+}
+
+/// [`pack`]'s parts.
+fn unpack(state: u64) -> (u64, usize, usize) {
+    (state >> 32, ((state >> 16) & 0xffff) as usize, (state & 0xffff) as usize)
 }
 
 #[cfg(test)]
@@ -147,18 +393,151 @@ mod tests {
 
     use super::*;
 
-    /// A step shaped like a decode step: many small parallel products with serial work between.
+    /// A step shaped like a decode step: many small parallel products with serial work between,
+    /// half of them through [`for_each_chunk`] (the team's jobs inside a step), half through
+    /// rayon directly.
     fn fake_step(seed: u64) -> u64 {
         let mut acc = seed;
         for layer in 0..50u64 {
-            let v = (0..4096usize)
-                .into_par_iter()
-                .with_min_len(256)
-                .map(|i| (i as u64 ^ layer).wrapping_mul(acc | 1))
-                .reduce(|| 0, u64::wrapping_add);
+            let v = if layer % 2 == 0 {
+                let mut out = vec![0u64; 4096];
+                for_each_chunk(
+                    &mut out,
+                    256,
+                    || (),
+                    |_, task, piece| {
+                        for (j, o) in piece.iter_mut().enumerate() {
+                            *o = ((task * 256 + j) as u64 ^ layer).wrapping_mul(acc | 1);
+                        }
+                    },
+                );
+                out.into_iter().fold(0, u64::wrapping_add)
+            } else {
+                (0..4096usize)
+                    .into_par_iter()
+                    .with_min_len(256)
+                    .map(|i| (i as u64 ^ layer).wrapping_mul(acc | 1))
+                    .reduce(|| 0, u64::wrapping_add)
+            };
             acc = acc.wrapping_add(v).rotate_left(7);
         }
         acc
+    }
+
+    /// Which thread ran each piece, and how often, for `pieces` pieces of `chunk` elements
+    /// (the last one shorter).
+    fn record_pieces(pieces: usize, chunk: usize) -> Vec<(usize, Option<usize>)> {
+        let len = pieces * chunk - chunk / 2;
+        let mut out = vec![(0usize, None); len];
+        for_each_chunk(&mut out, chunk, rayon::current_thread_index, |me, task, piece| {
+            assert_eq!(piece.len(), chunk.min(len - task * chunk), "piece {task}'s length");
+            for slot in piece {
+                *slot = (slot.0 + 1, *me);
+            }
+        });
+        out
+    }
+
+    /// Held by the tests that wait inside a step for its team: two of them waiting at once
+    /// would keep each other from ever stepping alone.
+    static WAITING_FOR_TEAM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// Whether the step's other threads join its team within a while (they do unless another
+    /// step runs in this process, as other tests' steps may).
+    fn wait_for_team() -> bool {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(200) {
+            if threads_awake() {
+                return true;
+            }
+        }
+        false
+    }
+
+    #[test]
+    fn the_team_runs_every_piece_once_and_both_threads_take_part() {
+        let _alone = WAITING_FOR_TEAM.lock().unwrap_or_else(|e| e.into_inner());
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+        // A step runs alone unless another test steps at that moment: one of a few tries is.
+        let mut teamed = false;
+        let mut threads = std::collections::HashSet::new();
+        for _ in 0..20 {
+            pool.install(|| {
+                step_in_pool(|| {
+                    if !wait_for_team() {
+                        return;
+                    }
+                    teamed = true;
+                    for round in 0..2000 {
+                        let pieces = 1 + round % 40;
+                        let out = record_pieces(pieces, 3 + round % 5);
+                        assert!(out.iter().all(|&(runs, _)| runs == 1), "round {round}: a piece ran twice or never");
+                        if threads_awake() {
+                            threads.extend(out.iter().map(|&(_, t)| t));
+                        }
+                        if round % 50 == 49 {
+                            // A serial gap between products, as in a step.
+                            std::thread::sleep(Duration::from_micros(50));
+                        }
+                    }
+                })
+            });
+            if teamed {
+                break;
+            }
+        }
+        assert_eq!(teamed, keep_awake(), "no step formed a team");
+        if teamed {
+            assert_eq!(threads.len(), 2, "one thread ran every piece of the team's jobs: {threads:?}");
+        }
+        // Outside a step the same call goes to rayon, with the same result.
+        assert!(pool.install(|| record_pieces(17, 4)).iter().all(|&(runs, _)| runs == 1));
+    }
+
+    #[test]
+    fn a_team_whose_other_thread_left_still_finishes_every_product() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+        pool.install(|| {
+            step_in_pool(|| {
+                assert!(record_pieces(64, 8).iter().all(|&(runs, _)| runs == 1));
+                // Longer than the keep-awake threads wait without work: they give their thread
+                // back, and the products after go to rayon (or to the team, if one came back).
+                std::thread::sleep(IDLE_LIMIT * 5);
+                for _ in 0..50 {
+                    assert!(record_pieces(64, 8).iter().all(|&(runs, _)| runs == 1));
+                }
+            })
+        });
+    }
+
+    #[test]
+    fn a_panicking_piece_panics_the_caller_on_whichever_thread_it_ran() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+        for bad in [0, 31, 63] {
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.install(|| {
+                    step_in_pool(|| {
+                        // Many products, so the bad piece also lands on the other thread.
+                        for _ in 0..200 {
+                            let mut out = vec![0u8; 64];
+                            for_each_chunk(&mut out, 1, || (), |_, task, _| assert_ne!(task, bad, "piece {bad}"));
+                        }
+                    })
+                })
+            }));
+            assert!(caught.is_err(), "piece {bad} panicked and the caller did not");
+        }
+        // The pool is still usable.
+        assert!(pool.install(|| step_in_pool(|| record_pieces(9, 2))).iter().all(|&(runs, _)| runs == 1));
+    }
+
+    #[test]
+    fn a_share_packs_and_unpacks() {
+        for (g, next, end) in [(1, 0, 0), (0xffff_ffff, 65_534, 65_535), (7, 3, 9)] {
+            assert_eq!(unpack(pack(g, next, end)), (g, next, end));
+        }
+        // Generations wrap at 32 bits; a claim compares them wrapped.
+        assert_eq!(unpack(pack(1 << 32 | 5, 1, 2)).0, 5);
     }
 
     #[test]
@@ -197,11 +576,12 @@ mod tests {
 
     #[test]
     fn only_a_keep_awake_step_counts_its_threads_awake() {
+        let _alone = WAITING_FOR_TEAM.lock().unwrap_or_else(|e| e.into_inner());
         // Outside any step, on this thread: never (whatever other tests run beside).
         assert!(!threads_awake());
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
         // A step runs alone unless another test steps at that moment: one of a few tries is.
-        let awake = (0..20).any(|_| pool.install(|| step_in_pool(threads_awake)));
+        let awake = (0..20).any(|_| pool.install(|| step_in_pool(wait_for_team)));
         assert_eq!(awake, keep_awake());
         // A one-thread pool keeps no one awake.
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a pool");

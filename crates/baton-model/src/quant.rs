@@ -536,9 +536,11 @@ impl QuantMatrix {
         let q16 = kernel.q16(self, x);
         let rows = n.div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD).max(MIN_ROWS_PER_TASK);
         // The row buffer is only the fallback kernels' (one per rayon job, not per task).
-        yt.par_chunks_mut(rows * m).enumerate().for_each_init(
+        crate::pool::for_each_chunk(
+            &mut yt,
+            rows * m,
             || if kernel.decodes_rows() { vec![0f32; k] } else { Vec::new() },
-            |w, (task, out)| kernel.run(self, task * rows, x, q16.as_ref(), m, out, w),
+            |w, task, out| kernel.run(self, task * rows, x, q16.as_ref(), m, out, w),
         );
         if m == 1 {
             return yt;
