@@ -7,12 +7,12 @@
 //! stay float32, or are rounded to int16 with a scale per block of 32 or 256 ([`q16`]), 250
 //! times finer than 8 bits: the held-out reference checks pass either way.
 //!
-//! Few rows (decode), in parallel over weight rows (about eight tasks a thread): each block is
+//! Few rows (up to [`DOT_ROWS`]: decode batches, short prompts), in parallel over weight rows (about eight tasks a thread): each block is
 //! decoded into registers and multiplied into every activation row right there, in int16
 //! ([`avx512_q16`], [`avx2_q16`]) or float32 ([`avx512`]); elsewhere each weight row is
 //! decoded into a small buffer and dotted with every activation row.
 //!
-//! More rows (prefill), where the products are compute-bound: a chunk of weight rows is decoded
+//! More rows (prefill chunks), where the products are compute-bound: a chunk of weight rows is decoded
 //! once, then multiplied with all activation rows. With the int16 kernels (AVX2, or AVX-512
 //! with VNNI) the chunk is packed into int16 panels ([`panel16`]), half the instructions of a
 //! float32 product; with AVX-512 without VNNI into float32 panels run through a 12×32 register
@@ -270,8 +270,13 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
-/// Up to this many activation rows take the decode-and-dot path.
-const DOT_ROWS: usize = 8;
+/// Up to this many activation rows take the decode-and-dot path; more decode the weights into
+/// panels first. The panels cost a decode of every weight per product, repaid only by the
+/// cheaper multiply-adds of many rows: two threads, SmolLM2's and Gemma 3's shapes
+/// (`dot_or_panels`), the dot path is faster at every width up to 32 rows (16 rows: 0.58 against
+/// 1.31 ms for SmolLM2's gate_up, 8.4 against 16.0 for its output head) and slower from 48. At
+/// 8, a decode batch of 9–32 sequences stepped at half the speed of one of 8.
+const DOT_ROWS: usize = 32;
 /// Tasks per thread of the dot path: enough that a thread that finishes early takes more work,
 /// and that the tasks split evenly between the threads (a product of 9 tasks of 64 rows left
 /// one of two threads idle a ninth of it).
@@ -1007,7 +1012,7 @@ mod tests {
                 q.dequantize(&Device::Cpu).expect("dequantizes").flatten_all().expect("flat").to_vec1().expect("vec");
             let mat = QuantMatrix::new(dtype, bytes, rows, cols).expect("decodable");
             assert_eq!(mat.gather(&(0..rows as u32).collect::<Vec<_>>()), w, "{name}: decoded values");
-            for m in [1, 3, 20] {
+            for m in [1, 3, 20, 40] {
                 let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
                 // Each product as `[m][rows]`, with the kernel whose int16 rounding it may carry.
                 let mut outs = vec![(None, mat.matmul_xwt(&x, m).expect("product"))];
@@ -1302,13 +1307,43 @@ mod speed {
                 let mut row = vec![0f32; cols];
                 let q16 = DotKernel::detect().q16(&w, &x);
                 let best = best_secs(100, || DotKernel::detect().run(&w, 0, &x, q16.as_ref(), m, &mut out, &mut row));
+                // Rounding the activations, once a product, on the stepping thread.
+                let round = best_secs(100, || drop(std::hint::black_box(DotKernel::detect().q16(&w, &x))));
                 let weights = (rows * cols) as f64;
                 println!(
-                    "{dtype:?} {rows}x{cols} m={m}: {:.3} ms, {:.2} Gweights/s, {:.1} GB/s",
+                    "{dtype:?} {rows}x{cols} m={m}: {:.3} ms, {:.2} Gweights/s, {:.1} GB/s; activations rounded in {:.2} µs",
                     best * 1e3,
                     weights / best / 1e9,
-                    w.byte_len() as f64 / best / 1e9
+                    w.byte_len() as f64 / best / 1e9,
+                    round * 1e6
                 );
+            }
+        }
+    }
+
+    /// Where the decode-and-dot path stops paying against the int16 panels, on the machine's
+    /// threads, at SmolLM2's shapes: `cargo test --release -p baton-model --lib dot_or_panels --
+    /// --ignored --nocapture`. Sets [`DOT_ROWS`].
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    #[cfg(target_arch = "x86_64")]
+    fn dot_or_panels() {
+        let Some(isa) = DotKernel::detect().panel16() else { return };
+        for (dtype, rows, cols) in [
+            // SmolLM2 135M: gate_up, down, the output head.
+            (GgmlDType::Q4_1, 3072, 576),
+            (GgmlDType::Q4_1, 576, 1536),
+            (GgmlDType::Q8_0, 49152, 576),
+            // Gemma 3 270M's MLP (its formats vary by tensor).
+            (GgmlDType::Q5_0, 4096, 640),
+            (GgmlDType::Q6K, 640, 2048),
+        ] {
+            let w = quantized(dtype, rows, cols);
+            for m in [4, 8, 12, 16, 24, 32, 48, 64] {
+                let x: Vec<f32> = (0..m * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
+                let dot = best_secs(20, || drop(crate::pool::step_in_pool(|| w.matmul_dot(&x, m))));
+                let panels = best_secs(20, || drop(crate::pool::step_in_pool(|| w.matmul_panels16(&x, m, isa))));
+                println!("{dtype:?} {rows}x{cols} m={m}: dot {:.3} ms, panels {:.3} ms", dot * 1e3, panels * 1e3);
             }
         }
     }
