@@ -174,36 +174,34 @@ macro_rules! simd_band {
                 // The rows left after whole tiles of `MR` go in one tile of as many (the query
                 // heads sharing a kv head in decode attention are often 2 or 3 of them): each
                 // weight row is then loaded once for all of them.
-                const _: () = assert!($mr == 4, "the remainder tiles below are for MR = 4");
                 let s = Shape { k, ldw, m };
                 let mut j = 0;
                 while j + $nr <= rows {
-                    let mut r = 0;
-                    while r + $mr <= m {
-                        tile::<$mr, $nr>(x, r, w, j, s, out);
-                        r += $mr;
-                    }
-                    match m - r {
-                        1 => tile::<1, $nr>(x, r, w, j, s, out),
-                        2 => tile::<2, $nr>(x, r, w, j, s, out),
-                        3 => tile::<3, $nr>(x, r, w, j, s, out),
-                        _ => {}
-                    }
+                    column::<$nr>(x, w, j, s, out);
                     j += $nr;
                 }
                 while j < rows {
-                    let mut r = 0;
-                    while r + $mr <= m {
-                        tile::<$mr, 1>(x, r, w, j, s, out);
-                        r += $mr;
-                    }
-                    match m - r {
-                        1 => tile::<1, 1>(x, r, w, j, s, out),
-                        2 => tile::<2, 1>(x, r, w, j, s, out),
-                        3 => tile::<3, 1>(x, r, w, j, s, out),
-                        _ => {}
-                    }
+                    column::<1>(x, w, j, s, out);
                     j += 1;
+                }
+            }
+
+            /// Every x row × `NR` weight rows from `j0`: tiles of `MR` x rows, the rest in one
+            /// tile of as many.
+            #[target_feature(enable = $feat)]
+            #[inline]
+            fn column<const NR: usize>(x: &[f32], w: &[f32], j0: usize, s: Shape, out: &mut [f32]) {
+                const _: () = assert!($mr == 4, "the remainder tiles below are for MR = 4");
+                let mut r = 0;
+                while r + $mr <= s.m {
+                    tile::<$mr, NR>(x, r, w, j0, s, out);
+                    r += $mr;
+                }
+                match s.m - r {
+                    1 => tile::<1, NR>(x, r, w, j0, s, out),
+                    2 => tile::<2, NR>(x, r, w, j0, s, out),
+                    3 => tile::<3, NR>(x, r, w, j0, s, out),
+                    _ => {}
                 }
             }
 

@@ -23,9 +23,10 @@
 //! stepping thread waits for one completion count. A rayon product instead pushes jobs that
 //! the other thread steals one at a time, each steal and each join a round trip between the
 //! two cores' caches (60–340 ns on this VM, `baton bench engine`'s `hand-off ns`), a few per
-//! product, ~150 products a SmolLM2 step. In-process A/B (batches alternating team on and off,
-//! `baton bench engine --batches 1,1,1,1,1,1,1,1`, two threads, SmolLM2 135M Q4_1): 250 against
-//! 241 tokens/s with the two vCPUs on one core complex, 236 against 232 on two.
+//! product, ~150 products a SmolLM2 step. In-process A/B (a build whose batches alternated team
+//! on and off, `baton bench engine --batches 1,1,1,1,1,1,1,1`, two threads, SmolLM2 135M Q4_1):
+//! 250 against 241 tokens/s with the two vCPUs on one core complex, 236 against 232 on two.
+//! `BATON_CPU_TEAM=0` turns the team off, for measuring it again.
 //!
 //! **One step at a time.** A keep-awake job never holds a thread its own step needs: it runs
 //! the step's work itself, and every other thread takes it (from rayon's per-thread broadcast
@@ -62,7 +63,7 @@ thread_local! {
 
 /// This thread's team, when it runs a step that keeps the pool's other threads awake, no other
 /// step runs beside it, and at least one of those threads is still there.
-fn team() -> Option<&'static Team> {
+fn awake_team() -> Option<&'static Team> {
     let team = TEAM.get();
     // SAFETY: `TEAM` is set only by `OnTeam`, which clears it before the team it points to is
     // dropped (both live in `step_in_pool`'s frame, the guard declared after the team).
@@ -76,7 +77,12 @@ fn team() -> Option<&'static Team> {
 /// thread for (a few microseconds: one decode row's attention at a short context) is worth
 /// sharing then.
 pub(crate) fn threads_awake() -> bool {
-    team().is_some()
+    awake_team().is_some()
+}
+
+/// [`awake_team`], when it runs the step's products ([`use_team`]).
+fn team() -> Option<&'static Team> {
+    awake_team().filter(|_| use_team())
 }
 
 /// [`TEAM`] set while it lives.
@@ -150,6 +156,14 @@ fn keep_awake() -> bool {
     *KEEP_AWAKE.get_or_init(|| std::env::var("BATON_CPU_POLL").map_or(true, |v| v.trim() != "0"))
 }
 
+/// Whether the threads kept awake also run the step's products as a team ([`for_each_chunk`]):
+/// yes, unless `BATON_CPU_TEAM=0` (read once per process), which hands them to rayon as outside
+/// a step — to measure what the team gains.
+fn use_team() -> bool {
+    static USE_TEAM: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *USE_TEAM.get_or_init(|| std::env::var("BATON_CPU_TEAM").map_or(true, |v| v.trim() != "0"))
+}
+
 /// Runs the team's jobs and the pool's pending work, spinning when there is none, until `done`
 /// is set, another step starts, or nothing has come for [`IDLE_LIMIT`].
 fn stay_awake(done: &AtomicBool, team: &Team, member: usize) {
@@ -191,8 +205,8 @@ pub(crate) fn for_each_chunk<T: Send, S>(
     let tasks = out.len().div_ceil(chunk);
     match team() {
         Some(_) if tasks <= 1 => {
-            if let Some(piece) = (!out.is_empty()).then_some(out) {
-                f(&mut init(), 0, piece);
+            if !out.is_empty() {
+                f(&mut init(), 0, out);
             }
         }
         Some(team) if tasks <= MAX_TASKS => {
@@ -464,7 +478,7 @@ mod tests {
         for _ in 0..20 {
             pool.install(|| {
                 step_in_pool(|| {
-                    if !wait_for_team() {
+                    if !wait_for_team() || team().is_none() {
                         return;
                     }
                     teamed = true;
@@ -472,7 +486,7 @@ mod tests {
                         let pieces = 1 + round % 40;
                         let out = record_pieces(pieces, 3 + round % 5);
                         assert!(out.iter().all(|&(runs, _)| runs == 1), "round {round}: a piece ran twice or never");
-                        if threads_awake() {
+                        if team().is_some() {
                             threads.extend(out.iter().map(|&(_, t)| t));
                         }
                         if round % 50 == 49 {
@@ -486,7 +500,7 @@ mod tests {
                 break;
             }
         }
-        assert_eq!(teamed, keep_awake(), "no step formed a team");
+        assert_eq!(teamed, keep_awake() && use_team(), "no step formed a team");
         if teamed {
             assert_eq!(threads.len(), 2, "one thread ran every piece of the team's jobs: {threads:?}");
         }

@@ -7,16 +7,17 @@
 //! stay float32, or are rounded to int16 with a scale per block of 32 or 256 ([`q16`]), 250
 //! times finer than 8 bits: the held-out reference checks pass either way.
 //!
-//! Few rows (up to [`DOT_ROWS`]: decode batches, short prompts), in parallel over weight rows (about eight tasks a thread): each block is
-//! decoded into registers and multiplied into every activation row right there, in int16
-//! ([`avx512_q16`], [`avx2_q16`]) or float32 ([`avx512`]); elsewhere each weight row is
-//! decoded into a small buffer and dotted with every activation row.
+//! Few rows (decode batches, short prompts: up to 32 with the int16 kernels, 8 with the
+//! others, [`DotKernel::dot_rows`]), in parallel over weight rows (about eight tasks a thread):
+//! each block is decoded into registers and multiplied into every activation row right there,
+//! in int16 ([`avx512_q16`], [`avx2_q16`]) or float32 ([`avx512`]); elsewhere each weight row
+//! is decoded into a small buffer and dotted with every activation row.
 //!
-//! More rows (prefill chunks), where the products are compute-bound: a chunk of weight rows is decoded
-//! once, then multiplied with all activation rows. With the int16 kernels (AVX2, or AVX-512
-//! with VNNI) the chunk is packed into int16 panels ([`panel16`]), half the instructions of a
-//! float32 product; with AVX-512 without VNNI into float32 panels run through a 12×32 register
-//! tile; elsewhere candle's float GEMM multiplies it. The decoders are checked against
+//! More rows (prefill chunks), where the products are compute-bound: a chunk of weight rows is
+//! decoded once, then multiplied with all activation rows. With the int16 kernels (AVX2, or
+//! AVX-512 with VNNI) the chunk is packed into int16 panels ([`panel16`]), half the
+//! instructions of a float32 product; with AVX-512 without VNNI into float32 panels run through
+//! a 12×32 register tile; elsewhere candle's float GEMM multiplies it. The decoders are checked against
 //! candle's, every kernel against the float product of the decoded matrix.
 
 use candle_core::quantized::GgmlDType;
@@ -270,13 +271,19 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
-/// Up to this many activation rows take the decode-and-dot path; more decode the weights into
-/// panels first. The panels cost a decode of every weight per product, repaid only by the
-/// cheaper multiply-adds of many rows: two threads, SmolLM2's and Gemma 3's shapes
-/// (`dot_or_panels`), the dot path is faster at every width up to 32 rows (16 rows: 0.58 against
-/// 1.31 ms for SmolLM2's gate_up, 8.4 against 16.0 for its output head) and slower from 48. At
-/// 8, a decode batch of 9–32 sequences stepped at half the speed of one of 8.
-const DOT_ROWS: usize = 32;
+/// Up to this many activation rows take the decode-and-dot path with an int16 kernel; more
+/// decode the weights into panels first ([`DotKernel::dot_rows`]). The panels cost a decode of
+/// every weight per product, repaid only by the cheaper multiply-adds of many rows: two
+/// threads, SmolLM2's and Gemma 3's shapes (`dot_or_gemm`), the int16 dot kernels are faster at
+/// every width up to 32 rows (16 rows, `avx512-q16`: 0.53 against 1.07 ms for SmolLM2's
+/// gate_up, 8.1 against 16.0 for its output head; `avx2` alike) and slower from 48. At 8, a
+/// decode batch of 9–32 sequences stepped at half the speed of one of 8.
+const DOT_ROWS_INT16: usize = 32;
+/// [`DOT_ROWS_INT16`] for the float32 kernels, which decode rows or blocks to float32 and so
+/// cost more per activation row: by `dot_or_gemm`, `avx2-f32` and `avx512` lose to the GEMM
+/// paths from 16–32 rows on some shapes (`avx2-f32`, SmolLM2's head at 16 rows: 26.5 against
+/// 20.2 ms), `portable` already near 8 (Q4_1 gate_up at 8: 1.22 against 0.96 ms).
+const DOT_ROWS_F32: usize = 8;
 /// Tasks per thread of the dot path: enough that a thread that finishes early takes more work,
 /// and that the tasks split evenly between the threads (a product of 9 tasks of 64 rows left
 /// one of two threads idle a ninth of it).
@@ -392,9 +399,20 @@ impl QuantMatrix {
 
     /// `x · Wᵀ` for `m` rows of `x` (`[m][cols]`), into `[m][rows]`.
     pub(crate) fn matmul_xwt(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
-        if m <= DOT_ROWS {
+        if m <= self.dot_rows() {
             return Ok(self.matmul_dot(x, m));
         }
+        self.matmul_gemm(x, m)
+    }
+
+    /// Most activation rows [`Self::matmul_xwt`] takes down the decode-and-dot path.
+    fn dot_rows(&self) -> usize {
+        DotKernel::detect().for_format(self.format).dot_rows()
+    }
+
+    /// [`Self::matmul_xwt`] above [`Self::dot_rows`]: the weights decoded a chunk at a time into
+    /// panels or tiles, each multiplied with every activation row.
+    fn matmul_gemm(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
         #[cfg(target_arch = "x86_64")]
         if let Some(isa) = DotKernel::detect().panel16() {
             return Ok(self.matmul_panels16(x, m, isa));
@@ -540,7 +558,8 @@ impl QuantMatrix {
         // Rounded once per product, not per task.
         let q16 = kernel.q16(self, x);
         let rows = n.div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD).max(MIN_ROWS_PER_TASK);
-        // The row buffer is only the fallback kernels' (one per rayon job, not per task).
+        // The row buffer is only the fallback kernels' (one per thread or rayon job, not per
+        // task).
         crate::pool::for_each_chunk(
             &mut yt,
             rows * m,
@@ -688,6 +707,11 @@ impl DotKernel {
     /// Whether [`Self::run`] needs a row buffer.
     fn decodes_rows(self) -> bool {
         matches!(self, Self::Avx2F32 | Self::Portable)
+    }
+
+    /// Most activation rows a product takes down this kernel's decode-and-dot path.
+    fn dot_rows(self) -> usize {
+        if self.int16() { DOT_ROWS_INT16 } else { DOT_ROWS_F32 }
     }
 
     /// Whether this kernel rounds the activations to int16 ([`Self::q16`]).
@@ -901,7 +925,7 @@ mod tests {
         for m_rows in [1, 2, 3, 5, 8, 9, 20, 37] {
             let x: Vec<f32> = (0..m_rows * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
             let y = m.matmul_xwt(&x, m_rows).expect("product");
-            if m_rows > DOT_ROWS {
+            if m_rows > m.dot_rows() {
                 // The portable GEMM path, which this CPU may not take above.
                 let tiles = m.matmul_tiles(&x, m_rows).expect("product");
                 assert!(tiles.iter().zip(&y).all(|(a, b)| (a - b).abs() < 1e-3), "{dtype:?} m={m_rows}: tiles");
@@ -1016,7 +1040,7 @@ mod tests {
                 let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
                 // Each product as `[m][rows]`, with the kernel whose int16 rounding it may carry.
                 let mut outs = vec![(None, mat.matmul_xwt(&x, m).expect("product"))];
-                if m <= DOT_ROWS {
+                if m <= DOT_ROWS_INT16 {
                     for kernel in DotKernel::available() {
                         let mut out = vec![0f32; rows * m];
                         kernel.run(&mat, 0, &x, None, m, &mut out, &mut vec![0f32; cols]);
@@ -1025,10 +1049,10 @@ mod tests {
                     }
                 }
                 for (kernel, y) in outs {
-                    // `matmul_xwt` takes the detected kernel up to DOT_ROWS rows; above, its int16
+                    // `matmul_xwt` takes the detected kernel up to its `dot_rows`; above, its int16
                     // panels where it has them, else a float32 GEMM.
                     let detected = DotKernel::detect();
-                    let rounds = m <= DOT_ROWS || cfg!(target_arch = "x86_64") && detected.panel16().is_some();
+                    let rounds = m <= mat.dot_rows() || cfg!(target_arch = "x86_64") && detected.panel16().is_some();
                     let rounding = kernel.or(rounds.then_some(detected));
                     for r in 0..m {
                         let xr = &x[r * cols..(r + 1) * cols];
@@ -1321,14 +1345,14 @@ mod speed {
         }
     }
 
-    /// Where the decode-and-dot path stops paying against the int16 panels, on the machine's
-    /// threads, at SmolLM2's shapes: `cargo test --release -p baton-model --lib dot_or_panels --
-    /// --ignored --nocapture`. Sets [`DOT_ROWS`].
+    /// Where the decode-and-dot path stops paying against the path above it (int16 or float32
+    /// panels, or tiles, as the kernel has them), on the machine's threads, at SmolLM2's and
+    /// Gemma 3's shapes: `[BATON_DOT_KERNEL=name] cargo test --release -p baton-model --lib
+    /// dot_or_gemm -- --ignored --nocapture`. Sets [`DOT_ROWS_INT16`] and [`DOT_ROWS_F32`].
     #[test]
     #[ignore = "a measurement, not a check"]
-    #[cfg(target_arch = "x86_64")]
-    fn dot_or_panels() {
-        let Some(isa) = DotKernel::detect().panel16() else { return };
+    fn dot_or_gemm() {
+        println!("kernel {}", DotKernel::detect().name());
         for (dtype, rows, cols) in [
             // SmolLM2 135M: gate_up, down, the output head.
             (GgmlDType::Q4_1, 3072, 576),
@@ -1342,8 +1366,8 @@ mod speed {
             for m in [4, 8, 12, 16, 24, 32, 48, 64] {
                 let x: Vec<f32> = (0..m * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
                 let dot = best_secs(20, || drop(crate::pool::step_in_pool(|| w.matmul_dot(&x, m))));
-                let panels = best_secs(20, || drop(crate::pool::step_in_pool(|| w.matmul_panels16(&x, m, isa))));
-                println!("{dtype:?} {rows}x{cols} m={m}: dot {:.3} ms, panels {:.3} ms", dot * 1e3, panels * 1e3);
+                let gemm = best_secs(20, || drop(crate::pool::step_in_pool(|| w.matmul_gemm(&x, m))));
+                println!("{dtype:?} {rows}x{cols} m={m}: dot {:.3} ms, gemm {:.3} ms", dot * 1e3, gemm * 1e3);
             }
         }
     }
