@@ -768,11 +768,36 @@ impl DotKernel {
     fn q16(self, w: &QuantMatrix, x: &[f32]) -> Option<Q16Rows> {
         self.for_format(w.format).int16().then(|| {
             let mut q = Q16Rows::new(x, w.cols, q16::q16_block(w.format));
-            if w.interleaved {
+            // The VNNI kernel reads the int16 values only past the last whole group, where
+            // they keep their order.
+            if self.byte_planes(w) {
+                q.bytes = x8::byte_planes(&q.q, w.cols);
+            } else if w.interleaved {
                 x8::permute_activations(&mut q.q, w.cols);
             }
             q
         })
+    }
+
+    /// Whether this kernel multiplies `w` against the activations' bytes
+    /// ([`x8::byte_planes`]): grouped Q4_1 rows under the AVX-512 int16 kernel on a CPU with
+    /// AVX-512 VNNI ([`avx512_q16::q4_1_x8_band`]), unless `BATON_DOT_VNNI=0` (read once per
+    /// process: the same kernel's `vpmaddwd` path then, for measuring one against the other).
+    fn byte_planes(self, w: &QuantMatrix) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let vnni = *VNNI.get_or_init(|| {
+                std::is_x86_feature_detected!("avx512vnni")
+                    && std::env::var("BATON_DOT_VNNI").map_or(true, |v| v.trim() != "0")
+            });
+            self == Self::Avx512Q16 && w.interleaved && vnni
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = w;
+            false
+        }
     }
 
     /// The kernels this CPU runs, fastest first.
@@ -838,7 +863,13 @@ impl DotKernel {
                 let (format, bytes, row_bytes, cols, x) = (w.format, &w.bytes, w.row_bytes, w.cols, q.view());
                 // Interleaved rows go to the AVX2 kernel straight (the AVX-512 one hands it
                 // every 32-value format anyway).
-                if self == Self::Avx512Q16 && !w.interleaved {
+                // (Activations rounded elsewhere may come without their bytes.)
+                if self.byte_planes(w) && !x.bytes.is_empty() {
+                    // SAFETY: `byte_planes` holds only on a CPU with AVX-512 VNNI, and
+                    // `available` lists this kernel only with AVX-512F, AVX-512BW, AVX-512VL,
+                    // AVX2, FMA and F16C.
+                    unsafe { avx512_q16::q4_1_x8_band(bytes, row_bytes, cols, first, x, out) }
+                } else if self == Self::Avx512Q16 && !w.interleaved {
                     // SAFETY: `available` lists this kernel only on a CPU with AVX-512F,
                     // AVX-512BW, AVX-512VL, AVX2, FMA and F16C.
                     unsafe { avx512_q16::band(format, bytes, row_bytes, cols, first, x, out) }
@@ -1154,6 +1185,21 @@ mod tests {
             let out = (0..rows * m).map(|i| y[(i % m) * rows + i / m]).collect();
             runs.push((format!("{isa:?} panels"), kernel, out));
         }
+        // Grouped Q4_1 rows: the AVX-512 kernel (against the activations' bytes where the CPU
+        // has VNNI) and the AVX2 one sum the same integers and scale them alike, bit for bit.
+        let of = |k: DotKernel| runs.iter().find(|(_, kernel, _)| *kernel == k).map(|(_, _, out)| out);
+        if mat.interleaved
+            && let (Some(a), Some(b)) = (of(DotKernel::Avx512Q16), of(DotKernel::Avx2Q16))
+            && let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits())
+        {
+            return Err(format!(
+                "Q4_1 {rows}x{cols} m={m}: [{}, {}] {} (AVX-512) vs {} (AVX2)",
+                i % m,
+                i / m,
+                a[i],
+                b[i]
+            ));
+        }
         for (kernel, k16, out) in runs {
             let kernel_name = kernel;
             let kernel = k16;
@@ -1464,6 +1510,97 @@ mod speed {
                 let macs = (m * rows * cols) as f64;
                 println!("{dtype:?} {rows}x{cols} m={m} {name}: {:.2} ms, {:.1} GMAC/s", best * 1e3, macs / best / 1e9);
             }
+        }
+    }
+
+    /// The decode products of a SmolLM2-shaped step alone (30 layers of Q4_1 qkv, o, gate_up
+    /// and down and a Q8_0 output head: 96 MB, more than the caches hold), beside the read probe
+    /// of `baton bench engine` measured in the same round, four ways: as decode runs them
+    /// (`matmul_dot` on the step's team: activations rounded and the output allocated each
+    /// product); on the team with both made before the step; each thread half of every matrix
+    /// with one join a step (no hand-off per product: what the split itself allows); one thread.
+    /// `cargo test --release -p baton-model --lib team_products -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn team_products_cold() {
+        use rayon::prelude::*;
+        let layer = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
+        let mats: Vec<QuantMatrix> = (0..30)
+            .flat_map(|_| layer.iter().map(|&(r, c)| quantized(GgmlDType::Q4_1, r, c)))
+            .chain(std::iter::once(quantized(GgmlDType::Q8_0, 49152, 576)))
+            .collect();
+        let bytes = mats.iter().map(QuantMatrix::byte_len).sum::<usize>() as f64;
+        let xs: Vec<Vec<f32>> =
+            [576, 1536].iter().map(|&k| (0..k).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect()).collect();
+        let x_of = |w: &QuantMatrix| if w.cols == 576 { &xs[0] } else { &xs[1] };
+        let kernel = DotKernel::detect();
+        let q16s: Vec<Option<Q16Rows>> = mats.iter().map(|w| kernel.q16(w, x_of(w))).collect();
+        let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; w.rows]).collect();
+        let probe: Vec<f32> = (0..(1usize << 28)).into_par_iter().map(|i| (i % 7) as f32).collect();
+        let chunk = probe.len().div_ceil(rayon::current_num_threads() * 4);
+        let median = |n: usize, f: &mut dyn FnMut()| {
+            let mut t: Vec<f64> = (0..n)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    f();
+                    t.elapsed().as_secs_f64()
+                })
+                .collect();
+            t.sort_by(f64::total_cmp);
+            t[n / 2]
+        };
+        // Rows `part` of two of every matrix.
+        let half = |part: usize, outs: &mut [Vec<f32>]| {
+            for ((w, q), out) in mats.iter().zip(&q16s).zip(outs.iter_mut()) {
+                let (a, b) = if part == 0 { (0, w.rows / 2) } else { (w.rows / 2, w.rows) };
+                kernel.run(w, a, x_of(w), q.as_ref(), 1, &mut out[a..b], &mut []);
+            }
+        };
+        println!("kernel {}, {} threads, {:.1} MB a step", kernel.name(), rayon::current_num_threads(), bytes / 1e6);
+        for round in 0..6 {
+            let read = (probe.len() * 4) as f64
+                / best_secs(3, || {
+                    let s: f32 = probe.par_chunks(chunk).map(crate::gemv::sum).sum();
+                    std::hint::black_box(s);
+                })
+                / 1e9;
+            let decode = median(20, &mut || {
+                crate::pool::step_in_pool(|| {
+                    for w in &mats {
+                        std::hint::black_box(w.matmul_dot(x_of(w), 1));
+                    }
+                })
+            });
+            let made_before = median(20, &mut || {
+                crate::pool::step_in_pool(|| {
+                    for ((w, q), out) in mats.iter().zip(&q16s).zip(outs.iter_mut()) {
+                        let rows =
+                            w.rows.div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD).max(MIN_ROWS_PER_TASK);
+                        crate::pool::for_each_chunk(
+                            out,
+                            rows,
+                            || (),
+                            |_, task, o| kernel.run(w, task * rows, x_of(w), q.as_ref(), 1, o, &mut []),
+                        );
+                    }
+                })
+            });
+            let (mut o1, mut o2) = (outs.clone(), outs.clone());
+            let halves = median(20, &mut || {
+                rayon::join(|| half(0, &mut o1), || half(1, &mut o2));
+            });
+            let one = median(10, &mut || {
+                half(0, &mut o1);
+                half(1, &mut o1);
+            });
+            let show = |secs: f64| format!("{:.3} ms ({:.0}%)", secs * 1e3, 100.0 * bytes / secs / 1e9 / read);
+            println!(
+                "round {round}: read {read:.1} GB/s; as decode runs them {}, made before {}, halves with one join {}, one thread {}",
+                show(decode),
+                show(made_before),
+                show(halves),
+                show(one)
+            );
         }
     }
 }

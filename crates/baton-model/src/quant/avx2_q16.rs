@@ -56,23 +56,10 @@ pub(super) unsafe fn band(
                 4 => $kernel::<4, 1>(w, row_bytes, x, out),
                 _ => {
                     // More rows than registers allow: four at a time.
-                    let mut part = vec![0f32; rows * 4];
-                    for r0 in (0..m).step_by(4) {
-                        let mr = 4.min(m - r0);
-                        let (k, b) = (x.k, x.block);
-                        let xs = Q16View {
-                            q: &x.q[r0 * k..(r0 + mr) * k],
-                            scale: &x.scale[r0 * k / b..(r0 + mr) * k / b],
-                            sum32: &x.sum32[r0 * k / 32..(r0 + mr) * k / 32],
-                            sum16: &x.sum16[r0 * k / 16..(r0 + mr) * k / 16],
-                            ..x
-                        };
-                        // SAFETY: the same CPU features as this function's.
-                        unsafe { band(format, interleaved, w, row_bytes, cols, 0, xs, &mut part[..rows * mr]) };
-                        for (o, p) in out.chunks_exact_mut(m).zip(part.chunks_exact(mr)) {
-                            o[r0..r0 + mr].copy_from_slice(p);
-                        }
-                    }
+                    // SAFETY (inside): the same CPU features as this function's.
+                    super::q16::by_row_chunks(x, 4, out, |xs, part| unsafe {
+                        band(format, interleaved, w, row_bytes, cols, 0, xs, part)
+                    });
                 }
             }
         };
@@ -164,8 +151,13 @@ fn store<const M: usize, const A: usize>(acc: &[[__m256; M]; A], minus: &[f32; M
     }
 }
 
-/// How far ahead of the block being decoded the kernels prefetch (as [`super::avx512`]'s).
-const PREFETCH_BYTES: usize = 2048;
+/// How far ahead of the block being decoded the kernels prefetch: a page, about what one core
+/// reads in a memory latency (~120 ns at ~25 GB/s). From 2,048 bytes: one thread streaming a
+/// SmolLM2-shaped Q4_1 matrix larger than the caches went from 20.2–20.8 to 22.9–23.2 GB/s
+/// (`decode_path_throughput`, 8,192 bytes: 20.3–20.7), and SmolLM2's batch-1 decode on two
+/// threads whose cores are on two complexes from 213.5 to 220.4 tokens/s (mean of 11
+/// alternating `bench engine` batches).
+const PREFETCH_BYTES: usize = 4096;
 
 /// Prefetches the cache lines `PREFETCH_BYTES` past those `b` spans.
 #[target_feature(enable = "avx2")]
@@ -376,10 +368,10 @@ small_blocks!(
 /// far below 2³¹. (`A` is [`band`]'s; two sums a row here whatever it is.)
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q4_1_x8<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
-    use super::x8::{BLOCKS, GROUP_BYTES, GROUP_VALUES};
+    use super::x8::{GROUP_BYTES, GROUP_VALUES};
     let (k, nb) = (x.k, x.k / 32);
     assert!(row_bytes == nb * 20 && x.q.len() == M * k && x.scale.len() == M * nb && x.sum32.len() == M * nb);
-    let (xq, xs, x32) = (x.q.as_ptr(), x.scale.as_ptr(), x.sum32.as_ptr());
+    let xq = x.q.as_ptr();
     let mask = _mm256_set1_epi16(0x0f);
     for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
         let mut acc = [_mm256_setzero_ps(); M];
@@ -412,49 +404,87 @@ fn q4_1_x8<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16Vie
                     }
                 }
             }
-            // SAFETY: the group's first 32 bytes: eight float16 scales, eight minimums.
-            let (d, m) = unsafe {
+            let sums: [__m256i; M] = std::array::from_fn(|r| _mm256_add_epi32(sums[0][r], sums[1][r]));
+            q4_1_x8_scale(group, g, x, sums, &mut acc, &mut mins);
+        }
+        q4_1_x8_finish(tail, x, acc, mins, out);
+    }
+}
+
+/// Group `g` of a grouped Q4_1 row ([`super::x8`]) done: each activation row's eight block
+/// sums (`sums`, int32, block `j` in lane `j`) scaled by the blocks' `d` and the activations'
+/// scales into `acc`, the blocks' minimums times the activations' float sums into `mins`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) fn q4_1_x8_scale<const M: usize>(
+    group: &[u8],
+    g: usize,
+    x: Q16View<'_>,
+    sums: [__m256i; M],
+    acc: &mut [__m256; M],
+    mins: &mut [__m256; M],
+) {
+    let (nb, first) = (x.k / 32, super::x8::BLOCKS * g);
+    assert!(group.len() >= 32 && x.scale.len() == M * nb && x.sum32.len() == M * nb && first + 8 <= nb);
+    // SAFETY: the group's first 32 bytes (checked above): eight float16 scales, eight minimums.
+    let (d, m) = unsafe {
+        (
+            _mm256_cvtph_ps(_mm_loadu_si128(group.as_ptr().cast())),
+            _mm256_cvtph_ps(_mm_loadu_si128(group.as_ptr().add(16).cast())),
+        )
+    };
+    for (r, ((acc, mins), sum)) in acc.iter_mut().zip(mins.iter_mut()).zip(sums).enumerate() {
+        // SAFETY: blocks `first..first + 8` of row `r < M`, inside the bounds checked above.
+        let (sx, s32) = unsafe {
+            (
+                _mm256_loadu_ps(x.scale.as_ptr().add(r * nb + first)),
+                _mm256_loadu_ps(x.sum32.as_ptr().add(r * nb + first)),
+            )
+        };
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, sx), *acc);
+        *mins = _mm256_fmadd_ps(m, s32, *mins);
+    }
+}
+
+/// The end of a grouped Q4_1 row ([`super::x8`]): its last blocks (`tail`, fewer than eight,
+/// in GGUF's order) one at a time into `acc`, then each activation row's sum, less the
+/// minimums (`mins`: `m · Σx` in a lane a block), into `out`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) fn q4_1_x8_finish<const M: usize>(
+    tail: &[u8],
+    x: Q16View<'_>,
+    mut acc: [__m256; M],
+    mins: [__m256; M],
+    out: &mut [f32],
+) {
+    let (k, nb) = (x.k, x.k / 32);
+    assert!(x.q.len() == M * k && x.scale.len() == M * nb && x.sum32.len() == M * nb && tail.len() <= nb * 20);
+    let (xq, xs, x32) = (x.q.as_ptr(), x.scale.as_ptr(), x.sum32.as_ptr());
+    let mut minus = [0f32; M];
+    let first = nb - tail.len() / 20;
+    for (j, b) in tail.chunks_exact(20).enumerate() {
+        let (lo, hi) = nibbles(b, 4);
+        let (d, m) = (half_at(b, 0), half_at(b, 2));
+        for (r, (acc, minus)) in acc.iter_mut().zip(&mut minus).enumerate() {
+            // SAFETY: block `first + j < nb` of row `r < M`, inside the bounds the assert above
+            // checks.
+            let (p, sx, s32) = unsafe {
+                let q = xq.add(r * k + 32 * (first + j));
                 (
-                    _mm256_cvtph_ps(_mm_loadu_si128(group.as_ptr().cast())),
-                    _mm256_cvtph_ps(_mm_loadu_si128(group.as_ptr().add(16).cast())),
+                    _mm256_add_epi32(madd(lo, q), madd(hi, q.add(16))),
+                    *xs.add(r * nb + first + j),
+                    *x32.add(r * nb + first + j),
                 )
             };
-            let first = BLOCKS * g;
-            for (r, (acc, mins)) in acc.iter_mut().zip(&mut mins).enumerate() {
-                // SAFETY: blocks `first..first + 8` of row `r`, inside the bounds the assert
-                // above checks.
-                let (sx, s32) =
-                    unsafe { (_mm256_loadu_ps(xs.add(r * nb + first)), _mm256_loadu_ps(x32.add(r * nb + first))) };
-                let sum = _mm256_add_epi32(sums[0][r], sums[1][r]);
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, sx), *acc);
-                *mins = _mm256_fmadd_ps(m, s32, *mins);
-            }
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sx), *acc);
+            *minus -= m * s32;
         }
-        // The last blocks (fewer than eight), in GGUF's order, one at a time.
-        let mut minus = [0f32; M];
-        let first = nb - tail.len() / 20;
-        for (j, b) in tail.chunks_exact(20).enumerate() {
-            let (lo, hi) = nibbles(b, 4);
-            let (d, m) = (half_at(b, 0), half_at(b, 2));
-            for (r, (acc, minus)) in acc.iter_mut().zip(&mut minus).enumerate() {
-                // SAFETY: block `first + j < nb` of row `r < M`, as above.
-                let (p, sx, s32) = unsafe {
-                    let q = xq.add(r * k + 32 * (first + j));
-                    (
-                        _mm256_add_epi32(madd(lo, q), madd(hi, q.add(16))),
-                        *xs.add(r * nb + first + j),
-                        *x32.add(r * nb + first + j),
-                    )
-                };
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sx), *acc);
-                *minus -= m * s32;
-            }
-        }
-        for (minus, mins) in minus.iter_mut().zip(&mins) {
-            *minus -= hsum(*mins);
-        }
-        store(&[acc], &minus, out);
     }
+    for (minus, mins) in minus.iter_mut().zip(&mins) {
+        *minus -= hsum(*mins);
+    }
+    store(&[acc], &minus, out);
 }
 
 /// Adds `isum` (each row's int32 sums), scaled by `d` and the row's activation scale for

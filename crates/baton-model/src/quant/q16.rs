@@ -36,6 +36,9 @@ pub(crate) struct Q16Rows {
     pub(crate) sum32: Vec<f32>,
     /// `[m][k / 16]`: sums of the float32 values.
     pub(crate) sum16: Vec<f32>,
+    /// `[m][·]`: the activations split into bytes for a VNNI kernel ([`super::x8::byte_planes`]),
+    /// where the kernel takes them; empty otherwise.
+    pub(crate) bytes: Vec<u8>,
     pub(crate) k: usize,
     pub(crate) block: usize,
 }
@@ -49,6 +52,7 @@ impl Q16Rows {
             scale: vec![0.0; x.len() / block],
             sum32: vec![0.0; x.len() / 32],
             sum16: vec![0.0; x.len() / 16],
+            bytes: Vec::new(),
             k,
             block,
         };
@@ -113,20 +117,20 @@ impl Q16Rows {
 
     /// Rows `r0..r0 + n` (borrowed).
     pub(crate) fn rows(&self, r0: usize, n: usize) -> Q16View<'_> {
-        let (k, b) = (self.k, self.block);
-        Q16View {
-            q: &self.q[r0 * k..(r0 + n) * k],
-            scale: &self.scale[r0 * k / b..(r0 + n) * k / b],
-            sum32: &self.sum32[r0 * k / 32..(r0 + n) * k / 32],
-            sum16: &self.sum16[r0 * k / 16..(r0 + n) * k / 16],
-            k,
-            block: b,
-        }
+        self.view().rows(r0, n)
     }
 
     /// All rows.
     pub(crate) fn view(&self) -> Q16View<'_> {
-        self.rows(0, self.q.len() / self.k)
+        Q16View {
+            q: &self.q,
+            scale: &self.scale,
+            sum32: &self.sum32,
+            sum16: &self.sum16,
+            bytes: &self.bytes,
+            k: self.k,
+            block: self.block,
+        }
     }
 }
 
@@ -137,13 +141,44 @@ pub(crate) struct Q16View<'a> {
     pub(crate) scale: &'a [f32],
     pub(crate) sum32: &'a [f32],
     pub(crate) sum16: &'a [f32],
+    pub(crate) bytes: &'a [u8],
     pub(crate) k: usize,
     pub(crate) block: usize,
 }
 
-impl Q16View<'_> {
+impl<'a> Q16View<'a> {
     pub(crate) fn m(&self) -> usize {
         self.q.len() / self.k
+    }
+
+    /// Rows `r0..r0 + n` of these.
+    pub(crate) fn rows(&self, r0: usize, n: usize) -> Q16View<'a> {
+        let (k, b, m) = (self.k, self.block, self.m());
+        let per_row = self.bytes.len() / m.max(1);
+        Q16View {
+            q: &self.q[r0 * k..(r0 + n) * k],
+            scale: &self.scale[r0 * k / b..(r0 + n) * k / b],
+            sum32: &self.sum32[r0 * k / 32..(r0 + n) * k / 32],
+            sum16: &self.sum16[r0 * k / 16..(r0 + n) * k / 16],
+            bytes: &self.bytes[r0 * per_row..(r0 + n) * per_row],
+            k,
+            block: b,
+        }
+    }
+}
+
+/// `out` (`[rows][m]` for the `m` rows of `x`) filled `step` activation rows at a time, for
+/// kernels whose registers hold no more: `f(rows r0.., part)` fills `part` (`[rows][mr]`).
+pub(crate) fn by_row_chunks(x: Q16View<'_>, step: usize, out: &mut [f32], mut f: impl FnMut(Q16View<'_>, &mut [f32])) {
+    let m = x.m();
+    let rows = out.len() / m;
+    let mut part = vec![0f32; rows * step];
+    for r0 in (0..m).step_by(step) {
+        let mr = step.min(m - r0);
+        f(x.rows(r0, mr), &mut part[..rows * mr]);
+        for (o, p) in out.chunks_exact_mut(m).zip(part.chunks_exact(mr)) {
+            o[r0..r0 + mr].copy_from_slice(p);
+        }
     }
 }
 
