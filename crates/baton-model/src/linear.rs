@@ -197,6 +197,18 @@ impl Linear {
         Ok(Self { parts, bias, in_features, out_features })
     }
 
+    /// The layer's one quantized matrix this module decodes, where it is that and no bias.
+    pub(crate) fn blocks(&self) -> Option<&QuantMatrix> {
+        match self.parts.as_slice() {
+            [(Matrix::Blocks(m), _)] if self.bias.is_none() => Some(m),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn in_features(&self) -> usize {
+        self.in_features
+    }
+
     pub(crate) fn out_features(&self) -> usize {
         self.out_features
     }

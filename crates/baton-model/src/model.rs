@@ -17,13 +17,14 @@ use baton_kv::{KvArena, KvGeometry, KvPart};
 use candle_core::{Device, Tensor};
 
 use crate::attention::{AttentionShape, RowPos, Widening, paged_attention};
-use crate::config::ModelConfig;
+use crate::config::{Activation, ModelConfig};
 use crate::device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions};
 use crate::device_kv::DeviceKv;
 use crate::error::{ModelError, Result};
 use crate::kernels::{apply_rope, gated_activation, rms_norm, rope_inv_freq, rope_tables, soft_cap};
 use crate::linear::{Linear, QWeight};
 use crate::pool::step_in_pool;
+use crate::quant::QuantMatrix;
 use crate::step::{LogitsWanted, SeqStep, StepLogits};
 use crate::weights::WeightSource;
 
@@ -36,14 +37,97 @@ struct Layer {
     /// RMSNorm of the attention output before the residual add (Gemma 3).
     post_attn_norm: Option<Vec<f32>>,
     mlp_norm: Vec<f32>,
-    gate_up: Linear,
-    down: Linear,
+    mlp: Mlp,
     /// RMSNorm of the MLP output before the residual add (Gemma 3).
     post_mlp_norm: Option<Vec<f32>>,
     /// Sliding window, if the layer is local.
     window: Option<usize>,
     /// Index into [`Model::inv_freqs`].
     rope: usize,
+}
+
+/// A layer's gated MLP: `down(act(gate(h)) · up(h))`.
+enum Mlp {
+    /// Gate and up stacked into one layer (`[gate | up]` out), and down.
+    Whole { gate_up: Linear, down: Linear },
+    /// In two halves of the inner features, each its gate and up rows and down's columns over
+    /// them; the halves' outputs sum. A one-row step on two threads runs each half whole on one
+    /// thread ([`Mlp::forward`]).
+    Halves(Box<[MlpHalf; 2]>),
+}
+
+/// Half of a [`Mlp::Halves`].
+struct MlpHalf {
+    gate_up: QuantMatrix,
+    down: QuantMatrix,
+}
+
+impl Mlp {
+    /// Halves where `gate_up` (gate rows, then up rows, `2·inner` of them) and `down` are both
+    /// matrices [`crate::quant`] decodes, `inner / 2` is whole blocks, and `BATON_SPLIT_MLP`
+    /// is not `0`; whole otherwise.
+    fn new(gate_up: Linear, down: Linear, inner: usize) -> Self {
+        static SPLIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let split = *SPLIT.get_or_init(|| std::env::var("BATON_SPLIT_MLP").map_or(true, |v| v.trim() != "0"));
+        let halves = || {
+            let (gu, d) = (gate_up.blocks()?, down.blocks()?);
+            let half = inner / 2;
+            let one = |t: usize| {
+                let f = t * half..(t + 1) * half;
+                Some(MlpHalf {
+                    gate_up: gu.part(&[f.clone(), inner + f.start..inner + f.end], 0..gu.cols())?,
+                    down: d.part(std::slice::from_ref(&(0..d.rows())), f)?,
+                })
+            };
+            Some(Box::new([one(0)?, one(1)?]))
+        };
+        match split.then(halves).flatten() {
+            Some(h) => Self::Halves(h),
+            None => Self::Whole { gate_up, down },
+        }
+    }
+
+    /// Bytes of weights a forward pass reads.
+    fn weight_bytes(&self) -> usize {
+        match self {
+            Self::Whole { gate_up, down } => gate_up.weight_bytes() + down.weight_bytes(),
+            Self::Halves(h) => h.iter().map(|h| h.gate_up.byte_len() + h.down.byte_len()).sum(),
+        }
+    }
+
+    /// The MLP of `n` rows of `h` (`[n][hidden]`).
+    fn forward(&self, h: &[f32], n: usize, act: Activation) -> Result<Vec<f32>> {
+        let halves = match self {
+            Self::Whole { gate_up, down } => {
+                let inner = down.in_features();
+                return down.forward(&gated_activation(&gate_up.forward(h, n)?, inner, act), n);
+            }
+            Self::Halves(halves) => halves,
+        };
+        let hidden = halves[0].down.rows();
+        let mut parts = vec![0f32; 2 * n * hidden];
+        if n == 1 && crate::pool::threads_awake() {
+            // A thread a half, whole: the other thread hands back `hidden` partial sums, where
+            // a product a matrix would hand over half of gate_up's output and half of down's.
+            crate::pool::for_each_chunk(
+                &mut parts,
+                hidden,
+                || (),
+                |_, t, out| {
+                    let half = &halves[t];
+                    let a = gated_activation(&half.gate_up.matvec_alone(h), half.down.cols(), act);
+                    out.copy_from_slice(&half.down.matvec_alone(&a));
+                },
+            );
+        } else {
+            for (half, out) in halves.iter().zip(parts.chunks_exact_mut(n * hidden)) {
+                let a = gated_activation(&half.gate_up.matmul_xwt(h, n)?, half.down.cols(), act);
+                out.copy_from_slice(&half.down.matmul_xwt(&a, n)?);
+            }
+        }
+        let (a, b) = parts.split_at(n * hidden);
+        Ok(a.iter().zip(b).map(|(a, b)| a + b).collect())
+    }
 }
 
 /// The token embedding: float rows, or quantized rows decoded as they are gathered.
@@ -266,8 +350,7 @@ impl CpuModel {
                 o: Linear::load(src, &format!("{p}.self_attn.o_proj"), h, q_out, false)?,
                 post_attn_norm,
                 mlp_norm,
-                gate_up,
-                down: mlp("down_proj", h, i)?,
+                mlp: Mlp::new(gate_up, mlp("down_proj", h, i)?, i),
                 post_mlp_norm,
                 window: attention.window,
                 rope,
@@ -285,11 +368,8 @@ impl CpuModel {
     }
 
     fn weight_bytes_per_step(&self) -> usize {
-        let per_layer: usize = self
-            .layers
-            .iter()
-            .map(|l| l.qkv.weight_bytes() + l.o.weight_bytes() + l.gate_up.weight_bytes() + l.down.weight_bytes())
-            .sum();
+        let per_layer: usize =
+            self.layers.iter().map(|l| l.qkv.weight_bytes() + l.o.weight_bytes() + l.mlp.weight_bytes()).sum();
         per_layer + self.lm_head.weight_bytes()
     }
 }
@@ -433,9 +513,7 @@ impl CpuModel {
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
 
             let h = rms_norm(&x, &layer.mlp_norm, eps, 0.0);
-            let gate_up = layer.gate_up.forward(&h, n)?;
-            let act = gated_activation(&gate_up, c.intermediate_size, c.activation);
-            let mut down = layer.down.forward(&act, n)?;
+            let mut down = layer.mlp.forward(&h, n, c.activation)?;
             if let Some(w) = &layer.post_mlp_norm {
                 down = rms_norm(&down, w, eps, 0.0);
             }
@@ -474,5 +552,55 @@ impl CpuModel {
             })
             .collect();
         Ok(StepLogits { data, vocab: c.vocab_size, rows: ranges, argmax })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::{GgmlDType, QTensor};
+
+    use super::*;
+
+    /// A `rows × cols` layer of fixed pseudo-random values quantized to `dtype`.
+    fn layer(dtype: GgmlDType, rows: usize, cols: usize, seed: usize) -> Linear {
+        let values: Vec<f32> =
+            (0..rows * cols).map(|i| (((i + seed) * 7919 % 2003) as f32 - 1001.0) / 1001.0).collect();
+        let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
+        let q = QTensor::quantize(&t, dtype).expect("quantizes");
+        Linear::quantized(&QWeight::new(q).expect("blocks"), None).expect("layer")
+    }
+
+    /// The MLP in halves against the whole one: one row on the step's threads (a half a
+    /// thread), one row outside a step, and several rows; SmolLM2's shapes in Q4_1 (the
+    /// interleaved groups), Gemma 3's in Q5_0, and a K format. Only the order of down's sums
+    /// differs.
+    #[test]
+    fn mlp_halves_match_the_whole_mlp() {
+        for (dtype, hidden, inner) in
+            [(GgmlDType::Q4_1, 576, 1536), (GgmlDType::Q5_0, 640, 2048), (GgmlDType::Q4K, 512, 2048)]
+        {
+            let gate_up =
+                Linear::fuse(&[layer(dtype, inner, hidden, 1), layer(dtype, inner, hidden, 2)]).expect("fused");
+            let down = layer(dtype, hidden, inner, 3);
+            let whole = Mlp::Whole { gate_up: gate_up.clone(), down: down.clone() };
+            let halves = Mlp::new(gate_up, down, inner);
+            assert!(matches!(halves, Mlp::Halves(_)), "{dtype:?} split");
+            assert_eq!(halves.weight_bytes(), whole.weight_bytes());
+            for n in [1, 3] {
+                let h: Vec<f32> = (0..n * hidden).map(|i| ((i * 31 % 97) as f32 - 48.0) / 40.0).collect();
+                let want = whole.forward(&h, n, Activation::Silu).expect("whole");
+                let mut runs = vec![halves.forward(&h, n, Activation::Silu).expect("halves")];
+                if n == 1 {
+                    runs.push(step_in_pool(|| halves.forward(&h, n, Activation::Silu).expect("halves in a step")));
+                }
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for got in runs {
+                    assert_eq!(got.len(), want.len());
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!((g - w).abs() <= 1e-4 * scale, "{dtype:?} n={n} [{i}]: {g} vs {w}");
+                    }
+                }
+            }
+        }
     }
 }

@@ -72,6 +72,22 @@ impl BlockFormat {
         })
     }
 
+    /// The GGUF type of these blocks.
+    pub(crate) fn dtype(self) -> GgmlDType {
+        match self {
+            Self::Q4_0 => GgmlDType::Q4_0,
+            Self::Q4_1 => GgmlDType::Q4_1,
+            Self::Q5_0 => GgmlDType::Q5_0,
+            Self::Q5_1 => GgmlDType::Q5_1,
+            Self::Q8_0 => GgmlDType::Q8_0,
+            Self::Q2K => GgmlDType::Q2K,
+            Self::Q3K => GgmlDType::Q3K,
+            Self::Q4K => GgmlDType::Q4K,
+            Self::Q5K => GgmlDType::Q5K,
+            Self::Q6K => GgmlDType::Q6K,
+        }
+    }
+
     /// Values per block.
     fn block_len(self) -> usize {
         match self {
@@ -379,6 +395,36 @@ impl QuantMatrix {
         let mut bytes = self.bytes.clone();
         bytes.extend_from_slice(&other.bytes);
         Some(Self { bytes, rows: self.rows + other.rows, ..*self })
+    }
+
+    /// The rows of `ranges` in turn, columns `cols` (whole blocks) of each: a new matrix laid
+    /// out as [`Self::new`] lays one out; `None` when `cols` splits a block.
+    pub(crate) fn part(&self, ranges: &[std::ops::Range<usize>], cols: std::ops::Range<usize>) -> Option<Self> {
+        let (n, bb) = (self.format.block_len(), self.format.block_bytes());
+        if !cols.start.is_multiple_of(n) || !cols.end.is_multiple_of(n) || cols.end > self.cols || cols.is_empty() {
+            return None;
+        }
+        let blocks = cols.start / n..cols.end / n;
+        let rows: usize = ranges.iter().map(|r| r.len()).sum();
+        let mut bytes = Vec::with_capacity(rows * blocks.len() * bb);
+        for r in ranges.iter().flat_map(|r| r.clone()) {
+            self.gguf_blocks(r, |i, b| {
+                if blocks.contains(&i) {
+                    bytes.extend_from_slice(b);
+                }
+            });
+        }
+        Self::new(self.format.dtype(), &bytes, rows, cols.len())
+    }
+
+    /// `x · Wᵀ` for one row `x`, on the calling thread alone.
+    pub(crate) fn matvec_alone(&self, x: &[f32]) -> Vec<f32> {
+        let kernel = DotKernel::detect().for_format(self.format);
+        let q16 = kernel.q16(self, x);
+        let mut y = vec![0f32; self.rows];
+        let mut row = if kernel.decodes_rows() { vec![0f32; self.cols] } else { Vec::new() };
+        kernel.run(self, 0, x, q16.as_ref(), 1, &mut y, &mut row);
+        y
     }
 
     /// Decodes row `r` into `out` (`cols` values).
