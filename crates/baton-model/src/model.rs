@@ -120,10 +120,16 @@ impl Mlp {
                 },
             );
         } else {
-            for (half, out) in halves.iter().zip(parts.chunks_exact_mut(n * hidden)) {
+            // Both halves at once, each product parallel inside: the pool balances the two.
+            let run = |half: &MlpHalf, out: &mut [f32]| -> Result<()> {
                 let a = gated_activation(&half.gate_up.matmul_xwt(h, n)?, half.down.cols(), act);
                 out.copy_from_slice(&half.down.matmul_xwt(&a, n)?);
-            }
+                Ok(())
+            };
+            let (p0, p1) = parts.split_at_mut(n * hidden);
+            let (r0, r1) = rayon::join(|| run(&halves[0], p0), || run(&halves[1], p1));
+            r0?;
+            r1?;
         }
         let (a, b) = parts.split_at(n * hidden);
         Ok(a.iter().zip(b).map(|(a, b)| a + b).collect())
