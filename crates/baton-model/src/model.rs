@@ -51,8 +51,8 @@ enum Mlp {
     /// Gate and up stacked into one layer (`[gate | up]` out), and down.
     Whole { gate_up: Linear, down: Linear },
     /// In two halves of the inner features, each its gate and up rows and down's columns over
-    /// them; the halves' outputs sum. A one-row step on two threads runs each half whole on one
-    /// thread ([`Mlp::forward`]).
+    /// them; the halves' outputs sum. A one-row step in a pool of two threads runs each half
+    /// whole on one thread ([`Mlp::forward`]).
     Halves(Box<[MlpHalf; 2]>),
 }
 
@@ -106,7 +106,9 @@ impl Mlp {
         };
         let hidden = halves[0].down.rows();
         let mut parts = vec![0f32; 2 * n * hidden];
-        if n == 1 && crate::pool::threads_awake() {
+        // Two halves for two threads: a larger pool takes the path below, where every product
+        // is parallel inside.
+        if n == 1 && crate::pool::threads_awake() && rayon::current_num_threads() == 2 {
             // A thread a half, whole: the other thread hands back `hidden` partial sums, where
             // a product a matrix would hand over half of gate_up's output and half of down's.
             crate::pool::for_each_chunk(
@@ -576,12 +578,21 @@ mod tests {
         Linear::quantized(&QWeight::new(q).expect("blocks"), None).expect("layer")
     }
 
-    /// The MLP in halves against the whole one: one row on the step's threads (a half a
-    /// thread), one row outside a step, and several rows; SmolLM2's shapes in Q4_1 (the
+    /// The MLP in halves against the whole one, in a pool of two threads and one of three:
+    /// one row in a step (with two threads, a half a thread), one row outside a step, and
+    /// several rows; SmolLM2's shapes in Q4_1 (the
     /// interleaved groups), Gemma 3's in Q5_0, and a K format. Only the order of down's sums
     /// differs.
     #[test]
     fn mlp_halves_match_the_whole_mlp() {
+        let _alone = crate::pool::testing::WAITING_FOR_TEAM.lock().unwrap_or_else(|e| e.into_inner());
+        for threads in [2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+            pool.install(check_mlp_halves);
+        }
+    }
+
+    fn check_mlp_halves() {
         for (dtype, hidden, inner) in
             [(GgmlDType::Q4_1, 576, 1536), (GgmlDType::Q5_0, 640, 2048), (GgmlDType::Q4K, 512, 2048)]
         {
@@ -597,7 +608,15 @@ mod tests {
                 let want = whole.forward(&h, n, Activation::Silu).expect("whole");
                 let mut runs = vec![halves.forward(&h, n, Activation::Silu).expect("halves")];
                 if n == 1 {
-                    runs.push(step_in_pool(|| halves.forward(&h, n, Activation::Silu).expect("halves in a step")));
+                    // In a step whose other threads came (one of a few tries is, unless other
+                    // tests step at the same moment every time).
+                    let teamed = (0..20).find_map(|_| {
+                        step_in_pool(|| {
+                            crate::pool::testing::wait_for_team()
+                                .then(|| halves.forward(&h, n, Activation::Silu).expect("halves in a step"))
+                        })
+                    });
+                    runs.extend(teamed);
                 }
                 let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
                 for got in runs {

@@ -398,6 +398,30 @@ fn unpack(state: u64) -> (u64, usize, usize) {
     (state >> 32, ((state >> 16) & 0xffff) as usize, (state & 0xffff) as usize)
 }
 
+/// For tests, here and elsewhere in the crate, that need a step's team.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::time::{Duration, Instant};
+
+    use super::threads_awake;
+
+    /// Held by the tests that wait inside a step for its team: two of them waiting at once
+    /// would keep each other from ever stepping alone.
+    pub(crate) static WAITING_FOR_TEAM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// Whether the step's other threads join its team within a while (they do unless another
+    /// step runs in this process, as other tests' steps may).
+    pub(crate) fn wait_for_team() -> bool {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(200) {
+            if threads_awake() {
+                return true;
+            }
+        }
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicUsize;
@@ -405,6 +429,7 @@ mod tests {
 
     use rayon::prelude::*;
 
+    use super::testing::{WAITING_FOR_TEAM, wait_for_team};
     use super::*;
 
     /// A step shaped like a decode step: many small parallel products with serial work between,
@@ -450,22 +475,6 @@ mod tests {
             }
         });
         out
-    }
-
-    /// Held by the tests that wait inside a step for its team: two of them waiting at once
-    /// would keep each other from ever stepping alone.
-    static WAITING_FOR_TEAM: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-    /// Whether the step's other threads join its team within a while (they do unless another
-    /// step runs in this process, as other tests' steps may).
-    fn wait_for_team() -> bool {
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_millis(200) {
-            if threads_awake() {
-                return true;
-            }
-        }
-        false
     }
 
     #[test]
