@@ -907,10 +907,13 @@ impl DotKernel {
                 };
                 debug_assert_eq!(q.view().m(), m);
                 let (format, bytes, row_bytes, cols, x) = (w.format, &w.bytes, w.row_bytes, w.cols, q.view());
-                // Interleaved rows go to the AVX2 kernel straight (the AVX-512 one hands it
-                // every 32-value format anyway).
-                // (Activations rounded elsewhere may come without their bytes.)
-                if self.byte_planes(w) && !x.bytes.is_empty() {
+                // Interleaved rows go to the VNNI kernel where this kernel rounds the
+                // activations into bytes, else to the AVX2 kernel straight (the AVX-512 one
+                // hands it every 32-value format anyway).
+                if self.byte_planes(w) {
+                    // Without the bytes the int16 values were left in GGUF's order, which no
+                    // kernel here could read against grouped rows.
+                    assert!(!x.bytes.is_empty(), "activations for grouped rows rounded without their bytes");
                     // SAFETY: `byte_planes` holds only on a CPU with AVX-512 VNNI, and
                     // `available` lists this kernel only with AVX-512F, AVX-512BW, AVX-512VL,
                     // AVX2, FMA and F16C.
@@ -1179,11 +1182,7 @@ mod tests {
                 b[i..i + 2].copy_from_slice(&f16::from_f32(half()).to_le_bytes());
             }
         }
-        QuantMatrix::new(dtype_of(format), &bytes, rows, blocks * format.block_len()).expect("whole blocks")
-    }
-
-    fn dtype_of(format: BlockFormat) -> GgmlDType {
-        CLAIMED.into_iter().find(|&d| BlockFormat::of(d) == Some(format)).expect("claimed")
+        QuantMatrix::new(format.dtype(), &bytes, rows, blocks * format.block_len()).expect("whole blocks")
     }
 
     /// Every int16 kernel this CPU runs against the portable decoder ([`BlockFormat::decode`])
@@ -1210,7 +1209,7 @@ mod tests {
                 b[i..i + 2].fill(0);
             }
         }
-        let no_min = QuantMatrix::new(dtype_of(mat.format), &gguf, rows, cols).expect("the same shape");
+        let no_min = QuantMatrix::new(mat.format.dtype(), &gguf, rows, cols).expect("the same shape");
         let w_int = no_min.gather(&all);
         let kernels: Vec<DotKernel> = DotKernel::available().into_iter().filter(|k| k.int16()).collect();
         if kernels.is_empty() {

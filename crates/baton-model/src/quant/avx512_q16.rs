@@ -1,6 +1,8 @@
 //! AVX-512BW kernels of [`super`] against int16 activations ([`super::q16`]) for Q4_K and
 //! Q6_K; the 32-value formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) go to [`super::avx2_q16`]'s
-//! kernels, which are faster than 512-bit ones were (see [`band`]); Q2_K, Q3_K and Q5_K take
+//! kernels, which are faster than 512-bit ones were (see [`band`]), except Q4_1's grouped rows
+//! on a CPU with AVX-512 VNNI, which meet the activations' bytes here ([`q4_1_x8_band`],
+//! `vpdpbusd` in 256-bit registers); Q2_K, Q3_K and Q5_K take
 //! float32 activations through [`super`]'s other kernels (see [`supports`]). Each weight block
 //! is decoded into int16 lanes (the K formats' integer sub-block scales multiplied in), and
 //! `vpmaddwd` multiplies it with every activation row, exact in int32. Only a block's sum (32
