@@ -482,9 +482,12 @@ mod tests {
         let _alone = WAITING_FOR_TEAM.lock().unwrap_or_else(|e| e.into_inner());
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
         // A step runs alone unless another test steps at that moment: one of a few tries is.
+        // Another test's step starting during a try also sends the other thread away (it may
+        // have taken no piece by then), so a try counts once both threads took pieces.
         let mut teamed = false;
         let mut threads = std::collections::HashSet::new();
         for _ in 0..20 {
+            threads.clear();
             pool.install(|| {
                 step_in_pool(|| {
                     if !wait_for_team() || team().is_none() {
@@ -505,7 +508,7 @@ mod tests {
                     }
                 })
             });
-            if teamed {
+            if threads.len() == 2 {
                 break;
             }
         }
