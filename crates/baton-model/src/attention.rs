@@ -68,26 +68,66 @@ fn attend_rows(
     let group = num_heads / num_kv_heads;
     let wide = widening.map(|w| (widen_layer(kv, layer, &w.order), w));
     let mut out = vec![0.0; q.len()];
+    // Where row `r` reads: the widened copy where it reads only shared blocks, else the arena.
+    let context = |r: usize| match wide.as_ref().and_then(|(copy, w)| Some((copy, w.tables[r].as_deref()?))) {
+        Some((copy, blocks)) => Context { row: RowPos { blocks, pos: rows[r].pos }, kv: copy, layer: 0 },
+        None => Context { row: rows[r], kv, layer },
+    };
     // One task per (row, kv head): the group of query heads sharing that kv head is contiguous
     // in both `q` and `out`, so each key and value is loaded once for the whole group.
     let task = |(task, out): (usize, &mut [f32])| {
         let (row, kv_head) = (task / num_kv_heads, task % num_kv_heads);
         let q_start = (row * num_heads + kv_head * group) * head_dim;
-        let q = &q[q_start..q_start + group * head_dim];
-        match wide.as_ref().and_then(|(copy, w)| Some((copy, w.tables[row].as_deref()?))) {
-            Some((copy, blocks)) => {
-                attend_group(q, out, RowPos { blocks, pos: rows[row].pos }, copy, 0, kv_head, shape);
-            }
-            None => attend_group(q, out, rows[row], kv, layer, kv_head, shape),
-        }
+        attend_group(&q[q_start..q_start + group * head_dim], out, context(row), kv_head, shape);
     };
-    if parallel {
+    let tasks = rows.len() * num_kv_heads;
+    let pieces = if parallel { context_pieces(tasks, rows, kv.geometry().block_size) } else { 1 };
+    if pieces > 1 {
+        // Few tasks over long enough contexts (a decode step of one or two rows): each task's
+        // context in `pieces` runs of blocks, so every thread has work (SmolLM2's three kv
+        // heads on two threads would leave one thread idle half the time), merged after.
+        let width = group * head_dim + 2 * group;
+        let mut parts = vec![0f32; tasks * pieces * width];
+        crate::pool::for_each_chunk(
+            &mut parts,
+            width,
+            || (),
+            |_, i, part| {
+                let (task, piece) = (i / pieces, i % pieces);
+                let (row, kv_head) = (task / num_kv_heads, task % num_kv_heads);
+                let q_start = (row * num_heads + kv_head * group) * head_dim;
+                let q = &q[q_start..q_start + group * head_dim];
+                let (o, rest) = part.split_at_mut(group * head_dim);
+                let (max, denom) = rest.split_at_mut(group);
+                max.fill(f32::NEG_INFINITY);
+                let at = context(row);
+                let n = at.row.pos / at.kv.geometry().block_size + 1;
+                let blocks = piece * n / pieces..(piece + 1) * n / pieces;
+                attend_blocks(q, o, at, kv_head, shape, blocks, (max, denom));
+            },
+        );
+        for (t, out) in out.chunks_exact_mut(group * head_dim).enumerate() {
+            merge_pieces(&parts[t * pieces * width..(t + 1) * pieces * width], out, group, head_dim);
+        }
+    } else if parallel {
         crate::pool::for_each_chunk(&mut out, group * head_dim, || (), |_, i, piece| task((i, piece)));
     } else {
         out.chunks_mut(group * head_dim).enumerate().for_each(task);
     }
     out
 }
+
+/// How many runs of blocks each of `tasks` (row, kv head) attention tasks splits into: enough
+/// for two pieces a pool thread, each run at least [`MIN_PIECE_BLOCKS`] blocks of the longest
+/// row's context; 1 (no split) when the tasks alone are that many.
+fn context_pieces(tasks: usize, rows: &[RowPos<'_>], block_size: usize) -> usize {
+    let want = (2 * rayon::current_num_threads()).div_ceil(tasks.max(1));
+    let blocks = rows.iter().map(|r| r.pos / block_size + 1).max().unwrap_or(0);
+    want.min(blocks / MIN_PIECE_BLOCKS).max(1)
+}
+
+/// Fewest blocks of context a piece of a split attention task takes ([`context_pieces`]).
+const MIN_PIECE_BLOCKS: usize = 8;
 
 /// How a step over a 16-bit arena widens the blocks its rows share: each such block once a
 /// layer, into a float32 copy. Planned once a step, used by every layer.
@@ -159,21 +199,45 @@ fn widen_layer(kv: &KvArena, layer: usize, blocks: &[BlockId]) -> KvArena {
     wide
 }
 
-fn attend_group(
+/// Where a row's keys and values are read: its position and block table in `kv`'s `layer`.
+#[derive(Clone, Copy)]
+struct Context<'a> {
+    row: RowPos<'a>,
+    kv: &'a KvArena,
+    layer: usize,
+}
+
+/// The query heads `q` (`[group][head_dim]`) that share kv head `kv_head` attending over
+/// positions `..= pos` of the row's sequence, into `out` (zeroed).
+fn attend_group(q: &[f32], out: &mut [f32], at: Context<'_>, kv_head: usize, shape: AttentionShape) {
+    let group = q.len() / shape.head_dim;
+    let (mut max, mut denom) = (vec![f32::NEG_INFINITY; group], vec![0f32; group]);
+    let blocks = 0..at.row.pos / at.kv.geometry().block_size + 1;
+    attend_blocks(q, out, at, kv_head, shape, blocks, (&mut max, &mut denom));
+    for (o, d) in out.chunks_exact_mut(shape.head_dim).zip(denom) {
+        let inv = 1.0 / d;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// [`attend_group`] over the blocks `blocks` of `row`'s table only (the positions of them it
+/// sees), unnormalized: `out` gathers the values weighted by `exp(score − max)`, and `max`
+/// and `denom` (per query head, `-inf` and 0 to start) the running maximum and sum of those
+/// weights, as an online softmax carries them. Pieces of a context over disjoint blocks
+/// combine ([`merge_pieces`]).
+fn attend_blocks(
     q: &[f32],
     out: &mut [f32],
-    row: RowPos<'_>,
-    kv: &KvArena,
-    layer: usize,
+    Context { row, kv, layer }: Context<'_>,
     kv_head: usize,
     shape: AttentionShape,
+    blocks: std::ops::Range<usize>,
+    (max, denom): (&mut [f32], &mut [f32]),
 ) {
     let g = kv.geometry();
     let (block_size, head_dim, stride) = (g.block_size, shape.head_dim, g.token_elems());
     let group = q.len() / head_dim;
     let first = shape.window.map_or(0, |w| (row.pos + 1).saturating_sub(w));
-    let mut max = vec![f32::NEG_INFINITY; group];
-    let mut denom = vec![0f32; group];
     // `[token][query head]` of one block: scores, then softmax weights.
     let mut scores = vec![0f32; block_size * group];
     // A 16-bit arena's keys and values of this head, widened to float32 a block at a time.
@@ -183,8 +247,8 @@ fn attend_group(
     } else {
         (Vec::new(), Vec::new())
     };
-    let last = row.pos / block_size;
-    for b in first / block_size..=last {
+    let last = (row.pos / block_size).min(blocks.end.saturating_sub(1));
+    for b in (first / block_size).max(blocks.start)..=last {
         // The next block's rows come from memory while this one's are worked on.
         if b < last {
             kv.prefetch_head(layer, row.blocks[b + 1], kv_head);
@@ -225,8 +289,28 @@ fn attend_group(
         }
         weighted_rows_add(out, group, s, values, stride, n, head_dim);
     }
-    for (o, d) in out.chunks_exact_mut(head_dim).zip(denom) {
-        let inv = 1.0 / d;
+}
+
+/// Combines [`attend_blocks`] pieces of one (row, kv head) over disjoint blocks, each
+/// `[group·head_dim outputs | group maxima | group sums]`, into `out` (`[group][head_dim]`),
+/// normalized.
+fn merge_pieces(pieces: &[f32], out: &mut [f32], group: usize, head_dim: usize) {
+    let width = group * head_dim + 2 * group;
+    out.fill(0.0);
+    for qi in 0..group {
+        let max = pieces.chunks_exact(width).map(|p| p[group * head_dim + qi]).fold(f32::NEG_INFINITY, f32::max);
+        let mut denom = 0f32;
+        let o = &mut out[qi * head_dim..(qi + 1) * head_dim];
+        for p in pieces.chunks_exact(width) {
+            let (m, d) = (p[group * head_dim + qi], p[group * head_dim + group + qi]);
+            if d == 0.0 {
+                continue;
+            }
+            let w = (m - max).exp();
+            denom += d * w;
+            o.iter_mut().zip(&p[qi * head_dim..(qi + 1) * head_dim]).for_each(|(o, v)| *o += v * w);
+        }
+        let inv = 1.0 / denom;
         o.iter_mut().for_each(|x| *x *= inv);
     }
 }
@@ -307,6 +391,46 @@ mod tests {
                         let other = attend_rows(&q, rows, &half, layer, shape, plan.as_ref(), parallel);
                         assert_eq!(attended, other, "parallel {parallel}");
                     }
+                }
+            }
+        }
+    }
+
+    /// One decode row's attention with each (row, kv head) task's context split into runs of
+    /// blocks and merged equals it unsplit, up to float rounding: float32 and bfloat16 arenas,
+    /// with and without a window, contexts ending mid-block and on a block's last slot.
+    #[test]
+    fn context_pieces_merge_to_the_unsplit_attention() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
+        let (heads, kv_heads, dim, bs) = (6, 3, 16, 4);
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            let g = KvGeometry { dtype, ..KvGeometry::new(1, kv_heads, dim, bs) };
+            let mut kv = KvArena::new_private(g, KvLayout::BlockMajor, 40);
+            let mut x = 0.41f32;
+            for b in 0..40 {
+                for slot in 0..bs {
+                    for part in [KvPart::Key, KvPart::Value] {
+                        let row: Vec<f32> = (0..kv_heads * dim)
+                            .map(|_| {
+                                x = (x * 3.1 + 0.23).fract();
+                                2.0 * x - 1.0
+                            })
+                            .collect();
+                        kv.write_token(0, part, BlockId(b), slot, &row);
+                    }
+                }
+            }
+            let blocks: Vec<BlockId> = (0..40).rev().map(BlockId).collect();
+            for (pos, window) in [(158, None), (159, None), (70, None), (158, Some(61))] {
+                let shape =
+                    AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim, scale: 0.7, window };
+                let rows = [RowPos { blocks: &blocks, pos }];
+                assert!(pool.install(|| context_pieces(kv_heads, &rows, bs)) > 1, "position {pos} splits");
+                let q: Vec<f32> = (0..heads * dim).map(|i| ((i * 11 % 17) as f32 - 8.0) / 5.0).collect();
+                let whole = attend_rows(&q, &rows, &kv, 0, shape, None, false);
+                let split = pool.install(|| attend_rows(&q, &rows, &kv, 0, shape, None, true));
+                for (i, (a, b)) in split.iter().zip(&whole).enumerate() {
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{dtype:?} position {pos} [{i}]: {a} vs {b}");
                 }
             }
         }
