@@ -45,7 +45,9 @@ pub(crate) fn paged_attention(
     // threads are kept awake through the step, when a few microseconds are worth sharing.
     let work = rows.iter().map(|r| r.pos + 1).sum::<usize>() * shape.num_heads * shape.head_dim;
     let tasks = rows.len() * shape.num_kv_heads;
-    let parallel = tasks > 1 && (work >= PARALLEL_WORK || crate::pool::threads_awake());
+    // One task splits too when its context is long ([`context_pieces`]: Gemma 3's one KV head).
+    let shares = tasks > 1 || context_pieces(tasks, rows, kv.geometry().block_size) > 1;
+    let parallel = shares && (work >= PARALLEL_WORK || crate::pool::threads_awake());
     attend_rows(q, rows, kv, layer, shape, widening, parallel)
 }
 
@@ -398,12 +400,13 @@ mod tests {
 
     /// One decode row's attention with each (row, kv head) task's context split into runs of
     /// blocks and merged equals it unsplit, up to float rounding: float32 and bfloat16 arenas,
-    /// with and without a window, contexts ending mid-block and on a block's last slot.
+    /// three kv heads and one, with and without a window, contexts ending mid-block and on a
+    /// block's last slot.
     #[test]
     fn context_pieces_merge_to_the_unsplit_attention() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
-        let (heads, kv_heads, dim, bs) = (6, 3, 16, 4);
-        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        for (heads, kv_heads, dtype) in [(6, 3, KvDtype::F32), (6, 3, KvDtype::Bf16), (4, 1, KvDtype::F32)] {
+            let (dim, bs) = (16, 4);
             let g = KvGeometry { dtype, ..KvGeometry::new(1, kv_heads, dim, bs) };
             let mut kv = KvArena::new_private(g, KvLayout::BlockMajor, 40);
             let mut x = 0.41f32;
