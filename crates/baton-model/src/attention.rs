@@ -46,7 +46,7 @@ pub(crate) fn paged_attention(
     let work = rows.iter().map(|r| r.pos + 1).sum::<usize>() * shape.num_heads * shape.head_dim;
     let tasks = rows.len() * shape.num_kv_heads;
     // One task splits too when its context is long ([`context_pieces`]: Gemma 3's one KV head).
-    let shares = tasks > 1 || context_pieces(tasks, rows, kv.geometry().block_size) > 1;
+    let shares = tasks > 1 || context_pieces(tasks, rows, shape.window, kv.geometry().block_size) > 1;
     let parallel = shares && (work >= PARALLEL_WORK || crate::pool::threads_awake());
     attend_rows(q, rows, kv, layer, shape, widening, parallel)
 }
@@ -83,7 +83,8 @@ fn attend_rows(
         attend_group(&q[q_start..q_start + group * head_dim], out, context(row), kv_head, shape);
     };
     let tasks = rows.len() * num_kv_heads;
-    let pieces = if parallel { context_pieces(tasks, rows, kv.geometry().block_size) } else { 1 };
+    let block_size = kv.geometry().block_size;
+    let pieces = if parallel { context_pieces(tasks, rows, shape.window, block_size) } else { 1 };
     if pieces > 1 {
         // Few tasks over long enough contexts (a decode step of one or two rows): each task's
         // context in `pieces` runs of blocks, so every thread has work (SmolLM2's three kv
@@ -102,10 +103,9 @@ fn attend_rows(
                 let (o, rest) = part.split_at_mut(group * head_dim);
                 let (max, denom) = rest.split_at_mut(group);
                 max.fill(f32::NEG_INFINITY);
-                let at = context(row);
-                let n = at.row.pos / at.kv.geometry().block_size + 1;
-                let blocks = piece * n / pieces..(piece + 1) * n / pieces;
-                attend_blocks(q, o, at, kv_head, shape, blocks, (max, denom));
+                let seen = seen_blocks(rows[row].pos, shape.window, block_size);
+                let blocks = seen.start + piece * seen.len() / pieces..seen.start + (piece + 1) * seen.len() / pieces;
+                attend_blocks(q, o, context(row), kv_head, shape, blocks, (max, denom));
             },
         );
         for (t, out) in out.chunks_exact_mut(group * head_dim).enumerate() {
@@ -120,12 +120,19 @@ fn attend_rows(
 }
 
 /// How many runs of blocks each of `tasks` (row, kv head) attention tasks splits into: enough
-/// for two pieces a pool thread, each run at least [`MIN_PIECE_BLOCKS`] blocks of the longest
-/// row's context; 1 (no split) when the tasks alone are that many.
-fn context_pieces(tasks: usize, rows: &[RowPos<'_>], block_size: usize) -> usize {
+/// for two pieces a pool thread, each run at least [`MIN_PIECE_BLOCKS`] of the blocks the
+/// longest row sees (inside its window); 1 (no split) when the tasks alone are that many.
+fn context_pieces(tasks: usize, rows: &[RowPos<'_>], window: Option<usize>, block_size: usize) -> usize {
     let want = (2 * rayon::current_num_threads()).div_ceil(tasks.max(1));
-    let blocks = rows.iter().map(|r| r.pos / block_size + 1).max().unwrap_or(0);
+    let blocks = rows.iter().map(|r| seen_blocks(r.pos, window, block_size).len()).max().unwrap_or(0);
     want.min(blocks / MIN_PIECE_BLOCKS).max(1)
+}
+
+/// The blocks of its table a query at `pos` reads: from the one holding the window's first
+/// position (or the first) to the one holding `pos`.
+fn seen_blocks(pos: usize, window: Option<usize>, block_size: usize) -> std::ops::Range<usize> {
+    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    first / block_size..pos / block_size + 1
 }
 
 /// Fewest blocks of context a piece of a split attention task takes ([`context_pieces`]).
@@ -214,7 +221,7 @@ struct Context<'a> {
 fn attend_group(q: &[f32], out: &mut [f32], at: Context<'_>, kv_head: usize, shape: AttentionShape) {
     let group = q.len() / shape.head_dim;
     let (mut max, mut denom) = (vec![f32::NEG_INFINITY; group], vec![0f32; group]);
-    let blocks = 0..at.row.pos / at.kv.geometry().block_size + 1;
+    let blocks = seen_blocks(at.row.pos, shape.window, at.kv.geometry().block_size);
     attend_blocks(q, out, at, kv_head, shape, blocks, (&mut max, &mut denom));
     for (o, d) in out.chunks_exact_mut(shape.head_dim).zip(denom) {
         let inv = 1.0 / d;
@@ -222,8 +229,8 @@ fn attend_group(q: &[f32], out: &mut [f32], at: Context<'_>, kv_head: usize, sha
     }
 }
 
-/// [`attend_group`] over the blocks `blocks` of `row`'s table only (the positions of them it
-/// sees), unnormalized: `out` gathers the values weighted by `exp(score − max)`, and `max`
+/// [`attend_group`] over the blocks `blocks` of `row`'s table only (those of [`seen_blocks`]
+/// among them, and the positions of them it sees), unnormalized: `out` gathers the values weighted by `exp(score − max)`, and `max`
 /// and `denom` (per query head, `-inf` and 0 to start) the running maximum and sum of those
 /// weights, as an online softmax carries them. Pieces of a context over disjoint blocks
 /// combine ([`merge_pieces`]).
@@ -321,6 +328,28 @@ fn merge_pieces(pieces: &[f32], out: &mut [f32], group: usize, head_dim: usize) 
 mod tests {
     use super::*;
 
+    /// Writes pseudo-random keys and values in `(-0.5, 0.5)` into every slot of blocks
+    /// `0..blocks` of every layer of `kv`, from `seed`.
+    fn fill(kv: &mut KvArena, blocks: u32, seed: f32) {
+        let g = *kv.geometry();
+        let mut x = seed;
+        for layer in 0..g.layers {
+            for b in 0..blocks {
+                for slot in 0..g.block_size {
+                    for part in [KvPart::Key, KvPart::Value] {
+                        let row: Vec<f32> = (0..g.token_elems())
+                            .map(|_| {
+                                x = (x * 3.7 + 0.11).fract();
+                                x - 0.5
+                            })
+                            .collect();
+                        kv.write_token(layer, part, BlockId(b), slot, &row);
+                    }
+                }
+            }
+        }
+    }
+
     /// A 16-bit arena attends exactly as a float32 arena holding the same (widened) values,
     /// on both paths: rows sharing blocks (a prefill chunk: widened once into a copy) and rows
     /// that do not (decode: widened slice by slice).
@@ -333,22 +362,7 @@ mod tests {
             let g = KvGeometry { dtype, ..KvGeometry::new(2, kv_heads, dim, bs) };
             let mut half = KvArena::new_private(g, KvLayout::LayerMajor, 8);
             let mut full = KvArena::new_private(KvGeometry { dtype: KvDtype::F32, ..g }, KvLayout::LayerMajor, 8);
-            let mut x = 0.37f32;
-            for layer in 0..2 {
-                for b in 0..8 {
-                    for slot in 0..bs {
-                        for part in [KvPart::Key, KvPart::Value] {
-                            let row: Vec<f32> = (0..kv_heads * dim)
-                                .map(|_| {
-                                    x = (x * 3.7 + 0.11).fract();
-                                    x - 0.5
-                                })
-                                .collect();
-                            half.write_token(layer, part, BlockId(b), slot, &row);
-                        }
-                    }
-                }
-            }
+            fill(&mut half, 8, 0.37);
             // The float32 arena holds exactly what the 16-bit one stores.
             for layer in 0..2 {
                 for b in 0..8 {
@@ -400,8 +414,8 @@ mod tests {
 
     /// One decode row's attention with each (row, kv head) task's context split into runs of
     /// blocks and merged equals it unsplit, up to float rounding: float32 and bfloat16 arenas,
-    /// three kv heads and one, with and without a window, contexts ending mid-block and on a
-    /// block's last slot.
+    /// three kv heads and one, with and without a window (the pieces split the window's blocks,
+    /// not the whole table's), contexts ending mid-block and on a block's last slot.
     #[test]
     fn context_pieces_merge_to_the_unsplit_attention() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
@@ -409,26 +423,16 @@ mod tests {
             let (dim, bs) = (16, 4);
             let g = KvGeometry { dtype, ..KvGeometry::new(1, kv_heads, dim, bs) };
             let mut kv = KvArena::new_private(g, KvLayout::BlockMajor, 40);
-            let mut x = 0.41f32;
-            for b in 0..40 {
-                for slot in 0..bs {
-                    for part in [KvPart::Key, KvPart::Value] {
-                        let row: Vec<f32> = (0..kv_heads * dim)
-                            .map(|_| {
-                                x = (x * 3.1 + 0.23).fract();
-                                2.0 * x - 1.0
-                            })
-                            .collect();
-                        kv.write_token(0, part, BlockId(b), slot, &row);
-                    }
-                }
-            }
+            fill(&mut kv, 40, 0.41);
             let blocks: Vec<BlockId> = (0..40).rev().map(BlockId).collect();
+            // A window's pieces cut the blocks it sees: 24..40 at position 158.
+            assert_eq!(seen_blocks(158, Some(61), bs), 24..40);
             for (pos, window) in [(158, None), (159, None), (70, None), (158, Some(61))] {
                 let shape =
                     AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim, scale: 0.7, window };
                 let rows = [RowPos { blocks: &blocks, pos }];
-                assert!(pool.install(|| context_pieces(kv_heads, &rows, bs)) > 1, "position {pos} splits");
+                let pieces = pool.install(|| context_pieces(kv_heads, &rows, window, bs));
+                assert!(pieces > 1, "position {pos} splits");
                 let q: Vec<f32> = (0..heads * dim).map(|i| ((i * 11 % 17) as f32 - 8.0) / 5.0).collect();
                 let whole = attend_rows(&q, &rows, &kv, 0, shape, None, false);
                 let split = pool.install(|| attend_rows(&q, &rows, &kv, 0, shape, None, true));
