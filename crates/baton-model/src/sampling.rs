@@ -310,8 +310,9 @@ pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> TokenLogprobs {
     }
 }
 
-/// Index of the largest logit; the first on ties, as `torch.argmax`. (NaNs never win, but a
-/// NaN first logit is never beaten: the first index whose logit no later one exceeds.)
+/// Index of the largest logit; the first on ties, as `torch.argmax`. NaN logits are passed
+/// over, unless the first logit is one (then 0): what the element-by-element scan this
+/// replaced returned.
 ///
 /// Two passes the compiler vectorizes — the largest value, by lanes that each keep their own
 /// maximum, then the first chunk that holds it — where one pass that carries the best index
