@@ -76,11 +76,16 @@ fn attend_rows(
         None => Context { row: rows[r], kv, layer },
     };
     // One task per (row, kv head): the group of query heads sharing that kv head is contiguous
-    // in both `q` and `out`, so each key and value is loaded once for the whole group.
-    let task = |(task, out): (usize, &mut [f32])| {
+    // in both `q` and `out`, so each key and value is loaded once for the whole group. A
+    // task's row, kv head and query group:
+    let of_task = |task: usize| {
         let (row, kv_head) = (task / num_kv_heads, task % num_kv_heads);
         let q_start = (row * num_heads + kv_head * group) * head_dim;
-        attend_group(&q[q_start..q_start + group * head_dim], out, context(row), kv_head, shape);
+        (row, kv_head, &q[q_start..q_start + group * head_dim])
+    };
+    let task = |(task, out): (usize, &mut [f32])| {
+        let (row, kv_head, q) = of_task(task);
+        attend_group(q, out, context(row), kv_head, shape);
     };
     let tasks = rows.len() * num_kv_heads;
     let block_size = kv.geometry().block_size;
@@ -96,10 +101,8 @@ fn attend_rows(
             width,
             || (),
             |_, i, part| {
-                let (task, piece) = (i / pieces, i % pieces);
-                let (row, kv_head) = (task / num_kv_heads, task % num_kv_heads);
-                let q_start = (row * num_heads + kv_head * group) * head_dim;
-                let q = &q[q_start..q_start + group * head_dim];
+                let (row, kv_head, q) = of_task(i / pieces);
+                let piece = i % pieces;
                 let (o, rest) = part.split_at_mut(group * head_dim);
                 let (max, denom) = rest.split_at_mut(group);
                 max.fill(f32::NEG_INFINITY);

@@ -334,12 +334,12 @@ pub fn argmax(logits: &[f32]) -> u32 {
         }
     }
     let best = rows.remainder().iter().chain(&lanes).fold(first, |m, &l| if l > m { l } else { m });
-    let at = |chunk: &[f32]| chunk.iter().position(|&l| l == best);
+    // `best` is one of the logits (the first, or one a lane kept): some chunk holds it.
     logits
         .chunks(CHUNK)
         .enumerate()
         .find(|(_, chunk)| chunk.iter().fold(false, |hit, &l| hit | (l == best)))
-        .and_then(|(c, chunk)| Some(c * CHUNK + at(chunk)?))
+        .and_then(|(c, chunk)| Some(c * CHUNK + chunk.iter().position(|&l| l == best)?))
         .map_or(0, |i| i as u32)
 }
 
@@ -347,8 +347,8 @@ pub fn argmax(logits: &[f32]) -> u32 {
 mod tests {
     use super::*;
 
-    /// The first index no later logit exceeds, one element at a time: what `argmax` must
-    /// return.
+    /// The one-pass scan `argmax` replaced, carrying the best index from element to element:
+    /// what `argmax` must return.
     fn argmax_by_scan(logits: &[f32]) -> u32 {
         let mut best = 0;
         for (i, &l) in logits.iter().enumerate() {
