@@ -327,8 +327,9 @@ pub(crate) struct QuantMatrix {
     rows: usize,
     cols: usize,
     row_bytes: usize,
-    /// Q4_1 rows regrouped eight blocks at a time for the int16 decode kernels ([`x8`]); only
-    /// where the process's kernel is one of those, and the rows have a whole group.
+    /// Q4_1 or Q5_0 rows regrouped eight blocks at a time for the int16 decode kernels
+    /// ([`x8`]); only where the process's kernel is one of those, and the rows have a whole
+    /// group.
     interleaved: bool,
 }
 
@@ -344,12 +345,12 @@ impl QuantMatrix {
         if bytes.len() != rows * row_bytes {
             return None;
         }
-        let interleaved = format == BlockFormat::Q4_1
+        let interleaved = x8::groups(format)
             && cols / format.block_len() >= x8::BLOCKS
             && DotKernel::detect().for_format(format).int16();
         let mut bytes = bytes.to_vec();
         if interleaved {
-            bytes.par_chunks_mut(row_bytes).for_each(x8::interleave_row);
+            bytes.par_chunks_mut(row_bytes).for_each(|row| x8::interleave(format, row));
         }
         Some(Self { format, bytes, rows, cols, row_bytes, interleaved })
     }
@@ -363,11 +364,12 @@ impl QuantMatrix {
             row.chunks_exact(bb).enumerate().for_each(|(i, b)| f(i, b));
             return;
         }
-        let mut gguf = [0u8; x8::GROUP_BYTES];
-        let groups = row.chunks_exact(x8::GROUP_BYTES);
+        let mut buf = [0u8; x8::MAX_GROUP_BYTES];
+        let gguf = &mut buf[..x8::group_bytes(self.format)];
+        let groups = row.chunks_exact(gguf.len());
         let tail = groups.remainder();
         for (g, group) in groups.enumerate() {
-            x8::gguf_row(group, &mut gguf);
+            x8::gguf_order(self.format, group, gguf);
             gguf.chunks_exact(bb).enumerate().for_each(|(j, b)| f(g * x8::BLOCKS + j, b));
         }
         let first = (row.len() - tail.len()) / bb;
@@ -826,7 +828,7 @@ impl DotKernel {
     }
 
     /// Whether this kernel multiplies `w` against the activations' bytes
-    /// ([`x8::byte_planes`]): grouped Q4_1 rows under the AVX-512 int16 kernel on a CPU with
+    /// ([`x8::byte_planes`]): grouped Q4_1 rows (not Q5_0's) under the AVX-512 int16 kernel on a CPU with
     /// AVX-512 VNNI ([`avx512_q16::q4_1_x8_band`]), unless `BATON_DOT_VNNI=0` (read once per
     /// process: the same kernel's `vpmaddwd` path then, for measuring one against the other).
     fn byte_planes(self, w: &QuantMatrix) -> bool {
@@ -837,7 +839,7 @@ impl DotKernel {
                 std::is_x86_feature_detected!("avx512vnni")
                     && std::env::var("BATON_DOT_VNNI").map_or(true, |v| v.trim() != "0")
             });
-            self == Self::Avx512Q16 && w.interleaved && vnni
+            self == Self::Avx512Q16 && w.interleaved && w.format == BlockFormat::Q4_1 && vnni
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -931,8 +933,13 @@ impl DotKernel {
             #[allow(unsafe_code)]
             // SAFETY: `detect` picked this kernel only on a CPU with AVX-512F, FMA and F16C.
             Self::Avx512 => {
-                // Interleaved rows are Q4_1's, which this kernel hands to a decode-a-row one.
-                debug_assert!(!w.interleaved);
+                if w.interleaved {
+                    // Grouped rows are the int16 kernels' layout: a float32 kernel meets them
+                    // only where tests run every kernel on one matrix, and decodes them a row
+                    // at a time (Q4_1's never come here: this kernel hands that format on).
+                    let mut row = vec![0f32; w.cols];
+                    return dot_rows(w, first, x, m, out, &mut row);
+                }
                 unsafe { avx512::band(w.format, &w.bytes, w.row_bytes, w.cols, first, x, m, out) }
             }
             #[cfg(target_arch = "x86_64")]
@@ -1230,15 +1237,17 @@ mod tests {
             let out = (0..rows * m).map(|i| y[(i % m) * rows + i / m]).collect();
             runs.push((format!("{isa:?} panels"), kernel, out));
         }
-        // Grouped Q4_1 rows: the AVX-512 kernel (against the activations' bytes where the CPU
-        // has VNNI) and the AVX2 one sum the same integers and scale them alike, bit for bit.
+        // Grouped rows: the AVX-512 kernel (for Q4_1 against the activations' bytes where the
+        // CPU has VNNI) and the AVX2 one sum the same integers and scale them alike, bit for
+        // bit.
         let of = |k: DotKernel| runs.iter().find(|(_, kernel, _)| *kernel == k).map(|(_, _, out)| out);
         if mat.interleaved
             && let (Some(a), Some(b)) = (of(DotKernel::Avx512Q16), of(DotKernel::Avx2Q16))
             && let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits())
         {
             return Err(format!(
-                "Q4_1 {rows}x{cols} m={m}: [{}, {}] {} (AVX-512) vs {} (AVX2)",
+                "{:?} {rows}x{cols} m={m}: [{}, {}] {} (AVX-512) vs {} (AVX2)",
+                mat.format,
                 i % m,
                 i / m,
                 a[i],
@@ -1306,6 +1315,43 @@ mod tests {
                 })
                 .collect();
             check_int16_kernels(&mat, &x, m).map_err(proptest::test_runner::TestCaseError::fail)?;
+        }
+    }
+
+    /// Grouped rows against the same rows in GGUF's order, through the int16 kernels: the
+    /// same products bit for bit (the kernels sum the same integers and scale them alike), for
+    /// rows of one group, a group and a tail, and several groups, at one to six activation rows.
+    #[test]
+    fn grouped_rows_multiply_as_their_gguf_order_does() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        let mut rng = StdRng::seed_from_u64(7);
+        for format in [BlockFormat::Q4_1, BlockFormat::Q5_0] {
+            for blocks in [8, 11, 20, 27] {
+                let rows = 13;
+                let mut bytes: Vec<u8> = (0..rows * blocks * format.block_bytes()).map(|_| rng.random()).collect();
+                for b in bytes.chunks_exact_mut(format.block_bytes()) {
+                    for &i in half_fields(format) {
+                        b[i..i + 2].copy_from_slice(&f16::from_f32(rng.random_range(-2.0f32..2.0)).to_le_bytes());
+                    }
+                }
+                let cols = blocks * 32;
+                let grouped = QuantMatrix::new(format.dtype(), &bytes, rows, cols).expect("whole blocks");
+                if !grouped.interleaved {
+                    // A CPU (or a `BATON_DOT_KERNEL`) without the int16 kernels groups nothing.
+                    return;
+                }
+                let gguf = QuantMatrix { bytes: bytes.clone(), interleaved: false, ..grouped.clone() };
+                for m in 1..=6 {
+                    let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                    for kernel in DotKernel::available().into_iter().filter(|k| k.int16()) {
+                        let (mut a, mut b) = (vec![0f32; rows * m], vec![0f32; rows * m]);
+                        kernel.run(&grouped, 0, &x, None, m, &mut a, &mut []);
+                        kernel.run(&gguf, 0, &x, None, m, &mut b, &mut []);
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&a), bits(&b), "{format:?} {kernel:?} {blocks} blocks, m={m}");
+                    }
+                }
+            }
         }
     }
 

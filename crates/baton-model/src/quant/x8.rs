@@ -1,4 +1,4 @@
-//! Q4_1 rows regrouped for the int16 decode kernels: eight blocks interleaved, so that one
+//! Q4_1 and Q5_0 rows regrouped for the int16 decode kernels: eight blocks interleaved, so that one
 //! register lane follows one block from the first load to its scaled sum.
 //!
 //! In GGUF a Q4_1 block is 20 bytes: a float16 scale `d`, a float16 minimum `m`, and 16 bytes
@@ -34,10 +34,19 @@
 //! batches of 4, 8 and 16 10–30% faster (`BATON_DOT_VNNI=1|0 baton bench engine --batches
 //! 1,4,8,16`, runs alternating; the README has the figures).
 //!
+//! Q5_0 rows are grouped the same way ([`interleave_q5_0_row`]): a Q5_0 block is a float16
+//! scale `d`, a 32-bit mask of fifth bits and the same 16 nibble bytes as Q4_1's, value
+//! `d · (nibble + 16·bit − 16)`. Its 176-byte group keeps Q4_1's chunks at bytes 48..176, the
+//! scales at 0..16, and at 16..48 each block's fifth bits *cleared* (`1 − bit`), rearranged so
+//! that the bit of the value in register `r` of chunk `c`, lane `2j + t`, is bit `4c + r` of
+//! block `j`'s 16-bit word `t`: one shift and one mask a register put `16·(1 − bit)` beside
+//! the nibble, and a subtraction gives the value less 16, exactly what the GGUF-order kernel
+//! forms. The activations are permuted as for Q4_1 ([`permute_activations`]).
+//!
 //! The blocks past the last whole group of a row (fewer than eight) stay in GGUF's order, as do
 //! the activations over them. A row keeps its length, so rows still start `row_bytes` apart and
 //! matrices still stack row-wise. Everything that decodes rows one by one reads them back in
-//! GGUF's order through [`gguf_row`].
+//! GGUF's order through [`gguf_order`].
 
 /// Blocks a group.
 pub(super) const BLOCKS: usize = 8;
@@ -48,8 +57,109 @@ pub(super) const GROUP_BYTES: usize = BLOCKS * BLOCK_BYTES;
 /// Values a group.
 pub(super) const GROUP_VALUES: usize = BLOCKS * 32;
 
+/// Bytes of a Q5_0 block.
+const Q5_0_BLOCK_BYTES: usize = 22;
+/// Bytes of a Q5_0 group.
+pub(super) const Q5_0_GROUP_BYTES: usize = BLOCKS * Q5_0_BLOCK_BYTES;
+/// The most bytes a group of any grouped format has.
+pub(super) const MAX_GROUP_BYTES: usize = Q5_0_GROUP_BYTES;
+
+/// A Q5_0 block's fifth bits (`bits`, bit `v` value `v`'s) as its group stores them: cleared,
+/// the bit of the value in register `r` of chunk `c`, lane `2j + t` — value `4c + 2t + [0, 16,
+/// 1, 17][r]`, the low and high nibble of the lane's low byte, then of its high byte — at bit
+/// `16t + 4c + r`. Whole words at a time: the bits of register `r` of every chunk sit 4 apart
+/// in both places, so each `r` is one mask and one shift a word (the value less `4c + r` is
+/// `2t`, `15 + 2t`, `2t − 1` or `14 + 2t`).
+fn cleared_of(bits: u32) -> u32 {
+    let (n, mut out) = (!bits, 0);
+    for t in 0..2 {
+        let third = if t == 0 { n << 1 } else { n >> 1 };
+        let word =
+            (n >> (2 * t) & 0x1111) | (n >> (15 + 2 * t) & 0x2222) | (third & 0x4444) | (n >> (14 + 2 * t) & 0x8888);
+        out |= word << (16 * t);
+    }
+    out
+}
+
+/// [`cleared_of`] undone: the block's fifth bits from its group's word.
+fn bits_of(cleared: u32) -> u32 {
+    let mut out = 0;
+    for t in 0..2 {
+        let word = !cleared >> (16 * t) & 0xffff;
+        let third = if t == 0 { (word & 0x4444) >> 1 } else { (word & 0x4444) << 1 };
+        out |= (word & 0x1111) << (2 * t) | (word & 0x2222) << (15 + 2 * t) | third | (word & 0x8888) << (14 + 2 * t);
+    }
+    out
+}
+
+/// Whether `format`'s rows can be grouped here.
+pub(super) fn groups(format: super::BlockFormat) -> bool {
+    matches!(format, super::BlockFormat::Q4_1 | super::BlockFormat::Q5_0)
+}
+
+/// Bytes of a group of `format` ([`groups`] must hold).
+pub(super) fn group_bytes(format: super::BlockFormat) -> usize {
+    match format {
+        super::BlockFormat::Q5_0 => Q5_0_GROUP_BYTES,
+        _ => GROUP_BYTES,
+    }
+}
+
+/// Rewrites a row of `format`'s blocks (GGUF order) into groups, in place.
+pub(super) fn interleave(format: super::BlockFormat, row: &mut [u8]) {
+    match format {
+        super::BlockFormat::Q5_0 => interleave_q5_0_row(row),
+        _ => interleave_row(row),
+    }
+}
+
+/// A row of `format` (or one group of it) grouped by [`interleave`] back in GGUF's order,
+/// into `out` (as long).
+pub(super) fn gguf_order(format: super::BlockFormat, row: &[u8], out: &mut [u8]) {
+    match format {
+        super::BlockFormat::Q5_0 => gguf_q5_0_row(row, out),
+        _ => gguf_row(row, out),
+    }
+}
+
+/// Rewrites a row of Q5_0 blocks (GGUF order) into groups, in place (see the module's doc).
+fn interleave_q5_0_row(row: &mut [u8]) {
+    assert!(row.len().is_multiple_of(Q5_0_BLOCK_BYTES));
+    for group in row.chunks_exact_mut(Q5_0_GROUP_BYTES) {
+        let gguf: [u8; Q5_0_GROUP_BYTES] = group.try_into().expect("a group");
+        for (j, b) in gguf.chunks_exact(Q5_0_BLOCK_BYTES).enumerate() {
+            group[2 * j..2 * j + 2].copy_from_slice(&b[0..2]);
+            let bits = u32::from_le_bytes(b[2..6].try_into().expect("four bytes"));
+            group[16 + 4 * j..20 + 4 * j].copy_from_slice(&cleared_of(bits).to_le_bytes());
+            for c in 0..4 {
+                let at = 48 + 32 * c + 4 * j;
+                group[at..at + 4].copy_from_slice(&b[6 + 4 * c..10 + 4 * c]);
+            }
+        }
+    }
+}
+
+/// Row `row` (Q5_0, grouped by [`interleave_q5_0_row`]) in GGUF's order, into `out` (its
+/// length).
+fn gguf_q5_0_row(row: &[u8], out: &mut [u8]) {
+    assert!(row.len() == out.len() && row.len().is_multiple_of(Q5_0_BLOCK_BYTES));
+    let whole = row.len() / Q5_0_GROUP_BYTES * Q5_0_GROUP_BYTES;
+    for (group, gguf) in row.chunks_exact(Q5_0_GROUP_BYTES).zip(out.chunks_exact_mut(Q5_0_GROUP_BYTES)) {
+        for (j, b) in gguf.chunks_exact_mut(Q5_0_BLOCK_BYTES).enumerate() {
+            b[0..2].copy_from_slice(&group[2 * j..2 * j + 2]);
+            let cleared = u32::from_le_bytes(group[16 + 4 * j..20 + 4 * j].try_into().expect("four bytes"));
+            b[2..6].copy_from_slice(&bits_of(cleared).to_le_bytes());
+            for c in 0..4 {
+                let at = 48 + 32 * c + 4 * j;
+                b[6 + 4 * c..10 + 4 * c].copy_from_slice(&group[at..at + 4]);
+            }
+        }
+    }
+    out[whole..].copy_from_slice(&row[whole..]);
+}
+
 /// Rewrites a row of Q4_1 blocks (GGUF order) into groups, in place.
-pub(super) fn interleave_row(row: &mut [u8]) {
+fn interleave_row(row: &mut [u8]) {
     assert!(row.len().is_multiple_of(BLOCK_BYTES));
     for group in row.chunks_exact_mut(GROUP_BYTES) {
         let gguf: [u8; GROUP_BYTES] = group.try_into().expect("a group");
@@ -65,7 +175,7 @@ pub(super) fn interleave_row(row: &mut [u8]) {
 }
 
 /// Row `row` (grouped by [`interleave_row`]) in GGUF's order, into `out` (its length).
-pub(super) fn gguf_row(row: &[u8], out: &mut [u8]) {
+fn gguf_row(row: &[u8], out: &mut [u8]) {
     assert!(row.len() == out.len() && row.len().is_multiple_of(BLOCK_BYTES));
     let whole = row.len() / GROUP_BYTES * GROUP_BYTES;
     for (group, gguf) in row.chunks_exact(GROUP_BYTES).zip(out.chunks_exact_mut(GROUP_BYTES)) {
@@ -152,17 +262,20 @@ mod tests {
 
     #[test]
     fn rows_come_back_in_gguf_order() {
-        // 8, 11 and 3 blocks: one group, a group and a tail, a tail only.
-        for blocks in [8, 11, 3, 16] {
-            let gguf: Vec<u8> = (0..blocks * BLOCK_BYTES).map(|i| (i * 7 + i / 5) as u8).collect();
-            let mut row = gguf.clone();
-            interleave_row(&mut row);
-            if blocks >= 8 {
-                assert_ne!(row, gguf, "{blocks} blocks: nothing moved");
+        use super::super::BlockFormat;
+        for (format, block_bytes) in [(BlockFormat::Q4_1, BLOCK_BYTES), (BlockFormat::Q5_0, Q5_0_BLOCK_BYTES)] {
+            // One group, a group and a tail, a tail only, two groups, and more.
+            for blocks in [8, 11, 3, 16, 20] {
+                let gguf: Vec<u8> = (0..blocks * block_bytes).map(|i| (i * 7 + i / 5) as u8).collect();
+                let mut row = gguf.clone();
+                interleave(format, &mut row);
+                if blocks >= 8 {
+                    assert_ne!(row, gguf, "{format:?}, {blocks} blocks: nothing moved");
+                }
+                let mut back = vec![0; row.len()];
+                gguf_order(format, &row, &mut back);
+                assert_eq!(back, gguf, "{format:?}, {blocks} blocks");
             }
-            let mut back = vec![0; row.len()];
-            gguf_row(&row, &mut back);
-            assert_eq!(back, gguf, "{blocks} blocks");
         }
     }
 
@@ -210,6 +323,72 @@ mod tests {
         let tail = blocks / BLOCKS * GROUP_VALUES;
         assert!(x[tail..].iter().enumerate().all(|(i, &v)| v as usize == tail + i));
         assert!(seen[..tail].iter().all(|&s| s));
+    }
+
+    /// Which of a block's 32 values sits in register `r` of chunk `c`, 16-bit lane `2j + t`.
+    fn value_at(c: usize, r: usize, t: usize) -> usize {
+        4 * c + 2 * t + [0, 16, 1, 17][r]
+    }
+
+    /// The word-wide bit moves against their definition, bit by bit.
+    #[test]
+    fn fifth_bits_move_where_value_at_says() {
+        for bits in [0u32, u32::MAX, 0x5555_5555, 0x8000_0001, 0x1234_5678, 0xdead_beef, 0x0f0f_f0f0] {
+            let mut want = 0u32;
+            for (t, c, r) in (0..2).flat_map(|t| (0..4).flat_map(move |c| (0..4).map(move |r| (t, c, r)))) {
+                if bits >> value_at(c, r, t) & 1 == 0 {
+                    want |= 1 << (16 * t + 4 * c + r);
+                }
+            }
+            assert_eq!(cleared_of(bits), want, "{bits:#010x}");
+            assert_eq!(bits_of(want), bits, "{bits:#010x}");
+        }
+        for v in 0..32 {
+            assert_eq!(bits_of(cleared_of(1 << v)), 1 << v, "value {v}");
+        }
+    }
+
+    /// What the Q5_0 kernel forms from a grouped row: register `r` of chunk `c`, lane
+    /// `2j + t`, is the nibble less `16·(cleared bit 4c + r of word t)`; it must be the value
+    /// less 16 that GGUF's block gives for the activation the permutation puts in that place.
+    #[test]
+    fn every_q5_0_value_meets_its_own_activation() {
+        let blocks = 11;
+        let gguf: Vec<u8> = (0..blocks * Q5_0_BLOCK_BYTES).map(|i| (i * 131 + i / 3 + 7) as u8).collect();
+        // GGUF's values, less 16: nibble i (low) or i − 16 (high) plus the mask's bit i.
+        let value = |block: usize, i: usize| -> i32 {
+            let b = &gguf[block * Q5_0_BLOCK_BYTES..(block + 1) * Q5_0_BLOCK_BYTES];
+            let bits = u32::from_le_bytes(b[2..6].try_into().expect("four bytes"));
+            let q = b[6 + i % 16];
+            let nibble = if i < 16 { q & 15 } else { q >> 4 };
+            i32::from(nibble) + 16 * (bits >> i & 1) as i32 - 16
+        };
+        let mut row = gguf.clone();
+        interleave_q5_0_row(&mut row);
+        let mut x: Vec<i16> = (0..blocks as i16 * 32).collect();
+        permute_activations(&mut x, blocks * 32);
+        let mut seen = vec![false; blocks * 32];
+        for g in 0..blocks / BLOCKS {
+            let group = &row[g * Q5_0_GROUP_BYTES..(g + 1) * Q5_0_GROUP_BYTES];
+            for c in 0..4 {
+                for lane in 0..16 {
+                    let (j, t) = (lane / 2, lane % 2);
+                    let at = 48 + 32 * c + 2 * lane;
+                    let word = u16::from_le_bytes([group[at], group[at + 1]]);
+                    let cleared = u16::from_le_bytes([group[16 + 4 * j + 2 * t], group[16 + 4 * j + 2 * t + 1]]);
+                    for r in 0..4 {
+                        let nibble = i32::from((word >> (4 * r)) & 15);
+                        let got = nibble - 16 * i32::from((cleared >> (4 * c + r)) & 1);
+                        let index = x[g * GROUP_VALUES + 64 * c + 16 * r + lane] as usize;
+                        assert_eq!(index / 32, g * BLOCKS + j, "block of lane {lane}, chunk {c}");
+                        assert_eq!(got, value(index / 32, index % 32), "value {index}");
+                        assert!(!seen[index], "value {index} twice");
+                        seen[index] = true;
+                    }
+                }
+            }
+        }
+        assert!(seen[..blocks / BLOCKS * GROUP_VALUES].iter().all(|&s| s));
     }
 
     /// The planes rebuild every value of every whole group exactly once, from the nibble
