@@ -828,9 +828,10 @@ impl DotKernel {
     }
 
     /// Whether this kernel multiplies `w` against the activations' bytes
-    /// ([`x8::byte_planes`]): grouped Q4_1 rows (not Q5_0's) under the AVX-512 int16 kernel on a CPU with
-    /// AVX-512 VNNI ([`avx512_q16::q4_1_x8_band`]), unless `BATON_DOT_VNNI=0` (read once per
-    /// process: the same kernel's `vpmaddwd` path then, for measuring one against the other).
+    /// ([`x8::byte_planes`]): grouped Q4_1 rows (not Q5_0's) under the AVX-512 int16 kernel on
+    /// a CPU with AVX-512 VNNI ([`avx512_q16::q4_1_x8_band`]), unless `BATON_DOT_VNNI=0` (read
+    /// once per process: the same kernel's `vpmaddwd` path then, for measuring one against the
+    /// other).
     fn byte_planes(self, w: &QuantMatrix) -> bool {
         #[cfg(target_arch = "x86_64")]
         {

@@ -1,5 +1,5 @@
-//! Q4_1 and Q5_0 rows regrouped for the int16 decode kernels: eight blocks interleaved, so that one
-//! register lane follows one block from the first load to its scaled sum.
+//! Q4_1 and Q5_0 rows regrouped for the int16 decode kernels: eight blocks interleaved, so
+//! that one register lane follows one block from the first load to its scaled sum.
 //!
 //! In GGUF a Q4_1 block is 20 bytes: a float16 scale `d`, a float16 minimum `m`, and 16 bytes
 //! whose low nibbles are values 0–15 and high nibbles values 16–31. The kernels of
@@ -52,7 +52,7 @@
 pub(super) const BLOCKS: usize = 8;
 /// Bytes of a Q4_1 block.
 const BLOCK_BYTES: usize = 20;
-/// Bytes of a group.
+/// Bytes of a Q4_1 group.
 pub(super) const GROUP_BYTES: usize = BLOCKS * BLOCK_BYTES;
 /// Values a group.
 pub(super) const GROUP_VALUES: usize = BLOCKS * 32;
