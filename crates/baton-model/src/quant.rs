@@ -345,7 +345,7 @@ impl QuantMatrix {
         if bytes.len() != rows * row_bytes {
             return None;
         }
-        let interleaved = x8::groups(format)
+        let interleaved = x8::can_group(format)
             && cols / format.block_len() >= x8::BLOCKS
             && DotKernel::detect().for_format(format).int16();
         let mut bytes = bytes.to_vec();

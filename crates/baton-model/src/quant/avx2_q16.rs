@@ -64,7 +64,7 @@ pub(super) unsafe fn band(
             }
         };
     }
-    assert!(!interleaved || super::x8::groups(format));
+    assert!(!interleaved || super::x8::can_group(format));
     match format {
         BlockFormat::Q4_1 if interleaved => by_rows!(q4_1_x8),
         BlockFormat::Q5_0 if interleaved => by_rows!(q5_0_x8),
@@ -366,6 +366,29 @@ small_blocks!(
     }
 );
 
+/// One chunk of a grouped row ([`super::x8`]): its four registers of int16 weights times the
+/// 64 permuted activations at `q` (and `k` values on, for each further row), into each row's
+/// two sums (`sums[0]` the first and third registers', `sums[1]` the others', so that one
+/// chunk's adds need not wait on each other).
+///
+/// # Safety
+/// `q + r·k .. + 64` must be readable for every `r < M`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn add_chunk<const M: usize>(sums: &mut [[__m256i; M]; 2], w: [__m256i; 4], q: *const i16, k: usize) {
+    let [lo, hi] = sums;
+    for (r, (lo, hi)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
+        // SAFETY: the caller's.
+        unsafe {
+            let q = q.add(r * k);
+            *lo = _mm256_add_epi32(*lo, madd(w[0], q));
+            *hi = _mm256_add_epi32(*hi, madd(w[1], q.add(16)));
+            *lo = _mm256_add_epi32(*lo, madd(w[2], q.add(32)));
+            *hi = _mm256_add_epi32(*hi, madd(w[3], q.add(48)));
+        }
+    }
+}
+
 /// Q4_1 rows in [`super::x8`]'s groups against `M` permuted activation rows: per group, four
 /// 32-byte loads give sixteen registers of int16 nibbles (a mask, or a shift and a mask), each
 /// multiplied into int32 lanes that are already the eight blocks' own; the eight sums are then
@@ -386,7 +409,6 @@ fn q4_1_x8<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16Vie
         let tail = groups.remainder();
         for (g, group) in groups.enumerate() {
             prefetch_ahead(group);
-            // Two sums a row, so that the adds of one chunk need not wait on each other.
             let mut sums = [[_mm256_setzero_si256(); M]; 2];
             for c in 0..4 {
                 // SAFETY: bytes `32 + 32c..64 + 32c < 160` of the group.
@@ -397,18 +419,9 @@ fn q4_1_x8<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16Vie
                     _mm256_and_si256(_mm256_srli_epi16::<8>(q), mask),
                     _mm256_srli_epi16::<12>(q),
                 ];
-                let [lo, hi] = &mut sums;
-                for (r, (lo, hi)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
-                    // SAFETY: values `GROUP_VALUES·g + 64c .. + 64` of row `r < M`, inside the
-                    // bounds the assert above checks (`g` counts whole groups of the row).
-                    unsafe {
-                        let q = xq.add(r * k + GROUP_VALUES * g + 64 * c);
-                        *lo = _mm256_add_epi32(*lo, madd(nibbles[0], q));
-                        *hi = _mm256_add_epi32(*hi, madd(nibbles[1], q.add(16)));
-                        *lo = _mm256_add_epi32(*lo, madd(nibbles[2], q.add(32)));
-                        *hi = _mm256_add_epi32(*hi, madd(nibbles[3], q.add(48)));
-                    }
-                }
+                // SAFETY: values `GROUP_VALUES·g + 64c .. + 64` of each row `r < M`, inside the
+                // bounds the assert above checks (`g` counts whole groups of the row).
+                unsafe { add_chunk(&mut sums, nibbles, xq.add(GROUP_VALUES * g + 64 * c), k) };
             }
             let sums: [__m256i; M] = std::array::from_fn(|r| _mm256_add_epi32(sums[0][r], sums[1][r]));
             q4_1_x8_scale(group, g, x, sums, &mut acc, &mut mins);
@@ -453,18 +466,8 @@ fn q5_0_x8<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16Vie
                     less(_mm256_srli_epi16::<12>(q), _mm256_slli_epi16::<1>(cleared)),
                 ];
                 cleared = _mm256_srli_epi16::<4>(cleared);
-                let [lo, hi] = &mut sums;
-                for (r, (lo, hi)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
-                    // SAFETY: values `GROUP_VALUES·g + 64c .. + 64` of row `r < M`, inside the
-                    // bounds the assert above checks (`g` counts whole groups of the row).
-                    unsafe {
-                        let q = xq.add(r * k + GROUP_VALUES * g + 64 * c);
-                        *lo = _mm256_add_epi32(*lo, madd(values[0], q));
-                        *hi = _mm256_add_epi32(*hi, madd(values[1], q.add(16)));
-                        *lo = _mm256_add_epi32(*lo, madd(values[2], q.add(32)));
-                        *hi = _mm256_add_epi32(*hi, madd(values[3], q.add(48)));
-                    }
-                }
+                // SAFETY: as in `q4_1_x8`: values `GROUP_VALUES·g + 64c .. + 64` of each row.
+                unsafe { add_chunk(&mut sums, values, xq.add(GROUP_VALUES * g + 64 * c), k) };
             }
             // SAFETY: the group's first 16 bytes: eight float16 scales.
             let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(group.as_ptr().cast())) };

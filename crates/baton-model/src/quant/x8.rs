@@ -34,7 +34,7 @@
 //! batches of 4, 8 and 16 10–30% faster (`BATON_DOT_VNNI=1|0 baton bench engine --batches
 //! 1,4,8,16`, runs alternating; the README has the figures).
 //!
-//! Q5_0 rows are grouped the same way ([`interleave_q5_0_row`]): a Q5_0 block is a float16
+//! Q5_0 rows are grouped the same way ([`interleave`]): a Q5_0 block is a float16
 //! scale `d`, a 32-bit mask of fifth bits and the same 16 nibble bytes as Q4_1's, value
 //! `d · (nibble + 16·bit − 16)`. Its 176-byte group keeps Q4_1's chunks at bytes 48..176, the
 //! scales at 0..16, and at 16..48 each block's fifth bits *cleared* (`1 − bit`), rearranged so
@@ -48,6 +48,8 @@
 //! matrices still stack row-wise. Everything that decodes rows one by one reads them back in
 //! GGUF's order through [`gguf_order`].
 
+use super::BlockFormat;
+
 /// Blocks a group.
 pub(super) const BLOCKS: usize = 8;
 /// Bytes of a Q4_1 block.
@@ -59,7 +61,7 @@ pub(super) const GROUP_VALUES: usize = BLOCKS * 32;
 
 /// Bytes of a Q5_0 block.
 const Q5_0_BLOCK_BYTES: usize = 22;
-/// Bytes of a Q5_0 group.
+/// Bytes of a Q5_0 group: its middles (the fifth bits) four bytes a block.
 pub(super) const Q5_0_GROUP_BYTES: usize = BLOCKS * Q5_0_BLOCK_BYTES;
 /// The most bytes a group of any grouped format has.
 pub(super) const MAX_GROUP_BYTES: usize = Q5_0_GROUP_BYTES;
@@ -93,98 +95,72 @@ fn bits_of(cleared: u32) -> u32 {
 }
 
 /// Whether `format`'s rows can be grouped here.
-pub(super) fn groups(format: super::BlockFormat) -> bool {
-    matches!(format, super::BlockFormat::Q4_1 | super::BlockFormat::Q5_0)
+pub(super) fn can_group(format: BlockFormat) -> bool {
+    matches!(format, BlockFormat::Q4_1 | BlockFormat::Q5_0)
 }
 
-/// Bytes of a group of `format` ([`groups`] must hold).
-pub(super) fn group_bytes(format: super::BlockFormat) -> usize {
+/// Bytes of a grouped format's block between its float16 scale and its 16 quant bytes: Q4_1's
+/// float16 minimum, or Q5_0's 32 fifth bits. A group keeps the eight scales at bytes 0..16,
+/// the eight middles after them, then the four chunks.
+fn middle_bytes(format: BlockFormat) -> usize {
     match format {
-        super::BlockFormat::Q5_0 => Q5_0_GROUP_BYTES,
-        _ => GROUP_BYTES,
+        BlockFormat::Q5_0 => 4,
+        _ => 2,
     }
 }
 
-/// Rewrites a row of `format`'s blocks (GGUF order) into groups, in place.
-pub(super) fn interleave(format: super::BlockFormat, row: &mut [u8]) {
-    match format {
-        super::BlockFormat::Q5_0 => interleave_q5_0_row(row),
-        _ => interleave_row(row),
+/// A block's middle as its group stores it, or (`back`) as GGUF does: Q4_1's as it is, Q5_0's
+/// through [`cleared_of`] (or [`bits_of`]).
+fn convert_middle(format: BlockFormat, middle: &mut [u8], back: bool) {
+    if format == BlockFormat::Q5_0 {
+        let word = u32::from_le_bytes(middle.try_into().expect("four bytes"));
+        middle.copy_from_slice(&if back { bits_of(word) } else { cleared_of(word) }.to_le_bytes());
+    }
+}
+
+/// Bytes of a group of `format` ([`can_group`] must hold).
+pub(super) fn group_bytes(format: BlockFormat) -> usize {
+    BLOCKS * (18 + middle_bytes(format))
+}
+
+/// Rewrites a row of `format`'s blocks (GGUF order) into groups, in place ([`can_group`] must
+/// hold).
+pub(super) fn interleave(format: BlockFormat, row: &mut [u8]) {
+    let (mid, block) = (middle_bytes(format), 18 + middle_bytes(format));
+    let chunks = 16 + BLOCKS * mid;
+    assert!(row.len().is_multiple_of(block));
+    let mut buf = [0u8; MAX_GROUP_BYTES];
+    for group in row.chunks_exact_mut(BLOCKS * block) {
+        let gguf = &mut buf[..group.len()];
+        gguf.copy_from_slice(group);
+        for (j, b) in gguf.chunks_exact(block).enumerate() {
+            group[2 * j..2 * j + 2].copy_from_slice(&b[0..2]);
+            let middle = &mut group[16 + mid * j..16 + mid * (j + 1)];
+            middle.copy_from_slice(&b[2..2 + mid]);
+            convert_middle(format, middle, false);
+            for c in 0..4 {
+                let at = chunks + 32 * c + 4 * j;
+                group[at..at + 4].copy_from_slice(&b[2 + mid + 4 * c..6 + mid + 4 * c]);
+            }
+        }
     }
 }
 
 /// A row of `format` (or one group of it) grouped by [`interleave`] back in GGUF's order,
 /// into `out` (as long).
-pub(super) fn gguf_order(format: super::BlockFormat, row: &[u8], out: &mut [u8]) {
-    match format {
-        super::BlockFormat::Q5_0 => gguf_q5_0_row(row, out),
-        _ => gguf_row(row, out),
-    }
-}
-
-/// Rewrites a row of Q5_0 blocks (GGUF order) into groups, in place (see the module's doc).
-fn interleave_q5_0_row(row: &mut [u8]) {
-    assert!(row.len().is_multiple_of(Q5_0_BLOCK_BYTES));
-    for group in row.chunks_exact_mut(Q5_0_GROUP_BYTES) {
-        let gguf: [u8; Q5_0_GROUP_BYTES] = group.try_into().expect("a group");
-        for (j, b) in gguf.chunks_exact(Q5_0_BLOCK_BYTES).enumerate() {
-            group[2 * j..2 * j + 2].copy_from_slice(&b[0..2]);
-            let bits = u32::from_le_bytes(b[2..6].try_into().expect("four bytes"));
-            group[16 + 4 * j..20 + 4 * j].copy_from_slice(&cleared_of(bits).to_le_bytes());
-            for c in 0..4 {
-                let at = 48 + 32 * c + 4 * j;
-                group[at..at + 4].copy_from_slice(&b[6 + 4 * c..10 + 4 * c]);
-            }
-        }
-    }
-}
-
-/// Row `row` (Q5_0, grouped by [`interleave_q5_0_row`]) in GGUF's order, into `out` (its
-/// length).
-fn gguf_q5_0_row(row: &[u8], out: &mut [u8]) {
-    assert!(row.len() == out.len() && row.len().is_multiple_of(Q5_0_BLOCK_BYTES));
-    let whole = row.len() / Q5_0_GROUP_BYTES * Q5_0_GROUP_BYTES;
-    for (group, gguf) in row.chunks_exact(Q5_0_GROUP_BYTES).zip(out.chunks_exact_mut(Q5_0_GROUP_BYTES)) {
-        for (j, b) in gguf.chunks_exact_mut(Q5_0_BLOCK_BYTES).enumerate() {
+pub(super) fn gguf_order(format: BlockFormat, row: &[u8], out: &mut [u8]) {
+    let (mid, block) = (middle_bytes(format), 18 + middle_bytes(format));
+    let chunks = 16 + BLOCKS * mid;
+    assert!(row.len() == out.len() && row.len().is_multiple_of(block));
+    let whole = row.len() / (BLOCKS * block) * (BLOCKS * block);
+    for (group, gguf) in row.chunks_exact(BLOCKS * block).zip(out.chunks_exact_mut(BLOCKS * block)) {
+        for (j, b) in gguf.chunks_exact_mut(block).enumerate() {
             b[0..2].copy_from_slice(&group[2 * j..2 * j + 2]);
-            let cleared = u32::from_le_bytes(group[16 + 4 * j..20 + 4 * j].try_into().expect("four bytes"));
-            b[2..6].copy_from_slice(&bits_of(cleared).to_le_bytes());
+            b[2..2 + mid].copy_from_slice(&group[16 + mid * j..16 + mid * (j + 1)]);
+            convert_middle(format, &mut b[2..2 + mid], true);
             for c in 0..4 {
-                let at = 48 + 32 * c + 4 * j;
-                b[6 + 4 * c..10 + 4 * c].copy_from_slice(&group[at..at + 4]);
-            }
-        }
-    }
-    out[whole..].copy_from_slice(&row[whole..]);
-}
-
-/// Rewrites a row of Q4_1 blocks (GGUF order) into groups, in place.
-fn interleave_row(row: &mut [u8]) {
-    assert!(row.len().is_multiple_of(BLOCK_BYTES));
-    for group in row.chunks_exact_mut(GROUP_BYTES) {
-        let gguf: [u8; GROUP_BYTES] = group.try_into().expect("a group");
-        for (j, b) in gguf.chunks_exact(BLOCK_BYTES).enumerate() {
-            group[2 * j..2 * j + 2].copy_from_slice(&b[0..2]);
-            group[16 + 2 * j..16 + 2 * j + 2].copy_from_slice(&b[2..4]);
-            for c in 0..4 {
-                let at = 32 + 32 * c + 4 * j;
-                group[at..at + 4].copy_from_slice(&b[4 + 4 * c..8 + 4 * c]);
-            }
-        }
-    }
-}
-
-/// Row `row` (grouped by [`interleave_row`]) in GGUF's order, into `out` (its length).
-fn gguf_row(row: &[u8], out: &mut [u8]) {
-    assert!(row.len() == out.len() && row.len().is_multiple_of(BLOCK_BYTES));
-    let whole = row.len() / GROUP_BYTES * GROUP_BYTES;
-    for (group, gguf) in row.chunks_exact(GROUP_BYTES).zip(out.chunks_exact_mut(GROUP_BYTES)) {
-        for (j, b) in gguf.chunks_exact_mut(BLOCK_BYTES).enumerate() {
-            b[0..2].copy_from_slice(&group[2 * j..2 * j + 2]);
-            b[2..4].copy_from_slice(&group[16 + 2 * j..16 + 2 * j + 2]);
-            for c in 0..4 {
-                let at = 32 + 32 * c + 4 * j;
-                b[4 + 4 * c..8 + 4 * c].copy_from_slice(&group[at..at + 4]);
+                let at = chunks + 32 * c + 4 * j;
+                b[2 + mid + 4 * c..6 + mid + 4 * c].copy_from_slice(&group[at..at + 4]);
             }
         }
     }
@@ -192,7 +168,7 @@ fn gguf_row(row: &[u8], out: &mut [u8]) {
 }
 
 /// Permutes each row of `k` int16 activations (`q`: `[m][k]`) to match rows grouped by
-/// [`interleave_row`]: within each whole group of 256 values, chunk `c`'s 64 values are four
+/// [`interleave`]: within each whole group of 256 values, chunk `c`'s 64 values are four
 /// registers of 16, lane `2j + t` of each holding block `j`'s value `4c + 2t`, `+ 16`, `+ 1`
 /// and `+ 17` in turn. The values past the last whole group stay where they are.
 pub(super) fn permute_activations(q: &mut [i16], k: usize) {
@@ -229,7 +205,7 @@ pub(super) const PLANE_GROUP_BYTES: usize = 2 * GROUP_VALUES;
 /// per chunk `c` of the group, four runs of 32 bytes: `h` of the values chunk `c`'s low
 /// nibbles hold, `h` of those its high nibbles hold, then `l` of each. Byte `4j + b` of a low
 /// run is block `j`'s value `4c + b`, of a high run its value `4c + b + 16`: the values whose
-/// nibbles sit in byte `b` of the chunk's word `j` ([`interleave_row`]).
+/// nibbles sit in byte `b` of the chunk's word `j` ([`interleave`]).
 pub(super) fn byte_planes(q: &[i16], k: usize) -> Vec<u8> {
     assert!(k.is_multiple_of(32) && q.len().is_multiple_of(k));
     let groups = k / GROUP_VALUES;
@@ -262,8 +238,11 @@ mod tests {
 
     #[test]
     fn rows_come_back_in_gguf_order() {
-        use super::super::BlockFormat;
+        use super::BlockFormat;
         for (format, block_bytes) in [(BlockFormat::Q4_1, BLOCK_BYTES), (BlockFormat::Q5_0, Q5_0_BLOCK_BYTES)] {
+            // The kernels' constants and the layout code's sizes agree.
+            assert_eq!(group_bytes(format), BLOCKS * block_bytes);
+            assert!(group_bytes(format) <= MAX_GROUP_BYTES);
             // One group, a group and a tail, a tail only, two groups, and more.
             for blocks in [8, 11, 3, 16, 20] {
                 let gguf: Vec<u8> = (0..blocks * block_bytes).map(|i| (i * 7 + i / 5) as u8).collect();
@@ -297,7 +276,7 @@ mod tests {
             }
         }
         let mut row = gguf.clone();
-        interleave_row(&mut row);
+        interleave(BlockFormat::Q4_1, &mut row);
         // Each activation is its own index: after the permutation, the index says which
         // value of which block sits in that place.
         let mut x: Vec<i16> = (0..blocks as i16 * 32).collect();
@@ -364,7 +343,7 @@ mod tests {
             i32::from(nibble) + 16 * (bits >> i & 1) as i32 - 16
         };
         let mut row = gguf.clone();
-        interleave_q5_0_row(&mut row);
+        interleave(BlockFormat::Q5_0, &mut row);
         let mut x: Vec<i16> = (0..blocks as i16 * 32).collect();
         permute_activations(&mut x, blocks * 32);
         let mut seen = vec![false; blocks * 32];
