@@ -22,7 +22,7 @@
 //!
 //! With a [`BenchDevice`] (a GPU: `baton bench transfer --device cuda`) both processes also put
 //! the KV in device arenas, and two more variants move it device to device through the same
-//! client and server (CUDA IPC): the coalesced pull, and per-slab (one copy a slab, each waited
+//! client and server (CUDA VMM, or legacy IPC): the coalesced pull, and per-slab (one copy a slab, each waited
 //! for: KVDirect's baseline on the device path), against the device's own device-to-device copy
 //! bandwidth (`cudaMemcpy`) measured in the same run.
 

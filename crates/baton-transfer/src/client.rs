@@ -181,10 +181,19 @@ impl KvClient {
         self.transport.kind()
     }
 
+    /// Whether the server's process is known to have exited ([`Transport::peer_exited`]: the
+    /// same-host transports watch it). The client is then dead weight, and its hold on the
+    /// peer's arena — a mapped memfd, an imported CUDA VMM allocation: each stays allocated
+    /// while any process holds it — is released only by dropping the client.
+    pub fn peer_exited(&self) -> bool {
+        self.transport.peer_exited()
+    }
+
     /// Pull mode, all of it: TRANSFER, coalesced reads of `remote` blocks into `local` blocks,
     /// COMPLETE.
     ///
-    /// Over shared memory, and over a device link while the exporting process lives, the reads
+    /// Over shared memory, and over a device link that holds the peer's memory or whose
+    /// exporting process lives, the reads
     /// do not wait for TRANSFER_OK, nor COMPLETE for the reads:
     /// TRANSFER, the reads and COMPLETE go out back to back and the two answers are awaited
     /// after, one round trip on the control connection instead of two. Safe because the blocks
@@ -192,12 +201,12 @@ impl KvClient {
     /// lives (it renews it; an ended lease is gone, and TRANSFER of it fails), and COMPLETE only
     /// while the renewed one does, so two successes mean the blocks were held from the offer
     /// until after the reads, and anything else discards what was read (the local blocks are
-    /// this transfer's own); a dead peer's mapped region stays readable until unmapped. A dead
-    /// exporter's CUDA IPC memory is undefined to touch: the device link checks its pidfd just
-    /// before the copy, a liveness proof as good as TRANSFER_OK (which also comes before the
-    /// copy, and older), without the round trip; where it has none, the reads wait for
-    /// TRANSFER_OK. Not over TCP: the reads are frames on the control connection, answered
-    /// after TRANSFER_OK.
+    /// this transfer's own); a dead peer's mapped region stays readable until unmapped, and so
+    /// does an imported device arena (CUDA VMM, the stand-in). A dead exporter's legacy CUDA
+    /// IPC memory is undefined to touch: that device link checks its pidfd just before the
+    /// copy, a liveness proof as good as TRANSFER_OK (which also comes before the copy, and
+    /// older), without the round trip; where it has none, the reads wait for TRANSFER_OK. Not
+    /// over TCP: the reads are frames on the control connection, answered after TRANSFER_OK.
     pub fn pull(&mut self, id: TransferId, remote: &[BlockId], local: &[BlockId]) -> Result<TransferStats> {
         let start = Instant::now();
         if !self.transport.reads_before_answer() {
@@ -530,7 +539,7 @@ fn open_transport(
             let h = remote.reach.shm.ok_or(TransferError::Unavailable("the peer offers no shared memory"))?;
             let src = Region::open(&h, remote.descriptor.clone(), Access::ReadOnly)
                 .map_err(TransferError::io("mapping the peer's region"))?;
-            Box::new(ShmTransport::new(src))
+            Box::new(ShmTransport::new(src, h.pid))
         }
         TransportKind::Tcp => {
             // Data connections offer nothing: pushes go over the control connection.

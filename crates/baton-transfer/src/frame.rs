@@ -25,8 +25,9 @@ use crate::{PeerId, TransferId, TransportKind};
 pub const MAGIC: u32 = u32::from_le_bytes(*b"BTKV");
 /// Protocol version this build speaks (3: PUSHED carries a trailer; 4: CONNECT and ACCEPT say
 /// where the sender's KV lives, [`Reach`], and PUSHED how the layers were written; 5: a device
-/// handle names the process that exported it).
-pub const VERSION: u16 = 5;
+/// handle names the process that exported it; 6: device handles shared as descriptors, the
+/// stand-in's and CUDA VMM's).
+pub const VERSION: u16 = 6;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 24;
 /// Largest metadata body accepted (range lists of a big READ fit easily).

@@ -26,6 +26,7 @@
 //! | [`location`] | where each side's KV lives, how a peer reaches it, the transport a pair uses | none |
 //! | [`device`] | device arenas a peer opens and copies between; host memory standing in for one | copies |
 //! | [`region`] | a KV region in a memfd: created, or a second mapping of an arena or a peer's | mmap |
+//! | [`share`] | a descriptor handed to a peer process over a Unix socket (a device arena's) | sockets |
 //! | [`transport`] | the `Transport` trait; device (watching its exporter's pidfd), shared memory and TCP | copies, sockets, pidfd |
 //! | [`tls`] | TLS sessions over the blocking sockets, shared by a reader and a writer | sockets |
 //! | `server` | [`KvServer`]: acceptor, connection threads, lease reaper, push | sockets |
@@ -45,6 +46,7 @@ pub mod location;
 pub mod plan;
 pub mod region;
 mod server;
+pub mod share;
 pub mod tls;
 pub mod transport;
 

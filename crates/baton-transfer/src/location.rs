@@ -84,11 +84,20 @@ pub struct ShmHandle {
 /// What kind of device handle a [`DeviceHandle`] carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DeviceHandleKind {
-    /// A CUDA IPC memory handle (`cuIpcGetMemHandle`) of the allocation holding the arena.
+    /// A CUDA IPC memory handle (`cuIpcGetMemHandle`) of the allocation holding the arena. The
+    /// allocation dies with its exporter: a peer must not touch it after that (see
+    /// [`crate::transport::DeviceTransport`]).
     CudaIpc,
-    /// Host memory standing in for a device (tests and machines without a GPU): the bytes are a
-    /// [`ShmHandle`]'s, so the device path's protocol runs where no device is.
+    /// Host memory standing in for a device (tests and machines without a GPU): the bytes name
+    /// an [`FdShare`](crate::share::FdShare) serving the region's memfd, so the device path's
+    /// protocol runs where no device is. Shared as [`DeviceHandleKind::CudaVmm`] is, and like
+    /// it outlives its exporter in a peer that opened it.
     StandIn,
+    /// A CUDA virtual-memory allocation (`cuMemCreate`), exported as a POSIX file descriptor
+    /// (`cuMemExportToShareableHandle`): the bytes name the [`FdShare`](crate::share::FdShare)
+    /// serving it. A peer that imported it holds the physical memory itself, so its copies stay
+    /// defined when the exporter dies mid-copy.
+    CudaVmm,
 }
 
 impl DeviceHandleKind {
@@ -96,6 +105,7 @@ impl DeviceHandleKind {
         match self {
             DeviceHandleKind::CudaIpc => 1,
             DeviceHandleKind::StandIn => 2,
+            DeviceHandleKind::CudaVmm => 3,
         }
     }
 
@@ -103,6 +113,7 @@ impl DeviceHandleKind {
         match code {
             1 => Some(DeviceHandleKind::CudaIpc),
             2 => Some(DeviceHandleKind::StandIn),
+            3 => Some(DeviceHandleKind::CudaVmm),
             _ => None,
         }
     }
@@ -122,7 +133,8 @@ pub struct DeviceHandle {
     /// Bytes of the arena behind it.
     pub len: u64,
     /// The process that exported it (0: not said). A peer on the same host watches it
-    /// ([`crate::transport::DeviceTransport`]): a dead exporter's memory must not be read.
+    /// ([`crate::transport::DeviceTransport`]): a dead exporter's CUDA IPC memory must not be
+    /// touched, and what a peer holds of any dead exporter's arena is let go.
     pub pid: u32,
 }
 

@@ -61,9 +61,19 @@ impl Region {
     /// Maps the region `handle` names, laid out as `descriptor`.
     pub fn open(handle: &ShmHandle, descriptor: TensorDescriptor, access: Access) -> io::Result<Self> {
         let path = PathBuf::from(format!("/proc/{}/fd/{}", handle.pid, handle.fd));
+        let file = OpenOptions::new().read(true).write(access == Access::ReadWrite).open(&path)?;
+        Self::map(file, handle.len, descriptor, access)
+    }
+
+    /// Maps the region behind `fd` (a memfd another process handed over, see
+    /// [`crate::share`]), `len` bytes laid out as `descriptor`.
+    pub fn from_fd(fd: OwnedFd, len: u64, descriptor: TensorDescriptor, access: Access) -> io::Result<Self> {
+        Self::map(File::from(fd), len, descriptor, access)
+    }
+
+    fn map(file: File, len: u64, descriptor: TensorDescriptor, access: Access) -> io::Result<Self> {
         let writable = access == Access::ReadWrite;
-        let file = OpenOptions::new().read(true).write(writable).open(&path)?;
-        let len = usize::try_from(handle.len).map_err(|_| io::Error::other("region too large"))?;
+        let len = usize::try_from(len).map_err(|_| io::Error::other("region too large"))?;
         if (file.metadata()?.len() as usize) < len || descriptor.base + descriptor.num_bytes() > len {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "region is shorter than its descriptor"));
         }
@@ -75,6 +85,12 @@ impl Region {
         let map = if writable { options.map_raw(&file)? } else { options.map_raw_read_only(&file)? };
         // Keep the file so this process can re-share the region (a handle of our own fd).
         Ok(Self { map, file: Some(file), writable, descriptor })
+    }
+
+    /// A descriptor of the region's memfd of this process's own, to hand to a peer
+    /// ([`crate::share::FdShare`]); `None` for a region without one.
+    pub fn share_fd(&self) -> Option<io::Result<OwnedFd>> {
+        self.file.as_ref().map(|f| f.try_clone().map(OwnedFd::from))
     }
 
     /// Bytes in the region.

@@ -193,9 +193,11 @@ impl Shared {
         for kind in kinds {
             let opened = match kind {
                 TransportKind::Device => match (&self.config.device, &peer.reach.device) {
-                    (Some(ours), Some(theirs)) => ours
-                        .open(theirs, &peer.descriptor)
-                        .map(|l| PushWay::Device(l.into(), ProcessWatch::new(theirs.pid).map(Arc::new))),
+                    (Some(ours), Some(theirs)) => ours.open(theirs, &peer.descriptor).map(|l| {
+                        // Only a link that does not hold the peer's memory needs its process alive.
+                        let watch = if l.outlives_exporter() { None } else { ProcessWatch::new(theirs.pid) };
+                        PushWay::Device(l.into(), watch.map(Arc::new))
+                    }),
                     _ => continue,
                 },
                 TransportKind::Shm => match peer.reach.shm {
@@ -220,8 +222,9 @@ impl Shared {
 /// How a push reaches the decode side's blocks.
 #[derive(Debug, Clone)]
 enum PushWay {
-    /// Device to device, into the peer's device arena, while the process that exported it
-    /// lives (without a watch, while its connection does).
+    /// Device to device, into the peer's device arena; with a watch (a link that does not hold
+    /// the peer's memory), while the process that exported it lives; without, while its
+    /// connection does (a push into memory the link holds is harmless once the peer is gone).
     Device(Arc<dyn DeviceLink>, Option<Arc<ProcessWatch>>),
     /// `memcpy` into the peer's region, mapped here.
     Shm(Arc<Region>),

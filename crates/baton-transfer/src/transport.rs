@@ -69,18 +69,28 @@ pub trait Transport: Send {
     fn reads_before_answer(&self) -> bool {
         false
     }
+
+    /// Whether the peer's process is known to have exited (asked without waiting): its
+    /// connection is then dead weight, and a mapping's or a device link's hold on the peer's
+    /// memory with it. Only the same-host transports watch their peer; no by default.
+    fn peer_exited(&self) -> bool {
+        false
+    }
 }
 
-/// Same-host transport: the peer's region, mapped read-only.
+/// Same-host transport: the peer's region, mapped read-only. The mapping holds the peer's
+/// memfd whatever becomes of the peer, so it watches the peer's process too, to say when it is
+/// gone ([`Transport::peer_exited`]) and the mapping should be let go.
 #[derive(Debug)]
 pub struct ShmTransport {
     src: Region,
+    owner: Option<ProcessWatch>,
 }
 
 impl ShmTransport {
-    /// Reads from `src` (a mapping of the peer's region).
-    pub fn new(src: Region) -> Self {
-        Self { src }
+    /// Reads from `src` (a mapping of the region of process `owner`; 0: not said).
+    pub fn new(src: Region, owner: u32) -> Self {
+        Self { src, owner: ProcessWatch::new(owner) }
     }
 }
 
@@ -100,27 +110,38 @@ impl Transport for ShmTransport {
     fn reads_before_answer(&self) -> bool {
         true
     }
+
+    fn peer_exited(&self) -> bool {
+        self.owner.as_ref().is_some_and(|w| !w.alive())
+    }
 }
 
 /// Same-host transport between device arenas: the peer's arena opened from its handle, each
 /// copy device to device. The destination is this side's device arena, not the host region
 /// `read` is handed.
 ///
-/// A dead exporter's CUDA IPC memory is undefined to touch, so the link watches the exporting
-/// process through a pidfd (the handle names it): a pull reads before TRANSFER's answer only
-/// while the exporter lives. Without a pidfd (an exporter that did not say, a kernel without
-/// `pidfd_open`), TRANSFER_OK is what says it lives, one round trip more.
+/// How far a pull may trust the peer's memory depends on the link. One that holds the memory
+/// itself ([`DeviceLink::outlives_exporter`]: CUDA VMM, the stand-in) reads whenever it likes:
+/// after the exporter died the bytes are still those its lease vouched for, and the transfer
+/// fails at the answers it never gets. A legacy CUDA IPC link does not: a dead exporter's
+/// memory is undefined to touch, so it watches the exporting process through a pidfd (the
+/// handle names it) and reads before TRANSFER's answer only while the exporter lives; without
+/// a pidfd (an exporter that did not say, a kernel without `pidfd_open`), TRANSFER_OK is what
+/// says it lives, one round trip more. Either way the watch tells the owner when the exporter
+/// is gone ([`Transport::peer_exited`]), so that what the link holds of its arena is let go.
 #[derive(Debug)]
 pub struct DeviceTransport {
     link: Box<dyn DeviceLink>,
     exporter: Option<ProcessWatch>,
+    outlives_exporter: bool,
 }
 
 impl DeviceTransport {
     /// Copies over `link` (this side's arena and the peer's, opened), watching process
-    /// `exporter` (0: not said) while it lives.
+    /// `exporter` (0: not said).
     pub fn new(link: Box<dyn DeviceLink>, exporter: u32) -> Self {
-        Self { link, exporter: ProcessWatch::new(exporter) }
+        let outlives_exporter = link.outlives_exporter();
+        Self { link, exporter: ProcessWatch::new(exporter), outlives_exporter }
     }
 
     /// Whether the exporter is known to be alive now.
@@ -157,10 +178,11 @@ impl Transport for DeviceTransport {
         TransportKind::Device
     }
 
-    /// Refuses, touching nothing, once the exporter is known to have exited (whichever way the
-    /// pull was opened: a transfer held open across a pause may outlive its exporter).
+    /// On a link that does not outlive its exporter, refuses, touching nothing, once the
+    /// exporter is known to have exited (whichever way the pull was opened: a transfer held
+    /// open across a pause may outlive its exporter).
     fn read(&mut self, _id: TransferId, copies: &[RangeCopy], _dst: &Region) -> Result<usize> {
-        if self.exporter.is_some() && !self.exporter_alive() {
+        if !self.outlives_exporter && self.exporter.is_some() && !self.exporter_alive() {
             return Err(TransferError::Unavailable("the process that exported the device arena has exited"));
         }
         self.link.pull(copies)?;
@@ -168,7 +190,11 @@ impl Transport for DeviceTransport {
     }
 
     fn reads_before_answer(&self) -> bool {
-        self.exporter_alive()
+        self.outlives_exporter || self.exporter_alive()
+    }
+
+    fn peer_exited(&self) -> bool {
+        self.exporter.as_ref().is_some_and(|w| !w.alive())
     }
 }
 
@@ -302,9 +328,12 @@ fn drain(conn: &mut Conn, n: usize) -> Result<()> {
 mod tests {
     use super::*;
 
-    /// A link that copies nothing (the liveness rule is the transport's, not the link's).
+    /// A link that copies nothing (the liveness rule is the transport's, not the link's),
+    /// holding the peer's memory itself or not.
     #[derive(Debug)]
-    struct NoLink;
+    struct NoLink {
+        outlives_exporter: bool,
+    }
 
     impl DeviceLink for NoLink {
         fn pull(&self, _copies: &[RangeCopy]) -> Result<()> {
@@ -313,6 +342,18 @@ mod tests {
         fn push(&self, _copies: &[RangeCopy]) -> Result<()> {
             Ok(())
         }
+        fn outlives_exporter(&self) -> bool {
+            self.outlives_exporter
+        }
+    }
+
+    const IPC: NoLink = NoLink { outlives_exporter: false };
+    const VMM: NoLink = NoLink { outlives_exporter: true };
+
+    fn dst() -> Region {
+        let g =
+            baton_kv::KvGeometry { layers: 1, kv_heads: 1, head_dim: 4, block_size: 2, dtype: baton_kv::KvDtype::F32 };
+        Region::create(baton_kv::TensorDescriptor::new(&g, baton_kv::KvLayout::BlockMajor, 2)).expect("region")
     }
 
     /// A device pull reads before TRANSFER's answer only while the exporting process lives: not
@@ -320,12 +361,9 @@ mod tests {
     /// and a read after the exporter exited is refused.
     #[test]
     fn a_device_link_reads_ahead_only_while_its_exporter_lives() {
-        let g =
-            baton_kv::KvGeometry { layers: 1, kv_heads: 1, head_dim: 4, block_size: 2, dtype: baton_kv::KvDtype::F32 };
-        let dst =
-            Region::create(baton_kv::TensorDescriptor::new(&g, baton_kv::KvLayout::BlockMajor, 2)).expect("region");
+        let dst = dst();
         let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("sleep");
-        let mut link = DeviceTransport::new(Box::new(NoLink), child.id());
+        let mut link = DeviceTransport::new(Box::new(IPC), child.id());
         assert!(link.reads_before_answer(), "the exporter lives");
         assert_eq!(link.read(TransferId(1), &[], &dst).ok(), Some(0));
         child.kill().expect("kill");
@@ -335,11 +373,29 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert!(!link.reads_before_answer(), "the exporter exited");
+        assert!(link.peer_exited());
         assert!(link.read(TransferId(2), &[], &dst).is_err(), "a read from an exporter that exited");
         child.wait().expect("wait");
         assert!(!link.reads_before_answer(), "the exporter was reaped");
-        assert!(!DeviceTransport::new(Box::new(NoLink), 0).reads_before_answer(), "an exporter that did not say");
-        assert!(DeviceTransport::new(Box::new(NoLink), std::process::id()).reads_before_answer());
+        assert!(!DeviceTransport::new(Box::new(IPC), 0).reads_before_answer(), "an exporter that did not say");
+        assert!(DeviceTransport::new(Box::new(IPC), std::process::id()).reads_before_answer());
         assert!(ProcessWatch::new(child.id()).is_none(), "a reaped process cannot be watched");
+    }
+
+    /// A link that outlives its exporter reads ahead whoever exported it, and goes on reading
+    /// after the exporter died (its memory is still the link's); the watch still says the
+    /// exporter is gone, so that its owner lets the link go.
+    #[test]
+    fn a_link_that_outlives_its_exporter_reads_whenever_and_still_says_when_it_is_gone() {
+        let dst = dst();
+        assert!(DeviceTransport::new(Box::new(VMM), 0).reads_before_answer(), "an exporter that did not say");
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("sleep");
+        let mut link = DeviceTransport::new(Box::new(VMM), child.id());
+        assert!(link.reads_before_answer() && !link.peer_exited());
+        child.kill().expect("kill");
+        child.wait().expect("wait");
+        assert!(link.peer_exited(), "the exporter was reaped");
+        assert!(link.reads_before_answer());
+        assert_eq!(link.read(TransferId(1), &[], &dst).ok(), Some(0), "a read after the exporter died");
     }
 }

@@ -140,6 +140,10 @@ struct Crossing {
 /// How often the transfer thread looks at its pushes in flight (and at new jobs meanwhile).
 const POLL: Duration = Duration::from_millis(5);
 
+/// How often an idle transfer thread looks for peers whose process has exited
+/// ([`TransferThread::reap_exited`]).
+const REAP_EVERY: Duration = Duration::from_secs(1);
+
 /// The id the KV's holder offers it under: the request's own for a hand-off, the export's lease
 /// for a fetched prefix.
 fn transfer_id(job: &KvJob) -> TransferId {
@@ -296,12 +300,22 @@ impl TransferThread {
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return self.deliver_all(),
                 }
+            } else if !self.clients.is_empty() {
+                // Idle with peers: look in now and then for one whose process is gone.
+                match jobs.recv_timeout(REAP_EVERY) {
+                    Ok(job) => Some(job),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+                }
             } else {
                 match jobs.recv() {
                     Ok(job) => Some(job),
                     Err(_) => return,
                 }
             };
+            if !self.reap_exited() {
+                return;
+            }
             while let Some(job) = next {
                 if !self.start(job) {
                     return;
@@ -418,6 +432,19 @@ impl TransferThread {
                 }
             }
         }
+    }
+
+    /// Drops the clients whose KV server's process has exited ([`KvClient::peer_exited`]),
+    /// failing what was pending on them: a client holds its peer's arena mapped (an imported
+    /// device arena stays allocated on the GPU while any process holds it), and a dead
+    /// worker's is no one's once the conductor routes around it. `false` when the engine
+    /// thread is gone.
+    fn reap_exited(&mut self) -> bool {
+        let gone: Vec<SocketAddr> = self.clients.iter().filter(|(_, c)| c.peer_exited()).map(|(a, _)| *a).collect();
+        gone.into_iter().all(|addr| {
+            tracing::info!(peer = %addr, "the KV server's process has exited; letting its arena go");
+            self.drop_client(addr, "the KV server's process has exited", None)
+        })
     }
 
     /// Connects to the KV server at `addr` unless a client is there already.

@@ -650,6 +650,49 @@ fn hand_offs_between_device_arenas_go_device_to_device_in_every_mode() {
     assert_no_leak(&[&p, &d]);
 }
 
+/// A decode worker lets go of a dead prefill worker's arena. After a hand-off it maps the
+/// prefill worker's arena — over shared memory, or its stand-in device arena, a memfd handed
+/// over as a CUDA VMM allocation is: either stays allocated while any process holds it, so a
+/// dead worker's arena would live on in its peers. Once the prefill worker is killed, with no
+/// transfer under way, the decode worker's transfer thread sees the process gone and drops its
+/// mapping within seconds.
+#[test]
+fn a_decode_worker_lets_go_of_a_dead_prefill_workers_arena() {
+    lets_go_of_a_dead_peers_arena(&[]);
+    #[cfg(feature = "fault-injection")] // The stand-in through the environment.
+    lets_go_of_a_dead_peers_arena(&[(baton_conductor::deploy::DEVICE_STAND_IN_ENV, "1")]);
+}
+
+fn lets_go_of_a_dead_peers_arena(env: &[(&str, &str)]) {
+    // The memfds process `pid` maps (by inode): its own arena, and those of peers it opened.
+    let arenas = |pid: u32| -> std::collections::BTreeSet<u64> {
+        std::fs::read_to_string(format!("/proc/{pid}/maps"))
+            .expect("maps")
+            .lines()
+            .filter(|l| l.contains("/memfd:baton-"))
+            .filter_map(|l| l.split_whitespace().nth(4)?.parse().ok())
+            .collect()
+    };
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", "pull"]);
+    let mut p = worker_env(&dir, "prefill", &url, &["--name", "p"], SECRET, env);
+    let d = worker_env(&dir, "decode", &url, &["--name", "d"], SECRET, env);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let pid = d.proc.child.id();
+    let own = arenas(pid);
+    assert_eq!(text(&complete(&url, LONG, 4)), generate(&dir, LONG, 4));
+    let transport = if env.is_empty() { "shm" } else { "device" };
+    assert_eq!(metric(&url, &format!("baton_kv_transfers_total{{transport=\"{transport}\"}}")), 1.0);
+    let opened = arenas(pid);
+    assert!(opened.len() > own.len(), "{transport}: the decode worker maps no peer's arena: {own:?}, then {opened:?}");
+    p.proc.kill();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while arenas(pid) != own {
+        assert!(Instant::now() < deadline, "{transport}: the decode worker still maps the dead worker's arena");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A client that leaves mid-stream frees what its request held on remote workers: the
 /// conductor drops its streams from them, and each worker's stream task (which also sends the
 /// keep-alives) ends at once and aborts the request.
@@ -823,8 +866,10 @@ fn a_worker_killed_mid_push_fails_or_recomputes_and_the_survivor_holds_nothing()
 }
 
 /// The same between stand-in device arenas: the prefill worker writes into the decode worker's
-/// arena through the device link, which must stop writing once that process is dead (a dead
-/// process's CUDA IPC memory may already serve another).
+/// arena through the device link, which holds that memory itself (as an imported CUDA VMM
+/// allocation does: a write after the decode worker died lands in memory no one reads; a
+/// legacy CUDA IPC link must stop writing instead, a dead process's memory may already serve
+/// another).
 #[cfg(feature = "fault-injection")] // Fault injection through the environment.
 #[test]
 fn a_worker_killed_mid_push_between_device_arenas_fails_or_recomputes_and_the_survivor_holds_nothing() {
@@ -1740,8 +1785,9 @@ fn requests_sharing_a_hot_prefix_fetch_it_into_an_idle_prefill_worker() {
 /// is open: the fetcher pauses there, by fault injection) costs no request: the fetcher
 /// recomputes the prefix, the killed worker's own requests run again elsewhere, every output
 /// equals `baton generate`'s, and the survivors hold no KV. Over shared memory, and between
-/// stand-in device arenas (the device link, which refuses to read once its exporter is dead:
-/// a dead process's CUDA IPC memory is undefined to touch; `transport.rs` tests the refusal).
+/// stand-in device arenas (the device link as a CUDA VMM arena makes it: the pull copies from
+/// the dead exporter's memory, still the link's, and fails at the answers it never gets; a
+/// legacy CUDA IPC link refuses to read instead, which `transport.rs` tests).
 #[cfg(feature = "fault-injection")] // Fault injection through the environment.
 #[test]
 fn a_prefill_worker_killed_mid_fetch_leaves_every_request_complete() {

@@ -1,0 +1,167 @@
+//! Handing a file descriptor to another process on this host: how a device arena that outlives
+//! its exporter is shared (a CUDA VMM allocation's POSIX handle, or the memfd of the stand-in
+//! device), where `/proc/<pid>/fd/<n>` would not do — reopening a driver's descriptor through
+//! `/proc` opens the device file afresh, not the allocation behind it.
+//!
+//! The exporter serves one descriptor on an abstract Unix socket ([`FdShare`], named in the
+//! handle it offers at CONNECT); a peer connects and receives a duplicate of it as `SCM_RIGHTS`
+//! ([`fetch`]). Only a process of the same user is answered (`SO_PEERCRED`), the rule `/proc`
+//! applies to shared memory. What a peer received stays its own: the memory behind it lives
+//! until the last process holding it lets go, so a peer's copies never touch freed memory when
+//! the exporter dies mid-copy.
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
+};
+
+/// The byte that travels with the descriptor (a receiver that gets anything else was answered
+/// by something that is not an [`FdShare`]).
+const TAG: u8 = b'F';
+
+/// Longest wait for a peer to take its descriptor, or for an exporter to send one.
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One descriptor served on an abstract Unix socket until dropped (see the module docs).
+#[derive(Debug)]
+pub struct FdShare {
+    name: Vec<u8>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FdShare {
+    /// Serves `fd` under a fresh name (this process's pid and a random suffix).
+    pub fn serve(fd: OwnedFd) -> io::Result<Self> {
+        let nonce = crate::auth::nonce();
+        let suffix: String = nonce[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let name = format!("baton-fd/{}/{suffix}", std::process::id()).into_bytes();
+        let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name)?)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("baton-fd-share".into())
+            .spawn(move || serve(&listener, &fd, &stopping))?;
+        Ok(Self { name, stop, thread: Some(thread) })
+    }
+
+    /// The socket's abstract name, for the handle a peer is given.
+    pub fn name(&self) -> &[u8] {
+        &self.name
+    }
+}
+
+impl Drop for FdShare {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wake the accept: a connection of our own, answered by the thread seeing `stop`.
+        if let Ok(addr) = SocketAddr::from_abstract_name(&self.name) {
+            let _ = UnixStream::connect_addr(&addr);
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(listener: &UnixListener, fd: &OwnedFd, stop: &AtomicBool) {
+    let uid = rustix::process::getuid();
+    for stream in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(stream) = stream else { continue };
+        let theirs = rustix::net::sockopt::socket_peercred(&stream).map(|c| c.uid);
+        if theirs.ok() != Some(uid) {
+            tracing::warn!(uid = ?theirs, "refused a device arena's descriptor to another user's process");
+            continue;
+        }
+        if let Err(e) = send(&stream, fd) {
+            tracing::warn!(error = %e, "could not hand a device arena's descriptor to a peer");
+        }
+    }
+}
+
+fn send(stream: &UnixStream, fd: &OwnedFd) -> io::Result<()> {
+    stream.set_write_timeout(Some(TIMEOUT))?;
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut cmsg = SendAncillaryBuffer::new(&mut space);
+    let fds = [fd.as_fd()];
+    if !cmsg.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(io::Error::other("no room for the descriptor"));
+    }
+    rustix::net::sendmsg(stream, &[IoSlice::new(&[TAG])], &mut cmsg, SendFlags::NOSIGNAL)?;
+    Ok(())
+}
+
+/// Receives the descriptor served under `name` (an [`FdShare::name`] on this host), waiting
+/// at most a few seconds.
+pub fn fetch(name: &[u8]) -> io::Result<OwnedFd> {
+    let stream = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name)?)?;
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut cmsg = RecvAncillaryBuffer::new(&mut space);
+    let mut tag = [0u8; 1];
+    let got = rustix::net::recvmsg(&stream, &mut [IoSliceMut::new(&mut tag)], &mut cmsg, RecvFlags::CMSG_CLOEXEC)?;
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    for msg in cmsg.drain() {
+        if let RecvAncillaryMessage::ScmRights(received) = msg {
+            fds.extend(received);
+        }
+    }
+    match (got.bytes, tag[0], fds.len()) {
+        (1, TAG, 1) => Ok(fds.pop().expect("one")),
+        (0, _, 0) => Err(io::Error::new(io::ErrorKind::PermissionDenied, "the exporter sent no descriptor")),
+        _ => Err(io::Error::new(io::ErrorKind::InvalidData, "not a descriptor share")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Seek, Write};
+
+    /// A descriptor fetched by name is the file served (writes through one show through the
+    /// other), each fetch a descriptor of its own; once the share is dropped its name answers
+    /// no more.
+    #[test]
+    fn a_fetched_descriptor_is_the_file_served() {
+        let fd = rustix::fs::memfd_create("share-test", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd");
+        let mut file = std::fs::File::from(fd);
+        file.write_all(b"hello").expect("write");
+        let share = FdShare::serve(file.try_clone().expect("dup").into()).expect("serve");
+        for _ in 0..2 {
+            let mut got = std::fs::File::from(fetch(share.name()).expect("fetch"));
+            let mut s = String::new();
+            got.rewind().expect("rewind");
+            got.read_to_string(&mut s).expect("read");
+            assert_eq!(s, "hello");
+        }
+        let name = share.name().to_vec();
+        drop(share);
+        assert!(fetch(&name).is_err(), "a dropped share still answers");
+        assert!(fetch(b"baton-fd/no-such-share").is_err());
+    }
+
+    /// A connection that is not an `FdShare` is told apart.
+    #[test]
+    fn an_answer_without_a_descriptor_is_an_error() {
+        let name = b"baton-fd/test-not-a-share".to_vec();
+        let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).expect("name")).expect("bind");
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            s.write_all(b"x").expect("write");
+        });
+        let e = fetch(&name).expect_err("no descriptor");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        t.join().expect("join");
+    }
+}
