@@ -650,20 +650,24 @@ fn hand_offs_between_device_arenas_go_device_to_device_in_every_mode() {
     assert_no_leak(&[&p, &d]);
 }
 
-/// A decode worker lets go of a dead prefill worker's arena. After a hand-off it maps the
-/// prefill worker's arena — over shared memory, or its stand-in device arena, a memfd handed
-/// over as a CUDA VMM allocation is: either stays allocated while any process holds it, so a
-/// dead worker's arena would live on in its peers. Once the prefill worker is killed, with no
-/// transfer under way, the decode worker's transfer thread sees the process gone and drops its
-/// mapping within seconds.
+/// A worker lets go of a dead peer's arena. After a hand-off the receiving side of it maps the
+/// other's arena — the decode worker the prefill worker's when it pulls, the prefill worker the
+/// decode worker's when it pushes; over shared memory, or the stand-in device arena, a memfd
+/// handed over as a CUDA VMM allocation is: either stays allocated while any process holds it,
+/// so a dead worker's arena would live on in its peers. Once the peer is killed, with no
+/// transfer under way, the survivor drops its mapping within seconds (a decode worker's
+/// transfer thread sees the process gone; a prefill worker's KV server, the connection
+/// closed).
 #[test]
-fn a_decode_worker_lets_go_of_a_dead_prefill_workers_arena() {
-    lets_go_of_a_dead_peers_arena(&[]);
-    #[cfg(feature = "fault-injection")] // The stand-in through the environment.
-    lets_go_of_a_dead_peers_arena(&[(baton_conductor::deploy::DEVICE_STAND_IN_ENV, "1")]);
+fn a_worker_lets_go_of_a_dead_peers_arena() {
+    for mode in ["pull", "push"] {
+        lets_go_of_a_dead_peers_arena(mode, &[]);
+        #[cfg(feature = "fault-injection")] // The stand-in through the environment.
+        lets_go_of_a_dead_peers_arena(mode, &[(baton_conductor::deploy::DEVICE_STAND_IN_ENV, "1")]);
+    }
 }
 
-fn lets_go_of_a_dead_peers_arena(env: &[(&str, &str)]) {
+fn lets_go_of_a_dead_peers_arena(mode: &str, env: &[(&str, &str)]) {
     // The memfds process `pid` maps (by inode): its own arena, and those of peers it opened.
     let arenas = |pid: u32| -> std::collections::BTreeSet<u64> {
         std::fs::read_to_string(format!("/proc/{pid}/maps"))
@@ -674,21 +678,22 @@ fn lets_go_of_a_dead_peers_arena(env: &[(&str, &str)]) {
             .collect()
     };
     let dir = model("tiny-llama");
-    let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", "pull"]);
+    let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", mode]);
     let mut p = worker_env(&dir, "prefill", &url, &["--name", "p"], SECRET, env);
-    let d = worker_env(&dir, "decode", &url, &["--name", "d"], SECRET, env);
+    let mut d = worker_env(&dir, "decode", &url, &["--name", "d"], SECRET, env);
     wait_members(&url, 2, Duration::from_secs(10));
-    let pid = d.proc.child.id();
+    let (survivor, dead) = if mode == "pull" { (&d, &mut p) } else { (&p, &mut d) };
+    let pid = survivor.proc.child.id();
     let own = arenas(pid);
     assert_eq!(text(&complete(&url, LONG, 4)), generate(&dir, LONG, 4));
     let transport = if env.is_empty() { "shm" } else { "device" };
     assert_eq!(metric(&url, &format!("baton_kv_transfers_total{{transport=\"{transport}\"}}")), 1.0);
     let opened = arenas(pid);
-    assert!(opened.len() > own.len(), "{transport}: the decode worker maps no peer's arena: {own:?}, then {opened:?}");
-    p.proc.kill();
+    assert!(opened.len() > own.len(), "{mode} over {transport}: no peer's arena mapped: {own:?}, then {opened:?}");
+    dead.proc.kill();
     let deadline = Instant::now() + Duration::from_secs(10);
     while arenas(pid) != own {
-        assert!(Instant::now() < deadline, "{transport}: the decode worker still maps the dead worker's arena");
+        assert!(Instant::now() < deadline, "{mode} over {transport}: the dead worker's arena is still mapped");
         std::thread::sleep(Duration::from_millis(50));
     }
 }
