@@ -262,8 +262,10 @@ def fetches(kill_holder):
     to device. Every answer must equal `baton generate`'s. With `kill_holder` (a build with
     `--features fault-injection`: every fetch pauses 2 s after TRANSFER), the worker holding the
     prefix is killed while a pull of its device memory is open: every answer must still be right
-    (the fetcher recomputes) and the survivors' CUDA contexts must go on serving. Returns whether
-    all that held, or None when the build has no fault injection."""
+    (the fetcher recomputes) and the survivors' CUDA contexts must go on serving. The arenas are
+    CUDA virtual-memory allocations the fetcher imported, so its copy runs after the holder died,
+    from memory the import keeps alive (the case legacy CUDA IPC leaves undefined). Returns
+    whether all that held, or None when the build has no fault injection."""
     env = dict(os.environ, BATON_CLUSTER_SECRET="gpu-check")
     if kill_holder:
         env["BATON_FAULT_FETCH_DELAY_MS"] = "2000"

@@ -36,7 +36,8 @@ pub(crate) struct TransferArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
-    /// Also move the KV device to device between two processes' arenas on this GPU (CUDA IPC),
+    /// Also move the KV device to device between two processes' arenas on this GPU (CUDA VMM;
+    /// legacy CUDA IPC with `BATON_CUDA_VMM=0`),
     /// coalesced and per slab, against the GPU's own copy bandwidth: `cuda` or `cuda:N` (a
     /// build with the `cuda` feature).
     #[arg(long)]

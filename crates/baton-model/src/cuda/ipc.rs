@@ -1,12 +1,22 @@
-//! An engine's device KV arena as the transfer plane opens it ([`baton_transfer::DeviceArena`]):
-//! a CUDA IPC handle of the allocation, which a worker process on the same host opens once, and
-//! device-to-device copies of a transfer's runs on a stream of the link's own, beside the
-//! engine's steps. The arena is one `cuMemAlloc` allocation (IPC handles need one), block-major
-//! like the host arena it mirrors, so a run's offsets are the host descriptor's.
+//! An engine's device KV arena as the transfer plane opens it ([`baton_transfer::DeviceArena`]),
+//! and device-to-device copies of a transfer's runs on a stream of the link's own, beside the
+//! engine's steps. The arena is one allocation, block-major like the host arena it mirrors, so a
+//! run's offsets are the host descriptor's. It is shared one of two ways, by how it was made:
+//!
+//! - **A CUDA virtual-memory allocation** (`cuMemCreate`, the default): exported as a POSIX
+//!   descriptor, which a peer fetches over a Unix socket ([`baton_transfer::share`]) and
+//!   imports. The peer then holds the physical memory itself: copies it makes after the exporter
+//!   died — a kill landing mid-copy — touch memory that is still there, and fail only at the
+//!   answers that never come.
+//! - **Legacy CUDA IPC** (a `cuMemAlloc` allocation, where the driver has no virtual memory
+//!   management or `BATON_CUDA_VMM=0`): a `cuIpcGetMemHandle` handle. The memory dies with the
+//!   exporter, so the transfer plane watches the exporting process and never copies after it
+//!   died (`DeviceTransport`); a kill landing during a copy stays undefined.
 
 use std::mem::MaybeUninit;
 
 use baton_transfer::plan::RangeCopy;
+use baton_transfer::share::FdShare;
 use baton_transfer::{DeviceArena, DeviceHandle, DeviceHandleKind, DeviceLink, Location, TransferError};
 
 use super::*;
@@ -18,20 +28,39 @@ fn device_error(context: &'static str) -> impl Fn(cudarc::driver::DriverError) -
     move |e| TransferError::Device(format!("{context}: {e}"))
 }
 
+fn model_error(context: &'static str) -> impl Fn(ModelError) -> TransferError {
+    move |e| TransferError::Device(format!("{context}: {e}"))
+}
+
 /// An engine's device arena, shared with its transfer threads.
 #[derive(Debug)]
 pub(super) struct CudaArena {
     cache: Arc<DevBuf>,
     location: Location,
     handle: DeviceHandle,
+    /// Serves the allocation's descriptor to peers while the arena lives (a virtual-memory
+    /// allocation's; none for legacy IPC).
+    _share: Option<FdShare>,
 }
 
 impl CudaArena {
-    /// The arena `cache` (an engine's, from `cuMemAlloc`), with its IPC handle made once.
+    /// The arena `cache` (an engine's), with the handle a peer opens it by made once: its
+    /// descriptor served on a Unix socket when it is a virtual-memory allocation, a CUDA IPC
+    /// handle when it is a plain one.
     pub(super) fn new(cache: Arc<DevBuf>) -> Result<Self> {
         let ctx = &cache.ctx;
         ctx.bind_to_thread().map_err(err)?;
         let uuid = ctx.uuid().map_err(err)?;
+        let location = Location::Device { ordinal: ctx.ordinal() as u32, uuid: uuid.bytes.map(|b| b as u8) };
+        let pid = std::process::id();
+        if cache.is_mapped() {
+            let (fd, mapped) = cache.export()?;
+            let share = FdShare::serve(fd).map_err(|e| err(format!("sharing the device arena: {e}")))?;
+            let mut bytes = (mapped as u64).to_le_bytes().to_vec();
+            bytes.extend_from_slice(share.name());
+            let handle = DeviceHandle { kind: DeviceHandleKind::CudaVmm, bytes, len: cache.bytes as u64, pid };
+            return Ok(Self { cache, location, handle, _share: Some(share) });
+        }
         let mut handle = MaybeUninit::<sys::CUipcMemHandle>::uninit();
         // SAFETY: `cache.ptr` is the base of a live `cuMemAlloc` allocation; the driver fills
         // the handle.
@@ -39,14 +68,52 @@ impl CudaArena {
             sys::cuIpcGetMemHandle(handle.as_mut_ptr(), cache.ptr).result().map_err(err)?;
             handle.assume_init()
         };
-        let location = Location::Device { ordinal: ctx.ordinal() as u32, uuid: uuid.bytes.map(|b| b as u8) };
         let handle = DeviceHandle {
             kind: DeviceHandleKind::CudaIpc,
             bytes: handle.reserved.iter().map(|&b| b as u8).collect(),
             len: cache.bytes as u64,
-            pid: std::process::id(),
+            pid,
         };
-        Ok(Self { cache, location, handle })
+        Ok(Self { cache, location, handle, _share: None })
+    }
+
+    /// Maps the arena a peer exported as a CUDA IPC handle (`bytes`) into this context.
+    fn open_ipc(&self, bytes: &[u8]) -> baton_transfer::Result<Theirs> {
+        if bytes.len() != IPC_HANDLE_LEN {
+            return Err(TransferError::Protocol(format!("a CUDA IPC handle of {} bytes", bytes.len())));
+        }
+        let mut raw = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_LEN] };
+        for (r, &b) in raw.reserved.iter_mut().zip(bytes) {
+            *r = b as _;
+        }
+        let mut theirs: sys::CUdeviceptr = 0;
+        // SAFETY: the handle came from a peer's `cuIpcGetMemHandle`; the driver maps its
+        // allocation into this context (peer access enabled lazily when it is another device),
+        // or fails (the same process, another IPC namespace).
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut theirs,
+                raw,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+            )
+        }
+        .result()
+        .map_err(device_error("opening the peer's device arena (CUDA IPC)"))?;
+        Ok(Theirs::Ipc(theirs))
+    }
+
+    /// Imports the arena a peer exported as a virtual-memory allocation: `bytes` is the
+    /// mapped size (8 bytes) and the name its descriptor is served under; `len` the bytes used.
+    fn open_vmm(&self, bytes: &[u8], len: u64) -> baton_transfer::Result<Theirs> {
+        let bad = || TransferError::Protocol(format!("a CUDA VMM handle of {} bytes", bytes.len()));
+        let (mapped, name) = bytes.split_at_checked(8).ok_or_else(bad)?;
+        let mapped = u64::from_le_bytes(mapped.try_into().map_err(|_| bad())?);
+        let (mapped, len) = (usize::try_from(mapped).map_err(|_| bad())?, usize::try_from(len).map_err(|_| bad())?);
+        let fd = baton_transfer::share::fetch(name)
+            .map_err(|e| TransferError::Device(format!("receiving the peer's device arena: {e}")))?;
+        let buf = DevBuf::import(&self.cache.ctx, fd, mapped, len)
+            .map_err(model_error("importing the peer's device arena (CUDA VMM)"))?;
+        Ok(Theirs::Imported(buf))
     }
 }
 
@@ -64,13 +131,6 @@ impl DeviceArena for CudaArena {
         handle: &DeviceHandle,
         descriptor: &baton_kv::TensorDescriptor,
     ) -> baton_transfer::Result<Box<dyn DeviceLink>> {
-        if handle.kind != DeviceHandleKind::CudaIpc || handle.bytes.len() != IPC_HANDLE_LEN {
-            return Err(TransferError::Protocol(format!(
-                "a CUDA IPC handle of {} bytes ({:?})",
-                handle.bytes.len(),
-                handle.kind
-            )));
-        }
         let span = (descriptor.base + descriptor.num_bytes()) as u64;
         if span > handle.len {
             return Err(TransferError::Protocol(format!(
@@ -80,31 +140,13 @@ impl DeviceArena for CudaArena {
         }
         let ctx = &self.cache.ctx;
         ctx.bind_to_thread().map_err(device_error("binding the device"))?;
-        let mut raw = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_LEN] };
-        for (r, &b) in raw.reserved.iter_mut().zip(&handle.bytes) {
-            *r = b as _;
-        }
-        let mut theirs: sys::CUdeviceptr = 0;
-        // SAFETY: the handle came from a peer's `cuIpcGetMemHandle`; the driver maps its
-        // allocation into this context (peer access enabled lazily when it is another device),
-        // or fails (the same process, another IPC namespace).
-        unsafe {
-            sys::cuIpcOpenMemHandle_v2(
-                &mut theirs,
-                raw,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
-            )
-        }
-        .result()
-        .map_err(device_error("opening the peer's device arena (CUDA IPC)"))?;
-        let stream = match ctx.new_stream() {
-            Ok(s) => s,
-            Err(e) => {
-                // SAFETY: opened just above, closed once.
-                let _ = unsafe { sys::cuIpcCloseMemHandle(theirs) };
-                return Err(device_error("a copy stream")(e));
-            }
+        let theirs = match handle.kind {
+            DeviceHandleKind::CudaVmm => self.open_vmm(&handle.bytes, handle.len)?,
+            DeviceHandleKind::CudaIpc => self.open_ipc(&handle.bytes)?,
+            other => return Err(TransferError::Protocol(format!("a {other:?} device handle for a CUDA arena"))),
         };
+        // On failure `theirs` drops, which closes or releases what was opened.
+        let stream = ctx.new_stream().map_err(device_error("a copy stream"))?;
         Ok(Box::new(CudaLink { ours: Arc::clone(&self.cache), theirs, theirs_len: handle.len, stream }))
     }
 
@@ -147,7 +189,7 @@ impl baton_transfer::bench::BenchDevice for CudaBenchDevice {
     ) -> baton_transfer::Result<Arc<dyn DeviceArena>> {
         let to_transfer = |e: ModelError| TransferError::Device(e.to_string());
         let len = descriptor.base + descriptor.num_bytes();
-        let buf = DevBuf::new(&self.ctx, len).map_err(to_transfer)?;
+        let buf = DevBuf::for_sharing(&self.ctx, len).map_err(to_transfer)?;
         let chunk = baton_transfer::bench::fill_chunk(fill);
         let mut at = 0;
         while at < len && !chunk.is_empty() {
@@ -178,11 +220,29 @@ impl baton_transfer::bench::BenchDevice for CudaBenchDevice {
     }
 }
 
+/// The peer's arena as a link holds it.
+#[derive(Debug)]
+enum Theirs {
+    /// Opened from a CUDA IPC handle: valid while the exporter lives; closed on drop.
+    Ipc(sys::CUdeviceptr),
+    /// Imported from the exporter's descriptor: this process's to use until dropped.
+    Imported(DevBuf),
+}
+
+impl Theirs {
+    fn ptr(&self) -> sys::CUdeviceptr {
+        match self {
+            Theirs::Ipc(ptr) => *ptr,
+            Theirs::Imported(buf) => buf.ptr,
+        }
+    }
+}
+
 /// An open link: the peer's arena mapped here, copies on a stream of the link's own.
 #[derive(Debug)]
 struct CudaLink {
     ours: Arc<DevBuf>,
-    theirs: sys::CUdeviceptr,
+    theirs: Theirs,
     theirs_len: u64,
     stream: Arc<CudaStream>,
 }
@@ -198,7 +258,7 @@ impl CudaLink {
     fn copy(&self, copies: &[RangeCopy], pull: bool) -> baton_transfer::Result<()> {
         self.ours.ctx.bind_to_thread().map_err(device_error("binding the device"))?;
         let ours = (self.ours.ptr, self.ours.bytes as u64);
-        let theirs = (self.theirs, self.theirs_len);
+        let theirs = (self.theirs.ptr(), self.theirs_len);
         let (src, dst) = if pull { (theirs, ours) } else { (ours, theirs) };
         for c in copies {
             let (s, d) = (c.src, c.dst);
@@ -229,14 +289,29 @@ impl DeviceLink for CudaLink {
     fn push(&self, copies: &[RangeCopy]) -> baton_transfer::Result<()> {
         self.copy(copies, false)
     }
+
+    /// An imported allocation is this process's as much as the exporter's.
+    fn outlives_exporter(&self) -> bool {
+        matches!(self.theirs, Theirs::Imported(_))
+    }
 }
 
 impl Drop for CudaLink {
     fn drop(&mut self) {
+        // No copy in flight when the peer's arena goes (dropped after this, on this thread).
         if self.ours.ctx.bind_to_thread().is_ok() {
             let _ = self.stream.synchronize();
-            // SAFETY: opened by `CudaArena::open`, closed once, no copy in flight (synchronised).
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.theirs) };
+        }
+    }
+}
+
+impl Drop for Theirs {
+    /// Closes an IPC mapping (an imported allocation releases itself, [`DevBuf`]); its owner
+    /// has bound the context and has no copy in flight.
+    fn drop(&mut self) {
+        if let Theirs::Ipc(ptr) = *self {
+            // SAFETY: opened by `CudaArena::open_ipc`, closed once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
         }
     }
 }

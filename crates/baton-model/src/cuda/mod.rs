@@ -24,8 +24,9 @@
 //!   (received KV, a swap-in) is marked stale by the engine and uploaded before a step reads it.
 //!   An engine page-locks its host arena once (`cuMemHostRegister`), so the blocks a step writes
 //!   whole (a prefill's) go down by DMA straight into it; the other new tokens are gathered into
-//!   pinned staging and copied into place by the host. Moving KV between GPUs without the host
-//!   is the next step (issue #33).
+//!   pinned staging and copied into place by the host. Worker processes on one host copy KV
+//!   between their device arenas directly (`ipc.rs`: the arena is a CUDA virtual-memory
+//!   allocation a peer imports; `BATON_CUDA_VMM=0` makes it a plain one, legacy CUDA IPC).
 //! - **Measuring.** `BATON_CUDA_TIMING=1` prints where steps spent their wall time (packing,
 //!   enqueueing, waiting, unpacking), `BATON_CUDA_PROFILE=1` the GPU time of every launch by
 //!   name (an event after each, graphs off: a launch shorter than the host's time to enqueue
@@ -286,7 +287,8 @@ impl CudaModel {
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
         let blocks = arena.num_blocks();
         // One block more than the pool's: the scratch block padded decode rows write to.
-        let cache = Arc::new(DevBuf::new(&self.ctx, (blocks + 1) * g.block_elems() * kv_kind.size())?);
+        // Exportable, so that peers on this host can copy to and from it device to device.
+        let cache = Arc::new(DevBuf::for_sharing(&self.ctx, (blocks + 1) * g.block_elems() * kv_kind.size())?);
         let blas_workspace = DevBuf::new(&self.ctx, 32 << 20)?;
         // SAFETY: the workspace outlives the handle (both are the CudaKv's; fields drop in
         // declaration order, the handle first).
