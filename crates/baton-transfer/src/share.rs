@@ -72,13 +72,23 @@ impl Drop for FdShare {
     }
 }
 
+/// How long the serving thread waits for a peer before it looks at `stop` again (the drop's
+/// own connection wakes it at once; this bounds the wait should that connection fail).
+const STOP_POLL: Duration = Duration::from_millis(500);
+
 fn serve(listener: &UnixListener, fd: &OwnedFd, stop: &AtomicBool) {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
     let uid = rustix::process::getuid();
-    for stream in listener.incoming() {
+    let wait = Timespec { tv_sec: 0, tv_nsec: STOP_POLL.as_nanos() as i64 };
+    while !stop.load(Ordering::SeqCst) {
+        let mut fds = [PollFd::new(listener, PollFlags::IN)];
+        if !matches!(poll(&mut fds, Some(&wait)), Ok(n) if n > 0) {
+            continue;
+        }
+        let Ok((stream, _)) = listener.accept() else { continue };
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        let Ok(stream) = stream else { continue };
         let theirs = rustix::net::sockopt::socket_peercred(&stream).map(|c| c.uid);
         if theirs.ok() != Some(uid) {
             tracing::warn!(uid = ?theirs, "refused a device arena's descriptor to another user's process");
