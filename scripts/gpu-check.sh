@@ -115,6 +115,9 @@ section "KV between GPU workers: an 8,192-token prompt's KV (8B shape) device to
 # is also the staging buffer) are printed beside memcpy and loopback TCP of the same bytes.
 # The arenas are CUDA virtual-memory allocations shared as descriptors (the default); the same
 # at 2,048 tokens through legacy CUDA IPC (BATON_CUDA_VMM=0) beside it, to compare the two.
+# Each run ends by killing the prefill process and pulling 128 MiB from the arena it exported:
+# with VMM every byte must read as it was ("after the prefill process was killed: ..."); a
+# legacy IPC link is not asked to.
 timeout 150 "$BIN" bench transfer --device cuda --tokens 8192,2048 --reps 3 2>&1 | tee "$OUT/transfer.txt" \
     || fail "bench transfer --device cuda"
 echo "--- the same at 2,048 tokens through legacy CUDA IPC (BATON_CUDA_VMM=0): device rows"

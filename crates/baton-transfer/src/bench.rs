@@ -24,7 +24,9 @@
 //! the KV in device arenas, and two more variants move it device to device through the same
 //! client and server (CUDA VMM, or legacy IPC): the coalesced pull, and per-slab (one copy a slab, each waited
 //! for: KVDirect's baseline on the device path), against the device's own device-to-device copy
-//! bandwidth (`cudaMemcpy`) measured in the same run.
+//! bandwidth (`cudaMemcpy`) measured in the same run. Last, the prefill process is killed and
+//! its arena, opened once more just before, pulled from: a link that holds the exporter's
+//! memory (CUDA VMM, the stand-in) must still read every byte it held ([`ExporterGone`]).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -35,9 +37,10 @@ use std::time::{Duration, Instant};
 use baton_kv::{BlockId, ByteRange, KvDtype, KvGeometry, KvLayout, TensorDescriptor};
 use serde::Serialize;
 
+use crate::plan::RangeCopy;
 use crate::{
-    ClientConfig, Compat, DeviceArena, KvClient, KvServer, NaiveUnit, PeerId, Region, Result, ServerConfig,
-    TransferError, TransferId, TransportKind,
+    ClientConfig, Compat, DeviceArena, DeviceHandle, KvClient, KvServer, NaiveUnit, PeerId, Region, Result,
+    ServerConfig, TransferError, TransferId, TransportKind,
 };
 
 /// A device the benchmark puts arenas on (a GPU backend provides one).
@@ -151,6 +154,55 @@ impl TransferBenchConfig {
     }
 }
 
+/// What a device link still reads once its exporter has died: [`run`] with a device kills the
+/// prefill process after the timed pulls, then pulls from the arena it had exported.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct ExporterGone {
+    /// Whether the link holds the exporter's memory ([`crate::DeviceLink::outlives_exporter`]:
+    /// CUDA VMM, the stand-in). A legacy CUDA IPC link is not asked to read.
+    pub outlives_exporter: bool,
+    /// Bytes pulled after the exporter died, each checked against what the exporter held.
+    pub bytes_checked: u64,
+}
+
+/// Opens the exporter's arena (`handle`, laid out as `descriptor`) from `arena`, runs `kill`
+/// (the exporter dies), then, on a link that holds the exporter's memory, pulls its first `len`
+/// bytes into the first `len` of `arena` and checks each against `want` (the exporter's fill,
+/// repeated from offset 0). Those bytes of `arena` must not hold that fill already.
+fn pull_after_exporter_died(
+    arena: &dyn DeviceArena,
+    handle: &DeviceHandle,
+    descriptor: &TensorDescriptor,
+    len: usize,
+    want: &[u8],
+    kill: impl FnOnce(),
+) -> Result<ExporterGone> {
+    let link = arena.open(handle, descriptor)?;
+    let outlives_exporter = link.outlives_exporter();
+    kill();
+    if !outlives_exporter {
+        return Ok(ExporterGone { outlives_exporter, bytes_checked: 0 });
+    }
+    let range = ByteRange { offset: 0, len };
+    link.pull(&[RangeCopy { src: range, dst: range }])?;
+    let mut got = vec![0u8; 1 << 20];
+    let mut at = 0;
+    while at < len {
+        let n = got.len().min(len - at);
+        arena.read_back(at, &mut got[..n])?;
+        if let Some(i) = (0..n).find(|&i| got[i] != want[(at + i) % want.len()]) {
+            return Err(TransferError::Protocol(format!(
+                "after the exporter died, byte {} of its arena read {} instead of {}",
+                at + i,
+                got[i],
+                want[(at + i) % want.len()]
+            )));
+        }
+        at += n;
+    }
+    Ok(ExporterGone { outlives_exporter, bytes_checked: len as u64 })
+}
+
 /// One variant at one request size.
 #[derive(Debug, Clone, Serialize)]
 pub struct VariantReport {
@@ -196,6 +248,8 @@ pub struct TransferBenchReport {
     pub tcp_bulk_gb_per_s: Vec<(usize, f64)>,
     /// The device moved to and from, and its device-to-device copy bandwidth, GB/s.
     pub device: Option<(String, f64)>,
+    /// What a device pull read after the prefill process was killed.
+    pub exporter_gone: Option<ExporterGone>,
     /// Every variant.
     pub variants: Vec<VariantReport>,
 }
@@ -325,6 +379,14 @@ impl Prefill {
                 return Ok(Prefill { child, addr, bulk });
             }
         }
+    }
+}
+
+impl Prefill {
+    /// Kills the prefill process (SIGKILL, as a crash would end it) and reaps it.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -561,9 +623,12 @@ pub fn run(config: &TransferBenchConfig, device: DeviceFactory<'_>) -> Result<Tr
         }
         drop(prefill);
     }
-    let device_report = match config.device {
-        Some(ordinal) => Some(device_variants(config, device(ordinal)?.as_ref(), ordinal, &mut variants)?),
-        None => None,
+    let (device_report, exporter_gone) = match config.device {
+        Some(ordinal) => {
+            let (name, limit, gone) = device_variants(config, device(ordinal)?.as_ref(), ordinal, &mut variants)?;
+            (Some((name, limit)), gone)
+        }
+        None => (None, None),
     };
     for t in &config.tokens {
         let naive = |name: &str| {
@@ -588,21 +653,24 @@ pub fn run(config: &TransferBenchConfig, device: DeviceFactory<'_>) -> Result<Tr
         memcpy_gb_per_s: memcpy,
         tcp_bulk_gb_per_s: tcp_bulk,
         device: device_report,
+        exporter_gone,
         variants,
     })
 }
 
 /// The device variants: both sides' KV in device arenas (block-major), pulled device to device
 /// through the client and server, coalesced and per slab, each request spot-checked against the
-/// pattern; the limit is the device's own copy bandwidth. Returns the device's name and limit.
+/// pattern; the limit is the device's own copy bandwidth. Then a pull after the prefill process
+/// was killed ([`pull_after_exporter_died`], into blocks the timed pulls left untouched).
+/// Returns the device's name and limit, and what that pull read.
 fn device_variants(
     config: &TransferBenchConfig,
     device: &dyn BenchDevice,
     ordinal: usize,
     variants: &mut Vec<VariantReport>,
-) -> Result<(String, f64)> {
+) -> Result<(String, f64, Option<ExporterGone>)> {
     let g = config.geometry();
-    let prefill = Prefill::spawn(config, "block-major", Some(ordinal))?;
+    let mut prefill = Prefill::spawn(config, "block-major", Some(ordinal))?;
     let desc = TensorDescriptor::new(&g, KvLayout::BlockMajor, config.arena_blocks());
     let host = Arc::new(Region::create(desc).map_err(TransferError::io("creating the destination region"))?);
     let arena = device.arena(host.descriptor(), &[0])?;
@@ -610,6 +678,8 @@ fn device_variants(
     let limit = device.memcpy_gb_per_s(largest.unwrap_or(1 << 20))?;
     let want = pattern();
     let mut next_id = vec![0u64; config.tokens.len()];
+    // The prefill side's device handle and layout, as CONNECT gave them.
+    let mut theirs: Option<(DeviceHandle, TensorDescriptor)> = None;
     for (k, &tokens) in config.tokens.iter().enumerate() {
         let n = g.blocks_for(tokens);
         let remote: Vec<BlockId> = (0..n as u32).map(BlockId).collect();
@@ -620,6 +690,8 @@ fn device_variants(
             cc.device = Some(Arc::clone(&arena));
             cc.io_timeout = Duration::from_secs(60);
             let mut client = KvClient::connect(prefill.addr, cc, Arc::clone(&host))?;
+            let remote_info = client.remote();
+            theirs = remote_info.reach.device.clone().map(|h| (h, remote_info.descriptor.clone()));
             let pulls = Pulls { k, remote: &remote, local: &local, naive, reps: config.reps };
             let (seconds, last) = pulls.time(&mut client, &mut next_id[k])?;
             // Bytes from the start, the end and 62 points between arrived where they belong.
@@ -638,8 +710,17 @@ fn device_variants(
             variants.push(VariantReport::new(tokens, name, layouts, seconds, &last, limit));
         }
     }
+    // Blocks 0..64 of this side's arena were never pulled into (the timed pulls used 64..).
+    let block_bytes = g.block_size * g.bytes_per_token();
+    let len = config.tokens.iter().map(|&t| g.blocks_for(t)).min().unwrap_or(1).min(64) * block_bytes;
+    let gone = match theirs {
+        Some((handle, descriptor)) => {
+            Some(pull_after_exporter_died(arena.as_ref(), &handle, &descriptor, len, &want, || prefill.kill())?)
+        }
+        None => None,
+    };
     drop(prefill);
-    Ok((device.name(), limit))
+    Ok((device.name(), limit, gone))
 }
 
 /// The human-readable table.
@@ -652,6 +733,18 @@ pub fn format_table(report: &TransferBenchReport) -> String {
     ));
     if let Some((name, gbps)) = &report.device {
         out.push_str(&format!("device: {name}, device-to-device copy (cudaMemcpy) {gbps:.1} GB/s\n"));
+    }
+    match report.exporter_gone {
+        Some(ExporterGone { outlives_exporter: true, bytes_checked }) => out.push_str(&format!(
+            "after the prefill process was killed: {:.0} MiB pulled from its device arena, every byte as it was \
+             (the link holds the exporter's memory)\n",
+            bytes_checked as f64 / (1 << 20) as f64
+        )),
+        Some(ExporterGone { outlives_exporter: false, .. }) => out.push_str(
+            "after the prefill process was killed: not read (a legacy CUDA IPC link must not touch a dead \
+             exporter's memory)\n",
+        ),
+        None => {}
     }
     out.push_str(&format!(
         "{:>6} {:<16} {:<6} {:<26} {:>8} {:>9} {:>7} {:>6} {:>6} {:>7} {:>6} {:>8} {:>8}\n",
@@ -712,6 +805,33 @@ mod tests {
         let chunk = fill_chunk(&pattern);
         assert_eq!(chunk.len() % pattern.len(), 0);
         assert!(chunk.iter().enumerate().all(|(i, &b)| b == pattern[i % pattern.len()]));
+    }
+
+    /// A stand-in link reads its exporter's bytes after the exporter is gone (its arena, share
+    /// and memfd dropped: all a dead process lets go of), and the check tells other bytes apart.
+    #[test]
+    fn a_stand_in_link_reads_its_exporter_after_the_exporter_is_gone() {
+        let g = KvGeometry { layers: 2, kv_heads: 2, head_dim: 64, ..TransferBenchConfig::default().geometry() };
+        let desc = TensorDescriptor::new(&g, KvLayout::BlockMajor, 8);
+        let len = 4 * g.block_size * g.bytes_per_token();
+        let fill: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 1) as u8).collect();
+        let importer = StandInBenchDevice.arena(&desc, &[0]).expect("importer");
+        for (want, ok) in [(fill.clone(), true), (vec![1u8, 2, 3], false)] {
+            let exporter = StandInBenchDevice.arena(&desc, &fill).expect("exporter");
+            let handle = exporter.handle();
+            let mut exporter = Some(exporter);
+            let gone =
+                pull_after_exporter_died(importer.as_ref(), &handle, &desc, len, &want, || drop(exporter.take()));
+            assert!(exporter.is_none(), "the exporter was dropped before the pull");
+            match gone {
+                Ok(gone) => {
+                    assert!(ok, "bytes other than the exporter's passed the check");
+                    assert!(gone.outlives_exporter);
+                    assert_eq!(gone.bytes_checked, len as u64);
+                }
+                Err(e) => assert!(!ok, "{e}"),
+            }
+        }
     }
 
     // An arena several chunks long, filled with one byte (as the benchmark's destination is)
