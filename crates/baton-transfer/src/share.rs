@@ -161,6 +161,40 @@ mod tests {
         assert!(fetch(b"baton-fd/no-such-share").is_err());
     }
 
+    /// A process of another user gets no descriptor (the connection closes empty), while one of
+    /// ours still does. Needs root to start a process as another user, and `python3` to be it;
+    /// says so and checks nothing otherwise.
+    #[test]
+    fn another_users_process_gets_nothing() {
+        use std::os::unix::process::CommandExt;
+        let python = std::process::Command::new("python3").arg("--version").output();
+        if !rustix::process::getuid().is_root() || !python.is_ok_and(|o| o.status.success()) {
+            eprintln!("skipped: needs root and python3");
+            return;
+        }
+        let fd = rustix::fs::memfd_create("share-test", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd");
+        let share = FdShare::serve(fd).expect("serve");
+        let name = String::from_utf8(share.name().to_vec()).expect("an ASCII name");
+        let script = "import socket, sys\n\
+                      s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n\
+                      s.connect('\\0' + sys.argv[1])\n\
+                      s.settimeout(5)\n\
+                      msg, fds, _, _ = socket.recv_fds(s, 16, 4)\n\
+                      print(len(msg), len(fds))\n";
+        let run = |uid: Option<u32>| {
+            let mut cmd = std::process::Command::new("python3");
+            cmd.args(["-c", script, &name]);
+            if let Some(uid) = uid {
+                cmd.uid(uid).gid(uid);
+            }
+            let out = cmd.output().expect("python3");
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            String::from_utf8_lossy(&out.stdout).trim().to_string()
+        };
+        assert_eq!(run(None), "1 1", "our own user's process gets the descriptor");
+        assert_eq!(run(Some(65534)), "0 0", "another user's process got something");
+    }
+
     /// A connection that is not an `FdShare` is told apart.
     #[test]
     fn an_answer_without_a_descriptor_is_an_error() {
