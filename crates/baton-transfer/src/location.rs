@@ -94,8 +94,8 @@ pub enum DeviceHandleKind {
     /// it outlives its exporter in a peer that opened it.
     StandIn,
     /// A CUDA virtual-memory allocation (`cuMemCreate`), exported as a POSIX file descriptor
-    /// (`cuMemExportToShareableHandle`): the bytes name the [`FdShare`](crate::share::FdShare)
-    /// serving it. A peer that imported it holds the physical memory itself, so its copies stay
+    /// (`cuMemExportToShareableHandle`): the bytes are the allocation's mapped size (8,
+    /// little-endian) and the name of the [`FdShare`](crate::share::FdShare) serving it. A peer that imported it holds the physical memory itself, so its copies stay
     /// defined when the exporter dies mid-copy.
     CudaVmm,
 }

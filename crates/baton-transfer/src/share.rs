@@ -120,7 +120,12 @@ pub fn fetch(name: &[u8]) -> io::Result<OwnedFd> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut cmsg = RecvAncillaryBuffer::new(&mut space);
     let mut tag = [0u8; 1];
-    let got = rustix::net::recvmsg(&stream, &mut [IoSliceMut::new(&mut tag)], &mut cmsg, RecvFlags::CMSG_CLOEXEC)?;
+    let got = loop {
+        match rustix::net::recvmsg(&stream, &mut [IoSliceMut::new(&mut tag)], &mut cmsg, RecvFlags::CMSG_CLOEXEC) {
+            Err(rustix::io::Errno::INTR) => continue,
+            got => break got?,
+        }
+    };
     let mut fds: Vec<OwnedFd> = Vec::new();
     for msg in cmsg.drain() {
         if let RecvAncillaryMessage::ScmRights(received) = msg {
@@ -129,7 +134,10 @@ pub fn fetch(name: &[u8]) -> io::Result<OwnedFd> {
     }
     match (got.bytes, tag[0], fds.len()) {
         (1, TAG, 1) => Ok(fds.pop().expect("one")),
-        (0, _, 0) => Err(io::Error::new(io::ErrorKind::PermissionDenied, "the exporter sent no descriptor")),
+        (0, _, 0) => Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "the exporter sent no descriptor (a process of another user, or an exporter going away)",
+        )),
         _ => Err(io::Error::new(io::ErrorKind::InvalidData, "not a descriptor share")),
     }
 }
