@@ -181,12 +181,14 @@ impl KvClient {
         self.transport.kind()
     }
 
-    /// Whether the server's process is known to have exited ([`Transport::peer_exited`]: the
-    /// same-host transports watch it). The client is then dead weight, and its hold on the
-    /// peer's arena — a mapped memfd, an imported CUDA VMM allocation: each stays allocated
-    /// while any process holds it — is released only by dropping the client.
-    pub fn peer_exited(&self) -> bool {
-        self.transport.peer_exited()
+    /// Whether the server is known to be gone, asked without waiting: its process exited
+    /// ([`Transport::peer_exited`]: the same-host transports watch it), or it closed the
+    /// control connection (a server that restarted, a host that went down cleanly). The client
+    /// is then dead weight: its next transfer would fail, and its hold on the peer's arena — a
+    /// mapped memfd, an imported CUDA VMM allocation: each stays allocated while any process
+    /// holds it — is released only by dropping it.
+    pub fn peer_gone(&self) -> bool {
+        self.transport.peer_exited() || self.control.peer_closed()
     }
 
     /// Pull mode, all of it: TRANSFER, coalesced reads of `remote` blocks into `local` blocks,

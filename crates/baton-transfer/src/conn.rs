@@ -95,6 +95,18 @@ impl Conn {
         self.stream.set_read_timeout(Some(self.timeout)).map_err(e)
     }
 
+    /// Whether the peer has closed its end (or the connection broke), asked without waiting:
+    /// what an idle connection's owner checks before relying on it.
+    pub(crate) fn peer_closed(&self) -> bool {
+        use rustix::event::{PollFd, PollFlags, Timespec, poll};
+        let mut fds = [PollFd::new(&self.stream, PollFlags::RDHUP)];
+        match poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })) {
+            Ok(0) => false,
+            Ok(_) => fds[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR),
+            Err(_) => false,
+        }
+    }
+
     fn wire(&self) -> Wire<'_> {
         Wire { sock: &self.stream, tls: self.tls.as_ref() }
     }

@@ -165,3 +165,43 @@ fn a_late_write_of_an_aborted_push_is_refused_and_the_reused_blocks_keep_their_c
     assert_eq!(now, [0xBB; 64], "the live push's write landed");
     drop(peer.join().expect("peer"));
 }
+
+/// A server that closes the connection (it restarted, or its host went down cleanly) is seen
+/// gone by an idle client at once, without a transfer to fail first: its owner then drops it
+/// and the next transfer connects afresh.
+#[test]
+fn a_client_sees_a_server_that_closed_its_connection_gone() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let local = Arc::new(Region::create(TensorDescriptor::new(&geometry(), KvLayout::BlockMajor, 16)).expect("region"));
+    let (close, closing) = std::sync::mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        accept(&mut s);
+        // Data connections, if any, accepted and kept until the control one closes.
+        let mut data = Vec::new();
+        listener.set_nonblocking(true).expect("nonblocking");
+        while closing.try_recv().is_err() {
+            if let Ok((mut stream, _)) = listener.accept() {
+                stream.set_nonblocking(false).expect("blocking");
+                accept(&mut stream);
+                data.push(stream);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(s);
+        data
+    });
+    let mut config = ClientConfig::new(PeerId(2), Compat::new("m", geometry()), SECRET);
+    config.io_timeout = Duration::from_secs(5);
+    config.transport = baton_transfer::TransportChoice::Tcp;
+    let client = KvClient::connect(addr, config, local).expect("connect");
+    assert!(!client.peer_gone(), "a live server");
+    close.send(()).expect("close");
+    let _data = peer.join().expect("peer");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !client.peer_gone() {
+        assert!(std::time::Instant::now() < deadline, "the closed connection went unseen");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

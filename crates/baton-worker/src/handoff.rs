@@ -140,7 +140,7 @@ struct Crossing {
 /// How often the transfer thread looks at its pushes in flight (and at new jobs meanwhile).
 const POLL: Duration = Duration::from_millis(5);
 
-/// How often an idle transfer thread looks for peers whose process has exited
+/// How often an idle transfer thread looks for peers that are gone
 /// ([`TransferThread::reap_exited`]).
 const REAP_EVERY: Duration = Duration::from_secs(1);
 
@@ -434,16 +434,21 @@ impl TransferThread {
         }
     }
 
-    /// Drops the clients whose KV server's process has exited ([`KvClient::peer_exited`]),
-    /// failing what was pending on them: a client holds its peer's arena mapped (an imported
-    /// device arena stays allocated on the GPU while any process holds it), and a dead
-    /// worker's is no one's once the conductor routes around it. `false` when the engine
-    /// thread is gone.
+    /// Drops the clients whose KV server is gone ([`KvClient::peer_gone`]: its process exited,
+    /// or it closed the connection), failing what was pending on them. A same-host client holds
+    /// its peer's arena mapped (an imported device arena stays allocated on the GPU while any
+    /// process holds it), and a dead worker's is no one's once the conductor routes around it;
+    /// any other would fail the next transfer to a worker restarted at the same address, where
+    /// a fresh connection succeeds. A client with pushes pending is left to [`Self::watch`],
+    /// which reads what the peer sent before it went (a last PUSHED may be waiting) and then
+    /// fails the rest. `false` when the engine thread is gone.
     fn reap_exited(&mut self) -> bool {
-        let gone: Vec<SocketAddr> = self.clients.iter().filter(|(_, c)| c.peer_exited()).map(|(a, _)| *a).collect();
+        let pushing = |addr: &SocketAddr| self.pushes.iter().any(|p| p.job.source.addr == *addr);
+        let gone: Vec<SocketAddr> =
+            self.clients.iter().filter(|(a, c)| !pushing(a) && c.peer_gone()).map(|(a, _)| *a).collect();
         gone.into_iter().all(|addr| {
-            tracing::info!(peer = %addr, "the KV server's process has exited; letting its arena go");
-            self.drop_client(addr, "the KV server's process has exited", None)
+            tracing::info!(peer = %addr, "the KV server is gone; dropping its connection");
+            self.drop_client(addr, "the KV server is gone (its process exited or it closed the connection)", None)
         })
     }
 

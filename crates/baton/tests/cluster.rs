@@ -698,6 +698,35 @@ fn lets_go_of_a_dead_peers_arena(mode: &str, env: &[(&str, &str)]) {
     }
 }
 
+/// A prefill worker restarted at the same KV address gets its next hand-off over a fresh
+/// connection: the decode worker saw the old one closed while idle and dropped it, rather than
+/// fail that hand-off on it first (and recompute the prompt). Over TCP, the path between hosts.
+#[test]
+fn a_prefill_worker_restarted_at_the_same_address_hands_off_at_once() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", "pull"]);
+    let kv_port = free_port().to_string();
+    let prefill = |url: &str| worker(&dir, "prefill", url, &["--name", "p", "--kv-port", &kv_port]);
+    let mut p = prefill(&url);
+    let _d = worker(&dir, "decode", &url, &["--name", "d", "--transport", "tcp"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let tcp = || metric(&url, "baton_kv_transfers_total{transport=\"tcp\"}");
+    assert_eq!(text(&complete(&url, LONG, 4)), generate(&dir, LONG, 4));
+    assert_eq!(tcp(), 1.0, "the first hand-off");
+    p.proc.kill();
+    // The conductor forgets the dead worker (its lease lapses), then meets the new one.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while members(&url).len() > 1 {
+        assert!(Instant::now() < deadline, "the killed worker was never dropped");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _p = prefill(&url);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let prompt = "Once upon a time, in a quiet village by the sea";
+    assert_eq!(text(&complete(&url, prompt, 4)), generate(&dir, prompt, 4));
+    assert_eq!(tcp(), 2.0, "the hand-off to the restarted worker failed on the old connection");
+}
+
 /// A client that leaves mid-stream frees what its request held on remote workers: the
 /// conductor drops its streams from them, and each worker's stream task (which also sends the
 /// keep-alives) ends at once and aborts the request.
