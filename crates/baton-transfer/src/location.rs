@@ -5,10 +5,11 @@
 //! Each side says which machine it is on ([`HostId`]), where its engine keeps KV
 //! ([`Location`]: host memory, or device N), and the handles a peer on the same machine may
 //! open: its region's shared-memory handle, and its device arena's exported handle
-//! ([`DeviceHandle`], CUDA IPC). [`choose`] then picks the transport for a pair, the fastest
-//! both can use: device to device when both arenas are on devices of one host and each side
-//! can open the other's, shared memory when they share a host, TCP otherwise. A side that
-//! must not be reached some way (a worker told `--kv-transport tcp`) offers no handle for it.
+//! ([`DeviceHandle`]: a CUDA VMM allocation's descriptor, or a legacy CUDA IPC handle).
+//! [`choose`] then picks the transport for a pair, the fastest both can use: device to device
+//! when both arenas are on devices of one host and each side can open the other's, shared
+//! memory when they share a host, TCP otherwise. A side that must not be reached some way (a
+//! worker told `--transport tcp`) offers no handle for it.
 
 use std::sync::OnceLock;
 
@@ -119,7 +120,8 @@ impl DeviceHandleKind {
     }
 }
 
-/// Most bytes of a [`DeviceHandle`] (a CUDA IPC handle is 64).
+/// Most bytes of a [`DeviceHandle`] (a CUDA IPC handle is 64; a descriptor share's name and
+/// size, about 40).
 pub const MAX_DEVICE_HANDLE: usize = 256;
 
 /// How a process on the same host opens a device arena: an exported handle of the allocation
@@ -288,7 +290,7 @@ mod tests {
         // Handles of two kinds cannot open each other.
         let stand_in = Some(DeviceHandleKind::StandIn);
         assert_eq!(choose(&reach(1, cuda), &reach(1, stand_in), TransportChoice::Auto), Ok(vec![Shm, Tcp]));
-        // A peer offering no shared memory: TCP (a worker told `--kv-transport tcp`).
+        // A peer offering no shared memory: TCP (a worker told `--transport tcp`).
         let closed = Reach { shm: None, device: None, ..reach(1, None) };
         assert_eq!(choose(&reach(1, None), &closed, TransportChoice::Auto), Ok(vec![Tcp]));
     }

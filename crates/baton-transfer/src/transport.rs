@@ -2,7 +2,7 @@
 //!
 //! [`Transport::read`] executes a [`TransferPlan`](crate::TransferPlan)'s copies for one transfer. The device
 //! transport copies device to device between the two sides' device arenas (a [`DeviceLink`]:
-//! CUDA IPC on one host); the shared-memory transport is one-sided — a `memcpy` per copy out of
+//! CUDA VMM or IPC on one host); the shared-memory transport is one-sided — a `memcpy` per copy out of
 //! the peer's region mapped read-only, the prefill side not involved — and the TCP transport
 //! sends READ frames of many ranges each and receives the DATA straight into the destination
 //! blocks. An RDMA-class transport fits the same trait: one posted one-sided read per copy
