@@ -259,6 +259,8 @@ pub(crate) struct TransferThread {
     /// Received transfers the link has not carried yet: the thread waits for none of them,
     /// so the other transfers go on meanwhile (pushes are polled, their deadlines hold).
     crossing: Vec<Crossing>,
+    /// When [`Self::reap_exited`] last looked.
+    reaped: Instant,
 }
 
 impl TransferThread {
@@ -278,6 +280,7 @@ impl TransferThread {
             layerwise_wait,
             link,
             crossing: Vec::new(),
+            reaped: Instant::now(),
         };
         std::thread::Builder::new().name(format!("baton-{name}-kv")).spawn(move || thread.run(job_rx))?;
         Ok(jobs)
@@ -313,7 +316,9 @@ impl TransferThread {
                     Err(_) => return,
                 }
             };
-            if !self.reap_exited() {
+            // Before a job (it may be for a peer that is gone) and now and then otherwise, not
+            // on every turn of a loop that polls pushes.
+            if (next.is_some() || self.reaped.elapsed() >= REAP_EVERY) && !self.reap_exited() {
                 return;
             }
             while let Some(job) = next {
@@ -443,6 +448,7 @@ impl TransferThread {
     /// which reads what the peer sent before it went (a last PUSHED may be waiting) and then
     /// fails the rest. `false` when the engine thread is gone.
     fn reap_exited(&mut self) -> bool {
+        self.reaped = Instant::now();
         let pushing = |addr: &SocketAddr| self.pushes.iter().any(|p| p.job.source.addr == *addr);
         let gone: Vec<SocketAddr> =
             self.clients.iter().filter(|(a, c)| !pushing(a) && c.peer_gone()).map(|(a, _)| *a).collect();
