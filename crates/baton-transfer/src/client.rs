@@ -195,10 +195,9 @@ impl KvClient {
     /// COMPLETE.
     ///
     /// Over shared memory, and over a device link that holds the peer's memory or whose
-    /// exporting process lives, the reads
-    /// do not wait for TRANSFER_OK, nor COMPLETE for the reads:
-    /// TRANSFER, the reads and COMPLETE go out back to back and the two answers are awaited
-    /// after, one round trip on the control connection instead of two. Safe because the blocks
+    /// exporting process lives, the reads do not wait for TRANSFER_OK, nor COMPLETE for the
+    /// reads: TRANSFER, the reads and COMPLETE go out back to back and the two answers are
+    /// awaited after, one round trip on the control connection instead of two. Safe because the blocks
     /// were leased when the prefill side offered them: TRANSFER succeeds only while that lease
     /// lives (it renews it; an ended lease is gone, and TRANSFER of it fails), and COMPLETE only
     /// while the renewed one does, so two successes mean the blocks were held from the offer
