@@ -11,6 +11,8 @@ use baton_transfer::bench::{
     BenchDevice, StandInBenchDevice, TransferBenchConfig, format_table, run, serve_if_child_with,
 };
 
+const USAGE: &str = "usage: bench_transfer [--json] [--tokens 8192,2048] [--reps 3] [--stand-in-device]";
+
 fn stand_in(_ordinal: usize) -> baton_transfer::Result<Arc<dyn BenchDevice>> {
     Ok(Arc::new(StandInBenchDevice))
 }
@@ -35,7 +37,14 @@ fn main() {
             }
             "--reps" => config.reps = args.next().and_then(|r| r.parse().ok()).expect("--reps N"),
             "--stand-in-device" => config.device = Some(0),
-            other => panic!("unknown argument `{other}` (expected --json, --tokens A,B, --reps N, --stand-in-device)"),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                return;
+            }
+            other => {
+                eprintln!("unknown argument `{other}`\n{USAGE}");
+                std::process::exit(2);
+            }
         }
     }
     match run(&config, &stand_in) {
