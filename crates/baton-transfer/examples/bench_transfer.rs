@@ -11,7 +11,8 @@ use baton_transfer::bench::{
     BenchDevice, StandInBenchDevice, TransferBenchConfig, format_table, run, serve_if_child_with,
 };
 
-const USAGE: &str = "usage: bench_transfer [--json] [--tokens 8192,2048] [--reps 3] [--stand-in-device]";
+const USAGE: &str =
+    "usage: bench_transfer [--json] [--tokens 8192,2048] [--reps 3] [--stand-in-device [--device-only]]";
 
 fn stand_in(_ordinal: usize) -> baton_transfer::Result<Arc<dyn BenchDevice>> {
     Ok(Arc::new(StandInBenchDevice))
@@ -37,6 +38,7 @@ fn main() {
             }
             "--reps" => config.reps = args.next().and_then(|r| r.parse().ok()).expect("--reps N"),
             "--stand-in-device" => config.device = Some(0),
+            "--device-only" => config.host = false,
             "--help" | "-h" => {
                 println!("{USAGE}");
                 return;

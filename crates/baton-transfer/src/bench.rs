@@ -128,11 +128,22 @@ pub struct TransferBenchConfig {
     pub reps: usize,
     /// Also move the KV device to device on the device with this ordinal (a [`BenchDevice`]).
     pub device: Option<usize>,
+    /// The host variants (TCP and shared memory) too; without, only the device rows.
+    pub host: bool,
 }
 
 impl Default for TransferBenchConfig {
     fn default() -> Self {
-        Self { tokens: vec![8192, 2048], layers: 32, kv_heads: 8, head_dim: 128, block_size: 16, reps: 3, device: None }
+        Self {
+            tokens: vec![8192, 2048],
+            layers: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            block_size: 16,
+            reps: 3,
+            device: None,
+            host: true,
+        }
     }
 }
 
@@ -586,7 +597,8 @@ pub fn run(config: &TransferBenchConfig, device: DeviceFactory<'_>) -> Result<Tr
     let memcpy = memcpy_gb_per_s();
     let mut variants: Vec<VariantReport> = Vec::new();
     let mut tcp_bulk: Vec<(usize, f64)> = Vec::new();
-    for src_layout in ["block-major", "layer-major"] {
+    let host_layouts: &[&str] = if config.host { &["block-major", "layer-major"] } else { &[] };
+    for &src_layout in host_layouts {
         let prefill = Prefill::spawn(config, src_layout, None)?;
         // Transfer ids the child offered: 64 per size, each used once.
         let mut next_id = vec![0u64; config.tokens.len()];
@@ -726,11 +738,18 @@ fn device_variants(
 /// The human-readable table.
 pub fn format_table(report: &TransferBenchReport) -> String {
     let mut out = String::new();
-    out.push_str(&format!(
-        "memcpy {:.2} GB/s; bulk TCP over loopback: {}\n",
-        report.memcpy_gb_per_s,
-        report.tcp_bulk_gb_per_s.iter().map(|(t, g)| format!("{t} tokens {g:.2} GB/s")).collect::<Vec<_>>().join(", ")
-    ));
+    if report.config.host {
+        out.push_str(&format!(
+            "memcpy {:.2} GB/s; bulk TCP over loopback: {}\n",
+            report.memcpy_gb_per_s,
+            report
+                .tcp_bulk_gb_per_s
+                .iter()
+                .map(|(t, g)| format!("{t} tokens {g:.2} GB/s"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
     if let Some((name, gbps)) = &report.device {
         out.push_str(&format!("device: {name}, device-to-device copy (cudaMemcpy) {gbps:.1} GB/s\n"));
     }
@@ -762,10 +781,12 @@ pub fn format_table(report: &TransferBenchReport) -> String {
         "vs slab",
         "vs block"
     ));
+    // A speed-up over a baseline the run did not measure (the host rows of a device-only run).
+    let times = |x: f64| if x.is_finite() { format!("{x:.1}x") } else { "-".into() };
     for v in &report.variants {
         let via = v.transport.to_string();
         out.push_str(&format!(
-            "{:>6} {:<16} {:<6} {:<26} {:>8.0} {:>9.1} {:>7.2} {:>6} {:>6} {:>7.2} {:>6.2} {:>7.1}x {:>7.1}x\n",
+            "{:>6} {:<16} {:<6} {:<26} {:>8.0} {:>9.1} {:>7.2} {:>6} {:>6} {:>7.2} {:>6.2} {:>8} {:>8}\n",
             v.tokens,
             v.variant,
             via,
@@ -777,8 +798,8 @@ pub fn format_table(report: &TransferBenchReport) -> String {
             v.runs,
             v.limit_gb_per_s,
             v.ratio_to_limit,
-            v.speedup_vs_naive_slab,
-            v.speedup_vs_naive,
+            times(v.speedup_vs_naive_slab),
+            times(v.speedup_vs_naive),
         ));
     }
     out.push_str(

@@ -37,11 +37,13 @@ pub(crate) struct TransferArgs {
     #[arg(long)]
     json: bool,
     /// Also move the KV device to device between two processes' arenas on this GPU (CUDA VMM;
-    /// legacy CUDA IPC with `BATON_CUDA_VMM=0`),
-    /// coalesced and per slab, against the GPU's own copy bandwidth: `cuda` or `cuda:N` (a
-    /// build with the `cuda` feature).
+    /// legacy CUDA IPC with `BATON_CUDA_VMM=0`), coalesced and per slab, against the GPU's own
+    /// copy bandwidth: `cuda` or `cuda:N` (a build with the `cuda` feature).
     #[arg(long)]
     device: Option<String>,
+    /// With --device: only the device rows (the host variants of a GiB take most of a run).
+    #[arg(long, requires = "device")]
+    device_only: bool,
 }
 
 pub(crate) fn transfer(a: TransferArgs) -> anyhow::Result<()> {
@@ -52,7 +54,16 @@ pub(crate) fn transfer(a: TransferArgs) -> anyhow::Result<()> {
             baton_model::ComputeDevice::Cpu => None,
         },
     };
-    let config = TransferBenchConfig { tokens: a.tokens, reps: a.reps, device, ..TransferBenchConfig::default() };
+    if a.device_only && device.is_none() {
+        anyhow::bail!("--device-only needs a device: --device cuda[:N]");
+    }
+    let config = TransferBenchConfig {
+        tokens: a.tokens,
+        reps: a.reps,
+        device,
+        host: !a.device_only,
+        ..TransferBenchConfig::default()
+    };
     let report = run(&config, &bench_device)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
