@@ -58,6 +58,19 @@ impl Write for Wire<'_> {
     }
 }
 
+/// What of `flags` (and HUP/ERR) descriptor `fd` reports within `wait` (empty: nothing yet);
+/// `None` when the poll itself failed. A zero `wait` asks without waiting.
+pub(crate) fn poll_one(
+    fd: impl std::os::fd::AsFd,
+    flags: rustix::event::PollFlags,
+    wait: Duration,
+) -> Option<rustix::event::PollFlags> {
+    use rustix::event::{PollFd, Timespec, poll};
+    let wait = Timespec { tv_sec: wait.as_secs() as i64, tv_nsec: i64::from(wait.subsec_nanos()) };
+    let mut fds = [PollFd::new(&fd, flags)];
+    poll(&mut fds, Some(&wait)).ok().map(|_| fds[0].revents())
+}
+
 impl Conn {
     /// Wraps `stream`, bounding every read and write by `timeout`.
     pub(crate) fn new(stream: TcpStream, timeout: Duration) -> Result<Self> {
@@ -98,13 +111,9 @@ impl Conn {
     /// Whether the peer has closed its end (or the connection broke), asked without waiting:
     /// what an idle connection's owner checks before relying on it.
     pub(crate) fn peer_closed(&self) -> bool {
-        use rustix::event::{PollFd, PollFlags, Timespec, poll};
-        let mut fds = [PollFd::new(&self.stream, PollFlags::RDHUP)];
-        match poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })) {
-            Ok(0) => false,
-            Ok(_) => fds[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR),
-            Err(_) => false,
-        }
+        use rustix::event::PollFlags;
+        poll_one(&self.stream, PollFlags::RDHUP, std::time::Duration::ZERO)
+            .is_some_and(|r| r.intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR))
     }
 
     fn wire(&self) -> Wire<'_> {

@@ -77,12 +77,10 @@ impl Drop for FdShare {
 const STOP_POLL: Duration = Duration::from_millis(500);
 
 fn serve(listener: &UnixListener, fd: &OwnedFd, stop: &AtomicBool) {
-    use rustix::event::{PollFd, PollFlags, Timespec, poll};
     let uid = rustix::process::getuid();
-    let wait = Timespec { tv_sec: 0, tv_nsec: STOP_POLL.as_nanos() as i64 };
     while !stop.load(Ordering::SeqCst) {
-        let mut fds = [PollFd::new(listener, PollFlags::IN)];
-        if !matches!(poll(&mut fds, Some(&wait)), Ok(n) if n > 0) {
+        let polled = crate::conn::poll_one(listener, rustix::event::PollFlags::IN, STOP_POLL);
+        if polled.is_none_or(|r| r.is_empty()) {
             continue;
         }
         let Ok((stream, _)) = listener.accept() else { continue };

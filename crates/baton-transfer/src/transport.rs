@@ -133,15 +133,13 @@ impl Transport for ShmTransport {
 pub struct DeviceTransport {
     link: Box<dyn DeviceLink>,
     exporter: Option<ProcessWatch>,
-    outlives_exporter: bool,
 }
 
 impl DeviceTransport {
     /// Copies over `link` (this side's arena and the peer's, opened), watching process
     /// `exporter` (0: not said).
     pub fn new(link: Box<dyn DeviceLink>, exporter: u32) -> Self {
-        let outlives_exporter = link.outlives_exporter();
-        Self { link, exporter: ProcessWatch::new(exporter), outlives_exporter }
+        Self { link, exporter: ProcessWatch::new(exporter) }
     }
 
     /// Whether the exporter is known to be alive now.
@@ -167,9 +165,8 @@ impl ProcessWatch {
     /// Whether the process lives: its pidfd is not readable (it becomes so when the process
     /// exits, zombie or reaped).
     pub(crate) fn alive(&self) -> bool {
-        use rustix::event::{PollFd, PollFlags, Timespec, poll};
-        let mut fds = [PollFd::new(&self.0, PollFlags::IN)];
-        matches!(poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(0))
+        let polled = crate::conn::poll_one(&self.0, rustix::event::PollFlags::IN, std::time::Duration::ZERO);
+        polled.is_some_and(|r| r.is_empty())
     }
 }
 
@@ -182,7 +179,7 @@ impl Transport for DeviceTransport {
     /// exporter is known to have exited (whichever way the pull was opened: a transfer held
     /// open across a pause may outlive its exporter).
     fn read(&mut self, _id: TransferId, copies: &[RangeCopy], _dst: &Region) -> Result<usize> {
-        if !self.outlives_exporter && self.exporter.is_some() && !self.exporter_alive() {
+        if !self.link.outlives_exporter() && self.exporter.is_some() && !self.exporter_alive() {
             return Err(TransferError::Unavailable("the process that exported the device arena has exited"));
         }
         self.link.pull(copies)?;
@@ -190,7 +187,7 @@ impl Transport for DeviceTransport {
     }
 
     fn reads_before_answer(&self) -> bool {
-        self.outlives_exporter || self.exporter_alive()
+        self.link.outlives_exporter() || self.exporter_alive()
     }
 
     fn peer_exited(&self) -> bool {

@@ -316,9 +316,9 @@ impl TransferThread {
                     Err(_) => return,
                 }
             };
-            // Before a job (it may be for a peer that is gone) and now and then otherwise, not
-            // on every turn of a loop that polls pushes.
-            if (next.is_some() || self.reaped.elapsed() >= REAP_EVERY) && !self.reap_exited() {
+            // Now and then, not on every turn of a loop that polls pushes (a job's own peer is
+            // looked at when the job connects).
+            if self.reaped.elapsed() >= REAP_EVERY && !self.reap_exited() {
                 return;
             }
             while let Some(job) = next {
@@ -449,19 +449,30 @@ impl TransferThread {
     /// fails the rest. `false` when the engine thread is gone.
     fn reap_exited(&mut self) -> bool {
         self.reaped = Instant::now();
-        let pushing = |addr: &SocketAddr| self.pushes.iter().any(|p| p.job.source.addr == *addr);
         let gone: Vec<SocketAddr> =
-            self.clients.iter().filter(|(a, c)| !pushing(a) && c.peer_gone()).map(|(a, _)| *a).collect();
+            self.clients.iter().filter(|(a, c)| !self.pushing(**a) && c.peer_gone()).map(|(a, _)| *a).collect();
         gone.into_iter().all(|addr| {
             tracing::info!(peer = %addr, "the KV server is gone; dropping its connection");
             self.drop_client(addr, "the KV server is gone (its process exited or it closed the connection)", None)
         })
     }
 
-    /// Connects to the KV server at `addr` unless a client is there already.
+    /// Whether pushes from `addr` are pending.
+    fn pushing(&self, addr: SocketAddr) -> bool {
+        self.pushes.iter().any(|p| p.job.source.addr == addr)
+    }
+
+    /// Connects to the KV server at `addr` unless a client is there already whose server is
+    /// not gone ([`KvClient::peer_gone`]; one with pushes pending is kept, as in
+    /// [`Self::reap_exited`]): a job for a worker restarted at the same address then goes over
+    /// a fresh connection rather than fail on the old one.
     fn connect(&mut self, addr: SocketAddr) -> Result<(), String> {
-        if self.clients.contains_key(&addr) {
-            return Ok(());
+        if let Some(client) = self.clients.get(&addr) {
+            if self.pushing(addr) || !client.peer_gone() {
+                return Ok(());
+            }
+            tracing::info!(peer = %addr, "the KV server is gone; connecting afresh");
+            self.clients.remove(&addr);
         }
         let config = ClientConfig { transport: self.transport, ..self.config.clone() };
         let client = KvClient::connect(addr, config, self.local.clone())
