@@ -546,6 +546,17 @@ impl<S: Sink> Sessions<S> {
             sink.send(RequestEvent::Failed(WorkerError::WrongRole(format!("cannot import KV as {}", id.0))));
             return;
         }
+        // An import is a courtesy (PD-Caching-3's answer coming back): it starts now or not at
+        // all. Queued, it would wait for room behind the hand-offs (or, at the head, in front
+        // of them) while its exporter keeps the blocks pinned under a lease; when the exporter
+        // is the decode worker those hand-offs wait for, that is a cycle only the deadline
+        // breaks (#63: a burst stalled 10 s at a time on a 64-block arena).
+        let blocks = source.tokens.div_ceil(host.block_size());
+        if !self.queue.is_empty() || host.available_blocks() < blocks + host.running() {
+            tracing::debug!(id = id.0, "no room for KV to import now; not importing it");
+            Self::imported(&sink, tokens.len(), 0, None);
+            return;
+        }
         let req = GenerationRequest::new(id, tokens);
         let deadline = now + self.config.incoming_wait;
         let state = State::Queued {
@@ -1335,6 +1346,26 @@ mod tests {
         s.transfer_done(&mut h, job.done(Err(TransferFailure::Peer("gone".into()))));
         assert!(matches!(&sink.events.borrow()[..], [RequestEvent::Finished { received: None, .. }]));
         assert_eq!((h.imported, h.leaked()), (3, 0));
+    }
+
+    /// An import never waits for room: behind a queued hand-off, or without room now, it is
+    /// declined at once (its exporter then lets go of the blocks it leased for it), and the
+    /// queue is left as it was.
+    #[test]
+    fn an_import_without_room_now_is_declined_at_once() {
+        let (mut s, mut h) = (sessions(), FakeHost::new(4));
+        let sink = TestSink::default();
+        s.import(&mut h, Instant::now(), RequestId(3), vec![1; 8 * BS], source(8 * BS), sink.clone());
+        assert!(matches!(&sink.events.borrow()[..], [RequestEvent::Finished { received: None, .. }]));
+        assert!(s.is_empty() && !s.has_queued(), "nothing queued");
+        // A hand-off waiting for room: an import that would fit still does not jump it.
+        submit_kv(&mut s, &mut h, Instant::now(), 1, 8 * BS);
+        assert_eq!(state(&s, 1), Some("queued"));
+        let sink = TestSink::default();
+        s.import(&mut h, Instant::now(), RequestId(4), vec![1; BS], source(BS), sink.clone());
+        assert!(matches!(&sink.events.borrow()[..], [RequestEvent::Finished { received: None, .. }]));
+        assert_eq!(s.counts().queued, 1, "only the hand-off waits");
+        assert_eq!(h.leaked(), 0);
     }
 
     #[test]
