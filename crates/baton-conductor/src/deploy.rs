@@ -354,6 +354,9 @@ pub struct ConductorConfig {
     /// How long a worker's generate stream may stay silent (workers send a keep-alive every
     /// [`baton_protocol::control::KEEPALIVE`]) before the request is taken from it.
     pub worker_timeout: Duration,
+    /// How long a request may wait for decode room before it starts (`None`: no limit;
+    /// [`Conductor::with_max_queue_wait`]).
+    pub max_queue_wait: Option<Duration>,
 }
 
 /// The environment variable that delays a worker process's pushes (fault injection for
@@ -458,6 +461,7 @@ pub async fn run_conductor(
             .with_pd_caching(config.pd_caching)
             .with_kv_index(config.kv_index)
             .with_protect_metrics(config.protect_metrics)
+            .with_max_queue_wait(config.max_queue_wait)
             .with_elastic(elastic),
     );
     let mut app = conductor.clone().router();

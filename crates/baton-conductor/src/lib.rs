@@ -96,6 +96,9 @@ pub struct ServeConfig {
     /// How long a request's worker may send nothing before the conductor probes whether it is
     /// alive ([`Conductor::with_worker_silence`]).
     pub worker_silence: Duration,
+    /// How long a request may wait for decode room before it starts (`--max-queue-wait`;
+    /// `None`: no limit; [`Conductor::with_max_queue_wait`]).
+    pub max_queue_wait: Option<Duration>,
 }
 
 impl ServeConfig {
@@ -121,6 +124,7 @@ impl ServeConfig {
             emulate: None,
             emulate_link: None,
             worker_silence: conductor::WORKER_SILENCE,
+            max_queue_wait: Some(conductor::DEFAULT_MAX_QUEUE_WAIT),
         }
     }
 }
@@ -190,7 +194,7 @@ fn model_aliases(path: &std::path::Path, model_id: &str) -> Vec<String> {
 
 /// What a conductor needs of a model, without its weights: the validator (tokenizer, chat
 /// template, limits).
-pub(crate) fn load_frontend(path: &std::path::Path, model_id: Option<&str>) -> Result<openai::Validator, ServeError> {
+pub fn load_frontend(path: &std::path::Path, model_id: Option<&str>) -> Result<openai::Validator, ServeError> {
     let front = baton_model::Frontend::open(path)?;
     let model_id = model_id
         .map(str::to_owned)
@@ -294,6 +298,7 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
         .with_kv_index(config.kv_index)
         .with_protect_metrics(config.protect_metrics)
         .with_worker_silence(config.worker_silence)
+        .with_max_queue_wait(config.max_queue_wait)
         .with_elastic(elastic),
     ))
 }

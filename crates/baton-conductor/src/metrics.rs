@@ -321,6 +321,8 @@ pub struct Scrape<'a> {
     pub decode_time_us: Option<u64>,
     /// The elastic controller's (prefill, decode) pool loads, with `--elastic`.
     pub pool_loads: Option<(f64, f64)>,
+    /// Requests waiting in the conductor's admission queue for decode room.
+    pub admission_queued: usize,
 }
 
 impl Scrape<'_> {
@@ -332,7 +334,13 @@ impl Scrape<'_> {
             Ok(g)
         };
         let as_i64 = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        let queue = gauges("baton_queue_length", "Requests per worker and state.", &["worker", "role", "state"])?;
+        let queue = gauges(
+            "baton_queue_length",
+            "Requests per worker and state (worker \"conductor\", state \"admission\": waiting in the conductor's \
+             queue for decode room).",
+            &["worker", "role", "state"],
+        )?;
+        queue.with_label_values(&["conductor", "conductor", "admission"]).set(as_i64(self.admission_queued));
         let blocks = gauges("baton_kv_blocks", "KV blocks per worker, tier and state.", &["worker", "tier", "state"])?;
         for w in self.workers {
             queue.with_label_values(&[&w.name, w.role, "running"]).set(as_i64(w.running));

@@ -44,6 +44,10 @@ pub enum Decision {
         /// For the client.
         reason: String,
     },
+    /// The request would be disaggregated, but no decode worker has room for its KV now: it
+    /// waits in the conductor's admission queue for room (or is refused there, HTTP 429, when
+    /// the wait would be too long).
+    NoRoom,
     /// No worker can take it (HTTP 503).
     NoWorkers,
 }
@@ -258,9 +262,7 @@ impl RoutePolicy for LeastLoad {
         }
         let room = |i: &usize| *i == prefill || decode_has_room(&workers[*i], request.prompt.len());
         if !decodes().any(|i| room(&i)) {
-            return Decision::Reject {
-                reason: "no decode worker has room for the request's KV now; retry later".to_owned(),
-            };
+            return Decision::NoRoom;
         }
         // Among decode workers, ties on requests in flight go to the one with the least KV bound
         // to it by requests still in prefill: a simultaneous burst finds every decode worker at
@@ -410,16 +412,14 @@ mod tests {
     }
 
     #[test]
-    fn a_decode_worker_without_room_is_not_chosen_and_none_means_429() {
+    fn a_decode_worker_without_room_is_not_chosen_and_none_means_no_room() {
         let r = RouteRequest { prompt: &[1; 100], max_tokens: 10, session: None };
         let busy = with_room(1, Role::Decode, 0, 1000, 950);
         let idle = with_room(2, Role::Decode, 3, 1000, 300);
         let workers = [view(0, Role::Prefill, 0), busy.clone(), idle];
         assert_eq!(route(LeastLoad::default(), &workers, &r), Decision::Disaggregated { prefill: 0, decode: 2 });
         let workers = [view(0, Role::Prefill, 0), busy];
-        assert!(
-            matches!(route(LeastLoad::default(), &workers, &r), Decision::Reject { reason } if reason.contains("room"))
-        );
+        assert!(matches!(route(LeastLoad::default(), &workers, &r), Decision::NoRoom));
     }
 
     #[test]

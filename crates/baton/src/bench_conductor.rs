@@ -102,6 +102,7 @@ pub(crate) fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             tls: None,
             tls_ca: None,
             worker_timeout: baton_conductor::remote::STREAM_IDLE_TIMEOUT,
+            max_queue_wait: Some(baton_conductor::conductor::DEFAULT_MAX_QUEUE_WAIT),
         };
         tokio::spawn(run_conductor(conductor, conductor_listener, std::future::pending()));
         let worker = WorkerConfig {

@@ -301,6 +301,7 @@ pub(crate) fn conductor(a: ConductorArgs) -> anyhow::Result<()> {
         tls: a.tls.files(),
         tls_ca: a.tls_ca,
         worker_timeout: Duration::from_secs_f64(a.worker_timeout_s),
+        max_queue_wait: a.routing.max_queue_wait(),
     };
     let addr = SocketAddr::new(a.host, a.port);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -206,6 +206,12 @@ pub(crate) struct RoutingFlags {
     /// With `simple`: requests in flight per worker before new ones are answered 429.
     #[arg(long)]
     max_in_flight: Option<usize>,
+    /// Longest a request waits in the conductor's queue for decode room before it starts, in
+    /// seconds (0: no limit, as vLLM queues). A request predicted to wait longer, or still
+    /// waiting then, is answered 429 with Retry-After before its stream starts. With
+    /// --slo-ttft-ms, that SLO is the limit instead.
+    #[arg(long, default_value_t = baton_conductor::conductor::DEFAULT_MAX_QUEUE_WAIT.as_secs_f64(), value_name = "SECONDS", value_parser = queue_wait)]
+    max_queue_wait: f64,
     /// With a baton-sched policy: admission control (none, baseline, early, predictive);
     /// rejected requests are answered 429.
     #[arg(long, default_value = "none")]
@@ -346,6 +352,15 @@ impl RoutingFlags {
         }
     }
 
+    /// How long a request may wait for decode room: --slo-ttft-ms where given, else
+    /// --max-queue-wait (`None` for 0: no limit).
+    pub(crate) fn max_queue_wait(&self) -> Option<std::time::Duration> {
+        match self.slo_ttft_ms {
+            Some(ms) => Some(std::time::Duration::from_millis(ms)),
+            None => (self.max_queue_wait > 0.0).then(|| std::time::Duration::from_secs_f64(self.max_queue_wait)),
+        }
+    }
+
     /// Admission's SLOs: the flags', or 10 s and 1 s.
     fn admission_slo(&self) -> baton_sched::Slo {
         baton_sched::Slo {
@@ -412,5 +427,13 @@ impl RoutingFlags {
             decode_affinity: self.pd_caching() >= baton_protocol::wire::PdCaching::Decode,
             conditional_tokens: (self.conditional_disagg_tokens > 0).then_some(self.conditional_disagg_tokens),
         })
+    }
+}
+
+/// A --max-queue-wait: seconds, 0 or more.
+fn queue_wait(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds, 0 or more")),
     }
 }

@@ -153,6 +153,7 @@ pub(super) async fn metrics(State(c): State<Arc<Conductor>>, headers: HeaderMap)
         index: &index,
         decode_time_us: c.loads().decode_time.get(),
         pool_loads,
+        admission_queued: c.queued(),
     };
     let text = c.metrics.render(&scrape);
     ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()

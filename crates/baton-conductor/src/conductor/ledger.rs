@@ -14,17 +14,23 @@ pub(super) struct Loads {
     pub(super) prefill: HashMap<String, HashMap<u64, (u64, usize)>>,
     /// Worker → request → (decode start, µs; context tokens).
     pub(super) decode: HashMap<String, HashMap<u64, (u64, usize)>>,
-    /// Request → its decode worker: admitted to a decode worker but not yet decoding there (in
-    /// prefill, or handing over), kept by a [`Binding`].
-    bound: HashMap<u64, String>,
+    /// Request → (its decode worker, when it was bound, µs): admitted to a decode worker but not
+    /// yet decoding there (in prefill, or handing over), kept by a [`Binding`].
+    bound: HashMap<u64, (String, u64)>,
     /// Worker → request → KV tokens, for the requests in `bound`: counted against the worker's
     /// room, so a burst cannot be admitted all at once against the same free blocks, and as
     /// sequences coming to it, so a burst does not pile onto one decode worker before its load
     /// reports show them. Kept per worker: a snapshot reads it per worker on every routing
     /// decision (no walk over every request in flight).
     bound_on: HashMap<String, HashMap<u64, usize>>,
+    /// Request → when it was bound, µs, for requests that were bound and now decode: the start
+    /// of their hold on decode room.
+    held_since: HashMap<u64, u64>,
     /// How long requests stay on their decode worker (predictive admission's `t_d`).
     pub(super) decode_time: MovingMean,
+    /// How long a request holds decode room, from its admission (binding) to the end of its
+    /// decode: what the admission queue predicts waits with.
+    pub(super) hold_time: MovingMean,
 }
 
 impl Loads {
@@ -38,23 +44,43 @@ impl Loads {
         self.bound_on.get(name).map_or(0, |b| b.values().sum())
     }
 
-    /// Binds `tokens` of request `id` to decode worker `worker`.
-    pub(super) fn bind(&mut self, id: u64, worker: &str, tokens: usize) {
+    /// Binds `tokens` of request `id` to decode worker `worker` at `now` (µs).
+    pub(super) fn bind(&mut self, id: u64, worker: &str, tokens: usize, now: u64) {
         self.unbind(id);
         self.bound_on.entry(worker.to_owned()).or_default().insert(id, tokens);
-        self.bound.insert(id, worker.to_owned());
+        self.bound.insert(id, (worker.to_owned(), now));
     }
 
-    /// Ends request `id`'s binding, if it has one.
-    pub(super) fn unbind(&mut self, id: u64) {
-        if let Some(worker) = self.bound.remove(&id)
-            && let Some(on) = self.bound_on.get_mut(&worker)
-        {
+    /// Ends request `id`'s binding, if it has one; when it was bound.
+    pub(super) fn unbind(&mut self, id: u64) -> Option<u64> {
+        let (worker, since) = self.bound.remove(&id)?;
+        if let Some(on) = self.bound_on.get_mut(&worker) {
             on.remove(&id);
             if on.is_empty() {
                 self.bound_on.remove(&worker);
             }
         }
+        Some(since)
+    }
+
+    /// Decode worker `name`'s pool as the admission queue predicts with: its capacity and
+    /// what holds room there, each with its predicted end (its start plus the measured hold;
+    /// `hold` 0 while unmeasured).
+    pub(super) fn decode_pool(&self, name: &str, capacity: usize, hold: u64) -> super::queue::DecodePool {
+        let mut held: Vec<(u64, usize)> = Vec::new();
+        if let Some(decoding) = self.decode.get(name) {
+            held.extend(
+                decoding
+                    .iter()
+                    .map(|(id, &(began, tokens))| (self.held_since.get(id).copied().unwrap_or(began) + hold, tokens)),
+            );
+        }
+        if let Some(bound) = self.bound_on.get(name) {
+            held.extend(
+                bound.iter().map(|(id, &tokens)| (self.bound.get(id).map_or(0, |&(_, since)| since) + hold, tokens)),
+            );
+        }
+        super::queue::DecodePool { capacity, held }
     }
 }
 
@@ -106,7 +132,10 @@ pub(crate) struct Binding {
 
 impl Drop for Binding {
     fn drop(&mut self) {
-        self.conductor.loads().unbind(self.id);
+        let freed = self.conductor.loads().unbind(self.id).is_some();
+        if freed {
+            self.conductor.queue.wake();
+        }
     }
 }
 
@@ -115,10 +144,17 @@ impl Drop for Tracked {
         let mut loads = self.conductor.loads();
         if self.decode {
             let began = loads.decode.get_mut(&self.worker).and_then(|r| r.remove(&self.id));
+            let held_since = loads.held_since.remove(&self.id);
             if let Some((began, _)) = began {
-                let mean = loads.decode_time.observe(self.conductor.now_us().saturating_sub(began));
+                let now = self.conductor.now_us();
+                let mean = loads.decode_time.observe(now.saturating_sub(began));
+                if let Some(since) = held_since {
+                    loads.hold_time.observe(now.saturating_sub(since));
+                }
                 drop(loads);
                 self.conductor.policy.decode_time(mean);
+                // Decode room was freed: the head of the admission queue may start.
+                self.conductor.queue.wake();
             }
         } else {
             loads.prefill.get_mut(&self.worker).map(|r| r.remove(&self.id));
@@ -163,8 +199,11 @@ impl Conductor {
         let mut loads = self.loads();
         let name = worker.name().to_owned();
         if decode {
-            // Decoding, the request's context counts here: its admission claim is over.
-            loads.unbind(id.0);
+            // Decoding, the request's context counts here: its admission claim is over, and its
+            // hold on decode room goes on from when it was bound.
+            if let Some(since) = loads.unbind(id.0) {
+                loads.held_since.insert(id.0, since);
+            }
             loads.decode.entry(name.clone()).or_default().insert(id.0, (now, tokens));
         } else {
             loads.prefill.entry(name.clone()).or_default().insert(id.0, (now, tokens));
@@ -172,26 +211,20 @@ impl Conductor {
         Tracked { conductor: Arc::clone(self), worker: name, id: id.0, decode }
     }
 
-    /// Claims room for `tokens` of KV on decode worker `decode` for request `id`, or refuses
-    /// (429) when what decodes there and what is already bound to it leave no room. Checked and
-    /// claimed under one lock: concurrent admissions see each other's claims, so a burst is
-    /// admitted only as far as the decode pool can hold it (the policy's check saw a snapshot).
-    pub(super) fn bind(
-        self: &Arc<Self>,
-        decode: &dyn Worker,
-        id: RequestId,
-        tokens: usize,
-    ) -> Result<Binding, ApiError> {
+    /// Claims room for `tokens` of KV on decode worker `decode` for request `id`, or finds none
+    /// when what decodes there and what is already bound to it leave no room (the request
+    /// waits in the admission queue). Checked and claimed under one lock: concurrent admissions
+    /// see each other's claims, so a burst starts only as far as the decode pool can hold it
+    /// (the policy's check saw a snapshot).
+    pub(super) fn bind(self: &Arc<Self>, decode: &dyn Worker, id: RequestId, tokens: usize) -> Result<Binding, NoRoom> {
         let capacity = decode.capacity_blocks() * decode.block_tokens();
         let mut loads = self.loads();
         let decoding: usize = loads.decode.get(decode.name()).map_or(0, |r| r.values().map(|&(_, t)| t).sum());
         if !crate::routing::room_for(capacity, decoding + loads.bound_tokens(decode.name()), tokens) {
-            return Err(ApiError::Overloaded {
-                message: "no decode worker has room for the request's KV now; retry later".into(),
-                retry_after_s: 1,
-            });
+            return Err(NoRoom);
         }
-        loads.bind(id.0, decode.name(), tokens);
+        let now = self.now_us();
+        loads.bind(id.0, decode.name(), tokens, now);
         Ok(Binding { conductor: Arc::clone(self), id: id.0 })
     }
 }

@@ -76,12 +76,15 @@ const SWITCH_DEADLINE: Duration = Duration::from_secs(5);
 mod api;
 mod choice;
 mod ledger;
+mod queue;
 
 pub use api::REQUEST_ID_HEADER;
 use api::{first_request_id, request_id_of};
 use choice::ChoiceHost;
 pub(crate) use ledger::Tracked;
 use ledger::{Binding, Loads};
+use queue::{AdmissionQueue, Prediction};
+pub use queue::{DEFAULT_MAX_QUEUE_WAIT, MAX_QUEUED};
 
 type Workers = Vec<Arc<dyn Worker>>;
 type Route = life::Route<Arc<dyn Worker>>;
@@ -127,6 +130,53 @@ pub struct Conductor {
     elastic_running: AtomicBool,
     /// How long a request's worker may be silent before it is probed ([`WORKER_SILENCE`]).
     worker_silence: Duration,
+    /// Requests waiting for decode room before they start.
+    queue: Arc<AdmissionQueue>,
+    /// How long a request may wait there (`None`: no limit).
+    max_queue_wait: Option<Duration>,
+}
+
+/// No decode worker has room for a request's KV now: it may wait for room in the admission
+/// queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct NoRoom;
+
+/// Why a request was not routed.
+#[derive(Debug)]
+enum Refused {
+    /// No decode worker has room for it now.
+    NoRoom,
+    /// Refused for good (an error for the client).
+    Api(ApiError),
+}
+
+impl From<ApiError> for Refused {
+    fn from(e: ApiError) -> Self {
+        Self::Api(e)
+    }
+}
+
+impl From<NoRoom> for Refused {
+    fn from(_: NoRoom) -> Self {
+        Self::NoRoom
+    }
+}
+
+impl From<Refused> for ApiError {
+    fn from(r: Refused) -> Self {
+        match r {
+            Refused::NoRoom => no_room(1),
+            Refused::Api(e) => e,
+        }
+    }
+}
+
+/// The 429 of a request no decode worker has room for, retried after `retry_after_s`.
+fn no_room(retry_after_s: u64) -> ApiError {
+    ApiError::Overloaded {
+        message: "no decode worker has room for the request's KV now; retry later".into(),
+        retry_after_s: retry_after_s.max(1),
+    }
 }
 
 impl std::fmt::Debug for Conductor {
@@ -169,7 +219,19 @@ impl Conductor {
             elastic_wake: Arc::new(tokio::sync::Notify::new()),
             elastic_running: AtomicBool::new(false),
             worker_silence: WORKER_SILENCE,
+            queue: Arc::new(AdmissionQueue::default()),
+            max_queue_wait: Some(DEFAULT_MAX_QUEUE_WAIT),
         }
+    }
+
+    /// How long a request may wait for decode room before it starts (`None`: as long as it
+    /// takes, as vLLM queues); one predicted to wait longer is refused at once (429 with
+    /// `Retry-After`), one still waiting when it passes is refused then, before its stream
+    /// starts. Default [`DEFAULT_MAX_QUEUE_WAIT`].
+    #[must_use]
+    pub fn with_max_queue_wait(mut self, wait: Option<Duration>) -> Self {
+        self.max_queue_wait = wait;
+        self
     }
 
     /// How long a request's worker may send nothing before the conductor probes it (its stats,
@@ -443,17 +505,19 @@ impl Conductor {
     /// prefill is spent ([`decode_has_room`]); a request that has started (its decode half handed
     /// on) is not refused: the decode worker queues it, or recomputes.
     fn route(&self, valid: &ValidRequest, excluded: &[String], admit: bool) -> Result<Route, ApiError> {
-        self.plan(valid, excluded, admit).map(|(route, _)| route)
+        self.plan(valid, excluded, admit).map(|(route, _)| route).map_err(ApiError::from)
     }
 
     /// [`Self::route`], with the fetch of a cached prefix from another worker that the policy
-    /// planned for the prompt's worker, if any.
+    /// planned for the prompt's worker, if any; [`Refused::NoRoom`] where no decode worker has
+    /// room for the request now (the policy's [`Decision::NoRoom`], or, with `admit`, the
+    /// room check of its decode worker).
     fn plan(
         &self,
         valid: &ValidRequest,
         excluded: &[String],
         admit: bool,
-    ) -> Result<(Route, Option<PlannedFetch>), ApiError> {
+    ) -> Result<(Route, Option<PlannedFetch>), Refused> {
         let config = &self.snapshot_config;
         let (workers, loads, now) = self.snapshot(excluded, &config.cost);
         let session = valid.session.as_deref().map(crate::routing::session_id);
@@ -509,10 +573,8 @@ impl Conductor {
         };
         let route = match plan.decision {
             Decision::Colocated(w) => Ok(Route::Colocated(workers[w].clone())),
-            Decision::Disaggregated { .. } if admit && !room => Err(ApiError::Overloaded {
-                message: "no decode worker has room for the request's KV now; retry later".into(),
-                retry_after_s: 1,
-            }),
+            Decision::Disaggregated { .. } if admit && !room => Err(Refused::NoRoom),
+            Decision::NoRoom => Err(Refused::NoRoom),
             Decision::Disaggregated { prefill, decode }
                 if !baton_protocol::kv_exchangeable(&*workers[prefill], &*workers[decode]) =>
             {
@@ -531,8 +593,8 @@ impl Conductor {
             Decision::Disaggregated { prefill, decode } => {
                 Ok(Route::Disaggregated { prefill: workers[prefill].clone(), decode: workers[decode].clone() })
             }
-            Decision::Reject { reason } => Err(ApiError::Overloaded { message: reason, retry_after_s: 1 }),
-            Decision::NoWorkers => Err(ApiError::Unavailable("no worker is available".into())),
+            Decision::Reject { reason } => Err(ApiError::Overloaded { message: reason, retry_after_s: 1 }.into()),
+            Decision::NoWorkers => Err(ApiError::Unavailable("no worker is available".into()).into()),
         };
         // A cached prefix is fetched only from a worker whose KV the prompt's worker can take.
         let fetch = plan
@@ -553,6 +615,119 @@ impl Conductor {
             tracing::debug!(prefill, decode, fetch_from, fetch_tokens = fetch.as_ref().map(|f| f.tokens), "routed");
         }
         route.map(|r| (r, fetch))
+    }
+
+    /// Starts a request that has not started: routes it and claims its decode room, or, when no
+    /// decode worker has room for it now, waits for room in the admission queue (first come,
+    /// first served: only the head tries to start) as long as its predicted wait is within
+    /// [`Self::with_max_queue_wait`]'s limit. Refused (429 with `Retry-After`) when its KV fits
+    /// no decode worker, when its predicted wait is over the limit (at arrival or as it waits),
+    /// when the queue is full, or when the limit passes while it waits; nothing of it has been
+    /// sent to a worker or to the client then. A client that goes away drops this future, and
+    /// with it the request's place in the queue.
+    async fn admit(
+        self: &Arc<Self>,
+        valid: &ValidRequest,
+        id: RequestId,
+    ) -> Result<(Route, Option<PlannedFetch>, Option<Binding>), ApiError> {
+        /// How often a waiting request's wait is predicted again.
+        const REPREDICT: Duration = Duration::from_secs(1);
+        let tokens = valid.prompt_ids.len() * valid.n;
+        let arrived = Instant::now();
+        let mut ticket: Option<queue::Ticket> = None;
+        let mut predicted_at: Option<Instant> = None;
+        loop {
+            let turn = ticket.as_ref().map_or_else(|| self.queue.is_empty(), queue::Ticket::is_head);
+            if turn {
+                match self.start(valid, id, tokens) {
+                    // The ticket drops here: the next in the queue may try.
+                    Ok(started) => return Ok(started),
+                    Err(Refused::Api(e)) => return Err(e),
+                    Err(Refused::NoRoom) => {}
+                }
+            }
+            let waited = arrived.elapsed();
+            if predicted_at.is_none_or(|at| at.elapsed() >= REPREDICT) {
+                predicted_at = Some(Instant::now());
+                match self.predict_wait(ticket.as_ref(), tokens) {
+                    Prediction::Never => {
+                        return Err(ApiError::Overloaded {
+                            message: format!(
+                                "the request's KV ({tokens} tokens) does not fit any decode worker's pool, even \
+                                 empty; shorten the prompt, or add decode workers with more KV blocks"
+                            ),
+                            retry_after_s: 60,
+                        });
+                    }
+                    Prediction::After(us) => {
+                        if self.max_queue_wait.is_some_and(|limit| waited + Duration::from_micros(us) > limit) {
+                            tracing::debug!(predicted_s = us as f64 / 1e6, "refused: predicted wait over the limit");
+                            return Err(no_room(us.div_ceil(1_000_000)));
+                        }
+                    }
+                    Prediction::Unknown => {}
+                }
+            }
+            let left = self.max_queue_wait.map(|limit| limit.saturating_sub(waited));
+            if left == Some(Duration::ZERO) {
+                let retry = match self.predict_wait(ticket.as_ref(), tokens) {
+                    Prediction::After(us) => us.div_ceil(1_000_000),
+                    _ => 1,
+                };
+                return Err(no_room(retry));
+            }
+            let ticket = match &ticket {
+                Some(t) => t,
+                None => ticket.insert(self.queue.join(tokens).map_err(|queue::Full| ApiError::Overloaded {
+                    message: format!("{MAX_QUEUED} requests are waiting already; retry later"),
+                    retry_after_s: 1,
+                })?),
+            };
+            // Wake to try (as the head), to predict again, or at the limit.
+            let wait = left.unwrap_or(REPREDICT).min(REPREDICT);
+            self.queue.changed(ticket, wait).await;
+        }
+    }
+
+    /// Routes a request and claims its decode room: [`Self::plan`], then [`Self::bind`].
+    fn start(
+        self: &Arc<Self>,
+        valid: &ValidRequest,
+        id: RequestId,
+        tokens: usize,
+    ) -> Result<(Route, Option<PlannedFetch>, Option<Binding>), Refused> {
+        let (route, fetch) = self.plan(valid, &[], true)?;
+        let binding = match &route {
+            Route::Disaggregated { decode, .. } => Some(self.bind(decode.as_ref(), id, tokens)?),
+            Route::Colocated(_) => None,
+        };
+        Ok((route, fetch, binding))
+    }
+
+    /// How long a request needing `tokens` of decode room is predicted to wait for it, behind
+    /// the requests ahead of `ticket` (all those waiting, for `None`), over the decode workers
+    /// in routing (see [`queue::predict_wait`]).
+    fn predict_wait(&self, ticket: Option<&queue::Ticket>, tokens: usize) -> Prediction {
+        let ahead = self.queue.ahead(ticket);
+        let tripped: Vec<String> = self.tripped().keys().cloned().collect();
+        let workers: Workers = self
+            .workers()
+            .into_iter()
+            .filter(|w| w.role() != crate::Role::Prefill && !tripped.iter().any(|t| t == w.name()))
+            .collect();
+        let loads = self.loads();
+        let hold = loads.hold_time.get();
+        let pools: Vec<queue::DecodePool> = workers
+            .iter()
+            .map(|w| loads.decode_pool(w.name(), w.capacity_blocks() * w.block_tokens(), hold.unwrap_or(0)))
+            .collect();
+        drop(loads);
+        queue::predict_wait(self.now_us(), &pools, &ahead, tokens, hold)
+    }
+
+    /// Requests waiting in the admission queue now.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
     }
 
     /// Validates a body into a request on a tokenizer worker (a blocking thread): tokenising a
@@ -608,22 +783,13 @@ impl Conductor {
                 return e.into_response();
             }
         };
-        let planned = self.plan(&valid, &[], true);
-        if self.elastic.is_some() {
-            self.elastic_wake.notify_one();
-        }
         // One id per choice (workers and transfers need distinct ones); the first names the
         // response.
         let id = RequestId(self.next_id.fetch_add(valid.n as u64, Ordering::Relaxed));
-        let admitted = planned.and_then(|(route, fetch)| {
-            let binding = match &route {
-                Route::Disaggregated { decode, .. } => {
-                    Some(self.bind(decode.as_ref(), id, valid.prompt_ids.len() * valid.n)?)
-                }
-                Route::Colocated(_) => None,
-            };
-            Ok((route, fetch, binding))
-        });
+        let admitted = self.admit(&valid, id).await;
+        if self.elastic.is_some() {
+            self.elastic_wake.notify_one();
+        }
         let (route, fetch, binding) = match admitted {
             Ok(r) => r,
             Err(e) => {
