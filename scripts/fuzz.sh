@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fuzzes what hostile peers and clients can send Baton (issue #19): the KV transfer frame
 # decoder, the control plane's messages (work requests, event lines, state stream, the cluster
-# proof header, --registry values), the OpenAI request parser and the GGUF reader. Each target
+# proof header, --registry values), the binary state stream's decoder (frames and chunked
+# streams), the OpenAI request parser and the GGUF reader. Each target
 # runs for MINUTES under libFuzzer with AddressSanitizer (cargo-fuzz, nightly toolchain); the
 # table at the end gives executions, corpus size and crashes per target. A crash leaves its
 # input under fuzz/artifacts/TARGET/ (replay: cargo +nightly fuzz run TARGET FILE).
@@ -17,7 +18,7 @@ cd "$repo_root"
 minutes="${MINUTES:-10}"
 jobs="${JOBS:-1}"
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(transfer_frame control_messages openai_request gguf_reader)
+[[ ${#targets[@]} -gt 0 ]] || targets=(transfer_frame control_messages state_stream openai_request gguf_reader)
 
 info() { echo "fuzz: $*" >&2; }
 die() { echo "fuzz: error: $*" >&2; exit 1; }

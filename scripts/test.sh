@@ -28,6 +28,12 @@ if [ -n "$nvrtc_dir" ]; then
     export BATON_REQUIRE_NVRTC=1
 fi
 
+# The fuzz targets (a crate of their own, outside the workspace: cargo-fuzz builds them with
+# nightly and sanitizers) are type-checked here with the stable toolchain, so a change to what
+# they call cannot leave them broken unseen until someone runs scripts/fuzz.sh.
+echo "test.sh: checking the fuzz targets (fuzz/)"
+cargo check --manifest-path fuzz/Cargo.toml --bins --target-dir target/fuzz-check --quiet
+
 # --all-features: the optional backends are part of what the tests check:
 # baton-cluster's `etcd` (the default build leaves it out because it needs protoc) and the CUDA
 # backend (`cuda`: built and its kernels compiled; it runs only where there is a GPU).
