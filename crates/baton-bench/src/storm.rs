@@ -56,6 +56,9 @@ pub struct StormTally {
     pub hung: u64,
     /// Text chunks (about one per token) of completed requests.
     pub tokens: u64,
+    /// Completed requests whose first token came within the storm's deadline
+    /// ([`StormTally::add_within`]).
+    pub within_deadline: u64,
 }
 
 impl StormTally {
@@ -73,6 +76,15 @@ impl StormTally {
         }
     }
 
+    /// Counts one exchange, and whether it completed with its first token within `deadline`.
+    pub fn add_within(&mut self, ex: &Exchange, deadline: std::time::Duration) {
+        self.add(ex);
+        let in_time = ex.ttft_us.is_some_and(|us| u128::from(us) <= deadline.as_micros());
+        if classify(ex) == StormOutcome::Completed && in_time {
+            self.within_deadline += 1;
+        }
+    }
+
     /// Requests counted.
     pub fn total(&self) -> u64 {
         self.completed + self.refused + self.failed_before + self.failed_after + self.hung
@@ -87,7 +99,7 @@ impl StormTally {
 /// The header of [`row`]'s table.
 pub fn header() -> String {
     format!(
-        "{:>10} {:>11} {:>9} {:>8} {:>13} {:>12} {:>6} {:>9} {:>10}",
+        "{:>10} {:>11} {:>9} {:>8} {:>13} {:>12} {:>6} {:>10} {:>10} {:>9} {:>10}",
         "kv_blocks",
         "concurrency",
         "completed",
@@ -95,23 +107,70 @@ pub fn header() -> String {
         "failed_before",
         "failed_after",
         "hung",
+        "ttft<=dl",
+        "solo_equal",
         "wall_s",
         "tokens/s"
     )
 }
 
 /// One line of the table: a storm of `concurrency` requests on a server of `kv_blocks` blocks
-/// (0: unknown) that took `wall_s` seconds.
-pub fn row(kv_blocks: usize, concurrency: usize, t: &StormTally, wall_s: f64) -> String {
+/// (0: unknown) that took `wall_s` seconds; `solo` is how many completed texts equal the same
+/// request's run alone, of how many were compared (`None`: not compared).
+pub fn row(kv_blocks: usize, concurrency: usize, t: &StormTally, solo: Option<(u64, u64)>, wall_s: f64) -> String {
     let mut out = String::new();
     let rate = if wall_s > 0.0 { t.tokens as f64 / wall_s } else { 0.0 };
     let blocks = if kv_blocks == 0 { "-".to_owned() } else { kv_blocks.to_string() };
+    let solo = solo.map_or_else(|| "-".to_owned(), |(equal, of)| format!("{equal}/{of}"));
     let _ = write!(
         out,
-        "{blocks:>10} {concurrency:>11} {:>9} {:>8} {:>13} {:>12} {:>6} {wall_s:>9.1} {rate:>10.1}",
-        t.completed, t.refused, t.failed_before, t.failed_after, t.hung
+        "{blocks:>10} {concurrency:>11} {:>9} {:>8} {:>13} {:>12} {:>6} {:>10} {solo:>10} {wall_s:>9.1} {rate:>10.1}",
+        t.completed, t.refused, t.failed_before, t.failed_after, t.hung, t.within_deadline
     );
     out
+}
+
+/// Which requests a storm sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StormMix {
+    /// [`storm_request`]: short prompts, `max_tokens` each.
+    #[default]
+    Short,
+    /// [`mixed_request`]: prompts of about 11 to 1,085 tokens and 8 to 128 tokens out (#63's
+    /// overload point).
+    Mixed,
+}
+
+/// The `i`-th request of a storm of `mix`.
+pub fn request(mix: StormMix, i: usize, max_tokens: u64, model: &str) -> (Endpoint, Value) {
+    match mix {
+        StormMix::Short => storm_request(i, max_tokens, model),
+        StormMix::Mixed => mixed_request(i, model),
+    }
+}
+
+/// The storm's `i`-th request of mixed lengths: a prompt of about 11 to 1,085 tokens (a number
+/// and one short word repeated) and 8 to 128 tokens out, spread over the range by `i`; every
+/// third a chat.
+pub fn mixed_request(i: usize, model: &str) -> (Endpoint, Value) {
+    const WORDS: [&str; 5] = ["relay", "baton", "runner", "track", "lane"];
+    let words = 10 + (i * 379) % 1075;
+    let max_tokens = 8 + (i * 53) % 121;
+    let (first, rest) = (WORDS[i % WORDS.len()], WORDS[(i + 1) % WORDS.len()]);
+    let text = format!("{i}: {first}{}", format!(" {rest}").repeat(words));
+    if i % 3 == 2 {
+        (
+            Endpoint::Chat,
+            json!({"model": model, "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true}),
+        )
+    } else {
+        (
+            Endpoint::Completions,
+            json!({"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": true, "stream": true}),
+        )
+    }
 }
 
 /// The storm's `i`-th request: completions that share a long system prompt, unrelated
@@ -180,7 +239,34 @@ mod tests {
         }
         assert_eq!((t.completed, t.refused, t.failed_after, t.tokens, t.total()), (2, 1, 1, 8, 4));
         assert!(!t.is_clean());
-        assert!(row(64, 16, &t, 2.0).contains("4.0"), "8 tokens in 2 s");
+        assert!(row(64, 16, &t, None, 2.0).contains("4.0"), "8 tokens in 2 s");
+        assert!(row(64, 16, &t, Some((2, 2)), 2.0).contains("2/2"));
+    }
+
+    #[test]
+    fn a_completion_within_the_deadline_is_counted_as_such() {
+        let mut t = StormTally::default();
+        let fast = Exchange { ttft_us: Some(900_000), ..ex(Outcome::Ok, 5) };
+        let slow = Exchange { ttft_us: Some(1_100_000), ..ex(Outcome::Ok, 5) };
+        let refused = ex(Outcome::Rejected, 0);
+        for e in [&fast, &slow, &refused] {
+            t.add_within(e, std::time::Duration::from_secs(1));
+        }
+        assert_eq!((t.completed, t.within_deadline, t.refused), (2, 1, 1));
+    }
+
+    #[test]
+    fn the_mixed_storm_spans_its_lengths() {
+        let lens: Vec<(usize, u64)> = (0..300)
+            .map(|i| {
+                let (_, b) = mixed_request(i, "m");
+                let text = b["prompt"].as_str().or(b["messages"][0]["content"].as_str()).expect("text").to_owned();
+                (text.split(' ').count(), b["max_tokens"].as_u64().expect("max_tokens"))
+            })
+            .collect();
+        let (words, out): (Vec<usize>, Vec<u64>) = lens.into_iter().unzip();
+        assert!(words.iter().min() < Some(&20) && words.iter().max() > Some(&1000), "{words:?}");
+        assert!(out.iter().min() < Some(&16) && out.iter().max() > Some(&120), "{out:?}");
     }
 
     #[test]
