@@ -1914,3 +1914,134 @@ fn pd_caching_modes_across_processes_keep_the_text_and_cut_what_is_computed_and_
         assert!(c3 < c2 && m3 <= m2, "{name}: mode 3 computes only what follows the history: {seen:?}");
     }
 }
+
+/// A headless Chromium on a page, driven by `scripts/lib/headless.py` (the DevTools protocol
+/// over a pipe): each [`Browser::eval`] is one JavaScript expression's value.
+struct Browser {
+    child: Child,
+    stdin: std::process::ChildStdin,
+    answers: mpsc::Receiver<String>,
+}
+
+impl Browser {
+    /// Opens `url`, or None where there is no chromium outside CI (in CI its absence fails:
+    /// `scripts/install-deps.sh` installs it).
+    fn open(url: &str) -> Option<Browser> {
+        let found = Command::new("sh").args(["-c", "command -v chromium"]).output().is_ok_and(|o| o.status.success());
+        if !found {
+            assert!(std::env::var_os("CI").is_none(), "no chromium in CI: scripts/install-deps.sh installs it");
+            eprintln!("skipped: no chromium on PATH (scripts/install-deps.sh installs it)");
+            return None;
+        }
+        let mut child = Command::new("python3")
+            .arg(repo().join("scripts/lib/headless.py"))
+            .arg(url)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, answers) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Some(Browser { child, stdin, answers })
+    }
+
+    fn command(&mut self, line: &str) -> Value {
+        use std::io::Write;
+        writeln!(self.stdin, "{line}").unwrap();
+        let answer = self.answers.recv_timeout(Duration::from_secs(30)).expect("the browser answers");
+        serde_json::from_str(&answer).unwrap()
+    }
+
+    /// The value of `expression` in the page (null while it throws, e.g. before the page loaded).
+    fn eval(&mut self, expression: &str) -> Value {
+        self.command(&format!("eval {expression}"))["value"].clone()
+    }
+
+    /// Waits until `expression` is true in the page.
+    fn wait_for(&mut self, expression: &str, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.eval(expression) != Value::Bool(true) {
+            let page = self.eval("document.body && document.body.innerText");
+            assert!(Instant::now() < deadline, "`{expression}` did not hold within {limit:?}; the page:\n{page}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        use std::io::Write;
+        let _ = writeln!(self.stdin, "quit");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The status page (#61) in a real browser against a conductor and two worker processes: it
+/// draws both workers with their roles, and a request sent while it is open moves its counters.
+/// The page's data is behind the API key; the page takes the key from its URL's fragment.
+/// `BATON_DASHBOARD_SCREENSHOT=PATH` also writes a PNG of it (how `docs/dashboard.png` was made).
+#[test]
+fn the_status_page_in_a_browser_shows_the_workers_and_moves_with_a_request() {
+    const KEY: &str = "dashboard-key";
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--api-key", KEY]);
+    let p = worker(&dir, "prefill", &url, &[]);
+    let d = worker(&dir, "decode", &url, &[]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    // The probes deploy/k8s gives a kubelet, asked as it asks them: no key, no cluster proof.
+    for (w, role) in [(&p, "prefill"), (&d, "decode")] {
+        let live = http().get(format!("{}{}", w.url, baton_protocol::control::LIVE_PATH)).send().unwrap();
+        assert_eq!(live.status(), 200, "{role} worker's liveness probe");
+        let ready = http().get(format!("{}{}", w.url, baton_protocol::control::READY_PATH)).send().unwrap();
+        assert_eq!(ready.status(), 200, "{role} worker's readiness probe");
+        let v: Value = ready.json().unwrap();
+        assert_eq!((v["status"].as_str(), v["role"].as_str()), (Some("ready"), Some(role)), "{v}");
+    }
+
+    let state = format!("{url}/dashboard/state");
+    assert_eq!(http().get(&state).send().unwrap().status(), 401, "the page's data is behind the key");
+    let v: Value = http().get(&state).bearer_auth(KEY).send().unwrap().json().unwrap();
+    assert_eq!(v["workers"].as_array().map(Vec::len), Some(2), "{v}");
+    let page = http().get(format!("{url}/dashboard")).send().unwrap();
+    assert!(page.status().is_success() && page.text().unwrap().contains("/state"), "the page polls its state");
+
+    let Some(mut browser) = Browser::open(&format!("{url}/dashboard#key={KEY}")) else { return };
+    let rows = "document.querySelectorAll('#workers tr.worker')";
+    browser.wait_for(&format!("{rows}.length === 2"), Duration::from_secs(60));
+    let seen = browser.eval(&format!("JSON.stringify([...{rows}].map(r => [r.dataset.role, r.dataset.state]))"));
+    let mut seen: Vec<(String, String)> = serde_json::from_str(seen.as_str().unwrap()).unwrap();
+    seen.sort();
+    let expected = [("decode", "ready"), ("prefill", "ready")].map(|(r, s)| (r.to_owned(), s.to_owned()));
+    assert_eq!(seen, expected, "the page's worker rows");
+    let ok = "Number(document.getElementById('requests-ok').textContent)";
+    assert_eq!(browser.eval(ok), json!(0), "no request yet");
+    let transfers = "[...document.querySelectorAll('#transfers tbody tr')]\
+                     .reduce((n, r) => n + Number(r.children[1].textContent), 0)";
+    assert_eq!(browser.eval(transfers), json!(0), "no KV moved yet");
+
+    // A request while the page is open: the page's next polls show it, with no reload.
+    let polls = browser.eval("Number(document.body.dataset.polls)").as_f64().unwrap();
+    let answer = complete_with_key(&url, Some(KEY), "The dashboard shows", 4);
+    assert!(!text(&answer).is_empty(), "{answer}");
+    browser.wait_for(&format!("{ok} === 1"), Duration::from_secs(30));
+    browser.wait_for(&format!("{transfers} >= 1"), Duration::from_secs(30));
+    browser.wait_for("document.getElementById('ttft').textContent.includes('ms')", Duration::from_secs(30));
+    let after = browser.eval("Number(document.body.dataset.polls)").as_f64().unwrap();
+    assert!(after > polls, "the counters moved by polling ({polls} → {after} polls), not by a reload");
+    if let Some(path) = std::env::var_os("BATON_DASHBOARD_SCREENSHOT") {
+        let answer = browser.command(&format!("screenshot {} 1280 900", Path::new(&path).display()));
+        assert!(answer.get("error").is_none(), "{answer}");
+    }
+}
