@@ -2045,3 +2045,101 @@ fn the_status_page_in_a_browser_shows_the_workers_and_moves_with_a_request() {
         assert!(answer.get("error").is_none(), "{answer}");
     }
 }
+
+/// The Grafana dashboard (`deploy/grafana/baton.json`, #61) queries only what a running
+/// conductor exports: every metric each panel names is in the `/metrics` of a conductor with two
+/// workers (`--elastic`, so the pools' load is there) after a request, with every label its
+/// queries group or filter by. The one exception is a series born of an event a quiet cluster
+/// never has (a role switch): it must at least be registered, under that name and those labels,
+/// in the conductor's metrics.
+#[test]
+fn the_grafana_dashboard_queries_only_what_a_running_conductor_exports() {
+    let dashboard: Value =
+        serde_json::from_str(&std::fs::read_to_string(repo().join("deploy/grafana/baton.json")).unwrap()).unwrap();
+    let mut queries = Vec::new();
+    fn exprs(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v) {
+                        ("expr" | "definition", Value::String(s)) => out.push(s.clone()),
+                        _ => exprs(v, out),
+                    }
+                }
+            }
+            Value::Array(a) => a.iter().for_each(|v| exprs(v, out)),
+            _ => {}
+        }
+    }
+    exprs(&dashboard, &mut queries);
+    assert!(queries.len() >= 20, "only {} queries found in the dashboard", queries.len());
+
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--elastic"]);
+    let _p = worker(&dir, "prefill", &url, &[]);
+    let _d = worker(&dir, "decode", &url, &[]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    complete(&url, "Grafana draws", 4);
+    let exported = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
+    // Each exported series' name, with the labels any of its samples carry.
+    let mut series: std::collections::HashMap<String, Vec<String>> = std::collections::HashMap::new();
+    for line in exported.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+        let name = line.split(['{', ' ']).next().unwrap().to_owned();
+        let labels = series.entry(name).or_default();
+        if let Some(inner) = line.split_once('{').and_then(|(_, r)| r.split_once('}')).map(|(l, _)| l) {
+            for pair in inner.split("\",") {
+                let key = pair.split('=').next().unwrap().trim_matches(',').to_owned();
+                if !labels.contains(&key) {
+                    labels.push(key);
+                }
+            }
+        }
+    }
+    let registered = include_str!("../../baton-conductor/src/metrics.rs");
+    let born_of_events = [("baton_role_switches_total", "&[\"from\", \"to\"]")];
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for query in &queries {
+        let names: Vec<&str> = query
+            .match_indices("baton_")
+            .map(|(i, _)| {
+                let rest = &query[i..];
+                &rest[..rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len())]
+            })
+            .collect();
+        // The labels a query groups by or filters on.
+        let mut labels: Vec<String> = Vec::new();
+        for (i, _) in query.match_indices("by (") {
+            let inner = &query[i + 4..];
+            labels.extend(inner[..inner.find(')').unwrap()].split(',').map(|l| l.trim().to_owned()));
+        }
+        for (i, _) in query.match_indices('{') {
+            let inner = &query[i + 1..];
+            let inner = &inner[..inner.find('}').unwrap()];
+            labels.extend(inner.split(',').filter_map(|m| m.split(['=', '!']).next()).map(|l| l.trim().to_owned()));
+        }
+        labels.retain(|l| !l.is_empty() && l != "le");
+        for name in names {
+            checked += 1;
+            if let Some((_, label_list)) = born_of_events.iter().find(|(n, _)| *n == name) {
+                if !registered.contains(&format!("\"{name}\"")) || !registered.contains(label_list) {
+                    missing.push(format!("{name} (not registered as such in metrics.rs)"));
+                }
+                continue;
+            }
+            if !series.contains_key(name) {
+                missing.push(name.to_owned());
+            }
+        }
+        // Each label must be on at least one of the metrics the query names.
+        for label in &labels {
+            let on_some = series.iter().any(|(n, have)| query.contains(n.as_str()) && have.contains(label))
+                || born_of_events.iter().any(|(n, l)| query.contains(n) && l.contains(&format!("\"{label}\"")));
+            if !on_some {
+                missing.push(format!("label `{label}` in `{query}`"));
+            }
+        }
+    }
+    assert!(checked >= 25, "only {checked} metric names found in the dashboard's queries");
+    assert!(missing.is_empty(), "the dashboard queries what the conductor does not export: {missing:?}\n{exported}");
+}
