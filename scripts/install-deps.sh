@@ -6,11 +6,16 @@
 #   chromium           a headless browser: the conductor's status page is tested in it
 #                      (crates/baton/tests/cluster.rs, through scripts/lib/headless.py)
 #   fonts-dejavu-core  a font for that browser to draw the page's text with
+#   kubernetes-client  `kubectl`, whose `kustomize` renders deploy/k8s for crates/baton/tests/deploy.rs
+#                      (left out where a kubectl is already on PATH, from another package)
 # Nothing is done when every package is already installed; `apt-get update` runs only when
 # something is missing. Runs as root, or through sudo when that is available.
 set -euo pipefail
 
 packages=(protobuf-compiler libprotobuf-dev etcd-server chromium fonts-dejavu-core)
+if ! command -v kubectl >/dev/null 2>&1; then
+    packages+=(kubernetes-client)
+fi
 
 missing=()
 for pkg in "${packages[@]}"; do
