@@ -14,9 +14,12 @@
 #   BATON_MODELS_DIR  where the default model is (default: <repo>/.models)
 #   BATON_BIN      a baton binary to use instead of building one (into $CARGO_TARGET_DIR, or
 #                  target/, as cargo does)
-#   LLAMA_CPP_CPU  native (default: llama.cpp built for this CPU, GGML_NATIVE=ON) or avx2 (a
+#   LLAMA_CPP_CPU  native (default: llama.cpp built for this CPU, GGML_NATIVE=ON), avx2 (a
 #                  second build into .bench/venv-avx2 with AVX2, FMA and F16C and no AVX-512:
 #                  to compare AVX2 kernels on an AVX-512 machine, with BATON_DOT_KERNEL=avx2)
+#                  or noamx (into .bench/venv-noamx: AVX-512 and VNNI as native has them, AMX
+#                  off; for VMs that advertise AMX but fault on it, see llama_crashed below)
+#   CPUINFO        the file read for the CPU's flags (default: /proc/cpuinfo; the tests set it)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,12 +31,44 @@ case "${LLAMA_CPP_CPU:-native}" in
   avx2) venv="$repo_root/.bench/venv-avx2"
     cmake_args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
     cmake_args+=" -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF" ;;
-  *) echo "bench-vs-llamacpp: error: LLAMA_CPP_CPU is native or avx2, not $LLAMA_CPP_CPU" >&2; exit 1 ;;
+  noamx) venv="$repo_root/.bench/venv-noamx"
+    cmake_args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+    cmake_args+=" -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+    cmake_args+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
+  *) echo "bench-vs-llamacpp: error: LLAMA_CPP_CPU is native, avx2 or noamx, not $LLAMA_CPP_CPU" >&2; exit 1 ;;
 esac
 llama_cpp_python_version="0.3.36"
 
 info() { echo "bench-vs-llamacpp: $*" >&2; }
 die() { echo "bench-vs-llamacpp: error: $*" >&2; exit 1; }
+
+# llama.cpp died before printing its figures (status $1): say how, and why it may have. The
+# case seen: a Xeon VM that advertises AMX, where the native build's first prefill dies with a
+# general-protection fault in libggml-cpu.so (its AMX tile code; the hypervisor advertises the
+# feature without giving the guest the tiles' state), and nothing was printed.
+llama_crashed() {
+  local status=$1 how
+  if (( status > 128 )); then
+    how="was killed by SIG$(kill -l $(( status - 128 )) 2>/dev/null || echo $(( status - 128 ))) (exit status $status)"
+  else
+    how="exited with status $status"
+  fi
+  info "error: llama.cpp $how before printing its figures; there is nothing to compare Baton with."
+  local seen
+  seen="$(dmesg 2>/dev/null | grep -E 'libggml|general protection' | tail -n 2 || true)"
+  [[ -z "$seen" ]] || info "the kernel's log says: $seen"
+  if [[ "${LLAMA_CPP_CPU:-native}" == native ]] && grep -qw amx_tile "${CPUINFO:-/proc/cpuinfo}" 2>/dev/null; then
+    info "this CPU advertises AMX (amx_tile in /proc/cpuinfo), which llama.cpp's native build uses"
+    info "  for prefill in libggml-cpu.so; on a VM that advertises AMX without enabling its tile state"
+    info "  the first tile instruction faults (a general-protection fault, as seen on Xeon VMs)."
+    info "  Build llama.cpp without AMX (AVX-512 kept) and run again:"
+    info "    LLAMA_CPP_CPU=noamx $0 $model"
+    info "  or without AVX-512 too: LLAMA_CPP_CPU=avx2 (with BATON_DOT_KERNEL=avx2 for a like-for-like row)."
+  elif (( status > 128 )); then
+    info "a crash in llama.cpp's build for this CPU: LLAMA_CPP_CPU=avx2 builds a portable one."
+  fi
+  exit 1
+}
 
 [[ -f "$model" ]] || die "$model is missing: run scripts/fetch-model.sh gemma3-270m"
 
@@ -50,6 +85,7 @@ if ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
 fi
 
 info "llama.cpp ($venv): pp512 and tg$tg_tokens with $threads threads, BATON_DOT_KERNEL=${BATON_DOT_KERNEL:-}"
+llama_status=0
 llama_json="$("$venv/bin/python" - "$model" "$threads" "$tg_tokens" <<'EOF'
 import json, sys, time
 import llama_cpp
@@ -78,7 +114,10 @@ def tgen():
 pp()  # warm-up
 print(json.dumps({"pp512": max(pp() for _ in range(3)), "tg": max(tgen() for _ in range(2))}))
 EOF
-)"
+)" || llama_status=$?
+if (( llama_status != 0 )) || [[ -z "$llama_json" ]]; then
+  llama_crashed "$llama_status"
+fi
 
 baton_bin="${BATON_BIN:-}"
 if [[ -z "$baton_bin" ]]; then

@@ -3,11 +3,19 @@
 #   protobuf-compiler  `protoc`, which etcd-client's build script needs (baton-cluster)
 #   libprotobuf-dev    the well-known .proto files (google/protobuf/*.proto) protoc imports
 #   etcd-server        the `etcd` binary the etcd membership tests start on a loopback port
+#   chromium           a headless browser: the conductor's status page is tested in it
+#                      (crates/baton/tests/cluster.rs, through scripts/lib/headless.py)
+#   fonts-dejavu-core  a font for that browser to draw the page's text with
+#   kubernetes-client  `kubectl`, whose `kustomize` renders deploy/k8s for crates/baton/tests/deploy.rs
+#                      (left out where a kubectl is already on PATH, from another package)
 # Nothing is done when every package is already installed; `apt-get update` runs only when
 # something is missing. Runs as root, or through sudo when that is available.
 set -euo pipefail
 
-packages=(protobuf-compiler libprotobuf-dev etcd-server)
+packages=(protobuf-compiler libprotobuf-dev etcd-server chromium fonts-dejavu-core)
+if ! command -v kubectl >/dev/null 2>&1; then
+    packages+=(kubernetes-client)
+fi
 
 missing=()
 for pkg in "${packages[@]}"; do
@@ -40,4 +48,4 @@ DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y --no-install-reco
 
 # etcd-server's package may start a system etcd on port 2379; the tests start their own on
 # free ports, so a system one is harmless, but say where the binary is.
-echo "install-deps: protoc at $(command -v protoc), etcd at $(command -v etcd || echo '(not on PATH)')"
+echo "install-deps: protoc at $(command -v protoc), etcd at $(command -v etcd || echo '(not on PATH)'), chromium at $(command -v chromium || echo '(not on PATH)')"

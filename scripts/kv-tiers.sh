@@ -16,7 +16,7 @@
 # Emulated workers (the default, `--emulate h100`: Llama-2 70B on 8 H100s) charge each step the
 # copy of the KV it brought back from host or disk over the profile's links (200 GB/s host,
 # 6 GB/s disk; 327,680 bytes a token). EMULATE= (empty) runs Gemma 3 270M on the CPU instead:
-# set smaller CONTEXT / TURN_TOKENS / SESSIONS and a slower RATE (see the README for the values
+# set smaller CONTEXT / TURN_TOKENS / SESSIONS and a slower RATE (see docs/benchmarks/kv-tiers.md for the values
 # used).
 #
 # Usage: scripts/kv-tiers.sh

@@ -20,10 +20,11 @@
 //! exact KV index fed by their state streams, and their load reports); [`remote`] is the
 //! conductor's client of a worker's control API; [`deploy`] runs `baton worker` and `baton
 //! conductor` processes; [`routing`] is the policy seam and [`sched`] its adapter to
-//! `baton-sched`; [`elastic`] switches workers' roles; [`metrics`] renders Prometheus text. What
+//! `baton-sched`; [`elastic`] switches workers' roles; [`metrics`] renders Prometheus text and [`dashboard`] the live status page over it. What
 //! conductor and workers share is `baton-protocol`; the workers themselves are `baton-worker`.
 
 pub mod conductor;
+pub mod dashboard;
 pub mod deploy;
 pub mod elastic;
 mod life;

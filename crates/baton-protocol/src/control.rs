@@ -51,5 +51,10 @@ pub const ROLE_PATH: &str = "/worker/v1/role";
 pub const STATS_PATH: &str = "/worker/v1/stats";
 /// Path of the state stream's route.
 pub const STATE_PATH: &str = "/worker/v1/state";
+/// Path of the liveness probe (unauthenticated, no body of interest: the process serves HTTP).
+pub const LIVE_PATH: &str = "/worker/v1/live";
+/// Path of the readiness probe (unauthenticated): 200 while the worker takes work, 503 while it
+/// drains or its engine does not answer; what Kubernetes' readiness probe asks.
+pub const READY_PATH: &str = "/worker/v1/ready";
 
 pub use crate::wire::{ExportBody, ImportBody, ReleaseBody, RoleBody};

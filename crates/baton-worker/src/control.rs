@@ -1,5 +1,6 @@
 //! A worker's control API, served: the routes [`baton_protocol::control`] lists, over a
-//! [`WorkerHandle`], each request proven with the cluster secret.
+//! [`WorkerHandle`], each request proven with the cluster secret (but the liveness and readiness
+//! probes, which a kubelet asks without one).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -38,6 +39,8 @@ pub fn router(worker: WorkerHandle, secret: ClusterSecret) -> Router {
         .route(ROLE_PATH, post(role))
         .route(STATS_PATH, get(stats))
         .route(STATE_PATH, get(state_stream))
+        .route(LIVE_PATH, get(|| async { "ok" }))
+        .route(READY_PATH, get(ready))
         .with_state(ControlState { worker, secret, seen: Arc::default() })
 }
 
@@ -148,6 +151,22 @@ async fn stats(State(state): State<ControlState>, headers: HeaderMap) -> Respons
     match state.worker.stats().await {
         Some(s) => axum::Json(s).into_response(),
         None => ApiError::Unavailable("the engine did not answer in time".into()).into_response(),
+    }
+}
+
+/// The readiness probe: 200 while the worker takes work; 503 while it drains (SIGTERM: it
+/// finishes what it holds) or its engine does not answer. Unauthenticated, as a probe is; it
+/// says no more than the role and whether the worker is ready.
+async fn ready(State(state): State<ControlState>) -> Response {
+    let role = state.worker.role().as_str();
+    match state.worker.stats().await {
+        Some(s) if !s.draining => axum::Json(serde_json::json!({"status": "ready", "role": role})).into_response(),
+        Some(_) => {
+            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(serde_json::json!({"status": "draining", "role": role})))
+                .into_response()
+        }
+        None => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(serde_json::json!({"status": "engine not answering"})))
+            .into_response(),
     }
 }
 

@@ -1914,3 +1914,232 @@ fn pd_caching_modes_across_processes_keep_the_text_and_cut_what_is_computed_and_
         assert!(c3 < c2 && m3 <= m2, "{name}: mode 3 computes only what follows the history: {seen:?}");
     }
 }
+
+/// A headless Chromium on a page, driven by `scripts/lib/headless.py` (the DevTools protocol
+/// over a pipe): each [`Browser::eval`] is one JavaScript expression's value.
+struct Browser {
+    child: Child,
+    stdin: std::process::ChildStdin,
+    answers: mpsc::Receiver<String>,
+}
+
+impl Browser {
+    /// Opens `url`, or None where there is no chromium outside CI (in CI its absence fails:
+    /// `scripts/install-deps.sh` installs it).
+    fn open(url: &str) -> Option<Browser> {
+        let found = Command::new("sh").args(["-c", "command -v chromium"]).output().is_ok_and(|o| o.status.success());
+        if !found {
+            assert!(std::env::var_os("CI").is_none(), "no chromium in CI: scripts/install-deps.sh installs it");
+            eprintln!("skipped: no chromium on PATH (scripts/install-deps.sh installs it)");
+            return None;
+        }
+        let mut child = Command::new("python3")
+            .arg(repo().join("scripts/lib/headless.py"))
+            .arg(url)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, answers) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Some(Browser { child, stdin, answers })
+    }
+
+    fn command(&mut self, line: &str) -> Value {
+        use std::io::Write;
+        writeln!(self.stdin, "{line}").unwrap();
+        let answer = self.answers.recv_timeout(Duration::from_secs(30)).expect("the browser answers");
+        serde_json::from_str(&answer).unwrap()
+    }
+
+    /// The value of `expression` in the page (null while it throws, e.g. before the page loaded).
+    fn eval(&mut self, expression: &str) -> Value {
+        self.command(&format!("eval {expression}"))["value"].clone()
+    }
+
+    /// Waits until `expression` is true in the page.
+    fn wait_for(&mut self, expression: &str, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.eval(expression) != Value::Bool(true) {
+            let page = self.eval("document.body && document.body.innerText");
+            assert!(Instant::now() < deadline, "`{expression}` did not hold within {limit:?}; the page:\n{page}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        use std::io::Write;
+        let _ = writeln!(self.stdin, "quit");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The status page (#61) in a real browser against a conductor and two worker processes: it
+/// draws both workers with their roles, and a request sent while it is open moves its counters.
+/// The page's data is behind the API key; the page takes the key from its URL's fragment.
+/// `BATON_DASHBOARD_SCREENSHOT=PATH` also writes a PNG of it (how `docs/dashboard.png` was made).
+#[test]
+fn the_status_page_in_a_browser_shows_the_workers_and_moves_with_a_request() {
+    const KEY: &str = "dashboard-key";
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--api-key", KEY]);
+    let p = worker(&dir, "prefill", &url, &[]);
+    let d = worker(&dir, "decode", &url, &[]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    // The probes deploy/k8s gives a kubelet, asked as it asks them: no key, no cluster proof.
+    for (w, role) in [(&p, "prefill"), (&d, "decode")] {
+        let live = http().get(format!("{}{}", w.url, baton_protocol::control::LIVE_PATH)).send().unwrap();
+        assert_eq!(live.status(), 200, "{role} worker's liveness probe");
+        let ready = http().get(format!("{}{}", w.url, baton_protocol::control::READY_PATH)).send().unwrap();
+        assert_eq!(ready.status(), 200, "{role} worker's readiness probe");
+        let v: Value = ready.json().unwrap();
+        assert_eq!((v["status"].as_str(), v["role"].as_str()), (Some("ready"), Some(role)), "{v}");
+    }
+
+    let state = format!("{url}/dashboard/state");
+    assert_eq!(http().get(&state).send().unwrap().status(), 401, "the page's data is behind the key");
+    let v: Value = http().get(&state).bearer_auth(KEY).send().unwrap().json().unwrap();
+    assert_eq!(v["workers"].as_array().map(Vec::len), Some(2), "{v}");
+    let page = http().get(format!("{url}/dashboard")).send().unwrap();
+    assert!(page.status().is_success() && page.text().unwrap().contains("/state"), "the page polls its state");
+
+    let Some(mut browser) = Browser::open(&format!("{url}/dashboard#key={KEY}")) else { return };
+    let rows = "document.querySelectorAll('#workers tr.worker')";
+    browser.wait_for(&format!("{rows}.length === 2"), Duration::from_secs(60));
+    let seen = browser.eval(&format!("JSON.stringify([...{rows}].map(r => [r.dataset.role, r.dataset.state]))"));
+    let mut seen: Vec<(String, String)> = serde_json::from_str(seen.as_str().unwrap()).unwrap();
+    seen.sort();
+    let expected = [("decode", "ready"), ("prefill", "ready")].map(|(r, s)| (r.to_owned(), s.to_owned()));
+    assert_eq!(seen, expected, "the page's worker rows");
+    let ok = "Number(document.getElementById('requests-ok').textContent)";
+    assert_eq!(browser.eval(ok), json!(0), "no request yet");
+    let transfers = "[...document.querySelectorAll('#transfers tbody tr')]\
+                     .reduce((n, r) => n + Number(r.children[1].textContent), 0)";
+    assert_eq!(browser.eval(transfers), json!(0), "no KV moved yet");
+
+    // A request while the page is open: the page's next polls show it, with no reload.
+    let polls = browser.eval("Number(document.body.dataset.polls)").as_f64().unwrap();
+    let answer = complete_with_key(&url, Some(KEY), "The dashboard shows", 4);
+    assert!(!text(&answer).is_empty(), "{answer}");
+    browser.wait_for(&format!("{ok} === 1"), Duration::from_secs(30));
+    browser.wait_for(&format!("{transfers} >= 1"), Duration::from_secs(30));
+    browser.wait_for("document.getElementById('ttft').textContent.includes('ms')", Duration::from_secs(30));
+    let after = browser.eval("Number(document.body.dataset.polls)").as_f64().unwrap();
+    assert!(after > polls, "the counters moved by polling ({polls} → {after} polls), not by a reload");
+    if let Some(path) = std::env::var_os("BATON_DASHBOARD_SCREENSHOT") {
+        let answer = browser.command(&format!("screenshot {} 1280 900", Path::new(&path).display()));
+        assert!(answer.get("error").is_none(), "{answer}");
+    }
+}
+
+/// The Grafana dashboard (`deploy/grafana/baton.json`, #61) queries only what a running
+/// conductor exports: every metric each panel names is in the `/metrics` of a conductor with two
+/// workers (`--elastic`, so the pools' load is there) after a request, with every label its
+/// queries group or filter by. The one exception is a series born of an event a quiet cluster
+/// never has (a role switch): it must at least be registered, under that name and those labels,
+/// in the conductor's metrics.
+#[test]
+fn the_grafana_dashboard_queries_only_what_a_running_conductor_exports() {
+    let dashboard: Value =
+        serde_json::from_str(&std::fs::read_to_string(repo().join("deploy/grafana/baton.json")).unwrap()).unwrap();
+    let mut queries = Vec::new();
+    fn exprs(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v) {
+                        ("expr" | "definition", Value::String(s)) => out.push(s.clone()),
+                        _ => exprs(v, out),
+                    }
+                }
+            }
+            Value::Array(a) => a.iter().for_each(|v| exprs(v, out)),
+            _ => {}
+        }
+    }
+    exprs(&dashboard, &mut queries);
+    assert!(queries.len() >= 20, "only {} queries found in the dashboard", queries.len());
+
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--elastic"]);
+    let _p = worker(&dir, "prefill", &url, &[]);
+    let _d = worker(&dir, "decode", &url, &[]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    complete(&url, "Grafana draws", 4);
+    let exported = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
+    // Each exported series' name, with the labels any of its samples carry.
+    let mut series: std::collections::HashMap<String, Vec<String>> = std::collections::HashMap::new();
+    for line in exported.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+        let name = line.split(['{', ' ']).next().unwrap().to_owned();
+        let labels = series.entry(name).or_default();
+        if let Some(inner) = line.split_once('{').and_then(|(_, r)| r.split_once('}')).map(|(l, _)| l) {
+            for pair in inner.split("\",") {
+                let key = pair.split('=').next().unwrap().trim_matches(',').to_owned();
+                if !labels.contains(&key) {
+                    labels.push(key);
+                }
+            }
+        }
+    }
+    let registered = include_str!("../../baton-conductor/src/metrics.rs");
+    let born_of_events = [("baton_role_switches_total", "&[\"from\", \"to\"]")];
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for query in &queries {
+        let names: Vec<&str> = query
+            .match_indices("baton_")
+            .map(|(i, _)| {
+                let rest = &query[i..];
+                &rest[..rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len())]
+            })
+            .collect();
+        // The labels a query groups by or filters on.
+        let mut labels: Vec<String> = Vec::new();
+        for (i, _) in query.match_indices("by (") {
+            let inner = &query[i + 4..];
+            labels.extend(inner[..inner.find(')').unwrap()].split(',').map(|l| l.trim().to_owned()));
+        }
+        for (i, _) in query.match_indices('{') {
+            let inner = &query[i + 1..];
+            let inner = &inner[..inner.find('}').unwrap()];
+            labels.extend(inner.split(',').filter_map(|m| m.split(['=', '!']).next()).map(|l| l.trim().to_owned()));
+        }
+        labels.retain(|l| !l.is_empty() && l != "le");
+        for name in names {
+            checked += 1;
+            if let Some((_, label_list)) = born_of_events.iter().find(|(n, _)| *n == name) {
+                if !registered.contains(&format!("\"{name}\"")) || !registered.contains(label_list) {
+                    missing.push(format!("{name} (not registered as such in metrics.rs)"));
+                }
+                continue;
+            }
+            if !series.contains_key(name) {
+                missing.push(name.to_owned());
+            }
+        }
+        // Each label must be on at least one of the metrics the query names.
+        for label in &labels {
+            let on_some = series.iter().any(|(n, have)| query.contains(n.as_str()) && have.contains(label))
+                || born_of_events.iter().any(|(n, l)| query.contains(n) && l.contains(&format!("\"{label}\"")));
+            if !on_some {
+                missing.push(format!("label `{label}` in `{query}`"));
+            }
+        }
+    }
+    assert!(checked >= 25, "only {checked} metric names found in the dashboard's queries");
+    assert!(missing.is_empty(), "the dashboard queries what the conductor does not export: {missing:?}\n{exported}");
+}

@@ -12,6 +12,9 @@
 //!   and `--help` after them, so an unknown flag or a bad value fails it.
 //! - Every `--flag` the README names is in some command's `--help`, and every script it names is
 //!   in the repository.
+//! - What moved out of the README into `docs/` (#61) is held to the same two rules, and the README
+//!   stays a user's page: at most 300 lines, the run and test commands in its first 60, every
+//!   file it, ARCHITECTURE.md and `docs/` link to present.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
 use std::io::Read;
@@ -28,6 +31,39 @@ fn repo() -> PathBuf {
 
 fn readme() -> String {
     std::fs::read_to_string(repo().join("README.md")).expect("README.md")
+}
+
+/// Every Markdown file under `docs/`, with its path: the README's long forms and the benchmark
+/// results that moved out of it (#61), held to the README's rules.
+fn docs() -> Vec<(PathBuf, String)> {
+    fn walk(dir: &Path, out: &mut Vec<(PathBuf, String)>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for entry in entries {
+            let path = entry.expect("a docs/ entry").path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                out.push((path.clone(), std::fs::read_to_string(&path).expect("a docs/ file")));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&repo().join("docs"), &mut out);
+    out.sort();
+    out
+}
+
+/// The relative link targets of a Markdown text (`[text](target)`, `![alt](target)`), without
+/// any `#fragment`; web addresses left out.
+fn relative_links(md: &str) -> Vec<String> {
+    md.match_indices("](")
+        .filter_map(|(i, _)| {
+            let rest = &md[i + 2..];
+            let target = &rest[..rest.find(')')?];
+            let target = target.split('#').next().unwrap_or_default();
+            (!target.is_empty() && !target.contains("://") && !target.starts_with("mailto:")).then(|| target.to_owned())
+        })
+        .collect()
 }
 
 /// The fenced blocks tagged `sh`, in order.
@@ -228,6 +264,7 @@ fn every_inline_command_parses() {
     for entry in std::fs::read_dir(repo().join("crates")).unwrap() {
         texts.extend(std::fs::read_to_string(entry.unwrap().path().join("README.md")).ok());
     }
+    texts.extend(docs().into_iter().map(|(_, text)| text));
     for span in texts.iter().flat_map(|t| code_spans(t)) {
         let Some(args) =
             ["baton ", "cargo run --release -- ", "target/release/baton "].iter().find_map(|p| span.strip_prefix(p))
@@ -302,7 +339,8 @@ fn every_flag_and_script_the_readme_names_exists() {
         "--nocapture",
         "--lib",
     ];
-    let text = readme();
+    // The README and what moved out of it into docs/ (#61) are held to the same rule.
+    let text = std::iter::once(readme()).chain(docs().into_iter().map(|(_, text)| text)).collect::<Vec<_>>().join("\n");
     let mut missing = Vec::new();
     for (i, _) in text.match_indices("--") {
         let flag: String = text[i + 2..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
@@ -371,4 +409,37 @@ fn the_readme_command_blocks_run_as_written() {
         ran += 1;
     }
     assert!(ran >= 4 && skipped == 2, "ran {ran} blocks, skipped {skipped}: has the README's form changed?");
+}
+
+/// The README is a user's page (#61): short, the two commands a newcomer needs near the top, and
+/// every file it, ARCHITECTURE.md or docs/ links to is in the repository (so what moved to
+/// docs/ stays reachable).
+#[test]
+fn the_readme_is_a_page_a_newcomer_reads() {
+    let text = readme();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines.len() <= 300, "README.md has {} lines: the long forms belong in docs/", lines.len());
+    let top = lines[..lines.len().min(60)].join("\n");
+    for command in ["scripts/fetch-model.sh && cargo run --release -- serve", "scripts/test.sh"] {
+        assert!(top.contains(command), "the README's first 60 lines lack `{command}`");
+    }
+    let architecture = std::fs::read_to_string(repo().join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    assert!(architecture.lines().count() <= 400, "ARCHITECTURE.md is a map: keep it within 400 lines");
+    assert!(!architecture.contains("../"), "ARCHITECTURE.md cites something outside the repository");
+    let mut pages = vec![(repo().join("README.md"), text.clone()), (repo().join("ARCHITECTURE.md"), architecture)];
+    pages.extend(docs());
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for (path, md) in &pages {
+        let dir = path.parent().expect("a page's directory");
+        for target in relative_links(md) {
+            checked += 1;
+            if !dir.join(&target).exists() {
+                broken.push(format!("{} -> {target}", path.strip_prefix(repo()).unwrap_or(path).display()));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "links to files that are not there: {broken:?}");
+    assert!(checked >= 20, "only {checked} links found: has the README's form changed?");
+    assert!(text.contains("](docs/dashboard.png)"), "the README shows the status page's screenshot");
 }

@@ -16,6 +16,16 @@ impl Conductor {
             .route("/health", get(health))
             .route("/metrics", get(metrics))
             .route("/debug/kv-index", get(kv_index))
+            .route("/dashboard", get(crate::dashboard::page))
+            .route(
+                "/dashboard/state",
+                get(|State(c): State<Arc<Self>>, h: HeaderMap| async move {
+                    match c.authorize(&h) {
+                        Ok(()) => crate::dashboard::state(&c, &c.metrics).await,
+                        Err(e) => e.into_response(),
+                    }
+                }),
+            )
             .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
             .layer(axum::middleware::from_fn(request_id))
             .with_state(self)

@@ -32,7 +32,7 @@
 //! once, a chunk costing a mask, a shift and a mask and then four multiply-adds a row. It is
 //! no faster at one activation row (the kernel waits on memory either way) but SmolLM2 decodes
 //! batches of 4, 8 and 16 10–30% faster (`BATON_DOT_VNNI=1|0 baton bench engine --batches
-//! 1,4,8,16`, runs alternating; the README has the figures).
+//! 1,4,8,16`, runs alternating; docs/benchmarks/vs-llamacpp.md has the figures).
 //!
 //! Q5_0 rows are grouped the same way ([`interleave`]): a Q5_0 block is a float16
 //! scale `d`, a 32-bit mask of fifth bits and the same 16 nibble bytes as Q4_1's, value

@@ -24,7 +24,7 @@
 //! `persist_us / MAX_PACE` — except that a switch to colocated keeps what the imbalance accrued,
 //! so the pair's second step to two colocated instances follows at the next look while the
 //! same imbalance lasts (both steps are towards colocation: nothing to flap between). The
-//! default hold, 2 s, was chosen on `scripts/disagg-vs-colocated.sh emulated` (README).
+//! default hold, 2 s, was chosen on `scripts/disagg-vs-colocated.sh emulated` (docs/benchmarks/disagg-vs-colocated.md).
 //!
 //! Decode load counts the step above its floor: a decode step reads the weights once whatever
 //! the batch, so a lone request's step (5.2 ms for a 70B model on 8×H100) is no load; the load
@@ -189,7 +189,7 @@ impl Policy for LoadAware {
         // (its colocated instances prefill every prompt between their decode steps, so it sits
         // between the watermarks). Not the other way: under a prefill-heavy load the last
         // prefill instance made colocated would put long prefill chunks between every decode
-        // step of both instances, and 1P+1C measured better than 2C there (README).
+        // step of both instances, and 1P+1C measured better than 2C there (docs/benchmarks/disagg-vs-colocated.md).
         let no_single_prefill = !snap.instances.iter().any(|i| i.accepting && i.role == Role::Prefill);
         let prefill_spares = pl < self.cfg.low || (no_single_prefill && pl <= self.cfg.high);
         let direction = if dl > self.cfg.high && prefill_spares {
@@ -246,7 +246,7 @@ impl Policy for LoadAware {
         // Under a prefill-heavy load the last prefill instance stays one: made colocated it
         // would put long prefill chunks between every decode step of both instances, and 1P+1C
         // measured better than 2C there (`scripts/disagg-vs-colocated.sh emulated`, long
-        // prompts at 16 and 20 req/s: README).
+        // prompts at 16 and 20 req/s: docs/benchmarks/disagg-vs-colocated.md).
         let (from_idle, from_busy) = if decode_hot {
             (idlest_prefill(&mut single(Role::Prefill)), idlest_decode(&mut single(Role::Decode)))
         } else {
