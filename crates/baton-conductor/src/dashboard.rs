@@ -58,6 +58,8 @@ pub struct State {
     pub uptime_s: f64,
     /// The workers, by name.
     pub workers: Vec<WorkerRow>,
+    /// Requests waiting in the conductor's admission queue for decode room.
+    pub admission_queue: usize,
     /// Counters, by `metric{label="value"}` as `/metrics` names them (cumulative).
     pub counters: BTreeMap<String, f64>,
     /// Latency percentiles from `/metrics`' histograms, seconds.
@@ -133,7 +135,7 @@ const COUNTERS: &[&str] = &[
 
 async fn gather(conductor: &Conductor, metrics: &Metrics) -> State {
     let index = conductor.view().gauges();
-    let text = metrics.render(&Scrape { workers: &[], index: &[], decode_time_us: None, pool_loads: None });
+    let text = metrics.render(&Scrape::default());
     let samples = parse_exposition(&text);
     let mut workers = Vec::new();
     for w in conductor.workers() {
@@ -184,6 +186,7 @@ async fn gather(conductor: &Conductor, metrics: &Metrics) -> State {
         model: conductor.model_id().to_owned(),
         uptime_s: conductor.now_us() as f64 / 1e6,
         workers,
+        admission_queue: conductor.queued(),
         counters,
         latency: Latency {
             ttft: percentiles("baton_time_to_first_token_seconds"),
@@ -317,8 +320,7 @@ mod tests {
         m.outcome(Outcome::Rejected);
         m.prefix_cache("prefill-0", 100, 64);
         m.role_switch("prefill", "decode");
-        let samples =
-            parse_exposition(&m.render(&Scrape { workers: &[], index: &[], decode_time_us: None, pool_loads: None }));
+        let samples = parse_exposition(&m.render(&Scrape::default()));
         let value = |key: &str| samples.iter().find(|s| s.key() == key).map(|s| s.value);
         assert_eq!(value("baton_requests_total{outcome=\"ok\"}"), Some(2.0));
         assert_eq!(value("baton_requests_total{outcome=\"rejected\"}"), Some(1.0));
@@ -357,8 +359,7 @@ mod tests {
         m.ttft.observe(0.02);
         m.ttft.observe(0.2);
         m.ttft.observe(20.0);
-        let samples =
-            parse_exposition(&m.render(&Scrape { workers: &[], index: &[], decode_time_us: None, pool_loads: None }));
+        let samples = parse_exposition(&m.render(&Scrape::default()));
         let b = buckets(&samples, "baton_time_to_first_token_seconds");
         assert!(b.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1), "{b:?}");
         assert_eq!(b.last().copied(), Some((f64::INFINITY, 3.0)));
