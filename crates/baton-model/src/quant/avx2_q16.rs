@@ -140,15 +140,6 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
-/// The sum of the 8 int32 lanes of `v` (exact: the kernels' sums are far from 2³¹).
-#[target_feature(enable = "avx2")]
-#[inline]
-fn hsum_i32(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s)))
-}
-
 /// The last blocks of a row of a 32-value format (`tail`: fewer than eight, `bytes` each, in
 /// GGUF's order, `decode` giving a block's 32 integers) into `acc` (and with `with_min`, the
 /// minimums `m · Σx` into `mins`): block `first + j`'s whole int32 sum goes to lane `j` and
@@ -174,31 +165,35 @@ fn tail_blocks<const M: usize>(
     assert!(x.sum32.len() == M * nb);
     let first = nb - n;
     let (mut d, mut m) = ([0f32; 8], [0f32; 8]);
-    let mut sums = [[0i32; 8]; M];
+    // Block `j`'s int32 lanes against each activation row; zeros past the tail.
+    let mut p = [[_mm256_setzero_si256(); M]; 8];
     for (j, b) in tail.chunks_exact(bytes).enumerate() {
         let (lo, hi) = decode(b);
         d[j] = half_at(b, 0);
         if with_min {
             m[j] = half_at(b, 2);
         }
-        for (r, s) in sums.iter_mut().enumerate() {
+        for (r, p) in p[j].iter_mut().enumerate() {
             let q = &x.q[r * k + 32 * (first + j)..][..32];
             // SAFETY: `q` holds the 32 values read.
-            s[j] = hsum_i32(unsafe { _mm256_add_epi32(madd(lo, q.as_ptr()), madd(hi, q.as_ptr().add(16))) });
+            *p = unsafe { _mm256_add_epi32(madd(lo, q.as_ptr()), madd(hi, q.as_ptr().add(16))) };
         }
     }
-    // SAFETY (each load): eight floats or integers of a local array.
+    // Lane `j` the whole sum of block `j`, as a group's (integer adds: exact).
+    let sums = block_sums(p);
+    // The tail's lanes of each row's scales and sums; nothing past the row is read.
+    let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    // SAFETY (each load): eight floats of a local array.
     let (d, m) = unsafe { (_mm256_loadu_ps(d.as_ptr()), _mm256_loadu_ps(m.as_ptr())) };
     for (r, (acc, mins)) in acc.iter_mut().zip(mins.iter_mut()).enumerate() {
-        let (mut sx, mut s32) = ([0f32; 8], [0f32; 8]);
-        sx[..n].copy_from_slice(&x.scale[r * nb + first..(r + 1) * nb]);
-        s32[..n].copy_from_slice(&x.sum32[r * nb + first..(r + 1) * nb]);
-        // SAFETY: as above.
+        let at = r * nb + first;
+        // SAFETY: the masked loads read lanes `j < n` only: blocks `first + j < nb` of row
+        // `r < M`, inside the sizes asserted above.
         unsafe {
-            let sum = _mm256_cvtepi32_ps(_mm256_loadu_si256(sums[r].as_ptr().cast()));
-            *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_loadu_ps(sx.as_ptr())), *acc);
+            let sx = _mm256_maskload_ps(x.scale.as_ptr().add(at), lanes);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, sx), *acc);
             if with_min {
-                *mins = _mm256_fmadd_ps(m, _mm256_loadu_ps(s32.as_ptr()), *mins);
+                *mins = _mm256_fmadd_ps(m, _mm256_maskload_ps(x.sum32.as_ptr().add(at), lanes), *mins);
             }
         }
     }
@@ -923,51 +918,55 @@ fn tile16<const MR: usize, const MINS: bool>(
     assert!(x.q.len() >= (r0 + MR) * k && y.len() >= (MR - 1) * ldy + cols);
     let (pq, pf, pm, xq) = (p.q.as_ptr(), p.f.as_ptr(), p.mn.as_ptr(), x.q.as_ptr());
     // Per lane `b % 8` of the decode kernels' registers: the blocks' scaled sums, the
-    // minimums' parts.
-    let mut facc = [[[_mm256_setzero_ps(); 2]; MR]; 8];
-    let mut macc = [[[_mm256_setzero_ps(); 2]; MR]; 8];
-    for b in 0..blocks {
-        let mut iacc = [[_mm256_setzero_si256(); 2]; MR];
-        for t in 0..16 {
-            let pair = b * 16 + t;
-            // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values) and of rows
-            // `r0..r0 + MR` of `x`, which the asserts bound.
-            unsafe {
-                let w0 = _mm256_loadu_si256(pq.add(pair * 2 * PANEL16).cast());
-                let w1 = _mm256_loadu_si256(pq.add(pair * 2 * PANEL16 + 16).cast());
-                for (i, acc) in iacc.iter_mut().enumerate() {
-                    let xv = _mm256_set1_epi32(xq.add((r0 + i) * k + 2 * pair).cast::<i32>().read_unaligned());
-                    acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(xv, w0));
-                    acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(xv, w1));
+    // minimums' parts. A lane's blocks in turn (`b`, `b + 8`, ...), its sums in registers.
+    let mut lane_f = [[[_mm256_setzero_ps(); 2]; MR]; 8];
+    let mut lane_m = [[[_mm256_setzero_ps(); 2]; MR]; 8];
+    for lane in 0..8.min(blocks) {
+        let mut facc = [[_mm256_setzero_ps(); 2]; MR];
+        let mut macc = [[_mm256_setzero_ps(); 2]; MR];
+        for b in (lane..blocks).step_by(8) {
+            let mut iacc = [[_mm256_setzero_si256(); 2]; MR];
+            for t in 0..16 {
+                let pair = b * 16 + t;
+                // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values) and of rows
+                // `r0..r0 + MR` of `x`, which the asserts bound.
+                unsafe {
+                    let w0 = _mm256_loadu_si256(pq.add(pair * 2 * PANEL16).cast());
+                    let w1 = _mm256_loadu_si256(pq.add(pair * 2 * PANEL16 + 16).cast());
+                    for (i, acc) in iacc.iter_mut().enumerate() {
+                        let xv = _mm256_set1_epi32(xq.add((r0 + i) * k + 2 * pair).cast::<i32>().read_unaligned());
+                        acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(xv, w0));
+                        acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(xv, w1));
+                    }
                 }
             }
-        }
-        let (facc, macc) = (&mut facc[b % 8], &mut macc[b % 8]);
-        // SAFETY: block `b < k / 32` of the panel's factors and minimums and of each row's
-        // scales and sums, which the asserts bound.
-        unsafe {
-            let f = [_mm256_loadu_ps(pf.add(b * PANEL16)), _mm256_loadu_ps(pf.add(b * PANEL16 + 8))];
-            for (i, ((facc, macc), iacc)) in facc.iter_mut().zip(macc.iter_mut()).zip(&iacc).enumerate() {
-                let sx = _mm256_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + b));
-                for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
-                    *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_mul_ps(f, sx), *facc);
-                }
-                if MINS {
-                    let s = _mm256_set1_ps(*x.sum32.get_unchecked((r0 + i) * blocks + b));
-                    for (h, macc) in macc.iter_mut().enumerate() {
-                        *macc = _mm256_fmadd_ps(_mm256_loadu_ps(pm.add(b * PANEL16 + 8 * h)), s, *macc);
+            // SAFETY: block `b < k / 32` of the panel's factors and minimums and of each row's
+            // scales and sums, which the asserts bound.
+            unsafe {
+                let f = [_mm256_loadu_ps(pf.add(b * PANEL16)), _mm256_loadu_ps(pf.add(b * PANEL16 + 8))];
+                for (i, ((facc, macc), iacc)) in facc.iter_mut().zip(macc.iter_mut()).zip(&iacc).enumerate() {
+                    let sx = _mm256_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + b));
+                    for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
+                        *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_mul_ps(f, sx), *facc);
+                    }
+                    if MINS {
+                        let s = _mm256_set1_ps(*x.sum32.get_unchecked((r0 + i) * blocks + b));
+                        for (h, macc) in macc.iter_mut().enumerate() {
+                            *macc = _mm256_fmadd_ps(_mm256_loadu_ps(pm.add(b * PANEL16 + 8 * h)), s, *macc);
+                        }
                     }
                 }
             }
         }
+        (lane_f[lane], lane_m[lane]) = (facc, macc);
     }
     let mut row = [0f32; PANEL16];
     for i in 0..MR {
         for h in 0..2 {
-            let mut v = lanes_sum(&std::array::from_fn(|l| facc[l][i][h]));
+            let mut v = lanes_sum(&std::array::from_fn(|l| lane_f[l][i][h]));
             if MINS {
                 // `store`'s `sum − (0 − minimums)`.
-                let m = lanes_sum(&std::array::from_fn(|l| macc[l][i][h]));
+                let m = lanes_sum(&std::array::from_fn(|l| lane_m[l][i][h]));
                 v = _mm256_sub_ps(v, _mm256_sub_ps(_mm256_setzero_ps(), m));
             }
             // SAFETY: `row` holds the 16 floats stored.

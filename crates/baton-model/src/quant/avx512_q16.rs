@@ -420,53 +420,56 @@ fn tile16<const MR: usize, const MINS: bool>(
     let (pf, pm) = (p.f.as_ptr(), p.mn.as_ptr());
     // Each row's activations as pairs (one 32-bit broadcast each), and the panel's pairs.
     let xr: [*const i32; MR] = std::array::from_fn(|i| x.q[(r0 + i) * k..].as_ptr().cast());
-    let mut pq = p.q.as_ptr().cast::<__m512i>();
+    let pq = p.q.as_ptr().cast::<__m512i>();
     // Per lane `b % 8` of the decode kernels' registers: the blocks' scaled sums, the
-    // minimums' parts.
-    let mut facc = [[[_mm512_setzero_ps(); 2]; MR]; 8];
-    let mut macc = [[[_mm512_setzero_ps(); 2]; MR]; 8];
-    for b in 0..blocks {
-        let mut iacc = [[_mm512_setzero_si512(); 2]; MR];
-        for t in 0..16 {
-            let pair = b * 16 + t;
-            // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values, two registers a
-            // pair) and of rows `r0..r0 + MR` of `x`, which the asserts bound.
-            unsafe {
-                let (w0, w1) = (_mm512_loadu_si512(pq), _mm512_loadu_si512(pq.add(1)));
-                pq = pq.add(2);
-                for (acc, xr) in iacc.iter_mut().zip(&xr) {
-                    let xv = _mm512_set1_epi32(xr.add(pair).read_unaligned());
-                    acc[0] = _mm512_dpwssd_epi32(acc[0], xv, w0);
-                    acc[1] = _mm512_dpwssd_epi32(acc[1], xv, w1);
+    // minimums' parts. A lane's blocks in turn (`b`, `b + 8`, ...), its sums in registers.
+    let mut lane_f = [[[_mm512_setzero_ps(); 2]; MR]; 8];
+    let mut lane_m = [[[_mm512_setzero_ps(); 2]; MR]; 8];
+    for lane in 0..8.min(blocks) {
+        let mut facc = [[_mm512_setzero_ps(); 2]; MR];
+        let mut macc = [[_mm512_setzero_ps(); 2]; MR];
+        for b in (lane..blocks).step_by(8) {
+            let mut iacc = [[_mm512_setzero_si512(); 2]; MR];
+            for t in 0..16 {
+                let pair = b * 16 + t;
+                // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values, two registers
+                // a pair) and of rows `r0..r0 + MR` of `x`, which the asserts bound.
+                unsafe {
+                    let (w0, w1) = (_mm512_loadu_si512(pq.add(2 * pair)), _mm512_loadu_si512(pq.add(2 * pair + 1)));
+                    for (acc, xr) in iacc.iter_mut().zip(&xr) {
+                        let xv = _mm512_set1_epi32(xr.add(pair).read_unaligned());
+                        acc[0] = _mm512_dpwssd_epi32(acc[0], xv, w0);
+                        acc[1] = _mm512_dpwssd_epi32(acc[1], xv, w1);
+                    }
                 }
             }
-        }
-        let (facc, macc) = (&mut facc[b % 8], &mut macc[b % 8]);
-        // SAFETY: block `b < k / 32` of the panel's factors and minimums and of each row's
-        // scales and sums, which the asserts bound.
-        unsafe {
-            let f = [_mm512_loadu_ps(pf.add(b * PANEL16)), _mm512_loadu_ps(pf.add(b * PANEL16 + 16))];
-            for (i, ((facc, macc), iacc)) in facc.iter_mut().zip(macc.iter_mut()).zip(&iacc).enumerate() {
-                let sx = _mm512_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + b));
-                for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
-                    *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(f, sx), *facc);
-                }
-                if MINS {
-                    let s = _mm512_set1_ps(*x.sum32.get_unchecked((r0 + i) * blocks + b));
-                    for (h, macc) in macc.iter_mut().enumerate() {
-                        *macc = _mm512_fmadd_ps(_mm512_loadu_ps(pm.add(b * PANEL16 + 16 * h)), s, *macc);
+            // SAFETY: block `b < k / 32` of the panel's factors and minimums and of each row's
+            // scales and sums, which the asserts bound.
+            unsafe {
+                let f = [_mm512_loadu_ps(pf.add(b * PANEL16)), _mm512_loadu_ps(pf.add(b * PANEL16 + 16))];
+                for (i, ((facc, macc), iacc)) in facc.iter_mut().zip(macc.iter_mut()).zip(&iacc).enumerate() {
+                    let sx = _mm512_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + b));
+                    for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
+                        *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(f, sx), *facc);
+                    }
+                    if MINS {
+                        let s = _mm512_set1_ps(*x.sum32.get_unchecked((r0 + i) * blocks + b));
+                        for (h, macc) in macc.iter_mut().enumerate() {
+                            *macc = _mm512_fmadd_ps(_mm512_loadu_ps(pm.add(b * PANEL16 + 16 * h)), s, *macc);
+                        }
                     }
                 }
             }
         }
+        (lane_f[lane], lane_m[lane]) = (facc, macc);
     }
     for i in 0..MR {
         let row = &mut y[i * ldy..];
         for h in 0..2 {
-            let mut v = lanes_sum(&std::array::from_fn(|l| facc[l][i][h]));
+            let mut v = lanes_sum(&std::array::from_fn(|l| lane_f[l][i][h]));
             if MINS {
                 // The decode kernels' `sum − (0 − minimums)`.
-                let m = lanes_sum(&std::array::from_fn(|l| macc[l][i][h]));
+                let m = lanes_sum(&std::array::from_fn(|l| lane_m[l][i][h]));
                 v = _mm512_sub_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), m));
             }
             // SAFETY: the masks select the first `cols` floats, which the assert above shows
