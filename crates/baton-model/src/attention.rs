@@ -2,6 +2,14 @@
 //! block table, one block slab at a time, with an online softmax (no `[tokens × context]`
 //! score matrix is ever built). A 16-bit arena's blocks are widened to float32: once a layer
 //! per step when the step's rows share them (prefill), else slice by slice as each is read.
+//!
+//! A row's result does not depend on its batch: its context is always cut into the same
+//! pieces — runs of [`PIECE_BLOCKS`] blocks from the first block it sees, a function of its
+//! position and window alone — each attended with its own online softmax and merged in order
+//! ([`merge_pieces`]), whether the pieces run one after the other on one thread (many rows:
+//! prefill, big decode batches) or spread over the pool's threads (few rows, long contexts),
+//! whatever the number of threads. So the same row sums and rounds the same way alone, beside a
+//! prefill chunk, or in a decode batch of 32.
 
 use std::collections::HashMap;
 
@@ -45,8 +53,9 @@ pub(crate) fn paged_attention(
     // threads are kept awake through the step, when a few microseconds are worth sharing.
     let work = rows.iter().map(|r| r.pos + 1).sum::<usize>() * shape.num_heads * shape.head_dim;
     let tasks = rows.len() * shape.num_kv_heads;
-    // One task splits too when its context is long ([`context_pieces`]: Gemma 3's one KV head).
-    let shares = tasks > 1 || context_pieces(tasks, rows, shape.window, kv.geometry().block_size) > 1;
+    // One task shares its pieces when its context is long (Gemma 3's one KV head).
+    let block_size = kv.geometry().block_size;
+    let shares = tasks > 1 || rows.iter().any(|r| pieces_of(r.pos, shape.window, block_size) > 1);
     let parallel = shares && (work >= PARALLEL_WORK || crate::pool::threads_awake());
     attend_rows(q, rows, kv, layer, shape, widening, parallel)
 }
@@ -83,36 +92,67 @@ fn attend_rows(
         let q_start = (row * num_heads + kv_head * group) * head_dim;
         (row, kv_head, &q[q_start..q_start + group * head_dim])
     };
+    let block_size = kv.geometry().block_size;
+    let width = group * head_dim + 2 * group;
+    // Piece `piece` of a task's context into `part` (`[outputs | maxima | sums]`, see
+    // [`merge_pieces`]).
+    let attend_piece = |task: usize, piece: usize, part: &mut [f32]| {
+        let (row, kv_head, q) = of_task(task);
+        let (o, rest) = part.split_at_mut(group * head_dim);
+        let (max, denom) = rest.split_at_mut(group);
+        o.fill(0.0);
+        max.fill(f32::NEG_INFINITY);
+        denom.fill(0.0);
+        let blocks = piece_blocks(rows[row].pos, shape.window, block_size, piece);
+        attend_blocks(q, o, context(row), kv_head, shape, blocks, (max, denom));
+    };
+    // A whole task: its one piece normalized, or its pieces in turn, merged.
     let task = |(task, out): (usize, &mut [f32])| {
         let (row, kv_head, q) = of_task(task);
-        attend_group(q, out, context(row), kv_head, shape);
+        let pieces = pieces_of(rows[row].pos, shape.window, block_size);
+        if pieces == 1 {
+            attend_group(q, out, context(row), kv_head, shape);
+            return;
+        }
+        let mut parts = vec![0f32; pieces * width];
+        for (piece, part) in parts.chunks_exact_mut(width).enumerate() {
+            attend_piece(task, piece, part);
+        }
+        merge_pieces(&parts, out, group, head_dim);
     };
     let tasks = rows.len() * num_kv_heads;
-    let block_size = kv.geometry().block_size;
-    let pieces = if parallel { context_pieces(tasks, rows, shape.window, block_size) } else { 1 };
-    if pieces > 1 {
-        // Few tasks over long enough contexts (a decode step of one or two rows): each task's
-        // context in `pieces` runs of blocks, so every thread has work (SmolLM2's three kv
-        // heads on two threads would leave one thread idle half the time), merged after.
-        let width = group * head_dim + 2 * group;
-        let mut parts = vec![0f32; tasks * pieces * width];
+    // Where each task's pieces start in the list of all tasks' pieces.
+    let mut first_piece = Vec::with_capacity(tasks + 1);
+    first_piece.push(0);
+    for t in 0..tasks {
+        let row = &rows[t / num_kv_heads];
+        first_piece.push(first_piece[t] + pieces_of(row.pos, shape.window, block_size));
+    }
+    let all_pieces = first_piece[tasks];
+    if parallel && tasks < 2 * rayon::current_num_threads() && all_pieces > tasks {
+        // Few tasks over long contexts (a decode step of one or two rows): their pieces are
+        // shared between the threads (SmolLM2's three kv heads on two threads would leave one
+        // thread idle half the time), then each task's merged as on one thread.
+        let mut parts = vec![0f32; all_pieces * width];
         crate::pool::for_each_chunk(
             &mut parts,
             width,
             || (),
             |_, i, part| {
-                let (row, kv_head, q) = of_task(i / pieces);
-                let piece = i % pieces;
-                let (o, rest) = part.split_at_mut(group * head_dim);
-                let (max, denom) = rest.split_at_mut(group);
-                max.fill(f32::NEG_INFINITY);
-                let seen = seen_blocks(rows[row].pos, shape.window, block_size);
-                let blocks = seen.start + piece * seen.len() / pieces..seen.start + (piece + 1) * seen.len() / pieces;
-                attend_blocks(q, o, context(row), kv_head, shape, blocks, (max, denom));
+                let task = first_piece.partition_point(|&f| f <= i) - 1;
+                if first_piece[task + 1] - first_piece[task] > 1 {
+                    attend_piece(task, i - first_piece[task], part);
+                }
             },
         );
         for (t, out) in out.chunks_exact_mut(group * head_dim).enumerate() {
-            merge_pieces(&parts[t * pieces * width..(t + 1) * pieces * width], out, group, head_dim);
+            let pieces = &parts[first_piece[t] * width..first_piece[t + 1] * width];
+            if pieces.len() == width {
+                // A short context: whole, as `task` attends it.
+                task((t, out));
+            } else {
+                merge_pieces(pieces, out, group, head_dim);
+            }
         }
     } else if parallel {
         crate::pool::for_each_chunk(&mut out, group * head_dim, || (), |_, i, piece| task((i, piece)));
@@ -122,13 +162,20 @@ fn attend_rows(
     out
 }
 
-/// How many runs of blocks each of `tasks` (row, kv head) attention tasks splits into: enough
-/// for two pieces a pool thread, each run at least [`MIN_PIECE_BLOCKS`] of the blocks the
-/// longest row sees (inside its window); 1 (no split) when the tasks alone are that many.
-fn context_pieces(tasks: usize, rows: &[RowPos<'_>], window: Option<usize>, block_size: usize) -> usize {
-    let want = (2 * rayon::current_num_threads()).div_ceil(tasks.max(1));
-    let blocks = rows.iter().map(|r| seen_blocks(r.pos, window, block_size).len()).max().unwrap_or(0);
-    want.min(blocks / MIN_PIECE_BLOCKS).max(1)
+/// Blocks a piece of a row's context spans (see the module's docs): every row's context is
+/// cut alike, alone or batched, on one thread or several.
+pub(crate) const PIECE_BLOCKS: usize = 8;
+
+/// How many pieces of [`PIECE_BLOCKS`] the context of a query at `pos` is cut into.
+fn pieces_of(pos: usize, window: Option<usize>, block_size: usize) -> usize {
+    seen_blocks(pos, window, block_size).len().div_ceil(PIECE_BLOCKS)
+}
+
+/// The blocks of piece `piece` of the context of a query at `pos`.
+fn piece_blocks(pos: usize, window: Option<usize>, block_size: usize, piece: usize) -> std::ops::Range<usize> {
+    let seen = seen_blocks(pos, window, block_size);
+    let start = seen.start + piece * PIECE_BLOCKS;
+    start..(start + PIECE_BLOCKS).min(seen.end)
 }
 
 /// The blocks of its table a query at `pos` reads: from the one holding the window's first
@@ -137,9 +184,6 @@ fn seen_blocks(pos: usize, window: Option<usize>, block_size: usize) -> std::ops
     let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
     first / block_size..pos / block_size + 1
 }
-
-/// Fewest blocks of context a piece of a split attention task takes ([`context_pieces`]).
-const MIN_PIECE_BLOCKS: usize = 8;
 
 /// How a step over a 16-bit arena widens the blocks its rows share: each such block once a
 /// layer, into a float32 copy. Planned once a step, used by every layer.
@@ -415,32 +459,60 @@ mod tests {
         }
     }
 
-    /// One decode row's attention with each (row, kv head) task's context split into runs of
-    /// blocks and merged equals it unsplit, up to float rounding: float32 and bfloat16 arenas,
-    /// three kv heads and one, with and without a window (the pieces split the window's blocks,
+    /// A long context's pieces, merged, equal one online softmax over the whole context up to
+    /// float rounding; and a row's result is the same bits on one thread or several, alone or
+    /// beside other rows (a prefill chunk's, other decode rows'): float32 and bfloat16 arenas,
+    /// three kv heads and one, with and without a window (the pieces cut the window's blocks,
     /// not the whole table's), contexts ending mid-block and on a block's last slot.
     #[test]
-    fn context_pieces_merge_to_the_unsplit_attention() {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
+    fn a_rows_pieces_merge_alike_in_every_batch() {
+        let pools: Vec<rayon::ThreadPool> =
+            [2, 3].iter().map(|&n| rayon::ThreadPoolBuilder::new().num_threads(n).build().expect("pool")).collect();
         for (heads, kv_heads, dtype) in [(6, 3, KvDtype::F32), (6, 3, KvDtype::Bf16), (4, 1, KvDtype::F32)] {
             let (dim, bs) = (16, 4);
             let g = KvGeometry { dtype, ..KvGeometry::new(1, kv_heads, dim, bs) };
-            let mut kv = KvArena::new_private(g, KvLayout::BlockMajor, 40);
-            fill(&mut kv, 40, 0.41);
+            let mut kv = KvArena::new_private(g, KvLayout::BlockMajor, 48);
+            fill(&mut kv, 48, 0.41);
             let blocks: Vec<BlockId> = (0..40).rev().map(BlockId).collect();
+            let others: Vec<BlockId> = (40..48).map(BlockId).collect();
             // A window's pieces cut the blocks it sees: 24..40 at position 158.
             assert_eq!(seen_blocks(158, Some(61), bs), 24..40);
             for (pos, window) in [(158, None), (159, None), (70, None), (158, Some(61))] {
                 let shape =
                     AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim, scale: 0.7, window };
-                let rows = [RowPos { blocks: &blocks, pos }];
-                let pieces = pool.install(|| context_pieces(kv_heads, &rows, window, bs));
-                assert!(pieces > 1, "position {pos} splits");
+                assert!(pieces_of(pos, window, bs) > 1, "position {pos} splits");
+                let row = RowPos { blocks: &blocks, pos };
                 let q: Vec<f32> = (0..heads * dim).map(|i| ((i * 11 % 17) as f32 - 8.0) / 5.0).collect();
-                let whole = attend_rows(&q, &rows, &kv, 0, shape, None, false);
-                let split = pool.install(|| attend_rows(&q, &rows, &kv, 0, shape, None, true));
-                for (i, (a, b)) in split.iter().zip(&whole).enumerate() {
+                let alone = attend_rows(&q, &[row], &kv, 0, shape, None, false);
+                // One online softmax over every block the row sees.
+                let group = heads / kv_heads;
+                let mut unsplit = vec![0f32; q.len()];
+                for (h, out) in unsplit.chunks_exact_mut(group * dim).enumerate() {
+                    let at = Context { row, kv: &kv, layer: 0 };
+                    attend_group(&q[h * group * dim..(h + 1) * group * dim], out, at, h, shape);
+                }
+                for (i, (a, b)) in alone.iter().zip(&unsplit).enumerate() {
                     assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{dtype:?} position {pos} [{i}]: {a} vs {b}");
+                }
+                // Pieces shared between threads, and the row beside a short prefill chunk of
+                // another sequence and a decode row (its own tasks then run whole on one
+                // thread each).
+                let batch: Vec<RowPos<'_>> =
+                    (20..28).map(|p| RowPos { blocks: &others, pos: p }).chain([row]).collect();
+                let mut qs: Vec<f32> = (0..8 * heads * dim).map(|i| ((i * 5 % 19) as f32 - 9.0) / 7.0).collect();
+                qs.extend_from_slice(&q);
+                for pool in &pools {
+                    for parallel in [false, true] {
+                        let split = pool.install(|| attend_rows(&q, &[row], &kv, 0, shape, None, parallel));
+                        assert_eq!(split, alone, "{dtype:?} position {pos}, parallel {parallel}");
+                        let both = [row, RowPos { blocks: &others, pos: 30 }];
+                        let mut q2 = q.clone();
+                        q2.extend_from_slice(&qs[..heads * dim]);
+                        let two = pool.install(|| attend_rows(&q2, &both, &kv, 0, shape, None, parallel));
+                        assert_eq!(two[..q.len()], alone[..], "{dtype:?} position {pos} beside a decode row");
+                        let mixed = pool.install(|| attend_rows(&qs, &batch, &kv, 0, shape, None, parallel));
+                        assert_eq!(mixed[8 * q.len()..], alone[..], "{dtype:?} position {pos} beside a chunk");
+                    }
                 }
             }
         }

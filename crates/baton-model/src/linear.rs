@@ -13,7 +13,8 @@ use crate::quant::QuantMatrix;
 use crate::weights::WeightSource;
 
 /// Up to this many rows go through [`crate::gemv`] (weights streamed once); more go through
-/// candle's GEMM, which wins once the product is compute-bound (prefill).
+/// candle's GEMM, which wins once the product is compute-bound (prefill), where batch
+/// invariance is given up (`BATON_BATCH_INVARIANT=0`): every size goes through `gemv` else.
 const SMALL_BATCH_ROWS: usize = 64;
 
 /// One matrix `[out, in]`.
@@ -99,7 +100,9 @@ impl Matrix {
         match self {
             Self::Dense(w) => {
                 let out_features = w.dims2()?.0;
-                if rows <= SMALL_BATCH_ROWS {
+                // The gemv kernels sum each row alone, as one row alone does; candle's GEMM would
+                // sum it another way (`crate::quant::batch_invariant`).
+                if rows <= SMALL_BATCH_ROWS || crate::quant::batch_invariant() {
                     let (storage, layout) = w.storage_and_layout();
                     let candle_core::Storage::Cpu(cpu) = &*storage else {
                         return Err(candle_core::Error::Msg("weights must live in CPU memory".into()).into());

@@ -19,6 +19,16 @@
 //! instructions of a float32 product; with AVX-512 without VNNI into float32 panels run through
 //! a 12×32 register tile; elsewhere candle's float GEMM multiplies it. The decoders are checked against
 //! candle's, every kernel against the float product of the decoded matrix.
+//!
+//! A row's products do not depend on its batch (issue #63): a greedy request's tokens must not
+//! change with what it is batched with or how its prompt was chunked. The dot kernels sum each
+//! activation row alone, with as many accumulators for one row as for eight (and the last
+//! blocks of a row in the lanes of their place in a group of eight); products of more rows go
+//! to the int16 panels only for the 32-value formats, whose panels sum and round each row as
+//! the dot kernels do, bit for bit; the K formats, and every format on a CPU without int16
+//! panels, take the dot path at every size ([`batch_invariant`]; `BATON_BATCH_INVARIANT=0`
+//! gives them their faster panels back). Tests hold every kernel's rows to the bits of the
+//! row alone, and the panels to the dot kernels'.
 
 use candle_core::quantized::GgmlDType;
 
@@ -445,12 +455,23 @@ impl QuantMatrix {
         out
     }
 
-    /// `x · Wᵀ` for `m` rows of `x` (`[m][cols]`), into `[m][rows]`.
+    /// `x · Wᵀ` for `m` rows of `x` (`[m][cols]`), into `[m][rows]`. Each row's outputs are
+    /// the same bits whatever `m` (see the module's docs), unless `BATON_BATCH_INVARIANT=0`.
     pub(crate) fn matmul_xwt(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
-        if m <= self.dot_rows() {
+        if m <= self.dot_rows() || batch_invariant() && !self.panels_round_as_dot() {
             return Ok(self.matmul_dot(x, m));
         }
         self.matmul_gemm(x, m)
+    }
+
+    /// Whether [`Self::matmul_gemm`] rounds each row as [`Self::matmul_dot`] does: the int16
+    /// panels ([`panel16`]) of a 32-value format whose dot kernel is an int16 one. Their
+    /// `panel_gemm`s sum a block in int32 as the dot kernels do, and keep the dot kernels' float
+    /// order: block `b` into the `b % 8`-th of eight accumulators, minimums apart, the eight
+    /// summed in one fixed tree.
+    fn panels_round_as_dot(&self) -> bool {
+        let kernel = DotKernel::detect();
+        self.format.block_len() == 32 && kernel.panel16().is_some() && kernel.for_format(self.format).int16()
     }
 
     /// Most activation rows [`Self::matmul_xwt`] takes down the decode-and-dot path.
@@ -462,7 +483,9 @@ impl QuantMatrix {
     /// panels or tiles, each multiplied with every activation row.
     fn matmul_gemm(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
         #[cfg(target_arch = "x86_64")]
-        if let Some(isa) = DotKernel::detect().panel16() {
+        if let Some(isa) = DotKernel::detect().panel16()
+            && self.format.block_len() == 32
+        {
             return Ok(self.matmul_panels16(x, m, isa));
         }
         // `available` lists an AVX-512 kernel only on a CPU with AVX-512F and FMA.
@@ -702,6 +725,18 @@ fn dot32(a: &[f32], b: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_rows_avx2(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [f32], row: &mut [f32]) {
     dot_rows(w, first, x, m, out, row);
+}
+
+/// Whether a row's products are the same bits whatever else is in its batch (read once per
+/// process): products of more rows than a dot kernel takes go to panels only where those
+/// round each row as the dot kernel does ([`QuantMatrix::panels_round_as_dot`]), else to the
+/// dot kernel at every size; float32 weights go to [`crate::gemv`] at every size.
+/// `BATON_BATCH_INVARIANT=0` gives prefill the faster paths back (the float32 panels, the
+/// tiles through `gemm`, candle's float GEMM) at the cost of a row's last bits depending on
+/// its batch.
+pub(crate) fn batch_invariant() -> bool {
+    static INVARIANT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INVARIANT.get_or_init(|| std::env::var("BATON_BATCH_INVARIANT").map_or(true, |v| v.trim() != "0"))
 }
 
 /// Whether the decode-and-dot kernel picked for this process is an AVX-512 one: the float32
@@ -1233,27 +1268,30 @@ mod tests {
         }
         #[cfg(target_arch = "x86_64")]
         for &kernel in &kernels {
-            let Some(isa) = kernel.panel16() else { continue };
+            let Some(isa) = kernel.panel16().filter(|_| mat.format.block_len() == 32) else { continue };
             let y = mat.matmul_panels16(x, m, isa);
             let out = (0..rows * m).map(|i| y[(i % m) * rows + i / m]).collect();
             runs.push((format!("{isa:?} panels"), kernel, out));
         }
-        // Grouped rows: the AVX-512 kernel (for Q4_1 against the activations' bytes where the
-        // CPU has VNNI) and the AVX2 one sum the same integers and scale them alike, bit for
-        // bit.
-        let of = |k: DotKernel| runs.iter().find(|(_, kernel, _)| *kernel == k).map(|(_, _, out)| out);
-        if mat.interleaved
-            && let (Some(a), Some(b)) = (of(DotKernel::Avx512Q16), of(DotKernel::Avx2Q16))
-            && let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits())
+        // The 32-value formats: every int16 kernel (the AVX-512 one for Q4_1's grouped rows
+        // against the activations' bytes where the CPU has VNNI, the AVX2 ones) and the int16
+        // panels of prefill sum the same integers and scale and add them in one order, bit for
+        // bit (a row's products the same in a decode step and in a prompt's chunk).
+        if mat.format.block_len() == 32
+            && let Some((first, _, a)) = runs.first()
         {
-            return Err(format!(
-                "{:?} {rows}x{cols} m={m}: [{}, {}] {} (AVX-512) vs {} (AVX2)",
-                mat.format,
-                i % m,
-                i / m,
-                a[i],
-                b[i]
-            ));
+            for (name, _, b) in &runs[1..] {
+                if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+                    return Err(format!(
+                        "{:?} {rows}x{cols} m={m}: [{}, {}] {} ({first}) vs {} ({name})",
+                        mat.format,
+                        i % m,
+                        i / m,
+                        a[i],
+                        b[i]
+                    ));
+                }
+            }
         }
         for (kernel, k16, out) in runs {
             let kernel_name = kernel;
@@ -1316,6 +1354,70 @@ mod tests {
                 })
                 .collect();
             check_int16_kernels(&mat, &x, m).map_err(proptest::test_runner::TestCaseError::fail)?;
+            check_rows_alone(&mat, &x, m).map_err(proptest::test_runner::TestCaseError::fail)?;
+        }
+    }
+
+    /// Every kernel this CPU runs: each row of an `m`-row product is the same bits as that
+    /// row's product alone (a decode row sums alike in a batch of one and of 14).
+    fn check_rows_alone(mat: &QuantMatrix, x: &[f32], m: usize) -> Result<(), String> {
+        let (rows, cols) = (mat.rows, mat.cols);
+        for kernel in DotKernel::available() {
+            let run = |x: &[f32], m: usize| {
+                let mut out = vec![0f32; rows * m];
+                kernel.run(mat, 0, x, None, m, &mut out, &mut vec![0f32; cols]);
+                out
+            };
+            let all = run(x, m);
+            for r in 0..m {
+                let alone = run(&x[r * cols..(r + 1) * cols], 1);
+                if let Some(j) = (0..rows).find(|&j| all[j * m + r].to_bits() != alone[j].to_bits()) {
+                    return Err(format!(
+                        "{:?} {kernel:?} {rows}x{cols}: row {r} of {m} {} vs {} alone, output {j}",
+                        mat.format,
+                        all[j * m + r],
+                        alone[j]
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Through the path the model takes ([`QuantMatrix::matmul_xwt`]: the dot kernels up to
+    /// their `dot_rows`, the int16 panels past it for the 32-value formats, the dot kernels at
+    /// every size for the others): a row's products are the same bits alone and among 5, 33 or
+    /// 70 rows, at SmolLM2's and Gemma 3's widths (whose last blocks are not a whole group of
+    /// eight) and a K format's.
+    #[test]
+    fn a_rows_product_does_not_depend_on_its_batch() {
+        if !batch_invariant() {
+            return;
+        }
+        for (dtype, cols) in [
+            (GgmlDType::Q4_1, 576),
+            (GgmlDType::Q8_0, 576),
+            (GgmlDType::Q5_0, 640),
+            (GgmlDType::Q4_0, 352),
+            (GgmlDType::Q5_1, 288),
+            (GgmlDType::Q4K, 512),
+            (GgmlDType::Q6K, 768),
+        ] {
+            let values: Vec<f32> = (0..70 * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+            let t = Tensor::from_vec(values, (70, cols), &Device::Cpu).expect("tensor");
+            let q = QTensor::quantize(&t, dtype).expect("quantizes");
+            let w = QuantMatrix::new(dtype, &q.data().expect("bytes"), 70, cols).expect("decodable");
+            let x: Vec<f32> = (0..70 * cols).map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0).collect();
+            let alone: Vec<Vec<f32>> =
+                (0..70).map(|r| w.matmul_xwt(&x[r * cols..(r + 1) * cols], 1).expect("product")).collect();
+            for m in [5, 33, 70] {
+                let y = w.matmul_xwt(&x[..m * cols], m).expect("product");
+                for (r, alone) in alone.iter().take(m).enumerate() {
+                    let row = &y[r * 70..(r + 1) * 70];
+                    let same = row.iter().zip(alone).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{dtype:?} row {r} of {m}: {:?} vs {:?} alone", &row[..4], &alone[..4]);
+                }
+            }
         }
     }
 
@@ -1531,7 +1633,7 @@ mod speed {
             let mut runs: Vec<(String, Run)> = Vec::new();
             #[cfg(target_arch = "x86_64")]
             for kernel in DotKernel::available() {
-                if let Some(isa) = kernel.panel16() {
+                if let Some(isa) = kernel.panel16().filter(|_| w.format.block_len() == 32) {
                     let (w, x) = (w.clone(), x.clone());
                     runs.push((format!("{isa:?} int16 panels"), Box::new(move || w.matmul_panels16(&x, m, isa))));
                 }
@@ -1540,9 +1642,14 @@ mod speed {
                     runs.push(("float32 panels".into(), Box::new(move || w.matmul_panels(&x, m))));
                 }
             }
+            // The dot kernel at every size: where batch invariance sends the K formats.
+            let (wd, xd) = (w.clone(), x.clone());
+            runs.push(("dot kernel".into(), Box::new(move || wd.matmul_dot(&xd, m))));
             // Where prefill takes them (`panel16()`): a CPU with what `panel_gemm` requires.
             #[cfg(target_arch = "x86_64")]
-            if DotKernel::available().iter().any(|k| k.panel16() == Some(panel16::PanelIsa::Avx512Vnni)) {
+            if DotKernel::available().iter().any(|k| k.panel16() == Some(panel16::PanelIsa::Avx512Vnni))
+                && w.format.block_len() == 32
+            {
                 // The kernel alone: the panels packed and the activations rounded beforehand.
                 use avx512_q16::PANEL16 as NR;
                 let (g, mins) = (panel16::group(w.format), panel16::has_mins(w.format));

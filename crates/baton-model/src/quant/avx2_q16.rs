@@ -44,16 +44,17 @@ pub(super) unsafe fn band(
     assert!(x.sum32.len() * 32 == m * cols && x.sum16.len() * 16 == m * cols);
     assert!(bytes.len() >= (first + rows) * row_bytes && out.len() == rows * m);
     let w = &bytes[first * row_bytes..(first + rows) * row_bytes];
-    // Two accumulators per activation row hide the FMA latency when `M` is small; with 16
-    // registers, more rows take one each. (The 32-value formats' kernels ignore `A`: they sum
-    // eight blocks into one register before scaling.)
+    // Two accumulators per activation row hide the FMA latency, whatever `M` (the K formats'
+    // float sums go to accumulator `i % A` by super-block: an `A` that changed with `M` would
+    // change a row's rounding with its batch). The 32-value formats' kernels ignore `A`: they
+    // sum eight blocks into one register before scaling.
     macro_rules! by_rows {
         ($kernel:ident) => {
             match m {
                 1 => $kernel::<1, 2>(w, row_bytes, x, out),
                 2 => $kernel::<2, 2>(w, row_bytes, x, out),
-                3 => $kernel::<3, 1>(w, row_bytes, x, out),
-                4 => $kernel::<4, 1>(w, row_bytes, x, out),
+                3 => $kernel::<3, 2>(w, row_bytes, x, out),
+                4 => $kernel::<4, 2>(w, row_bytes, x, out),
                 _ => {
                     // More rows than registers allow: four at a time.
                     // SAFETY (inside): the same CPU features as this function's.
@@ -139,6 +140,65 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
+/// The last blocks of a row of a 32-value format (`tail`: fewer than eight, `bytes` each, in
+/// GGUF's order, `decode` giving a block's 32 integers) into `acc` (and with `with_min`, the
+/// minimums `m · Σx` into `mins`): block `first + j`'s whole int32 sum goes to lane `j` and
+/// is scaled as a group of eight is, the lanes past the tail adding zero. So every block `b`
+/// of a row lands in lane `b % 8`, each lane summing its blocks in order, which is the order
+/// the int16 panels keep too ([`panel_gemm`]): a row's product rounds alike in both.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn tail_blocks<const M: usize>(
+    tail: &[u8],
+    bytes: usize,
+    with_min: bool,
+    x: Q16View<'_>,
+    decode: impl Fn(&[u8]) -> (__m256i, __m256i),
+    acc: &mut [__m256; M],
+    mins: &mut [__m256; M],
+) {
+    let (k, nb, n) = (x.k, x.k / 32, tail.len() / bytes);
+    if n == 0 {
+        return;
+    }
+    assert!(n < 8 && tail.len() == n * bytes && x.q.len() == M * k && x.scale.len() == M * nb);
+    assert!(x.sum32.len() == M * nb);
+    let first = nb - n;
+    let (mut d, mut m) = ([0f32; 8], [0f32; 8]);
+    // Block `j`'s int32 lanes against each activation row; zeros past the tail.
+    let mut p = [[_mm256_setzero_si256(); M]; 8];
+    for (j, b) in tail.chunks_exact(bytes).enumerate() {
+        let (lo, hi) = decode(b);
+        d[j] = half_at(b, 0);
+        if with_min {
+            m[j] = half_at(b, 2);
+        }
+        for (r, p) in p[j].iter_mut().enumerate() {
+            let q = &x.q[r * k + 32 * (first + j)..][..32];
+            // SAFETY: `q` holds the 32 values read.
+            *p = unsafe { _mm256_add_epi32(madd(lo, q.as_ptr()), madd(hi, q.as_ptr().add(16))) };
+        }
+    }
+    // Lane `j` the whole sum of block `j`, as a group's (integer adds: exact).
+    let sums = block_sums(p);
+    // The tail's lanes of each row's scales and sums; nothing past the row is read.
+    let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    // SAFETY (each load): eight floats of a local array.
+    let (d, m) = unsafe { (_mm256_loadu_ps(d.as_ptr()), _mm256_loadu_ps(m.as_ptr())) };
+    for (r, (acc, mins)) in acc.iter_mut().zip(mins.iter_mut()).enumerate() {
+        let at = r * nb + first;
+        // SAFETY: the masked loads read lanes `j < n` only: blocks `first + j < nb` of row
+        // `r < M`, inside the sizes asserted above.
+        unsafe {
+            let sx = _mm256_maskload_ps(x.scale.as_ptr().add(at), lanes);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, sx), *acc);
+            if with_min {
+                *mins = _mm256_fmadd_ps(m, _mm256_maskload_ps(x.sum32.as_ptr().add(at), lanes), *mins);
+            }
+        }
+    }
+}
+
 /// Writes the sum of each activation row's accumulators to one output row, less `minus[r]`.
 #[target_feature(enable = "avx2")]
 #[inline]
@@ -222,7 +282,7 @@ fn halves(g: &[u8], bytes: usize) -> (__m256, __m256) {
 /// and Q8_0 at 29 (was 21.7),
 /// faster than the AVX-512 kernels those formats had (17 and 19; `cargo test --release -p
 /// baton-model --lib decode_path -- --ignored --nocapture`). The last blocks of a row (fewer
-/// than eight) are scaled one at a time. A block's sum is at most 32 products of 128 · 32767
+/// than eight) take the lanes of their place in a group ([`tail_blocks`]). A block's sum is at most 32 products of 128 · 32767
 /// < 2³¹; its conversion to float32 rounds only past 2²⁴ (by at most 2⁻²⁴ of it).
 macro_rules! small_blocks {
     ($(#[$doc:meta])* $name:ident, $bytes:literal, $min:literal, $decode:expr) => {
@@ -270,25 +330,9 @@ macro_rules! small_blocks {
                         }
                     }
                 }
-                // The last blocks (fewer than eight) one at a time, each scaled on its own.
+                // The last blocks (fewer than eight), each in its lane.
                 let mut minus = [0f32; M];
-                let first = nb - tail.len() / $bytes;
-                for (j, b) in tail.chunks_exact($bytes).enumerate() {
-                    let (lo, hi): (__m256i, __m256i) = $decode(b);
-                    let d = half_at(b, 0);
-                    for (r, (acc, minus)) in acc.iter_mut().zip(&mut minus).enumerate() {
-                        // SAFETY: block `first + j < nb` of row `r < M`, as above.
-                        let (p, sx) = unsafe {
-                            let q = xq.add(r * k + 32 * (first + j));
-                            (_mm256_add_epi32(madd(lo, q), madd(hi, q.add(16))), *xs.add(r * nb + first + j))
-                        };
-                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sx), *acc);
-                        if $min {
-                            // SAFETY: as above.
-                            *minus -= half_at(b, 2) * unsafe { *x32.add(r * nb + first + j) };
-                        }
-                    }
-                }
+                tail_blocks(tail, $bytes, $min, x, |b: &[u8]| $decode(b), &mut acc, &mut mins);
                 for (minus, mins) in minus.iter_mut().zip(&mins) {
                     *minus -= hsum(*mins);
                 }
@@ -393,8 +437,8 @@ unsafe fn add_chunk<const M: usize>(sums: &mut [[__m256i; M]; 2], w: [__m256i; 4
 /// 32-byte loads give sixteen registers of int16 nibbles (a mask, or a shift and a mask), each
 /// multiplied into int32 lanes that are already the eight blocks' own; the eight sums are then
 /// converted and scaled together as in [`small_blocks!`]. The blocks past the last group, in
-/// GGUF's order, go one at a time. A lane sums block `j`'s 32 products of at most 15 · 32767:
-/// far below 2³¹. (`A` is [`band`]'s; two sums a row here whatever it is.)
+/// GGUF's order, go to the lanes of their place in a group ([`tail_blocks`]). A lane sums
+/// block `j`'s 32 products of at most 15 · 32767: far below 2³¹. (`A` is [`band`]'s; two sums a row here whatever it is.)
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q4_1_x8<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
     use super::x8::{GROUP_BYTES, GROUP_VALUES};
@@ -434,9 +478,9 @@ fn q4_1_x8<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16Vie
 /// but each register of nibbles less `16·(1 − fifth bit)` — the group's cleared bits shifted
 /// to the lanes' bit 4 and masked — before it multiplies: three operations a register where
 /// the GGUF-order kernel spends seven a half block on widening and its bit mask. The sums are
-/// that kernel's, bit for bit, and are scaled alike; the blocks past the last group go one at
-/// a time. One thread, Gemma 3's Q5_0 shape (`decode_path`): 24.2–24.4 Gweights/s, against
-/// 14.8–16.4 in GGUF's order.
+/// that kernel's, bit for bit, and are scaled alike; the blocks past the last group go to the
+/// lanes of their place in a group ([`tail_blocks`]). One thread, Gemma 3's Q5_0 shape
+/// (`decode_path`): 24.2–24.4 Gweights/s, against 14.8–16.4 in GGUF's order.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q5_0_x8<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16View<'_>, out: &mut [f32]) {
     use super::x8::{GROUP_VALUES, Q5_0_GROUP_BYTES};
@@ -479,19 +523,8 @@ fn q5_0_x8<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q16Vie
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, sx), *acc);
             }
         }
-        let first = nb - tail.len() / 22;
-        for (j, b) in tail.chunks_exact(22).enumerate() {
-            let (lo, hi) = q5_0_block(b);
-            let d = half_at(b, 0);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: block `first + j < nb` of row `r < M`, as above.
-                let (p, sx) = unsafe {
-                    let q = xq.add(r * k + 32 * (first + j));
-                    (_mm256_add_epi32(madd(lo, q), madd(hi, q.add(16))), *xs.add(r * nb + first + j))
-                };
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sx), *acc);
-            }
-        }
+        let mut no_mins = [_mm256_setzero_ps(); M];
+        tail_blocks(tail, 22, false, x, |b: &[u8]| q5_0_block(b), &mut acc, &mut no_mins);
         store(&[acc], &[0.0; M], out);
     }
 }
@@ -532,7 +565,8 @@ pub(super) fn q4_1_x8_scale<const M: usize>(
 }
 
 /// The end of a grouped Q4_1 row ([`super::x8`]): its last blocks (`tail`, fewer than eight,
-/// in GGUF's order) one at a time into `acc`, then each activation row's sum, less the
+/// in GGUF's order) into the lanes of their place in a group ([`tail_blocks`]), then each
+/// activation row's sum, less the
 /// minimums (`mins`: `m · Σx` in a lane a block), into `out`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -540,32 +574,11 @@ pub(super) fn q4_1_x8_finish<const M: usize>(
     tail: &[u8],
     x: Q16View<'_>,
     mut acc: [__m256; M],
-    mins: [__m256; M],
+    mut mins: [__m256; M],
     out: &mut [f32],
 ) {
-    let (k, nb) = (x.k, x.k / 32);
-    assert!(x.q.len() == M * k && x.scale.len() == M * nb && x.sum32.len() == M * nb && tail.len() <= nb * 20);
-    let (xq, xs, x32) = (x.q.as_ptr(), x.scale.as_ptr(), x.sum32.as_ptr());
     let mut minus = [0f32; M];
-    let first = nb - tail.len() / 20;
-    for (j, b) in tail.chunks_exact(20).enumerate() {
-        let (lo, hi) = nibbles(b, 4);
-        let (d, m) = (half_at(b, 0), half_at(b, 2));
-        for (r, (acc, minus)) in acc.iter_mut().zip(&mut minus).enumerate() {
-            // SAFETY: block `first + j < nb` of row `r < M`, inside the bounds the assert above
-            // checks.
-            let (p, sx, s32) = unsafe {
-                let q = xq.add(r * k + 32 * (first + j));
-                (
-                    _mm256_add_epi32(madd(lo, q), madd(hi, q.add(16))),
-                    *xs.add(r * nb + first + j),
-                    *x32.add(r * nb + first + j),
-                )
-            };
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sx), *acc);
-            *minus -= m * s32;
-        }
-    }
+    tail_blocks(tail, 20, true, x, |b: &[u8]| nibbles(b, 4), &mut acc, &mut mins);
     for (minus, mins) in minus.iter_mut().zip(&mins) {
         *minus -= hsum(*mins);
     }
@@ -838,25 +851,30 @@ pub(super) const PANEL16: usize = 16;
 const PANEL16_MR: usize = 4;
 
 /// `y[i·ldy + c] = Σ_t x[i][t] · w[c][t]` for every activation row `i` of `x` and weight row
-/// `c < cols` of the panel `p` (packed by [`super::panel16::pack`] with [`PANEL16`] rows):
-/// each pair of activations is broadcast against the panel's two registers of value pairs
-/// (`vpmaddwd`), a group summed in int32 (at most 16 pairs of 8-bit by 16-bit products a
-/// lane) and scaled once in float32.
+/// `c < cols` of the panel `p` (packed by [`super::panel16::pack`] with [`PANEL16`] rows, a
+/// 32-value format): each pair of activations is broadcast against the panel's two registers
+/// of value pairs (`vpmaddwd`), a block summed in int32 (at most 16 pairs of 8-bit by 16-bit
+/// products a lane) and scaled once in float32.
+///
+/// A row's outputs are the decode kernels' ([`band`]) bit for bit: block `b`'s scaled sum
+/// goes to the `b % 8`-th of eight float accumulators an output, its minimum's to another
+/// eight, and the eight are summed at the end as [`hsum`] sums a register's lanes.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn panel_gemm(p: Panel16<'_>, x: Q16View<'_>, y: &mut [f32], ldy: usize, cols: usize) {
     p.check(PANEL16, &x, y, ldy, cols);
-    let (rows, g) = (x.m(), p.group);
+    assert!(p.group == 32 && x.block == 32, "the int16 panels take the 32-value formats");
+    let rows = x.m();
     if rows == 0 {
         return;
     }
     macro_rules! tiles {
-        ($g:literal, $mins:literal) => {{
+        ($mins:literal) => {{
             let mut r = 0;
             while r + PANEL16_MR <= rows {
-                tile16::<PANEL16_MR, $g, $mins>(p, x, r, &mut y[r * ldy..], ldy, cols);
+                tile16::<PANEL16_MR, $mins>(p, x, r, &mut y[r * ldy..], ldy, cols);
                 r += PANEL16_MR;
             }
             if r == rows {
@@ -864,25 +882,30 @@ pub(super) unsafe fn panel_gemm(p: Panel16<'_>, x: Q16View<'_>, y: &mut [f32], l
             }
             let yr = &mut y[r * ldy..];
             match rows - r {
-                1 => tile16::<1, $g, $mins>(p, x, r, yr, ldy, cols),
-                2 => tile16::<2, $g, $mins>(p, x, r, yr, ldy, cols),
-                _ => tile16::<3, $g, $mins>(p, x, r, yr, ldy, cols),
+                1 => tile16::<1, $mins>(p, x, r, yr, ldy, cols),
+                2 => tile16::<2, $mins>(p, x, r, yr, ldy, cols),
+                _ => tile16::<3, $mins>(p, x, r, yr, ldy, cols),
             }
         }};
     }
-    match (g, p.mn.is_empty()) {
-        (16, true) => tiles!(16, false),
-        (16, false) => tiles!(16, true),
-        (_, true) => tiles!(32, false),
-        (_, false) => tiles!(32, true),
-    }
+    if p.mn.is_empty() { tiles!(false) } else { tiles!(true) }
+}
+
+/// [`hsum`]'s order over eight registers: lane by lane, the sum [`hsum`] makes of one
+/// register's eight lanes.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn lanes_sum(v: &[__m256; 8]) -> __m256 {
+    let (a, b) = (_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6]));
+    let (c, d) = (_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7]));
+    _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d))
 }
 
 /// Activation rows `r0..r0 + MR` of `x` against the panel, into the first `cols` floats of
-/// `MR` rows of `y` (`ldy` apart), in groups of `G` values; `MINS` when the panel has minimums.
+/// `MR` rows of `y` (`ldy` apart), block by block; `MINS` when the panel has minimums.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-fn tile16<const MR: usize, const G: usize, const MINS: bool>(
+fn tile16<const MR: usize, const MINS: bool>(
     p: Panel16<'_>,
     x: Q16View<'_>,
     r0: usize,
@@ -890,54 +913,64 @@ fn tile16<const MR: usize, const G: usize, const MINS: bool>(
     ldy: usize,
     cols: usize,
 ) {
-    // Groups per activation scale, a power of two: a shift, not a division per group.
-    let (k, groups, scale_shift) = (p.k, p.k / G, (x.block / G).trailing_zeros());
-    let blocks = k / x.block;
-    let sums = super::panel16::group_sums(&x, G);
+    let (k, blocks) = (p.k, p.k / 32);
     // `panel_gemm` checked the panel's sizes and the scales' and sums' against `x`'s rows.
     assert!(x.q.len() >= (r0 + MR) * k && y.len() >= (MR - 1) * ldy + cols);
     let (pq, pf, pm, xq) = (p.q.as_ptr(), p.f.as_ptr(), p.mn.as_ptr(), x.q.as_ptr());
-    let mut facc = [[_mm256_setzero_ps(); 2]; MR];
-    for g in 0..groups {
-        let mut iacc = [[_mm256_setzero_si256(); 2]; MR];
-        for t in 0..G / 2 {
-            let pair = g * G / 2 + t;
-            // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values) and of rows
-            // `r0..r0 + MR` of `x`, which the asserts bound.
-            unsafe {
-                let w0 = _mm256_loadu_si256(pq.add(pair * 2 * PANEL16).cast());
-                let w1 = _mm256_loadu_si256(pq.add(pair * 2 * PANEL16 + 16).cast());
-                for (i, acc) in iacc.iter_mut().enumerate() {
-                    let xv = _mm256_set1_epi32(xq.add((r0 + i) * k + 2 * pair).cast::<i32>().read_unaligned());
-                    acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(xv, w0));
-                    acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(xv, w1));
+    // Per lane `b % 8` of the decode kernels' registers: the blocks' scaled sums, the
+    // minimums' parts. A lane's blocks in turn (`b`, `b + 8`, ...), its sums in registers.
+    let mut lane_f = [[[_mm256_setzero_ps(); 2]; MR]; 8];
+    let mut lane_m = [[[_mm256_setzero_ps(); 2]; MR]; 8];
+    for lane in 0..8.min(blocks) {
+        let mut facc = [[_mm256_setzero_ps(); 2]; MR];
+        let mut macc = [[_mm256_setzero_ps(); 2]; MR];
+        for b in (lane..blocks).step_by(8) {
+            let mut iacc = [[_mm256_setzero_si256(); 2]; MR];
+            for t in 0..16 {
+                let pair = b * 16 + t;
+                // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values) and of rows
+                // `r0..r0 + MR` of `x`, which the asserts bound.
+                unsafe {
+                    let w0 = _mm256_loadu_si256(pq.add(pair * 2 * PANEL16).cast());
+                    let w1 = _mm256_loadu_si256(pq.add(pair * 2 * PANEL16 + 16).cast());
+                    for (i, acc) in iacc.iter_mut().enumerate() {
+                        let xv = _mm256_set1_epi32(xq.add((r0 + i) * k + 2 * pair).cast::<i32>().read_unaligned());
+                        acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(xv, w0));
+                        acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(xv, w1));
+                    }
                 }
             }
-        }
-        // SAFETY: group `g < k / G` of the panel's factors and minimums and of each row's
-        // scales and sums, which the asserts bound.
-        unsafe {
-            let f = [_mm256_loadu_ps(pf.add(g * PANEL16)), _mm256_loadu_ps(pf.add(g * PANEL16 + 8))];
-            for (i, (facc, iacc)) in facc.iter_mut().zip(&iacc).enumerate() {
-                let sx = _mm256_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + (g >> scale_shift)));
-                for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
-                    *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_mul_ps(f, sx), *facc);
-                }
-                if MINS {
-                    let s = _mm256_set1_ps(*sums.get_unchecked((r0 + i) * groups + g));
-                    for (h, facc) in facc.iter_mut().enumerate() {
-                        *facc = _mm256_fmadd_ps(_mm256_loadu_ps(pm.add(g * PANEL16 + 8 * h)), s, *facc);
+            // SAFETY: block `b < k / 32` of the panel's factors and minimums and of each row's
+            // scales and sums, which the asserts bound.
+            unsafe {
+                let f = [_mm256_loadu_ps(pf.add(b * PANEL16)), _mm256_loadu_ps(pf.add(b * PANEL16 + 8))];
+                for (i, ((facc, macc), iacc)) in facc.iter_mut().zip(macc.iter_mut()).zip(&iacc).enumerate() {
+                    let sx = _mm256_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + b));
+                    for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
+                        *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_mul_ps(f, sx), *facc);
+                    }
+                    if MINS {
+                        let s = _mm256_set1_ps(*x.sum32.get_unchecked((r0 + i) * blocks + b));
+                        for (h, macc) in macc.iter_mut().enumerate() {
+                            *macc = _mm256_fmadd_ps(_mm256_loadu_ps(pm.add(b * PANEL16 + 8 * h)), s, *macc);
+                        }
                     }
                 }
             }
         }
+        (lane_f[lane], lane_m[lane]) = (facc, macc);
     }
     let mut row = [0f32; PANEL16];
-    for (i, acc) in facc.iter().enumerate() {
-        // SAFETY: `row` holds the 16 floats stored.
-        unsafe {
-            _mm256_storeu_ps(row.as_mut_ptr(), acc[0]);
-            _mm256_storeu_ps(row.as_mut_ptr().add(8), acc[1]);
+    for i in 0..MR {
+        for h in 0..2 {
+            let mut v = lanes_sum(&std::array::from_fn(|l| lane_f[l][i][h]));
+            if MINS {
+                // `store`'s `sum − (0 − minimums)`.
+                let m = lanes_sum(&std::array::from_fn(|l| lane_m[l][i][h]));
+                v = _mm256_sub_ps(v, _mm256_sub_ps(_mm256_setzero_ps(), m));
+            }
+            // SAFETY: `row` holds the 16 floats stored.
+            unsafe { _mm256_storeu_ps(row.as_mut_ptr().add(8 * h), v) };
         }
         y[i * ldy..i * ldy + cols].copy_from_slice(&row[..cols]);
     }

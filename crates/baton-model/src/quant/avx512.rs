@@ -37,24 +37,21 @@ pub(super) unsafe fn band(
     assert!(cols.is_multiple_of(format.block_len()) && row_bytes == cols / format.block_len() * format.block_bytes());
     assert!(bytes.len() >= (first + rows) * row_bytes && x.len() >= m * cols && out.len() == rows * m);
     let w = &bytes[first * row_bytes..(first + rows) * row_bytes];
-    // `A` independent accumulators per activation row hide the FMA latency when `M` is small;
-    // `M · A` stays at 8 registers.
+    // Two independent accumulators per activation row hide the FMA latency, whatever `M`: a
+    // block's products go to accumulator `j % A`, so an `A` that changed with `M` would change
+    // a row's rounding with its batch.
     macro_rules! by_rows {
         ($kernel:ident) => {
             match m {
-                1 => $kernel::<1, 4>(w, row_bytes, x, cols, out),
-                2 => $kernel::<2, 4>(w, row_bytes, x, cols, out),
+                1 => $kernel::<1, 2>(w, row_bytes, x, cols, out),
+                2 => $kernel::<2, 2>(w, row_bytes, x, cols, out),
                 3 => $kernel::<3, 2>(w, row_bytes, x, cols, out),
                 4 => $kernel::<4, 2>(w, row_bytes, x, cols, out),
-                5 => $kernel::<5, 1>(w, row_bytes, x, cols, out),
-                6 => $kernel::<6, 1>(w, row_bytes, x, cols, out),
-                7 => $kernel::<7, 1>(w, row_bytes, x, cols, out),
-                8 => $kernel::<8, 1>(w, row_bytes, x, cols, out),
                 _ => {
-                    // More rows than registers allow: eight at a time.
-                    let mut part = vec![0f32; rows * 8];
-                    for r0 in (0..m).step_by(8) {
-                        let mr = 8.min(m - r0);
+                    // More rows than registers allow: four at a time.
+                    let mut part = vec![0f32; rows * 4];
+                    for r0 in (0..m).step_by(4) {
+                        let mr = 4.min(m - r0);
                         let xs = &x[r0 * cols..(r0 + mr) * cols];
                         // SAFETY: the same CPU features as this function's.
                         unsafe { band(format, w, row_bytes, cols, 0, xs, mr, &mut part[..rows * mr]) };

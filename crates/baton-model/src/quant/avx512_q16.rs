@@ -39,7 +39,9 @@ pub(super) unsafe fn band(
     assert!(x.block == q16_block(format) && x.scale.len() * x.block == m * cols && x.sum32.len() * 32 == m * cols);
     assert!(bytes.len() >= (first + rows) * row_bytes && out.len() == rows * m);
     let w = &bytes[first * row_bytes..(first + rows) * row_bytes];
-    // Two accumulators per activation row hide the FMA latency when `M` is small.
+    // Two accumulators per activation row hide the FMA latency, whatever `M`: a super-block's
+    // float sum goes to accumulator `i % A`, so an `A` that changed with `M` would change a
+    // row's rounding with its batch.
     macro_rules! by_rows {
         ($kernel:ident) => {
             match m {
@@ -47,10 +49,10 @@ pub(super) unsafe fn band(
                 2 => $kernel::<2, 2>(w, row_bytes, x, out),
                 3 => $kernel::<3, 2>(w, row_bytes, x, out),
                 4 => $kernel::<4, 2>(w, row_bytes, x, out),
-                5 => $kernel::<5, 1>(w, row_bytes, x, out),
-                6 => $kernel::<6, 1>(w, row_bytes, x, out),
-                7 => $kernel::<7, 1>(w, row_bytes, x, out),
-                8 => $kernel::<8, 1>(w, row_bytes, x, out),
+                5 => $kernel::<5, 2>(w, row_bytes, x, out),
+                6 => $kernel::<6, 2>(w, row_bytes, x, out),
+                7 => $kernel::<7, 2>(w, row_bytes, x, out),
+                8 => $kernel::<8, 2>(w, row_bytes, x, out),
                 _ => {
                     // More rows than registers allow: eight at a time.
                     // SAFETY (inside): the same CPU features as this function's.
@@ -339,30 +341,36 @@ fn q4_1_x8_vnni<const M: usize, const A: usize>(w: &[u8], row_bytes: usize, x: Q
 /// Weight rows per packed panel of [`panel_gemm`]: two registers of int32 lanes.
 pub(super) const PANEL16: usize = 32;
 
-/// Activation rows per register tile of [`panel_gemm`]: `2·MR` int32 and `2·MR` float32
-/// accumulators.
+/// Activation rows per register tile of [`panel_gemm`]: `2·MR` int32 accumulators in
+/// registers, the float32 ones in memory between blocks.
 const PANEL16_MR: usize = 6;
 
 /// `y[i·ldy + c] = Σ_t x[i][t] · w[c][t]` for every activation row `i` of `x` and weight row
-/// `c < cols` of the panel `p` (packed by [`super::panel16::pack`] with [`PANEL16`] rows):
-/// each pair of activations is broadcast against the panel's two registers of value pairs
-/// (`vpdpwssd`), a group summed in int32 and scaled once in float32.
+/// `c < cols` of the panel `p` (packed by [`super::panel16::pack`] with [`PANEL16`] rows, a
+/// 32-value format): each pair of activations is broadcast against the panel's two registers
+/// of value pairs (`vpdpwssd`), a block summed in int32 and scaled once in float32.
+///
+/// A row's outputs are the decode kernels' ([`super::avx2_q16::band`], [`q4_1_x8_band`]) bit
+/// for bit: block `b`'s scaled sum goes to the `b % 8`-th of eight float accumulators an
+/// output, its minimum's to another eight, and the eight are summed at the end as those
+/// kernels sum a register's eight lanes.
 ///
 /// # Safety
 /// The CPU must support AVX-512F, AVX-512BW, AVX-512VL, AVX-512 VNNI and FMA.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 pub(super) unsafe fn panel_gemm(p: Panel16<'_>, x: Q16View<'_>, y: &mut [f32], ldy: usize, cols: usize) {
     p.check(PANEL16, &x, y, ldy, cols);
-    let (rows, g) = (x.m(), p.group);
+    assert!(p.group == 32 && x.block == 32, "the int16 panels take the 32-value formats");
+    let rows = x.m();
     if rows == 0 {
         return;
     }
     let masks = [((1u32 << cols.min(16)) - 1) as u16, ((1u32 << cols.saturating_sub(16)) - 1) as u16];
     macro_rules! tiles {
-        ($g:literal, $mins:literal) => {{
+        ($mins:literal) => {{
             let mut r = 0;
             while r + PANEL16_MR <= rows {
-                tile16::<PANEL16_MR, $g, $mins>(p, x, r, &mut y[r * ldy..], ldy, masks);
+                tile16::<PANEL16_MR, $mins>(p, x, r, &mut y[r * ldy..], ldy, masks);
                 r += PANEL16_MR;
             }
             if r == rows {
@@ -370,27 +378,32 @@ pub(super) unsafe fn panel_gemm(p: Panel16<'_>, x: Q16View<'_>, y: &mut [f32], l
             }
             let yr = &mut y[r * ldy..];
             match rows - r {
-                1 => tile16::<1, $g, $mins>(p, x, r, yr, ldy, masks),
-                2 => tile16::<2, $g, $mins>(p, x, r, yr, ldy, masks),
-                3 => tile16::<3, $g, $mins>(p, x, r, yr, ldy, masks),
-                4 => tile16::<4, $g, $mins>(p, x, r, yr, ldy, masks),
-                _ => tile16::<5, $g, $mins>(p, x, r, yr, ldy, masks),
+                1 => tile16::<1, $mins>(p, x, r, yr, ldy, masks),
+                2 => tile16::<2, $mins>(p, x, r, yr, ldy, masks),
+                3 => tile16::<3, $mins>(p, x, r, yr, ldy, masks),
+                4 => tile16::<4, $mins>(p, x, r, yr, ldy, masks),
+                _ => tile16::<5, $mins>(p, x, r, yr, ldy, masks),
             }
         }};
     }
-    match (g, p.mn.is_empty()) {
-        (16, true) => tiles!(16, false),
-        (16, false) => tiles!(16, true),
-        (_, true) => tiles!(32, false),
-        (_, false) => tiles!(32, true),
-    }
+    if p.mn.is_empty() { tiles!(false) } else { tiles!(true) }
 }
 
-/// Activation rows `r0..r0 + MR` of `x` against the panel, into `y` (rows `ldy` apart), in
-/// groups of `G` values; `MINS` when the panel has minimums.
+/// The decode kernels' sum of a register's eight lanes (`avx2_q16::hsum`), lane by lane over
+/// eight registers.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn lanes_sum(v: &[__m512; 8]) -> __m512 {
+    let (a, b) = (_mm512_add_ps(v[0], v[4]), _mm512_add_ps(v[2], v[6]));
+    let (c, d) = (_mm512_add_ps(v[1], v[5]), _mm512_add_ps(v[3], v[7]));
+    _mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d))
+}
+
+/// Activation rows `r0..r0 + MR` of `x` against the panel, into `y` (rows `ldy` apart), block
+/// by block; `MINS` when the panel has minimums.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 #[inline]
-fn tile16<const MR: usize, const G: usize, const MINS: bool>(
+fn tile16<const MR: usize, const MINS: bool>(
     p: Panel16<'_>,
     x: Q16View<'_>,
     r0: usize,
@@ -398,10 +411,7 @@ fn tile16<const MR: usize, const G: usize, const MINS: bool>(
     ldy: usize,
     masks: [u16; 2],
 ) {
-    // Groups per activation scale, a power of two: a shift, not a division per group.
-    let (k, groups, scale_shift) = (p.k, p.k / G, (x.block / G).trailing_zeros());
-    let blocks = k / x.block;
-    let sums = super::panel16::group_sums(&x, G);
+    let (k, blocks) = (p.k, p.k / 32);
     // `panel_gemm` checked the panel's sizes and the scales' and sums' against `x`'s rows.
     assert!(
         x.q.len() >= (r0 + MR) * k
@@ -410,49 +420,61 @@ fn tile16<const MR: usize, const G: usize, const MINS: bool>(
     let (pf, pm) = (p.f.as_ptr(), p.mn.as_ptr());
     // Each row's activations as pairs (one 32-bit broadcast each), and the panel's pairs.
     let xr: [*const i32; MR] = std::array::from_fn(|i| x.q[(r0 + i) * k..].as_ptr().cast());
-    let mut pq = p.q.as_ptr().cast::<__m512i>();
-    let mut facc = [[_mm512_setzero_ps(); 2]; MR];
-    for g in 0..groups {
-        let mut iacc = [[_mm512_setzero_si512(); 2]; MR];
-        for t in 0..G / 2 {
-            let pair = g * G / 2 + t;
-            // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values, two registers a
-            // pair) and of rows `r0..r0 + MR` of `x`, which the asserts bound.
-            unsafe {
-                let (w0, w1) = (_mm512_loadu_si512(pq), _mm512_loadu_si512(pq.add(1)));
-                pq = pq.add(2);
-                for (acc, xr) in iacc.iter_mut().zip(&xr) {
-                    let xv = _mm512_set1_epi32(xr.add(pair).read_unaligned());
-                    acc[0] = _mm512_dpwssd_epi32(acc[0], xv, w0);
-                    acc[1] = _mm512_dpwssd_epi32(acc[1], xv, w1);
+    let pq = p.q.as_ptr().cast::<__m512i>();
+    // Per lane `b % 8` of the decode kernels' registers: the blocks' scaled sums, the
+    // minimums' parts. A lane's blocks in turn (`b`, `b + 8`, ...), its sums in registers.
+    let mut lane_f = [[[_mm512_setzero_ps(); 2]; MR]; 8];
+    let mut lane_m = [[[_mm512_setzero_ps(); 2]; MR]; 8];
+    for lane in 0..8.min(blocks) {
+        let mut facc = [[_mm512_setzero_ps(); 2]; MR];
+        let mut macc = [[_mm512_setzero_ps(); 2]; MR];
+        for b in (lane..blocks).step_by(8) {
+            let mut iacc = [[_mm512_setzero_si512(); 2]; MR];
+            for t in 0..16 {
+                let pair = b * 16 + t;
+                // SAFETY: pair `pair < k / 2` of the panel (`k·PANEL16` values, two registers
+                // a pair) and of rows `r0..r0 + MR` of `x`, which the asserts bound.
+                unsafe {
+                    let (w0, w1) = (_mm512_loadu_si512(pq.add(2 * pair)), _mm512_loadu_si512(pq.add(2 * pair + 1)));
+                    for (acc, xr) in iacc.iter_mut().zip(&xr) {
+                        let xv = _mm512_set1_epi32(xr.add(pair).read_unaligned());
+                        acc[0] = _mm512_dpwssd_epi32(acc[0], xv, w0);
+                        acc[1] = _mm512_dpwssd_epi32(acc[1], xv, w1);
+                    }
                 }
             }
-        }
-        // SAFETY: group `g < k / G` of the panel's factors and minimums and of each row's
-        // scales and sums, which the asserts bound.
-        unsafe {
-            let f = [_mm512_loadu_ps(pf.add(g * PANEL16)), _mm512_loadu_ps(pf.add(g * PANEL16 + 16))];
-            for (i, (facc, iacc)) in facc.iter_mut().zip(&iacc).enumerate() {
-                let sx = _mm512_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + (g >> scale_shift)));
-                for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
-                    *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(f, sx), *facc);
-                }
-                if MINS {
-                    let s = _mm512_set1_ps(*sums.get_unchecked((r0 + i) * groups + g));
-                    for (h, facc) in facc.iter_mut().enumerate() {
-                        *facc = _mm512_fmadd_ps(_mm512_loadu_ps(pm.add(g * PANEL16 + 16 * h)), s, *facc);
+            // SAFETY: block `b < k / 32` of the panel's factors and minimums and of each row's
+            // scales and sums, which the asserts bound.
+            unsafe {
+                let f = [_mm512_loadu_ps(pf.add(b * PANEL16)), _mm512_loadu_ps(pf.add(b * PANEL16 + 16))];
+                for (i, ((facc, macc), iacc)) in facc.iter_mut().zip(macc.iter_mut()).zip(&iacc).enumerate() {
+                    let sx = _mm512_set1_ps(*x.scale.get_unchecked((r0 + i) * blocks + b));
+                    for ((facc, &iacc), &f) in facc.iter_mut().zip(iacc).zip(&f) {
+                        *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(f, sx), *facc);
+                    }
+                    if MINS {
+                        let s = _mm512_set1_ps(*x.sum32.get_unchecked((r0 + i) * blocks + b));
+                        for (h, macc) in macc.iter_mut().enumerate() {
+                            *macc = _mm512_fmadd_ps(_mm512_loadu_ps(pm.add(b * PANEL16 + 16 * h)), s, *macc);
+                        }
                     }
                 }
             }
         }
+        (lane_f[lane], lane_m[lane]) = (facc, macc);
     }
-    for (i, acc) in facc.iter().enumerate() {
+    for i in 0..MR {
         let row = &mut y[i * ldy..];
-        // SAFETY: the masks select the first `cols` floats, which the assert above shows the
-        // row holds; masked-off lanes are not accessed.
-        unsafe {
-            _mm512_mask_storeu_ps(row.as_mut_ptr(), masks[0], acc[0]);
-            _mm512_mask_storeu_ps(row.as_mut_ptr().wrapping_add(16), masks[1], acc[1]);
+        for h in 0..2 {
+            let mut v = lanes_sum(&std::array::from_fn(|l| lane_f[l][i][h]));
+            if MINS {
+                // The decode kernels' `sum − (0 − minimums)`.
+                let m = lanes_sum(&std::array::from_fn(|l| lane_m[l][i][h]));
+                v = _mm512_sub_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), m));
+            }
+            // SAFETY: the masks select the first `cols` floats, which the assert above shows
+            // the row holds; masked-off lanes are not accessed.
+            unsafe { _mm512_mask_storeu_ps(row.as_mut_ptr().wrapping_add(16 * h), masks[h], v) };
         }
     }
 }

@@ -11,6 +11,11 @@
 //! products of an integer of at most 8 bits (Q8_0's ±128; the others' are smaller) and an
 //! int16, under 2²⁸ — then scale it once in float32.
 //!
+//! Products take these panels only for the 32-value formats, where `panel_gemm` sums and
+//! rounds each row as the decode kernels do, bit for bit (a row's products do not depend on
+//! its batch: [`super::QuantMatrix::matmul_xwt`]); the K formats' groups are packed here too,
+//! for the measurements, but those products take the decode kernels at every size.
+//!
 //! Against the float32 panels of [`super::avx512`] this does half the instructions per
 //! product (an int16 pair per lane); against float32 the activations are rounded to 1/65534 of
 //! their block's largest value, as the decode path has always rounded them.
@@ -281,11 +286,6 @@ impl Panel16<'_> {
         );
         assert!(cols <= nr && cols <= ldy && (rows == 0 || y.len() >= (rows - 1) * ldy + cols));
     }
-}
-
-/// Sums of each activation row's float values per group, as the minimums multiply them.
-pub(super) fn group_sums<'a>(x: &Q16View<'a>, group: usize) -> &'a [f32] {
-    if group == 16 { x.sum16 } else { x.sum32 }
 }
 
 #[cfg(test)]
