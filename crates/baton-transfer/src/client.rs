@@ -19,7 +19,7 @@ use baton_kv::{BlockId, ByteRange};
 
 use crate::auth::{self, Side};
 use crate::compat::Compat;
-use crate::conn::Conn;
+use crate::conn::{Conn, damaged_blocks};
 use crate::device::DeviceArena;
 use crate::frame::{EndpointInfo, FLAG_GATHER, Frame, TransferMode, check_peer};
 use crate::location::{HostId, Location, Reach, TransportChoice, choose};
@@ -333,19 +333,26 @@ impl KvClient {
         let ranges: Vec<ByteRange> = copies.iter().map(|c| c.src).collect();
         let len: usize = ranges.iter().map(|r| r.len).sum();
         self.control.send(&Frame::Read { id, seq, ranges, flags: FLAG_GATHER })?;
-        match self.control.recv()? {
-            Frame::Data { payload_len, .. } if payload_len == len as u64 => self.control.recv_buf(len, buf)?,
+        let sums = match self.control.recv()? {
+            Frame::Data { payload_len, sums, .. } if payload_len == len as u64 && sums.len() == copies.len() => {
+                self.control.recv_buf(len, buf)?;
+                sums
+            }
             Frame::Error { id, code, message } => {
                 return Err(TransferError::Remote { peer: self.remote.peer, id, code, message });
             }
             other => return Err(TransferError::Protocol(format!("expected DATA, got {}", other.name()))),
-        }
+        };
         let mut at = 0;
         for c in copies {
             self.local.write(c.dst.offset, &buf[at..at + c.dst.len])?;
             at += c.dst.len;
         }
-        Ok(())
+        let dst: Vec<ByteRange> = copies.iter().map(|c| c.dst).collect();
+        match damaged_blocks(&self.local, &dst, &sums)? {
+            0 => Ok(()),
+            blocks => Err(TransferError::Corrupt { peer: self.remote.peer, id, blocks }),
+        }
     }
 
     /// Push mode, first half: sends the ids of the blocks this side reserved for `id`, and the
@@ -473,7 +480,7 @@ impl KvClient {
     /// Applies a frame the server sends on its own (push mode).
     fn handle_async(&mut self, frame: Frame) -> Result<()> {
         match frame {
-            Frame::Write { id, generation, ranges, payload_len } => {
+            Frame::Write { id, generation, ranges, payload_len, sums } => {
                 let Some(state) = self.pushes.get_mut(&id).filter(|p| p.generation == generation) else {
                     // A stale write: its blocks may belong to another request by now.
                     self.stale_writes += 1;
@@ -486,7 +493,11 @@ impl KvClient {
                 }
                 state.bytes += payload_len;
                 state.frames += 1;
-                self.control.recv_into(&self.local, &ranges)
+                self.control.recv_into(&self.local, &ranges)?;
+                match damaged_blocks(&self.local, &ranges, &sums)? {
+                    0 => Ok(()),
+                    blocks => Err(TransferError::Corrupt { peer: self.remote.peer, id, blocks }),
+                }
             }
             Frame::Pushed { id, generation, layers_done, done, trailer, via } => {
                 let Some(state) = self.pushes.get_mut(&id).filter(|p| p.generation == generation) else {

@@ -473,7 +473,8 @@ impl KvServer {
                     let dst: Vec<ByteRange> = batch.iter().map(|c| c.dst).collect();
                     let src: Vec<ByteRange> = batch.iter().map(|c| c.src).collect();
                     let payload_len = src.iter().map(|r| r.len as u64).sum();
-                    w.send_with_payload(&Frame::Write { id, generation, ranges: dst, payload_len }, &s.region, &src)?;
+                    let write = |sums| Frame::Write { id, generation, ranges: dst, payload_len, sums };
+                    w.send_checked(write, &s.region, &src)?;
                 }
                 n
             }
@@ -719,16 +720,20 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64, slot: HandshakeSlot
                     continue;
                 }
                 let payload_len = ranges.iter().map(|r| r.len as u64).sum();
-                let data = Frame::Data { id, seq, payload_len };
+                let data = |sums| Frame::Data { id, seq, payload_len, sums };
                 if flags & FLAG_GATHER != 0 {
                     // The message-passing baseline: gather into a (reused) buffer, then send it.
                     gather.clear();
+                    let mut sums = Vec::with_capacity(ranges.len());
                     for r in &ranges {
-                        shared.region.with_bytes(*r, |b| gather.extend_from_slice(b))?;
+                        shared.region.with_bytes(*r, |b| {
+                            sums.push(crc32c::crc32c(b));
+                            gather.extend_from_slice(b);
+                        })?;
                     }
-                    lock(&writer).send_with_bytes(&data, &gather)?;
+                    lock(&writer).send_with_bytes(&data(sums), &gather)?;
                 } else {
-                    lock(&writer).send_with_payload(&data, &shared.region, &ranges)?;
+                    lock(&writer).send_checked(data, &shared.region, &ranges)?;
                 }
             }
             Frame::Complete { id } => {
