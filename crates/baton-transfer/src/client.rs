@@ -1,7 +1,8 @@
 //! The decode side: a connection to one prefill worker's [`KvServer`](crate::KvServer).
 //!
-//! [`KvClient::connect`] performs CONNECT (descriptors, geometry, compatibility hash, proofs of
-//! the cluster secret) on a control connection, plus the data connections of the chosen
+//! [`KvClient::connect`] opens each connection with a member ticket (`auth::ticket`), then
+//! performs CONNECT (descriptors, geometry, compatibility hash, proofs of the cluster secret) on
+//! a control connection, plus the data connections of the chosen
 //! transport. Then, per request: [`KvClient::pull`] = TRANSFER + coalesced reads + COMPLETE
 //! (or the three steps separately, to keep many transfers in flight), or, in push mode,
 //! [`KvClient::begin_push`] and [`KvClient::finish_push`].
@@ -569,6 +570,10 @@ fn open_transport(
 fn dial(addr: SocketAddr, config: &ClientConfig, local: &Region, reach: &Reach) -> Result<(Conn, EndpointInfo)> {
     let stream = TcpStream::connect_timeout(&addr, config.io_timeout).map_err(TransferError::io("connecting"))?;
     let mut conn = Conn::new(stream, config.io_timeout)?;
+    // First, before TLS: the member ticket, which earns the handshake a member's slot.
+    let unix_ms =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    conn.send_raw(&auth::ticket(&config.secret, unix_ms, &auth::nonce()))?;
     if let Some(tls) = &config.tls {
         let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
         conn.start_tls_client(Arc::clone(tls), name, Instant::now() + config.io_timeout)?;

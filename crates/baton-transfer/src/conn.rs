@@ -201,6 +201,12 @@ impl Conn {
         }
     }
 
+    /// Sends bytes that are no frame: the member ticket a client opens a connection with.
+    pub(crate) fn send_raw(&mut self, bytes: &[u8]) -> Result<()> {
+        let e = self.err("sending the member ticket");
+        self.wire().write_all(bytes).map_err(e)
+    }
+
     /// Sends a frame without payload.
     pub(crate) fn send(&mut self, frame: &Frame) -> Result<()> {
         let bytes = frame.encode();

@@ -41,6 +41,9 @@ fn send(s: &mut TcpStream, frame: &Frame, payload: &[u8]) {
 
 /// The peer's side of the handshake: answers CONNECT and AUTH as a KV server would.
 fn accept(s: &mut TcpStream) {
+    let mut ticket = [0u8; auth::TICKET_LEN];
+    s.read_exact(&mut ticket).expect("the member ticket");
+    assert!(matches!(auth::check_ticket(SECRET.as_bytes(), &ticket), auth::TicketCheck::Valid { .. }));
     let Frame::Connect { nonce: client_nonce, .. } = recv(s) else { panic!("expected CONNECT") };
     let server_nonce = auth::nonce();
     let proof = auth::proof(SECRET.as_bytes(), Side::Server, &client_nonce, &server_nonce);

@@ -1736,7 +1736,7 @@ fn a_conductor_serving_tls_takes_workers_and_clients_that_trust_its_certificate(
 /// TLS on the KV plane (#19): prefill and decode workers started with `--tls-cert/--tls-key`
 /// (one self-signed certificate they share, trusted with `--tls-ca`) hand KV over TCP inside
 /// TLS: the answer equals `baton generate`'s, KV bytes moved, and the prefill worker's KV port
-/// answers a plaintext peer with a TLS alert. (The crate's `tests/tls.rs` shows that no KV byte
+/// answers a peer that follows its member ticket with plaintext with a TLS alert. (The crate's `tests/tls.rs` shows that no KV byte
 /// crosses the wire in clear.) The conductor speaks plain HTTP and trusts the workers' control
 /// APIs with `--tls-ca`.
 #[test]
@@ -1760,6 +1760,9 @@ fn workers_with_certificates_hand_kv_over_tls() {
 
     let mut plain = std::net::TcpStream::connect(&p.kv).unwrap();
     plain.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    // A member's ticket first (sent in clear, before TLS), then plaintext where TLS should be.
+    let unix_ms = unix_millis();
+    plain.write_all(&baton_transfer::auth::ticket(SECRET.as_bytes(), unix_ms, &baton_transfer::auth::nonce())).unwrap();
     plain.write_all(&[0u8; 64]).unwrap();
     let mut first = [0u8; 1];
     plain.read_exact(&mut first).unwrap();
