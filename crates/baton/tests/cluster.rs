@@ -1964,8 +1964,9 @@ fn a_tcp_hand_off_damaged_on_the_wire_is_recomputed_and_counted() {
 /// reconnecting connections from 127.0.0.1, the decode worker's own address, made 20 of 20
 /// hand-offs fail and recompute). Four flooders keep up to 300 connections to the prefill
 /// worker's KV port open from 127.0.0.1, reconnecting as fast as they can, half idle and half
-/// opening with a forged member ticket; meanwhile ten requests are handed off over TCP, and
-/// every one arrives (`baton_kv_transfers_total{transport="tcp"}`: none was recomputed). The
+/// opening with a forged member ticket, and 8 idle and 8 forged connections stay open
+/// throughout (the slots stay held whatever pace the churn keeps on a busy machine); meanwhile
+/// ten requests are handed off over TCP, and every one arrives (`baton_kv_transfers_total{transport="tcp"}`: none was recomputed). The
 /// flood ends with the requests, or at 120 s, or at 500,000 connections a flooder.
 #[test]
 fn a_flood_on_the_kv_port_from_the_decode_workers_address_costs_no_hand_off() {
@@ -2005,7 +2006,20 @@ fn a_flood_on_the_kv_port_from_the_decode_workers_address_costs_no_hand_off() {
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(300));
+    // Besides the churn, connections that stay: idle ones first (they hold a server's slots
+    // when slots go by address alone), then forged tickets (they hold the strangers' slots).
+    let mut held = Vec::new();
+    for forged in [false, true] {
+        for _ in 0..8 {
+            let mut s = std::net::TcpStream::connect(target).unwrap();
+            if forged {
+                s.write_all(b"BTKM\x01\x00").unwrap();
+                s.write_all(&[0x5A; 58]).unwrap();
+            }
+            held.push(s);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let mut texts = Vec::new();
     for i in 0..10 {
         let prompt = format!("Request {i}: {LONG}");
@@ -2014,6 +2028,7 @@ fn a_flood_on_the_kv_port_from_the_decode_workers_address_costs_no_hand_off() {
         texts.push(text(&v));
     }
     stop.store(true, Ordering::Relaxed);
+    drop(held);
     let flood: u64 = flooders.into_iter().map(|t| t.join().unwrap()).sum();
     let arrived = metric(&url, "baton_kv_transfers_total{transport=\"tcp\"}");
     eprintln!("{flood} flood connections from 127.0.0.1; {arrived} of 10 hand-offs arrived over TCP");
