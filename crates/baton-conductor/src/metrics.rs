@@ -308,6 +308,9 @@ pub struct WorkerGauges {
     pub blocks_used: usize,
     /// KV blocks in the device tier.
     pub blocks_total: usize,
+    /// KV blocks that failed their checksum on the worker (its slower tiers, or received over
+    /// TCP), since it started.
+    pub corrupt_blocks: u64,
 }
 
 /// What is read at scrape time, beside the counters: a registry built for one scrape.
@@ -342,7 +345,19 @@ impl Scrape<'_> {
         )?;
         queue.with_label_values(&["conductor", "conductor", "admission"]).set(as_i64(self.admission_queued));
         let blocks = gauges("baton_kv_blocks", "KV blocks per worker, tier and state.", &["worker", "tier", "state"])?;
+        // The worker counts; the conductor reports what it read (a counter whose value comes
+        // from elsewhere, as the index's below).
+        let corrupt = IntCounterVec::new(
+            Opts::new(
+                "baton_kv_corrupt_blocks_total",
+                "KV blocks that failed their checksum on a worker, read back from its host or disk tier or received \
+                 over TCP; each was dropped and its tokens computed again.",
+            ),
+            &["worker"],
+        )?;
+        r.register(Box::new(corrupt.clone()))?;
         for w in self.workers {
+            corrupt.with_label_values(&[&w.name]).inc_by(w.corrupt_blocks);
             queue.with_label_values(&[&w.name, w.role, "running"]).set(as_i64(w.running));
             queue.with_label_values(&[&w.name, w.role, "waiting"]).set(as_i64(w.waiting));
             blocks.with_label_values(&[&w.name, "device", "used"]).set(as_i64(w.blocks_used));
@@ -497,6 +512,7 @@ mod tests {
             waiting: 1,
             blocks_used: 10,
             blocks_total: 64,
+            corrupt_blocks: 2,
         }];
         let scrape = Scrape { workers: &workers, decode_time_us: Some(2_500_000), ..Scrape::default() };
         let text = m.render(&scrape);
@@ -514,6 +530,7 @@ mod tests {
             "baton_kv_fetch_tokens_total 32",
             "baton_queue_length{role=\"decode\",state=\"running\",worker=\"decode-1\"} 3",
             "baton_kv_blocks{state=\"total\",tier=\"device\",worker=\"decode-1\"} 64",
+            "baton_kv_corrupt_blocks_total{worker=\"decode-1\"} 2",
             "baton_decode_residency_seconds 2.5",
         ] {
             assert!(text.lines().any(|l| l == line), "`{line}` missing from:\n{text}");

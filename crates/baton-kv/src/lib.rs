@@ -23,6 +23,8 @@
 //!   [`KvEvent`]s that an index elsewhere (the conductor's: baton-sched's `GlobalPromptTrees`)
 //!   applies to stay in sync.
 //! - [`BlockTable`]: the blocks of one sequence, in token order.
+//! - [`block_checksum`]: the CRC-32C every block on the host and disk tiers carries, checked
+//!   when it comes back (a block that fails is dropped, counted and recomputed).
 //!
 //! An engine's life with the pool:
 //!
@@ -66,6 +68,7 @@
 mod allocator;
 mod arena;
 mod block_table;
+mod checksum;
 mod events;
 mod geometry;
 mod hash;
@@ -80,6 +83,7 @@ mod tier;
 pub use allocator::{AllocatorError, BlockAllocator};
 pub use arena::{ArenaHandle, KvArena, MappedArena, Slab};
 pub use block_table::BlockTable;
+pub use checksum::{block_checksum, checksum_ranges};
 pub use events::{BlockTokens, EventError, IndexEntry, KvEvent, KvEventKind};
 pub use geometry::{Dim, KvDtype, KvGeometry, KvLayout, KvPart, TensorDescriptor};
 pub use hash::{BlockHash, HASH_SEED, block_hash, fnv1a_32, fnv1a_64, prefix_hashes};

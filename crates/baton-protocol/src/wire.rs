@@ -419,6 +419,10 @@ pub struct WorkerStats {
     /// The worker is draining: it finishes what it holds and takes nothing new.
     #[serde(default)]
     pub draining: bool,
+    /// KV blocks that failed their checksum since the worker started: read back from its host
+    /// or disk tier, or received over TCP. Each was dropped and its tokens computed again.
+    #[serde(default)]
+    pub corrupt_blocks: u64,
 }
 
 impl WorkerStats {

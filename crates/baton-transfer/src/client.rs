@@ -1,7 +1,8 @@
 //! The decode side: a connection to one prefill worker's [`KvServer`](crate::KvServer).
 //!
-//! [`KvClient::connect`] performs CONNECT (descriptors, geometry, compatibility hash, proofs of
-//! the cluster secret) on a control connection, plus the data connections of the chosen
+//! [`KvClient::connect`] opens each connection with a member ticket (`auth::ticket`), then
+//! performs CONNECT (descriptors, geometry, compatibility hash, proofs of the cluster secret) on
+//! a control connection, plus the data connections of the chosen
 //! transport. Then, per request: [`KvClient::pull`] = TRANSFER + coalesced reads + COMPLETE
 //! (or the three steps separately, to keep many transfers in flight), or, in push mode,
 //! [`KvClient::begin_push`] and [`KvClient::finish_push`].
@@ -19,7 +20,7 @@ use baton_kv::{BlockId, ByteRange};
 
 use crate::auth::{self, Side};
 use crate::compat::Compat;
-use crate::conn::Conn;
+use crate::conn::{Conn, damaged_blocks};
 use crate::device::DeviceArena;
 use crate::frame::{EndpointInfo, FLAG_GATHER, Frame, TransferMode, check_peer};
 use crate::location::{HostId, Location, Reach, TransportChoice, choose};
@@ -333,19 +334,26 @@ impl KvClient {
         let ranges: Vec<ByteRange> = copies.iter().map(|c| c.src).collect();
         let len: usize = ranges.iter().map(|r| r.len).sum();
         self.control.send(&Frame::Read { id, seq, ranges, flags: FLAG_GATHER })?;
-        match self.control.recv()? {
-            Frame::Data { payload_len, .. } if payload_len == len as u64 => self.control.recv_buf(len, buf)?,
+        let sums = match self.control.recv()? {
+            Frame::Data { payload_len, sums, .. } if payload_len == len as u64 && sums.len() == copies.len() => {
+                self.control.recv_buf(len, buf)?;
+                sums
+            }
             Frame::Error { id, code, message } => {
                 return Err(TransferError::Remote { peer: self.remote.peer, id, code, message });
             }
             other => return Err(TransferError::Protocol(format!("expected DATA, got {}", other.name()))),
-        }
+        };
         let mut at = 0;
         for c in copies {
             self.local.write(c.dst.offset, &buf[at..at + c.dst.len])?;
             at += c.dst.len;
         }
-        Ok(())
+        let dst: Vec<ByteRange> = copies.iter().map(|c| c.dst).collect();
+        match damaged_blocks(&self.local, &dst, &sums)? {
+            0 => Ok(()),
+            blocks => Err(TransferError::Corrupt { peer: self.remote.peer, id, blocks }),
+        }
     }
 
     /// Push mode, first half: sends the ids of the blocks this side reserved for `id`, and the
@@ -473,7 +481,7 @@ impl KvClient {
     /// Applies a frame the server sends on its own (push mode).
     fn handle_async(&mut self, frame: Frame) -> Result<()> {
         match frame {
-            Frame::Write { id, generation, ranges, payload_len } => {
+            Frame::Write { id, generation, ranges, payload_len, sums } => {
                 let Some(state) = self.pushes.get_mut(&id).filter(|p| p.generation == generation) else {
                     // A stale write: its blocks may belong to another request by now.
                     self.stale_writes += 1;
@@ -486,7 +494,11 @@ impl KvClient {
                 }
                 state.bytes += payload_len;
                 state.frames += 1;
-                self.control.recv_into(&self.local, &ranges)
+                self.control.recv_into(&self.local, &ranges)?;
+                match damaged_blocks(&self.local, &ranges, &sums)? {
+                    0 => Ok(()),
+                    blocks => Err(TransferError::Corrupt { peer: self.remote.peer, id, blocks }),
+                }
             }
             Frame::Pushed { id, generation, layers_done, done, trailer, via } => {
                 let Some(state) = self.pushes.get_mut(&id).filter(|p| p.generation == generation) else {
@@ -558,6 +570,10 @@ fn open_transport(
 fn dial(addr: SocketAddr, config: &ClientConfig, local: &Region, reach: &Reach) -> Result<(Conn, EndpointInfo)> {
     let stream = TcpStream::connect_timeout(&addr, config.io_timeout).map_err(TransferError::io("connecting"))?;
     let mut conn = Conn::new(stream, config.io_timeout)?;
+    // First, before TLS: the member ticket, which earns the handshake a member's slot.
+    let unix_ms =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    conn.send_raw(&auth::ticket(&config.secret, unix_ms, &auth::nonce()))?;
     if let Some(tls) = &config.tls {
         let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
         conn.start_tls_client(Arc::clone(tls), name, Instant::now() + config.io_timeout)?;

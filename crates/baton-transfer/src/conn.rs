@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use baton_kv::ByteRange;
 
-use crate::frame::{Frame, HEADER_LEN, Header};
+use crate::frame::{Frame, HEADER_LEN, Header, range_sums};
 use crate::region::Region;
 use crate::tls::Session;
 use crate::{Result, TransferError};
@@ -201,6 +201,12 @@ impl Conn {
         }
     }
 
+    /// Sends bytes that are no frame: the member ticket a client opens a connection with.
+    pub(crate) fn send_raw(&mut self, bytes: &[u8]) -> Result<()> {
+        let e = self.err("sending the member ticket");
+        self.wire().write_all(bytes).map_err(e)
+    }
+
     /// Sends a frame without payload.
     pub(crate) fn send(&mut self, frame: &Frame) -> Result<()> {
         let bytes = frame.encode();
@@ -208,13 +214,19 @@ impl Conn {
         self.wire().write_all(&bytes).map_err(e)
     }
 
-    /// Sends a frame followed by the bytes of `ranges` of `region`, in order, vectored.
-    pub(crate) fn send_with_payload(&mut self, frame: &Frame, region: &Region, ranges: &[ByteRange]) -> Result<()> {
-        let head = frame.encode();
+    /// Sends the frame `frame` makes of the CRC-32C of each of `ranges` of `region` (a DATA's or
+    /// WRITE's `sums`, [`range_sums`]), followed by those bytes, in order, vectored.
+    pub(crate) fn send_checked(
+        &mut self,
+        frame: impl FnOnce(Vec<u32>) -> Frame,
+        region: &Region,
+        ranges: &[ByteRange],
+    ) -> Result<()> {
         let e = self.err("sending KV bytes");
         let mut wire = self.wire();
         region
             .with_many(ranges, |slices| -> std::io::Result<()> {
+                let head = frame(range_sums(slices)).encode();
                 let mut all: Vec<IoSlice<'_>> = Vec::with_capacity(slices.len() + 1);
                 all.push(IoSlice::new(&head));
                 all.extend(slices.iter().map(|s| IoSlice::new(s)));
@@ -324,6 +336,33 @@ impl Conn {
         self.wire().read_exact(&mut buf).map_err(e)?;
         Ok(buf)
     }
+}
+
+/// Checks `ranges` of `region`, just received, against the sums their sender computed: how many
+/// distinct blocks of the region hold a range that fails (0: every range arrived intact).
+pub(crate) fn damaged_blocks(region: &Region, ranges: &[ByteRange], sums: &[u32]) -> Result<usize> {
+    if sums.len() != ranges.len() {
+        return Err(TransferError::Protocol(format!("{} checksums for {} ranges", sums.len(), ranges.len())));
+    }
+    let mut damaged = std::collections::BTreeSet::new();
+    for (&r, &sum) in ranges.iter().zip(sums) {
+        if r.len > 0 && region.with_bytes(r, crc32c::crc32c)? != sum {
+            damaged.extend(blocks_of(region.descriptor(), r));
+        }
+    }
+    Ok(damaged.len())
+}
+
+/// The blocks a byte range of a region with descriptor `d` touches: a range lies within one
+/// run of consecutive blocks of one (layer, K/V) in every layout, whose block index is the
+/// element offset over the block stride, modulo the blocks.
+fn blocks_of(d: &baton_kv::TensorDescriptor, r: ByteRange) -> std::ops::RangeInclusive<usize> {
+    use baton_kv::Dim;
+    let (stride, n) = (d.stride(Dim::Block).max(1) * d.elem_size.max(1), d.extent(Dim::Block).max(1));
+    let base = d.base * d.elem_size;
+    let block = |byte: usize| (byte.saturating_sub(base) / stride) % n;
+    let (first, last) = (block(r.offset), block(r.end().saturating_sub(1)));
+    if last >= first { first..=last } else { first..=first }
 }
 
 /// `write_all` for vectored writes.

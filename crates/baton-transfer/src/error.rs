@@ -85,6 +85,18 @@ pub enum TransferError {
     /// A device call failed (opening a peer's device arena, a device-to-device copy).
     #[error("device: {0}")]
     Device(String),
+    /// KV bytes that arrived over TCP did not match the checksums their sender computed: the
+    /// transfer failed, and its destination blocks hold garbage (the caller frees them and
+    /// computes their tokens again).
+    #[error("{blocks} KV blocks of transfer {id} from peer {peer} arrived damaged (checksum mismatch)")]
+    Corrupt {
+        /// The sender.
+        peer: PeerId,
+        /// The transfer.
+        id: TransferId,
+        /// Destination blocks with at least one damaged byte range.
+        blocks: usize,
+    },
 }
 
 impl TransferError {
@@ -101,6 +113,15 @@ impl TransferError {
                 TransferError::PeerClosed(context)
             }
             _ => TransferError::Io { context, source },
+        }
+    }
+
+    /// Blocks that arrived damaged, when the error is [`TransferError::Corrupt`] (what a worker
+    /// counts beside the blocks that failed their check on its own tiers).
+    pub fn corrupt_blocks(&self) -> usize {
+        match self {
+            TransferError::Corrupt { blocks, .. } => *blocks,
+            _ => 0,
         }
     }
 

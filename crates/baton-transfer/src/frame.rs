@@ -11,6 +11,12 @@
 //! All integers are little-endian, written with `to_le_bytes`. A frame with another magic or
 //! version is an error, never garbage; so is a body that does not decode exactly.
 //!
+//! DATA and WRITE carry a CRC-32C of each range of their payload (the sender's
+//! [`range_sums`]): the receiver checks every range once it is in place, and a range that fails
+//! fails the transfer ([`TransferError::Corrupt`](crate::TransferError::Corrupt)), so bytes
+//! damaged on the wire (TCP's own 16-bit checksum misses some; a middlebox may rewrite them)
+//! are recomputed, never used. Over TLS the record layer's MAC checks them too.
+//!
 //! Also here, as the handshake frames' own: the [`ErrorCode`]s an ERROR frame carries, and
 //! `check_peer`, whether the facts a peer sent at CONNECT or ACCEPT fit ours.
 
@@ -26,14 +32,20 @@ pub const MAGIC: u32 = u32::from_le_bytes(*b"BTKV");
 /// Protocol version this build speaks (3: PUSHED carries a trailer; 4: CONNECT and ACCEPT say
 /// where the sender's KV lives, [`Reach`], and PUSHED how the layers were written; 5: a device
 /// handle names the process that exported it; 6: device handles shared as descriptors, the
-/// stand-in's and CUDA VMM's).
-pub const VERSION: u16 = 6;
+/// stand-in's and CUDA VMM's; 7: DATA and WRITE carry a CRC-32C of each range).
+pub const VERSION: u16 = 7;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 24;
 /// Largest metadata body accepted (range lists of a big READ fit easily).
 pub const MAX_META: usize = 16 << 20;
 /// READ flag: the server gathers the ranges into one buffer first (the naive baseline).
 pub const FLAG_GATHER: u8 = 1;
+
+/// CRC-32C of each of `slices` (the bytes of a DATA's or WRITE's ranges, in order): what the
+/// frame's `sums` carry.
+pub fn range_sums(slices: &[&[u8]]) -> Vec<u32> {
+    slices.iter().map(|s| crc32c::crc32c(s)).collect()
+}
 
 /// Decoding failures.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -221,6 +233,8 @@ pub enum Frame {
         seq: u64,
         /// Bytes that follow.
         payload_len: u64,
+        /// CRC-32C of each of the READ's ranges, in order.
+        sums: Vec<u32>,
     },
     /// Server → client (push over TCP): write the payload into these ranges of your region.
     Write {
@@ -232,6 +246,8 @@ pub enum Frame {
         ranges: Vec<ByteRange>,
         /// Bytes that follow.
         payload_len: u64,
+        /// CRC-32C of each range's bytes, in order.
+        sums: Vec<u32>,
     },
     /// Server → client (push): layers `..layers_done` are in place; `done` when all are.
     Pushed {
@@ -386,14 +402,16 @@ impl Frame {
                 w.u64(*seq);
                 w.ranges(ranges);
             }
-            Frame::Data { id, seq, .. } => {
+            Frame::Data { id, seq, sums, .. } => {
                 w.u64(id.0);
                 w.u64(*seq);
+                w.ids(sums);
             }
-            Frame::Write { id, generation, ranges, .. } => {
+            Frame::Write { id, generation, ranges, sums, .. } => {
                 w.u64(id.0);
                 w.u64(*generation);
                 w.ranges(ranges);
+                w.ids(sums);
             }
             Frame::Pushed { id, generation, layers_done, done, trailer, via } => {
                 w.u64(id.0);
@@ -456,10 +474,13 @@ impl Frame {
             kind::READ => {
                 Frame::Read { id: TransferId(r.u64()?), seq: r.u64()?, ranges: r.ranges()?, flags: header.flags }
             }
-            kind::DATA => Frame::Data { id: TransferId(r.u64()?), seq: r.u64()?, payload_len: header.payload_len },
+            kind::DATA => {
+                let (id, seq) = (TransferId(r.u64()?), r.u64()?);
+                Frame::Data { id, seq, payload_len: header.payload_len, sums: r.ids()? }
+            }
             kind::WRITE => {
-                let (id, generation) = (TransferId(r.u64()?), r.u64()?);
-                Frame::Write { id, generation, ranges: r.ranges()?, payload_len: header.payload_len }
+                let (id, generation, ranges) = (TransferId(r.u64()?), r.u64()?, r.ranges()?);
+                Frame::Write { id, generation, ranges, payload_len: header.payload_len, sums: r.ids()? }
             }
             kind::PUSHED => Frame::Pushed {
                 id: TransferId(r.u64()?),
@@ -486,10 +507,13 @@ impl Frame {
         if !payload_ok {
             return Err(r.bad("payload on a frame that carries none".into()));
         }
-        if let Frame::Write { ranges, payload_len, .. } = &frame
-            && ranges.iter().map(|r| r.len as u64).sum::<u64>() != *payload_len
-        {
-            return Err(r.bad("payload length differs from the ranges' total".into()));
+        if let Frame::Write { ranges, payload_len, sums, .. } = &frame {
+            if ranges.iter().map(|r| r.len as u64).sum::<u64>() != *payload_len {
+                return Err(r.bad("payload length differs from the ranges' total".into()));
+            }
+            if sums.len() != ranges.len() {
+                return Err(r.bad(format!("{} checksums for {} ranges", sums.len(), ranges.len())));
+            }
         }
         Ok(frame)
     }
@@ -795,8 +819,14 @@ mod tests {
             Frame::Transfer { id, mode: TransferMode::Push, remote: vec![], local: vec![4, 5, 6], generation: 9 },
             Frame::TransferOk { id },
             Frame::Read { id, seq: 3, ranges: vec![ByteRange { offset: 10, len: 20 }], flags: FLAG_GATHER },
-            Frame::Data { id, seq: 3, payload_len: 20 },
-            Frame::Write { id, generation: 9, ranges: vec![ByteRange { offset: 1, len: 2 }], payload_len: 2 },
+            Frame::Data { id, seq: 3, payload_len: 20, sums: vec![7, 0xdead_beef] },
+            Frame::Write {
+                id,
+                generation: 9,
+                ranges: vec![ByteRange { offset: 1, len: 2 }],
+                payload_len: 2,
+                sums: vec![0x1234_5678],
+            },
             Frame::Pushed {
                 id,
                 generation: 9,

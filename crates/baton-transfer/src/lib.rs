@@ -33,6 +33,7 @@
 //! | `client` | [`KvClient`]: connect, pull, push receive | sockets |
 //! | [`mod@bench`] | the transfer benchmark between two processes | processes |
 
+mod admit;
 pub mod auth;
 pub mod bench;
 mod client;

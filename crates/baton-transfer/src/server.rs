@@ -1,8 +1,9 @@
 //! The prefill side: a KV server serving a region to decode peers.
 //!
-//! [`KvServer::start`] binds a listener and runs, on threads of its own, an acceptor, one thread
-//! per connection (handshake, then TRANSFER / READ / COMPLETE) and a reaper that ends leases
-//! whose deadline passed. The engine loop is not involved in any read: it offers a request's
+//! [`KvServer::start`] binds a listener and runs, on threads of its own, an acceptor (which
+//! holds each new connection, threadless, until its member ticket is in, and sorts members from
+//! strangers: `admit.rs`), one thread per connection (handshake, then TRANSFER / READ /
+//! COMPLETE) and a reaper that ends leases whose deadline passed. The engine loop is not involved in any read: it offers a request's
 //! blocks ([`KvServer::offer`]), gets them back through its [`BlockOwner`] when the decode side
 //! completes or the lease runs out, and in push mode writes layers with [`KvServer::push`].
 
@@ -17,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use baton_kv::{BlockId, ByteRange, Dim};
 
+use crate::admit::{Admission, Tickets, Triage};
 use crate::auth::{self, Side};
 use crate::compat::Compat;
 use crate::conn::Conn;
@@ -71,12 +73,17 @@ pub struct ServerConfig {
     /// Most connections at once, authenticated or not: a connection over the cap is closed at
     /// once, costing no thread.
     pub max_connections: usize,
-    /// Most connections at once still in their handshake (a flood of idle or garbage
-    /// connections holds at most this many threads, each for at most `handshake_timeout`).
+    /// Most connections at once still in their handshake without a member ticket (a flood of
+    /// connections holds at most this many threads, each for at most `handshake_timeout`; one
+    /// that sends no ticket holds none, only a place among the connections waiting for one).
     pub max_handshakes: usize,
-    /// Most of those from one IP address: a flood from one host cannot take every handshake
-    /// slot from the cluster's members.
+    /// Most of those from one IP address: a flood from one host cannot take every stranger
+    /// slot from the others.
     pub max_handshakes_per_peer: usize,
+    /// Most handshakes at once of connections that opened with a valid member ticket
+    /// (`admit.rs`): slots of their own, which no connection without one takes, whatever
+    /// address it comes from (a member over them takes a stranger slot).
+    pub max_member_handshakes: usize,
     /// Speak TLS with this configuration (a peer must then connect with TLS and trust our
     /// certificate); the TLS handshake counts against `handshake_timeout`.
     pub tls: Option<Arc<rustls::ServerConfig>>,
@@ -88,8 +95,8 @@ pub const HANDSHAKE_MAX_META: usize = 64 << 10;
 
 impl ServerConfig {
     /// Defaults: loopback, any port, 30 s leases, 10 s I/O timeout, shared memory offered, a 5 s
-    /// handshake, at most 256 connections of which 16 in their handshake (4 from one address),
-    /// no TLS.
+    /// handshake, at most 256 connections of which 16 members and 16 strangers in their
+    /// handshake (4 strangers from one address), no TLS.
     pub fn new(peer: PeerId, compat: Compat, secret: impl Into<Vec<u8>>) -> Self {
         Self {
             peer,
@@ -104,6 +111,7 @@ impl ServerConfig {
             max_connections: 256,
             max_handshakes: 16,
             max_handshakes_per_peer: 4,
+            max_member_handshakes: 16,
             tls: None,
         }
     }
@@ -473,7 +481,8 @@ impl KvServer {
                     let dst: Vec<ByteRange> = batch.iter().map(|c| c.dst).collect();
                     let src: Vec<ByteRange> = batch.iter().map(|c| c.src).collect();
                     let payload_len = src.iter().map(|r| r.len as u64).sum();
-                    w.send_with_payload(&Frame::Write { id, generation, ranges: dst, payload_len }, &s.region, &src)?;
+                    let write = |sums| Frame::Write { id, generation, ranges: dst, payload_len, sums };
+                    w.send_checked(write, &s.region, &src)?;
                 }
                 n
             }
@@ -517,9 +526,10 @@ impl Drop for KvServer {
     }
 }
 
-/// Connections in their handshake: how many in all, and from each address.
+/// Connections in their handshake: members, and strangers in all and from each address.
 #[derive(Default)]
 struct Handshaking {
+    members: usize,
     total: usize,
     by_peer: HashMap<std::net::IpAddr, usize>,
 }
@@ -528,13 +538,24 @@ struct Handshaking {
 /// handshake ends (either way) or the connection never starts.
 struct HandshakeSlot {
     shared: Arc<Shared>,
-    peer: std::net::IpAddr,
+    /// A stranger's address; `None` for a member's slot.
+    stranger: Option<std::net::IpAddr>,
 }
 
 impl HandshakeSlot {
-    /// A place for a connection from `peer`, if both the server's and the address's allowance
-    /// have room.
-    fn take(shared: &Arc<Shared>, peer: std::net::IpAddr) -> Option<Self> {
+    /// A member's place, if the members' allowance has room.
+    fn member(shared: &Arc<Shared>) -> Option<Self> {
+        let mut h = lock(&shared.handshaking);
+        if h.members >= shared.config.max_member_handshakes {
+            return None;
+        }
+        h.members += 1;
+        Some(Self { shared: Arc::clone(shared), stranger: None })
+    }
+
+    /// A stranger's place for a connection from `peer`, if both the server's and the address's
+    /// allowance have room.
+    fn stranger(shared: &Arc<Shared>, peer: std::net::IpAddr) -> Option<Self> {
         let mut h = lock(&shared.handshaking);
         let from_peer = h.by_peer.get(&peer).copied().unwrap_or(0);
         if h.total >= shared.config.max_handshakes || from_peer >= shared.config.max_handshakes_per_peer {
@@ -542,50 +563,95 @@ impl HandshakeSlot {
         }
         h.total += 1;
         h.by_peer.insert(peer, from_peer + 1);
-        Some(Self { shared: Arc::clone(shared), peer })
+        Some(Self { shared: Arc::clone(shared), stranger: Some(peer) })
     }
 }
 
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
         let mut h = lock(&self.shared.handshaking);
+        let Some(peer) = self.stranger else {
+            h.members -= 1;
+            return;
+        };
         h.total -= 1;
-        if let Some(n) = h.by_peer.get_mut(&self.peer) {
+        if let Some(n) = h.by_peer.get_mut(&peer) {
             *n -= 1;
             if *n == 0 {
-                h.by_peer.remove(&self.peer);
+                h.by_peer.remove(&peer);
             }
         }
     }
 }
 
+/// Most connections waiting for their member ticket at once (`admit.rs`): past it the oldest is
+/// closed. Each is a descriptor and 100 bytes, no thread.
+const MAX_TRIAGE: usize = 256;
+
+/// Most connections accepted before the triage reads what the waiting ones sent.
+const ACCEPT_BATCH: usize = 32;
+
+/// Accepts connections, sorts them by their ticket ([`Triage`], [`Tickets`]) and starts a
+/// thread for each that gets a handshake slot; the rest are closed.
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
-    for stream in listener.incoming() {
-        if shared.stop.load(Ordering::Acquire) {
-            break;
+    if let Err(e) = listener.set_nonblocking(true) {
+        tracing::error!(error = %e, "the KV server cannot poll its listener; it accepts nothing");
+        return;
+    }
+    let mut triage = Triage::new(MAX_TRIAGE, shared.config.handshake_timeout);
+    let mut tickets = Tickets::default();
+    while !shared.stop.load(Ordering::Acquire) {
+        let mut ready = Vec::new();
+        if triage.poll(listener, Duration::from_millis(100)) {
+            // A batch at a time, the tickets read between batches: a flood that keeps the
+            // listener busy cannot push a member's connection out of the triage unread.
+            for _ in 0..ACCEPT_BATCH {
+                let (stream, peer) = match listener.accept() {
+                    Ok(s) => s,
+                    // WouldBlock: no more for now; anything else (out of descriptors): next round.
+                    Err(_) => break,
+                };
+                // Dropping the stream closes it: a flood costs no thread and no memory.
+                if lock(&shared.conns).len() >= shared.config.max_connections {
+                    continue;
+                }
+                ready.extend(triage.add(stream, peer, Instant::now()));
+            }
         }
-        let Ok(stream) = stream else { continue };
-        let Ok(peer) = stream.peer_addr() else { continue };
-        // Dropping the stream closes it: a flood costs no thread and no memory.
-        if lock(&shared.conns).len() >= shared.config.max_connections {
-            continue;
+        ready.extend(triage.collect(Instant::now()));
+        for t in ready {
+            let now_ms =
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+            let slot = match tickets.admit(auth::check_ticket(&shared.config.secret, &t.ticket), now_ms) {
+                Admission::Member => {
+                    HandshakeSlot::member(shared).or_else(|| HandshakeSlot::stranger(shared, t.peer.ip()))
+                }
+                Admission::Stranger => HandshakeSlot::stranger(shared, t.peer.ip()),
+                Admission::Refuse => None,
+            };
+            if let Some(slot) = slot {
+                start_conn(shared, t.stream, slot);
+            }
         }
-        let Some(slot) = HandshakeSlot::take(shared, peer.ip()) else { continue };
-        let Ok(conn) = Conn::new(stream, shared.config.io_timeout) else { continue };
-        let no = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-        if let Ok(c) = conn.try_clone() {
-            lock(&shared.conns).insert(no, c);
-        }
-        let s = Arc::clone(shared);
-        let spawned = std::thread::Builder::new().name("kv-conn".into()).spawn(move || {
-            // A connection's failure is the peer's business; the leases it opened run out.
-            let _ = serve(&s, conn, no, slot);
-            lock(&s.conns).remove(&no);
-            lock(&s.pushes).retain(|_, t| t.conn_no != no);
-        });
-        if spawned.is_err() {
-            lock(&shared.conns).remove(&no);
-        }
+    }
+}
+
+/// Starts the thread serving a connection that holds a handshake slot.
+fn start_conn(shared: &Arc<Shared>, stream: TcpStream, slot: HandshakeSlot) {
+    let Ok(conn) = Conn::new(stream, shared.config.io_timeout) else { return };
+    let no = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    if let Ok(c) = conn.try_clone() {
+        lock(&shared.conns).insert(no, c);
+    }
+    let s = Arc::clone(shared);
+    let spawned = std::thread::Builder::new().name("kv-conn".into()).spawn(move || {
+        // A connection's failure is the peer's business; the leases it opened run out.
+        let _ = serve(&s, conn, no, slot);
+        lock(&s.conns).remove(&no);
+        lock(&s.pushes).retain(|_, t| t.conn_no != no);
+    });
+    if spawned.is_err() {
+        lock(&shared.conns).remove(&no);
     }
 }
 
@@ -719,16 +785,20 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64, slot: HandshakeSlot
                     continue;
                 }
                 let payload_len = ranges.iter().map(|r| r.len as u64).sum();
-                let data = Frame::Data { id, seq, payload_len };
+                let data = |sums| Frame::Data { id, seq, payload_len, sums };
                 if flags & FLAG_GATHER != 0 {
                     // The message-passing baseline: gather into a (reused) buffer, then send it.
                     gather.clear();
+                    let mut sums = Vec::with_capacity(ranges.len());
                     for r in &ranges {
-                        shared.region.with_bytes(*r, |b| gather.extend_from_slice(b))?;
+                        shared.region.with_bytes(*r, |b| {
+                            sums.push(crc32c::crc32c(b));
+                            gather.extend_from_slice(b);
+                        })?;
                     }
-                    lock(&writer).send_with_bytes(&data, &gather)?;
+                    lock(&writer).send_with_bytes(&data(sums), &gather)?;
                 } else {
-                    lock(&writer).send_with_payload(&data, &shared.region, &ranges)?;
+                    lock(&writer).send_checked(data, &shared.region, &ranges)?;
                 }
             }
             Frame::Complete { id } => {

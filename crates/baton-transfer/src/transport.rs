@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 
 use baton_kv::ByteRange;
 
-use crate::conn::Conn;
+use crate::conn::{Conn, damaged_blocks};
 use crate::device::DeviceLink;
 use crate::frame::Frame;
 use crate::plan::RangeCopy;
@@ -292,13 +292,19 @@ fn read_lane(
         }
         let Some((seq, batch)) = in_flight.pop_front() else { break };
         match conn.recv()? {
-            Frame::Data { id: got, seq: s, payload_len } if got == id && s == seq => {
+            Frame::Data { id: got, seq: s, payload_len, sums } if got == id && s == seq => {
                 let want: u64 = batch.iter().map(|c| c.dst.len as u64).sum();
                 if payload_len != want {
                     return Err(TransferError::Protocol(format!("DATA of {payload_len} bytes for a {want}-byte READ")));
                 }
                 let ranges: Vec<ByteRange> = batch.iter().map(|c| c.dst).collect();
                 conn.recv_into(dst, &ranges)?;
+                let blocks = damaged_blocks(dst, &ranges, &sums)?;
+                if blocks > 0 {
+                    // The connection is still in step: the READs in flight are drained.
+                    drain(conn, in_flight.len())?;
+                    return Err(TransferError::Corrupt { peer, id, blocks });
+                }
             }
             Frame::Error { id, code, message } => {
                 drain(conn, in_flight.len())?;

@@ -29,6 +29,11 @@ fn recv(s: &mut TcpStream) -> Frame {
     Frame::decode(&header, &meta).expect("decode")
 }
 
+/// The checksums of a WRITE of 64 bytes of `byte`.
+fn sums(byte: u8) -> Vec<u32> {
+    baton_transfer::frame::range_sums(&[&[byte; 64]])
+}
+
 fn send(s: &mut TcpStream, frame: &Frame, payload: &[u8]) {
     s.write_all(&frame.encode()).expect("send");
     s.write_all(payload).expect("payload");
@@ -36,6 +41,9 @@ fn send(s: &mut TcpStream, frame: &Frame, payload: &[u8]) {
 
 /// The peer's side of the handshake: answers CONNECT and AUTH as a KV server would.
 fn accept(s: &mut TcpStream) {
+    let mut ticket = [0u8; auth::TICKET_LEN];
+    s.read_exact(&mut ticket).expect("the member ticket");
+    assert!(matches!(auth::check_ticket(SECRET.as_bytes(), &ticket), auth::TicketCheck::Valid { .. }));
     let Frame::Connect { nonce: client_nonce, .. } = recv(s) else { panic!("expected CONNECT") };
     let server_nonce = auth::nonce();
     let proof = auth::proof(SECRET.as_bytes(), Side::Server, &client_nonce, &server_nonce);
@@ -89,7 +97,11 @@ fn a_late_write_of_an_aborted_push_is_refused_and_the_reused_blocks_keep_their_c
         let Frame::Transfer { generation: 2, .. } = recv(&mut s) else { panic!("expected the second registration") };
         send(&mut s, &Frame::TransferOk { id: got }, &[]);
         // A write of the first push arrives late: it must be refused.
-        send(&mut s, &Frame::Write { id: got, generation: 1, ranges: vec![slab], payload_len: 64 }, &[0xAA; 64]);
+        send(
+            &mut s,
+            &Frame::Write { id: got, generation: 1, ranges: vec![slab], payload_len: 64, sums: sums(0xAA) },
+            &[0xAA; 64],
+        );
         send(
             &mut s,
             &Frame::Pushed {
@@ -104,7 +116,11 @@ fn a_late_write_of_an_aborted_push_is_refused_and_the_reused_blocks_keep_their_c
         );
         wait.recv().expect("go on");
         // Then the live push writes and finishes.
-        send(&mut s, &Frame::Write { id: got, generation: 2, ranges: vec![slab], payload_len: 64 }, &[0xBB; 64]);
+        send(
+            &mut s,
+            &Frame::Write { id: got, generation: 2, ranges: vec![slab], payload_len: 64, sums: sums(0xBB) },
+            &[0xBB; 64],
+        );
         send(
             &mut s,
             &Frame::Pushed {

@@ -67,12 +67,13 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
 use baton_engine::{KvPiece, KvStream, RequestId};
 use baton_kv::{BlockId, Dim};
-use baton_transfer::{ClientConfig, KvClient, KvServer, Region, TransferId, TransferStats};
+use baton_transfer::{ClientConfig, KvClient, KvServer, Region, TransferError, TransferId, TransferStats};
 
 use crate::session::{KvJob, TransferDone, TransferFailure};
 pub use baton_protocol::wire::KvTransfer;
@@ -185,6 +186,8 @@ pub(crate) struct ThreadSetup {
     pub(crate) link: Option<Arc<EmulatedLink>>,
     /// Where each job's end goes.
     pub(crate) back: Report,
+    /// KV blocks received damaged (their checksums failed), counted for the worker's stats.
+    pub(crate) corrupt: Arc<AtomicU64>,
 }
 
 impl Transfers {
@@ -261,13 +264,15 @@ pub(crate) struct TransferThread {
     crossing: Vec<Crossing>,
     /// When [`Self::reap_exited`] last looked.
     reaped: Instant,
+    /// KV blocks received damaged (see [`ThreadSetup::corrupt`]).
+    corrupt: Arc<AtomicU64>,
 }
 
 impl TransferThread {
     /// Starts the thread; jobs go in over the returned sender.
     pub(crate) fn spawn(name: &str, setup: ThreadSetup) -> std::io::Result<Sender<KvJob>> {
         let (jobs, job_rx) = std::sync::mpsc::channel();
-        let ThreadSetup { local, config, transport, fetch_delay, layerwise_wait, link, back } = setup;
+        let ThreadSetup { local, config, transport, fetch_delay, layerwise_wait, link, back, corrupt } = setup;
         let clients = HashMap::new();
         let thread = TransferThread {
             local,
@@ -281,6 +286,7 @@ impl TransferThread {
             link,
             crossing: Vec::new(),
             reaped: Instant::now(),
+            corrupt,
         };
         std::thread::Builder::new().name(format!("baton-{name}-kv")).spawn(move || thread.run(job_rx))?;
         Ok(jobs)
@@ -412,6 +418,7 @@ impl TransferThread {
                     Ok(stats) => self.report_received(job, started, Ok(stats)),
                     // Pipelined reads may still be answered: the connection is out of step.
                     Err(e) => {
+                        self.count_corrupt(addr, &e);
                         self.drop_client(addr, &e.to_string(), Some((job, format!("pulling KV from {addr}: {e}"))))
                     }
                 }
@@ -436,6 +443,17 @@ impl TransferThread {
                     ),
                 }
             }
+        }
+    }
+
+    /// Counts the blocks a failed transfer from `addr` received damaged ([`TransferError::Corrupt`]:
+    /// their checksums failed), and says so. The transfer failed: its blocks are freed and their
+    /// tokens computed again, never used.
+    fn count_corrupt(&self, addr: SocketAddr, e: &TransferError) {
+        let blocks = e.corrupt_blocks();
+        if blocks > 0 {
+            self.corrupt.fetch_add(blocks as u64, Ordering::Relaxed);
+            tracing::warn!(peer = %addr, blocks, "KV received damaged (checksum mismatch); the request computes it again");
         }
     }
 
@@ -516,6 +534,7 @@ impl TransferThread {
             let done = match client.poll_pushes(slice) {
                 Ok(done) => done,
                 Err(e) => {
+                    self.count_corrupt(addr, &e);
                     if !self.drop_client(addr, &e.to_string(), None) {
                         return false;
                     }
@@ -541,6 +560,7 @@ impl TransferThread {
                     Ok(stats) => self.report_received(job, started, Ok(stats)),
                     Err(e) if e.is_remote() => self.report(job, Err(format!("completing the push from {addr}: {e}"))),
                     Err(e) => {
+                        self.count_corrupt(addr, &e);
                         let message = format!("completing the push from {addr}: {e}");
                         self.drop_client(addr, &e.to_string(), Some((job, message)))
                     }

@@ -39,7 +39,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use baton_engine::{Engine, GenerationRequest, KvPrefix, RequestId, StepOutput};
@@ -262,6 +262,7 @@ impl WorkerHandle {
             Some(Arc::new(server))
         };
         // Every role receives KV: decode workers their hand-offs, any worker a fetched prefix.
+        let received_corrupt = Arc::new(AtomicU64::new(0));
         let transfers = {
             let arena = arena.as_ref().ok_or_else(|| io_error("KV client", "the engine's arena cannot be shared"))?;
             let local = Arc::new(Region::from_arena(arena, Access::ReadWrite)?);
@@ -284,6 +285,7 @@ impl WorkerHandle {
                 layerwise_wait: options.lease,
                 link: options.link.clone(),
                 back,
+                corrupt: Arc::clone(&received_corrupt),
             };
             Some(Transfers::new(&name, setup))
         };
@@ -318,7 +320,7 @@ impl WorkerHandle {
         let thread = std::thread::Builder::new().name(format!("baton-{name}")).spawn(move || {
             let _lifeline = Lifeline(life_tx);
             EngineLoop {
-                host: EngineHost { engine, server, kv_addr },
+                host: EngineHost { engine, server, kv_addr, received_corrupt },
                 sessions,
                 push,
                 pusher,
@@ -587,6 +589,8 @@ struct EngineHost {
     server: Option<Arc<KvServer>>,
     /// The KV server's advertised address.
     kv_addr: Option<SocketAddr>,
+    /// KV blocks the transfer threads received damaged (their checksums failed).
+    received_corrupt: Arc<AtomicU64>,
 }
 
 impl Host for EngineHost {
@@ -923,6 +927,7 @@ impl EngineLoop {
                     total_blocks: host.engine.config().num_blocks,
                     leased: counts.leased,
                     draining: false,
+                    corrupt_blocks: host.engine.pool().corrupt_blocks() + host.received_corrupt.load(Ordering::Relaxed),
                 });
             }
         }

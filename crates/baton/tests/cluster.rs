@@ -8,6 +8,8 @@
 #[cfg(feature = "etcd")]
 #[path = "../../baton-cluster/tests/common/mod.rs"]
 mod etcd_common;
+#[path = "../../baton-transfer/tests/relay/mod.rs"]
+mod relay;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -1736,7 +1738,7 @@ fn a_conductor_serving_tls_takes_workers_and_clients_that_trust_its_certificate(
 /// TLS on the KV plane (#19): prefill and decode workers started with `--tls-cert/--tls-key`
 /// (one self-signed certificate they share, trusted with `--tls-ca`) hand KV over TCP inside
 /// TLS: the answer equals `baton generate`'s, KV bytes moved, and the prefill worker's KV port
-/// answers a plaintext peer with a TLS alert. (The crate's `tests/tls.rs` shows that no KV byte
+/// answers a peer that follows its member ticket with plaintext with a TLS alert. (The crate's `tests/tls.rs` shows that no KV byte
 /// crosses the wire in clear.) The conductor speaks plain HTTP and trusts the workers' control
 /// APIs with `--tls-ca`.
 #[test]
@@ -1760,6 +1762,9 @@ fn workers_with_certificates_hand_kv_over_tls() {
 
     let mut plain = std::net::TcpStream::connect(&p.kv).unwrap();
     plain.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    // A member's ticket first (sent in clear, before TLS), then plaintext where TLS should be.
+    let unix_ms = unix_millis();
+    plain.write_all(&baton_transfer::auth::ticket(SECRET.as_bytes(), unix_ms, &baton_transfer::auth::nonce())).unwrap();
     plain.write_all(&[0u8; 64]).unwrap();
     let mut first = [0u8; 1];
     plain.read_exact(&mut first).unwrap();
@@ -2142,4 +2147,121 @@ fn the_grafana_dashboard_queries_only_what_a_running_conductor_exports() {
     }
     assert!(checked >= 25, "only {checked} metric names found in the dashboard's queries");
     assert!(missing.is_empty(), "the dashboard queries what the conductor does not export: {missing:?}\n{exported}");
+}
+
+/// KV damaged on the wire of a TCP hand-off is never used (#63, item 3): the prefill worker's
+/// KV port is reached through a relay that, once told, flips a byte in the middle of every
+/// payload. The decode worker's pull fails its checksums, the request is computed again, the
+/// answer equals `baton generate`'s, and the decode worker counts the damaged blocks.
+#[test]
+fn a_tcp_hand_off_damaged_on_the_wire_is_recomputed_and_counted() {
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", "pull"]);
+    let (control, kv) = (free_port(), free_port());
+    one_way_relay(
+        SocketAddr::from(([127, 0, 0, 2], control)),
+        SocketAddr::from(([127, 0, 0, 1], control)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let flip = Arc::new(AtomicBool::new(false));
+    relay::flipping_relay(
+        SocketAddr::from(([127, 0, 0, 2], kv)),
+        SocketAddr::from(([127, 0, 0, 1], kv)),
+        Arc::clone(&flip),
+    );
+    let (control_s, kv_s) = (control.to_string(), kv.to_string());
+    let args =
+        ["--name", "p", "--host", "127.0.0.1", "--port", &control_s, "--kv-port", &kv_s, "--advertise", "127.0.0.2"];
+    let mut p = worker(&dir, "prefill", &url, &args);
+    let d = worker(&dir, "decode", &url, &["--name", "d", "--transport", "tcp"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let tcp = || metric(&url, "baton_kv_transfers_total{transport=\"tcp\"}");
+    let corrupt = || metric(&url, "baton_kv_corrupt_blocks_total{worker=\"d\"}");
+    assert_eq!(text(&complete(&url, LONG, 4)), generate(&dir, LONG, 4), "through the relay");
+    assert_eq!((tcp(), corrupt()), (1.0, 0.0), "the undamaged hand-off");
+
+    flip.store(true, Ordering::Relaxed);
+    let prompt = "Once upon a time, in a quiet village by the sea, an old sailor mended his nets";
+    assert_eq!(text(&complete(&url, prompt, 4)), generate(&dir, prompt, 4), "after damage on the wire");
+    assert_eq!(tcp(), 1.0, "the damaged hand-off must not count as KV that arrived");
+    assert!(corrupt() >= 1.0, "the damaged blocks were not counted");
+    p.url = format!("http://127.0.0.1:{control}");
+    assert_no_leak(&[&p, &d]);
+}
+
+/// Members are never starved by strangers on the KV port (#63, item 4: a flood of 300
+/// reconnecting connections from 127.0.0.1, the decode worker's own address, made 20 of 20
+/// hand-offs fail and recompute). Four flooders keep up to 300 connections to the prefill
+/// worker's KV port open from 127.0.0.1, reconnecting as fast as they can, half idle and half
+/// opening with a forged member ticket, and 8 idle and 8 forged connections stay open
+/// throughout (the slots stay held whatever pace the churn keeps on a busy machine); meanwhile
+/// ten requests are handed off over TCP, and every one arrives (`baton_kv_transfers_total{transport="tcp"}`: none was recomputed). The
+/// flood ends with the requests, or at 120 s, or at 500,000 connections a flooder.
+#[test]
+fn a_flood_on_the_kv_port_from_the_decode_workers_address_costs_no_hand_off() {
+    use std::io::Write;
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", "pull"]);
+    let kv = free_port();
+    let kv_s = kv.to_string();
+    let p = worker(&dir, "prefill", &url, &["--name", "p", "--kv-port", &kv_s]);
+    let d = worker(&dir, "decode", &url, &["--name", "d", "--transport", "tcp"]);
+    wait_members(&url, 2, Duration::from_secs(10));
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let target = SocketAddr::from(([127, 0, 0, 1], kv));
+    let flooders: Vec<_> = (0..4u64)
+        .map(|f| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                // The right magic and version, a proof of nothing: a stranger's ticket.
+                let mut forged = [0x5Au8; 64];
+                forged[..6].copy_from_slice(b"BTKM\x01\x00");
+                let mut held = std::collections::VecDeque::new();
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) && n < 500_000 && started.elapsed() < Duration::from_secs(120) {
+                    if let Ok(mut s) = std::net::TcpStream::connect_timeout(&target, Duration::from_secs(1)) {
+                        if (n + f).is_multiple_of(2) {
+                            let _ = s.write_all(&forged);
+                        }
+                        held.push_back(s);
+                        n += 1;
+                    }
+                    if held.len() > 75 {
+                        held.pop_front();
+                    }
+                }
+                n
+            })
+        })
+        .collect();
+    // Besides the churn, connections that stay: idle ones first (they hold a server's slots
+    // when slots go by address alone), then forged tickets (they hold the strangers' slots).
+    let mut held = Vec::new();
+    for forged in [false, true] {
+        for _ in 0..8 {
+            let mut s = std::net::TcpStream::connect(target).unwrap();
+            if forged {
+                s.write_all(b"BTKM\x01\x00").unwrap();
+                s.write_all(&[0x5A; 58]).unwrap();
+            }
+            held.push(s);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut texts = Vec::new();
+    for i in 0..10 {
+        let prompt = format!("Request {i}: {LONG}");
+        let v = complete(&url, &prompt, 3);
+        assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+        texts.push(text(&v));
+    }
+    stop.store(true, Ordering::Relaxed);
+    drop(held);
+    let flood: u64 = flooders.into_iter().map(|t| t.join().unwrap()).sum();
+    let arrived = metric(&url, "baton_kv_transfers_total{transport=\"tcp\"}");
+    eprintln!("{flood} flood connections from 127.0.0.1; {arrived} of 10 hand-offs arrived over TCP");
+    assert!(flood > 100, "the flood was too weak to mean anything: {flood}");
+    assert_eq!(arrived, 10.0, "hand-offs failed under the flood and were recomputed");
+    assert_no_leak(&[&p, &d]);
 }

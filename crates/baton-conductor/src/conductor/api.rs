@@ -153,6 +153,7 @@ pub(super) async fn metrics(State(c): State<Arc<Conductor>>, headers: HeaderMap)
                 waiting: s.waiting,
                 blocks_used: s.total_blocks - s.available_blocks,
                 blocks_total: s.total_blocks,
+                corrupt_blocks: s.corrupt_blocks,
             });
         }
     }

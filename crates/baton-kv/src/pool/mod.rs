@@ -14,6 +14,9 @@
 //! (a device block never hangs below a host block), so eviction only ever needs to look at the
 //! coldest block that has no child in its own tier.
 //!
+//! Every block on the host and disk tiers carries a checksum, checked when it is read back; a
+//! block that fails is dropped from the index and counted, never served (`check.rs`).
+//!
 //! The pool does no network I/O and reads no clock: callers pass `now` (any monotone counter)
 //! to the calls that record use.
 
@@ -32,6 +35,7 @@ use crate::{
 };
 
 mod accounting;
+mod check;
 mod swap;
 
 pub use accounting::TierOwners;
@@ -107,6 +111,10 @@ pub enum PoolError {
     /// Reading or writing the disk tier failed.
     #[error("disk tier I/O: {0}")]
     Io(#[from] std::io::Error),
+    /// A block read back from the host or disk tier failed its checksum: it was dropped from
+    /// the index (see [`MemPool::corrupt_blocks`]).
+    #[error("{0} failed its checksum (damaged on its tier); dropped")]
+    Corrupt(KvAddr),
 }
 
 /// The longest cached prefix of a prompt, with one reference held on each block.
@@ -150,6 +158,8 @@ struct TierState {
     owner: Vec<u32>,
     policy: Box<dyn EvictionPolicy>,
     store: Store,
+    /// The checksum of each slot's block (host and disk tiers), shared with copiers.
+    sums: check::Sums,
     /// Cached slots no request holds and no swap is moving (see [`MemPool::available`]).
     reclaimable: usize,
 }
@@ -168,6 +178,7 @@ impl TierState {
             owner: vec![NO_OWNER; n],
             policy: policy.build(),
             store,
+            sums: check::sums(n),
             reclaimable: 0,
         }
     }
@@ -193,6 +204,8 @@ pub struct MemPool {
     stored: Vec<(usize, BlockHash, Option<BlockHash>)>,
     next_seq: u64,
     now: u64,
+    /// The tiers' checksums and the count of blocks that failed theirs.
+    checker: check::Checker,
 }
 
 impl std::fmt::Debug for MemPool {
@@ -229,14 +242,20 @@ impl MemPool {
             Store::None
         };
         let device = Store::Arena(KvArena::new(g, config.layout, config.device_blocks));
+        let tiers = [
+            TierState::new(config.device_blocks, config.policy, device),
+            TierState::new(config.host_blocks, config.policy, host),
+            TierState::new(config.disk_blocks, config.policy, disk),
+        ];
+        let checker = check::Checker {
+            instance: config.instance,
+            sums: [0, 1, 2].map(|i| Arc::clone(&tiers[i].sums)),
+            log: Arc::default(),
+        };
         Ok(Self {
             instance: config.instance,
             geometry: g,
-            tiers: [
-                TierState::new(config.device_blocks, config.policy, device),
-                TierState::new(config.host_blocks, config.policy, host),
-                TierState::new(config.disk_blocks, config.policy, disk),
-            ],
+            tiers,
             index: PrefixIndex::with_capacity(
                 g.block_size,
                 config.device_blocks + config.host_blocks + config.disk_blocks,
@@ -245,6 +264,7 @@ impl MemPool {
             stored: Vec::new(),
             next_seq: 0,
             now: 0,
+            checker,
         })
     }
 
@@ -577,8 +597,17 @@ impl MemPool {
         {
             let to = self.tiers[lower.index()].alloc.allocate(1).expect("room was made")[0];
             let from = self.index.nodes[victim.index()].loc;
-            self.copy(from, Loc { tier: lower, block: to })?;
-            self.retarget(victim, Loc { tier: lower, block: to });
+            match self.copy(from, Loc { tier: lower, block: to }) {
+                Ok(()) => self.retarget(victim, Loc { tier: lower, block: to }),
+                // Damaged where it was: it leaves the cache instead of moving down.
+                Err(PoolError::Corrupt(_)) => {
+                    self.tiers[lower.index()].alloc.free(&[to])?;
+                    for n in self.index.subtree_post_order(victim) {
+                        self.remove_node(n);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
         } else {
             for n in self.index.subtree_post_order(victim) {
                 self.remove_node(n);
@@ -643,7 +672,9 @@ impl MemPool {
         self.emit(KvEventKind::Removed { hash });
     }
 
-    /// Copies one block between slots of different tiers.
+    /// Copies one block between slots of different tiers, checking it against the checksum its
+    /// host or disk slot carries and giving a host or disk destination the block's sum
+    /// (`Corrupt`, counted, when the check fails: the destination's bytes are then garbage).
     fn copy(&mut self, from: Loc, to: Loc) -> Result<(), PoolError> {
         let (a, b) = (from.tier.index(), to.tier.index());
         assert_ne!(a, b, "copies go between tiers");
@@ -654,19 +685,24 @@ impl MemPool {
             let (lo, hi) = self.tiers.split_at_mut(a);
             (&hi[0], &mut lo[b])
         };
-        match (&src.store, &mut dst.store) {
-            (Store::Arena(s), Store::Arena(d)) => d.copy_blocks_from(s, &[from.block], &[to.block]),
+        let copied = match (&src.store, &mut dst.store) {
+            (Store::Arena(s), Store::Arena(d)) => {
+                d.copy_blocks_from(s, &[from.block], &[to.block]);
+                check::Copied::Into(d)
+            }
             (Store::Arena(s), Store::Disk(d)) => {
                 let ranges = s.descriptor().byte_ranges(&[from.block]);
                 d.write_block(to.block, s.as_bytes(), &ranges)?;
+                check::Copied::From(s)
             }
             (Store::Disk(s), Store::Arena(d)) => {
                 let ranges = d.descriptor().byte_ranges(&[to.block]);
                 s.read_block(from.block, d.as_bytes_mut(), &ranges)?;
+                check::Copied::Into(d)
             }
             _ => unreachable!("tiers with slots have storage"),
-        }
-        Ok(())
+        };
+        self.checker.after_copy(from, to, copied, false)
     }
 
     // ---- index API -------------------------------------------------------------------------
@@ -823,17 +859,29 @@ impl MemPool {
     /// tier, and returns the device blocks (one reference each, held by the caller) with the
     /// tokens they cover. Blocks that cannot be brought in for lack of device room are left out
     /// (the match is shortened).
+    ///
+    /// A block that fails its checksum on the way back is dropped with everything cached below
+    /// it, and the match is made again: the prefix comes back shorter, never damaged.
     pub fn acquire_prefix(&mut self, tokens: &[u32], now: u64) -> Result<(Vec<BlockId>, usize), PoolError> {
-        let job = self.begin_acquire_prefix(tokens, now)?;
-        for (from, to) in job.copies() {
-            if let Err(e) = self.copy(from, Self::dev(to)) {
-                self.abort_swap_in(job)?;
-                return Err(e);
+        'matched: loop {
+            let job = self.begin_acquire_prefix(tokens, now)?;
+            for (from, to) in job.copies() {
+                if let Err(e) = self.copy(from, Self::dev(to)) {
+                    let corrupt = matches!(e, PoolError::Corrupt(_)).then(|| self.node_at(from)).flatten();
+                    self.abort_swap_in(job)?;
+                    match corrupt {
+                        Some(node) => {
+                            self.drop_corrupt(node);
+                            continue 'matched;
+                        }
+                        None => return Err(e),
+                    }
+                }
             }
+            let blocks = self.finish_swap_in(job)?;
+            let tokens = blocks.len() * self.geometry.block_size;
+            return Ok((blocks, tokens));
         }
-        let blocks = self.finish_swap_in(job)?;
-        let tokens = blocks.len() * self.geometry.block_size;
-        Ok((blocks, tokens))
     }
 
     /// [`acquire_prefix`](Self::acquire_prefix) whose copies from the slower tiers another

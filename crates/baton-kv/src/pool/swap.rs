@@ -60,10 +60,13 @@ pub struct SwapCopier {
     device: KvArena,
     host: Option<KvArena>,
     disk: Option<DiskStore>,
+    checker: super::check::Checker,
 }
 
 impl SwapCopier {
-    /// Copies slot `from` (host or disk) onto device block `to`.
+    /// Copies slot `from` (host or disk) onto device block `to`, checking the block against
+    /// its slot's checksum: `Corrupt` when it fails (counted, and dropped from the index when
+    /// the swap-in is given back to [`MemPool::abort_swap_in`]).
     pub fn copy(&mut self, from: Loc, to: BlockId) -> Result<(), PoolError> {
         match (from.tier, &self.host, &self.disk) {
             (Tier::Host, Some(host), _) => self.device.copy_blocks_from(host, &[from.block], &[to]),
@@ -73,7 +76,8 @@ impl SwapCopier {
             }
             _ => return Err(PoolError::Config(format!("no {} tier to copy from", from.tier))),
         }
-        Ok(())
+        let to = Loc { tier: Tier::Device, block: to };
+        self.checker.after_copy(from, to, super::check::Copied::Into(&self.device), true)
     }
 }
 
@@ -173,11 +177,18 @@ impl MemPool {
     /// and returns their device ids in order; the caller's reference moves with each block.
     /// A cached block only the caller holds moves in the index too; one that others hold is
     /// copied to a private device block. Device addresses pass through unchanged.
+    ///
+    /// A block that fails its checksum is dropped from the index (with what is cached below
+    /// it) and the call fails with `Corrupt`, the caller's references dropped.
     pub fn swap_in(&mut self, addrs: &[KvAddr]) -> Result<Vec<BlockId>, PoolError> {
         let job = self.begin_swap_in(addrs)?;
         for (from, to) in job.copies() {
             if let Err(e) = self.copy(from, Self::dev(to)) {
+                let corrupt = matches!(e, PoolError::Corrupt(_)).then(|| self.node_at(from)).flatten();
                 self.abort_swap_in(job)?;
+                if let Some(node) = corrupt {
+                    self.drop_corrupt(node);
+                }
                 return Err(e);
             }
         }
@@ -242,13 +253,20 @@ impl MemPool {
     }
 
     /// Gives up a swap-in: its device slots go back to the free list and the caller's
-    /// references on its blocks are dropped.
+    /// references on its blocks are dropped. Blocks the copier found corrupt leave the index,
+    /// with everything cached below them.
     pub fn abort_swap_in(&mut self, job: SwapIn) -> Result<(), PoolError> {
+        let locs: Vec<Loc> = job.addrs.iter().map(|a| a.loc).collect();
+        let corrupt = self.reported_corrupt(&locs);
         for d in job.dst.iter().flatten() {
             self.tiers[0].owner[d.index()] = NO_OWNER;
             self.tiers[0].alloc.free(&[*d])?;
         }
-        self.free_mem(&job.addrs)
+        self.free_mem(&job.addrs)?;
+        for node in corrupt {
+            self.drop_corrupt(node);
+        }
+        Ok(())
     }
 
     /// A copier for swap-ins on another thread (see [`SwapCopier`]); fails when an arena is in
@@ -266,6 +284,6 @@ impl MemPool {
             Store::Disk(d) => Some(d.try_clone()?),
             _ => None,
         };
-        Ok(SwapCopier { device, host, disk })
+        Ok(SwapCopier { device, host, disk, checker: self.checker.clone() })
     }
 }
