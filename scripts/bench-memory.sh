@@ -32,7 +32,7 @@ find_baton
 
 out="$(mktemp -d)"
 trap 'stop_server; rm -rf "$out"' EXIT
-start_server "$out/server.log" --model "$MODEL"
+start_server "$out/server.log" --model "$MODEL" --prefill 1 --decode 1
 server=$server_pid
 
 # Memory of the server process in kB: private anonymous, shared, RSS.

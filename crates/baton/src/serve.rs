@@ -26,15 +26,21 @@ pub(crate) struct ServeArgs {
     /// Port to listen on.
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Prefill workers [default: 1, or 0 with --colocated].
-    #[arg(long)]
+    /// Prefill workers [default: 0, or 1 with --decode]. `--prefill 1 --decode 1` disaggregates:
+    /// a prefill worker computes each prompt and hands its KV to a decode worker.
+    #[arg(long, help_heading = "Workers")]
     prefill: Option<usize>,
-    /// Decode workers [default: 1, or 0 with --colocated].
-    #[arg(long)]
+    /// Decode workers [default: 0, or 1 with --prefill].
+    #[arg(long, help_heading = "Workers")]
     decode: Option<usize>,
-    /// Colocated workers instead (prefill and decode in one engine, as vLLM runs); with this
-    /// flag and no explicit --prefill/--decode, no disaggregated workers are started.
-    #[arg(long)]
+    /// Colocated workers (prefill and decode in one engine, as vLLM runs) [default: 1 when
+    /// neither --prefill nor --decode is given, else 0]. The workers of one `baton serve` share
+    /// its device (this machine's cores, or its GPU), so splitting prefill from decode there
+    /// gains no compute, and on a 2-core machine one colocated worker served 16 concurrent
+    /// requests with a tenth of the pair's time to first token (docs/benchmarks/serving.md);
+    /// disaggregation pays where each role has devices of its own (`baton conductor` and `baton
+    /// worker` across GPUs or hosts).
+    #[arg(long, help_heading = "Workers")]
     colocated: Option<usize>,
     /// Require clients to send `Authorization: Bearer <KEY>`.
     #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
@@ -58,11 +64,14 @@ pub(crate) struct ServeArgs {
 }
 
 impl ServeArgs {
-    /// Prefill, decode and colocated workers: 1P1D by default, only colocated ones when
-    /// `--colocated` is given without `--prefill` / `--decode`.
+    /// Prefill, decode and colocated workers: one colocated worker by default; a prefill and a
+    /// decode worker when either role is named (the other defaults to 1), with colocated ones
+    /// only if `--colocated` asks for them too.
     fn worker_counts(&self) -> (usize, usize, usize) {
-        let disaggregated = if self.colocated.is_some() { 0 } else { 1 };
-        (self.prefill.unwrap_or(disaggregated), self.decode.unwrap_or(disaggregated), self.colocated.unwrap_or(0))
+        if self.prefill.is_none() && self.decode.is_none() {
+            return (0, 0, self.colocated.unwrap_or(1));
+        }
+        (self.prefill.unwrap_or(1), self.decode.unwrap_or(1), self.colocated.unwrap_or(0))
     }
 }
 
@@ -88,6 +97,7 @@ pub(crate) fn run(a: ServeArgs) -> anyhow::Result<()> {
         elastic: a.routing.elastic()?,
         emulate: a.engine.emulate()?,
         emulate_link: a.engine.emulate_link(),
+        max_queue_wait: a.routing.max_queue_wait(),
         ..ServeConfig::new(model.clone())
     };
     eprintln!("loading {} ...", model.display());
@@ -136,7 +146,10 @@ mod tests {
 
     #[test]
     fn worker_counts_follow_the_flags() {
-        assert_eq!(counts(&[]), (1, 1, 0));
+        assert_eq!(counts(&[]), (0, 0, 1));
+        assert_eq!(counts(&["--prefill", "1", "--decode", "1"]), (1, 1, 0));
+        assert_eq!(counts(&["--decode", "2"]), (1, 2, 0));
+        assert_eq!(counts(&["--prefill", "0", "--decode", "1"]), (0, 1, 0));
         assert_eq!(counts(&["--colocated", "2"]), (0, 0, 2));
         // An engine flag that starts like a worker flag changes nothing (it used to).
         assert_eq!(counts(&["--colocated", "2", "--prefill-chunk", "2048"]), (0, 0, 2));
