@@ -369,6 +369,11 @@ impl RoutingFlags {
         }
     }
 
+    /// Whether `--elastic` was given.
+    pub(crate) fn elastic_on(&self) -> bool {
+        self.elastic
+    }
+
     /// Elastic role switching, when `--elastic` asks for it.
     pub(crate) fn elastic(&self) -> anyhow::Result<Option<baton_conductor::elastic::ElasticConfig>> {
         if !self.elastic {

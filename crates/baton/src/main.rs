@@ -39,8 +39,8 @@ enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Serve the OpenAI-compatible API: a conductor with prefill and decode workers, in one
-    /// process.
+    /// Serve the OpenAI-compatible API: a conductor and its workers in one process (one
+    /// colocated worker by default; --prefill 1 --decode 1 disaggregates).
     Serve(serve::ServeArgs),
     /// Run one worker (prefill, decode or colocated) of a multi-process cluster; it joins
     /// through the registry and serves KV to its peers.

@@ -26,20 +26,19 @@ pub(crate) struct ServeArgs {
     /// Port to listen on.
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Prefill workers [default: 0, or 1 with --decode]. `--prefill 1 --decode 1` disaggregates:
-    /// a prefill worker computes each prompt and hands its KV to a decode worker.
+    /// Prefill workers [default: 0, or 1 with --decode or --elastic]. `--prefill 1 --decode 1`
+    /// disaggregates: a prefill worker computes each prompt and hands its KV to a decode worker.
     #[arg(long, help_heading = "Workers")]
     prefill: Option<usize>,
-    /// Decode workers [default: 0, or 1 with --prefill].
+    /// Decode workers [default: 0, or 1 with --prefill or --elastic].
     #[arg(long, help_heading = "Workers")]
     decode: Option<usize>,
     /// Colocated workers (prefill and decode in one engine, as vLLM runs) [default: 1 when
-    /// neither --prefill nor --decode is given, else 0]. The workers of one `baton serve` share
-    /// its device (this machine's cores, or its GPU), so splitting prefill from decode there
-    /// gains no compute, and on a 2-core machine one colocated worker served 16 concurrent
-    /// requests with a tenth of the pair's time to first token (docs/benchmarks/serving.md);
-    /// disaggregation pays where each role has devices of its own (`baton conductor` and `baton
-    /// worker` across GPUs or hosts).
+    /// none of --prefill, --decode, --elastic is given, else 0]. The workers of one `baton
+    /// serve` share its device (this machine's cores, or its GPU), so splitting prefill from
+    /// decode there gains no compute (docs/benchmarks/serving.md measures both on 2 cores);
+    /// disaggregation pays where each role has devices of its own (`baton conductor` and
+    /// `baton worker` across GPUs or hosts).
     #[arg(long, help_heading = "Workers")]
     colocated: Option<usize>,
     /// Require clients to send `Authorization: Bearer <KEY>`.
@@ -65,10 +64,11 @@ pub(crate) struct ServeArgs {
 
 impl ServeArgs {
     /// Prefill, decode and colocated workers: one colocated worker by default; a prefill and a
-    /// decode worker when either role is named (the other defaults to 1), with colocated ones
-    /// only if `--colocated` asks for them too.
+    /// decode worker when either role is named (the other defaults to 1) or `--elastic` asks
+    /// for roles that adapt (it starts from the pair), with colocated ones only if
+    /// `--colocated` asks for them too.
     fn worker_counts(&self) -> (usize, usize, usize) {
-        if self.prefill.is_none() && self.decode.is_none() {
+        if self.prefill.is_none() && self.decode.is_none() && !self.routing.elastic_on() {
             return (0, 0, self.colocated.unwrap_or(1));
         }
         (self.prefill.unwrap_or(1), self.decode.unwrap_or(1), self.colocated.unwrap_or(0))
@@ -151,6 +151,7 @@ mod tests {
         assert_eq!(counts(&["--decode", "2"]), (1, 2, 0));
         assert_eq!(counts(&["--prefill", "0", "--decode", "1"]), (0, 1, 0));
         assert_eq!(counts(&["--colocated", "2"]), (0, 0, 2));
+        assert_eq!(counts(&["--elastic"]), (1, 1, 0), "elastic roles start from the pair");
         // An engine flag that starts like a worker flag changes nothing (it used to).
         assert_eq!(counts(&["--colocated", "2", "--prefill-chunk", "2048"]), (0, 0, 2));
         assert_eq!(counts(&["--colocated", "1", "--prefill", "2", "--decode", "1"]), (2, 1, 1));
