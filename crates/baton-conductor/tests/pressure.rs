@@ -546,17 +546,36 @@ async fn a_request_waits_for_room_that_comes_within_the_limit() {
     server.assert_no_kv_held().await;
 }
 
-/// A prompt whose KV fits no decode worker, even empty, is refused at once (429, saying so):
-/// waiting cannot help it. 8 blocks of 16 tokens hold 128 tokens; the prompt has 200.
+/// A prompt whose KV fits no decode worker, even empty, is refused at once, before its stream:
+/// waiting cannot help it, and no worker could run it (a 400 naming `max_tokens`, as each
+/// engine would answer it). 8 blocks of 16 tokens hold 128 tokens; the prompt has 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_that_fits_no_decode_worker_is_refused_at_once() {
     let server = one_at_a_time().await;
-    let body = json!({"prompt": ids(200), "max_tokens": 4, "stream": true});
+    let body = json!({"prompt": ids(200), "max_tokens": 1, "stream": true});
     let asked = std::time::Instant::now();
     let r = client().post(format!("{}/v1/completions", server.url)).json(&body).send().await.expect("sends");
-    assert_eq!(r.status().as_u16(), 429);
+    assert_eq!(r.status().as_u16(), 400);
     assert!(asked.elapsed() < Duration::from_millis(900), "refused at once, not at the limit");
     let error: Value = r.json().await.expect("an OpenAI-style error body");
-    assert!(error["error"]["message"].as_str().is_some_and(|m| m.contains("does not fit")), "{error}");
+    assert!(error["error"]["message"].as_str().is_some_and(|m| m.contains("needs more KV blocks")), "{error}");
+    server.assert_no_kv_held().await;
+}
+
+/// A request whose prompt and answer together need more KV than a worker has is refused with a
+/// 400 naming `max_tokens`, before its stream (#63: the decode worker refused it after the
+/// prefill's first token had been streamed). 8 blocks of 16 tokens: 100 + 60 tokens do not fit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_answer_cannot_fit_is_a_400_before_its_stream() {
+    let server = one_at_a_time().await;
+    let body = json!({"prompt": ids(100), "max_tokens": 60, "stream": true});
+    let r = client().post(format!("{}/v1/completions", server.url)).json(&body).send().await.expect("sends");
+    assert_eq!(r.status().as_u16(), 400);
+    let error: Value = r.json().await.expect("an OpenAI-style error body");
+    assert_eq!(error["error"]["param"], "max_tokens", "{error}");
+    // The same prompt with an answer that fits is served.
+    let body = json!({"prompt": ids(100), "max_tokens": 8, "ignore_eos": true, "stream": true});
+    let r = client().post(format!("{}/v1/completions", server.url)).json(&body).send().await.expect("sends");
+    assert!(finish(r).await > 0);
     server.assert_no_kv_held().await;
 }

@@ -16,7 +16,18 @@ fn json_logs_carry_the_request_id_through_conductor_workers_and_transfer() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-llama");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["serve", "--log-format", "json", "--port", &port.to_string(), "--model"])
+        .args([
+            "serve",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--log-format",
+            "json",
+            "--port",
+            &port.to_string(),
+            "--model",
+        ])
         .arg(&model)
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())

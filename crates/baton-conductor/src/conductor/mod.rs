@@ -620,8 +620,10 @@ impl Conductor {
     /// Starts a request that has not started: routes it and claims its decode room, or, when no
     /// decode worker has room for it now, waits for room in the admission queue (first come,
     /// first served: only the head tries to start) as long as its predicted wait is within
-    /// [`Self::with_max_queue_wait`]'s limit. Refused (429 with `Retry-After`) when its KV fits
-    /// no decode worker, when its predicted wait is over the limit (at arrival or as it waits),
+    /// [`Self::with_max_queue_wait`]'s limit. Refused with a 400 when its prompt and answer need
+    /// more KV than any decode worker has ([`Self::fits_a_decoder`]); with a 429 and
+    /// `Retry-After` when its KV (all choices') fits no decode worker, when its predicted wait
+    /// is over the limit (at arrival or as it waits),
     /// when the queue is full, or when the limit passes while it waits; nothing of it has been
     /// sent to a worker or to the client then. A client that goes away drops this future, and
     /// with it the request's place in the queue.
@@ -633,6 +635,7 @@ impl Conductor {
         /// How often a waiting request's wait is predicted again.
         const REPREDICT: Duration = Duration::from_secs(1);
         let tokens = valid.prompt_ids.len() * valid.n;
+        self.fits_a_decoder(valid)?;
         let arrived = Instant::now();
         let mut ticket: Option<queue::Ticket> = None;
         let mut predicted_at: Option<Instant> = None;
@@ -687,6 +690,32 @@ impl Conductor {
             let wait = left.unwrap_or(REPREDICT).min(REPREDICT);
             self.queue.changed(ticket, wait).await;
         }
+    }
+
+    /// Refuses (400) a request whose prompt and answer together need more KV than any worker
+    /// that decodes has blocks, as each engine would: refused here, before its stream starts,
+    /// rather than by the decode worker after the prefill's first token was streamed (#63: a
+    /// 1,096-token request on 64-block workers failed after its 200). Capped at the model's
+    /// context, as the engines cap it.
+    fn fits_a_decoder(&self, valid: &ValidRequest) -> Result<(), ApiError> {
+        let longest = (valid.prompt_ids.len() + valid.stop.max_tokens).min(self.validator.max_context);
+        let decoders: Vec<(usize, usize)> = self
+            .workers()
+            .iter()
+            .filter(|w| w.role() != crate::Role::Prefill && w.capacity_blocks() > 0)
+            .map(|w| (w.capacity_blocks(), w.block_tokens().max(1)))
+            .collect();
+        if decoders.is_empty() || decoders.iter().any(|&(blocks, bs)| longest.div_ceil(bs) <= blocks) {
+            return Ok(());
+        }
+        let (blocks, bs) = decoders.iter().copied().max_by_key(|&(b, bs)| b * bs).unwrap_or((0, 1));
+        Err(ApiError::param(
+            "max_tokens",
+            format!(
+                "prompt plus max_tokens ({longest} tokens) needs more KV blocks than any worker has \
+                 ({blocks} of {bs} tokens)"
+            ),
+        ))
     }
 
     /// Routes a request and claims its decode room: [`Self::plan`], then [`Self::bind`].
