@@ -32,7 +32,7 @@ enum Outcome {
 /// 429, a 429 without `Retry-After`, or a stream that ends without `[DONE]`. A stalled stream
 /// fails the test through the client's timeout (a hang is a failure, not a wait).
 async fn stream_once(client: &reqwest::Client, url: &str, path: &str, body: &Value) -> Outcome {
-    let mut r = match client.post(format!("{url}{path}")).json(body).send().await {
+    let r = match client.post(format!("{url}{path}")).json(body).send().await {
         Ok(r) => r,
         // No answer at all (a connection lost in a burst of hundreds on two busy cores): the
         // client retries, as a client would; nothing was streamed, so nothing is duplicated.
@@ -49,23 +49,30 @@ async fn stream_once(client: &reqwest::Client, url: &str, path: &str, body: &Val
         }
         other => panic!("status {other}: {}", r.text().await.unwrap_or_default()),
     }
-    let (mut text, mut buf, mut tokens) = (String::new(), String::new(), 0);
+    Outcome::Done(read_stream(r).await.0)
+}
+
+/// Reads a 200's stream to its `[DONE]`: its text and how many chunks carried it. Panics on an
+/// error event (a failure after the 200) or a stream that ends without `[DONE]`; a stalled
+/// stream fails through the client's timeout.
+async fn read_stream(mut r: reqwest::Response) -> (String, usize) {
+    let (mut text, mut buf, mut chunks) = (String::new(), String::new(), 0);
     while let Some(bytes) = r.chunk().await.expect("the stream does not hang or break") {
         buf.push_str(std::str::from_utf8(&bytes).expect("utf-8"));
         while let Some(end) = buf.find("\n\n") {
             let event: String = buf.drain(..end + 2).collect();
             let Some(data) = event.trim().strip_prefix("data: ") else { continue };
             if data == "[DONE]" {
-                return Outcome::Done(text);
+                return (text, chunks);
             }
             let v: Value = serde_json::from_str(data).expect("chunk is JSON");
-            assert!(v.get("error").is_none(), "an error after {tokens} streamed chunks: {v}");
+            assert!(v.get("error").is_none(), "an error after {chunks} streamed chunks: {v}");
             let choice = &v["choices"][0];
             text.push_str(choice["text"].as_str().or(choice["delta"]["content"].as_str()).unwrap_or(""));
-            tokens += 1;
+            chunks += 1;
         }
     }
-    panic!("the stream ended without [DONE] after {tokens} chunks");
+    panic!("the stream ended without [DONE] after {chunks} chunks");
 }
 
 /// Streams a request until it is served, honouring 429s (waiting `Retry-After`); returns the
@@ -456,23 +463,10 @@ async fn send_70(server: &Server) -> reqwest::Response {
     client().post(format!("{}/v1/completions", server.url)).json(&body).send().await.expect("sends")
 }
 
-/// Reads a streamed response to its end: its chunks, or a panic on an error event.
-async fn finish(mut r: reqwest::Response) -> usize {
+/// Reads a 200's stream to its end: its chunks ([`read_stream`]).
+async fn finish(r: reqwest::Response) -> usize {
     assert_eq!(r.status().as_u16(), 200);
-    let (mut buf, mut chunks) = (String::new(), 0);
-    while let Some(bytes) = r.chunk().await.expect("the stream does not break") {
-        buf.push_str(std::str::from_utf8(&bytes).expect("utf-8"));
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else { continue };
-            if data == "[DONE]" {
-                return chunks;
-            }
-            assert!(!data.contains("\"error\""), "an error after the 200: {data}");
-            chunks += 1;
-        }
-    }
-    panic!("the stream ended without [DONE]");
+    read_stream(r).await.1
 }
 
 /// With `--max-queue-wait 1`, a request the conductor predicts would wait ~2 s for decode room
