@@ -815,10 +815,12 @@ impl Conductor {
         // One id per choice (workers and transfers need distinct ones); the first names the
         // response.
         let id = RequestId(self.next_id.fetch_add(valid.n as u64, Ordering::Relaxed));
-        let admitted = self.admit(&valid, id).await;
+        // The elastic loop looks at the pools on each arrival, before the request may wait for
+        // decode room: a queue building up is what it should see.
         if self.elastic.is_some() {
             self.elastic_wake.notify_one();
         }
+        let admitted = self.admit(&valid, id).await;
         let (route, fetch, binding) = match admitted {
             Ok(r) => r,
             Err(e) => {
