@@ -114,15 +114,15 @@ section "KV between GPU workers: an 8,192-token prompt's KV (8B shape) device to
 # The host rows (shared memory; TCP, the path across hosts, from the page-locked host arena that
 # is also the staging buffer) are printed beside memcpy and loopback TCP of the same bytes.
 # The arenas are CUDA virtual-memory allocations shared as descriptors (the default); the
-# device rows again through legacy CUDA IPC (BATON_CUDA_VMM=0, --device-only) beside them, to
+# device rows again through legacy CUDA IPC (--kv-export ipc, --device-only) beside them, to
 # compare the two. Each run ends by killing the prefill process and pulling 128 MiB from the
 # arena it exported: with VMM every byte must read as it was ("after the prefill process was
 # killed: ..."); a legacy IPC link is not asked to.
 timeout 150 "$BIN" bench transfer --device cuda --tokens 8192 --reps 3 2>&1 | tee "$OUT/transfer.txt" \
     || fail "bench transfer --device cuda"
-echo "--- the device rows through legacy CUDA IPC (BATON_CUDA_VMM=0)"
-BATON_CUDA_VMM=0 timeout 60 "$BIN" bench transfer --device cuda --device-only --tokens 8192 --reps 3 2>&1 \
-    | tee "$OUT/transfer-ipc.txt" || fail "bench transfer --device cuda --device-only with BATON_CUDA_VMM=0"
+echo "--- the device rows through legacy CUDA IPC (--kv-export ipc)"
+timeout 60 "$BIN" bench transfer --device cuda --kv-export ipc --device-only --tokens 8192 --reps 3 2>&1 \
+    | tee "$OUT/transfer-ipc.txt" || fail "bench transfer --device cuda --kv-export ipc --device-only"
 
 section "the hand-off's share of the time to the second token: a conductor, a prefill and a decode baton worker --device cuda"
 # A random-weight Llama-1B-shaped checkpoint (written here by transformers, with tiny-llama's
@@ -155,23 +155,23 @@ for shape in "${shapes[@]}"; do
     for ctx in 512 4096; do
         echo "--- Llama-${name}-shaped, context $ctx"
         # shellcheck disable=SC2086
-        # BATON_CUDA_TIMING=1: each batch's engine prints where its steps spent their time.
-        BATON_CUDA_TIMING=1 timeout 300 "$BIN" bench engine --device cuda $flags --prompt-len $ctx --batches 1,8,32,64 --decode-steps 32 \
+        # --device-timing: each batch's engine prints where its steps spent their time.
+        timeout 300 "$BIN" bench engine --device cuda --device-timing $flags --prompt-len $ctx --batches 1,8,32,64 --decode-steps 32 \
             2> >(grep -v '^\[bench engine\]' >&2) | tee "$OUT/bench-$name-$ctx.txt" || fail "bench engine $name $ctx"
     done
 done
 
-echo "--- Llama-1b-shaped, context 512, CUDA graphs off (BATON_CUDA_GRAPHS=0): what the graphs save"
+echo "--- Llama-1b-shaped, context 512, CUDA graphs off (--enforce-eager): what the graphs save"
 # shellcheck disable=SC2086
-BATON_CUDA_GRAPHS=0 timeout 200 "$BIN" bench engine --device cuda $LLAMA_1B --prompt-len 512 --batches 1,8 --decode-steps 32 \
+timeout 200 "$BIN" bench engine --device cuda --enforce-eager $LLAMA_1B --prompt-len 512 --batches 1,8 --decode-steps 32 \
     2> >(grep -v '^\[bench engine\]' >&2) | tee "$OUT/bench-1b-512-nographs.txt" || fail "bench engine without graphs"
 
-echo "--- where a step's GPU time goes (BATON_CUDA_PROFILE=1: an event after every launch, graphs off), batch 1"
+echo "--- where a step's GPU time goes (--device-profile: an event after every launch, graphs off), batch 1"
 for shape in "${shapes[@]}"; do
     name=${shape%%:*}; flags=${shape#*:}
     echo "Llama-${name}-shaped, context 4096 (prefill of 4,096 tokens, then decode):"
     # shellcheck disable=SC2086
-    BATON_CUDA_PROFILE=1 timeout 200 "$BIN" bench engine --device cuda $flags --prompt-len 4096 --batches 1 --decode-steps 16 \
+    timeout 200 "$BIN" bench engine --device cuda --device-profile $flags --prompt-len 4096 --batches 1 --decode-steps 16 \
         2>&1 >/dev/null | grep -v '^\[bench engine\]' | grep -A 12 'baton cuda profile' || fail "profile $name"
 done
 fi

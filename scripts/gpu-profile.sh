@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Where a GPU step's time goes, and what each fast path buys: the fast kernels checked against
 # the plain ones (`baton check-device --kernels`), then decode and prefill on random-weight
-# Llama shapes, kernel by kernel (BATON_CUDA_PROFILE=1: an event after every launch, graphs
-# off) and timed with each fast path switched off in turn (BATON_CUDA_TILED=1: the tiled
-# prefill attention without asynchronous copies, =0: row by row; BATON_CUDA_PIN_ARENA=0: new
-# KV to the host through staging only; BATON_CUDA_GRAPHS=0).
+# Llama shapes, kernel by kernel (--device-profile: an event after every launch, graphs off)
+# and timed with each fast path switched off in turn (--prefill-attention tiled-sync: the tiled
+# prefill attention without asynchronous copies, rows: row by row; --pin-host-kv off: new KV to
+# the host through staging only; --enforce-eager: no CUDA graphs).
 # A shorter companion to scripts/gpu-check.sh, same setup:
 #
 #   BATON_BIN=target/release/baton scripts/gpu-profile.sh [--out DIR]
@@ -32,24 +32,24 @@ done
 
 LLAMA_1B="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256"
 LLAMA_8B="--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --vocab 128256"
-bench() { # name, env, flags...
-    local name=$1 env=$2; shift 2
-    echo "--- $name ($env)"
+bench() { # name, the device flags under test, flags...
+    local name=$1 what=$2; shift 2
+    echo "--- $name ($what)"
     # shellcheck disable=SC2086
-    env $env timeout 240 "$BIN" bench engine --device cuda "$@" 2> >(grep -v '^\[bench engine\]' >&2) \
-        | tee "$OUT/bench-${name// /_}-${env//[= ]/_}.txt" | grep -E '^ +[0-9]+ +[0-9]+ ' || FAILED=1
+    timeout 240 "$BIN" bench engine --device cuda $what "$@" 2> >(grep -v '^\[bench engine\]' >&2) \
+        | tee "$OUT/bench-${name// /_}-${what//[- ]/_}.txt" | grep -E '^ +[0-9]+ +[0-9]+ ' || FAILED=1
 }
 section "decode: Llama-1B shape, context 512"
-bench "1b 512" "BATON_CUDA_PROFILE=1" $LLAMA_1B --prompt-len 512 --batches 1,8 --decode-steps 16
-bench "1b 512" "BATON_CUDA_TIMING=1" $LLAMA_1B --prompt-len 512 --batches 1,8 --decode-steps 32
-bench "1b 512" "BATON_CUDA_GRAPHS=0" $LLAMA_1B --prompt-len 512 --batches 1,8 --decode-steps 32
+bench "1b 512" "--device-profile" $LLAMA_1B --prompt-len 512 --batches 1,8 --decode-steps 16
+bench "1b 512" "--device-timing" $LLAMA_1B --prompt-len 512 --batches 1,8 --decode-steps 32
+bench "1b 512" "--enforce-eager" $LLAMA_1B --prompt-len 512 --batches 1,8 --decode-steps 32
 section "decode and prefill: Llama-8B shape"
-bench "8b 4096" "BATON_CUDA_PROFILE=1" $LLAMA_8B --prompt-len 4096 --batches 1 --decode-steps 16
-bench "8b 4096" "BATON_CUDA_TIMING=1" $LLAMA_8B --prompt-len 4096 --batches 1 --decode-steps 32
-bench "8b 4096" "BATON_CUDA_TILED=1" $LLAMA_8B --prompt-len 4096 --batches 1 --decode-steps 32
-bench "8b 4096" "BATON_CUDA_TILED=0" $LLAMA_8B --prompt-len 4096 --batches 1 --decode-steps 32
-bench "8b 4096" "BATON_CUDA_PIN_ARENA=0" $LLAMA_8B --prompt-len 4096 --batches 1 --decode-steps 32
-bench "8b 512" "BATON_CUDA_TIMING=1" $LLAMA_8B --prompt-len 512 --batches 1,8 --decode-steps 32
+bench "8b 4096" "--device-profile" $LLAMA_8B --prompt-len 4096 --batches 1 --decode-steps 16
+bench "8b 4096" "--device-timing" $LLAMA_8B --prompt-len 4096 --batches 1 --decode-steps 32
+bench "8b 4096" "--prefill-attention tiled-sync" $LLAMA_8B --prompt-len 4096 --batches 1 --decode-steps 32
+bench "8b 4096" "--prefill-attention rows" $LLAMA_8B --prompt-len 4096 --batches 1 --decode-steps 32
+bench "8b 4096" "--pin-host-kv off" $LLAMA_8B --prompt-len 4096 --batches 1 --decode-steps 32
+bench "8b 512" "--device-timing" $LLAMA_8B --prompt-len 512 --batches 1,8 --decode-steps 32
 
 section "done"
 [ "$FAILED" = 0 ] && echo "gpu-profile: done (${SECONDS}s)" || echo "gpu-profile: something FAILED (${SECONDS}s)"

@@ -170,7 +170,6 @@ pub async fn run_worker(
         kv_tls,
         link: crate::emulated_link(config.emulate.as_ref(), config.emulate_link),
         refuse_role_switches: fault_count_from_env(REFUSE_ROLE_SWITCHES_ENV, "role switches are refused"),
-        device_stand_in: device_stand_in_from_env(),
     };
     let handle = WorkerHandle::spawn(id.to_string(), config.role, engine, options)?;
     let mut app = baton_worker::control::router(handle.clone(), config.secret.clone());
@@ -376,19 +375,6 @@ pub fn instance_of(name: &str) -> baton_kv::InstanceId {
 /// The environment variable that makes a worker process refuse its first N role switches with
 /// a 503 (fault injection for tests: a conductor whose switch fails).
 pub const REFUSE_ROLE_SWITCHES_ENV: &str = "BATON_FAULT_REFUSE_ROLE_SWITCHES";
-
-/// The environment variable that makes a worker process's host KV arena pose as a device arena
-/// (a test seam, see [`WorkerOptions::device_stand_in`]): the device transport between worker
-/// processes on a machine with no GPU.
-pub const DEVICE_STAND_IN_ENV: &str = "BATON_FAULT_KV_DEVICE_STAND_IN";
-
-fn device_stand_in_from_env() -> bool {
-    let on = fault_env(DEVICE_STAND_IN_ENV).is_some_and(|v| v == "1");
-    if on {
-        tracing::warn!("{DEVICE_STAND_IN_ENV} is set: the KV arena poses as a device arena (a test seam)");
-    }
-    on
-}
 
 /// A fault injection variable's value: read only in builds with the `fault-injection` feature
 /// (the tests'); elsewhere a variable that is set is ignored, with a warning.

@@ -278,7 +278,6 @@ pub fn build(config: &ServeConfig) -> Result<Arc<Conductor>, ServeError> {
             kv_tls: None,
             link: emulated_link(config.emulate.as_ref(), config.emulate_link),
             refuse_role_switches: 0,
-            device_stand_in: false,
         };
         let name = format!("{}-{i}", role.as_str());
         workers.push(Arc::new(WorkerHandle::spawn(name, role, engine, options)?));

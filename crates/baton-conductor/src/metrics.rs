@@ -311,6 +311,8 @@ pub struct WorkerGauges {
     /// KV blocks that failed their checksum on the worker (its slower tiers, or received over
     /// TCP), since it started.
     pub corrupt_blocks: u64,
+    /// Bytes copied into and out of the worker's device arena, by direction, since it started.
+    pub kv_copy_bytes: baton_protocol::KvCopyBytes,
 }
 
 /// What is read at scrape time, beside the counters: a registry built for one scrape.
@@ -356,8 +358,26 @@ impl Scrape<'_> {
             &["worker"],
         )?;
         r.register(Box::new(corrupt.clone()))?;
+        let copies = IntCounterVec::new(
+            Opts::new(
+                "baton_kv_copy_bytes_total",
+                "Bytes copied into and out of a worker's device arena: device_to_host (tier demotions, sends, a \
+                 device's write-back), host_to_device (swap-ins, receives, uploads), device_to_device (same-host \
+                 hand-offs over a device link).",
+            ),
+            &["worker", "direction"],
+        )?;
+        r.register(Box::new(copies.clone()))?;
         for w in self.workers {
             corrupt.with_label_values(&[&w.name]).inc_by(w.corrupt_blocks);
+            let c = &w.kv_copy_bytes;
+            for (direction, bytes) in [
+                ("device_to_host", c.device_to_host),
+                ("host_to_device", c.host_to_device),
+                ("device_to_device", c.device_to_device),
+            ] {
+                copies.with_label_values(&[&w.name, direction]).inc_by(bytes);
+            }
             queue.with_label_values(&[&w.name, w.role, "running"]).set(as_i64(w.running));
             queue.with_label_values(&[&w.name, w.role, "waiting"]).set(as_i64(w.waiting));
             blocks.with_label_values(&[&w.name, "device", "used"]).set(as_i64(w.blocks_used));
@@ -513,6 +533,7 @@ mod tests {
             blocks_used: 10,
             blocks_total: 64,
             corrupt_blocks: 2,
+            kv_copy_bytes: baton_protocol::KvCopyBytes { device_to_host: 4096, ..Default::default() },
         }];
         let scrape = Scrape { workers: &workers, decode_time_us: Some(2_500_000), ..Scrape::default() };
         let text = m.render(&scrape);
@@ -531,6 +552,7 @@ mod tests {
             "baton_queue_length{role=\"decode\",state=\"running\",worker=\"decode-1\"} 3",
             "baton_kv_blocks{state=\"total\",tier=\"device\",worker=\"decode-1\"} 64",
             "baton_kv_corrupt_blocks_total{worker=\"decode-1\"} 2",
+            "baton_kv_copy_bytes_total{direction=\"device_to_host\",worker=\"decode-1\"} 4096",
             "baton_decode_residency_seconds 2.5",
         ] {
             assert!(text.lines().any(|l| l == line), "`{line}` missing from:\n{text}");

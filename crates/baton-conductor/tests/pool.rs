@@ -310,11 +310,14 @@ async fn a_fetch_that_cannot_be_carried_out_is_recomputed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_caching_modes_keep_the_output_and_change_what_is_computed_and_moved() {
     for model in ["tiny-llama", "tiny-qwen2"] {
-        pd_caching_modes_on(model).await;
+        pd_caching_modes_on(model, baton_model::ComputeDevice::Cpu).await;
     }
+    // The stand-in device (issue #58): the decode workers' kept KV and PD-Caching-3's return
+    // move between device arenas, with the CPU engine's outputs.
+    pd_caching_modes_on("tiny-llama", baton_model::ComputeDevice::StandIn).await;
 }
 
-async fn pd_caching_modes_on(model: &str) {
+async fn pd_caching_modes_on(model: &str, device: baton_model::ComputeDevice) {
     // Turn 2 in token ids: turn 1's prompt, its answer as generated, then more. (Text would be
     // tokenised anew, and the tokens where turn 1 ends may merge with the answer's.)
     let (ids_1, answer_1, want_1) = engine_tokens(model, TURN_1, 6);
@@ -326,10 +329,15 @@ async fn pd_caching_modes_on(model: &str) {
     let prompt_blocks = ids_1.len() / 4 * 4;
     let history_blocks = (ids_1.len() + answer_1.len() - 1) / 4 * 4;
     for mode in [PdCaching::Basic, PdCaching::Prefill, PdCaching::Decode, PdCaching::Return] {
-        let config = ServeConfig { engine: engine_config(), pd_caching: mode, ..ServeConfig::new(fixture(model)) };
+        let config = ServeConfig {
+            engine: engine_config(),
+            pd_caching: mode,
+            device: baton_model::DeviceOptions { device, ..baton_model::DeviceOptions::default() },
+            ..ServeConfig::new(fixture(model))
+        };
         let server = start_with(&config).await;
         let (text_1, _) = server.complete(TURN_1, 6).await;
-        assert_eq!(text_1, want_1, "{model} {mode:?}");
+        assert_eq!(text_1, want_1, "{model} {mode:?} on {device}");
         if mode == PdCaching::Return {
             // The answer goes back after the response, off the request's path.
             let mut returned = 0.0;
@@ -345,7 +353,7 @@ async fn pd_caching_modes_on(model: &str) {
         let computed_before = server.metric("baton_prefill_tokens_total").await;
         let moved_before = server.metric("baton_kv_transfer_tokens_total").await;
         let (text_2, cached_2) = server.complete_ids(&ids_2, 6).await;
-        assert_eq!(text_2, want_2, "{model} {mode:?}: the mode changes no output");
+        assert_eq!(text_2, want_2, "{model} {mode:?} on {device}: the mode changes no output");
         let computed = (server.metric("baton_prefill_tokens_total").await - computed_before) as usize;
         let moved = (server.metric("baton_kv_transfer_tokens_total").await - moved_before) as usize;
         let (want_cached, want_moved) = match mode {
@@ -355,8 +363,11 @@ async fn pd_caching_modes_on(model: &str) {
             PdCaching::Return => (history_blocks, ids_2.len() - history_blocks),
         };
         let got = (cached_2, computed, moved);
-        assert_eq!(got, (want_cached, ids_2.len() - want_cached, want_moved), "{model} {mode:?}");
-        eprintln!("{model} {mode:?}: turn 2 computed {computed} of {} prompt tokens, moved {moved}", ids_2.len());
+        assert_eq!(got, (want_cached, ids_2.len() - want_cached, want_moved), "{model} {mode:?} on {device}");
+        eprintln!(
+            "{model} {mode:?} on {device}: turn 2 computed {computed} of {} prompt tokens, moved {moved}",
+            ids_2.len()
+        );
         server.assert_no_kv_held().await;
     }
 }

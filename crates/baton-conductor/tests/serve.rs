@@ -489,6 +489,44 @@ async fn pushed_kv_gives_the_output_of_pulled_kv_and_of_the_engine() {
     }
 }
 
+/// The stand-in device (`--device stand-in`, issue #58) in every hand-off mode: the engine's
+/// output on the CPU, nothing held after, and the workers' copy meters
+/// (`baton_kv_copy_bytes_total`) count the hand-offs' copies. (Between processes they go device
+/// to device: `crates/baton/tests/cluster.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stand_in_device_hands_kv_over_in_every_mode_with_the_cpus_output() {
+    let long = PROMPTS.join(" ").repeat(3);
+    for mode in [KvTransfer::Pull, KvTransfer::Push, KvTransfer::Layerwise] {
+        let config = ServeConfig {
+            engine: engine_config(),
+            kv_transfer: mode,
+            device: baton_model::DeviceOptions {
+                device: baton_model::ComputeDevice::StandIn,
+                ..baton_model::DeviceOptions::default()
+            },
+            ..ServeConfig::new(fixture("tiny-llama"))
+        };
+        let server = start_with(&config).await;
+        for prompt in [PROMPTS[0], long.as_str()] {
+            let want = engine_alone("tiny-llama", prompt, 12).1;
+            let body = json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+            let (status, v) = server.post("/v1/completions", body).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(v["choices"][0]["text"], want, "{mode:?} {prompt:?}: the stand-in vs the CPU engine");
+        }
+        // One process: the workers hand KV over through shared memory, as `baton serve` does on
+        // a GPU too. The side that copies counts it: a pull lands host bytes in the decode
+        // worker's arena, a push reads the prefill worker's arena out to the host's mapping.
+        let (h2d, d2h) = (
+            common::copy_bytes(&server.url, "host_to_device").await,
+            common::copy_bytes(&server.url, "device_to_host").await,
+        );
+        let counted = if mode == KvTransfer::Pull { h2d } else { d2h };
+        assert!(counted > 0.0, "{mode:?}: the hand-offs' copies went uncounted ({h2d} h2d, {d2h} d2h)");
+        server.assert_no_kv_held().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_pushes_are_each_correct_and_a_client_gone_mid_push_frees_everything() {
     for mode in [KvTransfer::Push, KvTransfer::Layerwise] {

@@ -9,11 +9,17 @@ mod common;
 
 use baton_conductor::ServeConfig;
 use baton_engine::EngineConfig;
+use baton_model::{ComputeDevice, DeviceOptions};
 use common::{Server, fixture, start_with};
 use serde_json::{Value, json};
 
 /// One colocated worker whose device arena (24 blocks of 4 tokens) holds three prompts.
 async fn start(host_blocks: usize, disk: Option<(&std::path::Path, usize)>) -> Server {
+    start_on(ComputeDevice::Cpu, host_blocks, disk).await
+}
+
+/// [`start`] on `device`.
+async fn start_on(device: ComputeDevice, host_blocks: usize, disk: Option<(&std::path::Path, usize)>) -> Server {
     let engine = EngineConfig {
         block_size: 4,
         num_blocks: 24,
@@ -24,8 +30,15 @@ async fn start(host_blocks: usize, disk: Option<(&std::path::Path, usize)>) -> S
         disk_dir: disk.map(|d| d.0.to_owned()),
         ..EngineConfig::default()
     };
-    start_with(&ServeConfig { prefill: 0, decode: 0, colocated: 1, engine, ..ServeConfig::new(fixture("tiny-llama")) })
-        .await
+    start_with(&ServeConfig {
+        prefill: 0,
+        decode: 0,
+        colocated: 1,
+        engine,
+        device: DeviceOptions { device, ..DeviceOptions::default() },
+        ..ServeConfig::new(fixture("tiny-llama"))
+    })
+    .await
 }
 
 async fn complete(server: &Server, prompt: &str) -> (String, u64) {
@@ -180,7 +193,7 @@ async fn kv_damaged_on_the_host_and_disk_tiers_is_recomputed_and_counted() {
     let disk = open_files(&dir.to_string_lossy());
     assert_eq!(disk.len(), 1, "the disk tier's file: {disk:?}");
     let block_bytes = disk[0].1 / 128;
-    let host: Vec<_> = open_files("baton-kv-arena").into_iter().filter(|(_, len)| *len == 13 * block_bytes).collect();
+    let host: Vec<_> = open_files("baton-host-tier").into_iter().filter(|(_, len)| *len == 13 * block_bytes).collect();
     assert_eq!(host.len(), 1, "the host arena: {host:?}");
     damage_every_block(&disk[0].0, block_bytes);
     damage_every_block(&host[0].0, block_bytes);
@@ -198,5 +211,31 @@ async fn kv_damaged_on_the_host_and_disk_tiers_is_recomputed_and_counted() {
     assert!(corrupt >= 2, "the damaged blocks were not counted ({corrupt}):\n{text}");
     server.assert_no_kv_held().await;
     drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The host and disk tiers below the stand-in device's arena (issue #58: host memory is a tier
+/// of its own): a prefix evicted to host memory, and one evicted on to disk, comes back with the
+/// CPU's output, and the worker's copy meter counts the blocks that left the device arena and
+/// those that came back.
+#[tokio::test]
+async fn the_stand_in_devices_tiers_give_the_cpus_output_and_count_their_copies() {
+    let dir = std::env::temp_dir().join(format!("baton-tiers-stand-in-{}", std::process::id()));
+    for (host, disk) in [(64, None), (16, Some((dir.as_path(), 64)))] {
+        let pushes = if disk.is_some() { 8 } else { 4 };
+        let cpu = start_on(ComputeDevice::Cpu, host, disk).await;
+        let want = evict_and_return(&cpu, pushes).await;
+        drop(cpu);
+        let server = start_on(ComputeDevice::StandIn, host, disk).await;
+        let (first, again, cached) = evict_and_return(&server, pushes).await;
+        assert_eq!((&first, &again), (&want.0, &want.1), "the stand-in's output vs the CPU's");
+        assert!(cached >= 24, "prompt 0's prefix came back from a slower tier: {cached} tokens");
+        assert!(
+            common::copy_bytes(&server.url, "device_to_host").await > 0.0,
+            "demotions left the device arena uncounted"
+        );
+        assert!(common::copy_bytes(&server.url, "host_to_device").await > 0.0, "the swap-in came back uncounted");
+        server.assert_no_kv_held().await;
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -297,7 +297,7 @@ pub fn run(config: EngineBenchConfig, progress: &mut dyn FnMut(&str)) -> Result<
         read_gb_s: probe.read_gb_s(),
         memcpy_gb_s: probe.memcpy_gb_s(),
     };
-    let cpu = config.device.device == ComputeDevice::Cpu;
+    let cpu = matches!(config.device.device, ComputeDevice::Cpu | ComputeDevice::StandIn);
     // A GPU's figures are set beside its own limits: its run frees the buffer now.
     let probe = cpu.then_some(probe);
     if !cpu {

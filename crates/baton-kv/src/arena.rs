@@ -116,9 +116,12 @@ unsafe fn f16_rows_to_f32(s: &[half::f16], start: usize, stride: usize, n: usize
     }
 }
 
+/// The memfd name of an arena made without one.
+pub const DEFAULT_ARENA_NAME: &str = "baton-kv-arena";
+
 /// Creates a memfd of `len` bytes and maps it read-write, shared.
-fn shared_region(len: usize) -> io::Result<(MmapMut, File)> {
-    let fd: OwnedFd = rustix::fs::memfd_create("baton-kv-arena", rustix::fs::MemfdFlags::CLOEXEC)?;
+fn shared_region(name: &str, len: usize) -> io::Result<(MmapMut, File)> {
+    let fd: OwnedFd = rustix::fs::memfd_create(name, rustix::fs::MemfdFlags::CLOEXEC)?;
     let file = File::from(fd);
     file.set_len(len as u64)?;
     let map = map_shared_mut(&file)?;
@@ -153,12 +156,19 @@ impl KvArena {
 
     /// A zeroed arena of `num_blocks` blocks in a memfd another process can map.
     pub fn new_shared(geometry: KvGeometry, layout: KvLayout, num_blocks: usize) -> io::Result<Self> {
+        Self::new_named(DEFAULT_ARENA_NAME, geometry, layout, num_blocks)
+    }
+
+    /// [`new_shared`](Self::new_shared), its memfd named `name` (what `/proc/PID/maps` and
+    /// `smaps` show as `/memfd:NAME`, so a process's arenas can be told apart: a stand-in
+    /// device's from a host tier's).
+    pub fn new_named(name: &str, geometry: KvGeometry, layout: KvLayout, num_blocks: usize) -> io::Result<Self> {
         let descriptor = TensorDescriptor::new(&geometry, layout, num_blocks);
         let len = descriptor.num_elems() * geometry.dtype.size();
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "an empty arena cannot be shared"));
         }
-        let (map, file) = shared_region(len)?;
+        let (map, file) = shared_region(name, len)?;
         Ok(Self { geometry, descriptor, backing: Backing::Shared { map, file } })
     }
 

@@ -25,6 +25,8 @@
 //! - [`BlockTable`]: the blocks of one sequence, in token order.
 //! - [`block_checksum`]: the CRC-32C every block on the host and disk tiers carries, checked
 //!   when it comes back (a block that fails is dropped, counted and recomputed).
+//! - [`CopyMeter`]: bytes moved into and out of the device arena, by direction (tiers, the
+//!   device backend, the transfer plane).
 //!
 //! An engine's life with the pool:
 //!
@@ -69,6 +71,7 @@ mod allocator;
 mod arena;
 mod block_table;
 mod checksum;
+mod copies;
 mod events;
 mod geometry;
 mod hash;
@@ -81,17 +84,18 @@ mod segment;
 mod tier;
 
 pub use allocator::{AllocatorError, BlockAllocator};
-pub use arena::{ArenaHandle, KvArena, MappedArena, Slab};
+pub use arena::{ArenaHandle, DEFAULT_ARENA_NAME, KvArena, MappedArena, Slab};
 pub use block_table::BlockTable;
 pub use checksum::{block_checksum, checksum_ranges};
+pub use copies::{CopyBytes, CopyDirection, CopyMeter};
 pub use events::{BlockTokens, EventError, IndexEntry, KvEvent, KvEventKind};
 pub use geometry::{Dim, KvDtype, KvGeometry, KvLayout, KvPart, TensorDescriptor};
 pub use hash::{BlockHash, HASH_SEED, block_hash, fnv1a_32, fnv1a_64, prefix_hashes};
 pub use index::{NodeInfo, PrefixIndex};
 pub use policy::{EvictionPolicy, Lfu, Lru, NodeId, PolicyKind, Ranked};
 pub use pool::{
-    DevicePrefix, MAX_BUFFERED_EVENTS, MemPool, PoolConfig, PoolError, PrefixMatch, SwapCopier, SwapIn, SwapJob,
-    TierOwners,
+    DevicePrefix, HOST_TIER_NAME, MAX_BUFFERED_EVENTS, MemPool, PoolConfig, PoolError, PrefixMatch, SwapCopier, SwapIn,
+    SwapJob, TierOwners,
 };
 pub use ranges::ByteRange;
 pub use segment::{FragmentationStats, Segment, SegmentAllocator, count_runs, segments_of};

@@ -21,6 +21,11 @@ pub enum ComputeDevice {
     Cpu,
     /// CUDA device `N` (`cuda` is `cuda:0`).
     Cuda(usize),
+    /// A testing device: the CPU's kernels over KV in host memory of its own (a memfd named
+    /// `baton-device-arena`) that is offered to peers on this host as a device arena, so the
+    /// device paths (device-to-device hand-offs, copy counters, the memory split between the
+    /// device arena and the host tier) run where there is no GPU. Texts equal the CPU's.
+    StandIn,
 }
 
 impl FromStr for ComputeDevice {
@@ -29,10 +34,11 @@ impl FromStr for ComputeDevice {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "cpu" => Ok(Self::Cpu),
+            "stand-in" => Ok(Self::StandIn),
             "cuda" => Ok(Self::Cuda(0)),
             _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
                 Some(Ok(n)) => Ok(Self::Cuda(n)),
-                _ => Err(format!("unknown device `{s}`: expected `cpu`, `cuda` or `cuda:N`")),
+                _ => Err(format!("unknown device `{s}`: expected `cpu`, `cuda`, `cuda:N` or `stand-in`")),
             },
         }
     }
@@ -43,6 +49,7 @@ impl fmt::Display for ComputeDevice {
         match self {
             Self::Cpu => f.write_str("cpu"),
             Self::Cuda(n) => write!(f, "cuda:{n}"),
+            Self::StandIn => f.write_str("stand-in"),
         }
     }
 }
@@ -94,6 +101,68 @@ pub struct DeviceOptions {
     pub device: ComputeDevice,
     /// The compute type (a GPU's; the CPU computes in float32).
     pub dtype: ComputeDtype,
+    /// How a GPU backend runs (ignored by the CPU and the stand-in).
+    pub gpu: GpuOptions,
+}
+
+/// How a GPU backend runs: its fast paths, each on by default and off to measure what it buys,
+/// and its measurements, off by default. `--help`'s Device group sets them (they were
+/// environment switches once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuOptions {
+    /// Replay decode steps as captured CUDA graphs, one launch a step (`--enforce-eager` turns
+    /// them off, as vLLM's flag does).
+    pub graphs: bool,
+    /// Which attention takes prefill chunks (`--prefill-attention`).
+    pub prefill_attention: PrefillAttention,
+    /// How the device KV arena is offered to peer processes on the host (`--kv-export`).
+    pub kv_export: KvExport,
+    /// Page-lock the host arena, so a step's whole blocks go down to it by DMA
+    /// (`--pin-host-kv off`: through staging).
+    pub pin_host_kv: bool,
+    /// Print where steps spend their wall time (packing, enqueueing, waiting, unpacking) when
+    /// an engine ends (`--device-timing`).
+    pub timing: bool,
+    /// Time every launch with an event, graphs off, and print the GPU time by kernel when an
+    /// engine ends (`--device-profile`).
+    pub profile: bool,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        Self {
+            graphs: true,
+            prefill_attention: PrefillAttention::Auto,
+            kv_export: KvExport::Vmm,
+            pin_host_kv: true,
+            timing: false,
+            profile: false,
+        }
+    }
+}
+
+/// Which attention kernel takes a GPU's prefill chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillAttention {
+    /// Tiles on the tensor cores with asynchronous key copies where the device and types allow,
+    /// else tiles loaded through registers, else row by row.
+    #[default]
+    Auto,
+    /// Tiles loaded through registers (no asynchronous copies).
+    TiledSync,
+    /// Every row one by one (the decode kernel).
+    Rows,
+}
+
+/// How a GPU's KV arena is offered to peer processes on the same host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvExport {
+    /// A CUDA virtual-memory allocation exported as a descriptor the peer imports: the peer
+    /// then holds the memory too, so a copy after the exporter died touches memory still there.
+    #[default]
+    Vmm,
+    /// A plain allocation shared by legacy CUDA IPC.
+    Ipc,
 }
 
 /// A device's limits, measured: what `baton bench engine --device cuda` sets its figures beside.
@@ -104,6 +173,26 @@ pub struct DeviceLimits {
     pub copy_gb_s: f64,
     /// TFLOP/s of one large bfloat16 GEMM.
     pub gemm_tflops: f64,
+}
+
+/// One case of [`ComputeDevice::check_kernels`]: a fast kernel against the plain one on the same random data.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelCheck {
+    /// What ran.
+    pub name: String,
+    /// Largest |fast − plain| over the outputs.
+    pub max_abs_diff: f32,
+    /// Largest |plain| (the scale the difference is read against).
+    pub max_abs: f32,
+    /// The tolerance the case is held to.
+    pub tolerance: f32,
+}
+
+impl KernelCheck {
+    /// Whether the difference is within the tolerance (NaN never is).
+    pub fn passed(&self) -> bool {
+        self.max_abs_diff <= self.tolerance
+    }
 }
 
 /// A batch step flattened for a device: one entry per new token (row) and one block table per

@@ -22,10 +22,16 @@
 //! ([`grammar`]: JSON schemas and Lark grammars through llguidance).
 
 mod attention;
+pub mod backend;
 mod chat;
 mod checkpoint;
 pub mod config;
+// The one place the `cuda` feature is named: the real backend, or a stub whose functions say
+// how to build with it (candle's pattern), behind the same paths.
 #[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_stub.rs"]
 pub mod cuda;
 mod device;
 mod device_kv;
@@ -43,13 +49,17 @@ mod step;
 mod tokenizer;
 pub mod weights;
 
+pub use backend::{Backend, KvState, STAND_IN_ARENA_NAME};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use checkpoint::{
     Checkpoint, DEFAULT_MODEL, DEFAULT_MODEL_FILE, Frontend, KNOWN_MODELS, KnownModel, default_model_path, known_model,
     known_model_names, known_model_path, models_dir,
 };
 pub use config::{Architecture, ModelConfig};
-pub use device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions, PackOffsets, StepPack};
+pub use device::{
+    ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions, GpuOptions, KernelCheck, KvExport, PackOffsets,
+    PrefillAttention, StepPack,
+};
 pub use device_kv::DeviceKv;
 pub use error::{ModelError, Result};
 pub use grammar::{Constraint, Grammar, GrammarCompiler};

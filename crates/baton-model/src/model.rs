@@ -9,16 +9,20 @@
 //! A step's interface ([`SeqStep`] in, [`StepLogits`] out) is `step.rs`'s, which every backend
 //! shares.
 //!
-//! The backend a [`ComputeDevice`] means is chosen here, once a model loads ([`Model::load_on`]),
-//! and for what a device is asked without a model ([`ComputeDevice::measure_limits`], and
-//! `ComputeDevice::check_kernels` with the `cuda` feature).
+//! The CPU backend is here (`CpuModel`, and the stand-in device over it), and the one place a
+//! [`ComputeDevice`] picks its backend: once a model loads ([`Model::load_on`]), and for what a
+//! device is asked without a model ([`ComputeDevice::measure_limits`],
+//! [`ComputeDevice::check_kernels`]). The backends implement `backend.rs`'s interface.
 
-use baton_kv::{KvArena, KvGeometry, KvPart};
+use std::sync::Arc;
+
+use baton_kv::{CopyMeter, KvArena, KvGeometry, KvPart};
 use candle_core::{Device, Tensor};
 
 use crate::attention::{AttentionShape, RowPos, Widening, paged_attention};
+use crate::backend::{Backend, HostKv, KvState, STAND_IN_ARENA_NAME, StandInKv};
 use crate::config::{Activation, ModelConfig};
-use crate::device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions};
+use crate::device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions, KernelCheck};
 use crate::device_kv::DeviceKv;
 use crate::error::{ModelError, Result};
 use crate::kernels::{apply_rope, gated_activation, rms_norm, rope_inv_freq, rope_tables, soft_cap};
@@ -157,52 +161,14 @@ impl Embedding {
     }
 }
 
-/// A loaded decoder model: its configuration and the weights of the backend it computes on.
+/// A loaded decoder model: its configuration and the backend it computes on, with its weights.
 pub struct Model {
     config: ModelConfig,
-    compute: Compute,
+    backend: Box<dyn Backend>,
 }
-
-/// What computes a model's steps.
-enum Compute {
-    Cpu(CpuModel),
-    #[cfg(feature = "cuda")]
-    Cuda(Box<crate::cuda::CudaModel>),
-}
-
-impl ComputeDevice {
-    /// Measures the device's copy bandwidth and GEMM peak; `None` for the CPU (whose benchmark
-    /// measures its memory bandwidth itself). An error where the device is missing or this
-    /// build has no support for it.
-    pub fn measure_limits(self) -> Result<Option<DeviceLimits>> {
-        match self {
-            Self::Cpu => Ok(None),
-            #[cfg(feature = "cuda")]
-            Self::Cuda(n) => crate::cuda::measure_limits(n).map(Some),
-            #[cfg(not(feature = "cuda"))]
-            Self::Cuda(_) => Err(ModelError::Device(NO_CUDA.into())),
-        }
-    }
-}
-
-impl ComputeDevice {
-    /// Checks the device's fast kernels against its plain ones on random data (see
-    /// [`crate::cuda::check_kernels`]); the CPU has none to check.
-    #[cfg(feature = "cuda")]
-    pub fn check_kernels(self) -> Result<Vec<crate::cuda::KernelCheck>> {
-        match self {
-            Self::Cpu => Ok(Vec::new()),
-            Self::Cuda(n) => crate::cuda::check_kernels(n),
-        }
-    }
-}
-
-/// The error of a CUDA request to a build without the `cuda` feature.
-#[cfg(not(feature = "cuda"))]
-const NO_CUDA: &str = "this baton was built without CUDA support: rebuild with `cargo build --release --features cuda`";
 
 /// The CPU backend's weights.
-struct CpuModel {
+pub(crate) struct CpuModel {
     embed: Embedding,
     layers: Vec<Layer>,
     norm: Vec<f32>,
@@ -214,6 +180,49 @@ struct CpuModel {
 impl std::fmt::Debug for Model {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Model").field("config", &self.config).field("device", &self.device()).finish_non_exhaustive()
+    }
+}
+
+/// Loads `config`'s weights from `src` onto the backend `options` name.
+fn load_backend(config: &ModelConfig, src: &dyn WeightSource, options: DeviceOptions) -> Result<Box<dyn Backend>> {
+    let cpu_dtype = || match options.dtype {
+        ComputeDtype::Auto | ComputeDtype::F32 => Ok(()),
+        other => Err(ModelError::Device(format!(
+            "the {} backend computes in float32; --dtype {other} needs --device cuda",
+            options.device
+        ))),
+    };
+    Ok(match options.device {
+        ComputeDevice::Cpu => {
+            cpu_dtype()?;
+            Box::new(CpuModel::load(config, src)?)
+        }
+        ComputeDevice::StandIn => {
+            cpu_dtype()?;
+            Box::new(StandIn(CpuModel::load(config, src)?))
+        }
+        ComputeDevice::Cuda(n) => crate::cuda::load(config, src, n, options)?,
+    })
+}
+
+impl ComputeDevice {
+    /// Measures the device's copy bandwidth and GEMM peak; `None` for the CPU and the stand-in
+    /// (whose benchmark measures the host's memory bandwidth itself). An error where the device
+    /// is missing or this build has no support for it.
+    pub fn measure_limits(self) -> Result<Option<DeviceLimits>> {
+        match self {
+            Self::Cpu | Self::StandIn => Ok(None),
+            Self::Cuda(n) => crate::cuda::measure_limits(n).map(Some),
+        }
+    }
+
+    /// Checks the device's fast kernels against its plain ones on random data; the CPU and the
+    /// stand-in have none to check.
+    pub fn check_kernels(self) -> Result<Vec<KernelCheck>> {
+        match self {
+            Self::Cpu | Self::StandIn => Ok(Vec::new()),
+            Self::Cuda(n) => crate::cuda::check_kernels(n),
+        }
     }
 }
 
@@ -234,68 +243,41 @@ impl Model {
         Self::load_on(config, src, DeviceOptions::default())
     }
 
-    /// [`Model::load`] onto a device: the CPU keeps weights as stored (float32 or GGUF blocks);
-    /// a GPU holds them in the compute type (GGUF blocks dequantized), and fails with
-    /// [`ModelError::Device`] where there is no such device, or no `cuda` feature in this build.
+    /// [`Model::load`] onto a device: the CPU (and the stand-in device) keeps weights as stored
+    /// (float32 or GGUF blocks); a GPU holds them in the compute type (GGUF blocks
+    /// dequantized), and fails with [`ModelError::Device`] where there is no such device, or no
+    /// `cuda` feature in this build.
     pub fn load_on(config: &ModelConfig, src: &dyn WeightSource, device: DeviceOptions) -> Result<Self> {
-        let compute = match device.device {
-            ComputeDevice::Cpu => match device.dtype {
-                ComputeDtype::Auto | ComputeDtype::F32 => Compute::Cpu(CpuModel::load(config, src)?),
-                other => {
-                    return Err(ModelError::Device(format!(
-                        "the CPU backend computes in float32; --dtype {other} needs --device cuda"
-                    )));
-                }
-            },
-            #[cfg(feature = "cuda")]
-            ComputeDevice::Cuda(n) => {
-                Compute::Cuda(Box::new(crate::cuda::CudaModel::load(config, src, n, device.dtype)?))
-            }
-            #[cfg(not(feature = "cuda"))]
-            ComputeDevice::Cuda(_) => {
-                return Err(ModelError::Device(NO_CUDA.into()));
-            }
-        };
-        Ok(Self { config: config.clone(), compute })
+        Ok(Self { config: config.clone(), backend: load_backend(config, src, device)? })
     }
 
     /// The device the model computes on.
     pub fn device(&self) -> ComputeDevice {
-        match &self.compute {
-            Compute::Cpu(_) => ComputeDevice::Cpu,
-            #[cfg(feature = "cuda")]
-            Compute::Cuda(m) => ComputeDevice::Cuda(m.ordinal),
-        }
+        self.backend.device()
     }
 
-    /// An engine's state on the model's device for its KV arena (see [`DeviceKv`]).
+    /// The name of the memfd an engine's KV arena for this model is made in
+    /// ([`baton_kv::PoolConfig::device_arena_name`]).
+    pub fn arena_name(&self) -> &'static str {
+        self.backend.arena_name()
+    }
+
+    /// An engine's state on the model's device for its KV arena (see [`DeviceKv`]), counting
+    /// the copies the device makes on `meter` (the pool's: [`baton_kv::MemPool::copy_meter`]).
     /// The arena must be new (nothing written in it yet) or the caller marks what it holds
     /// ([`DeviceKv::invalidate`]).
-    pub fn device_kv(&self, arena: &KvArena) -> Result<DeviceKv> {
-        self.device_kv_with(arena, true)
-    }
-
-    fn device_kv_with(&self, arena: &KvArena, fresh: bool) -> Result<DeviceKv> {
-        let _ = (arena, fresh);
-        match &self.compute {
-            Compute::Cpu(_) => Ok(DeviceKv::default()),
-            #[cfg(feature = "cuda")]
-            Compute::Cuda(m) => Ok(DeviceKv::cuda(m.new_kv(arena, fresh)?)),
-        }
+    pub fn device_kv(&self, arena: &KvArena, meter: &Arc<CopyMeter>) -> Result<DeviceKv> {
+        Ok(DeviceKv::new(self.backend.kv_state(arena, true, Arc::clone(meter))?))
     }
 
     /// Device memory the weights take (0 on the CPU).
     pub fn device_weight_bytes(&self) -> usize {
-        match &self.compute {
-            Compute::Cpu(_) => 0,
-            #[cfg(feature = "cuda")]
-            Compute::Cuda(m) => m.weight_bytes_resident(),
-        }
+        self.backend.device_weight_bytes()
     }
 }
 
 impl CpuModel {
-    fn load(config: &ModelConfig, src: &dyn WeightSource) -> Result<Self> {
+    pub(crate) fn load(config: &ModelConfig, src: &dyn WeightSource) -> Result<Self> {
         let c = config;
         if c.layer_attention.len() != c.num_layers {
             return Err(ModelError::InvalidInput(format!(
@@ -395,11 +377,7 @@ impl Model {
 
     /// Bytes of weights one forward pass reads (every matrix once, the embedding row aside).
     pub fn weight_bytes_per_step(&self) -> usize {
-        match &self.compute {
-            Compute::Cpu(m) => m.weight_bytes_per_step(),
-            #[cfg(feature = "cuda")]
-            Compute::Cuda(m) => m.weight_bytes_per_step(),
-        }
+        self.backend.weight_bytes_per_step()
     }
 
     /// Runs one batch step: writes the new tokens' keys and values into `kv` and returns the
@@ -419,20 +397,7 @@ impl Model {
         device: &mut DeviceKv,
         layer_written: &mut (dyn FnMut(usize) + Send),
     ) -> Result<StepLogits> {
-        let _ = &device;
-        match &self.compute {
-            // The step runs on one of rayon's threads: its hundred-odd parallel products are
-            // then forks within the pool, not a caller blocking on a condition variable each
-            // time, and the pool's other threads stay awake between them (`pool`).
-            Compute::Cpu(m) => step_in_pool(|| m.forward_in_pool(&self.config, batch, kv, layer_written)),
-            #[cfg(feature = "cuda")]
-            Compute::Cuda(m) => {
-                let state = device
-                    .cuda_mut()
-                    .ok_or_else(|| ModelError::Device("this DeviceKv was not made by the model's device".into()))?;
-                m.forward(batch, kv, state, layer_written)
-            }
-        }
+        self.backend.forward(&self.config, batch, kv, device.state_mut(), layer_written)
     }
 
     /// [`forward`](Self::forward), calling `layer_written(l)` as soon as layer `l`'s keys and
@@ -445,8 +410,69 @@ impl Model {
         kv: &mut KvArena,
         layer_written: &mut (dyn FnMut(usize) + Send),
     ) -> Result<StepLogits> {
-        let mut device = self.device_kv_with(kv, false)?;
+        let mut device = DeviceKv::new(self.backend.kv_state(kv, false, Arc::default())?);
         self.forward_kv(batch, kv, &mut device, layer_written)
+    }
+}
+
+impl Backend for CpuModel {
+    fn device(&self) -> ComputeDevice {
+        ComputeDevice::Cpu
+    }
+
+    fn weight_bytes_per_step(&self) -> usize {
+        CpuModel::weight_bytes_per_step(self)
+    }
+
+    fn kv_state(&self, _: &KvArena, _: bool, _: Arc<CopyMeter>) -> Result<Box<dyn KvState>> {
+        Ok(Box::new(HostKv))
+    }
+
+    fn forward(
+        &self,
+        config: &ModelConfig,
+        batch: &[SeqStep<'_>],
+        kv: &mut KvArena,
+        _: &mut dyn KvState,
+        layer_written: &mut (dyn FnMut(usize) + Send),
+    ) -> Result<StepLogits> {
+        // The step runs on one of rayon's threads: its hundred-odd parallel products are then
+        // forks within the pool, not a caller blocking on a condition variable each time, and
+        // the pool's other threads stay awake between them (`pool`).
+        step_in_pool(|| self.forward_in_pool(config, batch, kv, layer_written))
+    }
+}
+
+/// The stand-in device (see [`ComputeDevice::StandIn`]): the CPU backend's weights and
+/// kernels, over an arena of its own that it offers as a device arena.
+pub(crate) struct StandIn(pub(crate) CpuModel);
+
+impl Backend for StandIn {
+    fn device(&self) -> ComputeDevice {
+        ComputeDevice::StandIn
+    }
+
+    fn weight_bytes_per_step(&self) -> usize {
+        self.0.weight_bytes_per_step()
+    }
+
+    fn arena_name(&self) -> &'static str {
+        STAND_IN_ARENA_NAME
+    }
+
+    fn kv_state(&self, _: &KvArena, _: bool, _: Arc<CopyMeter>) -> Result<Box<dyn KvState>> {
+        Ok(Box::new(StandInKv))
+    }
+
+    fn forward(
+        &self,
+        config: &ModelConfig,
+        batch: &[SeqStep<'_>],
+        kv: &mut KvArena,
+        state: &mut dyn KvState,
+        layer_written: &mut (dyn FnMut(usize) + Send),
+    ) -> Result<StepLogits> {
+        Backend::forward(&self.0, config, batch, kv, state, layer_written)
     }
 }
 

@@ -17,5 +17,7 @@ pub mod wire;
 pub mod worker;
 
 pub use error::ApiError;
-pub use wire::{Finish, KvSource, KvTransfer, RequestEvent, Role, StateUpdate, WorkRequest, WorkerError, WorkerStats};
+pub use wire::{
+    Finish, KvCopyBytes, KvSource, KvTransfer, RequestEvent, Role, StateUpdate, WorkRequest, WorkerError, WorkerStats,
+};
 pub use worker::{Worker, kv_exchangeable};

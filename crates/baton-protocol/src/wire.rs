@@ -423,6 +423,21 @@ pub struct WorkerStats {
     /// or disk tier, or received over TCP. Each was dropped and its tokens computed again.
     #[serde(default)]
     pub corrupt_blocks: u64,
+    /// Bytes copied into and out of the worker's device arena since it started, by direction.
+    #[serde(default)]
+    pub kv_copy_bytes: KvCopyBytes,
+}
+
+/// Bytes copied into and out of a worker's device arena, by direction (`baton_kv::CopyMeter`'s
+/// counters): what `/metrics` exports as `baton_kv_copy_bytes_total{worker, direction}`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCopyBytes {
+    /// Out of the device arena into host memory: tier demotions, sends, a device's write-back.
+    pub device_to_host: u64,
+    /// From host memory into the device arena: swap-ins, receives, a device's uploads.
+    pub host_to_device: u64,
+    /// Between device arenas (same-host hand-offs over a device link).
+    pub device_to_device: u64,
 }
 
 impl WorkerStats {

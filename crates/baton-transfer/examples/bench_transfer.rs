@@ -14,7 +14,7 @@ use baton_transfer::bench::{
 const USAGE: &str =
     "usage: bench_transfer [--json] [--tokens 8192,2048] [--reps 3] [--stand-in-device [--device-only]]";
 
-fn stand_in(_ordinal: usize) -> baton_transfer::Result<Arc<dyn BenchDevice>> {
+fn stand_in(_ordinal: usize, _options: &str) -> baton_transfer::Result<Arc<dyn BenchDevice>> {
     Ok(Arc::new(StandInBenchDevice))
 }
 

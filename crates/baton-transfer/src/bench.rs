@@ -77,7 +77,7 @@ impl BenchDevice for StandInBenchDevice {
 }
 
 /// Makes the device with an ordinal (in the prefill-side process too).
-pub type DeviceFactory<'a> = &'a dyn Fn(usize) -> Result<Arc<dyn BenchDevice>>;
+pub type DeviceFactory<'a> = &'a dyn Fn(usize, &str) -> Result<Arc<dyn BenchDevice>>;
 
 /// `fill` repeated to 16 MiB or more, a whole number of times: a [`BenchDevice::arena`] fills
 /// with it in a few large copies (byte `i` of the arena is `fill[i % fill.len()]` still), not
@@ -128,6 +128,9 @@ pub struct TransferBenchConfig {
     pub reps: usize,
     /// Also move the KV device to device on the device with this ordinal (a [`BenchDevice`]).
     pub device: Option<usize>,
+    /// How the device factory makes its arenas, in its own words (the binary's `--kv-export`),
+    /// handed to it in both processes; opaque here.
+    pub device_options: String,
     /// The host variants (TCP and shared memory) too; without, only the device rows.
     pub host: bool,
 }
@@ -142,6 +145,7 @@ impl Default for TransferBenchConfig {
             block_size: 16,
             reps: 3,
             device: None,
+            device_options: String::new(),
             host: true,
         }
     }
@@ -268,7 +272,7 @@ pub struct TransferBenchReport {
 /// If this process was started by [`run`] as the prefill side, serves until its parent closes
 /// stdin and returns `true` (the caller then exits); otherwise returns `false` at once.
 pub fn serve_if_child() -> bool {
-    serve_if_child_with(&|_| Err(TransferError::Unavailable("this binary has no benchmark device")))
+    serve_if_child_with(&|_, _| Err(TransferError::Unavailable("this binary has no benchmark device")))
 }
 
 /// [`serve_if_child`], making a device arena with `device` when the run asks for one.
@@ -297,7 +301,7 @@ fn child(spec: &str, device: DeviceFactory<'_>) -> Result<()> {
     sc.lease = Duration::from_secs(600);
     sc.io_timeout = Duration::from_secs(60);
     if let Some(ordinal) = config.device {
-        sc.device = Some(device(ordinal)?.arena(region.descriptor(), &chunk)?);
+        sc.device = Some(device(ordinal, &config.device_options)?.arena(region.descriptor(), &chunk)?);
     }
     let bulk = TcpListener::bind("127.0.0.1:0").map_err(TransferError::io("binding"))?;
     let bulk_addr = bulk.local_addr().map_err(TransferError::io("binding"))?;
@@ -340,6 +344,8 @@ fn child(spec: &str, device: DeviceFactory<'_>) -> Result<()> {
 struct ChildSpec {
     layout: String,
     device: Option<usize>,
+    #[serde(default)]
+    device_options: String,
     tokens: Vec<usize>,
     layers: usize,
     kv_heads: usize,
@@ -359,6 +365,7 @@ impl Prefill {
         let spec = ChildSpec {
             layout: layout.into(),
             device,
+            device_options: config.device_options.clone(),
             tokens: config.tokens.clone(),
             layers: config.layers,
             kv_heads: config.kv_heads,
@@ -637,7 +644,8 @@ pub fn run(config: &TransferBenchConfig, device: DeviceFactory<'_>) -> Result<Tr
     }
     let (device_report, exporter_gone) = match config.device {
         Some(ordinal) => {
-            let (name, limit, gone) = device_variants(config, device(ordinal)?.as_ref(), ordinal, &mut variants)?;
+            let (name, limit, gone) =
+                device_variants(config, device(ordinal, &config.device_options)?.as_ref(), ordinal, &mut variants)?;
             (Some((name, limit)), gone)
         }
         None => (None, None),

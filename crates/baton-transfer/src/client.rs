@@ -54,6 +54,9 @@ pub struct ClientConfig {
     /// Speak TLS with this configuration, checking the server's certificate against the
     /// address dialled (every connection, the control one included).
     pub tls: Option<Arc<rustls::ClientConfig>>,
+    /// Where the bytes read into this side's arena are counted: device to device over a device
+    /// link, host to device otherwise (the engine's meter).
+    pub meter: Arc<baton_kv::CopyMeter>,
 }
 
 impl ClientConfig {
@@ -80,6 +83,7 @@ impl ClientConfig {
             io_timeout: Duration::from_secs(10),
             tcp: TcpLimits::default(),
             tls: None,
+            meter: Arc::default(),
         }
     }
 }
@@ -246,6 +250,11 @@ impl KvClient {
         let start = Instant::now();
         let p = plan(&self.remote.descriptor, remote, self.local.descriptor(), local)?;
         let calls = self.transport.read(id, &p.copies, &self.local)?;
+        let direction = match self.transport.kind() {
+            TransportKind::Device => baton_kv::CopyDirection::DeviceToDevice,
+            TransportKind::Shm | TransportKind::Tcp => baton_kv::CopyDirection::HostToDevice,
+        };
+        self.config.meter.add(direction, p.bytes() as u64);
         Ok(TransferStats {
             bytes: p.bytes() as u64,
             copies: p.len(),
@@ -495,6 +504,7 @@ impl KvClient {
                 state.bytes += payload_len;
                 state.frames += 1;
                 self.control.recv_into(&self.local, &ranges)?;
+                self.config.meter.add(baton_kv::CopyDirection::HostToDevice, payload_len);
                 match damaged_blocks(&self.local, &ranges, &sums)? {
                     0 => Ok(()),
                     blocks => Err(TransferError::Corrupt { peer: self.remote.peer, id, blocks }),

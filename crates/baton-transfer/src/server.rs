@@ -11,6 +11,8 @@ use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use baton_kv::CopyDirection;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -87,6 +89,9 @@ pub struct ServerConfig {
     /// Speak TLS with this configuration (a peer must then connect with TLS and trust our
     /// certificate); the TLS handshake counts against `handshake_timeout`.
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Where the bytes this side sends out of its arena are counted: over TCP or into a peer's
+    /// mapping device to host, over a device link device to device (the engine's meter).
+    pub meter: Arc<baton_kv::CopyMeter>,
 }
 
 /// Most metadata a frame may carry before its sender is authenticated (a CONNECT's endpoint
@@ -113,6 +118,7 @@ impl ServerConfig {
             max_handshakes_per_peer: 4,
             max_member_handshakes: 16,
             tls: None,
+            meter: Arc::default(),
         }
     }
 }
@@ -466,12 +472,14 @@ impl KvServer {
                     return Err(TransferError::Unavailable("the decode side's process has exited"));
                 }
                 link.push(&p.copies)?;
+                s.config.meter.add(CopyDirection::DeviceToDevice, p.bytes() as u64);
                 p.copies.len()
             }
             PushWay::Shm(dst) => {
                 for c in &p.copies {
                     dst.copy_from(&s.region, c.src, c.dst)?;
                 }
+                s.config.meter.add(CopyDirection::DeviceToHost, p.bytes() as u64);
                 p.copies.len()
             }
             PushWay::Tcp => {
@@ -483,6 +491,7 @@ impl KvServer {
                     let payload_len = src.iter().map(|r| r.len as u64).sum();
                     let write = |sums| Frame::Write { id, generation, ranges: dst, payload_len, sums };
                     w.send_checked(write, &s.region, &src)?;
+                    s.config.meter.add(CopyDirection::DeviceToHost, payload_len);
                 }
                 n
             }
@@ -785,6 +794,7 @@ fn serve(shared: &Arc<Shared>, mut conn: Conn, conn_no: u64, slot: HandshakeSlot
                     continue;
                 }
                 let payload_len = ranges.iter().map(|r| r.len as u64).sum();
+                shared.config.meter.add(CopyDirection::DeviceToHost, payload_len);
                 let data = |sums| Frame::Data { id, seq, payload_len, sums };
                 if flags & FLAG_GATHER != 0 {
                     // The message-passing baseline: gather into a (reused) buffer, then send it.

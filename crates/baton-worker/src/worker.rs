@@ -101,11 +101,6 @@ pub struct WorkerOptions {
     /// tests; `BATON_FAULT_REFUSE_ROLE_SWITCHES` for `baton worker` processes), so that a test
     /// can watch a switch fail.
     pub refuse_role_switches: u32,
-    /// Test seam: the worker's host arena poses as a device arena (`false` outside tests;
-    /// `BATON_FAULT_KV_DEVICE_STAND_IN=1` for `baton worker` processes), so that the device
-    /// transport's protocol (the choice at CONNECT, device-to-device pulls and pushes) runs
-    /// between real worker processes on a machine with no GPU.
-    pub device_stand_in: bool,
 }
 
 /// A role switch the worker refused (fault injection).
@@ -202,6 +197,16 @@ impl std::fmt::Debug for WorkerHandle {
     }
 }
 
+/// A meter's counters as the wire carries them.
+fn kv_copy_bytes(meter: &baton_kv::CopyMeter) -> baton_protocol::KvCopyBytes {
+    let c = meter.snapshot();
+    baton_protocol::KvCopyBytes {
+        device_to_host: c.device_to_host,
+        host_to_device: c.host_to_device,
+        device_to_device: c.device_to_device,
+    }
+}
+
 fn io_error(context: &str, e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::other(format!("{context}: {e}"))
 }
@@ -229,22 +234,14 @@ impl WorkerHandle {
         // Every role serves KV: prefill workers their hand-offs, any worker its cache to a peer
         // that fetches from it.
         // The engine's device arena, which peers on this host may open and copy device to
-        // device (a GPU engine's; the test seam stands the host arena in for one).
-        let device: Option<Arc<dyn baton_transfer::DeviceArena>> = match (&arena, options.device_stand_in) {
-            (Some(arena), true) => {
-                let region = Arc::new(Region::from_arena(arena, Access::ReadWrite)?);
-                let stand_in =
-                    baton_transfer::StandInArena::new(region, 0).map_err(|e| io_error("stand-in device", e))?;
-                Some(Arc::new(stand_in))
+        // device (a GPU engine's, or the stand-in device's: `--device stand-in`).
+        let device: Option<Arc<dyn baton_transfer::DeviceArena>> = match engine.device_arena() {
+            Some(Ok(device)) => Some(device),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "the device KV arena cannot be shared: KV moves through host memory");
+                None
             }
-            _ => match engine.device_arena() {
-                Some(Ok(device)) => Some(device),
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "the device KV arena cannot be shared: KV moves through host memory");
-                    None
-                }
-                None => None,
-            },
+            None => None,
         };
         let server = {
             let arena = arena.as_ref().ok_or_else(|| io_error("KV server", "the engine's arena cannot be shared"))?;
@@ -255,6 +252,7 @@ impl WorkerHandle {
                 io_timeout: options.io_timeout,
                 tls: options.kv_tls.as_ref().map(|t| Arc::clone(&t.server)),
                 device: device.clone(),
+                meter: Arc::clone(engine.copy_meter()),
                 ..ServerConfig::new(peer, options.compat.clone(), options.secret.expose())
             };
             let owner = LoopOwner(std::sync::Mutex::new(tx.clone()));
@@ -270,6 +268,7 @@ impl WorkerHandle {
                 io_timeout: options.io_timeout,
                 tls: options.kv_tls.as_ref().map(|t| Arc::clone(&t.client)),
                 device,
+                meter: Arc::clone(engine.copy_meter()),
                 ..ClientConfig::new(peer, options.compat.clone(), options.secret.expose())
             };
             let engine_thread = std::sync::Mutex::new(tx.clone());
@@ -928,6 +927,7 @@ impl EngineLoop {
                     leased: counts.leased,
                     draining: false,
                     corrupt_blocks: host.engine.pool().corrupt_blocks() + host.received_corrupt.load(Ordering::Relaxed),
+                    kv_copy_bytes: kv_copy_bytes(host.engine.copy_meter()),
                 });
             }
         }

@@ -65,7 +65,7 @@ pub(crate) fn run(a: CheckDeviceArgs) -> anyhow::Result<()> {
             p.remove(0);
         });
     }
-    let device = DeviceOptions { device: a.device, dtype: a.dtype };
+    let device = DeviceOptions { device: a.device, dtype: a.dtype, ..DeviceOptions::default() };
     let reference = Arc::new(device_check::load(&model, DeviceOptions::default())?);
     let under_test = Arc::new(device_check::load(&model, device)?);
     let kv = crate::engine_flags::default_kv_dtype(device);
@@ -95,7 +95,6 @@ pub(crate) fn run(a: CheckDeviceArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[cfg(feature = "cuda")]
 fn check_kernels(device: ComputeDevice, json: bool) -> anyhow::Result<()> {
     let checks = device.check_kernels()?;
     if json {
@@ -114,9 +113,4 @@ fn check_kernels(device: ComputeDevice, json: bool) -> anyhow::Result<()> {
     let failed = checks.iter().filter(|c| !c.passed()).count();
     anyhow::ensure!(failed == 0, "{failed} of {} kernel checks off", checks.len());
     Ok(())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn check_kernels(_: ComputeDevice, _: bool) -> anyhow::Result<()> {
-    anyhow::bail!("this baton was built without CUDA support: rebuild with `cargo build --release --features cuda`")
 }

@@ -2,7 +2,7 @@
 
 use baton_engine::EngineConfig;
 use baton_kv::{KvDtype, KvLayout};
-use baton_model::{ComputeDevice, ComputeDtype, DeviceOptions};
+use baton_model::{ComputeDevice, ComputeDtype, DeviceOptions, GpuOptions, KvExport, PrefillAttention};
 
 /// How each worker's engine is sized.
 #[derive(Debug, Clone, clap::Args)]
@@ -97,8 +97,10 @@ pub(crate) fn cost_profile(spec: &str) -> anyhow::Result<baton_sched::CostProfil
 #[command(next_help_heading = "Device")]
 pub(crate) struct DeviceFlags {
     /// Where the model computes: `cpu`, or a GPU, `cuda` / `cuda:N` (a build with `--features
-    /// cuda`). The KV cache then lives in that GPU's memory.
-    #[arg(long, default_value = "cpu", value_name = "cpu|cuda[:N]")]
+    /// cuda`). The KV cache then lives in that GPU's memory. `stand-in` is a testing device:
+    /// the CPU's kernels over KV in memory of its own, offered to peers on this host as a GPU's
+    /// arena is, so the device paths run without a GPU (texts equal the CPU's).
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda[:N]|stand-in")]
     device: ComputeDevice,
     /// The GPU's compute type for weights and activations (`auto`: bfloat16; `float32` checks
     /// the GPU against the CPU token for token). The CPU computes in float32.
@@ -111,12 +113,77 @@ pub(crate) struct DeviceFlags {
     /// GPU.
     #[arg(long, value_name = "f32|f16|bf16")]
     kv_dtype: Option<KvDtype>,
+    /// GPU: launch every step's kernels one by one, without CUDA graphs (as vLLM's flag).
+    #[arg(long)]
+    enforce_eager: bool,
+    /// GPU: the attention of prefill chunks: `auto` (tensor-core tiles, with asynchronous copies
+    /// where the device allows), `tiled-sync` (tiles loaded through registers) or `rows` (row by
+    /// row, as decode). For measuring what the tiles buy.
+    #[arg(long, value_enum, default_value = "auto")]
+    prefill_attention: PrefillAttentionArg,
+    /// GPU: how the KV arena is offered to worker processes on the same host: `vmm` (a CUDA
+    /// virtual-memory allocation the peer imports: its copies stay safe if this process dies)
+    /// or `ipc` (legacy CUDA IPC).
+    #[arg(long, value_enum, default_value = "vmm")]
+    kv_export: KvExportArg,
+    /// GPU: page-lock the host arena, so a step's whole blocks go down to it by DMA (`off`:
+    /// through staging).
+    #[arg(long, value_enum, default_value = "on")]
+    pin_host_kv: OnOff,
+    /// GPU: print where each engine's steps spent their wall time when it ends.
+    #[arg(long)]
+    device_timing: bool,
+    /// GPU: time every kernel launch (CUDA graphs off) and print the GPU time by kernel when an
+    /// engine ends.
+    #[arg(long)]
+    device_profile: bool,
+}
+
+/// Which attention takes a GPU's prefill chunks (`--prefill-attention`).
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub(crate) enum PrefillAttentionArg {
+    /// Tensor-core tiles, with asynchronous copies where the device allows.
+    Auto,
+    /// Tiles loaded through registers.
+    TiledSync,
+    /// Row by row.
+    Rows,
+}
+
+/// How a GPU's KV arena is offered to peer processes (`--kv-export`).
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub(crate) enum KvExportArg {
+    /// A CUDA virtual-memory allocation's descriptor.
+    Vmm,
+    /// Legacy CUDA IPC.
+    Ipc,
+}
+
+impl From<KvExportArg> for KvExport {
+    fn from(a: KvExportArg) -> Self {
+        match a {
+            KvExportArg::Vmm => KvExport::Vmm,
+            KvExportArg::Ipc => KvExport::Ipc,
+        }
+    }
 }
 
 impl DeviceFlags {
     /// Where the model computes.
     pub(crate) fn options(&self) -> DeviceOptions {
-        DeviceOptions { device: self.device, dtype: self.dtype }
+        let gpu = GpuOptions {
+            graphs: !self.enforce_eager,
+            prefill_attention: match self.prefill_attention {
+                PrefillAttentionArg::Auto => PrefillAttention::Auto,
+                PrefillAttentionArg::TiledSync => PrefillAttention::TiledSync,
+                PrefillAttentionArg::Rows => PrefillAttention::Rows,
+            },
+            kv_export: self.kv_export.into(),
+            pin_host_kv: self.pin_host_kv == OnOff::On,
+            timing: self.device_timing,
+            profile: self.device_profile,
+        };
+        DeviceOptions { device: self.device, dtype: self.dtype, gpu }
     }
 
     /// The KV cache's type: `--kv-dtype`, else [`default_kv_dtype`].
@@ -129,7 +196,7 @@ impl DeviceFlags {
 /// model keeps bfloat16 KV, as vLLM's `auto`), float32 on the CPU.
 pub(crate) fn default_kv_dtype(device: DeviceOptions) -> KvDtype {
     match (device.device, device.dtype) {
-        (ComputeDevice::Cpu, _) | (_, ComputeDtype::F32) => KvDtype::F32,
+        (ComputeDevice::Cpu | ComputeDevice::StandIn, _) | (_, ComputeDtype::F32) => KvDtype::F32,
         (_, ComputeDtype::F16) => KvDtype::F16,
         _ => KvDtype::Bf16,
     }

@@ -619,17 +619,15 @@ fn push_mode_over_tcp_matches_pull_mode_and_generate() {
 }
 
 /// Two worker processes whose KV arenas pose as device arenas (host memory standing in for GPU
-/// memory, `BATON_FAULT_KV_DEVICE_STAND_IN`): the transfer plane finds at CONNECT that both
-/// arenas are on devices of one host, and hand-offs pulled, pushed and pushed layer by layer go
-/// device to device, with the texts `baton generate` gives and nothing left held.
-#[cfg(feature = "fault-injection")] // The stand-in through the environment.
+/// memory, `--device stand-in`): the transfer plane finds at CONNECT that both arenas are on
+/// devices of one host, and hand-offs pulled, pushed and pushed layer by layer go device to
+/// device, with the texts `baton generate` gives and nothing left held.
 #[test]
 fn hand_offs_between_device_arenas_go_device_to_device_in_every_mode() {
     let dir = model("tiny-llama");
-    let env = [("BATON_FAULT_KV_DEVICE_STAND_IN", "1")];
     let (_pull, pull_url) = conductor_with(&dir, "embedded", &["--kv-transfer", "pull"]);
-    let p = worker_env(&dir, "prefill", &pull_url, &[], SECRET, &env);
-    let d = worker_env(&dir, "decode", &pull_url, &[], SECRET, &env);
+    let p = worker(&dir, "prefill", &pull_url, STAND_IN);
+    let d = worker(&dir, "decode", &pull_url, STAND_IN);
     let (_push, push_url) = conductor_with(&dir, &pull_url, &["--kv-transfer", "push"]);
     let (_layers, layers_url) = conductor_with(&dir, &pull_url, &["--kv-transfer", "layerwise"]);
     // A prompt of its own for each mode, so that no hand-off finds its prompt cached already.
@@ -648,8 +646,18 @@ fn hand_offs_between_device_arenas_go_device_to_device_in_every_mode() {
         let others = metric(url, "baton_kv_transfers_total{transport=\"shm\"}")
             + metric(url, "baton_kv_transfers_total{transport=\"tcp\"}");
         assert_eq!((device, others), (1.0, 0.0), "{mode}: the hand-off did not go device to device");
+        // The workers' copy meters (`baton_kv_copy_bytes_total`): the KV went device to device,
+        // and nothing left a device arena for the host.
+        let copied = |direction: &str| copy_bytes(url, direction);
+        assert!(copied("device_to_device") > 0.0, "{mode}: no device-to-device bytes counted");
+        assert_eq!(copied("device_to_host"), 0.0, "{mode}: bytes left a device arena for the host");
     }
     assert_no_leak(&[&p, &d]);
+}
+
+/// Bytes the workers behind the conductor at `url` copied `direction`, summed over workers.
+fn copy_bytes(url: &str, direction: &str) -> f64 {
+    sum_of_lines(url, &format!("baton_kv_copy_bytes_total{{direction=\"{direction}\""))
 }
 
 /// A worker lets go of a dead peer's arena. After a hand-off the receiving side of it maps the
@@ -664,12 +672,14 @@ fn hand_offs_between_device_arenas_go_device_to_device_in_every_mode() {
 fn a_worker_lets_go_of_a_dead_peers_arena() {
     for mode in ["pull", "push"] {
         lets_go_of_a_dead_peers_arena(mode, &[]);
-        #[cfg(feature = "fault-injection")] // The stand-in through the environment.
-        lets_go_of_a_dead_peers_arena(mode, &[(baton_conductor::deploy::DEVICE_STAND_IN_ENV, "1")]);
+        lets_go_of_a_dead_peers_arena(mode, STAND_IN);
     }
 }
 
-fn lets_go_of_a_dead_peers_arena(mode: &str, env: &[(&str, &str)]) {
+/// A worker's flags that put its KV on the stand-in device (host memory posing as a GPU's).
+const STAND_IN: &[&str] = &["--device", "stand-in"];
+
+fn lets_go_of_a_dead_peers_arena(mode: &str, device: &[&str]) {
     // The memfds process `pid` maps (by inode): its own arena, and those of peers it opened.
     let arenas = |pid: u32| -> std::collections::BTreeSet<u64> {
         std::fs::read_to_string(format!("/proc/{pid}/maps"))
@@ -681,14 +691,14 @@ fn lets_go_of_a_dead_peers_arena(mode: &str, env: &[(&str, &str)]) {
     };
     let dir = model("tiny-llama");
     let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", mode]);
-    let mut p = worker_env(&dir, "prefill", &url, &["--name", "p"], SECRET, env);
-    let mut d = worker_env(&dir, "decode", &url, &["--name", "d"], SECRET, env);
+    let mut p = worker(&dir, "prefill", &url, &[&["--name", "p"], device].concat());
+    let mut d = worker(&dir, "decode", &url, &[&["--name", "d"], device].concat());
     wait_members(&url, 2, Duration::from_secs(10));
     let (survivor, dead) = if mode == "pull" { (&d, &mut p) } else { (&p, &mut d) };
     let pid = survivor.proc.child.id();
     let own = arenas(pid);
     assert_eq!(text(&complete(&url, LONG, 4)), generate(&dir, LONG, 4));
-    let transport = if env.is_empty() { "shm" } else { "device" };
+    let transport = if device.is_empty() { "shm" } else { "device" };
     assert_eq!(metric(&url, &format!("baton_kv_transfers_total{{transport=\"{transport}\"}}")), 1.0);
     let opened = arenas(pid);
     assert!(opened.len() > own.len(), "{mode} over {transport}: no peer's arena mapped: {own:?}, then {opened:?}");
@@ -934,11 +944,11 @@ fn kill_mid_push(mode: &str, delay_ms: &str, device: bool) {
     let layerwise = mode == "layerwise";
     let dir = model("tiny-llama");
     let (_c, url) = conductor_with(&dir, "embedded", &["--kv-transfer", mode]);
-    let stand_in: &[(&str, &str)] = if device { &[(baton_conductor::deploy::DEVICE_STAND_IN_ENV, "1")] } else { &[] };
-    let delay = [&[(baton_conductor::deploy::PUSH_DELAY_ENV, delay_ms)], stand_in].concat();
+    let stand_in: &[&str] = if device { STAND_IN } else { &[] };
+    let delay = [(baton_conductor::deploy::PUSH_DELAY_ENV, delay_ms)];
     let (first, second) = if device { ("auto", "auto") } else { ("tcp", "shm") };
-    let p = worker_env(&dir, "prefill", &url, &["--name", "prefill-1"], SECRET, &delay);
-    let mut d1 = worker_env(&dir, "decode", &url, &["--transport", first, "--name", "decode-1"], SECRET, stand_in);
+    let p = worker_env(&dir, "prefill", &url, &[&["--name", "prefill-1"], stand_in].concat(), SECRET, &delay);
+    let mut d1 = worker(&dir, "decode", &url, &[&["--transport", first, "--name", "decode-1"], stand_in].concat());
     wait_members(&url, 2, Duration::from_secs(10));
     let expected = generate(&dir, LONG, 4);
     assert_eq!(text(&complete(&url, LONG, 4)), expected, "{mode}: pushes work, if slowly");
@@ -967,7 +977,7 @@ fn kill_mid_push(mode: &str, delay_ms: &str, device: bool) {
     // The prefill worker dies while the decode worker waits for its push: the decode worker
     // gives its reserved blocks back and, holding the prompt and the first token (layer-wise:
     // handed over again with it), recomputes the prompt's KV itself: the whole answer.
-    let d2 = worker_env(&dir, "decode", &url, &["--transport", second, "--name", "decode-2"], SECRET, stand_in);
+    let d2 = worker(&dir, "decode", &url, &[&["--transport", second, "--name", "decode-2"], stand_in].concat());
     wait_members(&url, 2, Duration::from_secs(10));
     let mut p = p;
     let body = stream_with_hook(&url, 40, 1, || p.proc.kill());
@@ -1586,11 +1596,15 @@ fn metric(url: &str, prefix: &str) -> f64 {
 
 /// The sum of a metric over all its labels (`name` without the braces).
 fn metric_sum(url: &str, name: &str) -> f64 {
+    sum_of_lines(url, &format!("{name}{{"))
+}
+
+/// The sum of the values of the metric lines that start with `prefix`.
+fn sum_of_lines(url: &str, prefix: &str) -> f64 {
     let metrics = http().get(format!("{url}/metrics")).send().unwrap().text().unwrap();
-    let labelled = format!("{name}{{");
     metrics
         .lines()
-        .filter(|l| l.starts_with(&labelled))
+        .filter(|l| l.starts_with(prefix))
         .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
         .sum()
 }
@@ -1831,17 +1845,17 @@ fn requests_sharing_a_hot_prefix_fetch_it_into_an_idle_prefill_worker() {
 #[test]
 fn a_prefill_worker_killed_mid_fetch_leaves_every_request_complete() {
     killed_mid_fetch(&[]);
-    killed_mid_fetch(&[(baton_conductor::deploy::DEVICE_STAND_IN_ENV, "1")]);
+    killed_mid_fetch(STAND_IN);
 }
 
 #[cfg(feature = "fault-injection")]
-fn killed_mid_fetch(env: &[(&str, &str)]) {
+fn killed_mid_fetch(device: &[&str]) {
     let dir = model("tiny-llama");
     let (_c, url) = conductor_with(&dir, "embedded", &["--policy", "kv-centric"]);
-    let pause = [&[(baton_conductor::deploy::FETCH_DELAY_ENV, "2000")], env].concat();
-    let mut p1 = worker_env(&dir, "prefill", &url, &["--name", "p1"], SECRET, &pause);
-    let mut p2 = worker_env(&dir, "prefill", &url, &["--name", "p2"], SECRET, &pause);
-    let d = worker_env(&dir, "decode", &url, &["--name", "d"], SECRET, env);
+    let pause = [(baton_conductor::deploy::FETCH_DELAY_ENV, "2000")];
+    let mut p1 = worker_env(&dir, "prefill", &url, &[&["--name", "p1"], device].concat(), SECRET, &pause);
+    let mut p2 = worker_env(&dir, "prefill", &url, &[&["--name", "p2"], device].concat(), SECRET, &pause);
+    let d = worker(&dir, "decode", &url, &[&["--name", "d"], device].concat());
     let (prompts, want) = hot_prefix(&dir, &url);
     let holder_is_p1 = indexed(&url, "p1").is_some_and(|b| !b.is_empty());
     let got: Vec<Value> = std::thread::scope(|s| {
@@ -1862,7 +1876,7 @@ fn killed_mid_fetch(env: &[(&str, &str)]) {
     eprintln!("{recomputed} fetch(es) recomputed after the holder died");
     assert!(recomputed >= 1.0, "a fetch was under way when the holder died");
     assert_eq!(metric(&url, "baton_kv_fetches_total{outcome=\"fetched\"}"), 0.0);
-    if !env.is_empty() {
+    if !device.is_empty() {
         let device = metric(&url, "baton_kv_transfers_total{transport=\"device\"}");
         assert!(device >= 1.0, "the stand-in arenas did not hand KV over device to device");
     }

@@ -32,3 +32,39 @@ fn no_source_file_has_more_than_850_lines_of_code() {
     assert!(ok, "files too long:\n{report}");
     assert!(report.contains("0 file(s) over 850 code lines"), "{report}");
 }
+
+/// The GPU enters through one interface (issue #58): the `cuda` feature is named only where
+/// the CUDA backend lives (`baton-model/src/cuda/`) and where a build picks it or its stub
+/// (`baton-model/src/lib.rs`); every other file talks to the backend interface.
+#[test]
+fn the_cuda_feature_is_named_only_where_the_backend_is_chosen() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../crates");
+    let mut files = Vec::new();
+    let mut dirs = vec![root.clone()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("a readable directory").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    let allowed = |rel: &str| {
+        rel.starts_with("baton-model/src/cuda/")
+            || rel == "baton-model/src/lib.rs"
+            // The CUDA kernels' own test (compiled with NVRTC where the feature is on).
+            || rel == "baton-model/tests/cuda_kernels.rs"
+    };
+    let offenders: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let rel = f.strip_prefix(&root).ok()?.to_string_lossy().into_owned();
+            let text = std::fs::read_to_string(f).ok()?;
+            (text.contains("feature = \"cuda\"") && !allowed(&rel)).then_some(rel)
+        })
+        .collect();
+    assert!(files.len() > 100, "found the sources ({} files)", files.len());
+    assert!(offenders.is_empty(), "the `cuda` feature named outside the backend's choice: {offenders:?}");
+}

@@ -154,6 +154,7 @@ pub(super) async fn metrics(State(c): State<Arc<Conductor>>, headers: HeaderMap)
                 blocks_used: s.total_blocks - s.available_blocks,
                 blocks_total: s.total_blocks,
                 corrupt_blocks: s.corrupt_blocks,
+                kv_copy_bytes: s.kv_copy_bytes,
             });
         }
     }

@@ -53,6 +53,15 @@ impl Server {
     }
 }
 
+/// Bytes the workers behind the server at `url` copied into or out of their device arenas in
+/// `direction` (`device_to_host`, `host_to_device`, `device_to_device`), summed over workers.
+#[allow(dead_code)] // Not every test file reads the copy meters.
+pub(crate) async fn copy_bytes(url: &str, direction: &str) -> f64 {
+    let metrics = reqwest::get(format!("{url}/metrics")).await.expect("scrapes").text().await.expect("text");
+    let prefix = format!("baton_kv_copy_bytes_total{{direction=\"{direction}\"");
+    metrics.lines().filter(|l| l.starts_with(&prefix)).filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok()).sum()
+}
+
 /// `prompt` run alone on one engine with `config`, greedy, ignoring EOS: the reference output
 /// (prompt ids, text).
 #[allow(dead_code)] // Not every test file compares with the engine alone.

@@ -239,6 +239,10 @@ impl Engine {
             disk_blocks: config.disk_blocks,
             disk_dir: config.disk_dir.clone(),
             policy: PolicyKind::Lru,
+            device_arena_name: match &backend {
+                Backend::Model(m) => m.arena_name(),
+                Backend::Emulated(_) => baton_kv::DEFAULT_ARENA_NAME,
+            },
             ..PoolConfig::device_only(config.instance, geometry, config.layout, config.num_blocks)
         })?;
         // A virtual clock charges the copy to the step: nothing runs beside it to overlap.
@@ -262,7 +266,7 @@ impl Engine {
             None
         };
         let device_kv = match &backend {
-            Backend::Model(m) => m.device_kv(pool.arena())?,
+            Backend::Model(m) => m.device_kv(pool.arena(), pool.copy_meter())?,
             Backend::Emulated(_) => DeviceKv::default(),
         };
         Ok(Self {
@@ -323,6 +327,12 @@ impl Engine {
     /// the CPU).
     pub fn device_memory(&self) -> (usize, usize) {
         self.device_kv.device_bytes()
+    }
+
+    /// The meter of bytes copied into and out of the engine's device arena (its tiers', its
+    /// device's, and those of the transfer plane it is handed to).
+    pub fn copy_meter(&self) -> &Arc<baton_kv::CopyMeter> {
+        self.pool.copy_meter()
     }
 
     /// The KV arena (read-only; for inspection and transfer).

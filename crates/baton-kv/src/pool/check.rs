@@ -56,6 +56,10 @@ pub(super) struct Checker {
     pub(super) instance: InstanceId,
     pub(super) sums: [Sums; 3],
     pub(super) log: Arc<CorruptLog>,
+    /// Where a copy between the device tier and a slower one is counted.
+    pub(super) meter: Arc<crate::CopyMeter>,
+    /// Bytes of one block (what a copy moves).
+    pub(super) block_bytes: u64,
 }
 
 /// Where a copy's bytes can be summed after it: the destination arena, or (a copy onto disk)
@@ -72,6 +76,12 @@ impl Checker {
     /// disk slot) and gives `to` the block's sum (a host or disk slot). `Corrupt` when the check
     /// fails, counted; `report` also logs it for [`MemPool::abort_swap_in`] (a copier's).
     pub(super) fn after_copy(&self, from: Loc, to: Loc, copied: Copied<'_>, report: bool) -> Result<(), PoolError> {
+        match (from.tier, to.tier) {
+            (Tier::Device, Tier::Device) => {}
+            (Tier::Device, _) => self.meter.add(crate::CopyDirection::DeviceToHost, self.block_bytes),
+            (_, Tier::Device) => self.meter.add(crate::CopyDirection::HostToDevice, self.block_bytes),
+            _ => {}
+        }
         let sum = match copied {
             Copied::Into(arena) => block_checksum(arena, to.block),
             Copied::From(arena) => block_checksum(arena, from.block),
@@ -96,6 +106,12 @@ impl MemPool {
     /// the pool was made (each dropped and its tokens computed again).
     pub fn corrupt_blocks(&self) -> u64 {
         self.checker.log.total.load(Ordering::Relaxed)
+    }
+
+    /// The meter of bytes copied into and out of the device tier: the pool counts its own tier
+    /// copies; the engine hands it to its device backend and transfer plane, which count theirs.
+    pub fn copy_meter(&self) -> &Arc<crate::CopyMeter> {
+        &self.checker.meter
     }
 
     /// The cached block at `loc`, with its generation, if one is.

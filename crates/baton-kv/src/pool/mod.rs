@@ -65,6 +65,9 @@ pub struct PoolConfig {
     pub disk_dir: Option<PathBuf>,
     /// Eviction policy of every tier.
     pub policy: PolicyKind,
+    /// The name of the device arena's memfd ([`KvArena::new_named`]): the default
+    /// [`crate::DEFAULT_ARENA_NAME`], or a stand-in device's `baton-device-arena`.
+    pub device_arena_name: &'static str,
 }
 
 impl PoolConfig {
@@ -79,9 +82,13 @@ impl PoolConfig {
             disk_blocks: 0,
             disk_dir: None,
             policy: PolicyKind::Lru,
+            device_arena_name: crate::DEFAULT_ARENA_NAME,
         }
     }
 }
+
+/// The name of the host tier's memfd.
+pub const HOST_TIER_NAME: &str = "baton-host-tier";
 
 /// Why a pool call failed.
 #[derive(Debug, thiserror::Error)]
@@ -220,6 +227,11 @@ impl std::fmt::Debug for MemPool {
     }
 }
 
+/// An arena in a memfd named `name`, or in private memory where the host allows no memfd.
+fn arena_named(name: &str, g: KvGeometry, layout: KvLayout, blocks: usize) -> KvArena {
+    KvArena::new_named(name, g, layout, blocks).unwrap_or_else(|_| KvArena::new_private(g, layout, blocks))
+}
+
 impl MemPool {
     /// Builds a pool: a shared-memory device arena, a host arena and a disk block file.
     pub fn new(config: PoolConfig) -> Result<Self, PoolError> {
@@ -237,11 +249,11 @@ impl MemPool {
             Store::None
         };
         let host = if config.host_blocks > 0 {
-            Store::Arena(KvArena::new(g, KvLayout::BlockMajor, config.host_blocks))
+            Store::Arena(arena_named(HOST_TIER_NAME, g, KvLayout::BlockMajor, config.host_blocks))
         } else {
             Store::None
         };
-        let device = Store::Arena(KvArena::new(g, config.layout, config.device_blocks));
+        let device = Store::Arena(arena_named(config.device_arena_name, g, config.layout, config.device_blocks));
         let tiers = [
             TierState::new(config.device_blocks, config.policy, device),
             TierState::new(config.host_blocks, config.policy, host),
@@ -251,6 +263,8 @@ impl MemPool {
             instance: config.instance,
             sums: [0, 1, 2].map(|i| Arc::clone(&tiers[i].sums)),
             log: Arc::default(),
+            meter: Arc::default(),
+            block_bytes: (g.block_elems() * g.dtype.size()) as u64,
         };
         Ok(Self {
             instance: config.instance,

@@ -2,6 +2,7 @@
 //! plain ones on random data.
 
 use super::*;
+use crate::device::KernelCheck;
 
 /// Measures copy bandwidth (best of 10 copies of 2 GiB) and GEMM peak (one 8192³ bfloat16
 /// GEMM through cuBLAS, float32 accumulation, mean of 10) on CUDA device `ordinal`.
@@ -61,26 +62,6 @@ pub(crate) fn measure_limits(ordinal: usize) -> Result<DeviceLimits> {
     })?;
     let gemm_tflops = 10.0 * 2.0 * (n as f64).powi(3) / s / 1e12;
     Ok(DeviceLimits { copy_gb_s, gemm_tflops })
-}
-
-/// One case of [`check_kernels`]: a fast kernel against the plain one on the same random data.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct KernelCheck {
-    /// What ran.
-    pub name: String,
-    /// Largest |fast − plain| over the outputs.
-    pub max_abs_diff: f32,
-    /// Largest |plain| (the scale the difference is read against).
-    pub max_abs: f32,
-    /// The tolerance the case is held to.
-    pub tolerance: f32,
-}
-
-impl KernelCheck {
-    /// Whether the difference is within the tolerance (NaN never is).
-    pub fn passed(&self) -> bool {
-        self.max_abs_diff <= self.tolerance
-    }
 }
 
 /// Downloads `n` elements of a 16-bit (bfloat16) device buffer as float32.

@@ -9,7 +9,7 @@
 //!   died — a kill landing mid-copy — touch memory that is still there, and fail only at the
 //!   answers that never come.
 //! - **Legacy CUDA IPC** (a `cuMemAlloc` allocation, where the driver has no virtual memory
-//!   management or `BATON_CUDA_VMM=0`): a `cuIpcGetMemHandle` handle. The memory dies with the
+//!   management or `--kv-export ipc`): a `cuIpcGetMemHandle` handle. The memory dies with the
 //!   exporter, so the transfer plane watches the exporting process and never copies after it
 //!   died (`DeviceTransport`); a kill landing during a copy stays undefined.
 
@@ -166,14 +166,15 @@ impl DeviceArena for CudaArena {
 #[derive(Debug)]
 pub struct CudaBenchDevice {
     ctx: Arc<CudaContext>,
+    export: KvExport,
 }
 
 impl CudaBenchDevice {
-    /// The GPU with this ordinal.
-    pub fn new(ordinal: usize) -> Result<Self> {
+    /// The GPU with this ordinal, its arenas exported as `export` says.
+    pub fn new(ordinal: usize, export: KvExport) -> Result<Self> {
         check_libraries()?;
         let ctx = CudaContext::new(ordinal).map_err(|e| err(format!("CUDA device {ordinal}: {e}")))?;
-        Ok(Self { ctx })
+        Ok(Self { ctx, export })
     }
 }
 
@@ -189,7 +190,7 @@ impl baton_transfer::bench::BenchDevice for CudaBenchDevice {
     ) -> baton_transfer::Result<Arc<dyn DeviceArena>> {
         let to_transfer = |e: ModelError| TransferError::Device(e.to_string());
         let len = descriptor.base + descriptor.num_bytes();
-        let buf = DevBuf::for_sharing(&self.ctx, len).map_err(to_transfer)?;
+        let buf = DevBuf::for_sharing(&self.ctx, len, self.export).map_err(to_transfer)?;
         let chunk = baton_transfer::bench::fill_chunk(fill);
         let mut at = 0;
         while at < len && !chunk.is_empty() {

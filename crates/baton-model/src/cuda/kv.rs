@@ -56,25 +56,28 @@ pub struct CudaKv {
     /// workspace's and `words`' addresses,
     /// so growing either drops them.
     pub(super) graphs: Vec<(usize, Graph)>,
-    /// `BATON_CUDA_GRAPHS=0` turns graphs off (to measure what they save).
+    /// `--enforce-eager` turns graphs off (to measure what they save).
     pub(super) graphs_enabled: bool,
     /// The device arena's block past the pool's, which padded decode rows write to.
     pub(super) scratch_block: u32,
     /// The tiled prefill attention and the rows of its tiles (`TILE_Q` over the GQA group);
-    /// `None` where no tiled kernel takes these types or `BATON_CUDA_TILED=0` turns it off.
+    /// `None` where no tiled kernel takes these types or `--prefill-attention rows` turns it off.
     pub(super) tiled: Option<(Tiled, usize)>,
     /// cuBLAS's workspace, set once, so a captured GEMM allocates nothing.
     pub(super) _blas_workspace: DevBuf,
     /// Pinned staging of the index upload, and of the logits and new KV coming down.
     pub(super) pinned_up: Option<Pinned>,
     pub(super) pinned_down: Option<Pinned>,
-    /// `BATON_CUDA_TIMING=1`: where steps spend their time, printed on drop.
+    /// `--device-timing`: where steps spend their time, printed on drop.
     pub(super) timing: Option<Timing>,
-    /// `BATON_CUDA_PROFILE=1`: where the GPU spends a step's time, printed on drop.
+    /// `--device-profile`: where the GPU spends a step's time, printed on drop.
     pub(super) profile: Option<Profile>,
     /// The host arena, page-locked for the device (an engine's, block-major): blocks a step
     /// writes whole go down by DMA straight into it, with no staging and no host copy.
     pub(super) host_pinned: Option<HostPinned>,
+    /// Where the copies between the device arena and the host's are counted (the engine's
+    /// pool's meter).
+    pub(super) meter: Arc<baton_kv::CopyMeter>,
 }
 
 impl Drop for CudaKv {
@@ -140,6 +143,7 @@ impl CudaKv {
                 j += 1;
             }
             let (start, len) = (blocks[i] as usize * block_bytes, (j - i) * block_bytes);
+            self.meter.add(baton_kv::CopyDirection::DeviceToHost, len as u64);
             // SAFETY: blocks of both arenas; the host bytes are not read (the blocks are not
             // yet published) or freed before the stream synchronises at the step's end.
             unsafe {
@@ -221,6 +225,7 @@ impl CudaKv {
     fn upload_block(&self, i: usize, arena: &KvArena) -> Result<()> {
         let g = *arena.geometry();
         let size = g.dtype.size();
+        self.meter.add(baton_kv::CopyDirection::HostToDevice, (g.block_elems() * size) as u64);
         let desc = arena.descriptor();
         let bytes = arena.as_bytes();
         let slab = g.slab_elems() * size;
@@ -336,5 +341,31 @@ impl CudaKv {
             },
         });
         Ok(())
+    }
+}
+
+impl crate::backend::KvState for CudaKv {
+    fn invalidate(&mut self, blocks: &[BlockId]) {
+        CudaKv::invalidate(self, blocks);
+    }
+
+    fn arrived_on_device(&mut self, blocks: &[BlockId]) {
+        CudaKv::arrived_on_device(self, blocks);
+    }
+
+    fn settle(&mut self, blocks: &[BlockId], arena: &mut KvArena) -> Result<usize> {
+        CudaKv::settle(self, blocks, arena)
+    }
+
+    fn device_arena(&self, arena: &KvArena) -> Option<Result<Arc<dyn baton_transfer::DeviceArena>>> {
+        CudaKv::device_arena(self, arena)
+    }
+
+    fn device_bytes(&self) -> (usize, usize) {
+        CudaKv::device_bytes(self)
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
     }
 }

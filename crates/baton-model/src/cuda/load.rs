@@ -251,6 +251,7 @@ impl CudaModel {
             weight_bytes,
             shape,
             sms,
+            gpu: GpuOptions::default(),
         })
     }
 }

@@ -24,12 +24,6 @@ enum Alloc {
     Mapped { handle: sys::CUmemGenericAllocationHandle, mapped: usize },
 }
 
-/// Whether `BATON_CUDA_VMM` leaves the KV arena a virtual-memory allocation (the default) or
-/// asks for a plain one, shared by legacy CUDA IPC (`BATON_CUDA_VMM=0`).
-fn vmm_on() -> bool {
-    env_on("BATON_CUDA_VMM")
-}
-
 /// The properties of a device allocation on `ctx`'s device that exports as a POSIX descriptor.
 fn exportable_prop(ctx: &CudaContext) -> sys::CUmemAllocationProp {
     // SAFETY: a plain C struct; all-zero is its "nothing asked" value, the fields that matter
@@ -117,9 +111,10 @@ impl DevBuf {
     }
 
     /// `bytes` of device memory for peers to open: exportable ([`DevBuf::exportable`]) unless
-    /// the driver cannot or `BATON_CUDA_VMM=0`, else plain (shared by legacy CUDA IPC).
-    pub(super) fn for_sharing(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
-        if vmm_on() {
+    /// the driver cannot or `export` is [`KvExport::Ipc`], else plain (shared by legacy CUDA
+    /// IPC).
+    pub(super) fn for_sharing(ctx: &Arc<CudaContext>, bytes: usize, export: KvExport) -> Result<Self> {
+        if export == KvExport::Vmm {
             match Self::exportable(ctx, bytes) {
                 Ok(buf) => return Ok(buf),
                 Err(e) => tracing::info!(error = %e, "a plain device allocation instead: peers open it by CUDA IPC"),

@@ -26,13 +26,13 @@
 //!   whole (a prefill's) go down by DMA straight into it; the other new tokens are gathered into
 //!   pinned staging and copied into place by the host. Worker processes on one host copy KV
 //!   between their device arenas directly (`ipc.rs`: the arena is a CUDA virtual-memory
-//!   allocation a peer imports; `BATON_CUDA_VMM=0` makes it a plain one, legacy CUDA IPC).
-//! - **Measuring.** `BATON_CUDA_TIMING=1` prints where steps spent their wall time (packing,
-//!   enqueueing, waiting, unpacking), `BATON_CUDA_PROFILE=1` the GPU time of every launch by
+//!   allocation a peer imports; `--kv-export ipc` makes it a plain one, legacy CUDA IPC).
+//! - **Measuring.** `--device-timing` prints where steps spent their wall time (packing,
+//!   enqueueing, waiting, unpacking), `--device-profile` the GPU time of every launch by
 //!   name (an event after each, graphs off: a launch shorter than the host's time to enqueue
-//!   the next one shows the host's time, so short decode kernels read high). `BATON_CUDA_GRAPHS=0`,
-//!   `BATON_CUDA_TILED=0|1` and `BATON_CUDA_PIN_ARENA=0` turn the fast paths off one by one to
-//!   measure what each buys (`scripts/gpu-profile.sh`).
+//!   the next one shows the host's time, so short decode kernels read high). `--enforce-eager`,
+//!   `--prefill-attention tiled-sync|rows` and `--pin-host-kv off` turn the fast paths off one
+//!   by one to measure what each buys (`scripts/gpu-profile.sh`); [`GpuOptions`] carries them.
 //!
 //! The module is the one place of the crate where unsafe code is general rather than an item:
 //! every kernel launch, cuBLAS call and raw copy is an FFI call on device pointers that this
@@ -48,7 +48,9 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, sys};
 use cudarc::nvrtc::CompileOptions;
 
 use crate::config::{Activation, ModelConfig};
-use crate::device::{ComputeDtype, DeviceLimits, StepPack};
+use crate::device::{
+    ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions, GpuOptions, KvExport, PrefillAttention, StepPack,
+};
 use crate::error::{ModelError, Result};
 use crate::kernels::rope_inv_freq;
 use crate::step::{SeqStep, StepLogits};
@@ -63,8 +65,9 @@ mod memory;
 mod profile;
 mod record;
 
+pub use crate::device::KernelCheck;
+pub use check::check_kernels;
 pub(crate) use check::measure_limits;
-pub use check::{KernelCheck, check_kernels};
 pub use compile::compile_kernels_for;
 use compile::{Kernels, Shape, check_libraries, compile};
 pub use ipc::CudaBenchDevice;
@@ -96,7 +99,7 @@ fn tiled_smem(head_dim: usize, async_copies: bool) -> usize {
     (TILE_Q * qk + bufs * (TILE_K * qk + v)) * 2 + TILE_Q * 8
 }
 
-/// Which tiled prefill attention a step uses (`BATON_CUDA_TILED`: `0` none, every row one by
+/// Which tiled prefill attention a step uses (`--prefill-attention`: `rows` none, every row one by
 /// one; `1` the kernel that loads through registers; unset, the one with asynchronous copies).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Tiled {
@@ -184,11 +187,8 @@ pub(crate) struct CudaModel {
     shape: Shape,
     /// The device's multiprocessors: how many blocks fill it.
     sms: usize,
-}
-
-/// Whether a `BATON_CUDA_*` switch is on: unset or anything but `0`.
-fn env_on(name: &str) -> bool {
-    std::env::var(name).map_or(true, |v| v != "0")
+    /// Its fast paths and measurements (`--enforce-eager`, `--prefill-attention`, ...).
+    pub(crate) gpu: GpuOptions,
 }
 
 fn grid_stride(n: usize) -> (u32, u32, u32) {
@@ -243,12 +243,64 @@ fn launch(
     .map_err(err)
 }
 
-impl CudaModel {
-    /// Bytes of weights a step reads: every matrix once (the embedding only as the tied head).
-    pub(crate) fn weight_bytes_per_step(&self) -> usize {
+/// Loads `config`'s weights from `src` onto CUDA device `ordinal`, in `dtype`.
+pub(crate) fn load(
+    config: &ModelConfig,
+    src: &dyn WeightSource,
+    ordinal: usize,
+    options: DeviceOptions,
+) -> Result<Box<dyn crate::backend::Backend>> {
+    let mut model = CudaModel::load(config, src, ordinal, options.dtype)?;
+    model.gpu = options.gpu;
+    Ok(Box::new(model))
+}
+
+/// The GPU with this ordinal as `baton bench transfer` moves KV on it, its arenas exported as
+/// `export` says.
+pub fn bench_device(ordinal: usize, export: KvExport) -> Result<Arc<dyn baton_transfer::bench::BenchDevice>> {
+    Ok(Arc::new(CudaBenchDevice::new(ordinal, export)?))
+}
+
+impl crate::backend::Backend for CudaModel {
+    fn device(&self) -> ComputeDevice {
+        ComputeDevice::Cuda(self.ordinal)
+    }
+
+    fn weight_bytes_per_step(&self) -> usize {
         self.weight_bytes
     }
 
+    fn device_weight_bytes(&self) -> usize {
+        self.weight_bytes_resident()
+    }
+
+    fn kv_state(
+        &self,
+        arena: &KvArena,
+        fresh: bool,
+        meter: Arc<baton_kv::CopyMeter>,
+    ) -> Result<Box<dyn crate::backend::KvState>> {
+        Ok(Box::new(self.new_kv(arena, fresh, meter)?))
+    }
+
+    fn forward(
+        &self,
+        _: &ModelConfig,
+        batch: &[SeqStep<'_>],
+        kv: &mut KvArena,
+        state: &mut dyn crate::backend::KvState,
+        layer_written: &mut (dyn FnMut(usize) + Send),
+    ) -> Result<StepLogits> {
+        let state = state
+            .as_any_mut()
+            .downcast_mut::<CudaKv>()
+            .ok_or_else(|| ModelError::Device("this KV state was not made by the model's device".into()))?;
+        CudaModel::forward(self, batch, kv, state, layer_written)
+    }
+}
+
+impl CudaModel {
+    /// Bytes of weights a step reads: every matrix once (the embedding only as the tied head).
     /// Device memory the weights take.
     pub(crate) fn weight_bytes_resident(&self) -> usize {
         let mut b = self.embed.bytes + self.norm.bytes + self.lm_head.as_ref().map_or(0, |l| l.bytes);
@@ -273,7 +325,7 @@ impl CudaModel {
     /// block is stale to begin with: every byte a step reads is then one the forward pass wrote
     /// or one the engine marked (an engine's arena starts with nothing in it); without, every
     /// block is read from the host on first use (a one-off [`crate::Model::forward`]).
-    pub(crate) fn new_kv(&self, arena: &KvArena, fresh: bool) -> Result<CudaKv> {
+    pub(crate) fn new_kv(&self, arena: &KvArena, fresh: bool, meter: Arc<baton_kv::CopyMeter>) -> Result<CudaKv> {
         let g = arena.geometry();
         if g.layers != self.config.num_layers
             || g.kv_heads != self.config.num_kv_heads
@@ -288,7 +340,8 @@ impl CudaModel {
         let blocks = arena.num_blocks();
         // One block more than the pool's: the scratch block padded decode rows write to.
         // Exportable, so that peers on this host can copy to and from it device to device.
-        let cache = Arc::new(DevBuf::for_sharing(&self.ctx, (blocks + 1) * g.block_elems() * kv_kind.size())?);
+        let arena_bytes = (blocks + 1) * g.block_elems() * kv_kind.size();
+        let cache = Arc::new(DevBuf::for_sharing(&self.ctx, arena_bytes, self.gpu.kv_export)?);
         let blas_workspace = DevBuf::new(&self.ctx, 32 << 20)?;
         // SAFETY: the workspace outlives the handle (both are the CudaKv's; fields drop in
         // declaration order, the handle first).
@@ -297,17 +350,17 @@ impl CudaModel {
         }
         .result()
         .map_err(err)?;
-        let tiled = match std::env::var("BATON_CUDA_TILED").as_deref() {
-            Ok("0") => None,
-            Ok("1") => k.tiled_sync.then_some(Tiled::Sync),
-            _ if k.tiled_async => Some(Tiled::Async),
-            _ => k.tiled_sync.then_some(Tiled::Sync),
+        let tiled = match self.gpu.prefill_attention {
+            PrefillAttention::Rows => None,
+            PrefillAttention::TiledSync => k.tiled_sync.then_some(Tiled::Sync),
+            PrefillAttention::Auto if k.tiled_async => Some(Tiled::Async),
+            PrefillAttention::Auto => k.tiled_sync.then_some(Tiled::Sync),
         }
         .map(|t| (t, TILE_Q / self.shape.group));
         // An engine's arena (`fresh`) is page-locked once, so that whole blocks go down by DMA;
         // a one-off forward's is not (registering costs time in proportion to its size).
         let block_major = arena.descriptor().dims == KvLayout::BlockMajor.dims();
-        let host_pinned = if fresh && block_major && env_on("BATON_CUDA_PIN_ARENA") {
+        let host_pinned = if fresh && block_major && self.gpu.pin_host_kv {
             let t = std::time::Instant::now();
             match HostPinned::new(&self.ctx, arena.as_bytes()) {
                 Ok(p) => {
@@ -328,9 +381,9 @@ impl CudaModel {
         } else {
             None
         };
-        let profile = std::env::var("BATON_CUDA_PROFILE").is_ok_and(|v| v == "1").then(Profile::default);
+        let profile = self.gpu.profile.then(Profile::default);
         // The profiler's events need the launches one by one.
-        let graphs_enabled = env_on("BATON_CUDA_GRAPHS") && profile.is_none();
+        let graphs_enabled = self.gpu.graphs && profile.is_none();
         Ok(CudaKv {
             k,
             stream,
@@ -348,9 +401,10 @@ impl CudaModel {
             _blas_workspace: blas_workspace,
             pinned_up: None,
             pinned_down: None,
-            timing: std::env::var("BATON_CUDA_TIMING").is_ok_and(|v| v == "1").then(Timing::default),
+            timing: self.gpu.timing.then(Timing::default),
             profile,
             host_pinned,
+            meter,
         })
     }
 
@@ -435,6 +489,7 @@ impl CudaModel {
                     .map_err(err)?;
                 }
                 if kv_bytes > 0 {
+                    kv.meter.add(baton_kv::CopyDirection::DeviceToHost, kv_bytes as u64);
                     cudarc::driver::result::memcpy_dtoh_async(stage, ws.kv_stage.ptr, kv.stream.cu_stream())
                         .map_err(err)?;
                 }

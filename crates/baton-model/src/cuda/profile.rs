@@ -1,9 +1,9 @@
-//! Where a step's time goes: `BATON_CUDA_TIMING=1` (wall time by phase) and
-//! `BATON_CUDA_PROFILE=1` (GPU time by launch).
+//! Where a step's time goes: `--device-timing` (wall time by phase) and
+//! `--device-profile` (GPU time by launch).
 
 use super::*;
 
-/// Where a step's time goes (`BATON_CUDA_TIMING=1`), decode steps and the others (prefill
+/// Where a step's time goes (`--device-timing`), decode steps and the others (prefill
 /// and mixed) apart: printed when the engine's state drops.
 #[derive(Debug, Default)]
 pub(super) struct Timing {
@@ -24,7 +24,7 @@ pub(super) struct StepTimes {
     pub(super) unpack: std::time::Duration,
 }
 
-/// Where a step's GPU time goes, launch by launch (`BATON_CUDA_PROFILE=1`, which turns CUDA
+/// Where a step's GPU time goes, launch by launch (`--device-profile`, which turns CUDA
 /// graphs off): an event after every launch, read back once the step has synchronised, summed by
 /// kernel name and step kind, printed when the engine's state drops.
 #[derive(Default)]
