@@ -214,6 +214,27 @@ pub fn decode_has_room(w: &InstanceSnapshot, prompt: usize) -> bool {
     room_for(l.capacity_tokens as usize, (l.decoding_tokens + l.bound_tokens) as usize, prompt)
 }
 
+/// The worker that decodes (a decode or colocated worker taking work) with the most KV room free
+/// by the ledger (a capacity of 0 is unknown: the most). Where a request already under way goes
+/// when no decode worker has room for it now — its decode worker died after its first token —
+/// so it waits in that worker's queue rather than fail after its 200.
+pub fn most_room_decoder(workers: &[WorkerLoad]) -> Option<usize> {
+    let free = |w: &WorkerLoad| {
+        let l = &w.ledger;
+        if l.capacity_tokens == 0 {
+            i64::MAX
+        } else {
+            l.capacity_tokens as i64 - (l.decoding_tokens + l.bound_tokens) as i64
+        }
+    };
+    workers
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| w.role != baton_sched::Role::Prefill && w.accepting)
+        .max_by_key(|&(i, w)| (free(w), std::cmp::Reverse(i)))
+        .map(|(i, _)| i)
+}
+
 /// Whether `tokens` more fit a pool of `capacity` tokens holding `used` (0: capacity unknown,
 /// always room): the one rule of [`decode_has_room`] and the conductor's claim on admission.
 pub fn room_for(capacity: usize, used: usize, tokens: usize) -> bool {

@@ -1217,6 +1217,60 @@ fn a_dead_decode_worker_is_routed_to_at_most_once() {
     assert_no_leak(&[&p, &live]);
 }
 
+/// A decode worker killed while requests queue in the conductor for decode room (#63): each
+/// decode worker has room for one request at a time, so most of a burst waits in the admission
+/// queue when one of the two is killed. The request it held goes on elsewhere (migrated), the
+/// queue drains onto the survivor, every answer that got a 200 is `baton generate`'s text, a
+/// refusal is a 429 before any body, nothing hangs, the queue ends empty and the survivors hold
+/// nothing.
+#[test]
+fn a_decode_worker_killed_while_requests_queue_leaves_each_served_or_refused_up_front() {
+    const REQUESTS: usize = 10;
+    const TOKENS: usize = 160;
+    let dir = model("tiny-llama");
+    let (_c, url) = conductor(&dir, "embedded");
+    let p = worker(&dir, "prefill", &url, &["--name", "prefill-1"]);
+    // 24 blocks of 16 tokens: one request (prompt and answer) at a time.
+    let small = ["--num-blocks", "24"];
+    let mut dying = worker(&dir, "decode", &url, &[&["--name", "decode-a", "--ttl-s", "60"][..], &small].concat());
+    let survivor = worker(&dir, "decode", &url, &[&["--name", "decode-b"][..], &small].concat());
+    wait_members(&url, 3, Duration::from_secs(10));
+    let expected = generate_with(&dir, LONG, TOKENS, &["--ignore-eos"]);
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let sent: Vec<_> = (0..REQUESTS)
+            .map(|_| {
+                s.spawn(|| {
+                    let body = json!({"model": "tiny", "prompt": LONG, "max_tokens": TOKENS, "temperature": 0,
+                        "ignore_eos": true});
+                    let r = http().post(format!("{url}/v1/completions")).json(&body).send().unwrap();
+                    (r.status().as_u16(), r.json::<Value>().unwrap_or(Value::Null))
+                })
+            })
+            .collect();
+        // Once the burst queues behind the two running requests.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while metric(&url, "baton_queue_length{role=\"conductor\",state=\"admission\",worker=\"conductor\"}") < 2.0 {
+            assert!(Instant::now() < deadline, "the burst never queued for decode room");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        dying.proc.kill();
+        sent.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let served = answers.iter().filter(|(status, _)| *status == 200).count();
+    for (status, v) in &answers {
+        match status {
+            200 => assert_eq!(text(v), expected, "a served answer differs from baton generate's"),
+            429 => assert_eq!(v["error"]["type"], "rate_limit_error", "a refusal's body: {v}"),
+            other => panic!("neither served nor refused up front: {other} {v}"),
+        }
+    }
+    eprintln!("{served} of {REQUESTS} served after the kill, {} refused", REQUESTS - served);
+    assert!(served >= REQUESTS / 2, "the survivor served too few of the queued requests: {served}");
+    let queued = metric(&url, "baton_queue_length{role=\"conductor\",state=\"admission\",worker=\"conductor\"}");
+    assert_eq!(queued, 0.0, "requests left in the admission queue");
+    assert_no_leak(&[&p, &survivor]);
+}
+
 /// Each worker's role as a conductor's `/health` lists it.
 fn roles(conductor: &str) -> Vec<(String, String)> {
     let body: Value = http().get(format!("{conductor}/health")).send().unwrap().json().unwrap_or(Value::Null);

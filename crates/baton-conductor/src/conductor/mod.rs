@@ -71,6 +71,11 @@ const PROBE_FIRST: Duration = Duration::from_millis(250);
 /// Longest wait between probes of a tripped worker.
 const PROBE_MAX: Duration = Duration::from_secs(5);
 /// How long a worker may take to answer a role switch.
+/// How long one replay of the admission queue serves its waiters' predictions: a waiter
+/// predicts again each second, and the requests that left meanwhile only bring its start
+/// forward, so a replay a quarter of a second old errs a little on the safe side.
+const REPLAY_FRESH: Duration = Duration::from_millis(250);
+
 const SWITCH_DEADLINE: Duration = Duration::from_secs(5);
 
 mod api;
@@ -574,6 +579,12 @@ impl Conductor {
         let route = match plan.decision {
             Decision::Colocated(w) => Ok(Route::Colocated(workers[w].clone())),
             Decision::Disaggregated { .. } if admit && !room => Err(Refused::NoRoom),
+            // A request under way is not refused for room (see `route`): the decode worker with
+            // the most room runs it on, queued there until it has room.
+            Decision::NoRoom if !admit => match crate::routing::most_room_decoder(&loads) {
+                Some(w) => Ok(Route::Colocated(workers[w].clone())),
+                None => Err(Refused::NoRoom),
+            },
             Decision::NoRoom => Err(Refused::NoRoom),
             Decision::Disaggregated { prefill, decode }
                 if !baton_protocol::kv_exchangeable(&*workers[prefill], &*workers[decode]) =>
@@ -734,10 +745,15 @@ impl Conductor {
     }
 
     /// How long a request needing `tokens` of decode room is predicted to wait for it, behind
-    /// the requests ahead of `ticket` (all those waiting, for `None`), over the decode workers
-    /// in routing (see [`queue::predict_wait`]).
+    /// the requests ahead of `ticket` (all those waiting, for `None`: an arrival), over the
+    /// decode workers in routing (see [`queue::predict_starts`]). A waiter reads its prediction
+    /// from the queue's last replay while it is fresh ([`REPLAY_FRESH`]); otherwise the whole
+    /// queue is replayed once, for every waiter.
     fn predict_wait(&self, ticket: Option<&queue::Ticket>, tokens: usize) -> Prediction {
-        let ahead = self.queue.ahead(ticket);
+        if let Some(p) = ticket.and_then(|t| self.queue.replayed(t, REPLAY_FRESH)) {
+            return p;
+        }
+        let entries = self.queue.entries();
         let tripped: Vec<String> = self.tripped().keys().cloned().collect();
         let workers: Workers = self
             .workers()
@@ -751,7 +767,18 @@ impl Conductor {
             .map(|w| loads.decode_pool(w.name(), w.capacity_blocks() * w.block_tokens(), hold.unwrap_or(0)))
             .collect();
         drop(loads);
-        queue::predict_wait(self.now_us(), &pools, &ahead, tokens, hold)
+        // The queue, with an arrival at its end.
+        let mut needs: Vec<usize> = entries.iter().map(|&(_, n)| n).collect();
+        if ticket.is_none() {
+            needs.push(tokens);
+        }
+        let mut starts = queue::predict_starts(self.now_us(), &pools, &needs, hold);
+        let mine = match ticket {
+            None => starts.pop(),
+            Some(t) => entries.iter().position(|&(id, _)| id == t.id()).map(|i| starts[i]),
+        };
+        self.queue.keep_replay(entries.into_iter().map(|(id, _)| id).collect(), starts);
+        mine.unwrap_or(Prediction::Unknown)
     }
 
     /// Requests waiting in the admission queue now.

@@ -11,12 +11,12 @@
 //! never failed after its 200 for want of room).
 //!
 //! The queue is its own state, behind one lock that nothing else takes while holding it
-//! ([`AdmissionQueue`]): the conductor's ledger is read outside it. [`predict_wait`] is the pure
-//! model that turns the ledger into a predicted wait.
+//! ([`AdmissionQueue`]): the conductor's ledger is read outside it. [`predict_starts`] is the pure
+//! model that turns the ledger into each waiter's predicted wait.
 
 use std::collections::{BinaryHeap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
@@ -43,6 +43,18 @@ pub(crate) struct AdmissionQueue {
     inner: Mutex<Inner>,
     /// Woken when decode room may have been freed or the head left.
     changed: Notify,
+    /// The last replay of the whole queue ([`predict_starts`]), which every waiter reads its
+    /// prediction from while it is fresh. Its own lock, never held with `inner`'s.
+    replay: Mutex<Option<Replay>>,
+}
+
+/// One replay of the queue: when it was made, and each waiter's prediction by ticket id.
+#[derive(Debug)]
+struct Replay {
+    at: Instant,
+    /// Ticket ids in queue order (so increasing) and their predictions.
+    ids: Vec<u64>,
+    starts: Vec<Prediction>,
 }
 
 #[derive(Debug, Default)]
@@ -66,7 +78,7 @@ pub(crate) struct Full;
 
 impl Default for AdmissionQueue {
     fn default() -> Self {
-        Self { inner: Mutex::new(Inner::default()), changed: Notify::new() }
+        Self { inner: Mutex::new(Inner::default()), changed: Notify::new(), replay: Mutex::new(None) }
     }
 }
 
@@ -97,11 +109,23 @@ impl AdmissionQueue {
         self.inner().waiting.is_empty()
     }
 
-    /// The decode room the requests ahead of `ticket` need, in order (all of them for `None`:
-    /// an arrival not yet queued).
-    pub(crate) fn ahead(&self, ticket: Option<&Ticket>) -> Vec<usize> {
-        let inner = self.inner();
-        inner.waiting.iter().take_while(|(id, _)| ticket.is_none_or(|t| *id != t.id)).map(|&(_, n)| n).collect()
+    /// Every waiter's ticket id and decode room, in queue order.
+    pub(crate) fn entries(&self) -> Vec<(u64, usize)> {
+        self.inner().waiting.iter().copied().collect()
+    }
+
+    /// `ticket`'s prediction from a replay made less than `fresh` ago, if it was in it.
+    pub(crate) fn replayed(&self, ticket: &Ticket, fresh: Duration) -> Option<Prediction> {
+        let replay = self.replay.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let r = replay.as_ref().filter(|r| r.at.elapsed() < fresh)?;
+        r.ids.binary_search(&ticket.id).ok().map(|i| r.starts[i])
+    }
+
+    /// Keeps a replay of the queue whose entries had these ids, for [`Self::replayed`].
+    pub(crate) fn keep_replay(&self, ids: Vec<u64>, starts: Vec<Prediction>) {
+        debug_assert_eq!(ids.len(), starts.len());
+        let replay = Replay { at: Instant::now(), ids, starts };
+        *self.replay.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(replay);
     }
 
     /// Wakes the queue: decode room may have been freed.
@@ -118,6 +142,11 @@ impl AdmissionQueue {
 }
 
 impl Ticket {
+    /// This ticket's id (ids grow in arrival order).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
     /// Whether this request is first in the queue (its turn to try to start).
     pub(crate) fn is_head(&self) -> bool {
         self.queue.inner().waiting.front().is_some_and(|(id, _)| *id == self.id)
@@ -146,7 +175,7 @@ pub(crate) struct DecodePool {
     pub held: Vec<(u64, usize)>,
 }
 
-/// What [`predict_wait`] foresees for a request.
+/// What [`predict_starts`] foresees for a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Prediction {
     /// Its KV fits no decode worker, however empty: waiting cannot help.
@@ -158,32 +187,20 @@ pub(crate) enum Prediction {
     Unknown,
 }
 
-/// When a request needing `tokens` of decode room is predicted to start: the requests `ahead`
-/// of it (their room, in queue order) start first, each as soon as some pool has room for it,
-/// and every request — running, admitted or started in the prediction — lets go of its room
-/// when its `hold` (µs: the measured time from admission to the end of the decode) is over.
-/// A request whose predicted end has passed is taken to end now. Pure: the conductor's ledger
-/// and clock come in as arguments.
-pub(crate) fn predict_wait(
-    now: u64,
-    pools: &[DecodePool],
-    ahead: &[usize],
-    tokens: usize,
-    hold: Option<u64>,
-) -> Prediction {
+/// When each request of `queue` (the decode room each needs, in queue order) is predicted to
+/// start, in one replay of the whole queue: each starts as soon as some pool has room for it
+/// after those ahead of it started, and every request — running, admitted or started in the
+/// replay — lets go of its room when its `hold` (µs: the measured time from admission to the end
+/// of the decode) is over. A request whose predicted end has passed is taken to end now. One
+/// replay serves every waiter (`O(n log n)` for the queue, where a replay per waiter was
+/// `O(n²)`). Pure: the conductor's ledger and clock come in as arguments.
+pub(crate) fn predict_starts(now: u64, pools: &[DecodePool], queue: &[usize], hold: Option<u64>) -> Vec<Prediction> {
     let fits = |p: &DecodePool, used: usize, n: usize| crate::routing::room_for(p.capacity, used, n);
     if pools.is_empty() {
         // No decode worker in routing now (its breaker tripped, or it left): one may come back.
-        return Prediction::Unknown;
-    }
-    if !pools.iter().any(|p| fits(p, 0, tokens)) {
-        return Prediction::Never;
+        return vec![Prediction::Unknown; queue.len()];
     }
     let mut used: Vec<usize> = pools.iter().map(|p| p.held.iter().map(|&(_, n)| n).sum()).collect();
-    if ahead.is_empty() && pools.iter().zip(&used).any(|(p, &u)| fits(p, u, tokens)) {
-        return Prediction::After(0);
-    }
-    let Some(hold) = hold else { return Prediction::Unknown };
     // Releases as a min-heap of (time, pool, tokens).
     let mut releases: BinaryHeap<std::cmp::Reverse<(u64, usize, usize)>> = pools
         .iter()
@@ -191,7 +208,19 @@ pub(crate) fn predict_wait(
         .flat_map(|(i, p)| p.held.iter().map(move |&(end, n)| std::cmp::Reverse((end.max(now), i, n))))
         .collect();
     let mut t = now;
-    for &need in ahead.iter().chain(std::iter::once(&tokens)) {
+    let mut starts = Vec::with_capacity(queue.len());
+    for (k, &need) in queue.iter().enumerate() {
+        if !pools.iter().any(|p| fits(p, 0, need)) {
+            // It fits no pool, however empty: it will be refused, and takes no room.
+            starts.push(Prediction::Never);
+            continue;
+        }
+        let Some(hold) = hold else {
+            // Without a measured hold only the first can be foreseen: it starts now if it fits.
+            let now_fits = k == 0 && pools.iter().zip(&used).any(|(p, &u)| fits(p, u, need));
+            starts.push(if now_fits { Prediction::After(0) } else { Prediction::Unknown });
+            continue;
+        };
         loop {
             // The first pool with room now takes it (the policies pick among those with room).
             if let Some(i) = (0..pools.len()).find(|&i| fits(&pools[i], used[i], need)) {
@@ -204,18 +233,27 @@ pub(crate) fn predict_wait(
                     t = t.max(end);
                     used[i] -= n;
                 }
-                // Nothing left to release and still no room: a request ahead that can never
-                // fit (it will be refused); skip it.
+                // Nothing left to release and still no room (cannot happen for a request that
+                // fits an empty pool): take it as starting now.
                 None => break,
             }
         }
+        starts.push(Prediction::After(t - now));
     }
-    Prediction::After(t - now)
+    starts
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// When a request needing `tokens` of decode room is predicted to start, behind the requests
+    /// `ahead` of it (their room, in queue order): [`predict_starts`] of the queue with it at the
+    /// end, its own entry.
+    fn predict_wait(now: u64, pools: &[DecodePool], ahead: &[usize], tokens: usize, hold: Option<u64>) -> Prediction {
+        let queue: Vec<usize> = ahead.iter().copied().chain(std::iter::once(tokens)).collect();
+        predict_starts(now, pools, &queue, hold).pop().unwrap_or(Prediction::Unknown)
+    }
 
     fn pool(capacity: usize, held: &[(u64, usize)]) -> DecodePool {
         DecodePool { capacity, held: held.to_vec() }
@@ -267,15 +305,41 @@ mod tests {
         assert_eq!(predict_wait(100, &pools, &[50, 50], 40, Some(1_000)), Prediction::After(400));
     }
 
+    #[test]
+    fn one_replay_gives_each_waiter_what_a_replay_of_its_own_gives() {
+        let pools = [pool(100, &[(500, 60), (900, 30)]), pool(80, &[(300, 70)])];
+        let queue = [50, 90, 40, 200, 10, 75, 30];
+        let starts = predict_starts(100, &pools, &queue, Some(1_000));
+        for (k, &need) in queue.iter().enumerate() {
+            // A waiter that fits no pool is skipped by those behind it, as it will be refused.
+            let ahead: Vec<usize> = queue[..k].iter().copied().filter(|&n| n <= 100).collect();
+            assert_eq!(starts[k], predict_wait(100, &pools, &ahead, need, Some(1_000)), "waiter {k}");
+        }
+        assert_eq!(starts[3], Prediction::Never, "200 tokens fit no pool");
+        assert!(
+            starts.windows(2).all(|w| match w {
+                [Prediction::After(a), Prediction::After(b)] => a <= b,
+                _ => true,
+            }),
+            "first come, first served: {starts:?}"
+        );
+        // Without a measured hold, only a first waiter with room can be foreseen.
+        assert_eq!(predict_starts(0, &[pool(100, &[])], &[10, 10], None), [Prediction::After(0), Prediction::Unknown]);
+    }
+
     #[tokio::test]
     async fn the_queue_is_first_come_first_served_and_a_ticket_leaves_when_dropped() {
         let q = Arc::new(AdmissionQueue::default());
         let a = q.join(10).expect("room");
         let b = q.join(20).expect("room");
         assert!(a.is_head() && !b.is_head());
-        assert_eq!(q.ahead(Some(&b)), [10]);
-        assert_eq!(q.ahead(None), [10, 20]);
+        assert_eq!(q.entries(), [(a.id(), 10), (b.id(), 20)]);
+        assert!(a.id() < b.id(), "ids grow in arrival order");
         assert_eq!(q.len(), 2);
+        // A replay is read by the ticket it was made for, while it is fresh.
+        q.keep_replay(vec![a.id(), b.id()], vec![Prediction::After(0), Prediction::After(7)]);
+        assert_eq!(q.replayed(&b, Duration::from_secs(60)), Some(Prediction::After(7)));
+        assert_eq!(q.replayed(&b, Duration::ZERO), None, "a stale replay is not read");
         drop(a);
         assert!(b.is_head());
         drop(b);
