@@ -4,6 +4,7 @@
 # of one, each behind a `baton conductor`, serving a few requests. The stand-in's arena is a
 # memfd named `baton-device-arena` (a GPU's would be device memory), the host tier one named
 # `baton-host-tier`, so /proc/PID/smaps tells them from the rest of the process. Printed per run:
+# A first run with a quarter of the arena shows that nothing outside it grows with its size.
 #   arena_mib      the device arena's size (one memfd, however often it is mapped)
 #   host_tier_mib  the host tier's size (0 without one)
 #   rss_other_mib  resident memory outside the device arena: weights, runtime, bookkeeping, the
@@ -72,20 +73,23 @@ EOF
 
 out="$(mktemp -d)"
 trap 'stop_server; rm -rf "$out"' EXIT
-echo "# baton worker --device stand-in --model $MODEL --num-blocks $num_blocks ($DEVICE_GIB GiB arena), $REQUESTS requests served"
-printf '%-28s %10s %14s %14s %10s\n' run arena_mib host_tier_mib rss_other_mib limit_mib
+echo "# baton worker --device stand-in --model $MODEL: $DEVICE_GIB GiB arena ($num_blocks blocks) and a quarter of it, $REQUESTS requests served"
+printf '%-36s %10s %14s %14s %10s\n' run arena_mib host_tier_mib rss_other_mib limit_mib
 status=0
-for host in 0 "$HOST_KV_BLOCKS"; do
+# A quarter of the arena first: what lies outside it must not change with its size.
+for run in "$((num_blocks / 4)) 0" "$num_blocks 0" "$num_blocks $HOST_KV_BLOCKS"; do
+  read -r blocks host <<<"$run"
   start_cluster "$out/run$host" 1 0 1 --model "$MODEL" -- --model "$MODEL" --device stand-in \
-    --num-blocks "$num_blocks" --host-kv-blocks "$host"
+    --num-blocks "$blocks" --host-kv-blocks "$host"
   "$baton" bench serve --url "$url" --workload synthetic --num-requests "$REQUESTS" --input-len 256 \
     --output-len 16 --ignore-eos --concurrency 4 --out-dir "$out" --no-plots --no-progress --json \
     >"$out/bench$host.log" 2>&1 || { cat "$out/bench$host.log" >&2; exit 1; }
   worker_pid="${cluster_pids[-1]}"
   read -r arena tier other < <(measure "$worker_pid")
-  printf '%-28s %10.0f %14.1f %14.1f %10d\n' "--host-kv-blocks $host" "$arena" "$tier" "$other" "$LIMIT_MIB"
+  printf '%-36s %10.0f %14.1f %14.1f %10d\n' "--num-blocks $blocks --host-kv-blocks $host" "$arena" "$tier" "$other" \
+    "$LIMIT_MIB"
   awk -v o="$other" -v l="$LIMIT_MIB" 'BEGIN { exit !(o < l) }' || { echo "  over the limit" >&2; status=1; }
-  want=$(awk -v a="$arena" -v b="$num_blocks" -v n="$host" 'BEGIN { printf "%.1f", a / b * n }')
+  want=$(awk -v a="$arena" -v b="$blocks" -v n="$host" 'BEGIN { printf "%.1f", a / b * n }')
   awk -v t="$tier" -v w="$want" 'BEGIN { exit !(t - w < 0.1 && w - t < 0.1) }' \
     || { echo "  the host tier is $tier MiB, not $host blocks ($want MiB)" >&2; status=1; }
   stop_server
