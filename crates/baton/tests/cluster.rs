@@ -1186,10 +1186,16 @@ fn workers_with_16_bit_kv_hand_over_half_the_bytes_and_the_same_text() {
 /// A prefill worker and two decode workers: `decode-a`, which least-load's tie-break picks (it
 /// joined first) and whose 60 s TTL outlives a test that kills it, and `decode-b`.
 fn prefill_and_two_decoders(dir: &Path, url: &str) -> (WorkerProc, WorkerProc, WorkerProc) {
-    let p = worker(dir, "prefill", url, &["--name", "prefill-1"]);
-    let first = worker(dir, "decode", url, &["--name", "decode-a", "--ttl-s", "60"]);
+    prefill_and_two_decoders_on(dir, url, &[])
+}
+
+/// [`prefill_and_two_decoders`] with `device` flags for every worker (`STAND_IN`: their arenas
+/// device arenas, each hand-off device to device but decode-b's, which takes TCP).
+fn prefill_and_two_decoders_on(dir: &Path, url: &str, device: &[&str]) -> (WorkerProc, WorkerProc, WorkerProc) {
+    let p = worker(dir, "prefill", url, &[&["--name", "prefill-1"][..], device].concat());
+    let first = worker(dir, "decode", url, &[&["--name", "decode-a", "--ttl-s", "60"][..], device].concat());
     wait_members(url, 2, Duration::from_secs(10));
-    let second = worker(dir, "decode", url, &["--name", "decode-b", "--transport", "tcp"]);
+    let second = worker(dir, "decode", url, &[&["--name", "decode-b", "--transport", "tcp"][..], device].concat());
     wait_members(url, 3, Duration::from_secs(10));
     (p, first, second)
 }
@@ -1471,17 +1477,22 @@ fn a_colocated_worker_killed_mid_stream_hands_the_stream_on() {
 }
 
 /// The same for a decode worker killed mid-stream: the decode goes on on the other decode
-/// worker, from the prompt and every token streamed (the prefill's first and the dead worker's).
+/// worker, from the prompt and every token streamed (the prefill's first and the dead worker's),
+/// on the CPU and on the stand-in device.
 #[test]
 fn a_decode_worker_killed_mid_stream_hands_the_stream_on() {
-    let dir = model("tiny-llama");
-    let (_c, url) = conductor(&dir, "embedded");
-    let (p, mut dead, live) = prefill_and_two_decoders(&dir, &url);
-    let (undisturbed, body) = undisturbed_and_killed(&url, || dead.proc.kill());
-    assert!(body.contains("[DONE]"), "the stream did not complete: ...{}", &body[body.len().saturating_sub(400)..]);
-    assert_eq!(streamed_text(&body), undisturbed);
-    assert_eq!(migrations(&url), "baton_migrations_total 1");
-    assert_no_leak(&[&p, &live]);
+    // On the CPU, and on the stand-in device (issue #58: its hand-offs device to device).
+    for device in [&[][..], STAND_IN] {
+        let dir = model("tiny-llama");
+        let (_c, url) = conductor(&dir, "embedded");
+        let (p, mut dead, live) = prefill_and_two_decoders_on(&dir, &url, device);
+        let (undisturbed, body) = undisturbed_and_killed(&url, || dead.proc.kill());
+        let tail = &body[body.len().saturating_sub(400)..];
+        assert!(body.contains("[DONE]"), "{device:?}: the stream did not complete: ...{tail}");
+        assert_eq!(streamed_text(&body), undisturbed, "{device:?}");
+        assert_eq!(migrations(&url), "baton_migrations_total 1", "{device:?}");
+        assert_no_leak(&[&p, &live]);
+    }
 }
 
 /// SIGTERM mid-stream, to a colocated worker and to a decode worker: the worker leaves
