@@ -84,21 +84,33 @@ impl Loads {
     }
 }
 
-/// An exponential moving mean of durations, µs (weight 1/16 for each new one).
+/// A moving mean of durations, µs: the plain mean of the first 16, then an exponential one
+/// (weight 1/16 for each new one). Plain at first, so that the first few durations weigh alike
+/// (an exponential mean started at the first would keep 64% of it after eight).
 #[derive(Debug, Default, Clone, Copy)]
-pub(super) struct MovingMean(Option<f64>);
+pub(super) struct MovingMean {
+    mean: Option<f64>,
+    samples: u32,
+}
 
 impl MovingMean {
     /// Takes a duration in; the mean now.
     pub(super) fn observe(&mut self, us: u64) -> u64 {
         let us = us as f64;
-        let mean = self.0.map_or(us, |m| m + (us - m) / 16.0);
-        self.0 = Some(mean);
+        self.samples = self.samples.saturating_add(1);
+        let weight = 1.0 / f64::from(self.samples.min(16));
+        let mean = self.mean.map_or(us, |m| m + (us - m) * weight);
+        self.mean = Some(mean);
         mean as u64
     }
 
     pub(super) fn get(self) -> Option<u64> {
-        self.0.map(|m| m as u64)
+        self.mean.map(|m| m as u64)
+    }
+
+    /// The mean once at least `n` durations went into it.
+    pub(super) fn get_after(self, n: u32) -> Option<u64> {
+        self.get().filter(|_| self.samples >= n)
     }
 }
 
@@ -226,5 +238,25 @@ impl Conductor {
         let now = self.now_us();
         loads.bind(id.0, decode.name(), tokens, now);
         Ok(Binding { conductor: Arc::clone(self), id: id.0 })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MovingMean;
+
+    #[test]
+    fn the_first_durations_weigh_alike_then_the_mean_moves() {
+        let mut m = MovingMean::default();
+        assert_eq!((m.get(), m.get_after(1)), (None, None));
+        assert_eq!(m.observe(100), 100);
+        assert_eq!(m.observe(300), 200, "two durations, each half");
+        assert_eq!(m.observe(500), 300);
+        assert_eq!((m.get_after(3), m.get_after(4)), (Some(300), None));
+        for _ in 0..13 {
+            m.observe(300);
+        }
+        // Sixteen in: from here each new one weighs 1/16.
+        assert_eq!(m.observe(1900), 400);
     }
 }

@@ -76,6 +76,10 @@ const PROBE_MAX: Duration = Duration::from_secs(5);
 /// forward, so a replay a quarter of a second old errs a little on the safe side.
 const REPLAY_FRESH: Duration = Duration::from_millis(250);
 
+/// Requests that must have finished their decode before the admission queue predicts waits
+/// from the time they held decode room: before, a request waits and its deadline decides.
+const HOLD_SAMPLES: u32 = 4;
+
 const SWITCH_DEADLINE: Duration = Duration::from_secs(5);
 
 mod api;
@@ -675,7 +679,14 @@ impl Conductor {
                     }
                     Prediction::After(us) => {
                         if self.max_queue_wait.is_some_and(|limit| waited + Duration::from_micros(us) > limit) {
-                            tracing::debug!(predicted_s = us as f64 / 1e6, "refused: predicted wait over the limit");
+                            tracing::debug!(
+                                predicted_s = us as f64 / 1e6,
+                                waited_s = waited.as_secs_f64(),
+                                hold_s = self.loads().hold_time.get().unwrap_or(0) as f64 / 1e6,
+                                queued = self.queue.len(),
+                                tokens,
+                                "refused: predicted wait over the limit"
+                            );
                             return Err(no_room(us.div_ceil(1_000_000)));
                         }
                     }
@@ -761,7 +772,9 @@ impl Conductor {
             .filter(|w| w.role() != crate::Role::Prefill && !tripped.iter().any(|t| t == w.name()))
             .collect();
         let loads = self.loads();
-        let hold = loads.hold_time.get();
+        // A wait is predicted (and a request refused on it) only once a few holds were
+        // measured: one request's hold says little of the next's.
+        let hold = loads.hold_time.get_after(HOLD_SAMPLES);
         let pools: Vec<queue::DecodePool> = workers
             .iter()
             .map(|w| loads.decode_pool(w.name(), w.capacity_blocks() * w.block_tokens(), hold.unwrap_or(0)))
