@@ -29,7 +29,6 @@ pub mod config;
 pub mod cuda;
 mod device;
 mod device_kv;
-mod error;
 pub mod gemv;
 pub mod gguf;
 pub mod grammar;
@@ -42,6 +41,10 @@ mod sampling;
 mod step;
 mod tokenizer;
 pub mod weights;
+
+// The error every model crate shares (`baton-model-types`), under the path this crate's modules
+// have always named it by.
+use baton_model_types::error;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use checkpoint::{

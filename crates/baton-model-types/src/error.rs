@@ -1,4 +1,5 @@
-//! Errors of checkpoint loading and the forward pass.
+//! The error of every model crate: loading a checkpoint, building a tokenizer or a grammar,
+//! and running the forward pass.
 
 use std::path::PathBuf;
 
