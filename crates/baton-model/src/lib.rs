@@ -46,11 +46,12 @@ pub mod weights;
 // have always named it by.
 use baton_model_types::error;
 
-pub use chat::{ChatMessage, ChatTemplate};
-pub use checkpoint::{
-    Checkpoint, DEFAULT_MODEL, DEFAULT_MODEL_FILE, Frontend, KNOWN_MODELS, KnownModel, default_model_path, known_model,
-    known_model_names, known_model_path, models_dir,
+pub use baton_gguf::known::{
+    DEFAULT_MODEL, DEFAULT_MODEL_FILE, KNOWN_MODELS, KnownModel, default_model_path, known_model, known_model_names,
+    known_model_path, models_dir,
 };
+pub use chat::{ChatMessage, ChatTemplate};
+pub use checkpoint::{Checkpoint, Frontend};
 pub use config::{Architecture, ModelConfig};
 pub use device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions, PackOffsets, StepPack};
 pub use device_kv::DeviceKv;

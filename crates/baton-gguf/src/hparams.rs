@@ -1,11 +1,12 @@
 //! From an architecture's metadata keys (`gemma3.block_count`, ...) to the facts a forward pass
 //! needs, including the ones llama.cpp hard-codes per architecture rather than storing.
 
-use super::error::GgufError;
-use super::file::GgufFile;
-use super::metadata::GgufMetadata;
-use super::value::{GgufArray, GgufValue};
-use crate::config::{RopeConfig, RopeScaling};
+use baton_model_types::{RopeConfig, RopeScaling};
+
+use crate::error::GgufError;
+use crate::file::GgufFile;
+use crate::metadata::GgufMetadata;
+use crate::value::{GgufArray, GgufValue};
 
 /// A model architecture a GGUF file can hold and Baton maps (`general.architecture`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,19 +2,19 @@
 
 use candle_core::quantized::QTensor;
 
-use super::reader::{ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC};
-use super::tensor::GgmlTypeId;
-use super::value::{GgufArray, GgufValue};
+use crate::reader::{ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC};
+use crate::tensor::GgmlTypeId;
+use crate::value::{GgufArray, GgufValue};
 
 /// Builds a GGUF v3 file in memory.
 ///
 /// ```
-/// use baton_model::gguf::{GgufFile, GgufValue, GgufWriter};
+/// use baton_gguf::{GgufFile, GgufValue, GgufWriter};
 /// let mut w = GgufWriter::new();
 /// w.add_metadata("general.architecture", GgufValue::String("llama".into()));
 /// let f = GgufFile::from_bytes(w.to_bytes(), "mem.gguf".as_ref())?;
 /// assert_eq!(f.metadata().get::<&str>("general.architecture")?, "llama");
-/// # Ok::<(), baton_model::gguf::GgufError>(())
+/// # Ok::<(), baton_gguf::GgufError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct GgufWriter {

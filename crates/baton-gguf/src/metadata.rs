@@ -3,8 +3,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use super::error::GgufError;
-use super::value::{FromGgufValue, GgufValue};
+use crate::error::GgufError;
+use crate::value::{FromGgufValue, GgufValue};
 
 /// A GGUF file's metadata, in file order.
 #[derive(Debug, Clone, Default)]
@@ -64,7 +64,7 @@ impl GgufMetadata {
     /// A required key converted to `T`; errors name the file and the key.
     ///
     /// ```no_run
-    /// # fn f(m: &baton_model::gguf::GgufMetadata) -> Result<(), baton_model::gguf::GgufError> {
+    /// # fn f(m: &baton_gguf::GgufMetadata) -> Result<(), baton_gguf::GgufError> {
     /// let layers: usize = m.get("gemma3.block_count")?;
     /// let tokens: &[String] = m.get("tokenizer.ggml.tokens")?;
     /// # Ok(()) }

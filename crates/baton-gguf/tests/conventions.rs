@@ -9,14 +9,14 @@
 
 use std::path::PathBuf;
 
-use baton_model::gguf::{AttentionKind, GgufFile, GgufHyperparams};
+use baton_gguf::known::known_model_path;
+use baton_gguf::{AttentionKind, GgufFile, GgufHyperparams};
 use candle_core::quantized::QMatMul;
 use candle_core::{D, DType, Device, Module, Tensor};
 
 fn model_path() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let dir = std::env::var_os("BATON_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| root.join(".models"));
-    let path = dir.join("gemma-3-270m-q4_k_m.gguf");
+    let path = known_model_path(&root, "gemma3-270m").expect("a known model");
     assert!(path.is_file(), "{} is missing: run `scripts/fetch-model.sh gemma3-270m`", path.display());
     path
 }

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::error::ModelError;
+use baton_model_types::ModelError;
 
 /// What can go wrong reading a GGUF file.
 #[derive(Debug, thiserror::Error)]

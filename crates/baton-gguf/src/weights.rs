@@ -6,13 +6,12 @@
 //! adjacent pairs; Baton rotates halves (as transformers does), so those rows are put back.
 //! Gemma 3 and Qwen2 files are stored unpermuted.
 
+use baton_model_types::{ModelError, Result, WeightSource};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use super::file::{GgufFile, qtensor_from_bytes};
-use super::hparams::{GgufArchitecture, GgufHyperparams};
-use crate::error::{ModelError, Result};
-use crate::weights::WeightSource;
+use crate::file::{GgufFile, qtensor_from_bytes};
+use crate::hparams::{GgufArchitecture, GgufHyperparams};
 
 /// The tensors of a GGUF file under Hugging Face names.
 #[derive(Debug)]

@@ -10,10 +10,10 @@
 use std::collections::HashSet;
 use std::path::Path;
 
-use super::error::GgufError;
-use super::metadata::GgufMetadata;
-use super::tensor::{GgmlTypeId, GgufTensorInfo};
-use super::value::{GgufArray, GgufValue, GgufValueType};
+use crate::error::GgufError;
+use crate::metadata::GgufMetadata;
+use crate::tensor::{GgmlTypeId, GgufTensorInfo};
+use crate::value::{GgufArray, GgufValue, GgufValueType};
 
 /// The four magic bytes every GGUF file starts with.
 pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";

@@ -17,6 +17,7 @@
 
 use std::collections::HashMap;
 
+use baton_gguf::{GgufError, GgufMetadata};
 use tokenizers::decoders::{
     DecoderWrapper, byte_fallback::ByteFallback, byte_level::ByteLevel as ByteLevelDecoder, fuse::Fuse,
     sequence::Sequence as DecoderSequence, strip::Strip,
@@ -32,8 +33,6 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
-use super::error::GgufError;
-use super::metadata::GgufMetadata;
 use crate::chat::ChatTemplate;
 use crate::tokenizer::Tokenizer;
 

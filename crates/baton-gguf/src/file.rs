@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::{GgmlDType, QTensor, ggml_file::qtensor_from_ggml};
 use candle_core::{Device, Tensor};
 
-use super::error::GgufError;
-use super::metadata::GgufMetadata;
-use super::reader::{GgufHeader, parse_header};
-use super::tensor::GgufTensorInfo;
+use crate::error::GgufError;
+use crate::metadata::GgufMetadata;
+use crate::reader::{GgufHeader, parse_header};
+use crate::tensor::GgufTensorInfo;
 
 /// Alignment every candle block type is happy with (`f32` fields are the widest).
 const BLOCK_ALIGN: usize = 4;
@@ -33,12 +33,12 @@ impl Bytes {
 /// from the map when a tensor is loaded.
 ///
 /// ```no_run
-/// use baton_model::gguf::GgufFile;
+/// use baton_gguf::GgufFile;
 /// let gguf = GgufFile::open(std::path::Path::new(".models/gemma-3-270m-q4_k_m.gguf"))?;
 /// let arch: &str = gguf.metadata().get("general.architecture")?;
 /// let w = gguf.qtensor("blk.0.attn_q.weight", &candle_core::Device::Cpu)?;
 /// println!("{arch}: {:?} {:?}", w.dtype(), w.shape());
-/// # Ok::<(), baton_model::gguf::GgufError>(())
+/// # Ok::<(), baton_gguf::GgufError>(())
 /// ```
 pub struct GgufFile {
     path: PathBuf,
@@ -165,7 +165,7 @@ impl GgufFile {
 }
 
 /// A candle [`QTensor`] of `dtype` blocks from `bytes` (copied), whatever their alignment.
-pub(crate) fn qtensor_from_bytes(
+pub fn qtensor_from_bytes(
     dtype: GgmlDType,
     bytes: &[u8],
     shape: Vec<usize>,
