@@ -3,13 +3,13 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::chat::ChatTemplate;
+use baton_text::{ChatTemplate, Tokenizer};
+
 use crate::config::{ModelConfig, read_json};
 use crate::device::DeviceOptions;
 use crate::error::{ModelError, Result};
 use crate::gguf::{GgufFile, GgufHyperparams, GgufWeights, chat_template_from_gguf, tokenizer_from_gguf};
 use crate::model::Model;
-use crate::tokenizer::Tokenizer;
 use crate::weights::SafetensorsWeights;
 
 /// Everything loaded from a checkpoint directory.

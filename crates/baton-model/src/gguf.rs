@@ -1,8 +1,6 @@
 //! GGUF v3, llama.cpp's model files, as this crate's users have always named it: the format
-//! is `baton-gguf`'s (re-exported here whole), and `tokenizer` rebuilds the tokenizer and chat
-//! template a file describes.
-
-mod tokenizer;
+//! is `baton-gguf`'s (re-exported here whole), the tokenizer and chat template a file describes
+//! `baton-text`'s.
 
 pub(crate) use baton_gguf::qtensor_from_bytes;
 pub use baton_gguf::{
@@ -10,4 +8,4 @@ pub use baton_gguf::{
     GgufArray, GgufError, GgufFile, GgufHeader, GgufHyperparams, GgufMetadata, GgufTensorInfo, GgufValue,
     GgufValueType, GgufWeights, GgufWriter, MlpActivation, parse_header,
 };
-pub use tokenizer::{chat_template_from_gguf, tokenizer_from_gguf};
+pub use baton_text::{chat_template_from_gguf, tokenizer_from_gguf};

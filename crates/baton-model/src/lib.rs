@@ -22,7 +22,6 @@
 //! ([`grammar`]: JSON schemas and Lark grammars through llguidance).
 
 mod attention;
-mod chat;
 mod checkpoint;
 pub mod config;
 #[cfg(feature = "cuda")]
@@ -31,34 +30,32 @@ mod device;
 mod device_kv;
 pub mod gemv;
 pub mod gguf;
-pub mod grammar;
 mod kernels;
 mod linear;
 mod model;
 mod pool;
 mod quant;
-mod sampling;
 mod step;
-mod tokenizer;
 pub mod weights;
 
-// The error every model crate shares (`baton-model-types`), under the path this crate's modules
-// have always named it by.
+// What moved to crates of their own, under the paths this crate's modules have always named it
+// by: the error every model crate shares (`baton-model-types`), and sampling (`baton-text`).
 use baton_model_types::error;
+use baton_text::sampling;
 
 pub use baton_gguf::known::{
     DEFAULT_MODEL, DEFAULT_MODEL_FILE, KNOWN_MODELS, KnownModel, default_model_path, known_model, known_model_names,
     known_model_path, models_dir,
 };
-pub use chat::{ChatMessage, ChatTemplate};
+pub use baton_text::{
+    ChatMessage, ChatTemplate, Constraint, Grammar, GrammarCompiler, IncrementalDecoder, LogitAdjust, Sampler,
+    SamplingParams, TokenLogprobs, Tokenizer, argmax, grammar, token_logprobs,
+};
 pub use checkpoint::{Checkpoint, Frontend};
 pub use config::{Architecture, ModelConfig};
 pub use device::{ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions, PackOffsets, StepPack};
 pub use device_kv::DeviceKv;
 pub use error::{ModelError, Result};
-pub use grammar::{Constraint, Grammar, GrammarCompiler};
 pub use model::Model;
-pub use sampling::{LogitAdjust, Sampler, SamplingParams, TokenLogprobs, argmax, token_logprobs};
 pub use step::{LogitsWanted, SeqStep, StepLogits};
-pub use tokenizer::{IncrementalDecoder, Tokenizer};
 pub use weights::{DeviceRandomWeights, RandomWeights, SafetensorsWeights, WeightSource};

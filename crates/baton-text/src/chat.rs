@@ -2,11 +2,10 @@
 //! (`tools` and messages' `tool_calls` included, for templates that render tools; `tojson`
 //! writes JSON as Python's `json.dumps` does, keys in their order).
 
+use baton_model_types::{ModelError, Result};
 use minijinja::value::Kwargs;
 use minijinja::{Environment, ErrorKind, Value, context};
 use serde::{Deserialize, Serialize};
-
-use crate::error::{ModelError, Result};
 
 /// One message of a chat.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

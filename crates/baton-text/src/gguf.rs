@@ -17,7 +17,8 @@
 
 use std::collections::HashMap;
 
-use baton_gguf::{GgufError, GgufMetadata};
+use baton_gguf::{GgufArray, GgufError, GgufMetadata};
+use baton_model_types::ModelError;
 use tokenizers::decoders::{
     DecoderWrapper, byte_fallback::ByteFallback, byte_level::ByteLevel as ByteLevelDecoder, fuse::Fuse,
     sequence::Sequence as DecoderSequence, strip::Strip,
@@ -141,19 +142,16 @@ pub fn tokenizer_from_gguf(m: &GgufMetadata) -> Result<Tokenizer, GgufError> {
 
 /// The chat template a GGUF file carries (`tokenizer.chat_template`), if any, with the BOS/EOS
 /// text of `tokenizer`.
-pub fn chat_template_from_gguf(
-    m: &GgufMetadata,
-    tokenizer: &Tokenizer,
-) -> Result<Option<ChatTemplate>, crate::ModelError> {
+pub fn chat_template_from_gguf(m: &GgufMetadata, tokenizer: &Tokenizer) -> Result<Option<ChatTemplate>, ModelError> {
     let Some(source) = m.get_opt::<&str>("tokenizer.chat_template")? else { return Ok(None) };
     ChatTemplate::new(source, tokenizer.bos_token.as_deref(), tokenizer.eos_token.as_deref())
         .map(Some)
-        .map_err(|e| crate::ModelError::Template(format!("{}: tokenizer.chat_template: {e}", m.path().display())))
+        .map_err(|e| ModelError::Template(format!("{}: tokenizer.chat_template: {e}", m.path().display())))
 }
 
 fn token_types(m: &GgufMetadata, n: usize) -> Result<Vec<i32>, GgufError> {
     const KEY: &str = "tokenizer.ggml.token_type";
-    let Some(types) = m.get_opt::<&super::GgufArray>(KEY)? else { return Ok(vec![1; n]) };
+    let Some(types) = m.get_opt::<&GgufArray>(KEY)? else { return Ok(vec![1; n]) };
     let types = types.to_i64_vec().ok_or_else(|| m.invalid(KEY, "is not an integer array"))?;
     if types.len() != n {
         return Err(m.invalid(KEY, format!("has {} entries for {n} tokens", types.len())));

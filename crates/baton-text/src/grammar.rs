@@ -18,8 +18,8 @@
 //!   [`Grammar::is_finished`].
 //!
 //! ```no_run
-//! # fn demo(tokenizer: &baton_model::Tokenizer, logits: &mut [f32]) -> baton_model::Result<()> {
-//! use baton_model::{Constraint, argmax};
+//! # fn demo(tokenizer: &baton_text::Tokenizer, logits: &mut [f32]) -> baton_model_types::Result<()> {
+//! use baton_text::{Constraint, argmax};
 //!
 //! let schema = serde_json::json!({"type": "object", "properties": {"n": {"type": "integer"}}});
 //! let mut grammar = tokenizer.grammar_compiler()?.compile(&Constraint::JsonSchema(schema))?;
@@ -33,13 +33,12 @@
 
 use std::sync::Arc;
 
+use baton_model_types::{ModelError, Result};
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-
-use crate::error::{ModelError, Result};
 
 /// What a request's output must match.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -318,7 +318,7 @@ pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> TokenLogprobs {
 /// maximum, then the first chunk that holds it — where one pass that carries the best index
 /// from element to element does not: SmolLM2's 49,152 logits took 28–51 µs of a decode step's
 /// serial time that way, Gemma 3's 262,144 five times as long (`cargo test --release -p
-/// baton-model --lib argmax_speed -- --ignored --nocapture` times both).
+/// baton-text --lib argmax_speed -- --ignored --nocapture` times both).
 pub fn argmax(logits: &[f32]) -> u32 {
     const LANES: usize = 16;
     const CHUNK: usize = 256;

@@ -4,9 +4,9 @@
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
+use baton_model_types::{ModelError, Result};
 use tokenizers::DecoderWrapper;
 
-use crate::error::{ModelError, Result};
 use crate::grammar::GrammarCompiler;
 
 /// A tokenizer with the model's special tokens.

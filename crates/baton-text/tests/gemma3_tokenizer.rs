@@ -6,8 +6,9 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use baton_model::gguf::{GgufFile, chat_template_from_gguf, tokenizer_from_gguf};
-use baton_model::{Tokenizer, known_model_path};
+use baton_gguf::GgufFile;
+use baton_gguf::known::known_model_path;
+use baton_text::{Tokenizer, chat_template_from_gguf, tokenizer_from_gguf};
 use serde_json::Value;
 
 fn repo_root() -> PathBuf {

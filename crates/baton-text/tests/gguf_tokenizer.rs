@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use baton_model::ChatMessage;
-use baton_model::gguf::{GgufArray, GgufFile, GgufValue, GgufWriter, chat_template_from_gguf, tokenizer_from_gguf};
+use baton_gguf::{GgufArray, GgufFile, GgufValue, GgufWriter};
+use baton_text::{ChatMessage, chat_template_from_gguf, tokenizer_from_gguf};
 
 /// The file `w` writes, read back.
 fn open(w: &GgufWriter) -> GgufFile {

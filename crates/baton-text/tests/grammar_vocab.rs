@@ -8,14 +8,15 @@
 
 use std::path::PathBuf;
 
-use baton_model::gguf::{GgufFile, tokenizer_from_gguf};
-use baton_model::{Constraint, Tokenizer, argmax};
+use baton_gguf::GgufFile;
+use baton_gguf::known::known_model_path;
+use baton_text::{Constraint, Tokenizer, argmax, tokenizer_from_gguf};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde_json::{Value, json};
 
 fn tokenizer(name: &str) -> Tokenizer {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let path = baton_model::known_model_path(&root, name).expect("a known model");
+    let path = known_model_path(&root, name).expect("a known model");
     assert!(path.is_file(), "{} is missing: run `scripts/fetch-model.sh {name}` first", path.display());
     tokenizer_from_gguf(GgufFile::open(&path).expect("opens").metadata()).expect("the tokenizer builds")
 }
