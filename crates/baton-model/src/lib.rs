@@ -1,5 +1,6 @@
-//! Models for Baton: checkpoint loading, tokenizer and chat template, the forward pass over a
-//! paged KV cache, and sampling.
+//! Models for Baton: checkpoint loading and the forward pass over a paged KV cache, on the CPU
+//! or (feature `cuda`) a GPU; with the tokenizer, chat template and sampling re-exported from
+//! the crates below, so a user names this one.
 //!
 //! ```no_run
 //! use baton_kv::{BlockAllocator, KvArena, KvLayout};
@@ -16,10 +17,15 @@
 //! ```
 //!
 //! Layout: [`config`] parses `config.json`; [`weights`] reads safetensors (or makes random
-//! weights); [`Model`] is the forward pass, with attention in `attention.rs` reading K/V
-//! through block tables; [`Tokenizer`] and [`ChatTemplate`] turn text into ids;
-//! [`Sampler`] picks tokens, under a [`Grammar`] when the request constrains its output
-//! ([`grammar`]: JSON schemas and Lark grammars through llguidance).
+//! weights); [`Checkpoint`] puts a model, its tokenizer and chat template together; [`Model`]
+//! is the forward pass, with its layers in `linear.rs` and attention in `attention.rs`
+//! reading K/V through block tables; `device.rs`, `device_kv.rs` and `cuda/` are the GPU
+//! backend. Below it, each a crate of its own: `baton-model-types` ([`ModelError`],
+//! [`WeightSource`], the RoPE and activation parameters), `baton-gguf` (the GGUF format,
+//! [`gguf`] here, and the known models), `baton-text` ([`Tokenizer`] and [`ChatTemplate`] turn
+//! text into ids; [`Sampler`] picks tokens, under a [`Grammar`] when the request constrains its
+//! output: [`grammar`], JSON schemas and Lark grammars through llguidance) and `baton-cpu` (the
+//! CPU kernels; [`gemv`] here).
 
 mod attention;
 mod checkpoint;
@@ -28,21 +34,20 @@ pub mod config;
 pub mod cuda;
 mod device;
 mod device_kv;
-pub mod gemv;
 pub mod gguf;
-mod kernels;
 mod linear;
 mod model;
-mod pool;
-mod quant;
 mod step;
 pub mod weights;
 
 // What moved to crates of their own, under the paths this crate's modules have always named it
-// by: the error every model crate shares (`baton-model-types`), and sampling (`baton-text`).
+// by: the error every model crate shares (`baton-model-types`), sampling (`baton-text`) and the
+// CPU kernels (`baton-cpu`).
+use baton_cpu::{kernels, pool, quant};
 use baton_model_types::error;
 use baton_text::sampling;
 
+pub use baton_cpu::gemv;
 pub use baton_gguf::known::{
     DEFAULT_MODEL, DEFAULT_MODEL_FILE, KNOWN_MODELS, KnownModel, default_model_path, known_model, known_model_names,
     known_model_path, models_dir,

@@ -76,7 +76,7 @@ fn awake_team() -> Option<&'static Team> {
 /// still there for it (no other step runs beside it). Work too small to wake a sleeping
 /// thread for (a few microseconds: one decode row's attention at a short context) is worth
 /// sharing then.
-pub(crate) fn threads_awake() -> bool {
+pub fn threads_awake() -> bool {
     awake_team().is_some()
 }
 
@@ -119,7 +119,7 @@ impl Drop for Counted {
 
 /// Runs `step` on a thread of the current rayon pool (right here when this is one), with the
 /// pool's other threads kept awake until it returns when no other step runs in the process.
-pub(crate) fn step_in_pool<T: Send>(step: impl FnOnce() -> T + Send) -> T {
+pub fn step_in_pool<T: Send>(step: impl FnOnce() -> T + Send) -> T {
     let (_counted, alone) = Counted::new();
     // A one-thread pool has no one to keep awake.
     if !alone || !keep_awake() || rayon::current_num_threads() < 2 {
@@ -195,7 +195,7 @@ fn stay_awake(done: &AtomicBool, team: &Team, member: usize) {
 /// step's team: each thread starts on its own contiguous share and takes what is left of the
 /// others' when it is done, so a product costs one publication and one completion count
 /// between the threads, not a rayon job per stolen half. Elsewhere they go to rayon.
-pub(crate) fn for_each_chunk<T: Send, S>(
+pub fn for_each_chunk<T: Send, S>(
     out: &mut [T],
     chunk: usize,
     init: impl Fn() -> S + Sync + Send,
@@ -398,20 +398,21 @@ fn unpack(state: u64) -> (u64, usize, usize) {
     (state >> 32, ((state >> 16) & 0xffff) as usize, (state & 0xffff) as usize)
 }
 
-/// For tests, here and elsewhere in the crate, that need a step's team.
-#[cfg(test)]
-pub(crate) mod testing {
+/// For tests that need a step's team: this crate's, and those of the crates that step in the pool
+/// (`baton-model`'s). The lock is per process, so it keeps apart the tests of one test binary.
+#[doc(hidden)]
+pub mod testing {
     use std::time::{Duration, Instant};
 
     use super::threads_awake;
 
     /// Held by the tests that wait inside a step for its team: two of them waiting at once
     /// would keep each other from ever stepping alone.
-    pub(crate) static WAITING_FOR_TEAM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    pub static WAITING_FOR_TEAM: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     /// Whether the step's other threads join its team within a while (they do unless another
     /// step runs in this process, as other tests' steps may).
-    pub(crate) fn wait_for_team() -> bool {
+    pub fn wait_for_team() -> bool {
         let start = Instant::now();
         while start.elapsed() < Duration::from_millis(200) {
             if threads_awake() {

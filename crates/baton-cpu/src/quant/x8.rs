@@ -24,7 +24,7 @@
 //! the activations permuted to match ([`permute_activations`]) leaves block `j`'s products in
 //! int32 lane `j`, and plain adds finish the eight blocks' sums. The scales and minimums load
 //! as one register each. No shuffle, no horizontal add. One thread, SmolLM2's MLP shape
-//! (`cargo test --release -p baton-model --lib decode_path -- --ignored --nocapture`): 37
+//! (`cargo test --release -p baton-cpu --lib decode_path -- --ignored --nocapture`): 37
 //! Gweights/s in cache (was 24), 24–28 from memory (was 22.5).
 //!
 //! On a CPU with AVX-512 VNNI the same groups meet the activations split into bytes instead

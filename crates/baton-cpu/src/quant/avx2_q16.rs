@@ -281,7 +281,7 @@ fn halves(g: &[u8], bytes: usize) -> (__m256, __m256) {
 /// thread on Zen 4 multiplied Q4_1 at 24 Gweights/s (was 19.4; [`q4_1_x8`] takes it to 37)
 /// and Q8_0 at 29 (was 21.7),
 /// faster than the AVX-512 kernels those formats had (17 and 19; `cargo test --release -p
-/// baton-model --lib decode_path -- --ignored --nocapture`). The last blocks of a row (fewer
+/// baton-cpu --lib decode_path -- --ignored --nocapture`). The last blocks of a row (fewer
 /// than eight) take the lanes of their place in a group ([`tail_blocks`]). A block's sum is at most 32 products of 128 · 32767
 /// < 2³¹; its conversion to float32 rounds only past 2²⁴ (by at most 2⁻²⁴ of it).
 macro_rules! small_blocks {

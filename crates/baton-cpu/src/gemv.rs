@@ -45,13 +45,13 @@ pub fn matmul_xwt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32
 /// `out[j][r] = x[r]·w[j]` where weight row `j` is `w[j·ldw .. j·ldw + k]`: `x: [m][k]`,
 /// `out: [rows][m]`. Single-threaded, for callers that already run in parallel (attention
 /// scores against keys read through a block's slab).
-pub(crate) fn xwt_strided(x: &[f32], m: usize, w: &[f32], ldw: usize, rows: usize, k: usize, out: &mut [f32]) {
+pub fn xwt_strided(x: &[f32], m: usize, w: &[f32], ldw: usize, rows: usize, k: usize, out: &mut [f32]) {
     Kernel::detect().band(x, m, w, ldw, rows, k, out);
 }
 
 /// `out[q] += Σ_t p[t][q] · v[t]` for `q < g`, where value row `t` is `v[t·ldv .. t·ldv + d]`:
 /// `out: [g][d]`, `p: [rows][g]`. The weighted sum of values in attention.
-pub(crate) fn weighted_rows_add(out: &mut [f32], g: usize, p: &[f32], v: &[f32], ldv: usize, rows: usize, d: usize) {
+pub fn weighted_rows_add(out: &mut [f32], g: usize, p: &[f32], v: &[f32], ldv: usize, rows: usize, d: usize) {
     Kernel::detect().pv(out, g, p, v, ldv, rows, d);
 }
 

@@ -330,7 +330,7 @@ const GEMM_ROW_BLOCK: usize = 24;
 
 /// A quantized matrix `[rows][cols]`, rows of whole blocks.
 #[derive(Debug, Clone)]
-pub(crate) struct QuantMatrix {
+pub struct QuantMatrix {
     format: BlockFormat,
     /// Rows `row_bytes` apart: GGUF's blocks, or with `interleaved` [`x8`]'s groups.
     bytes: Vec<u8>,
@@ -346,7 +346,7 @@ pub(crate) struct QuantMatrix {
 impl QuantMatrix {
     /// Copies GGUF block bytes; `None` when the format is not one this module decodes or the
     /// shape does not fill whole blocks.
-    pub(crate) fn new(dtype: GgmlDType, bytes: &[u8], rows: usize, cols: usize) -> Option<Self> {
+    pub fn new(dtype: GgmlDType, bytes: &[u8], rows: usize, cols: usize) -> Option<Self> {
         let format = BlockFormat::of(dtype)?;
         if cols == 0 || !cols.is_multiple_of(format.block_len()) {
             return None;
@@ -386,20 +386,23 @@ impl QuantMatrix {
         tail.chunks_exact(bb).enumerate().for_each(|(j, b)| f(first + j, b));
     }
 
-    pub(crate) fn rows(&self) -> usize {
+    /// Rows: the matrix's output features.
+    pub fn rows(&self) -> usize {
         self.rows
     }
 
-    pub(crate) fn cols(&self) -> usize {
+    /// Columns: the matrix's input features, a whole number of blocks.
+    pub fn cols(&self) -> usize {
         self.cols
     }
 
-    pub(crate) fn byte_len(&self) -> usize {
+    /// Bytes the blocks take, which a product reads once.
+    pub fn byte_len(&self) -> usize {
         self.bytes.len()
     }
 
     /// Stacks `other`'s rows under these, when both are of one format and width.
-    pub(crate) fn stack(&self, other: &Self) -> Option<Self> {
+    pub fn stack(&self, other: &Self) -> Option<Self> {
         if self.format != other.format || self.cols != other.cols {
             return None;
         }
@@ -411,7 +414,7 @@ impl QuantMatrix {
 
     /// The rows of `ranges` in turn, columns `cols` (whole blocks) of each: a new matrix laid
     /// out as [`Self::new`] lays one out; `None` when `cols` splits a block.
-    pub(crate) fn part(&self, ranges: &[std::ops::Range<usize>], cols: std::ops::Range<usize>) -> Option<Self> {
+    pub fn part(&self, ranges: &[std::ops::Range<usize>], cols: std::ops::Range<usize>) -> Option<Self> {
         let (n, bb) = (self.format.block_len(), self.format.block_bytes());
         if !cols.start.is_multiple_of(n) || !cols.end.is_multiple_of(n) || cols.end > self.cols || cols.is_empty() {
             return None;
@@ -430,7 +433,7 @@ impl QuantMatrix {
     }
 
     /// `x · Wᵀ` for one row `x`, on the calling thread alone.
-    pub(crate) fn matvec_alone(&self, x: &[f32]) -> Vec<f32> {
+    pub fn matvec_alone(&self, x: &[f32]) -> Vec<f32> {
         let kernel = DotKernel::detect().for_format(self.format);
         let q16 = kernel.q16(self, x);
         let mut y = vec![0f32; self.rows];
@@ -447,7 +450,7 @@ impl QuantMatrix {
     }
 
     /// Decodes the rows listed in `ids` into `[ids.len()][cols]` (an embedding gather).
-    pub(crate) fn gather(&self, ids: &[u32]) -> Vec<f32> {
+    pub fn gather(&self, ids: &[u32]) -> Vec<f32> {
         let mut out = vec![0f32; ids.len() * self.cols];
         for (&id, y) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
             self.decode_row(id as usize, y);
@@ -457,7 +460,7 @@ impl QuantMatrix {
 
     /// `x · Wᵀ` for `m` rows of `x` (`[m][cols]`), into `[m][rows]`. Each row's outputs are
     /// the same bits whatever `m` (see the module's docs), unless `BATON_BATCH_INVARIANT=0`.
-    pub(crate) fn matmul_xwt(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
+    pub fn matmul_xwt(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
         if m <= self.dot_rows() || batch_invariant() && !self.panels_round_as_dot() {
             return Ok(self.matmul_dot(x, m));
         }
@@ -734,7 +737,7 @@ fn dot_rows_avx2(w: &QuantMatrix, first: usize, x: &[f32], m: usize, out: &mut [
 /// `BATON_BATCH_INVARIANT=0` gives prefill the faster paths back (the float32 panels, the
 /// tiles through `gemm`, candle's float GEMM) at the cost of a row's last bits depending on
 /// its batch.
-pub(crate) fn batch_invariant() -> bool {
+pub fn batch_invariant() -> bool {
     static INVARIANT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *INVARIANT.get_or_init(|| std::env::var("BATON_BATCH_INVARIANT").map_or(true, |v| v.trim() != "0"))
 }
@@ -1146,9 +1149,9 @@ mod tests {
     fn real_q4_1_blocks_of_smollm2_match_dequantize_then_dot() {
         use rand::{Rng, SeedableRng, rngs::StdRng};
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let path = crate::known_model_path(&root, "smollm2-135m-instruct").expect("a known model");
+        let path = baton_gguf::known::known_model_path(&root, "smollm2-135m-instruct").expect("a known model");
         assert!(path.is_file(), "{} is missing: run `scripts/fetch-model.sh smollm2-135m-instruct`", path.display());
-        let file = crate::gguf::GgufFile::open(&path).expect("the GGUF opens");
+        let file = baton_gguf::GgufFile::open(&path).expect("the GGUF opens");
         let mut rng = StdRng::seed_from_u64(11);
         for name in ["blk.0.attn_k.weight", "blk.7.ffn_down.weight", "blk.29.attn_output.weight"] {
             let (_, dtype, bytes) = file.tensor_data(name).expect("tensor");
@@ -1550,7 +1553,7 @@ mod speed {
 
     /// Single-threaded throughput of the decode path for each format at Gemma 3 270M's and
     /// SmolLM2's shapes, best of 100 (this VM's quiet windows are short): `cargo test --release
-    /// -p baton-model --lib decode_path -- --ignored --nocapture`.
+    /// -p baton-cpu --lib decode_path -- --ignored --nocapture`.
     #[test]
     #[ignore = "a measurement, not a check"]
     fn decode_path_throughput() {
@@ -1587,7 +1590,7 @@ mod speed {
 
     /// Where the decode-and-dot path stops paying against the path above it (int16 or float32
     /// panels, or tiles, as the kernel has them), on the machine's threads, at SmolLM2's and
-    /// Gemma 3's shapes: `[BATON_DOT_KERNEL=name] cargo test --release -p baton-model --lib
+    /// Gemma 3's shapes: `[BATON_DOT_KERNEL=name] cargo test --release -p baton-cpu --lib
     /// dot_or_gemm -- --ignored --nocapture`. Sets [`DOT_ROWS_INT16`] and [`DOT_ROWS_F32`].
     #[test]
     #[ignore = "a measurement, not a check"]
@@ -1614,7 +1617,7 @@ mod speed {
 
     /// Single-threaded prefill products (512 activation rows) at Gemma 3 270M's shapes, in
     /// multiply-adds per second: the int16 panels of each ISA this CPU runs against the float32
-    /// panels (`cargo test --release -p baton-model prefill_path -- --ignored --nocapture`).
+    /// panels (`cargo test --release -p baton-cpu prefill_path -- --ignored --nocapture`).
     #[test]
     #[ignore = "a measurement, not a check"]
     fn prefill_path_throughput() {
@@ -1718,7 +1721,7 @@ mod speed {
     /// (`matmul_dot` on the step's team: activations rounded and the output allocated each
     /// product); on the team with both made before the step; each thread half of every matrix
     /// with one join a step (no hand-off per product: what the split itself allows); one thread.
-    /// `cargo test --release -p baton-model --lib team_products -- --ignored --nocapture`.
+    /// `cargo test --release -p baton-cpu --lib team_products -- --ignored --nocapture`.
     #[test]
     #[ignore = "a measurement, not a check"]
     fn team_products_cold() {

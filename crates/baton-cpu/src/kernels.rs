@@ -1,10 +1,10 @@
 //! Small CPU kernels on float32 slices: RMSNorm, RoPE, gated activations (SwiGLU, GeGLU),
 //! soft-capping and a vectorisable dot product.
-//! Matrix products go through candle ([`crate::linear`]); everything here is row-wise.
+//! Matrix products go through [`crate::gemv`], [`crate::quant`] or candle (`baton-model`'s
+//! `linear.rs` chooses); everything here is row-wise.
 
+use baton_model_types::{Activation, RopeConfig, RopeScaling};
 use rayon::prelude::*;
-
-use crate::config::{Activation, RopeConfig, RopeScaling};
 
 /// Dot product with eight independent accumulators, so the compiler vectorises it without
 /// reassociating a single sum.
@@ -35,7 +35,7 @@ pub(crate) fn axpy(out: &mut [f32], w: f32, x: &[f32]) {
 
 /// RMSNorm of each `width`-wide row of `x`, scaled by `weight` (plus `weight_offset`, which is
 /// 1 for Gemma's `(1 + w)` convention and 0 otherwise).
-pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, weight_offset: f32) -> Vec<f32> {
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, weight_offset: f32) -> Vec<f32> {
     let width = weight.len();
     let mut out = vec![0.0; x.len()];
     for (row, o) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
@@ -50,7 +50,7 @@ pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, weight_offset: f32) 
 
 /// `act(gate) * up` for rows laid out as `[gate | up]`, each half `width` wide; rows in
 /// parallel when there are many (prefill).
-pub(crate) fn gated_activation(gate_up: &[f32], width: usize, act: Activation) -> Vec<f32> {
+pub fn gated_activation(gate_up: &[f32], width: usize, act: Activation) -> Vec<f32> {
     let rows = gate_up.len() / (2 * width);
     let mut out = vec![0f32; rows * width];
     let row = |(out, row): (&mut [f32], &[f32])| gated_row(out, row, act);
@@ -146,12 +146,12 @@ pub(crate) fn gelu_tanh(x: f32) -> f32 {
 }
 
 /// `cap * tanh(x / cap)` in place.
-pub(crate) fn soft_cap(x: &mut [f32], cap: f32) {
+pub fn soft_cap(x: &mut [f32], cap: f32) {
     x.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
 }
 
 /// Inverse frequencies of RoPE for a head of `head_dim` elements, with the configured scaling.
-pub(crate) fn rope_inv_freq(rope: &RopeConfig, head_dim: usize) -> Vec<f32> {
+pub fn rope_inv_freq(rope: &RopeConfig, head_dim: usize) -> Vec<f32> {
     let base: Vec<f32> = (0..head_dim / 2).map(|i| 1.0 / rope.theta.powf((2 * i) as f32 / head_dim as f32)).collect();
     match rope.scaling {
         RopeScaling::None => base,
@@ -178,7 +178,7 @@ pub(crate) fn rope_inv_freq(rope: &RopeConfig, head_dim: usize) -> Vec<f32> {
 }
 
 /// Cos and sin tables for the given positions: `[positions.len()][head_dim / 2]` each.
-pub(crate) fn rope_tables(inv_freq: &[f32], positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
+pub fn rope_tables(inv_freq: &[f32], positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
     let mut cos = Vec::with_capacity(positions.len() * inv_freq.len());
     let mut sin = Vec::with_capacity(positions.len() * inv_freq.len());
     for &p in positions {
@@ -193,7 +193,7 @@ pub(crate) fn rope_tables(inv_freq: &[f32], positions: &[usize]) -> (Vec<f32>, V
 
 /// Rotates each head of each row in place (the "rotate half" convention of transformers:
 /// element `i` pairs with `i + D/2`). `x` is `[rows][heads][D]`; the tables are per row.
-pub(crate) fn apply_rope(x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
+pub fn apply_rope(x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
     let half = head_dim / 2;
     for (r, row) in x.chunks_exact_mut(heads * head_dim).enumerate() {
         let (c, s) = (&cos[r * half..(r + 1) * half], &sin[r * half..(r + 1) * half]);
