@@ -2,7 +2,7 @@
 //! table must parse or be refused with an error, never panic or read out of bounds.
 #![no_main]
 
-use baton_model::gguf::{GgufHyperparams, parse_header};
+use baton_gguf::{GgufHyperparams, parse_header};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+pub use baton_model_types::{Activation, RopeConfig, RopeScaling};
+
 use crate::error::{ModelError, Result};
 use crate::gguf::{AttentionKind, GgufArchitecture, GgufHyperparams, MlpActivation};
 
@@ -45,38 +47,6 @@ pub enum WeightDtype {
     Bf16,
 }
 
-/// How RoPE frequencies are scaled.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum RopeScaling {
-    /// Plain RoPE.
-    None,
-    /// Positions divided by `factor`.
-    Linear {
-        /// Scale factor.
-        factor: f32,
-    },
-    /// Llama 3's frequency-dependent scaling.
-    Llama3 {
-        /// Scale factor for low frequencies.
-        factor: f32,
-        /// Wavelength boundary (as a divisor of the original context) below which nothing scales.
-        low_freq_factor: f32,
-        /// Wavelength boundary above which everything scales.
-        high_freq_factor: f32,
-        /// Context length the model was trained at.
-        original_max_position_embeddings: usize,
-    },
-}
-
-/// The activation of the MLP's gate (the MLP is `down(act(gate(x)) * up(x))`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    /// SiLU (SwiGLU): Llama, Qwen2.
-    Silu,
-    /// GELU with the tanh approximation (GeGLU): Gemma.
-    GeluTanh,
-}
-
 /// What one layer's attention sees and how it rotates positions.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LayerAttention {
@@ -85,15 +55,6 @@ pub struct LayerAttention {
     pub window: Option<usize>,
     /// RoPE of this layer.
     pub rope: RopeConfig,
-}
-
-/// Rotary position embedding parameters.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RopeConfig {
-    /// Base of the frequencies.
-    pub theta: f32,
-    /// Frequency scaling.
-    pub scaling: RopeScaling,
 }
 
 /// A model's shape and behaviour, validated.

@@ -1,5 +1,6 @@
-//! Models for Baton: checkpoint loading, tokenizer and chat template, the forward pass over a
-//! paged KV cache, and sampling.
+//! Models for Baton: checkpoint loading and the forward pass over a paged KV cache, on the CPU
+//! or (feature `cuda`) a GPU; with the tokenizer, chat template and sampling re-exported from
+//! the crates below, so a user names this one.
 //!
 //! ```no_run
 //! use baton_kv::{BlockAllocator, KvArena, KvLayout};
@@ -16,14 +17,19 @@
 //! ```
 //!
 //! Layout: [`config`] parses `config.json`; [`weights`] reads safetensors (or makes random
-//! weights); [`Model`] is the forward pass, with attention in `attention.rs` reading K/V
-//! through block tables; [`Tokenizer`] and [`ChatTemplate`] turn text into ids;
-//! [`Sampler`] picks tokens, under a [`Grammar`] when the request constrains its output
-//! ([`grammar`]: JSON schemas and Lark grammars through llguidance).
+//! weights); [`Checkpoint`] puts a model, its tokenizer and chat template together; [`Model`]
+//! is the forward pass, with its layers in `linear.rs` and attention in `attention.rs`
+//! reading K/V through block tables; `backend.rs` is the interface every backend implements
+//! (the CPU's and the stand-in device's in `model.rs`, CUDA's in `cuda/`), `device.rs` and
+//! `device_kv.rs` what a device is asked and keeps. Below it, each a crate of its own: `baton-model-types` ([`ModelError`],
+//! [`WeightSource`], the RoPE and activation parameters), `baton-gguf` (the GGUF format,
+//! [`gguf`] here, and the known models), `baton-text` ([`Tokenizer`] and [`ChatTemplate`] turn
+//! text into ids; [`Sampler`] picks tokens, under a [`Grammar`] when the request constrains its
+//! output: [`grammar`], JSON schemas and Lark grammars through llguidance) and `baton-cpu` (the
+//! CPU kernels; [`gemv`] here).
 
 mod attention;
 pub mod backend;
-mod chat;
 mod checkpoint;
 pub mod config;
 // The one place the `cuda` feature is named: the real backend, or a stub whose functions say
@@ -35,26 +41,30 @@ pub mod cuda;
 pub mod cuda;
 mod device;
 mod device_kv;
-mod error;
-pub mod gemv;
 pub mod gguf;
-pub mod grammar;
-mod kernels;
 mod linear;
 mod model;
-mod pool;
-mod quant;
-mod sampling;
 mod step;
-mod tokenizer;
 pub mod weights;
 
+// What moved to crates of their own, under the paths this crate's modules have always named it
+// by: the error every model crate shares (`baton-model-types`), sampling (`baton-text`) and the
+// CPU kernels (`baton-cpu`).
+use baton_cpu::{kernels, pool, quant};
+use baton_model_types::error;
+use baton_text::sampling;
+
 pub use backend::{Backend, KvState, STAND_IN_ARENA_NAME};
-pub use chat::{ChatMessage, ChatTemplate};
-pub use checkpoint::{
-    Checkpoint, DEFAULT_MODEL, DEFAULT_MODEL_FILE, Frontend, KNOWN_MODELS, KnownModel, default_model_path, known_model,
-    known_model_names, known_model_path, models_dir,
+pub use baton_cpu::gemv;
+pub use baton_gguf::known::{
+    DEFAULT_MODEL, DEFAULT_MODEL_FILE, KNOWN_MODELS, KnownModel, default_model_path, known_model, known_model_names,
+    known_model_path, models_dir,
 };
+pub use baton_text::{
+    ChatMessage, ChatTemplate, Constraint, Grammar, GrammarCompiler, IncrementalDecoder, LogitAdjust, Sampler,
+    SamplingParams, TokenLogprobs, Tokenizer, argmax, grammar, token_logprobs,
+};
+pub use checkpoint::{Checkpoint, Frontend};
 pub use config::{Architecture, ModelConfig};
 pub use device::{
     ComputeDevice, ComputeDtype, DeviceLimits, DeviceOptions, GpuOptions, KernelCheck, KvExport, PackOffsets,
@@ -62,9 +72,6 @@ pub use device::{
 };
 pub use device_kv::DeviceKv;
 pub use error::{ModelError, Result};
-pub use grammar::{Constraint, Grammar, GrammarCompiler};
 pub use model::Model;
-pub use sampling::{LogitAdjust, Sampler, SamplingParams, TokenLogprobs, argmax, token_logprobs};
 pub use step::{LogitsWanted, SeqStep, StepLogits};
-pub use tokenizer::{IncrementalDecoder, Tokenizer};
 pub use weights::{DeviceRandomWeights, RandomWeights, SafetensorsWeights, WeightSource};

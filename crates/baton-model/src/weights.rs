@@ -7,37 +7,15 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use memmap2::Mmap;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use safetensors::{Dtype, SafeTensors};
 
+pub use baton_model_types::WeightSource;
+
 use crate::config::read_json;
 use crate::error::{ModelError, Result};
-
-/// A source of named float32 tensors.
-pub trait WeightSource {
-    /// The tensor `name`, checked to have `shape`.
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
-
-    /// Whether the source has a tensor `name`.
-    fn contains(&self, name: &str) -> bool;
-
-    /// The matrix `name` in the quantized form the source stores it in, checked to have
-    /// `shape`; `None` when the source holds it as floats (then ask [`WeightSource::tensor`]).
-    fn quantized(&self, name: &str, shape: &[usize]) -> Result<Option<QTensor>> {
-        let _ = (name, shape);
-        Ok(None)
-    }
-
-    /// `Some((seed, std))` when the matrices are random and a device backend may make them on
-    /// the device instead of asking for them (other values than the host's for the same
-    /// seed: for benchmarks of shape only). Norms and biases are still asked for.
-    fn device_random(&self) -> Option<(u64, f32)> {
-        None
-    }
-}
 
 /// [`RandomWeights`] a device backend makes on the device ([`WeightSource::device_random`]):
 /// a benchmark's 8B-shaped model without 32 GB of host floats. On the CPU, the same as the

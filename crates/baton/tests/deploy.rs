@@ -173,7 +173,7 @@ fn every_command_line_the_manifests_and_the_dockerfile_give_baton_parses() {
         }
     }
     assert!(
-        include_str!("../../baton-model/src/checkpoint.rs").contains("\"BATON_MODELS_DIR\"")
+        include_str!("../../baton-gguf/src/known.rs").contains("\"BATON_MODELS_DIR\"")
             && dockerfile.contains("BATON_MODELS_DIR=/models"),
         "the images find their models through BATON_MODELS_DIR"
     );
