@@ -444,6 +444,20 @@ mod tests {
     }
 
     #[test]
+    fn a_request_under_way_goes_to_the_decoder_with_the_most_room_never_a_prefill_worker() {
+        let prefill = with_room(0, Role::Prefill, 0, 10_000, 0);
+        let fuller = with_room(1, Role::Decode, 1, 1000, 950);
+        let emptier = with_room(2, Role::Decode, 1, 1000, 900);
+        assert_eq!(most_room_decoder(&[prefill.clone(), fuller.clone(), emptier.clone()]), Some(2));
+        // A pool of unknown size (0) is taken to have the most room.
+        let unknown = with_room(3, Role::Colocated, 4, 0, 0);
+        assert_eq!(most_room_decoder(&[fuller.clone(), emptier, unknown]), Some(2));
+        let mut leaving = fuller;
+        leaving.accepting = false;
+        assert_eq!(most_room_decoder(&[prefill, leaving]), None, "no decoder taking work");
+    }
+
+    #[test]
     fn a_full_cluster_rejects_and_a_free_colocated_worker_still_prefills() {
         let r = RouteRequest { prompt: &[1; 10], max_tokens: 10, session: None };
         let capped = LeastLoad { max_in_flight: Some(2) };
